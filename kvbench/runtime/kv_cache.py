@@ -1,0 +1,338 @@
+"""Paged KV cache: one block pool, block tables per sequence, per layer and per kv-head.
+
+Layout (nano-vllm style, but one table per (sequence, layer, kv-head) so methods may keep
+different tokens in different layers and heads):
+
+    k_pool, v_pool: [num_blocks, block_size, head_dim]     the bytes (one block = one table's slots)
+    tables:         [max_seqs, L, H, max_blocks] int32     physical block ids, in slot order
+    lengths:        [max_seqs, L, H] int64                 valid slots per table
+    positions:      [max_seqs, L, H, max_blocks*bs] int32  original token position of each slot
+
+Tables are kept compact: slots 0..len-1 are valid and every block but the last is full, so a
+table of n tokens holds exactly ceil(n / block_size) blocks. Evicted blocks return to the pool at
+once. Slot order is original-position order (appends go to the end; eviction keeps order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.runtime.block_pool import BlockPool
+
+SCRATCH_BLOCK = 0  # reserved block id; never handed out
+
+
+@dataclass
+class AppendPlan:
+    """Where the new tokens of one forward step go, for every layer and head."""
+
+    slots: torch.Tensor  # [S] int64 sequence slots
+    write_index: torch.Tensor  # [S, L, H, Q] int64 flat row in k_pool.view(-1, D)
+    tables: torch.Tensor  # [S, L, H, MB] int32 snapshot after allocation
+    lengths: torch.Tensor  # [S, L, H] int64 after the append
+    query_positions: torch.Tensor  # [S, Q] int64
+
+
+class PagedKVCache:
+    """Block tables over a preallocated K/V pool for a set of live sequences."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        num_blocks: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_seqs: int = 64,
+        initial_max_blocks: int = 64,
+        store_pre_rope: bool = False,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.store_pre_rope = store_pre_rope
+        self.pool = BlockPool(num_blocks, reserved=1)
+        # the bytes: allocated once; pages are touched only as blocks are written
+        self.k_pool = torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
+        self.v_pool = torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
+        self.max_seqs = max_seqs
+        self.max_blocks = initial_max_blocks
+        L, H = num_layers, num_kv_heads
+        self.tables = torch.zeros(max_seqs, L, H, self.max_blocks, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(max_seqs, L, H, dtype=torch.int64, device=self.device)
+        self.positions = torch.full(
+            (max_seqs, L, H, self.max_blocks * block_size), -1, dtype=torch.int32, device=self.device
+        )
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self.live: set[int] = set()
+        self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
+        self._shared = False  # set once any fork happened: enables copy-on-write checks
+
+    # ------------------------------------------------------------------ sizes and bytes
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies in the pool (K and V)."""
+        return self.k_pool[0].nbytes + self.v_pool[0].nbytes
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """Bytes an uncompressed cache needs per token (all layers, kv-heads, K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_pool.element_size()
+
+    def blocks_in_use(self) -> int:
+        return self.pool.in_use
+
+    def kv_bytes_in_use(self) -> int:
+        return self.pool.in_use * self.bytes_per_block
+
+    def peak_kv_bytes(self) -> int:
+        return self.pool.peak_in_use * self.bytes_per_block
+
+    def live_tokens_seen(self) -> int:
+        return sum(self.tokens_seen[s] for s in self.live)
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self) -> int:
+        """Reserve a sequence slot with empty tables."""
+        if not self._free_slots:
+            self._grow_seqs()
+        s = self._free_slots.pop()
+        self.lengths[s] = 0
+        self.positions[s] = -1
+        self.tokens_seen[s] = 0
+        self.live.add(s)
+        return s
+
+    def free_sequence(self, slot: int) -> None:
+        """Return every block of the sequence to the pool."""
+        self._check_live(slot)
+        nb = self._num_blocks(self.lengths[slot])  # [L, H]
+        ids = _table_entries(self.tables[slot], nb)
+        self.pool.free(ids)
+        self.lengths[slot] = 0
+        self.live.discard(slot)
+        self._free_slots.append(slot)
+
+    def fork(self, slot: int) -> int:
+        """A new sequence sharing all blocks of `slot` (copy-on-write on the next append)."""
+        self._check_live(slot)
+        child = self.add_sequence()
+        self.tables[child] = self.tables[slot]
+        self.lengths[child] = self.lengths[slot]
+        self.positions[child] = self.positions[slot]
+        self.tokens_seen[child] = self.tokens_seen[slot]
+        self.pool.share(_table_entries(self.tables[slot], self._num_blocks(self.lengths[slot])))
+        self._shared = True
+        return child
+
+    # ------------------------------------------------------------------ appending
+    def prepare_append(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
+        """Allocate room for Q new tokens in every layer/head table of each sequence.
+
+        query_positions: [S, Q] original positions of the new tokens. Returns the flat pool rows
+        each layer writes to. Raises OutOfBlocksError (nothing changed) if the pool is too small.
+        """
+        bs = self.block_size
+        S, Q = query_positions.shape
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        for s in slots:
+            self._check_live(s)
+        old_len = self.lengths[slot_t]  # [S, L, H]
+        new_len = old_len + Q
+        old_nb = self._num_blocks(old_len)
+        new_nb = self._num_blocks(new_len)
+        max_nb = int(new_nb.max())
+        if max_nb > self.max_blocks:
+            self._grow_blocks(max_nb)
+        tables = self.tables[slot_t]  # [S, L, H, MB] copy
+        need = (new_nb - old_nb).flatten()
+        total = int(need.sum())
+        cow = self._copy_on_write_targets(tables, old_len) if self._shared else None
+        n_cow = 0 if cow is None else int(cow[0].numel())
+        ids = self.pool.allocate(total + n_cow)
+        if n_cow:
+            self._apply_copy_on_write(tables, cow, ids[total:])
+        if total:
+            ids_t = torch.tensor(ids[:total], dtype=torch.int32, device=self.device)
+            rows = torch.repeat_interleave(torch.arange(need.numel(), device=self.device), need)
+            starts = torch.cumsum(need, 0) - need
+            offs = torch.arange(total, device=self.device) - starts[rows]
+            cols = old_nb.flatten()[rows] + offs
+            tables.view(-1, self.max_blocks)[rows, cols] = ids_t
+        self.tables[slot_t] = tables
+        slot_idx = old_len.unsqueeze(-1) + torch.arange(Q, device=self.device)  # [S, L, H, Q]
+        blocks = tables.gather(-1, (slot_idx // bs).to(torch.int64)).to(torch.int64)
+        write_index = blocks * bs + slot_idx % bs
+        pos = query_positions.to(self.device)
+        L, H = self.num_layers, self.num_kv_heads
+        pos_rows = self.positions[slot_t]  # [S, L, H, MB*bs]
+        pos_rows.scatter_(-1, slot_idx, pos[:, None, None, :].expand(S, L, H, Q).to(torch.int32))
+        self.positions[slot_t] = pos_rows
+        self.lengths[slot_t] = new_len
+        for s in slots:
+            self.tokens_seen[s] += Q
+        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64))
+
+    def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K/V of one layer. k, v: [S, H, Q, D]."""
+        rows = plan.write_index[:, layer].reshape(-1)
+        D = self.head_dim
+        self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype))
+        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype))
+
+    # ------------------------------------------------------------------ reading
+    def layer_tables(self, layer: int, slots: torch.Tensor):
+        """(tables [S, H, MB] int32, lengths [S, H] int64, positions [S, H, MB*bs] int32) of one layer."""
+        return self.tables[slots, layer], self.lengths[slots, layer], self.positions[slots, layer]
+
+    def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense K, V [H, T, D] and positions [H, T] of one sequence's layer (T = longest head; pad = -1)."""
+        lengths = self.lengths[slot, layer]
+        T = int(lengths.max())
+        nb = -(-T // self.block_size)
+        idx = self.tables[slot, layer, :, :nb].to(torch.int64)  # [H, nb]
+        H, D = self.num_kv_heads, self.head_dim
+        k = self.k_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
+        v = self.v_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
+        pos = self.positions[slot, layer, :, :T].clone()
+        pos[torch.arange(T, device=self.device)[None, :] >= lengths[:, None]] = -1
+        return k, v, pos
+
+    # ------------------------------------------------------------------ eviction
+    def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
+        """Token-level eviction: keep only slots `keep` [H, n] (sorted ascending per head; -1 pads a
+        shorter head) of one sequence's layer, compact them to the front, free emptied blocks."""
+        self._check_live(slot)
+        bs, D = self.block_size, self.head_dim
+        H = self.num_kv_heads
+        old_len = self.lengths[slot, layer].clone()  # [H]
+        new_len = (keep >= 0).sum(-1)  # [H]
+        table = self.tables[slot, layer]  # [H, MB] view
+        if self._shared:
+            self._unshare_table(table, old_len)
+        k_src = keep.clamp(min=0)
+        src_rows = table.gather(-1, (k_src // bs).to(torch.int64)).to(torch.int64) * bs + k_src % bs  # [H, n]
+        n = keep.shape[-1]
+        dst_slot = torch.arange(n, device=self.device).expand(H, n)
+        dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
+        valid = keep >= 0
+        src_rows, dst_rows = src_rows[valid], dst_rows[valid]
+        kf, vf = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
+        kf[dst_rows] = kf[src_rows]  # gathered first, so overlapping moves are safe
+        vf[dst_rows] = vf[src_rows]
+        pos_row = self.positions[slot, layer]
+        new_pos = pos_row.gather(-1, k_src.to(torch.int64))
+        pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))
+        self._release_tail_blocks(table, old_len, new_len)
+        self.lengths[slot, layer] = new_len
+
+    def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
+        """Block-level eviction: drop whole logical blocks of one (layer, kv-head) table without
+        moving any K/V; only full blocks may be dropped (the table stays compact)."""
+        self._check_live(slot)
+        if not block_indices:
+            return
+        bs = self.block_size
+        n = int(self.lengths[slot, layer, head])
+        nb = -(-n // bs)
+        drop = sorted(set(block_indices))
+        for b in drop:
+            if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
+                raise ValueError(f"block {b} of a {n}-token table is not a full block")
+        keep_cols = [b for b in range(nb) if b not in set(drop)]
+        table = self.tables[slot, layer, head]
+        freed = [int(table[b]) for b in drop]
+        kc = torch.tensor(keep_cols, dtype=torch.int64, device=self.device)
+        table[: len(keep_cols)] = table[kc].clone()
+        pos = self.positions[slot, layer, head]
+        slot_idx = (kc[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+        kept_pos = pos[slot_idx].clone()
+        pos[: kept_pos.numel()] = kept_pos
+        new_n = n - len(drop) * bs
+        pos[new_n:] = -1
+        self.lengths[slot, layer, head] = new_n
+        self.pool.free(freed)
+
+    # ------------------------------------------------------------------ internals
+    def _num_blocks(self, lengths: torch.Tensor) -> torch.Tensor:
+        return (lengths + self.block_size - 1) // self.block_size
+
+    def _check_live(self, slot: int) -> None:
+        if slot not in self.live:
+            raise KeyError(f"sequence slot {slot} is not live")
+
+    def _release_tail_blocks(self, table: torch.Tensor, old_len: torch.Tensor, new_len: torch.Tensor) -> None:
+        old_nb, new_nb = self._num_blocks(old_len), self._num_blocks(new_len)
+        freed: list[int] = []
+        for h in range(table.shape[0]):
+            a, b = int(new_nb[h]), int(old_nb[h])
+            if b > a:
+                freed.extend(table[h, a:b].tolist())
+        self.pool.free(freed)
+
+    def _copy_on_write_targets(self, tables: torch.Tensor, old_len: torch.Tensor):
+        """(flat table rows, columns) of partly filled last blocks that another sequence also holds."""
+        partial = (old_len % self.block_size) != 0
+        if not bool(partial.any()):
+            return None
+        col = (old_len // self.block_size).flatten()
+        flat = tables.view(-1, tables.shape[-1])
+        rows = torch.nonzero(partial.flatten()).flatten()
+        shared = [int(r) for r in rows if self.pool.refcount(int(flat[r, col[r]])) > 1]
+        if not shared:
+            return None
+        r = torch.tensor(shared, dtype=torch.int64, device=self.device)
+        return r, col[r]
+
+    def _apply_copy_on_write(self, tables: torch.Tensor, cow, new_ids: list[int]) -> None:
+        rows, cols = cow
+        flat = tables.view(-1, tables.shape[-1])
+        old = flat[rows, cols].to(torch.int64)
+        new = torch.tensor(new_ids, dtype=torch.int64, device=self.device)
+        self.k_pool[new] = self.k_pool[old]
+        self.v_pool[new] = self.v_pool[old]
+        flat[rows, cols] = new.to(torch.int32)
+        self.pool.free(old.tolist())
+
+    def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Give a (layer) table private copies of every shared block before moving data in it."""
+        nb = self._num_blocks(lengths)
+        for h in range(table.shape[0]):
+            for c in range(int(nb[h])):
+                b = int(table[h, c])
+                if self.pool.refcount(b) > 1:
+                    (nid,) = self.pool.allocate(1)
+                    self.k_pool[nid] = self.k_pool[b]
+                    self.v_pool[nid] = self.v_pool[b]
+                    table[h, c] = nid
+                    self.pool.free([b])
+
+    def _grow_blocks(self, needed: int) -> None:
+        new_mb = max(needed, 2 * self.max_blocks)
+        pad = new_mb - self.max_blocks
+        self.tables = torch.nn.functional.pad(self.tables, (0, pad))
+        self.positions = torch.nn.functional.pad(self.positions, (0, pad * self.block_size), value=-1)
+        self.max_blocks = new_mb
+
+    def _grow_seqs(self) -> None:
+        old = self.max_seqs
+        new = 2 * old
+        self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        self.lengths = torch.cat([self.lengths, torch.zeros_like(self.lengths)])
+        self.positions = torch.cat([self.positions, torch.full_like(self.positions, -1)])
+        self.tokens_seen += [0] * old
+        self._free_slots = list(range(new - 1, old - 1, -1)) + self._free_slots
+        self.max_seqs = new
+
+
+def _table_entries(tables: torch.Tensor, num_blocks: torch.Tensor) -> list[int]:
+    """Block ids of the first num_blocks[l, h] entries of tables[l, h, :] (any leading shape)."""
+    mb = tables.shape[-1]
+    mask = torch.arange(mb, device=tables.device) < num_blocks.unsqueeze(-1)
+    return tables[mask].tolist()

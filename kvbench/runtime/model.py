@@ -1,0 +1,249 @@
+"""The Llama-family forward pass over the paged KV cache.
+
+Covers Llama 2/3/3.x (llama3 rope scaling), Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k RMSNorm),
+SmolLM2 and tied embeddings. Weights are taken from a loaded transformers model; the forward is
+our own so every token's K/V goes through the paged cache and the method hooks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
+from kvbench.runtime.rope import RotaryTable, apply_rotary
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts the forward needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+
+@dataclass
+class LayerWeights:
+    ln_attn: torch.Tensor  # [E]
+    w_qkv: torch.Tensor  # [(Hq + 2H) * D, E]
+    b_qkv: torch.Tensor | None  # [(Hq + 2H) * D]
+    w_o: torch.Tensor  # [E, Hq * D]
+    ln_mlp: torch.Tensor  # [E]
+    w_gate_up: torch.Tensor  # [2I, E]
+    w_down: torch.Tensor  # [E, I]
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
+
+
+@dataclass
+class LayerContext:
+    """What a compression method sees after one layer's attention of one forward step."""
+
+    layer: int
+    cache: PagedKVCache
+    plan: AppendPlan
+    phase: str  # "prefill" or "decode"
+    last_chunk: bool  # the final chunk of a prefill (always True in decode)
+    q: torch.Tensor  # [S, Hq, Q, D] queries as used for attention
+    key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class LayerHook(Protocol):
+    needs_key_scores: bool
+
+    def after_attention(self, ctx: LayerContext) -> None: ...
+
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class LlamaFamilyModel:
+    """Weights plus a forward over the paged cache."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, rotary: RotaryTable):
+        self.config = config
+        self.embed = embed  # [V, E]
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [V, E] (tied: the same tensor as embed)
+        self.rotary = rotary
+        self.dtype = embed.dtype
+        self.device = embed.device
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (embedding row lookups excluded unless tied)."""
+        n = self.lm_head.nbytes + self.final_norm.nbytes
+        for lw in self.layers:
+            for t in (lw.ln_attn, lw.w_qkv, lw.b_qkv, lw.w_o, lw.ln_mlp, lw.w_gate_up, lw.w_down, lw.q_norm, lw.k_norm):
+                if t is not None:
+                    n += t.nbytes
+        return n
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [S, Q] int64
+        cache: PagedKVCache,
+        plan: AppendPlan,
+        *,
+        attention: AttentionFn = paged_attention_torch,
+        hook: LayerHook | None = None,
+        phase: str = "prefill",
+        last_chunk: bool = True,
+        logits_for: str = "last",  # "last" | "all" | "none"
+        rope_mode: str = "original",  # "original" | "cache" (positions re-indexed inside the cache)
+    ) -> torch.Tensor | None:
+        """Run one step; returns logits [S, V] ("last"), [S, Q, V] ("all") or None."""
+        cfg = self.config
+        S, Q = tokens.shape
+        Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        G = Hq // H
+        eps = cfg.rms_norm_eps
+        scale = D ** -0.5
+        pre_rope = cache.store_pre_rope
+        qpos = plan.query_positions  # [S, Q]
+        cos, sin = self.rotary.lookup(qpos)  # [S, Q, D]
+        cos_q, sin_q = cos[:, None], sin[:, None]  # [S, 1, Q, D]
+        need_scores = bool(hook is not None and hook.needs_key_scores)
+        causal = Q > 1
+        x = self.embed[tokens]  # [S, Q, E]
+        for li, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.ln_attn, eps)
+            qkv = F.linear(h, lw.w_qkv, lw.b_qkv)  # [S, Q, (Hq + 2H) D]
+            q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
+            q = q.view(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
+            k = k.view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
+            v = v.view(S, Q, H, D).transpose(1, 2)
+            if cfg.qk_norm:
+                q = rms_norm(q, lw.q_norm, eps)
+                k = rms_norm(k, lw.k_norm, eps)
+            rotate_keys = None
+            if not pre_rope:
+                q = apply_rotary(q, cos_q, sin_q)
+                k = apply_rotary(k, cos_q, sin_q)
+            elif rope_mode == "original":
+                q = apply_rotary(q, cos_q, sin_q)
+                rotate_keys = self._rotate_at
+            else:  # re-indexed: query at its slot in the cache, keys at their slot index
+                lens = plan.lengths[:, li]  # [S, H]
+                qslot = lens.unsqueeze(-1) - Q + torch.arange(Q, device=lens.device)  # [S, H, Q]
+                cq, sq = self.rotary.lookup(qslot)  # [S, H, Q, D]
+                q = apply_rotary(q.view(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
+                rotate_keys = self._rotate_at_slot
+            cache.write(li, plan, k, v)
+            tables, lengths = plan.tables[:, li], plan.lengths[:, li]
+            key_pos = cache.positions[plan.slots, li]
+            out, key_scores = attention(
+                q, cache.k_pool, cache.v_pool, tables, lengths, key_pos, qpos, scale,
+                return_key_scores=need_scores, rotate_keys=rotate_keys, causal=causal,
+            )
+            if hook is not None:
+                hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
+            x = x + F.linear(out.transpose(1, 2).reshape(S, Q, Hq * D), lw.w_o)
+            h = rms_norm(x, lw.ln_mlp, eps)
+            gate, up = F.linear(h, lw.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.w_down)
+        if logits_for == "none":
+            return None
+        if logits_for == "last":
+            x = x[:, -1]
+        x = rms_norm(x, self.final_norm, eps)
+        return F.linear(x, self.lm_head)
+
+    def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T]."""
+        cos, sin = self.rotary.lookup(positions)
+        return apply_rotary(k, cos, sin)
+
+    def _rotate_at_slot(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """k [S, H, T, D] stored before RoPE, rotated at slot index 0..T-1 (StreamingLLM re-indexing)."""
+        T = k.shape[2]
+        cos, sin = self.rotary.lookup(torch.arange(T, device=k.device))
+        return apply_rotary(k, cos, sin)
+
+
+def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> LlamaFamilyModel:
+    """Copy the weights of a transformers Llama-family causal LM into a LlamaFamilyModel."""
+    hc = hf_model.config
+    mt = getattr(hc, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    num_heads = hc.num_attention_heads
+    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // num_heads
+    qkv_bias = mt == "qwen2" or bool(getattr(hc, "attention_bias", False))
+    cfg = ModelConfig(
+        model_type=mt,
+        vocab_size=hc.vocab_size,
+        hidden_size=hc.hidden_size,
+        num_layers=hc.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hc, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        intermediate_size=hc.intermediate_size,
+        rms_norm_eps=hc.rms_norm_eps,
+        qkv_bias=qkv_bias,
+        qk_norm=mt == "qwen3",
+        tie_word_embeddings=bool(getattr(hc, "tie_word_embeddings", False)),
+        max_position_embeddings=getattr(hc, "max_position_embeddings", 4096),
+    )
+    sd = hf_model.state_dict()
+    ref = sd["model.embed_tokens.weight"]
+    dtype = dtype or ref.dtype
+    device = torch.device(device) if device is not None else ref.device
+
+    def t(name: str) -> torch.Tensor:
+        return sd[name].to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w_qkv = torch.cat([t(p + "self_attn.q_proj.weight"), t(p + "self_attn.k_proj.weight"), t(p + "self_attn.v_proj.weight")])
+        b_qkv = None
+        if cfg.qkv_bias and (p + "self_attn.q_proj.bias") in sd:
+            b_qkv = torch.cat([t(p + "self_attn.q_proj.bias"), t(p + "self_attn.k_proj.bias"), t(p + "self_attn.v_proj.bias")])
+        layers.append(LayerWeights(
+            ln_attn=t(p + "input_layernorm.weight"),
+            w_qkv=w_qkv.contiguous(),
+            b_qkv=b_qkv,
+            w_o=t(p + "self_attn.o_proj.weight"),
+            ln_mlp=t(p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]).contiguous(),
+            w_down=t(p + "mlp.down_proj.weight"),
+            q_norm=t(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=t(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+        ))
+    embed = t("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
+        lm_head = embed
+    else:
+        lm_head = t("lm_head.weight")
+    rot = hf_model.model.rotary_emb
+    rotary = RotaryTable(rot.inv_freq.to(device), getattr(rot, "attention_scaling", 1.0), dtype,
+                         max_positions=min(cfg.max_position_embeddings, 8192))
+    return LlamaFamilyModel(cfg, embed, layers, t("model.norm.weight"), lm_head, rotary)
