@@ -2,13 +2,23 @@
 
 A causal chunk of Q new queries per sequence against each sequence's cached tokens (which already
 include the chunk's own K/V), for a batch whose sequences and kv-heads hold different numbers of
-tokens. GQA: query head hq reads kv head hq // group.
+tokens. GQA: query head hq reads kv head hq // group. Blocks are read in place from the pool
+(one index_select per K and V); nothing in the pool is moved.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+
+
+def gather_blocks(pool: torch.Tensor, tables: torch.Tensor, nb: int) -> torch.Tensor:
+    """pool [N, bs, D], tables [S, H, MB] -> [S, H, nb*bs, D] (the first nb blocks of each table)."""
+    S, H = tables.shape[:2]
+    bs, D = pool.shape[1], pool.shape[2]
+    idx = tables[:, :, :nb].reshape(-1).to(torch.int64)
+    return pool.index_select(0, idx).view(S, H, nb * bs, D)
 
 
 def paged_attention_torch(
@@ -25,13 +35,13 @@ def paged_attention_torch(
     rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (out [S, Hq, Q, D], key_scores [S, H, T] or None).
+    """Returns (out [S, Hq, Q, D], key_scores [S, H, T] or None), T = lengths.max().
 
     key_scores[s, h, t] = attention probability key slot t received, summed over the query heads of
     kv head h and over the Q queries (what H2O-style methods accumulate).
-    rotate_keys(k [S, H, T, D], slot_index [S, H, T]) -> k: applied to gathered keys when the cache
-    stores them before RoPE. causal=False skips the position mask (valid when every cached key
-    precedes every query, as in plain decoding).
+    rotate_keys(k [S, H, Tp, D], key_positions [S, H, Tp]) -> k: applied to gathered keys when the
+    cache stores them before RoPE. causal=False skips the position mask (valid when every cached
+    key precedes every query, as in plain decoding).
     """
     S, Hq, Q, D = q.shape
     H = tables.shape[1]
@@ -40,23 +50,38 @@ def paged_attention_torch(
     T = int(lengths.max())
     nb = -(-T // bs)
     Tp = nb * bs
-    idx = tables[:, :, :nb].to(torch.int64)  # [S, H, nb]
-    k = k_pool[idx].view(S, H, Tp, D)
-    v = v_pool[idx].view(S, H, Tp, D)
+    k = gather_blocks(k_pool, tables, nb)  # [S, H, Tp, D]
+    v = gather_blocks(v_pool, tables, nb)
     if rotate_keys is not None:
         k = rotate_keys(k, key_positions[:, :, :Tp])
     qg = q.reshape(S, H, G * Q, D)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [S, H, G*Q, Tp]
-    valid = torch.arange(Tp, device=q.device) < lengths.unsqueeze(-1)  # [S, H, Tp]
+    if causal and not return_key_scores and T == Q and Tp == T and bool((lengths == Q).all()):
+        # first chunk of a sequence: the cache holds exactly these Q tokens in position order
+        kp = key_positions[:, :, :T]
+        if bool((kp == query_positions[:, None, :]).all()):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
+            return out, None
+    ragged = Tp != T or bool((lengths != T).any())
+    mask = None  # [S, H, G*Q or 1, Tp] True = visible
     if causal:
         kp = key_positions[:, :, :Tp]
-        vis = valid[:, :, None, :] & (kp[:, :, None, :] <= query_positions[:, None, :, None])  # [S, H, Q, Tp]
+        vis = kp[:, :, None, :] <= query_positions[:, None, :, None]  # [S, H, Q, Tp]
+        if ragged:
+            vis &= (torch.arange(Tp, device=q.device) < lengths.unsqueeze(-1))[:, :, None, :]
         mask = vis.unsqueeze(2).expand(S, H, G, Q, Tp).reshape(S, H, G * Q, Tp)
-    else:
-        mask = valid[:, :, None, :]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    elif ragged:
+        mask = (torch.arange(Tp, device=q.device) < lengths.unsqueeze(-1))[:, :, None, :]
+    if not return_key_scores and (causal or Q > 1):
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        if causal:  # rows that see no key (only possible for padded queries) give NaN in SDPA
+            out = torch.nan_to_num(out, nan=0.0)
+        return out.view(S, Hq, Q, D), None
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [S, H, G*Q, Tp]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
+    if causal:
+        probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.matmul(probs.to(v.dtype), v).view(S, Hq, Q, D)
     key_scores = probs.sum(dim=2)[:, :, :T] if return_key_scores else None
     return out, key_scores

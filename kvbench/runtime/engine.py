@@ -46,6 +46,7 @@ class Engine:
         prefill_chunk_size: int = 512,
         attention_backend: str = "auto",
         max_seqs: int = 64,
+        codec=None,
     ):
         if method is None:
             from methods import build_method
@@ -60,11 +61,18 @@ class Engine:
         block_bytes = 2 * block_size * cfg.head_dim * elem
         if num_blocks is None:
             num_blocks = max(2, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // block_bytes)
-        self.cache = PagedKVCache(
+        cache_kwargs = dict(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             block_size=block_size, num_blocks=int(num_blocks), dtype=model.dtype, device=model.device,
-            max_seqs=max_seqs, store_pre_rope=method.store_pre_rope,
+            max_seqs=max_seqs, store_pre_rope=method.store_pre_rope or bool(getattr(codec, "pre_rope_keys", False)),
         )
+        if codec is None or getattr(codec, "name", "full") == "full":
+            self.cache = PagedKVCache(**cache_kwargs)
+        else:
+            from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
+
+            self.cache = QuantizedPagedKVCache(codec=codec, **cache_kwargs)
+        self.codec = codec
         method.attach(self.cache, cfg)
         self.attention = self._pick_attention(attention_backend)
         self._peak_full_bytes = 0
@@ -74,7 +82,8 @@ class Engine:
         choices = ("auto", "torch", "triton")
         if backend not in choices:
             raise ValueError(f"unknown attention_backend {backend!r}; choose one of: {', '.join(choices)}")
-        usable_triton = self.model.device.type == "cuda" and not self.cache.store_pre_rope
+        usable_triton = (self.model.device.type == "cuda" and not self.cache.store_pre_rope
+                         and type(self.cache) is PagedKVCache)
         if backend == "triton" and not usable_triton:
             raise ValueError("attention_backend=triton needs a CUDA device and post-RoPE keys")
         if backend == "triton" or (backend == "auto" and usable_triton):
@@ -220,7 +229,7 @@ class Engine:
         return {
             "peak_kv_bytes": c.peak_kv_bytes(),
             "full_kv_bytes": self._peak_full_bytes,
-            "kv_bytes_per_token": c.bytes_per_block * c.num_layers * c.num_kv_heads / c.block_size,
+            "kv_bytes_per_token": c.kv_bytes_per_token(),
             "kv_bytes_in_use": c.kv_bytes_in_use(),
             "block_size": c.block_size,
             "num_blocks": c.pool.num_blocks,

@@ -61,6 +61,8 @@ class PagedKVCache:
         # the bytes: allocated once; pages are touched only as blocks are written
         self.k_pool = torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
         self.v_pool = torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
+        self.k_pool[SCRATCH_BLOCK] = 0
+        self.v_pool[SCRATCH_BLOCK] = 0
         self.max_seqs = max_seqs
         self.max_blocks = initial_max_blocks
         L, H = num_layers, num_kv_heads
@@ -93,6 +95,14 @@ class PagedKVCache:
 
     def peak_kv_bytes(self) -> int:
         return self.pool.peak_in_use * self.bytes_per_block
+
+    def kv_bytes_per_token(self) -> float:
+        """Pool bytes one cached token costs across all layers and kv-heads (codecs override)."""
+        return self.bytes_per_block * self.num_layers * self.num_kv_heads / self.block_size
+
+    def describe_storage(self) -> dict:
+        """Settings of the storage, recorded in results."""
+        return {"codec": "full", "kv_dtype": str(self.dtype).replace("torch.", "")}
 
     def live_tokens_seen(self) -> int:
         return sum(self.tokens_seen[s] for s in self.live)
@@ -160,6 +170,9 @@ class PagedKVCache:
             self._apply_copy_on_write(tables, cow, ids[total:])
         if total:
             ids_t = torch.tensor(ids[:total], dtype=torch.int32, device=self.device)
+            # fresh blocks start zeroed: masked slots of a partly filled block must not hold NaN/inf
+            self.k_pool.index_fill_(0, ids_t.to(torch.int64), 0)
+            self.v_pool.index_fill_(0, ids_t.to(torch.int64), 0)
             rows = torch.repeat_interleave(torch.arange(need.numel(), device=self.device), need)
             starts = torch.cumsum(need, 0) - need
             offs = torch.arange(total, device=self.device) - starts[rows]
@@ -187,6 +200,17 @@ class PagedKVCache:
         self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype))
 
     # ------------------------------------------------------------------ reading
+    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, attention,
+               return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
+        """Attention of q [S, Hq, Q, D] over this layer's cached tokens (after this step's write).
+
+        A storage codec's cache overrides this to read (dequantize) its own block layout."""
+        return attention(
+            q, self.k_pool, self.v_pool, plan.tables[:, layer], plan.lengths[:, layer],
+            self.positions[plan.slots, layer], plan.query_positions, scale,
+            return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
+        )
+
     def layer_tables(self, layer: int, slots: torch.Tensor):
         """(tables [S, H, MB] int32, lengths [S, H] int64, positions [S, H, MB*bs] int32) of one layer."""
         return self.tables[slots, layer], self.lengths[slots, layer], self.positions[slots, layer]

@@ -157,11 +157,9 @@ class LlamaFamilyModel:
                 q = apply_rotary(q.view(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
                 rotate_keys = self._rotate_at_slot
             cache.write(li, plan, k, v)
-            tables, lengths = plan.tables[:, li], plan.lengths[:, li]
-            key_pos = cache.positions[plan.slots, li]
-            out, key_scores = attention(
-                q, cache.k_pool, cache.v_pool, tables, lengths, key_pos, qpos, scale,
-                return_key_scores=need_scores, rotate_keys=rotate_keys, causal=causal,
+            out, key_scores = cache.attend(
+                li, q, plan, scale, attention=attention, return_key_scores=need_scores,
+                rotate_keys=rotate_keys, causal=causal,
             )
             if hook is not None:
                 hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))

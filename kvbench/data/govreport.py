@@ -1,0 +1,101 @@
+"""GovReport summarisation data: LongBench's ``gov_report`` (200 reports) and the full ``ccdv/govreport-summarization``.
+
+Both loaders return summarisation records ``{"id", "document", "references", "source"}`` (LongBench ones also keep
+``length``), so a runner can treat them alike.
+
+Full test split sources (`load_govreport_full`):
+- ``data_dir=None``: the hub, ``datasets.load_dataset("ccdv/govreport-summarization", split=...)`` (parquet files
+  ``document/{train,validation,test}-*.parquet`` with the columns ``report`` and ``summary``);
+- ``data_dir`` a local folder, searched in this order (the file names ``datasets`` maps to a split):
+  ``document/<split>-*.parquet`` (a snapshot of the hub repository), ``<split>-*.parquet``, ``<split>.parquet``,
+  ``<split>.jsonl`` (one JSON object per line). All need the columns ``report`` and ``summary``; an ``id`` column is
+  used when present, else ids are ``govreport-<split>-<row>``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from kvbench.data.longbench import load_longbench
+
+GOVREPORT_HUB = "ccdv/govreport-summarization"
+GOVREPORT_SPLITS: tuple[str, ...] = ("train", "validation", "test")
+
+
+def load_govreport_longbench(data_dir: str | Path | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    """LongBench ``gov_report`` as summarisation records (document = ``context``, references = ``answers``)."""
+    return [
+        {
+            "id": rec["_id"],
+            "document": rec["context"],
+            "references": list(rec["answers"]),
+            "length": rec["length"],
+            "source": "longbench/gov_report",
+        }
+        for rec in load_longbench("gov_report", data_dir=data_dir, limit=limit)
+    ]
+
+
+def _local_files(root: Path, split: str) -> tuple[str, list[Path]]:
+    """The first matching file kind in ``root`` for ``split``: ("parquet" | "jsonl", sorted paths)."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"GovReport folder not found: {root}")
+    for pattern in (f"document/{split}-*.parquet", f"{split}-*.parquet", f"{split}.parquet"):
+        files = sorted(root.glob(pattern))
+        if files:
+            return "parquet", files
+    jsonl = root / f"{split}.jsonl"
+    if jsonl.is_file():
+        return "jsonl", [jsonl]
+    raise FileNotFoundError(
+        f"no GovReport {split!r} data in {root} (looked for document/{split}-*.parquet, {split}-*.parquet, "
+        f"{split}.parquet, {split}.jsonl)"
+    )
+
+
+def _iter_local(root: Path, split: str) -> Iterator[dict[str, Any]]:
+    kind, files = _local_files(root, split)
+    for path in files:
+        if kind == "jsonl":
+            with path.open(encoding="utf-8") as fh:
+                for line in fh:
+                    if line.strip():
+                        yield json.loads(line)
+        else:
+            import pyarrow.parquet as pq  # lazy
+
+            yield from pq.read_table(path).to_pylist()
+
+
+def _iter_hub(split: str, hub_repo: str) -> Iterator[dict[str, Any]]:
+    import datasets  # lazy: heavy
+
+    yield from (dict(row) for row in datasets.load_dataset(hub_repo, split=split))
+
+
+def load_govreport_full(
+    split: str = "test", data_dir: str | Path | None = None, limit: int | None = None, hub_repo: str = GOVREPORT_HUB
+) -> list[dict[str, Any]]:
+    """The full GovReport split (973 test reports on the hub) as summarisation records, at most ``limit``."""
+    if split not in GOVREPORT_SPLITS:
+        raise ValueError(f"unknown GovReport split {split!r}; valid choices: {', '.join(GOVREPORT_SPLITS)}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    rows = _iter_local(Path(data_dir), split) if data_dir is not None else _iter_hub(split, hub_repo)
+    out: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        if limit is not None and len(out) >= limit:
+            break
+        if "report" not in row or "summary" not in row:
+            raise ValueError(f"GovReport row {i} lacks 'report' or 'summary': keys {sorted(row)}")
+        out.append(
+            {
+                "id": str(row.get("id") or f"govreport-{split}-{i}"),
+                "document": row["report"],
+                "references": [row["summary"]],
+                "source": f"govreport/{split}",
+            }
+        )
+    return out
