@@ -55,6 +55,12 @@ class Method:
         """"original" (keys keep their token positions) or "cache" (re-indexed inside the cache)."""
         return "original"
 
+    def make_codec(self, model: Any) -> Any:
+        """The storage codec this method needs (e.g. KIVI), or None for full precision.
+
+        Called once by the engine with the LlamaFamilyModel (a codec may calibrate on it)."""
+        return None
+
     def attach(self, cache: Any, model_config: Any) -> None:
         self.cache = cache
         self.model_config = model_config

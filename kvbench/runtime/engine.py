@@ -61,6 +61,8 @@ class Engine:
         block_bytes = 2 * block_size * cfg.head_dim * elem
         if num_blocks is None:
             num_blocks = max(2, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // block_bytes)
+        if codec is None:
+            codec = method.make_codec(model)
         cache_kwargs = dict(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             block_size=block_size, num_blocks=int(num_blocks), dtype=model.dtype, device=model.device,
