@@ -1,0 +1,20 @@
+"""Shared fixtures: the packaged SmolLM2 (converted once into a stable cache dir) and thread limits."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("KVBENCH_CACHE_DIR", str(Path.home() / ".cache" / "kvbench"))
+os.environ.setdefault("WANDB_MODE", "disabled")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The packaged SmolLM2-135M-Instruct in the kvbench runtime, with its transformers model kept."""
+    from kvbench.runtime.loading import load_model
+
+    return load_model(keep_hf=True)

@@ -1,0 +1,187 @@
+"""Block pool and paged cache bookkeeping: no leaks, exact block counts, no copies on decode."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
+from kvbench.runtime.kv_cache import PagedKVCache
+
+L, H, D = 2, 2, 4
+
+
+def make_cache(bs=4, num_blocks=400):
+    return PagedKVCache(num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=num_blocks, max_seqs=4)
+
+
+def append(cache, slot, n, start):
+    pos = torch.arange(start, start + n).unsqueeze(0)
+    plan = cache.prepare_append([slot], pos)
+    for layer in range(L):
+        # value = position + 1000*layer + 100*head, so moved data can be traced
+        val = (pos[:, None, :, None] + 1000 * layer + 100 * torch.arange(H)[None, :, None, None]).float()
+        cache.write(layer, plan, val.expand(1, H, n, D), -val.expand(1, H, n, D))
+
+
+def assert_tables_consistent(cache):
+    bs = cache.block_size
+    expected = 0
+    for s in cache.live:
+        for layer in range(L):
+            for h in range(H):
+                n = int(cache.lengths[s, layer, h])
+                expected += math.ceil(n / bs)
+                # every valid slot holds the token recorded at its position
+                if n:
+                    k, _, pos = cache.gather(layer, s)
+                    assert torch.equal(k[h, :n, 0], (pos[h, :n] + 1000 * layer + 100 * h).float())
+    blocks = set()
+    for s in cache.live:
+        nb = cache._num_blocks(cache.lengths[s])
+        for layer in range(L):
+            for h in range(H):
+                blocks.update(cache.tables[s, layer, h, : int(nb[layer, h])].tolist())
+    assert len(blocks) == cache.pool.in_use  # distinct blocks referenced == blocks the pool says are in use
+    cache.pool.check_consistency()
+    return expected
+
+
+def test_pool_allocate_free_and_peak():
+    pool = BlockPool(10)
+    a = pool.allocate(4)
+    b = pool.allocate(5)
+    assert pool.in_use == 9 and pool.peak_in_use == 9
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+    assert pool.in_use == 9  # a failed allocation changes nothing
+    pool.free(a)
+    pool.share(b)
+    pool.free(b)
+    assert pool.in_use == 5  # shared blocks survive one free
+    pool.free(b)
+    assert pool.in_use == 0 and pool.peak_in_use == 9
+    with pytest.raises(ValueError):
+        pool.free([b[0]])
+    pool.check_consistency()
+
+
+def test_blocks_in_use_equal_ceil_tokens_over_block_size():
+    cache = make_cache(bs=4)
+    s = cache.add_sequence()
+    append(cache, s, 13, 0)
+    assert cache.pool.in_use == L * H * math.ceil(13 / 4)
+    append(cache, s, 1, 13)
+    append(cache, s, 2, 14)
+    assert cache.pool.in_use == L * H * math.ceil(16 / 4)
+    append(cache, s, 1, 16)
+    assert cache.pool.in_use == L * H * 5
+    assert cache.peak_kv_bytes() == cache.pool.peak_in_use * cache.bytes_per_block
+    assert cache.bytes_per_block == 2 * 4 * D * 4
+    cache.free_sequence(s)
+    assert cache.pool.in_use == 0
+
+
+def test_decode_step_copies_no_cached_kv():
+    cache = make_cache(bs=4)
+    s = cache.add_sequence()
+    append(cache, s, 30, 0)
+    k_ptr = cache.k_pool.data_ptr()
+    before = cache.k_pool.view(torch.int32).clone(), cache.v_pool.view(torch.int32).clone()  # bitwise
+    pos = torch.tensor([[30]])
+    plan = cache.prepare_append([s], pos)
+    new_rows = set(plan.write_index.reshape(-1).tolist())
+    assert len(new_rows) == L * H  # one row per layer-head table, nothing else
+    for layer in range(L):
+        cache.write(layer, plan, torch.full((1, H, 1, D), 7.0), torch.full((1, H, 1, D), 7.0))
+    assert cache.k_pool.data_ptr() == k_ptr
+    changed = (cache.k_pool.view(torch.int32) != before[0]).any(-1).reshape(-1).nonzero().flatten().tolist()
+    assert set(changed) <= new_rows and len(changed) == L * H
+    assert torch.equal((cache.v_pool.view(torch.int32) != before[1]).any(-1).reshape(-1).nonzero().flatten().sort().values,
+                       torch.tensor(sorted(new_rows)))
+
+
+def test_fork_is_copy_on_write():
+    cache = make_cache(bs=4)
+    a = cache.add_sequence()
+    append(cache, a, 6, 0)
+    used = cache.pool.in_use
+    b = cache.fork(a)
+    assert cache.pool.in_use == used  # shared, not copied
+    append(cache, b, 1, 6)  # writes into the shared partial block -> private copy
+    k_a, _, pos_a = cache.gather(0, a)
+    k_b, _, pos_b = cache.gather(0, b)
+    assert pos_a.shape[1] == 6 and pos_b.shape[1] == 7
+    assert torch.equal(k_a[0, :6], k_b[0, :6])
+    cache.free_sequence(a)
+    cache.free_sequence(b)
+    assert cache.pool.in_use == 0
+    cache.pool.check_consistency()
+
+
+def test_out_of_blocks_is_a_typed_error_and_changes_nothing():
+    cache = make_cache(bs=4, num_blocks=1 + L * H * 2)
+    s = cache.add_sequence()
+    append(cache, s, 8, 0)
+    lengths = cache.lengths.clone()
+    with pytest.raises(OutOfBlocksError):
+        cache.prepare_append([s], torch.tensor([[8]]))
+    assert torch.equal(cache.lengths, lengths)
+    cache.free_sequence(s)
+    assert cache.pool.in_use == 0
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["new", "append", "keep", "evict_block", "fork", "free"]),
+              st.integers(0, 3), st.integers(1, 9), st.integers(0, 10_000)),
+    min_size=1, max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, bs=st.sampled_from([1, 2, 4]))
+def test_random_operations_never_leak(ops, bs):
+    cache = make_cache(bs=bs, num_blocks=2000)
+    seqs: list[int] = []
+    nxt: dict[int, int] = {}
+    for op, which, n, seed in ops:
+        g = torch.Generator().manual_seed(seed)
+        if op == "new" or not seqs:
+            s = cache.add_sequence()
+            seqs.append(s)
+            nxt[s] = 0
+            continue
+        s = seqs[which % len(seqs)]
+        if op == "append":
+            append(cache, s, n, nxt[s])
+            nxt[s] += n
+        elif op == "keep":
+            layer = which % L
+            lens = cache.lengths[s, layer]
+            keep = torch.full((H, int(lens.max())), -1, dtype=torch.int64)
+            for h in range(H):
+                m = int(lens[h])
+                chosen = torch.randperm(m, generator=g)[: max(0, m - n)].sort().values
+                keep[h, : chosen.numel()] = chosen
+            cache.keep_tokens(layer, s, keep[:, : max(1, int((keep >= 0).sum(-1).max()))])
+        elif op == "evict_block":
+            layer, h = which % L, (which // L) % H
+            m = int(cache.lengths[s, layer, h])
+            full = m // bs
+            if full:
+                cache.evict_blocks(layer, s, h, [n % full])
+        elif op == "fork":
+            c = cache.fork(s)
+            seqs.append(c)
+            nxt[c] = nxt[s]
+        elif op == "free":
+            cache.free_sequence(s)
+            seqs.remove(s)
+        assert_tables_consistent(cache)
+    for s in list(seqs):
+        cache.free_sequence(s)
+    assert cache.pool.in_use == 0
+    cache.pool.check_consistency()
