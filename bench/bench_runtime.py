@@ -1,0 +1,141 @@
+"""`make bench`: the kvbench runtime against plain transformers, same model, dtype and context, one process.
+
+Prints prefill tok/s at 2048 tokens, batch-1 decode tok/s at contexts 512 and 4096, batch-16 decode
+throughput (16 prompts of 256..768 tokens, 64 new tokens each), each with its kvbench/transformers ratio,
+and the fraction of the memory-bandwidth limit a batch-1 decode step reaches (bytes it must read,
+weights + KV, over a copy bandwidth measured here). The last line is one JSON object.
+
+    python bench/bench_runtime.py [--threads 2] [--repeats 3] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def measure_copy_bandwidth(nbytes: int = 512 * 1024**2, repeats: int = 5) -> float:
+    """Read+write bytes per second of a large tensor copy (the practical DRAM bandwidth)."""
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+
+# ---------------------------------------------------------------------------------- transformers
+@torch.inference_mode()
+def hf_prefill_tps(hf, ids: list[int]) -> float:
+    t = time.perf_counter()
+    hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    return len(ids) / (time.perf_counter() - t)
+
+
+@torch.inference_mode()
+def hf_decode(hf, prompts: list[list[int]], new_tokens: int) -> float:
+    """Greedy decode with transformers' own cache (left-padded batch); returns decode tokens/s."""
+    B = len(prompts)
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = hf(ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    last = pos[:, -1:]
+    t = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        last = last + 1
+        out = hf(nxt, attention_mask=mask, position_ids=last, cache=cache, use_cache=True)
+        cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    return B * (new_tokens - 1) / (time.perf_counter() - t)
+
+
+# ---------------------------------------------------------------------------------- kvbench
+def kv_prefill_tps(engine, ids: list[int]) -> float:
+    g = engine.generate([ids], max_new_tokens=1, chunk_size=len(ids))[0]
+    return len(ids) / g.prefill_s
+
+
+def kv_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    gens = engine.generate(prompts, max_new_tokens=new_tokens)
+    return sum(g.decode_tokens for g in gens) / max(g.decode_s for g in gens)
+
+
+def best_of(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.loading import load_model
+
+    lm = load_model(dtype=args.dtype, keep_hf=True)
+    hf = lm.hf_model.to(lm.dtype)
+    model = lm.model
+    vocab = model.config.vocab_size
+    engine = Engine(model, prefill_chunk_size=512)
+    R = args.repeats
+    res: dict[str, float] = {}
+
+    bw = measure_copy_bandwidth()
+    print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  copy bandwidth {bw / 1e9:.1f} GB/s")
+
+    p2048 = random_prompt(2048, vocab, 1)
+    kv_pf, hf_pf = best_of(lambda: kv_prefill_tps(engine, p2048), R), best_of(lambda: hf_prefill_tps(hf, p2048), R)
+    chunked = best_of(lambda: engine.generate([p2048], max_new_tokens=1, chunk_size=512)[0], 1)
+    print(f"prefill 2048 tok      kvbench {kv_pf:8.1f} tok/s  transformers {hf_pf:8.1f} tok/s  ratio {kv_pf / hf_pf:.2f}"
+          f"   (kvbench in 512-token chunks: {2048 / chunked.prefill_s:.1f} tok/s)")
+    res["prefill_tokens_per_s"], res["hf_prefill_tokens_per_s"], res["prefill_ratio"] = kv_pf, hf_pf, kv_pf / hf_pf
+
+    n = args.decode_tokens
+    for ctx in (512, 4096):
+        p = random_prompt(ctx, vocab, ctx)
+        kv = best_of(lambda: kv_decode(engine, [p], n), R)
+        ref = best_of(lambda: hf_decode(hf, [p], n), R)
+        step_bytes = model.weight_bytes + (ctx + n // 2) * engine.cache.full_bytes_per_token
+        frac = step_bytes * kv / bw
+        print(f"decode b=1 ctx {ctx:5d}  kvbench {kv:8.2f} tok/s  transformers {ref:8.2f} tok/s  ratio {kv / ref:.2f}"
+              f"  bandwidth fraction {frac:.2f}")
+        res[f"decode_tokens_per_s_ctx{ctx}"], res[f"hf_decode_tokens_per_s_ctx{ctx}"] = kv, ref
+        res[f"decode_ratio_ctx{ctx}"] = kv / ref
+        res[f"bandwidth_fraction_ctx{ctx}"] = frac
+
+    g = torch.Generator().manual_seed(16)
+    lens = torch.randint(256, 769, (16,), generator=g).tolist()
+    prompts = [random_prompt(L, vocab, 100 + i) for i, L in enumerate(lens)]
+    kv16 = best_of(lambda: kv_decode(engine, prompts, 64), max(1, R - 1))
+    hf16 = best_of(lambda: hf_decode(hf, prompts, 64), max(1, R - 1))
+    b16_over_b1 = kv16 / res["decode_tokens_per_s_ctx512"]
+    print(f"decode b=16 (256..768 tok prompts, 64 new)  kvbench {kv16:8.1f} tok/s  transformers {hf16:8.1f} tok/s"
+          f"  ratio {kv16 / hf16:.2f}  batch16/batch1 {b16_over_b1:.2f}")
+    res["batch16_tokens_per_s"], res["hf_batch16_tokens_per_s"] = kv16, hf16
+    res["batch16_ratio"], res["batch16_over_batch1"] = kv16 / hf16, b16_over_b1
+    res["copy_bandwidth_gb_s"] = bw / 1e9
+    print(json.dumps({k: round(v, 4) for k, v in res.items()}))
+
+
+if __name__ == "__main__":
+    main()

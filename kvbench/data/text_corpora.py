@@ -1,0 +1,108 @@
+"""Plain-text corpora for perplexity: a local text file, WikiText-2 and PG-19.
+
+The hub datasets are read through `datasets` (imported lazily), either from the hub or from a local copy in the
+hub's own layout (`data_path`: a folder or a single parquet / jsonl / json / arrow / csv file):
+
+- wikitext: `Salesforce/wikitext`, config `wikitext-2-raw-v1`, one line of text per row in column `text`;
+  the corpus is the usual "\\n\\n".join of the split's rows.
+- pg19: `emozilla/pg19-test` (split `test`), one book per row: `short_book_title`, `publication_date`, `url`,
+  `text`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from kvbench.errors import UserError
+
+WIKITEXT_HUB_ID = "Salesforce/wikitext"
+WIKITEXT_CONFIG = "wikitext-2-raw-v1"
+PG19_HUB_ID = "emozilla/pg19-test"
+
+_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
+
+
+def load_text_file(path: str) -> str:
+    """The text of a local file (UTF-8; undecodable bytes replaced)."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_file():
+        raise UserError(f"task.text_file={str(path)!r}: no such file")
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str, list[str]]:
+    """(datasets builder, files) for a local copy of a hub dataset: a single file, or the split's files in a
+    folder (files named `<split>-*.ext`, `<split>.ext`, or under a `<split>/` folder; preferring those under a
+    folder named after the config, e.g. wikitext-2-raw-v1/)."""
+    root = Path(os.path.expanduser(str(data_path)))
+    if not root.exists():
+        raise UserError(f"task.data_path={str(data_path)!r}: no such file or folder")
+    if root.is_file():
+        builder = _BUILDERS.get(root.suffix.lower())
+        if builder is None:
+            raise UserError(f"task.data_path={str(data_path)!r}: unsupported file type "
+                            f"(choices: {', '.join(sorted(_BUILDERS))})")
+        return builder, [str(root)]
+    found = [p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix.lower() in _BUILDERS]
+
+    def in_split(p: Path) -> bool:
+        rel = p.relative_to(root)
+        return (p.stem == split or p.name.startswith(split + "-") or p.name.startswith(split + ".")
+                or split in rel.parts[:-1])
+
+    matches = [p for p in found if in_split(p)]
+    if config:
+        preferred = [p for p in matches if config in p.relative_to(root).parts[:-1]]
+        matches = preferred or matches
+    if not matches:
+        raise UserError(f"task.data_path={str(data_path)!r}: no {split!r} split files "
+                        f"(expected {split}-*.parquet, {split}.jsonl, ... inside)")
+    builders = {_BUILDERS[p.suffix.lower()] for p in matches}
+    if len(builders) > 1:
+        ext = matches[0].suffix.lower()
+        matches = [p for p in matches if p.suffix.lower() == ext]
+    return _BUILDERS[matches[0].suffix.lower()], [str(p) for p in matches]
+
+
+def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: Optional[str] = None) -> Any:
+    """A `datasets.Dataset` from a local copy (data_path) or the hub; UserError when it cannot be had."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("the `datasets` package is needed for hub corpora: pip install datasets") from None
+    if data_path:
+        builder, files = _local_files(data_path, split, config)
+        try:
+            return datasets.load_dataset(builder, data_files={split: files}, split=split)
+        except Exception as exc:
+            raise UserError(f"cannot read task.data_path={str(data_path)!r}: {str(exc).splitlines()[0]}") from None
+    try:
+        return datasets.load_dataset(hub_id, config, split=split) if config else \
+            datasets.load_dataset(hub_id, split=split)
+    except Exception as exc:
+        raise UserError(f"cannot load dataset {hub_id!r} (split {split!r}) from the hub: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                        f"pass task.data_path=<local copy> to read it from disk") from None
+
+
+def _column(ds: Any, name: str, where: str) -> list:
+    if name not in ds.column_names:
+        raise UserError(f"{where}: no {name!r} column (columns: {', '.join(ds.column_names)})")
+    return ds[name]
+
+
+def load_wikitext(data_path: Optional[str] = None, split: str = "test", config: str = WIKITEXT_CONFIG) -> str:
+    """WikiText-2 (raw) as one string: the split's rows joined by "\\n\\n" (the usual perplexity setup)."""
+    ds = load_hub_dataset(WIKITEXT_HUB_ID, config, split, data_path)
+    return "\n\n".join(_column(ds, "text", "wikitext"))
+
+
+def iter_pg19(data_path: Optional[str] = None, split: str = "test") -> Iterator[tuple[str, str]]:
+    """(id, text) per PG-19 book, in dataset order; id is the short book title (or the row number)."""
+    ds = load_hub_dataset(PG19_HUB_ID, None, split, data_path)
+    _column(ds, "text", "pg19")
+    has_title = "short_book_title" in ds.column_names
+    for i, row in enumerate(ds):
+        title = row.get("short_book_title") if has_title else None
+        yield (str(title) if title else f"pg19-{i}"), row["text"]

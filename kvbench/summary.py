@@ -1,0 +1,84 @@
+"""The one-screen summary printed at the end of each run."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+_WIDTH = 78
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 1e5 or (0 < abs(v) < 1e-3):
+            return f"{v:.3e}"
+        return f"{v:.4g}" if abs(v) < 100 else f"{v:,.1f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _bytes(v: Any) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "-"
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    x, i = float(v), 0
+    while abs(x) >= 1024 and i < len(units) - 1:
+        x, i = x / 1024, i + 1
+    return f"{x:.1f} {units[i]}" if i else f"{int(x)} B"
+
+
+# Keys shown in their own section, not among the task metrics.
+_RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "prefill_tokens_per_s",
+             "decode_tokens_per_s", "ttft_s", "peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "wall_s",
+             "num_samples", "device", "dtype", "kvbench", "torch", "transformers", "git_commit", "seed",
+             "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend"}
+
+
+def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
+    """A short table of one run's record (the metrics.json content)."""
+    lines = []
+    status = record.get("status", "?")
+    title = f" kvbench run {status.upper()} "
+    lines.append(title.center(_WIDTH, "="))
+    lines.append(f"run       {record.get('run_id')}")
+    lines.append(f"model     {record.get('model')}  ({record.get('dtype')}, {record.get('device')})")
+    settings = {k[len('method_'):]: v for k, v in record.items() if k.startswith("method_")
+                and k not in ("method_budget", "method_name")}
+    extra = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
+    lines.append(f"method    {record.get('method')}   budget {_fmt(record.get('budget'))}"
+                 + (f"   [{extra}]" if extra else ""))
+    lines.append(f"task      {record.get('task')}   samples {_fmt(record.get('num_samples'))}")
+    if status != "ok":
+        lines.append(f"error     {record.get('error')}")
+    metrics = [(k, v) for k, v in record.items() if k not in _RUN_KEYS and not k.startswith("method_")
+               and not isinstance(v, (dict, list))]
+    if metrics:
+        lines.append("-" * _WIDTH)
+        cells = [f"{k} {_fmt(v)}" for k, v in metrics]
+        row = ""
+        for c in cells:
+            if row and len(row) + len(c) + 3 > _WIDTH:
+                lines.append(row)
+                row = ""
+            row = f"{row}   {c}" if row else c
+        if row:
+            lines.append(row)
+    lines.append("-" * _WIDTH)
+    lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
+                 f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")
+    peak, full = record.get("peak_kv_bytes"), record.get("full_kv_bytes")
+    saving = ""
+    if isinstance(peak, (int, float)) and isinstance(full, (int, float)) and full:
+        saving = f"   ({100.0 * (1 - peak / full):.1f}% saved)"
+    lines.append(f"KV memory peak {_bytes(peak)} of {_bytes(full)} uncompressed{saving}   "
+                 f"{_fmt(record.get('kv_bytes_per_token'))} B/token")
+    lines.append(f"time      {_fmt(record.get('wall_s'))} s")
+    if run_dir:
+        lines.append(f"results   {run_dir}")
+    lines.append("=" * _WIDTH)
+    return "\n".join(lines)

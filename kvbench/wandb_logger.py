@@ -1,0 +1,122 @@
+"""Weights & Biases logging of a run: config, metrics and a samples table. Never fails a run.
+
+- logger.wandb=false (or logger.mode=disabled): nothing is imported or written.
+- logger.mode=auto: online when WANDB_API_KEY is set (or WANDB_MODE says otherwise), else offline into the run
+  folder (run_dir/wandb/offline-run-*), which `wandb sync` uploads later.
+- wandb is imported only when used; if it is missing, or init/log/finish raises, a one-line warning is printed
+  and the run goes on.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, Optional
+
+MAX_TABLE_ROWS = 1000
+
+
+def warn(message: str) -> None:
+    print("kvbench: warning: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+
+
+def resolve_mode(mode: str) -> str:
+    """online / offline / disabled for a configured mode (auto looks at WANDB_MODE and WANDB_API_KEY)."""
+    if mode != "auto":
+        return mode
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env in ("online", "offline", "disabled"):
+        return env
+    if env == "dryrun":
+        return "offline"
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) or v is None
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if _scalar(v):
+        return v
+    import json
+
+    return json.dumps(v, ensure_ascii=False, default=str)
+
+
+class WandbLogger:
+    def __init__(self, settings: Any, *, run_dir: str, run_id: str, config: Optional[dict] = None,
+                 tags: Optional[list] = None, job_type: Optional[str] = None):
+        self.settings = settings
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.config = config or {}
+        self.tags = [str(t) for t in (tags or []) if t is not None]
+        self.job_type = job_type
+        self.run: Any = None
+        self.mode: Optional[str] = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(getattr(self.settings, "wandb", False)) and getattr(self.settings, "mode", "auto") != "disabled"
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self.mode = resolve_mode(self.settings.mode)
+        if self.mode == "disabled":
+            return
+        try:
+            import wandb
+        except ImportError:
+            warn("wandb is not installed, so this run is not logged to W&B "
+                 "(pip install wandb, or logger.wandb=false to silence this)")
+            return
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.run = wandb.init(
+                project=self.settings.project, entity=self.settings.entity, name=self.run_id,
+                dir=self.run_dir, config=self.config, mode=self.mode, tags=self.tags or None,
+                job_type=self.job_type, reinit="finish_previous",
+                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            )
+        except Exception as exc:  # any W&B failure is a warning, never a failure
+            self.run = None
+            warn(f"W&B init failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                 f"continuing without W&B")
+
+    def log_result(self, record: dict, samples: Optional[list] = None) -> None:
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            scalars = {k: v for k, v in record.items() if _scalar(v) and v is not None}
+            numeric = {k: v for k, v in scalars.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and math.isfinite(float(v))}
+            if numeric:
+                self.run.log(numeric)
+            self.run.summary.update(scalars)
+            if samples and getattr(self.settings, "log_samples", True):
+                rows = samples[:MAX_TABLE_ROWS]
+                columns: list[str] = []
+                for r in rows:
+                    for k in r:
+                        if k not in columns:
+                            columns.append(k)
+                table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
+                self.run.log({"samples": table})
+        except Exception as exc:
+            warn(f"W&B logging failed ({type(exc).__name__}: {exc}); the results folder is complete anyway")
+
+    def finish(self, failed: bool = False) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.finish(exit_code=1 if failed else 0)
+        except Exception as exc:
+            warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
+        finally:
+            self.run = None

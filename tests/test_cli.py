@@ -1,0 +1,95 @@
+"""`python -m kvbench` as typed: help, one-line errors with exit 2, runs, reruns and sweeps from any directory."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR for the subprocesses)
+from kvbench import results
+
+
+def kvbench(*args, cwd, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key in ("HYDRA_FULL_ERROR", "WANDB_API_KEY", "WANDB_MODE"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "kvbench", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_usage_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvbench: error: ")
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_help_lists_each_group(tmp_path):
+    proc = kvbench("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("method: full", "task: perplexity", "model: hf, smollm2-135m", "runtime: default",
+                 "logger: none, wandb", "budget=N"):
+        assert line in proc.stdout or line.split(":")[0] + ":" in proc.stdout, line
+    assert "kvbench_schema" not in proc.stdout and "kvbench_task" not in proc.stdout
+    assert not list(tmp_path.iterdir())  # --help writes nothing
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["method=nope"], ["unknown method 'nope'", "choices are", "full"]),
+    (["task=nope"], ["unknown task 'nope'", "perplexity"]),
+    (["model=nope"], ["unknown model 'nope'", "hf, smollm2-135m"]),
+    (["budget=abc"], ["invalid budget='abc'", "positive integer", "null"]),
+    (["budget=-5"], ["invalid budget=-5", "expected an integer >= 1 or null"]),
+    (["task.max_tokens=lots"], ["invalid task.max_tokens='lots'", "integer"]),
+    (["task.nope=1"], ["unknown option task.nope", "max_tokens"]),
+    (["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"]),
+    (["task.text_file=/no/such/file.txt"], ["/no/such/file.txt", "no such file"]),
+    (["model=hf"], ["model.path"]),
+    (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
+    proc = kvbench(*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert_usage_error(proc, *needles)
+    left = [os.path.basename(p) for p in glob.glob(str(tmp_path / "r" / "*"))]
+    assert left in ([], ["multirun.yaml"])  # no result and no leftover run folder (a sweep saves its config)
+
+
+def test_run_rerun_and_sweep_from_another_directory(tmp_path):
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    common = ["logger.wandb=false", "task.max_tokens=48", "task.chunk_size=16", "results_dir=out"]
+    proc = kvbench("method=full", "budget=32", *common, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert "kvbench run OK" in proc.stdout and "ppl" in proc.stdout
+    out = cwd / "out"
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["budget"] == 32 and metrics["method"] == "full"
+    assert metrics["num_tokens"] == 47 and metrics["peak_kv_bytes"] > 0
+    assert (run_dir / "config.yaml").exists() and (run_dir / "samples.jsonl").exists()
+    assert (run_dir / ".hydra").is_dir()  # Hydra's files go inside the run folder...
+    assert sorted(p.name for p in cwd.iterdir()) == ["out"]  # ...and nothing else lands in the cwd
+
+    again = kvbench("method=full", "budget=32", *common, cwd=cwd)
+    assert again.returncode == 0 and "skipping" in again.stdout
+    assert len(results.read_jsonl(str(out / "runs.jsonl"))) == 1
+
+    sweep = kvbench("-m", "method=full", "budget=16,32", *common, cwd=cwd)
+    assert sweep.returncode == 0, sweep.stderr
+    runs = results.read_jsonl(str(out / "runs.jsonl"))
+    assert [r["budget"] for r in runs] == [32, 16]  # budget=32 was finished already: skipped
+    assert len([p for p in out.iterdir() if p.is_dir()]) == 2
+
+
+def test_missing_model_path_is_a_usage_error_and_recorded(tmp_path):
+    proc = kvbench("model=hf", "model.path=/no/such/model", "logger.wandb=false", "results_dir=r", cwd=tmp_path)
+    assert_usage_error(proc, "/no/such/model")
+    (metrics,) = glob.glob(str(tmp_path / "r" / "*" / "metrics.json"))
+    assert json.loads(open(metrics).read())["status"] == "failed"

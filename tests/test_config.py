@@ -1,0 +1,143 @@
+"""Config composition through Hydra's compose API, schemas, validation and run ids."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+import kvbench.config as kconfig
+from tests.harness_fakes import CONF_DIR, compose
+from kvbench.errors import UserError, describe_hydra_error
+from kvbench.results import run_id_for
+
+
+def _choices(group: str) -> list[str]:
+    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(CONF_DIR, group, "*.yaml")))
+
+
+def test_default_config():
+    cfg = compose()
+    assert cfg.budget is None and cfg.seed == 0 and cfg.results_dir == "results" and cfg.rerun is False
+    assert cfg.model.name == "smollm2-135m" and cfg.model.path is None and cfg.model.dtype == "float32"
+    assert cfg.method.name == "full"
+    assert cfg.task.name == "perplexity" and cfg.task.corpus == "pg_essays" and cfg.task.max_tokens == 1024
+    assert cfg.task.chunk_size == 256
+    rt = cfg.runtime
+    assert (rt.block_size, rt.num_blocks, rt.kv_memory_bytes, rt.prefill_chunk_size, rt.batch_size,
+            rt.attention_backend, rt.threads) == (16, None, None, 512, 1, "auto", None)
+    assert cfg.logger.wandb is True and cfg.logger.project == "kvbench" and cfg.logger.mode == "auto"
+    s = kconfig.validate(cfg)
+    assert s.method_name == "full" and s.task_name == "perplexity" and s.budget is None
+    assert os.path.isabs(s.results_dir)
+
+
+def test_overrides_and_types():
+    cfg = compose(["method=full", "budget=1024", "seed=3", "runtime.block_size=32", "task.max_tokens=64"])
+    assert cfg.budget == 1024 and cfg.seed == 3 and cfg.runtime.block_size == 32 and cfg.task.max_tokens == 64
+
+
+def test_hf_model_needs_path_and_names_itself():
+    with pytest.raises(UserError, match="model.path"):
+        kconfig.validate(compose(["model=hf"]))
+    s = kconfig.validate(compose(["model=hf", "model.path=/some/where/My-Model"]))
+    assert s.model.name == "My-Model" and s.model.path == "/some/where/My-Model"
+
+
+@pytest.mark.parametrize("group", ["model", "method", "task", "runtime", "logger"])
+def test_every_group_option_composes(group):
+    for option in _choices(group):
+        overrides = [f"{group}={option}"] + (["model.path=x"] if option == "hf" else [])
+        cfg = compose(overrides)
+        if group in ("method", "task"):
+            assert cfg[group].name, f"conf/{group}/{option}.yaml needs a name"
+        kconfig.validate(cfg)
+
+
+def test_schemas_are_not_choices():
+    # the dataclass schemas are stored at the root of the ConfigStore, not in the groups
+    assert "kvbench_schema" not in _choices("model")
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo
+    assert "kvbench_schema.yaml" in repo and "kvbench_task_perplexity.yaml" in repo
+    for group in ("model", "method", "task", "runtime", "logger"):
+        assert group not in repo, f"a schema stored in group {group!r} would show up as a choice"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("budget=abc", "invalid budget='abc'"),
+    ("runtime.block_size=x", "invalid runtime.block_size='x': expected an integer"),
+    ("task.max_tokens=many", "invalid task.max_tokens='many'"),
+    ("task.nope=1", "unknown option task.nope: valid options are"),
+    ("nope=1", "unknown option nope: valid options are budget"),
+    ("logger.wandb=maybe", "expected true or false"),
+])
+def test_composition_errors_become_one_line(override, expected):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose([override])
+    msg = describe_hydra_error(info.value)
+    assert msg is not None and expected in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("group", ["method", "task", "model"])
+def test_unknown_group_option_names_choices(group):
+    with pytest.raises(MissingConfigException) as info:
+        compose([f"{group}=no_such_thing"])
+    msg = describe_hydra_error(info.value)
+    assert msg.startswith(f"unknown {group} 'no_such_thing': choices are ")
+    for option in _choices(group):
+        assert option in msg
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("budget=-5", "invalid budget=-5"),
+    ("budget=0", "invalid budget=0"),
+    ("seed=-1", "invalid seed=-1"),
+    ("runtime.block_size=0", "invalid runtime.block_size=0"),
+    ("model.dtype=int3", "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
+    ("model.device=tpu", "invalid model.device='tpu'"),
+    ("logger.mode=sometimes", "invalid logger.mode='sometimes'"),
+])
+def test_value_validation(override, expected):
+    with pytest.raises(UserError) as info:
+        kconfig.validate(compose([override]))
+    assert expected in str(info.value)
+
+
+def test_run_id_is_stable_and_ignores_output_settings():
+    a = compose(["budget=256"])
+    b = compose(["budget=256", "results_dir=/elsewhere", "logger.wandb=false", "rerun=true",
+                 "model.cache_dir=/tmp/x"])
+    c = compose(["budget=512"])
+    d = compose(["budget=256", "seed=1"])
+    ids = [run_id_for(kconfig.hashable_config(x)) for x in (a, b, c, d)]
+    assert ids[0] == ids[1]
+    assert len(set(ids[0:1] + ids[2:])) == 3
+    assert ids[0].startswith("smollm2-135m_perplexity_full_b256_s0_")
+
+
+def test_hydra_run_dir_is_the_run_folder(tmp_path):
+    import kvbench.config  # noqa: F401
+    from hydra import compose as hcompose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hcompose(config_name="config", overrides=[f"results_dir={tmp_path}", "budget=8"],
+                       return_hydra_config=True)
+    run_dir = cfg.hydra.run.dir
+    assert os.path.dirname(run_dir) == str(tmp_path)
+    assert os.path.basename(run_dir) == run_id_for(kconfig.hashable_config(cfg))
+    assert cfg.hydra.sweep.dir == str(tmp_path)
+    assert cfg.hydra.job.name == "kvbench" and cfg.hydra.job.chdir is False
+
+
+def test_validate_accepts_plain_dicts():
+    cfg = OmegaConf.create({"model": {"name": "m"}, "method": {"name": "full", "window": 3},
+                            "task": {"name": "perplexity"}, "budget": 7})
+    s = kconfig.validate(cfg)
+    assert s.method_options == {"window": 3} and s.budget == 7 and s.model.name == "m"
+    with pytest.raises(UserError, match="unknown option runtime.blocks"):
+        kconfig.validate(OmegaConf.create({"method": {"name": "full"}, "task": {"name": "perplexity"},
+                                           "runtime": {"blocks": 3}}))

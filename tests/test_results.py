@@ -1,0 +1,172 @@
+"""The results folder: atomic files, runs.jsonl, skip-if-finished, failed and interrupted runs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader
+from kvbench import app, results
+from kvbench.errors import UserError
+
+
+def run_fake(tmp_path, overrides=(), fail=None, **kw):
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=16",
+                   *overrides])
+    return app.run(cfg, load_model_fn=fake_loader(fail=fail), engine_cls=FakeEngine,
+                   build_method_fn=fake_build_method, print_summary=kw.pop("print_summary", False), **kw)
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "metrics.json"
+    results.write_json(str(target), {"a": 1})
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(results.os, "replace", boom)
+    with pytest.raises(OSError):
+        results.write_json(str(target), {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]  # no temp file left
+
+
+def test_atomic_files_are_readable_by_others(tmp_path):
+    results.atomic_write_text(str(tmp_path / "x.txt"), "hi")
+    assert (tmp_path / "x.txt").stat().st_mode & 0o044 == 0o044
+
+
+def test_jsonl_append_and_torn_lines(tmp_path):
+    path = str(tmp_path / "runs.jsonl")
+    results.append_jsonl(path, {"run_id": "a", "x": float("nan")})
+    with open(path, "a") as f:
+        f.write('{"run_id": "torn')  # an interrupted writer
+    results.append_jsonl(path, {"run_id": "b"})
+    recs = results.read_jsonl(path)
+    assert [r["run_id"] for r in recs] == ["a", "b"]
+    assert recs[0]["x"] is None  # NaN is written as null
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.dictionaries(st.sampled_from(["model", "method", "task", "runtime", "budget", "seed"]),
+                       st.one_of(st.integers(), st.text(max_size=5),
+                                 st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)), max_size=6))
+def test_config_hash_ignores_key_order(d):
+    assert results.config_hash(d) == results.config_hash(dict(reversed(list(d.items()))))
+
+
+def test_complete_record_has_every_field():
+    rec = results.complete_record({"ppl": 3.0, "run_id": "r"})
+    for key in results.REQUIRED_FIELDS:
+        assert key in rec
+    assert list(rec)[: len(results.REQUIRED_FIELDS)] == list(results.REQUIRED_FIELDS)
+    assert rec["ppl"] == 3.0
+
+
+def test_successful_run_writes_the_contract(tmp_path):
+    rec = run_fake(tmp_path, ["budget=32", "method.name=fake", "+method.window=3"])
+    run_dir = tmp_path / rec["run_id"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for key in results.REQUIRED_FIELDS:
+        assert key in metrics, key
+    assert metrics["status"] == "ok" and metrics["error"] is None
+    assert metrics["method"] == "fake" and metrics["budget"] == 32 and metrics["task"] == "perplexity"
+    assert metrics["method_window"] == 3 and metrics["method_budget"] == 32
+    assert metrics["num_samples"] == 1 and metrics["peak_kv_bytes"] == 4000 and metrics["full_kv_bytes"] == 8000
+    assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] is None
+    assert metrics["ttft_s"] is None and metrics["wall_s"] >= 0
+    assert metrics["torch"] and metrics["transformers"] and metrics["kvbench"]
+    assert "git_commit" in metrics and metrics["device"] == "cpu" and metrics["dtype"] == "float32"
+    assert math.isfinite(metrics["ppl"]) and metrics["num_tokens"] == 39
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 1 and {"id", "dataset", "prompt", "prediction", "references", "ppl"} <= set(samples[0])
+    assert "budget: 32" in (run_dir / "config.yaml").read_text()
+    runs = results.read_jsonl(str(tmp_path / "runs.jsonl"))
+    assert len(runs) == 1 and runs[0]["run_id"] == rec["run_id"]
+    df = results.load_runs(str(tmp_path))
+    assert list(df["budget"]) == [32]
+
+
+def test_finished_run_is_skipped_unless_rerun(tmp_path, capsys):
+    FakeEngine.instances.clear()
+    first = run_fake(tmp_path, ["budget=32"])
+    second = run_fake(tmp_path, ["budget=32"])
+    assert second == first and len(FakeEngine.instances) == 1
+    assert "skipping" in capsys.readouterr().out
+    third = run_fake(tmp_path, ["budget=32", "rerun=true"])
+    assert third["run_id"] == first["run_id"] and len(FakeEngine.instances) == 2
+    assert len(results.read_jsonl(str(tmp_path / "runs.jsonl"))) == 2
+
+
+def test_failed_run_is_recorded_and_retried(tmp_path):
+    rec = run_fake(tmp_path, ["budget=16"], fail=RuntimeError("out of blocks"))
+    run_dir = tmp_path / rec["run_id"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "RuntimeError: out of blocks" in metrics["error"]
+    assert "Traceback" in (run_dir / "error.txt").read_text()
+    assert results.finished_metrics(str(run_dir)) is None
+    ok = run_fake(tmp_path, ["budget=16"])  # a failed run is not skipped
+    assert ok["status"] == "ok" and not (run_dir / "error.txt").exists()
+    statuses = [r["status"] for r in results.read_jsonl(str(tmp_path / "runs.jsonl"))]
+    assert statuses == ["failed", "ok"]
+
+
+def test_interrupted_run_is_not_a_result(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        run_fake(tmp_path, ["budget=8"], fail=KeyboardInterrupt())
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert json.loads((run_dir / "metrics.json").read_text())["error"] == "interrupted"
+    assert results.finished_metrics(str(run_dir)) is None
+    assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_rerun_start_drops_the_old_marker(tmp_path):
+    folder = results.RunFolder(str(tmp_path), "r1")
+    folder.start("a: 1\n")
+    folder.finish({"run_id": "r1", "status": "ok"})
+    assert folder.finished()
+    folder.start("a: 1\n")  # a new attempt: until it finishes, there is no result
+    assert folder.finished() is None and not os.path.exists(folder.file("metrics.json"))
+
+
+def test_bad_input_found_during_the_run_is_recorded_and_raised(tmp_path):
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task=perplexity", "task.corpus=wikitext",
+                   f"task.data_path={tmp_path}/missing"])
+    with pytest.raises(UserError, match="missing"):
+        app.run(cfg, load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method,
+                print_summary=False)
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_main_keeps_a_sweep_going_and_sets_the_exit_code(tmp_path, monkeypatch):
+    monkeypatch.setattr(app, "_exit_code", 0)
+    calls = []
+
+    def fake_run(cfg, run_dir=None):
+        calls.append(cfg.budget)
+        if cfg.budget == 1:
+            return {"status": "failed", "error": "x"}
+        if cfg.budget == 2:
+            raise UserError("bad")
+        return {"status": "ok"}
+
+    monkeypatch.setattr(app, "run", fake_run)
+    app.main(compose(["budget=1"]))
+    assert app.exit_code() == 1
+    app.main(compose(["budget=2"]))
+    app.main(compose(["budget=3"]))
+    assert calls == [1, 2, 3] and app.exit_code() == 2
+
+
+def test_summary_fits_one_screen(tmp_path):
+    from kvbench.summary import format_summary
+
+    rec = run_fake(tmp_path, ["budget=32"])
+    text = format_summary(rec, str(tmp_path))
+    lines = text.splitlines()
+    assert len(lines) < 25 and max(len(line) for line in lines) <= 100
+    assert "ppl" in text and "perplexity" in text and "KV memory" in text and "50.0% saved" in text
