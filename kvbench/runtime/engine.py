@@ -103,7 +103,7 @@ class Engine:
         return paged_attention_torch
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
+    @torch.no_grad()
     def _step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, *, phase: str,
               last_chunk: bool, logits_for: str) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
@@ -118,7 +118,7 @@ class Engine:
         c = self.cache
         bs = c.block_size
         blocks = sum(-(-c.tokens_seen[s] // bs) for s in c.live) * c.num_layers * c.num_kv_heads
-        full = blocks * 2 * bs * c.head_dim * c.k_pool.element_size()
+        full = blocks * 2 * bs * c.head_dim * torch.empty((), dtype=c.dtype).element_size()  # model dtype
         self._peak_full_bytes = max(self._peak_full_bytes, full)
 
     def _prefill(self, slot: int, token_ids: Sequence[int], chunk_size: int, start_pos: int = 0,
@@ -136,6 +136,7 @@ class Engine:
             yield a, b, out
 
     # ------------------------------------------------------------------ public API
+    @torch.no_grad()
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
         """log p(token[t+1] | tokens[<=t]) for t = 0..T-2, float32 [T-1].
@@ -160,6 +161,7 @@ class Engine:
             self._end_sequence(slot)
         return out
 
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  chunk_size: int | None = None) -> list[Generation]:

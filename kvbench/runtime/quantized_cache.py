@@ -1,0 +1,461 @@
+"""A paged KV cache whose old blocks hold a storage codec's packed bytes (KIVI, KVQuant, int8, fp8).
+
+Two pools share one block-id space, so block tables, positions, lengths, forks and eviction work as in
+`PagedKVCache`:
+
+    fp pool      k_pool, v_pool [num_blocks, block_size, head_dim] in the codec's full-precision dtype
+                 (fp16 for KIVI / KVQuant, as in the papers; the model dtype otherwise)
+                 ids 0 .. num_blocks-1 (0 is the scratch block)
+    packed pool  kq_pool [num_packed, key_nbytes], vq_pool [num_packed, value_nbytes] uint8: one row per
+                 (sequence, layer, kv-head) block of block_size tokens, laid out by the codec (codes, scales,
+                 zero points, outliers, padding: every byte a block needs is in its row)
+                 ids num_blocks + (0 .. num_packed-1)
+
+A table entry below `num_blocks` is a full-precision block, any other a packed one. New tokens are always
+written to full-precision blocks. At the start of every step (`prepare_append`, i.e. after the previous step's
+attention and eviction hooks ran) each full block that the codec's `packed_block_range` says should be packed
+(KIVI: older than the newest `residual` tokens; KVQuant: every full block but the first) is encoded into a packed
+row and its full-precision block goes back to the free list at once. So a prefill chunk attends to its own tokens
+in full precision (as KIVI's prefill does), and each decode step sees the newest residual..residual+block-1
+tokens in full precision and everything older dequantized. `pack_pending()` packs without appending.
+
+Reading: `attend` dequantizes the layer's blocks into a dense scratch buffer (torch on CPU; the Triton
+`kivi_dequantize` kernel for 2/4-bit KIVI on CUDA) and runs the engine's attention function on it, unchanged
+(pre-RoPE keys, as KVQuant stores them, are rotated by the model's `rotate_keys` after dequantization).
+
+Bytes: `kv_bytes_in_use` = full-precision blocks in use x their bytes + packed blocks in use x their row bytes,
+all counted from the pools; `peak_kv_bytes` is the largest such sum seen (updated at every allocation).
+
+Block size: a codec may need a block of at least its group (KIVI keys per channel: block_size % G == 0); the cache
+uses lcm(requested block_size, codec.block_size_hint) tokens per block and keeps the same token capacity. Both
+sizes are in `describe_storage()`.
+
+Eviction composes:
+- `evict_blocks` (block level) moves no data: packed and full-precision blocks are dropped alike, freed at once.
+- `keep_tokens` (token level) keeps every block whose tokens all stay and land block-aligned as it is, packed or
+  not (a prefix of untouched blocks, or whole blocks dropped); the other kept tokens are compacted and stored again
+  (packed where the codec's rule says). Restriction: kept tokens that were already packed and must move inside a
+  block are decoded and encoded again (a second rounding), so per-step token-level eviction over an old packed
+  region (H2O style) costs re-encoding and some accuracy; prefill-time selection over the newest chunk moves
+  full-precision data only.
+- fork shares packed and full-precision blocks alike; a shared full-precision block is packed once per table that
+  holds it (the copies are not merged).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvbench.runtime.block_pool import BlockPool
+from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
+
+
+class RoutedBlockPool:
+    """Two BlockPools in one id space: ids < fp.num_blocks are full-precision blocks, the rest packed.
+
+    Quacks like `BlockPool` for the cache code: `allocate` hands out full-precision blocks, `free` / `share` /
+    `refcount` route by id. Tracks the peak of bytes in use (both pools together) at every allocation.
+    """
+
+    def __init__(self, num_fp: int, num_packed: int, fp_block_bytes: int, packed_block_bytes: int):
+        self.fp = BlockPool(num_fp, reserved=1)
+        self.packed = BlockPool(num_packed, reserved=0)
+        self.offset = num_fp
+        self.fp_block_bytes, self.packed_block_bytes = fp_block_bytes, packed_block_bytes
+        self.peak_bytes = 0
+        self.peak_in_use = 0
+
+    # ---- BlockPool interface
+    @property
+    def num_blocks(self) -> int:
+        return self.fp.num_blocks + self.packed.num_blocks
+
+    @property
+    def capacity(self) -> int:
+        return self.fp.capacity + self.packed.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self.fp.num_free + self.packed.num_free
+
+    @property
+    def in_use(self) -> int:
+        return self.fp.in_use + self.packed.in_use
+
+    def can_allocate(self, n: int) -> bool:
+        return self.fp.can_allocate(n)
+
+    def allocate(self, n: int) -> list[int]:
+        """n full-precision blocks."""
+        ids = self.fp.allocate(n)
+        self._track()
+        return ids
+
+    def allocate_packed(self, n: int) -> list[int]:
+        """n packed blocks (ids in the shared id space)."""
+        ids = self.packed.allocate(n)
+        self._track()
+        return [self.offset + i for i in ids]
+
+    def free(self, ids) -> None:
+        fp, packed = self._split(ids)
+        self.fp.free(fp)
+        self.packed.free(packed)
+
+    def share(self, ids) -> None:
+        fp, packed = self._split(ids)
+        self.fp.share(fp)
+        self.packed.share(packed)
+
+    def refcount(self, block_id: int) -> int:
+        b = int(block_id)
+        return self.fp.refcount(b) if b < self.offset else self.packed.refcount(b - self.offset)
+
+    def reset_peak(self) -> None:
+        self.fp.reset_peak()
+        self.packed.reset_peak()
+        self.peak_bytes = self.bytes_in_use()
+        self.peak_in_use = self.in_use
+
+    def check_consistency(self) -> None:
+        self.fp.check_consistency()
+        self.packed.check_consistency()
+
+    # ---- bytes
+    def bytes_in_use(self) -> int:
+        return self.fp.in_use * self.fp_block_bytes + self.packed.in_use * self.packed_block_bytes
+
+    def _track(self) -> None:
+        b = self.bytes_in_use()
+        if b > self.peak_bytes:
+            self.peak_bytes = b
+            self.peak_in_use = self.in_use
+
+    def _split(self, ids) -> tuple[list[int], list[int]]:
+        fp, packed = [], []
+        off = self.offset
+        for b in ids:
+            b = int(b)
+            (fp if b < off else packed).append(b if b < off else b - off)
+        return fp, packed
+
+
+def codec_block_size(codec, block_size: int) -> int:
+    """Tokens per block the cache uses for `codec`: a multiple of both the requested size and the codec's hint."""
+    hint = int(getattr(codec, "block_size_hint", 1) or 1)
+    return block_size * hint // math.gcd(block_size, hint)
+
+
+class QuantizedPagedKVCache(PagedKVCache):
+    """PagedKVCache whose blocks are packed by a storage codec once they leave the full-precision window."""
+
+    def __init__(
+        self,
+        *,
+        codec,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        num_blocks: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_seqs: int = 64,
+        initial_max_blocks: int = 64,
+        store_pre_rope: bool | None = None,
+        num_packed_blocks: int | None = None,
+        dequant: str = "auto",
+    ):
+        if dequant not in ("auto", "torch", "triton"):
+            raise ValueError(f"dequant must be auto, torch or triton, got {dequant!r}")
+        self.codec = codec
+        self.requested_block_size = block_size
+        bs = codec_block_size(codec, block_size)
+        if bs != block_size:  # same token capacity with bigger blocks
+            num_blocks = max(2, -(-num_blocks * block_size // bs))
+            initial_max_blocks = max(1, -(-initial_max_blocks * block_size // bs))
+        if store_pre_rope is None:
+            store_pre_rope = bool(getattr(codec, "pre_rope_keys", False))
+        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs,
+                         num_blocks=2, dtype=dtype, device=device, max_seqs=max_seqs,
+                         initial_max_blocks=initial_max_blocks, store_pre_rope=store_pre_rope)
+        # the full-precision pool, in the codec's dtype for full-precision blocks
+        self.fp_dtype = getattr(codec, "fp_block_dtype", None) or dtype
+        self.k_pool = torch.empty(num_blocks, bs, head_dim, dtype=self.fp_dtype, device=self.device)
+        self.v_pool = torch.empty(num_blocks, bs, head_dim, dtype=self.fp_dtype, device=self.device)
+        self.k_pool[SCRATCH_BLOCK] = 0
+        self.v_pool[SCRATCH_BLOCK] = 0
+        # the packed pool: one K row and one V row per packed block
+        self.key_nbytes = codec.packed_block_bytes(bs, head_dim, "key")
+        self.value_nbytes = codec.packed_block_bytes(bs, head_dim, "value")
+        n_packed = int(num_packed_blocks if num_packed_blocks is not None else num_blocks)
+        self.kq_pool = torch.empty(n_packed, self.key_nbytes, dtype=torch.uint8, device=self.device)
+        self.vq_pool = torch.empty(n_packed, self.value_nbytes, dtype=torch.uint8, device=self.device)
+        self.num_fp_blocks = num_blocks
+        self.pool = RoutedBlockPool(num_blocks, n_packed, self.k_pool[0].nbytes + self.v_pool[0].nbytes,
+                                    self.kq_pool[0].nbytes + self.vq_pool[0].nbytes)
+        self.dequant = self._pick_dequant(dequant)
+
+    def _pick_dequant(self, dequant: str) -> str:
+        c = self.codec
+        triton_ok = (self.device.type == "cuda" and getattr(c, "name", "") == "kivi" and c.bits in (2, 4))
+        if dequant == "triton":
+            if getattr(c, "name", "") != "kivi" or c.bits not in (2, 4):
+                raise ValueError("dequant=triton supports 2- and 4-bit KIVI blocks only")
+            return "triton"
+        if dequant == "auto" and triton_ok:
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                return "torch"
+            return "triton"
+        return "torch"
+
+    # ------------------------------------------------------------------ sizes and bytes
+    @property
+    def full_bytes_per_token(self) -> int:
+        """Bytes an uncompressed cache in the model dtype needs per token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+    @property
+    def packed_block_bytes(self) -> int:
+        """Bytes of one packed block in the pool (K row + V row, all metadata)."""
+        return self.kq_pool[0].nbytes + self.vq_pool[0].nbytes
+
+    def kv_bytes_in_use(self) -> int:
+        return self.pool.bytes_in_use()
+
+    def peak_kv_bytes(self) -> int:
+        return self.pool.peak_bytes
+
+    def kv_bytes_per_token(self) -> float:
+        """Pool bytes one packed token costs across all layers and kv-heads (codes and all metadata): the
+        long-context rate. The measured average at a given moment is `kv_bytes_in_use() / held tokens`."""
+        return self.packed_block_bytes * self.num_layers * self.num_kv_heads / self.block_size
+
+    def held_elements(self) -> int:
+        """K and V elements the live tables hold (2 x tokens x head_dim over all layers and heads)."""
+        return 2 * int(sum(int(self.lengths[s].sum()) for s in self.live)) * self.head_dim
+
+    def bits_per_element_in_use(self) -> float:
+        """8 x pool bytes in use / K and V elements held now (full-precision window and all metadata included)."""
+        n = self.held_elements()
+        return 8.0 * self.kv_bytes_in_use() / n if n else float("nan")
+
+    def block_counts(self) -> dict:
+        """Blocks in use per pool."""
+        return {"fp": self.pool.fp.in_use, "packed": self.pool.packed.in_use}
+
+    def describe_storage(self) -> dict:
+        out = {"codec": self.codec.name}
+        for k, v in self.codec.describe().items():
+            if k != "codec":
+                out[f"codec_{k}"] = v
+        bs, D = self.block_size, self.head_dim
+        out.update(
+            kv_dtype=_dtype_name(self.dtype), fp_block_dtype=_dtype_name(self.fp_dtype), block_size=bs,
+            requested_block_size=self.requested_block_size, packed_key_bytes_per_block=self.key_nbytes,
+            packed_value_bytes_per_block=self.value_nbytes,
+            packed_bits_per_element=round(8.0 * self.packed_block_bytes / (2 * bs * D), 4),
+            pre_rope_keys=self.store_pre_rope, dequant=self.dequant,
+        )
+        return out
+
+    # ------------------------------------------------------------------ appending
+    def prepare_append(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
+        """Pack the blocks that left the full-precision window, then allocate room as PagedKVCache does."""
+        self.pack_pending(slots)
+        plan = super().prepare_append(slots, query_positions)
+        if int(plan.write_index.max()) >= self.num_fp_blocks * self.block_size:  # pragma: no cover - invariant
+            raise AssertionError("new tokens must land in full-precision blocks")
+        return plan
+
+    def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K/V of one layer (in the full-precision pool). k, v: [S, H, Q, D]."""
+        rows = plan.write_index[:, layer].reshape(-1)
+        D = self.head_dim
+        self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.fp_dtype))
+        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.fp_dtype))
+
+    @torch.no_grad()
+    def pack_pending(self, slots: list[int] | None = None) -> int:
+        """Encode every full-precision block the codec's rule says should be packed; returns how many.
+
+        Their full-precision blocks are freed before the packed rows are allocated (the data is encoded first),
+        so packing never raises the bytes in use.
+        """
+        slots = sorted(self.live) if slots is None else list(slots)
+        if not slots:
+            return 0
+        st = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        tables = self.tables[st]  # [S, L, H, MB]
+        lengths = self.lengths[st]  # [S, L, H]
+        bs, R = self.block_size, int(self.codec.residual)
+        start = 1 if self.codec.first_token_fp else 0
+        stop = (lengths - R).clamp(min=0) // bs  # [S, L, H]
+        cols = torch.arange(tables.shape[-1], device=self.device)
+        mask = (cols >= start) & (cols < stop.unsqueeze(-1)) & (tables < self.num_fp_blocks)
+        if not bool(mask.any()):
+            return 0
+        s_i, l_i, h_i, c_i = mask.nonzero(as_tuple=True)
+        fp_ids = tables[s_i, l_i, h_i, c_i].to(torch.int64)
+        k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
+        v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
+        for layer in torch.unique(l_i).tolist():
+            sel = torch.nonzero(l_i == layer).squeeze(1)
+            ids, heads = fp_ids[sel], h_i[sel]
+            k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
+            v_rows[sel] = self.codec.encode_values(self.v_pool[ids].float(), layer, heads)
+        self.pool.free(fp_ids.tolist())
+        new_ids = torch.tensor(self._allocate_packed(fp_ids.numel()), dtype=torch.int64, device=self.device)
+        pid = new_ids - self.num_fp_blocks
+        self.kq_pool[pid] = k_rows
+        self.vq_pool[pid] = v_rows
+        self.tables[st[s_i], l_i, h_i, c_i] = new_ids.to(torch.int32)
+        return int(fp_ids.numel())
+
+    def _allocate_packed(self, n: int) -> list[int]:
+        return self.pool.allocate_packed(n)  # OutOfBlocksError (nothing allocated) when the packed pool is full
+
+    # ------------------------------------------------------------------ reading
+    def _dense_blocks(self, layer: int, tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The first nb blocks of each table, decoded: (k, v [S*H*nb, bs, D] in the model dtype, nb).
+
+        tables [S, H, MB], lengths [S, H]; row (s*H + h)*nb + c is block c of table (s, h). Columns past a
+        table's own length are zeros.
+        """
+        S, H = tables.shape[:2]
+        bs, D = self.block_size, self.head_dim
+        T = int(lengths.max()) if lengths.numel() else 0
+        nb = max(1, -(-T // bs))
+        ids = tables[:, :, :nb].reshape(-1).to(torch.int64)  # [S*H*nb]
+        own = ((lengths + bs - 1) // bs).reshape(-1, 1)  # [S*H, 1]
+        valid = (torch.arange(nb, device=self.device) < own).reshape(-1)
+        k = torch.zeros(S * H * nb, bs, D, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        fp_pos = torch.nonzero(valid & (ids < self.num_fp_blocks)).squeeze(1)
+        if fp_pos.numel():
+            fid = ids[fp_pos]
+            k.index_copy_(0, fp_pos, self.k_pool.index_select(0, fid).to(self.dtype))
+            v.index_copy_(0, fp_pos, self.v_pool.index_select(0, fid).to(self.dtype))
+        pk_pos = torch.nonzero(valid & (ids >= self.num_fp_blocks)).squeeze(1)
+        if pk_pos.numel():
+            pid = ids[pk_pos] - self.num_fp_blocks
+            heads = (pk_pos // nb) % H
+            k.index_copy_(0, pk_pos, self._decode("key", self.kq_pool.index_select(0, pid), layer, heads))
+            v.index_copy_(0, pk_pos, self._decode("value", self.vq_pool.index_select(0, pid), layer, heads))
+        return k, v, nb
+
+    def _decode(self, kind: str, rows: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
+        bs, D = self.block_size, self.head_dim
+        if self.dequant == "triton":
+            from kvbench.quant.triton_dequant import kivi_dequantize
+
+            return kivi_dequantize(self.codec, rows.contiguous(), kind, bs, D).to(self.dtype)
+        if kind == "key":
+            return self.codec.decode_keys(rows, bs, D, layer, heads, dtype=self.dtype)
+        return self.codec.decode_values(rows, bs, D, layer, heads, dtype=self.dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, attention,
+               return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
+        """Dequantize this layer's blocks and run `attention` over them, as PagedKVCache.attend does."""
+        tables, lengths = plan.tables[:, layer], plan.lengths[:, layer]
+        S, H = tables.shape[:2]
+        k, v, nb = self._dense_blocks(layer, tables, lengths)
+        dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
+        return attention(
+            q, k, v, dense_tables, lengths, self.positions[plan.slots, layer], plan.query_positions, scale,
+            return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
+        )
+
+    def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense (dequantized) K, V [H, T, D] and positions [H, T] of one sequence's layer (pad = -1)."""
+        self._check_live(slot)
+        lengths = self.lengths[slot, layer]
+        T = int(lengths.max())
+        H, D = self.num_kv_heads, self.head_dim
+        k, v, nb = self._dense_blocks(layer, self.tables[slot, layer][None], lengths[None])
+        k = k.view(H, nb * self.block_size, D)[:, :T]
+        v = v.view(H, nb * self.block_size, D)[:, :T]
+        pos = self.positions[slot, layer, :, :T].clone()
+        pos[torch.arange(T, device=self.device)[None, :] >= lengths[:, None]] = -1
+        return k, v, pos
+
+    # ------------------------------------------------------------------ eviction
+    @torch.no_grad()
+    def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
+        """Token-level eviction: keep only slots `keep` [H, n] (sorted ascending per head; -1 pads a shorter
+        head) of one sequence's layer, compacted to the front.
+
+        A new block whose tokens are exactly one old block's tokens reuses that block as it is (packed or not);
+        the rest are stored again: packed where `codec.packed_block_range` says, else in full precision.
+        """
+        self._check_live(slot)
+        bs, D, H = self.block_size, self.head_dim, self.num_kv_heads
+        keep = keep.to(self.device)
+        old_len = self.lengths[slot, layer].clone()  # [H]
+        table = self.tables[slot, layer]  # [H, MB] view
+        pos_row = self.positions[slot, layer]  # [H, MB*bs] view
+        dense = None
+        freed: list[int] = []
+        plans = []  # per head: (kept slots, reused {col: id}, fp cols, packed cols)
+        for h in range(H):
+            kh = keep[h][keep[h] >= 0].to(torch.int64)
+            n_new = kh.numel()
+            if n_new > int(old_len[h]) or (n_new and int(kh.max()) >= int(old_len[h])):
+                raise ValueError(f"keep_tokens: slots out of range for a {int(old_len[h])}-token table")
+            n_full = n_new // bs
+            reused: dict[int, int] = {}
+            if n_full:
+                chunks = kh[: n_full * bs].view(n_full, bs)
+                aligned = (chunks[:, 0] % bs == 0) & (chunks == chunks[:, :1] + torch.arange(bs, device=self.device)).all(1)
+                for c in torch.nonzero(aligned).squeeze(1).tolist():
+                    reused[c] = int(table[h, int(chunks[c, 0]) // bs])
+            old_nb = -(-int(old_len[h]) // bs)
+            reused_ids = set(reused.values())
+            freed.extend(int(b) for b in table[h, :old_nb].tolist() if int(b) not in reused_ids)
+            packed_range = self.codec.packed_block_range(n_new, bs)
+            new_cols = [c for c in range(-(-n_new // bs)) if c not in reused]
+            pk_cols = [c for c in new_cols if c in packed_range]
+            fp_cols = [c for c in new_cols if c not in packed_range]
+            if new_cols and dense is None:
+                dense = self.gather(layer, slot)  # decoded K, V [H, T, D] before anything changes
+            plans.append((kh, reused, fp_cols, pk_cols))
+        new_pos = [pos_row[h].gather(0, plans[h][0]).clone() for h in range(H)]
+        self.pool.free(freed)
+        for h, (kh, reused, fp_cols, pk_cols) in enumerate(plans):
+            n_new = kh.numel()
+            for c, b in reused.items():
+                table[h, c] = b
+            if fp_cols:
+                ids = self.pool.allocate(len(fp_cols))
+                for c, b in zip(fp_cols, ids):
+                    sl = kh[c * bs: (c + 1) * bs]
+                    self.k_pool[b].zero_()
+                    self.v_pool[b].zero_()
+                    self.k_pool[b, : sl.numel()] = dense[0][h, sl].to(self.fp_dtype)
+                    self.v_pool[b, : sl.numel()] = dense[1][h, sl].to(self.fp_dtype)
+                    table[h, c] = b
+            if pk_cols:
+                sl = torch.stack([kh[c * bs: (c + 1) * bs] for c in pk_cols])  # [n, bs] (full blocks)
+                kt, vt = dense[0][h][sl].float(), dense[1][h][sl].float()
+                k_rows = self.codec.encode_keys(kt, layer, h)
+                v_rows = self.codec.encode_values(vt, layer, h)
+                ids = self._allocate_packed(len(pk_cols))
+                pid = torch.tensor(ids, dtype=torch.int64, device=self.device) - self.num_fp_blocks
+                self.kq_pool[pid] = k_rows
+                self.vq_pool[pid] = v_rows
+                for c, b in zip(pk_cols, ids):
+                    table[h, c] = b
+            pos_row[h, :n_new] = new_pos[h].to(pos_row.dtype)
+            pos_row[h, n_new:] = -1
+            self.lengths[slot, layer, h] = n_new
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
