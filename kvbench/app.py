@@ -206,6 +206,7 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
         from tasks import make_progress
 
+        task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)
         result = task.run(engine, loaded.tokenizer, cfg, make_progress(settings.progress))
         samples = list(result.samples or [])
         record.update(result.metrics or {})

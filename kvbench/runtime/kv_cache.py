@@ -32,6 +32,7 @@ class AppendPlan:
     tables: torch.Tensor  # [S, L, H, MB] int32 snapshot after allocation
     lengths: torch.Tensor  # [S, L, H] int64 after the append
     query_positions: torch.Tensor  # [S, Q] int64
+    positions: torch.Tensor  # [S, L, H, MB*bs] int32 snapshot of key positions after the append
 
 
 class PagedKVCache:
@@ -190,7 +191,7 @@ class PagedKVCache:
         self.lengths[slot_t] = new_len
         for s in slots:
             self.tokens_seen[s] += Q
-        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64))
+        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), pos_rows)
 
     def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V of one layer. k, v: [S, H, Q, D]."""
@@ -207,7 +208,7 @@ class PagedKVCache:
         A storage codec's cache overrides this to read (dequantize) its own block layout."""
         return attention(
             q, self.k_pool, self.v_pool, plan.tables[:, layer], plan.lengths[:, layer],
-            self.positions[plan.slots, layer], plan.query_positions, scale,
+            plan.positions[:, layer], plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 

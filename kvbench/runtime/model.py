@@ -79,6 +79,8 @@ AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
     dtype = x.dtype
+    if dtype == torch.float32:  # fused kernel, same math in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
@@ -132,6 +134,7 @@ class LlamaFamilyModel:
         qpos = plan.query_positions  # [S, Q]
         cos, sin = self.rotary.lookup(qpos)  # [S, Q, D]
         cos_q, sin_q = cos[:, None], sin[:, None]  # [S, 1, Q, D]
+        cos_qk, sin_qk = cos[:, :, None], sin[:, :, None]  # [S, Q, 1, D]
         need_scores = bool(hook is not None and hook.needs_key_scores)
         causal = Q > 1
         x = self.embed[tokens]  # [S, Q, E]
@@ -148,7 +151,11 @@ class LlamaFamilyModel:
                 q = rms_norm(q, lw.q_norm, eps)
                 k = rms_norm(k, lw.k_norm, eps)
             rotate_keys = None
-            if not pre_rope:
+            if not pre_rope and not cfg.qk_norm:  # q and k rotated together: one pass, before the split
+                qk = apply_rotary(qkv[..., : (Hq + H) * D].view(S, Q, Hq + H, D), cos_qk, sin_qk)
+                q = qk[:, :, :Hq].transpose(1, 2)  # [S, Hq, Q, D]
+                k = qk[:, :, Hq:].transpose(1, 2)  # [S, H, Q, D]
+            elif not pre_rope:
                 q = apply_rotary(q, cos_q, sin_q)
                 k = apply_rotary(k, cos_q, sin_q)
             elif rope_mode == "original":

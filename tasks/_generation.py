@@ -1,0 +1,358 @@
+"""Shared pieces of the generation tasks: prompts and stop tokens, a batched greedy loop, timing figures.
+
+    requests = [GenRequest(id=..., dataset=..., prompt=text, token_ids=ids, max_new_tokens=64, references=[...])]
+    outputs, perf = run_generation(engine, tokenizer, requests, batch_size=cfg.runtime.batch_size)
+
+Requests are cut into batches of `batch_size` consecutive requests with the same max_new_tokens and stop tokens;
+each batch goes through `engine.generate` (every prompt prefilled, then all decoded together, greedy). A
+prediction is the generated tokens decoded with special tokens skipped (so the stop token is not in it).
+
+perf (also written per sample as ttft_s / prefill_s / decode_s):
+- ttft_s                mean over samples of the time from the start of a prompt's prefill to its first token
+- prefill_tokens_per_s  all prompt tokens / all prefill time
+- decode_tokens_per_s   all tokens generated after the first / wall time of the batched decode loops (with
+                        batch_size > 1 the decode steps of a batch are shared, so this is throughput)
+- peak_kv_bytes         the engine pool's peak so far (app.py records the final value from engine.memory_stats())
+
+Two helpers reach into the engine (kvbench.runtime.engine.Engine) below its public API, for the lm-eval adapter:
+`score_continuation` (prefill and compress a context, then score a continuation against the compressed cache) and
+`generate_until` (generation that also stops on a condition checked after every token, e.g. a stop string).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from kvbench.errors import UserError
+
+# End-of-turn / end-of-text tokens of the common chat formats; those the tokenizer knows stop generation.
+CHAT_END_TOKENS: tuple[str, ...] = (
+    "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "</s>",
+)  # fmt: skip
+CHAT_TEMPLATE_CHOICES = ("auto", "true", "false")
+
+
+# --------------------------------------------------------------------------- prompts and tokens
+def check_chat_template_option(value: Any, where: str = "task.chat_template") -> str:
+    """Normalise a chat_template option (auto | true | false, YAML booleans allowed) to one of CHAT_TEMPLATE_CHOICES."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).lower()
+    if text not in CHAT_TEMPLATE_CHOICES:
+        raise UserError(f"invalid {where}={value!r}: choices are auto, true, false")
+    return text
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def wants_chat_template(option: str, tokenizer: Any) -> bool:
+    """Whether to template prompts: 'auto' = when the tokenizer has a chat template."""
+    option = check_chat_template_option(option)
+    if option == "true":
+        if not has_chat_template(tokenizer):
+            raise UserError("task.chat_template=true but the tokenizer has no chat template")
+        return True
+    return option == "auto" and has_chat_template(tokenizer)
+
+
+def apply_chat(tokenizer: Any, user: str, system: Optional[str] = None) -> str:
+    """The text of one user turn (after an optional system turn) in the model's chat format, ready for the answer."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode(tokenizer: Any, text: str, templated: bool) -> list[int]:
+    """Token ids of a prompt. Chat-templated text already holds its special tokens (no BOS added again);
+    raw text gets the tokenizer's default special tokens, as LongBench's pred.py tokenizes it."""
+    if templated:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def stop_token_ids(tokenizer: Any, extra: Iterable[int] = (), generation_config: Any = None) -> tuple[int, ...]:
+    """EOS of the tokenizer (and of a generation config, if given) plus the chat end tokens it knows."""
+    ids: set[int] = set(int(t) for t in extra)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for source in (eos, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(t) for t in source)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    specials.update(getattr(tokenizer, "added_tokens_encoder", {}) or {})
+    for tok in CHAT_END_TOKENS:
+        if tok in vocab and tok in specials:
+            ids.add(int(vocab[tok]))
+    return tuple(sorted(ids))
+
+
+def model_context_length(engine: Any, default: int = 4096) -> int:
+    """The model's max positions (engine.model.config.max_position_embeddings), or default if unknown."""
+    cfg = getattr(getattr(engine, "model", None), "config", None)
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else default
+
+
+def check_positive(where: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"invalid {where}={value!r}: expected an integer >= 1" + (" or null" if allow_none else ""))
+
+
+def batch_size_of(cfg: Any) -> int:
+    """cfg.runtime.batch_size (1 when the config has none)."""
+    try:
+        rt = cfg.get("runtime") if hasattr(cfg, "get") else getattr(cfg, "runtime", None)
+        value = (rt.get("batch_size") if hasattr(rt, "get") else getattr(rt, "batch_size", None)) if rt else None
+    except Exception:
+        value = None
+    return int(value) if value else 1
+
+
+# --------------------------------------------------------------------------- the batched loop
+@dataclass
+class GenRequest:
+    id: str
+    dataset: Optional[str]
+    prompt: str  # the exact text given to the tokenizer (after templating and truncation)
+    token_ids: list[int]
+    max_new_tokens: int
+    references: list = field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict)  # copied into the sample record
+
+
+@dataclass
+class GenOutput:
+    request: GenRequest
+    prediction: str
+    token_ids: list[int]
+    finish_reason: str
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+
+    def record(self, **metrics: Any) -> dict:
+        """The sample record: id, dataset, prompt, prediction, references, lengths and timings, then metrics."""
+        r = self.request
+        out = {
+            "id": r.id, "dataset": r.dataset, "prompt": r.prompt, "prediction": self.prediction,
+            "references": list(r.references), "prompt_tokens": len(r.token_ids), "new_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+        }
+        out.update(r.extra)
+        out.update(metrics)
+        return out
+
+
+class PerfMeter:
+    """Accumulates the timing of generation batches (see the module docstring for the figures)."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.decode_tokens = 0
+        self.decode_s = 0.0
+        self.ttfts: list[float] = []
+
+    def add_batch(self, gens: Sequence[Any]) -> None:
+        for g in gens:
+            self.prefill_tokens += g.prefill_tokens
+            self.prefill_s += g.prefill_s
+            self.decode_tokens += g.decode_tokens
+            self.ttfts.append(g.ttft_s)
+        # decode steps are shared by the batch: its wall time is the longest sequence's decode time
+        self.decode_s += max((g.decode_s for g in gens), default=0.0)
+
+    def add_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_tokens += tokens
+        self.prefill_s += seconds
+
+    def perf(self, engine: Any = None) -> dict:
+        out = {
+            "ttft_s": sum(self.ttfts) / len(self.ttfts) if self.ttfts else None,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s > 0 else None,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+        }
+        if engine is not None and hasattr(engine, "memory_stats"):
+            try:
+                out["peak_kv_bytes"] = engine.memory_stats().get("peak_kv_bytes")
+            except Exception:  # pragma: no cover
+                pass
+        return out
+
+
+def _batches(requests: Sequence[GenRequest], batch_size: int) -> list[list[GenRequest]]:
+    """Consecutive runs of requests with the same generation settings, cut to batch_size."""
+    out: list[list[GenRequest]] = []
+    for r in requests:
+        key = (r.max_new_tokens, tuple(sorted(r.stop_ids)))
+        last = out[-1] if out else None
+        if last and len(last) < batch_size and (last[0].max_new_tokens, tuple(sorted(last[0].stop_ids))) == key:
+            last.append(r)
+        else:
+            out.append([r])
+    return out
+
+
+def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], *, batch_size: int = 1,
+                   progress: Any = None, desc: str = "generate",
+                   on_batch: Optional[Callable[[list[GenOutput]], None]] = None) -> tuple[list[GenOutput], dict]:
+    """Greedy generation for every request (in order), batched; returns the outputs and the perf figures."""
+    check_positive("runtime.batch_size", batch_size)
+    meter = PerfMeter()
+    outputs: list[GenOutput] = []
+    bar = progress(total=len(requests), desc=desc, unit="sample") if progress is not None else None
+    try:
+        for batch in _batches(requests, batch_size):
+            gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
+                                   stop_token_ids=batch[0].stop_ids, temperature=0.0)
+            meter.add_batch(gens)
+            done = [GenOutput(r, decode(tokenizer, g.token_ids), list(g.token_ids), g.finish_reason, g.ttft_s,
+                              g.prefill_s, g.decode_s) for r, g in zip(batch, gens)]
+            outputs.extend(done)
+            if on_batch is not None:
+                on_batch(done)
+            if bar is not None:
+                bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    return outputs, meter.perf(engine)
+
+
+def mean_x100(values: Iterable[float], ndigits: int = 2) -> Optional[float]:
+    """100 x mean, rounded (the LongBench reporting); None for no values, NaN-free."""
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return round(100 * sum(vals) / len(vals), ndigits) if vals else None
+
+
+# --------------------------------------------------------------------------- engine helpers (below its public API)
+def score_continuation(engine: Any, context_ids: Sequence[int], continuation_ids: Sequence[int],
+                       chunk_size: Optional[int] = None) -> tuple[list[float], bool]:
+    """log p of every continuation token, scored against the context as the method left it in the cache.
+
+    The context but its last token is prefilled chunk by chunk (the method compresses as it does for any prompt);
+    then its last token and the continuation but its last token go in as one more chunk, whose logits give every
+    continuation token's log-prob, each predicted from the compressed cache. Returns (log-probs, greedy) where
+    greedy says whether every continuation token is the argmax. The sequence is freed at the end.
+    """
+    import torch
+
+    ctx, cont = [int(t) for t in context_ids], [int(t) for t in continuation_ids]
+    if not ctx or not cont:
+        raise ValueError("score_continuation needs a non-empty context and continuation")
+    chunk = chunk_size or engine.prefill_chunk_size
+    head, feed = ctx[:-1], ctx[-1:] + cont[:-1]
+    slot = engine.cache.add_sequence()
+    logprobs: list[float] = []
+    greedy = True
+    try:
+        if head:
+            for _ in engine._prefill(slot, head, chunk, logits_for="none"):
+                pass
+        for a, b, logits in engine._prefill(slot, feed, chunk, start_pos=len(head), logits_for="all"):
+            lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
+            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
+            logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
+            greedy = greedy and bool((lp.argmax(-1) == tgt).all())
+    finally:
+        engine._end_sequence(slot)
+    return logprobs, greedy
+
+
+def generate_until(engine: Any, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
+                   should_stop: Optional[Callable[[int, list[int]], bool]] = None, temperature: float = 0.0,
+                   seed: Optional[int] = None) -> list[Any]:
+    """engine.generate, plus `should_stop(i, tokens_so_far)` checked after every token of prompt i (a sequence
+    that should stop ends with finish_reason "stop"). Without should_stop this is engine.generate."""
+    if should_stop is None:
+        return engine.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                               temperature=temperature, seed=seed)
+    import torch
+
+    from kvbench.runtime.engine import Generation, _sync
+
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    stops = set(int(t) for t in stop_token_ids)
+    gen = torch.Generator(device="cpu")
+    if seed is not None:
+        gen.manual_seed(seed)
+    dev = engine.model.device
+    slots: list[int] = []
+    results: list[Generation] = []
+    nxt: list[int] = []
+
+    def emit(i: int, tok: int) -> None:
+        res = results[i]
+        engine._emit(res, tok, stops, max_new_tokens)
+        if res.finish_reason != "stop" and res.token_ids and should_stop(i, res.token_ids):
+            res.finish_reason = "stop"
+
+    def done(i: int) -> bool:
+        return engine._done(results[i], stops, max_new_tokens)
+
+    try:
+        for p in prompts:
+            t0 = time.perf_counter()
+            slot = engine.cache.add_sequence()
+            slots.append(slot)
+            logits = None
+            for _, _, logits in engine._prefill(slot, p, engine.prefill_chunk_size):
+                pass
+            tok = engine._sample(logits, temperature, 1.0, gen)[0]
+            _sync(dev)
+            t1 = time.perf_counter()
+            results.append(Generation([], "length", t1 - t0, len(p), t1 - t0, 0, 0.0))
+            nxt.append(tok)
+        pos = [len(p) for p in prompts]
+        for i in range(len(prompts)):
+            emit(i, nxt[i])
+        active = [i for i in range(len(prompts)) if not done(i)]
+        for i in range(len(prompts)):
+            if i not in active:
+                engine._end_sequence(slots[i])
+        while active:
+            t0 = time.perf_counter()
+            toks = torch.tensor([[nxt[i]] for i in active], dtype=torch.int64, device=dev)
+            qpos = torch.tensor([[pos[i]] for i in active], dtype=torch.int64, device=dev)
+            logits = engine._step([slots[i] for i in active], toks, qpos, phase="decode", last_chunk=True,
+                                  logits_for="last")
+            new = engine._sample(logits, temperature, 1.0, gen)
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            still = []
+            for j, i in enumerate(active):
+                pos[i] += 1
+                nxt[i] = new[j]
+                results[i].decode_s += dt
+                results[i].decode_tokens += 1
+                emit(i, new[j])
+                if done(i):
+                    engine._end_sequence(slots[i])
+                else:
+                    still.append(i)
+            active = still
+    except BaseException:
+        for s in slots:
+            if s in engine.cache.live:
+                engine._end_sequence(s)
+        raise
+    return results

@@ -1,0 +1,180 @@
+"""`task=lm_eval`: lm-eval-harness tasks run through kvbench's adapter (kvbench.lm_eval_adapter.KVBenchLM) on the
+run's engine, so the method and budget apply to both log-likelihood scoring and generation.
+
+    python -m kvbench task=lm_eval task.tasks=[arc_easy,hellaswag] task.limit=100 method=... budget=...
+    python -m kvbench task=lm_eval task.include_path=my_tasks/ task.tasks=[my_task]
+
+Options:
+- tasks          lm-eval task or group names (a list, or one comma-separated string); required
+- include_path   folder(s) with task YAMLs of your own (lm-eval's --include_path)
+- include_defaults  false = only the tasks under include_path (skips indexing lm-eval's ~15k built-in tasks, ~10 s)
+- limit          at most this many documents per task (a fraction < 1 is a share of them); null = all
+- num_fewshot    null = each task's default
+- apply_chat_template, fewshot_as_multiturn, system_instruction   as lm-eval's options of the same names
+- gen_kwargs     generation settings for generate_until tasks (dict or "k=v,k=v"), as lm-eval's --gen_kwargs
+- max_gen_toks   default max new tokens of generate_until requests that do not set one
+- bootstrap_iters  for lm-eval's stderr figures (0 = none, the default: faster)
+- log_samples    keep lm-eval's per-document records as kvbench samples
+
+Metrics: every lm-eval result as `<task>/<metric>` (`<task>/<metric>/<filter>` for filters other than "none"),
+`<task>/<metric>_stderr` when bootstrap_iters > 0, and `score`, the mean over the requested tasks of each one's first
+metric. Samples: id `<task>/<doc_id>`, dataset = task, prompt = the first request's context, prediction = the
+filtered response(s), references = [target], and lm-eval's per-document metrics. Perf: the adapter's timing
+(loglikelihood scoring counts as prefill), and the engine's peak KV bytes. The seed is cfg.seed.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from kvbench.errors import UserError
+from tasks._generation import batch_size_of
+from tasks.base import Task, TaskResult, register_task
+
+INSTALL_HINT = "pip install 'lm-eval>=0.4.13,<0.5'"
+
+
+def _names(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = value.split(",")
+    return [str(v).strip() for v in value if str(v).strip()]
+
+
+@dataclass
+class LmEvalOptions:
+    name: str = "lm_eval"
+    tasks: Union[list, str, None] = field(default_factory=list)
+    include_path: Union[list, str, None] = None
+    include_defaults: bool = True
+    limit: Optional[float] = None
+    num_fewshot: Optional[int] = None
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    system_instruction: Optional[str] = None
+    gen_kwargs: Any = None
+    max_gen_toks: int = 256
+    bootstrap_iters: int = 0
+    log_samples: bool = True
+
+    def __post_init__(self) -> None:
+        self.tasks = _names(self.tasks)
+        if not self.tasks:
+            raise UserError("task=lm_eval needs task.tasks=[name,...]: lm-eval task or group names, or tasks "
+                            "defined by YAML files under task.include_path")
+        if self.include_path is not None:
+            paths = [self.include_path] if isinstance(self.include_path, str) else list(self.include_path)
+            self.include_path = [str(p) for p in paths]
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, (int, float))
+                                       or self.limit <= 0):
+            raise UserError(f"invalid task.limit={self.limit!r}: expected a number > 0 or null")
+        if self.limit is not None and float(self.limit).is_integer() and self.limit >= 1:
+            self.limit = int(self.limit)
+        for key in ("num_fewshot", "bootstrap_iters"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise UserError(f"invalid task.{key}={v!r}: expected an integer >= 0" +
+                                (" or null" if key == "num_fewshot" else ""))
+        if isinstance(self.max_gen_toks, bool) or not isinstance(self.max_gen_toks, int) or self.max_gen_toks < 1:
+            raise UserError(f"invalid task.max_gen_toks={self.max_gen_toks!r}: expected an integer >= 1")
+
+
+def _metric_key(task: str, metric: str) -> Optional[str]:
+    name, _, filt = metric.partition(",")
+    if name == "alias" or name == "samples":
+        return None
+    return f"{task}/{name}" if filt in ("", "none") else f"{task}/{name}/{filt}"
+
+
+def flatten_results(results: dict, requested: list[str]) -> dict:
+    """lm-eval's results[task][metric,filter] as flat `<task>/<metric>[/<filter>]` keys plus `score`."""
+    metrics: dict = {}
+    primary: dict[str, float] = {}
+    for task, values in (results.get("results") or {}).items():
+        for metric, value in values.items():
+            key = _metric_key(task, metric)
+            if key is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if isinstance(value, float) and math.isnan(value):
+                continue
+            metrics[key] = float(value)
+            if task not in primary and "_stderr" not in metric:
+                primary[task] = float(value)
+    chosen = [primary[t] for t in requested if t in primary] or list(primary.values())
+    metrics["score"] = sum(chosen) / len(chosen) if chosen else None
+    return metrics
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def sample_records(results: dict) -> list[dict]:
+    """kvbench sample records from lm-eval's logged samples."""
+    out = []
+    for task, rows in (results.get("samples") or {}).items():
+        for row in rows:
+            args = row.get("arguments") or []
+            prompt = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else None
+            resps = row.get("filtered_resps")
+            prediction = resps[0] if isinstance(resps, list) and len(resps) == 1 else resps
+            rec = {
+                "id": f"{task}/{row.get('doc_id')}", "dataset": task, "prompt": prompt,
+                "prediction": _jsonable(prediction), "references": [_jsonable(row.get("target"))],
+                "filter": row.get("filter"),
+            }
+            for m in row.get("metrics") or []:
+                rec[m] = _jsonable(row.get(m))
+            out.append(rec)
+    return out
+
+
+@register_task("lm_eval")
+class LmEval(Task):
+    Options = LmEvalOptions
+
+    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
+        opts = self.options
+        try:
+            import lm_eval
+            from lm_eval.tasks import TaskManager
+
+            from kvbench.lm_eval_adapter import KVBenchLM
+        except ImportError as exc:
+            raise UserError(f"task=lm_eval needs lm-eval ({INSTALL_HINT}): {exc}") from None
+        seed = 0
+        try:
+            seed = int(cfg.get("seed", 0)) if cfg is not None and hasattr(cfg, "get") else 0
+        except Exception:
+            pass
+        lm = KVBenchLM(engine=engine, tokenizer=tokenizer, batch_size=batch_size_of(cfg),
+                       max_gen_toks=opts.max_gen_toks, seed=seed)
+        manager = TaskManager(include_path=opts.include_path, include_defaults=opts.include_defaults)
+        unknown = [t for t in opts.tasks if not manager.match_tasks([t]) and not os.path.isfile(t)]
+        if unknown:
+            raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}"
+                            + (f" (include_path {', '.join(opts.include_path)})" if opts.include_path else
+                               " (lm_eval ls tasks lists them; task.include_path adds your own YAMLs)"))
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=list(opts.tasks), num_fewshot=opts.num_fewshot, limit=opts.limit,
+            task_manager=manager, bootstrap_iters=opts.bootstrap_iters, log_samples=opts.log_samples,
+            apply_chat_template=opts.apply_chat_template, fewshot_as_multiturn=opts.fewshot_as_multiturn,
+            system_instruction=opts.system_instruction, gen_kwargs=opts.gen_kwargs,
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+        )
+        if results is None:  # pragma: no cover (only on non-zero ranks)
+            raise UserError("lm-eval returned no results")
+        metrics = flatten_results(results, opts.tasks)
+        samples = sample_records(results) if opts.log_samples else []
+        return TaskResult(metrics=metrics, samples=samples, perf=lm.perf())

@@ -1,0 +1,188 @@
+"""`task=longbench` and `task=longbench_e`: LongBench v1 (THUDM/LongBench) as its pred.py and eval.py run it.
+
+Per sample (pred.py): the dataset's official prompt filled with the record's context and input; if it is longer than
+`max_length` tokens, it is cut in the middle (the first and last max_length/2 tokens, decoded and joined); then the
+chat template, except for trec, triviaqa, samsum, lsht, lcc and repobench-p (`chat_template`: auto = when the
+tokenizer has one); greedy decoding of at most the dataset's official max new tokens, stopping at EOS (and the chat
+end tokens), and for samsum also at "\\n"; the prediction is the new tokens decoded with special tokens skipped.
+
+Scoring (eval.py): the dataset's official metric, max over the reference answers, first line only for trec,
+triviaqa, samsum and lsht; per dataset 100 x mean with 2 decimals (`score_<dataset>`); `score` is the mean of the
+dataset scores (and `score_en` / `score_zh` per language when both are present). LongBench-E datasets (`<name>_e`)
+are also scored per length bucket: `score_<dataset>_<bucket>` and, averaged over the -E datasets,
+`score_<bucket>` for the buckets 0-4k, 4-8k, 8k+.
+
+Options:
+- datasets     list of dataset names, or one of: all (the 21 v1 datasets), en, zh, e (the 13 LongBench-E sets)
+- data_dir     a folder of `<dataset>.jsonl` in the hub's format, or the official data.zip; null = the hub
+- limit        at most this many samples per dataset (null = all)
+- max_length   prompt tokens kept by the middle truncation (default 7500, for SmolLM2's 8192 positions; null =
+               the model's max positions minus 692, which leaves room for 512 new tokens and the chat template)
+- chat_template  auto | true | false
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from kvbench.errors import UserError
+from tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
+                               encode, model_context_length, run_generation, stop_token_ids, wants_chat_template)
+from tasks.base import Task, TaskResult, register_task
+
+RESERVED_TOKENS = 692  # null max_length = model context minus this (512 new tokens + the chat template)
+DATASET_GROUPS = ("all", "en", "zh", "e")
+
+
+def _dataset_names(value: Any) -> list[str]:
+    from kvbench.data import longbench as lb
+
+    groups = {"all": lb.LONGBENCH_DATASETS, "en": lb.LONGBENCH_EN, "zh": lb.LONGBENCH_ZH,
+              "e": lb.LONGBENCH_E_DATASETS}
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise UserError("task.datasets is empty: name at least one LongBench dataset (or all, en, zh, e)")
+    names: list[str] = []
+    for item in value:
+        item = str(item)
+        for name in groups.get(item, (item,)):
+            if name not in lb.ALL_DATASETS:
+                raise UserError(f"unknown LongBench dataset {name!r} in task.datasets: choices are "
+                                f"{', '.join(DATASET_GROUPS)} or one of {', '.join(lb.ALL_DATASETS)}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+@dataclass
+class LongBenchOptions:
+    name: str = "longbench"
+    datasets: Union[list, str] = field(default_factory=lambda: ["all"])
+    data_dir: Optional[str] = None
+    limit: Optional[int] = None
+    max_length: Optional[int] = 7500
+    chat_template: Any = "auto"
+
+    def __post_init__(self) -> None:
+        self.datasets = _dataset_names(self.datasets)
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 0):
+            raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 0 or null")
+        check_positive("task.max_length", self.max_length, allow_none=True)
+        if self.max_length is not None and self.max_length < 2:
+            raise UserError(f"invalid task.max_length={self.max_length!r}: expected an integer >= 2 or null")
+        self.chat_template = check_chat_template_option(self.chat_template)
+
+
+def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, chat: bool,
+                  stops: tuple[int, ...]) -> GenRequest:
+    """One LongBench sample as pred.py prepares it (see the module docstring)."""
+    from kvbench.data import longbench as lb
+
+    full = lb.build_prompt(dataset, record)
+    prompt = lb.truncate_prompt_middle(tokenizer, full, max_length)
+    truncated = prompt != full
+    templated = chat and lb.uses_chat_template(dataset)
+    if templated:
+        prompt = apply_chat(tokenizer, prompt)
+    ids = encode(tokenizer, prompt, templated)
+    if lb.base_dataset(dataset) == "samsum":  # pred.py: eos_token_id=[eos, the id of "\n"]
+        stops = tuple(sorted(set(stops) | {int(tokenizer.encode("\n", add_special_tokens=False)[-1])}))
+    rid = record.get("_id")
+    return GenRequest(
+        id=str(rid) if rid is not None else f"{dataset}-{record.get('_index', 0)}", dataset=dataset, prompt=prompt,
+        token_ids=ids, max_new_tokens=lb.max_new_tokens(dataset), references=list(record["answers"]),
+        stop_ids=stops,
+        extra={"length": record.get("length"), "language": record.get("language"), "truncated": truncated,
+               "chat_template": templated, "_all_classes": record.get("all_classes")},
+    )
+
+
+def score_results(samples: list[dict], datasets: list[str]) -> dict:
+    """Per-dataset scores, their averages and the LongBench-E buckets, from samples that carry `score`."""
+    import math
+
+    from kvbench.data.longbench import LONGBENCH_E_DATASETS, language
+    from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket
+
+    metrics: dict = {}
+    per_dataset: dict[str, float] = {}
+    for ds in datasets:
+        rows = [s for s in samples if s["dataset"] == ds]
+        if not rows:
+            continue
+        per_dataset[ds] = round(100 * sum(s["score"] for s in rows) / len(rows), 2)
+        metrics[f"score_{ds}"] = per_dataset[ds]
+        metrics[f"num_samples_{ds}"] = len(rows)
+        if ds in LONGBENCH_E_DATASETS:
+            for bucket in LENGTH_BUCKETS:
+                vals = [s["score"] for s in rows
+                        if s.get("length") is not None and length_bucket(s["length"]) == bucket]
+                metrics[f"score_{ds}_{bucket}"] = round(100 * sum(vals) / len(vals), 2) if vals else None
+    if per_dataset:
+        metrics["score"] = round(sum(per_dataset.values()) / len(per_dataset), 2)
+        by_lang: dict[str, list[float]] = {}
+        for ds, v in per_dataset.items():
+            by_lang.setdefault(language(ds), []).append(v)
+        if len(by_lang) > 1:
+            for lang, vals in sorted(by_lang.items()):
+                metrics[f"score_{lang}"] = round(sum(vals) / len(vals), 2)
+    e_sets = [ds for ds in per_dataset if ds in LONGBENCH_E_DATASETS]
+    for bucket in LENGTH_BUCKETS:
+        vals = [metrics[f"score_{ds}_{bucket}"] for ds in e_sets if metrics.get(f"score_{ds}_{bucket}") is not None]
+        if e_sets:
+            metrics[f"score_{bucket}"] = round(sum(vals) / len(vals), 2) if vals else None
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+
+
+@register_task("longbench")
+class LongBench(Task):
+    Options = LongBenchOptions
+
+    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
+        from kvbench.data.longbench import load_longbench
+        from kvbench.metrics.longbench import score_sample
+
+        opts = self.options
+        max_length = opts.max_length or max(2, model_context_length(engine) - RESERVED_TOKENS)
+        chat = wants_chat_template(opts.chat_template, tokenizer)
+        stops = stop_token_ids(tokenizer)
+        requests: list[GenRequest] = []
+        for ds in opts.datasets:
+            try:
+                records = load_longbench(ds, data_dir=opts.data_dir, limit=opts.limit)
+            except FileNotFoundError as exc:
+                raise UserError(f"LongBench data for {ds!r} not found: {exc}") from None
+            for i, rec in enumerate(records):
+                rec.setdefault("_index", i)
+                if rec.get("_id") is None:
+                    rec["_id"] = f"{ds}-{i}"
+                requests.append(build_request(tokenizer, ds, rec, max_length, chat, stops))
+        if not requests:
+            raise UserError(f"no LongBench samples to run (datasets {', '.join(opts.datasets)}, limit {opts.limit})")
+        outputs, perf = run_generation(engine, tokenizer, requests, batch_size=batch_size_of(cfg), progress=progress,
+                                       desc=self.name)
+        samples = []
+        for out in outputs:
+            classes = out.request.extra.get("_all_classes")
+            score = score_sample(out.request.dataset, out.prediction, out.request.references, classes)
+            rec = out.record(score=score)
+            rec.pop("_all_classes", None)
+            samples.append(rec)
+        metrics = score_results(samples, opts.datasets)
+        metrics["max_length"] = max_length
+        return TaskResult(metrics=metrics, samples=samples, perf=perf)
+
+
+@dataclass
+class LongBenchEOptions(LongBenchOptions):
+    name: str = "longbench_e"
+    datasets: Union[list, str] = field(default_factory=lambda: ["e"])
+
+
+@register_task("longbench_e")
+class LongBenchE(LongBench):
+    """LongBench-E: the length-balanced subsets, scored per length bucket as well."""
+
+    Options = LongBenchEOptions

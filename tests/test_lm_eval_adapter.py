@@ -1,0 +1,245 @@
+"""The lm-eval adapter: local YAML tasks run through kvbench with a method and budget applied."""
+from __future__ import annotations
+
+import glob
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from methods import available_methods, build_method  # noqa: E402
+from tasks._generation import generate_until, score_continuation  # noqa: E402
+from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer, tiny_engine,  # noqa: E402
+                                          tiny_hf_model, tiny_loader, write_jsonl)
+
+single_thread = pytest.fixture(one_thread, autouse=True)
+BUDGET = 32
+BUDGET_METHOD = "streaming_llm"
+
+WORDS = ("river stone light garden paper winter music bridge forest window silver morning story "
+         "market cloud harbor").split()
+
+
+def _context(i: int) -> str:
+    return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(200)) + "."
+
+
+DOCS = [{"context": _context(i), "question": f"Which word comes first in passage {i}?",
+         "choices": [WORDS[(i * 7) % len(WORDS)], "zebra", "quartz"], "label": 0,
+         "answer": WORDS[(i * 7) % len(WORDS)]} for i in range(4)]
+
+TASKS_YAML = {
+    "kvb_mc.yaml": """
+task: kvb_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}\\nQuestion: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+    "kvb_gen.yaml": """
+task: kvb_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+output_type: generate_until
+test_split: test
+doc_to_text: "{{{{context}}}}\\nQuestion: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+    "kvb_ppl.yaml": """
+task: kvb_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{context}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """A folder of lm-eval task YAMLs over a local JSON-lines dataset."""
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    data = write_jsonl(root / "data" / "docs.jsonl", DOCS)
+    for name, text in TASKS_YAML.items():
+        (root / name).write_text(text.format(data=data, cache=root / "hf_cache"))
+    return root
+
+
+def budget_method():
+    assert BUDGET_METHOD in available_methods(), available_methods()
+    return build_method(BUDGET_METHOD, BUDGET)
+
+
+def _evaluate(lm, task_dir, tasks, limit=3):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, bootstrap_iters=0, log_samples=True,
+                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
+
+
+def test_score_continuation_full_matches_transformers():
+    tok = smollm2_tokenizer()
+    hf = tiny_hf_model(len(tok), seed=0)
+    ctx = tok.encode(DOCS[0]["context"], add_special_tokens=False)
+    cont = tok.encode(" river stone light", add_special_tokens=False)
+    engine = tiny_engine(None, prefill_chunk_size=16)
+    lps, greedy = score_continuation(engine, ctx, cont)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ctx + cont])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(ctx) - 1:-1].gather(-1, torch.tensor(cont)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+    assert greedy == bool((logits[len(ctx) - 1:-1].argmax(-1) == torch.tensor(cont)).all())
+    assert engine.cache.live == set()  # the sequence was freed
+
+    small = tiny_engine(budget_method(), prefill_chunk_size=16)
+    lps_b, _ = score_continuation(small, ctx, cont)
+    assert not torch.allclose(torch.tensor(lps_b), ref, atol=1e-3)  # scored against the compressed context
+    full_peak, small_peak = engine.memory_stats()["peak_kv_bytes"], small.memory_stats()["peak_kv_bytes"]
+    assert small_peak < full_peak / 2
+
+
+def test_generate_until_stops_on_a_string():
+    tok = smollm2_tokenizer()
+    engine = tiny_engine()
+    prompt = tok.encode(DOCS[1]["context"], add_special_tokens=False)
+    (free,) = generate_until(engine, [prompt], max_new_tokens=12)
+    assert len(free.token_ids) == 12
+    stop_text = tok.decode(free.token_ids[4:5])
+    assert stop_text.strip()
+    (cut,) = generate_until(engine, [prompt], max_new_tokens=12,
+                            should_stop=lambda i, toks: stop_text in tok.decode(toks))
+    first = next(n for n in range(1, 13) if stop_text in tok.decode(free.token_ids[:n]))
+    assert cut.token_ids == free.token_ids[:first] and cut.finish_reason == "stop"
+    assert engine.cache.live == set()
+
+
+def test_local_yaml_tasks_with_budget(task_dir):
+    """The same local lm-eval tasks with the full cache and with a budget: the budget changes the scores."""
+    from kvbench.lm_eval_adapter import KVBenchLM
+
+    tok = smollm2_tokenizer()
+    runs = {}
+    for label, method in (("full", None), ("budget", budget_method())):
+        engine = tiny_engine(method, prefill_chunk_size=16)
+        lm = KVBenchLM(engine=engine, tokenizer=tok, batch_size=2)
+        out = _evaluate(lm, task_dir, ["kvb_mc", "kvb_gen", "kvb_ppl"])
+        runs[label] = (out, lm.perf(), engine.memory_stats())
+    for label, (out, perf, mem) in runs.items():
+        r = out["results"]
+        assert set(r) == {"kvb_mc", "kvb_gen", "kvb_ppl"}
+        assert 0.0 <= r["kvb_mc"]["acc,none"] <= 1.0 and 0.0 <= r["kvb_gen"]["exact_match,none"] <= 1.0
+        assert r["kvb_ppl"]["word_perplexity,none"] > 1.0
+        assert len(out["samples"]["kvb_mc"]) == 3 and len(out["samples"]["kvb_gen"]) == 3
+        assert perf["prefill_tokens_per_s"] > 0 and perf["decode_tokens_per_s"] > 0 and perf["ttft_s"] > 0
+        for s in out["samples"]["kvb_gen"]:
+            assert "\n" not in s["filtered_resps"][0]  # cut at the until string
+    full_mc = [s["resps"] for s in runs["full"][0]["samples"]["kvb_mc"]]
+    small_mc = [s["resps"] for s in runs["budget"][0]["samples"]["kvb_mc"]]
+    assert full_mc != small_mc  # continuations were scored against the compressed context
+    assert runs["full"][0]["results"]["kvb_ppl"]["word_perplexity,none"] != \
+        runs["budget"][0]["results"]["kvb_ppl"]["word_perplexity,none"]
+    # memory measured from the pool: the budgeted cache held far fewer blocks at its peak
+    assert runs["budget"][2]["peak_kv_bytes"] < runs["full"][2]["peak_kv_bytes"] / 2
+
+
+def test_registered_model_from_model_args(task_dir, tmp_path):
+    """`--model kvbench --model_args ...`: the registry builds kvbench from a model folder with a method and budget;
+    then lm-eval's own CLI runs a local YAML task with it."""
+    import lm_eval
+    from lm_eval.api.registry import get_model
+
+    from kvbench.lm_eval_adapter import KVBenchLM, cli
+
+    tok = smollm2_tokenizer()
+    folder = tmp_path / "tiny-model"
+    tiny_hf_model(len(tok), seed=0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    assert get_model("kvbench") is KVBenchLM and get_model("hf").__name__ == "HFLM"
+    args = f"pretrained={folder},method={BUDGET_METHOD},budget={BUDGET},sinks=2,prefill_chunk_size=16"
+    # what simple_evaluate(model="kvbench", model_args=...) does, with lm-eval's CLI default device
+    lm = KVBenchLM.create_from_arg_string(args, {"batch_size": 2, "device": "cuda:0", "max_batch_size": None})
+    assert lm.engine.method.name == BUDGET_METHOD and lm.engine.method.budget == BUDGET and lm.engine.method.sinks == 2
+    assert lm.batch_size == 2 and lm.max_length == 8192 and lm.device == "cpu"
+    out = _evaluate(lm, task_dir, ["kvb_mc"], limit=2)
+    # the budget held: at its peak the pool never had more than budget + one chunk + one block per table
+    assert lm.engine.memory_stats()["peak_kv_bytes"] <= (BUDGET + 16 + 16) * lm.engine.cache.kv_bytes_per_token()
+
+    out_dir = tmp_path / "cli_out"
+    cli(["--model", "kvbench", "--model_args", args, "--tasks", "kvb_mc", "--include_path", str(task_dir),
+         "--limit", "2", "--batch_size", "2", "--device", "cpu", "--output_path", str(out_dir), "--log_samples"])
+    (path,) = glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True)
+    cli_out = json.load(open(path))
+    assert cli_out["results"]["kvb_mc"]["acc,none"] == out["results"]["kvb_mc"]["acc,none"]
+    (samples_path,) = glob.glob(str(out_dir / "**" / "samples_kvb_mc_*.jsonl"), recursive=True)
+    cli_ll = [[float(r[0][0]) for r in json.loads(line)["resps"]] for line in open(samples_path)]
+    # the same log-likelihoods as the budgeted model above (the full cache gives others: test_local_yaml_tasks...)
+    assert cli_ll == [[float(r[0][0]) for r in s["resps"]] for s in out["samples"]["kvb_mc"]]
+    assert lm_eval.__version__.startswith("0.4.")
+
+
+def test_kvbench_task_lm_eval_through_app(task_dir, tmp_path):
+    from kvbench.app import run
+
+    common = ["task=lm_eval", f"task.include_path={task_dir}", "task.include_defaults=false",
+              "task.tasks=[kvb_mc,kvb_gen]", "task.limit=2", "runtime.prefill_chunk_size=16", "runtime.batch_size=2"]
+    full = run(run_cfg(tmp_path, common), load_model_fn=tiny_loader(), print_summary=False)
+    small = run(run_cfg(tmp_path, common + [f"method.name={BUDGET_METHOD}", f"budget={BUDGET}"]),
+                load_model_fn=tiny_loader(), print_summary=False)
+    for rec in (full, small):
+        assert rec["status"] == "ok", rec["error"]
+        assert "kvb_mc/acc" in rec and "kvb_gen/exact_match" in rec and rec["score"] is not None
+        assert rec["num_samples"] == 4 and rec["prefill_tokens_per_s"] > 0 and rec["decode_tokens_per_s"] > 0
+    assert small["method"] == BUDGET_METHOD and small["budget"] == BUDGET
+    assert small["peak_kv_bytes"] < full["peak_kv_bytes"] / 2
+    rows = [json.loads(x) for x in open(f"{small['run_dir']}/samples.jsonl")]
+    assert {r["dataset"] for r in rows} == {"kvb_mc", "kvb_gen"}
+    assert rows[0]["id"] == "kvb_mc/0" and rows[0]["prompt"].startswith(DOCS[0]["context"][:30])
+    assert all("acc" in r for r in rows if r["dataset"] == "kvb_mc")
+
+
+def test_lm_eval_task_needs_task_names():
+    from kvbench.errors import UserError
+    from tasks import build_task
+
+    with pytest.raises(UserError, match="task.tasks"):
+        build_task("lm_eval", {})
+    assert build_task("lm_eval", {"tasks": "a, b"}).options.tasks == ["a", "b"]
