@@ -92,7 +92,7 @@ class Engine:
             from kvbench.runtime.triton_attention import paged_attention_triton
 
             def triton_attention(q, k_pool, v_pool, tables, lengths, key_pos, qpos, scale, *,
-                                 return_key_scores=False, rotate_keys=None, causal=True):
+                                 return_key_scores=False, rotate_keys=None, causal=True, prefix_run=None):
                 res = paged_attention_triton(q, k_pool, v_pool, tables, lengths.to(torch.int32), key_pos,
                                              qpos.to(torch.int32), scale, return_key_scores=return_key_scores)
                 return res if return_key_scores else (res, None)
