@@ -151,6 +151,10 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     except (TypeError, ValueError) as exc:
         raise UserError(f"invalid settings for method {settings.method_name!r}: {exc}") from None
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
+    from kvbench.quant.registry import available_codecs
+
+    if settings.quant_name not in available_codecs():
+        raise UserError(f"unknown quant {settings.quant_name!r}; choose one of: {', '.join(available_codecs())}")
 
     hashable = _config.hashable_config(cfg)
     run_id = run_id_for(hashable)
@@ -169,6 +173,7 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     record: dict = {
         "run_id": run_id, "status": "failed", "error": None,
         "model": settings.model.name, "method": settings.method_name, "budget": settings.budget,
+        "quant": settings.quant_name, **{f"quant_{k}": v for k, v in settings.quant_options.items()},
         "task": settings.task_name, "seed": settings.seed, "device": device, "dtype": settings.model.dtype,
         "num_samples": 0, "config_hash": config_hash(hashable), "run_dir": folder.path,
         "started_at": _now(),
@@ -197,13 +202,25 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         if engine_cls is None:
             from kvbench.runtime.engine import Engine as engine_cls  # type: ignore[no-redef]
         rt = settings.runtime
+        codec = None
+        if settings.quant_name not in ("none", "full"):
+            from kvbench.quant.registry import build_codec
+
+            quant_options = dict(settings.quant_options)
+            if settings.quant_name == "kvquant" and quant_options.get("tokenizer") is None:
+                quant_options["tokenizer"] = loaded.tokenizer  # calibration text is tokenized with it
+            codec = build_codec(settings.quant_name, loaded.model, **quant_options)
         try:
+            extra = {"codec": codec} if codec is not None else {}
             engine = engine_cls(loaded.model, method, block_size=rt.block_size, num_blocks=rt.num_blocks,
                                 kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
-                                attention_backend=rt.attention_backend)
+                                attention_backend=rt.attention_backend, **extra)
         except ValueError as exc:
             raise UserError(f"invalid runtime settings: {exc}") from None
         record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
+        cache = getattr(engine, "cache", None)
+        if cache is not None and hasattr(cache, "describe_storage"):
+            record.update({f"storage_{k}": v for k, v in cache.describe_storage().items()})
         from tasks import make_progress
 
         task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)

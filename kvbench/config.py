@@ -92,6 +92,7 @@ class KvbenchConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     method: Any = None
+    quant: Any = None
     task: Any = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -111,6 +112,8 @@ class Settings:
     logger: LoggerConfig
     method_name: str
     method_options: dict
+    quant_name: str
+    quant_options: dict
     task_name: str
     task_options: dict
     budget: Optional[int]
@@ -150,12 +153,15 @@ def validate(cfg: Any) -> Settings:
     seed = cfg.get("seed", 0)
     _check_positive("seed", seed, minimum=0)
     model = _section(cfg, "model")
+    quant = _section(cfg, "quant") or {"name": "none"}
     return Settings(
         model=_build(ModelConfig, "model", model),
         runtime=_build(RuntimeConfig, "runtime", _section(cfg, "runtime")),
         logger=_build(LoggerConfig, "logger", _section(cfg, "logger")),
         method_name=str(method.pop("name")),
         method_options=method,
+        quant_name=str(quant.pop("name", "none")),
+        quant_options=quant,
         task_name=str(task.pop("name")),
         task_options=task,
         budget=budget,
@@ -168,7 +174,7 @@ def validate(cfg: Any) -> Settings:
 
 def hashable_config(root: Any) -> dict:
     return {k: (OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k])
-            for k in ("model", "method", "task", "runtime", "budget", "seed") if k in root}
+            for k in ("model", "method", "quant", "task", "runtime", "budget", "seed") if k in root}
 
 
 def _resolve_run_id(*, _root_: DictConfig) -> str:

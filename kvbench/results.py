@@ -68,6 +68,9 @@ def run_id_for(hashable: dict) -> str:
     name = model.get("name") or (os.path.basename(str(model.get("path") or "")) or "model")
     task = (hashable.get("task") or {}).get("name", "task")
     method = (hashable.get("method") or {}).get("name", "method")
+    quant = (hashable.get("quant") or {}).get("name", "none")
+    if quant not in ("none", "full", None):
+        method = f"{method}+{quant}"
     budget = hashable.get("budget")
     parts = [_slug(name), _slug(task), _slug(method),
              "b" + ("none" if budget is None else _slug(budget)), "s" + _slug(hashable.get("seed", 0)),
