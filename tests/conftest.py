@@ -9,7 +9,8 @@ import torch
 
 os.environ.setdefault("KVBENCH_CACHE_DIR", str(Path.home() / ".cache" / "kvbench"))
 os.environ.setdefault("WANDB_MODE", "disabled")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one thread: tests are small, and two OpenMP threads on a busy 2-core machine can run 40x slower
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ class KVCodec:
     residual: int = 0  # newest tokens of a table kept in full precision
     first_token_fp: bool = False  # the block holding token 0 stays in full precision
     fp_block_dtype: torch.dtype | None = None  # dtype meant for the full-precision blocks (None: the model's)
+    pre_rope_keys: bool = False  # keys are stored (and quantized) before RoPE, rotated after decoding
 
     # ---- subclass hooks
     def _fields(self, kind: Kind, block_size: int, head_dim: int) -> list[tuple[str, torch.dtype, int]]:
@@ -238,6 +239,7 @@ class KVQuantCodec(KVCodec):
     outlier_dtype: torch.dtype = torch.float16
     first_token_fp: bool = True
     block_size_hint: int = 32
+    pre_rope_keys: bool = True
     name: str = field(default="kvquant", init=False)
     fp_block_dtype: torch.dtype = field(default=torch.float16, init=False)
 
@@ -262,7 +264,11 @@ class KVQuantCodec(KVCodec):
             self.key_ranges = self.key_ranges.float()
 
     def describe(self) -> dict:
-        return {**super().describe(), "key_ranges": "online" if self.key_ranges is None else "calibrated"}
+        out = {**super().describe(), "key_ranges": "online" if self.key_ranges is None else "calibrated"}
+        for extra in ("calibration", "calibration_corpus"):  # set by kvbench.quant.registry after calibrating
+            if isinstance(getattr(self, extra, None), str):
+                out[extra] = getattr(self, extra)
+        return out
 
     def _check_levels(self, lv: torch.Tensor, what: str) -> torch.Tensor:
         lv = torch.as_tensor(lv, dtype=torch.float32)

@@ -15,7 +15,8 @@ A table entry below `num_blocks` is a full-precision block, any other a packed o
 written to full-precision blocks. At the start of every step (`prepare_append`, i.e. after the previous step's
 attention and eviction hooks ran) each full block that the codec's `packed_block_range` says should be packed
 (KIVI: older than the newest `residual` tokens; KVQuant: every full block but the first) is encoded into a packed
-row and its full-precision block goes back to the free list at once. So a prefill chunk attends to its own tokens
+row and its full-precision block goes back to the free list at once (in every live sequence, so the prompts of
+a batch are packed while the next one is prefilled). So a prefill chunk attends to its own tokens
 in full precision (as KIVI's prefill does), and each decode step sees the newest residual..residual+block-1
 tokens in full precision and everything older dequantized. `pack_pending()` packs without appending.
 
@@ -47,7 +48,7 @@ import math
 
 import torch
 
-from kvbench.runtime.block_pool import BlockPool
+from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
 from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 
 
@@ -264,8 +265,9 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     # ------------------------------------------------------------------ appending
     def prepare_append(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
-        """Pack the blocks that left the full-precision window, then allocate room as PagedKVCache does."""
-        self.pack_pending(slots)
+        """Pack the blocks that left the full-precision window (of every live sequence: those outside this step
+        finished theirs), then allocate room as PagedKVCache does."""
+        self.pack_pending()
         plan = super().prepare_append(slots, query_positions)
         if int(plan.write_index.max()) >= self.num_fp_blocks * self.block_size:  # pragma: no cover - invariant
             raise AssertionError("new tokens must land in full-precision blocks")
@@ -300,6 +302,7 @@ class QuantizedPagedKVCache(PagedKVCache):
             return 0
         s_i, l_i, h_i, c_i = mask.nonzero(as_tuple=True)
         fp_ids = tables[s_i, l_i, h_i, c_i].to(torch.int64)
+        self._check_room(0, fp_ids.numel(), [])
         k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
         v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
         for layer in torch.unique(l_i).tolist():
@@ -316,7 +319,21 @@ class QuantizedPagedKVCache(PagedKVCache):
         return int(fp_ids.numel())
 
     def _allocate_packed(self, n: int) -> list[int]:
-        return self.pool.allocate_packed(n)  # OutOfBlocksError (nothing allocated) when the packed pool is full
+        return self.pool.allocate_packed(n)
+
+    def _check_room(self, n_fp: int, n_packed: int, freed: list[int]) -> None:
+        """Raise OutOfBlocksError before anything changes unless n_fp / n_packed blocks can be allocated once
+        `freed` (ids about to be released) are back."""
+        back_fp = back_pk = 0
+        for b in freed:
+            if self.pool.refcount(b) == 1:
+                if b < self.num_fp_blocks:
+                    back_fp += 1
+                else:
+                    back_pk += 1
+        for need, sub, back in ((n_fp, self.pool.fp, back_fp), (n_packed, self.pool.packed, back_pk)):
+            if need > sub.num_free + back:
+                raise OutOfBlocksError(need, sub.num_free + back, sub.capacity)
 
     # ------------------------------------------------------------------ reading
     def _dense_blocks(self, layer: int, tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -423,6 +440,7 @@ class QuantizedPagedKVCache(PagedKVCache):
                 dense = self.gather(layer, slot)  # decoded K, V [H, T, D] before anything changes
             plans.append((kh, reused, fp_cols, pk_cols))
         new_pos = [pos_row[h].gather(0, plans[h][0]).clone() for h in range(H)]
+        self._check_room(sum(len(p[2]) for p in plans), sum(len(p[3]) for p in plans), freed)
         self.pool.free(freed)
         for h, (kh, reused, fp_cols, pk_cols) in enumerate(plans):
             n_new = kh.numel()

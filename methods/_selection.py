@@ -1,0 +1,344 @@
+"""Shared machinery of the eviction methods: when to evict, per-sequence state, top-k selection.
+
+`EvictionMethod` decides *when* a method evicts:
+  prefill_mode="paper"      attend over the whole prompt, evict once after its last prefill chunk
+  prefill_mode="streaming"  evict after every prefill chunk (peak within budget + one chunk)
+  decode                    every step (token-level methods) or when a block has filled (block-level)
+and keeps per-(sequence slot, layer) state; a tensor stored under state["scores"] ([H, T], one column
+per cache slot) is kept aligned with the cache's slots whenever tokens are dropped.
+
+`ScoreEvictionMethod` (token level): subclasses implement `score()` -> [H, T] (higher = keep) and
+`recent_window()`; the base keeps, per kv-head, the recent window plus the best-scoring tokens.
+
+`BlockScoreEvictionMethod` (PagedEviction-style): subclasses implement `token_scores(k, v)`; prefill
+evicts tokens down to the budget, decoding drops the lowest-scoring whole block when the newest
+block fills and the cache exceeds the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.errors import UserError
+from kvbench.runtime.model import LayerContext
+from methods.base import Method
+
+PREFILL_MODES = ("paper", "streaming")
+HEAD_MODES = ("shared", "per_head")
+
+
+# ---------------------------------------------------------------------------- validation helpers
+def check_choice(method: str, option: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"invalid {method}.{option}={value!r}: choose one of {', '.join(choices)}")
+
+
+def check_int(method: str, option: str, value: Any, lo: int, hi: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise UserError(f"invalid {method}.{option}={value!r}: expected an integer {rng}")
+
+
+def check_float(method: str, option: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= float(value) <= hi
+    if not ok:
+        raise UserError(f"invalid {method}.{option}={value!r}: expected a number in [{lo}, {hi}]")
+
+
+def check_bool(method: str, option: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise UserError(f"invalid {method}.{option}={value!r}: expected true or false")
+
+
+# ---------------------------------------------------------------------------- selection helpers
+def sort_keep(idx: torch.Tensor, size: int) -> torch.Tensor:
+    """idx [H, n] slot indices (-1 = none) -> sorted ascending per row, -1 pads moved to the end."""
+    big = torch.where(idx < 0, torch.full_like(idx, size), idx)
+    out = big.sort(dim=-1).values
+    return torch.where(out >= size, torch.full_like(out, -1), out)
+
+
+def valid_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """lengths [H] -> [H, T] True where slot t holds a token."""
+    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def top_tokens(scores: torch.Tensor, k: int, lengths: torch.Tensor, *, recent: int = 0, sinks: int = 0) -> torch.Tensor:
+    """Keep set [H, min(k, T)] (sorted slot indices, -1 pads) of the k best tokens per head.
+
+    scores [H, T] (higher = keep); lengths [H] valid slots per head. The last `recent` and the first
+    `sinks` slots of each head are kept first (they count towards k).
+    """
+    H, T = scores.shape
+    k = min(k, T)
+    if k <= 0:
+        return torch.empty(H, 0, dtype=torch.int64, device=scores.device)
+    valid = valid_mask(lengths, T)
+    s = scores.float().masked_fill(~valid, float("-inf"))
+    ar = torch.arange(T, device=scores.device)[None, :]
+    protect = torch.zeros_like(valid)
+    if recent > 0:
+        protect |= ar >= (lengths[:, None] - recent)
+    if sinks > 0:
+        protect |= ar < sinks
+    s = s.masked_fill(protect & valid, float("inf"))
+    idx = s.topk(k, dim=-1).indices  # [H, k]
+    idx = torch.where(valid.gather(-1, idx), idx, torch.full_like(idx, -1))
+    return sort_keep(idx, T)
+
+
+def gather_aligned(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-slot values [H, T] -> [H, n] following keep [H, n] (-1 pads give 0)."""
+    out = values.gather(-1, keep.clamp(min=0))
+    return out.masked_fill(keep < 0, 0)
+
+
+def window_attention_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
+                            lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention mass each key receives from a window of queries, summed per kv-head (SnapKV).
+
+    q [Hq, W, D] (as used by attention), q_pos [W]; k [H, T, D] (post-RoPE, as cached), k_pos [H, T];
+    lengths [H]. Softmax over the cached keys a query may see (causal by original position); the
+    probabilities are summed over the window and over the query heads of each kv-head -> [H, T].
+    """
+    Hq, W, D = q.shape
+    H, T, _ = k.shape
+    G = Hq // H
+    qg = q.reshape(H, G * W, D).to(k.dtype)
+    logits = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [H, G*W, T]
+    qp = q_pos.repeat(G)  # [G*W] (query-head-major, like qg)
+    vis = (k_pos[:, None, :] <= qp[None, :, None]) & valid_mask(lengths, T)[:, None, :]
+    probs = torch.softmax(logits.masked_fill(~vis, float("-inf")), dim=-1)
+    return torch.nan_to_num(probs, nan=0.0).sum(dim=1)  # [H, T]
+
+
+def max_pool_tokens(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool [H, T] along tokens with an odd kernel, same length (SnapKV's clustering)."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    return F.max_pool1d(scores[:, None, :], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0, :]
+
+
+# ---------------------------------------------------------------------------- bases
+@dataclass
+class EvictionMethod(Method):
+    """Base of the eviction methods: when to evict (prefill mode, decode) and per-sequence state.
+
+    `granularity` says how decoding evicts: "token" (the budget holds after every step) or "block"
+    (whole blocks leave; the cache may run over the budget by at most the block that is filling).
+    """
+
+    granularity: ClassVar[str] = "token"
+    prefill_mode: str = "paper"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget is None:
+            raise UserError(f"method {self.name!r} needs a budget: set budget=N "
+                            "(KV tokens kept per sequence, layer and kv-head)")
+        check_choice(self.name, "prefill_mode", self.prefill_mode, PREFILL_MODES)
+        self._state: dict[tuple[int, int], dict[str, Any]] = {}
+
+    # --- runtime points ------------------------------------------------------------------
+    def attach(self, cache: Any, model_config: Any) -> None:
+        super().attach(cache, model_config)
+        self._state.clear()
+
+    def after_attention(self, ctx: LayerContext) -> None:
+        cache = ctx.cache
+        Q = ctx.plan.query_positions.shape[1]
+        for i, slot in enumerate(ctx.plan.slots.tolist()):
+            if cache.tokens_seen[slot] == Q:  # first step of the sequence now in this slot
+                self._state.pop((slot, ctx.layer), None)
+            self.observe(ctx, i, slot)
+            if ctx.phase == "decode":
+                self.evict_decode(ctx, i, slot)
+            elif ctx.last_chunk or self.prefill_mode == "streaming":
+                self.evict_prefill(ctx, i, slot)
+
+    def on_sequence_end(self, slot: int) -> None:
+        for key in [k for k in self._state if k[0] == slot]:
+            del self._state[key]
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["eviction"] = self.granularity
+        return d
+
+    # --- what subclasses implement ---------------------------------------------------------
+    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
+        """Update per-sequence statistics from this step (i = row of `slot` in the batch)."""
+
+    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+        raise NotImplementedError
+
+    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+        raise NotImplementedError
+
+    # --- helpers ---------------------------------------------------------------------------
+    def state(self, slot: int, layer: int) -> dict[str, Any]:
+        return self._state.setdefault((slot, layer), {})
+
+    def keep(self, ctx: LayerContext, slot: int, keep: torch.Tensor) -> None:
+        """Token-level eviction of ctx.layer: keep [H, n] sorted slots (-1 pads); realign state["scores"]."""
+        ctx.cache.keep_tokens(ctx.layer, slot, keep)
+        st = self._state.get((slot, ctx.layer))
+        if st is not None and st.get("scores") is not None:
+            st["scores"] = gather_aligned(st["scores"], keep)
+
+    def accumulate_key_scores(self, ctx: LayerContext, i: int, slot: int) -> None:
+        """H2O statistics: add this step's attention mass per key slot to state["scores"] [H, T]."""
+        if ctx.key_scores is None:
+            raise RuntimeError(f"{self.name}: the runtime gave no key_scores (needs_key_scores is set)")
+        n = int(ctx.cache.lengths[slot, ctx.layer].max())
+        st = self.state(slot, ctx.layer)
+        ks = ctx.key_scores[i, :, :n].float()  # [H, n]
+        acc = st.get("scores")
+        if acc is None:
+            acc = torch.zeros_like(ks)
+        elif acc.shape[-1] < n:
+            acc = F.pad(acc, (0, n - acc.shape[-1]))
+        st["scores"] = acc + ks
+
+    def push_queries(self, ctx: LayerContext, i: int, slot: int, window: int) -> None:
+        """SnapKV statistics: keep the last `window` queries [Hq, W, D] and their positions [W]."""
+        st = self.state(slot, ctx.layer)
+        q = ctx.q[i]  # [Hq, Q, D]
+        pos = ctx.plan.query_positions[i]  # [Q]
+        if "q" in st:
+            q = torch.cat([st["q"], q], dim=1)
+            pos = torch.cat([st["q_pos"], pos])
+        st["q"], st["q_pos"] = q[:, -window:].clone(), pos[-window:].clone()
+
+    def snapkv_scores(self, ctx: LayerContext, slot: int, window: int, kernel: int) -> torch.Tensor:
+        """SnapKV importance [H, T]: window-query attention, max-pooled over the tokens before the window
+        (the window's own columns are +inf: always kept)."""
+        cache = ctx.cache
+        if cache.store_pre_rope:
+            raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
+        st = self.state(slot, ctx.layer)
+        k, _, k_pos = cache.gather(ctx.layer, slot)  # [H, T, D], [H, T]
+        lengths = cache.lengths[slot, ctx.layer]
+        T = k.shape[1]
+        s = window_attention_scores(st["q"], st["q_pos"], k, k_pos, lengths, ctx.q.shape[-1] ** -0.5)
+        w = min(window, T)
+        out = torch.full_like(s, float("inf"))
+        out[:, : T - w] = max_pool_tokens(s[:, : T - w], kernel)
+        return out
+
+
+@dataclass
+class ScoreEvictionMethod(EvictionMethod):
+    """Token-level eviction by a score: implement `score()`; the selection is inherited.
+
+    Whenever a table holds more than `budget` tokens (prefill per `prefill_mode`, every decode
+    step), each kv-head keeps its last `recent_window()` tokens plus its best-scoring ones.
+    """
+
+    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
+        """Importance [H, T] of every cached token of ctx.layer (higher = keep)."""
+        raise NotImplementedError
+
+    def recent_window(self) -> int:
+        return 0
+
+    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
+        """Keep set [H, budget] (sorted slots) for a table over budget."""
+        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=min(self.recent_window(), self.budget))
+
+    def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
+        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
+        if int(lengths.max()) > self.budget:
+            self.keep(ctx, slot, self.select(ctx, i, slot, lengths))
+
+    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+        self.evict_to_budget(ctx, i, slot)
+
+    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+        self.evict_to_budget(ctx, i, slot)
+
+
+@dataclass
+class BlockScoreEvictionMethod(EvictionMethod):
+    """PagedEviction-style eviction by a per-token score: implement `token_scores(k, v)`.
+
+    Prefill: token-level eviction of the lowest-scoring tokens down to the budget; with
+    `prefill_keep_first_block` the first block_size prompt tokens (the attention sinks) are kept.
+    Decode: when the newest block has just filled and the table exceeds the budget, the whole block
+    with the lowest summed score leaves (never the newest block; never the first if
+    `protect_first_block`). No K/V moves; the block returns to the pool at once.
+    heads="shared": scores averaged over the kv-heads of a layer, one token/block set for all heads;
+    heads="per_head": each kv-head selects on its own scores.
+    """
+
+    granularity: ClassVar[str] = "block"
+    heads: str = "shared"
+    protect_first_block: bool = True
+    prefill_keep_first_block: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice(self.name, "heads", self.heads, HEAD_MODES)
+        check_bool(self.name, "protect_first_block", self.protect_first_block)
+        check_bool(self.name, "prefill_keep_first_block", self.prefill_keep_first_block)
+
+    def attach(self, cache: Any, model_config: Any) -> None:
+        super().attach(cache, model_config)
+        need = (2 if self.protect_first_block else 1) * cache.block_size
+        if self.budget < need:
+            raise UserError(
+                f"method {self.name!r} needs budget >= {need} with block_size {cache.block_size} "
+                f"(protect_first_block={self.protect_first_block}): got budget {self.budget}")
+
+    def token_scores(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """k, v [H, T, D] as cached, valid [H, T] -> importance [H, T] (higher = keep)."""
+        raise NotImplementedError
+
+    def _scores(self, ctx: LayerContext, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v, _ = ctx.cache.gather(ctx.layer, slot)  # [H, T, D]
+        lengths = ctx.cache.lengths[slot, ctx.layer]
+        valid = valid_mask(lengths, k.shape[1])
+        s = self.token_scores(k.float(), v.float(), valid).masked_fill(~valid, 0.0)  # [H, T]
+        if self.heads == "shared":
+            s = s.mean(dim=0, keepdim=True).expand_as(s)
+        return s, lengths
+
+    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+        lengths = ctx.cache.lengths[slot, ctx.layer]
+        if int(lengths.max()) <= self.budget:
+            return
+        s, lengths = self._scores(ctx, slot)
+        sinks = ctx.cache.block_size if self.prefill_keep_first_block else 0
+        if self.heads == "shared":
+            keep = top_tokens(s[:1], self.budget, lengths[:1], sinks=sinks).expand(s.shape[0], -1)
+        else:
+            keep = top_tokens(s, self.budget, lengths, sinks=sinks)
+        self.keep(ctx, slot, keep)
+
+    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+        cache, layer, bs = ctx.cache, ctx.layer, ctx.cache.block_size
+        lengths = cache.lengths[slot, layer]
+        n = int(lengths.max())
+        if n <= self.budget:
+            return
+        if n % bs or int(lengths.min()) != n:
+            if n >= self.budget + bs:  # not reached by plain decoding: fall back to tokens
+                self.evict_prefill(ctx, i, slot)
+            return
+        s, _ = self._scores(ctx, slot)
+        H, nb = s.shape[0], n // bs
+        block = s.reshape(H, nb, bs).sum(-1)  # [H, nb]
+        first = 1 if self.protect_first_block else 0
+        cand = block[:, first: nb - 1]  # never the newest block
+        n_drop = min(-(-(n - self.budget) // bs), cand.shape[1])
+        if n_drop <= 0:
+            return
+        drop = cand.topk(n_drop, dim=-1, largest=False).indices + first  # [H, n_drop]
+        if self.heads == "shared":
+            drop = drop[:1].expand(H, -1)
+        for h in range(H):
+            cache.evict_blocks(layer, slot, h, drop[h].tolist())

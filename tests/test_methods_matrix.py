@@ -1,0 +1,250 @@
+"""Every method x budgets x block sizes x prefill modes on a tiny random Llama.
+
+After every after_attention call (every layer of every prefill chunk and decode step) the test checks:
+  * tokens kept per (sequence, layer, kv-head) <= budget once the method is due to have evicted
+    (+ block_size - 1, the filling block, for block-level methods while decoding);
+  * blocks in use == sum of ceil(len / block_size) over every live table (evicted blocks are freed);
+  * each table's positions are strictly increasing (slot order = position order, no duplicates).
+After the run: the pool holds no block and the method holds no per-sequence state. A budget at
+or above the sequence length gives exactly the tokens and log-probabilities of `full`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.errors import UserError
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.model import build_from_transformers
+from methods import available_methods, build_method
+
+CHUNK = 32
+NEW_TOKENS = 20
+PROMPT_LENGTHS = (70, 101)
+BUDGETS = (32, 45)
+BLOCK_SIZES = (8, 16)
+NUM_BLOCKS = 2048  # the default pool (4 GiB) would mean millions of tiny blocks to list
+
+# (method, options): every registered method with its defaults, plus the main option variants
+VARIANTS = [
+    ("full", {}),
+    ("streaming_llm", {}),
+    ("streaming_llm", {"position_mode": "reindex", "sinks": 6}),
+    ("h2o", {}),
+    ("paged_eviction", {}),
+    ("paged_eviction", {"heads": "per_head", "protect_first_block": False}),
+    ("kvcrush", {}),
+    ("kvcrush", {"importance": "snapkv", "anchor": "mean"}),
+    ("snapkv", {}),
+    ("snapkv", {"decode_mode": "rescore", "window": 8}),
+    ("key_diff", {}),
+]
+
+
+def _id(v):
+    name, opts = v
+    return name + "".join(f"-{k}={x}" for k, x in opts.items())
+
+
+def test_every_eviction_method_is_in_the_matrix():
+    from methods import METHODS
+    from methods._selection import EvictionMethod
+
+    eviction = {n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)}
+    assert eviction >= {"streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"}
+    assert {name for name, _ in VARIANTS} == eviction | {"full"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model runs fastest on one thread, and the machine is shared: no oversubscription."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+    return build_from_transformers(LlamaForCausalLM(cfg).eval())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+class Checker:
+    """Wraps method.after_attention with the invariants; records the most tokens seen in a table."""
+
+    def __init__(self, method, budget: int | None, block_size: int):
+        self.method, self.budget, self.bs = method, budget, block_size
+        self.block_level = getattr(method, "granularity", "token") == "block"
+        self.calls = 0
+        self.max_kept = 0  # most tokens in a table after the method ran
+        self.max_before = 0  # most tokens in a table when the method was called
+        self.final_lengths: list[int] = []
+        inner = method.after_attention
+
+        def after_attention(ctx):
+            for slot in ctx.plan.slots.tolist():
+                self.max_before = max(self.max_before, int(ctx.cache.lengths[slot, ctx.layer].max()))
+            inner(ctx)
+            self.check(ctx)
+
+        method.after_attention = after_attention
+
+    def check(self, ctx) -> None:
+        self.calls += 1
+        cache, bs = ctx.cache, self.bs
+        due = ctx.phase == "decode" or ctx.last_chunk or getattr(self.method, "prefill_mode", None) == "streaming"
+        for slot in ctx.plan.slots.tolist():
+            lengths = cache.lengths[slot, ctx.layer]  # [H]
+            n = int(lengths.max())
+            self.max_kept = max(self.max_kept, n)
+            if self.budget is not None and self.method.name != "full" and due:
+                limit = self.budget + (bs - 1 if self.block_level and ctx.phase == "decode" else 0)
+                assert n <= limit, f"{self.method.name}: {n} tokens > {limit} ({ctx.phase}, layer {ctx.layer})"
+            for h in range(lengths.shape[0]):
+                pos = cache.positions[slot, ctx.layer, h, : int(lengths[h])]
+                assert bool((pos[1:] > pos[:-1]).all()), "positions not strictly increasing"
+                assert int(pos.min()) >= 0
+        want = sum(int(((cache.lengths[s] + bs - 1) // bs).sum()) for s in cache.live)
+        assert cache.pool.in_use == want, f"{cache.pool.in_use} blocks in use, tables need {want}"
+
+
+def _run(model, prompts, name, opts, budget, bs, mode=None):
+    if mode is not None and name != "full":
+        opts = {**opts, "prefill_mode": mode}
+    method = build_method(name, budget, **opts)
+    checker = Checker(method, budget, bs)
+    engine = Engine(model, method, block_size=bs, prefill_chunk_size=CHUNK, num_blocks=NUM_BLOCKS)
+    gens = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+    logprobs = engine.score(prompts[1], chunk_size=CHUNK)
+    assert engine.cache.pool.in_use == 0
+    engine.cache.pool.check_consistency()
+    assert not getattr(method, "_state", {}), "per-sequence state left after the sequences ended"
+    return gens, logprobs, engine, checker
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("mode", ["paper", "streaming"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_budget_and_blocks_hold_after_every_step(model, prompts, variant, mode, budget, bs):
+    name, opts = variant
+    if name == "full" and (mode, budget) != ("paper", BUDGETS[0]):
+        pytest.skip("full ignores prefill_mode and budget")
+    gens, logprobs, engine, checker = _run(model, prompts, name, opts, budget, bs, mode)
+    assert checker.calls > 0
+    assert all(len(g.token_ids) == NEW_TOKENS for g in gens)
+    assert bool(torch.isfinite(logprobs).all())
+    full_tokens = max(PROMPT_LENGTHS) + NEW_TOKENS - 1  # the last token is never fed back
+    if name == "full":
+        assert checker.max_kept == full_tokens
+        return
+    # the cache was compressed, and memory measured from the pool shows it
+    assert engine.memory_stats()["peak_kv_bytes"] < engine.memory_stats()["full_kv_bytes"]
+    if mode == "paper":
+        assert checker.max_before == max(PROMPT_LENGTHS)  # the whole prompt attended, then evicted
+    else:  # streaming: the peak stays within the budget plus one chunk
+        assert checker.max_before <= budget + CHUNK
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
+    """Methods evict no more than they must: at the end of decoding every table is full to the budget
+    (token-level) or within one block below it (block-level)."""
+    name, opts = variant
+    if name == "full":
+        pytest.skip("full keeps everything")
+    budget = 40
+    method = build_method(name, budget, **opts)
+    seen = {}
+    inner = method.on_sequence_end
+
+    def on_sequence_end(slot):
+        seen[slot] = engine.cache.lengths[slot].clone()  # [L, H] before the tables are freed
+        inner(slot)
+
+    method.on_sequence_end = on_sequence_end
+    engine = Engine(model, method, block_size=bs, prefill_chunk_size=CHUNK, num_blocks=NUM_BLOCKS)
+    engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+    assert len(seen) == len(prompts)
+    for lengths in seen.values():
+        if method.granularity == "block":
+            assert int(lengths.min()) > budget - bs and int(lengths.max()) < budget + bs
+        else:
+            assert bool((lengths == budget).all()), lengths
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_budget_above_sequence_length_equals_full_cache(model, prompts, variant, bs):
+    name, opts = variant
+    budget = 4096
+    ref_gens, ref_lp, _, _ = _run(model, prompts, "full", {}, None, bs)
+    gens, lp, _, checker = _run(model, prompts, name, opts, budget, bs)
+    assert [g.token_ids for g in gens] == [g.token_ids for g in ref_gens]
+    method = build_method(name, budget, **opts)
+    if getattr(method, "needs_key_scores", False) or method.store_pre_rope:
+        # attention probabilities materialised / keys rotated at read time: same math, other kernels
+        torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=0)
+    else:
+        assert torch.equal(lp, ref_lp)
+    assert checker.max_kept == max(PROMPT_LENGTHS) + NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("name", ["paged_eviction", "key_diff"])
+def test_block_methods_reject_budgets_below_two_blocks(model, name):
+    with pytest.raises(UserError, match="budget >= 32"):
+        Engine(model, build_method(name, 31), block_size=16, num_blocks=NUM_BLOCKS)
+    Engine(model, build_method(name, 16, protect_first_block=False), block_size=16, num_blocks=NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"])
+def test_methods_need_a_budget_and_validate_options(name):
+    with pytest.raises(UserError, match="needs a budget"):
+        build_method(name, None)
+    with pytest.raises(UserError, match="prefill_mode"):
+        build_method(name, 64, prefill_mode="lazy")
+
+
+@pytest.mark.parametrize("name,opts,match", [
+    ("streaming_llm", {"sinks": 64}, "budget must exceed sinks"),
+    ("streaming_llm", {"position_mode": "shifted"}, "position_mode"),
+    ("h2o", {"recent_ratio": 1.5}, "recent_ratio"),
+    ("paged_eviction", {"heads": "all"}, "heads"),
+    ("kvcrush", {"r": -0.1}, "kvcrush.r"),
+    ("kvcrush", {"anchor": "median"}, "anchor"),
+    ("kvcrush", {"importance": "tova"}, "importance"),
+    ("snapkv", {"kernel_size": 4}, "kernel_size"),
+    ("snapkv", {"decode_mode": "none"}, "decode_mode"),
+    ("key_diff", {"protect_first_block": "yes"}, "protect_first_block"),
+])
+def test_bad_options_name_the_value(name, opts, match):
+    with pytest.raises(UserError, match=match):
+        build_method(name, 64, **opts)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"])
+def test_method_yaml_composes_to_the_dataclass_defaults(name):
+    """conf/method/<name>.yaml through Hydra and config.validate builds the method with its documented defaults,
+    and an override on the command line reaches the method."""
+    from kvbench.config import validate
+    from methods import METHODS
+    from tests.harness_fakes import compose
+
+    s = validate(compose([f"method={name}", "budget=256"]))
+    assert s.method_name == name
+    method = build_method(s.method_name, s.budget, **s.method_options)
+    assert method == METHODS[name](budget=256)
+    s = validate(compose([f"method={name}", "budget=256", "method.prefill_mode=streaming"]))
+    assert build_method(s.method_name, s.budget, **s.method_options).describe()["prefill_mode"] == "streaming"
