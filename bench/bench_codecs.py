@@ -122,6 +122,7 @@ def main() -> None:
     lm = load_model()
     model = lm.model
     codecs: dict[tuple, object] = {}
+    res: dict = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "threads": args.threads}
 
     def codec_for(name: str, opts: dict):
         key = (name, tuple(sorted(opts.items())))
@@ -131,12 +132,13 @@ def main() -> None:
                 else build_codec(name, model, **opts)
             if name == "kvquant":
                 info = codecs[key].calibration_info
+                res["kvquant_calibration_corpus"] = info.get("settings", {}).get("corpus", "aclsum_train")
+                res["kvquant_calibration_tokens"] = info.get("calibration_tokens")
                 print(f"  kvquant {opts}: calibration {'cached' if info.get('cached') else 'computed'} "
                       f"in {time.perf_counter() - t:.1f}s", flush=True)
         return codecs[key]
 
     sections = set(args.only.split(",")) if args.only else {"bits", "ppl"}
-    res: dict = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "threads": args.threads}
 
     if "bits" in sections:
         ids = essay_tokens(lm.tokenizer, args.bits_tokens)

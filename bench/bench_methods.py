@@ -25,7 +25,16 @@ import time
 
 import torch
 
-DEFAULT_METHODS = ["full", "streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"]
+PREFERRED_ORDER = ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"]
+
+
+def eviction_methods() -> list[str]:
+    """Every registered eviction method (methods._selection.EvictionMethod), the papers' ones first."""
+    from methods import METHODS, available_methods
+    from methods._selection import EvictionMethod
+
+    names = [n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)]
+    return sorted(names, key=lambda n: (PREFERRED_ORDER.index(n) if n in PREFERRED_ORDER else len(PREFERRED_ORDER), n))
 
 
 def essay_prompts(tokenizer, batch: int, n: int) -> list[list[int]]:
@@ -86,7 +95,7 @@ def run_method(model, name: str, budget: int, prompts: list[list[int]], new_toke
         "wall_s": wall, "settings": method.describe(),
         "_tokens": [g.token_ids for g in gens],
     }
-    del engine, cache
+    del engine
     gc.collect()
     return row
 
@@ -106,8 +115,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma-separated; `full` is always run first (the reference)")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated (default: every eviction method); `full` always runs first (the reference)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     ap.add_argument("--threads", type=int, default=None)
@@ -117,7 +126,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from kvbench.runtime.loading import load_model
 
-    names = [m for m in args.methods.split(",") if m and m != "full"]
+    names = eviction_methods() if args.methods is None else [m for m in args.methods.split(",") if m]
+    names = list(dict.fromkeys(n for n in names if n != "full"))
+    from methods import build_method
+
+    for n in names:  # fail on a bad name before the minutes of `full`
+        build_method(n, args.budget)
     loaded = load_model(dtype=args.dtype)
     prompts = essay_prompts(loaded.tokenizer, args.batch, args.prompt_tokens)
     print(f"bench-methods: {loaded.name}, {args.dtype}, {torch.get_num_threads()} threads; batch {args.batch} x "

@@ -4,8 +4,9 @@ Score of a token = -cosine(k_i, mean of the head's L2-normalised keys): tokens w
 from the average direction are kept. Eviction is block-wise like PagedEviction: token-level down to
 the budget after the prompt (the first block_size tokens kept unless prefill_keep_first_block=false),
 then while decoding the whole block with the lowest summed score leaves when the newest block fills
-and the table exceeds the budget (never the newest block; the first only if protect_first_block=false). heads="per_head" (default, KeyDiff scores each head's keys) or
-"shared" (scores averaged over the kv-heads of a layer, one token set for all of them).
+and the table exceeds the budget (never the newest block; the first only if protect_first_block=false).
+heads="per_head" (default, KeyDiff scores each head's keys) or "shared" (scores averaged over the
+kv-heads of a layer, one token set for all of them). Keys are scored as cached (post-RoPE).
 """
 from __future__ import annotations
 

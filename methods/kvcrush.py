@@ -36,15 +36,18 @@ def top_half_bits(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     H, T = scores.shape
     valid = valid_mask(lengths, T)
     s = scores.float().masked_fill(~valid, float("-inf"))
+    half = lengths // 2  # [H]
+    k = int(half.max())
     bits = torch.zeros(H, T, dtype=torch.bool, device=scores.device)
-    for h in range(H):
-        k = int(lengths[h]) // 2
-        if k:
-            bits[h, s[h].topk(k).indices] = True
+    if k:
+        idx = s.topk(k, dim=-1).indices  # [H, k], best first
+        take = torch.arange(k, device=scores.device)[None, :] < half[:, None]
+        bits.scatter_(-1, idx, take)
     return bits
 
 
-def hamming_order(candidates: torch.Tensor, signatures: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hamming_order(candidates: torch.Tensor, signatures: torch.Tensor,
+                  anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of each selecting head sorted by Hamming distance to its anchor (ties: slot order).
 
     candidates [H, T] bool; signatures [B, T] bool (B signature bits per token); anchor [H, B] bool.
@@ -60,7 +63,6 @@ def spread_picks(order: torch.Tensor, m: torch.Tensor, n_rep: int) -> torch.Tens
     """Evenly spaced picks order[h, floor(j * m_h / n_rep)], j < n_rep -> [H, n_rep] slot indices.
 
     A head with m_h <= n_rep candidates keeps all of them (-1 pads the rest)."""
-    H = order.shape[0]
     j = torch.arange(n_rep, device=order.device)[None, :]
     col = (j * m[:, None]) // n_rep  # [H, n_rep]
     col = torch.where(m[:, None] <= n_rep, j, col)

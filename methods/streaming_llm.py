@@ -92,7 +92,8 @@ class StreamingLLM(EvictionMethod):
         n = int(lengths.max())
         if n < self.budget + bs:  # at most the filling block over the budget
             return
-        if int(lengths.min()) == n and n == self.budget + bs and self._drop_oldest_window_block(cache, ctx.layer, slot, n):
+        uniform = int(lengths.min()) == n
+        if uniform and n == self.budget + bs and self._drop_oldest_window_block(cache, ctx.layer, slot, n):
             return
         self.evict_prefill(ctx, i, slot)  # fallback: token-level, down to the budget
 

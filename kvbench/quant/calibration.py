@@ -62,7 +62,7 @@ class CalibrationSettings:
     seq_len: int = 1024
     block_size: int = 32  # tokens per block for the per-block outlier budget (the codec's block_size_hint)
     pre_rope: bool = True  # keys as the cache stores them
-    max_samples: int = 1 << 16  # k-means samples per layer and kind (a uniform subsample beyond)
+    max_samples: int = 1 << 22  # k-means samples per layer and kind (a uniform subsample beyond; default: all)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -267,18 +267,21 @@ def calibration_sequences(tokenizer, settings: CalibrationSettings) -> list[list
                     f">= {settings.seq_len} tokens; lower calibration_sequences or calibration_tokens")
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def model_fingerprint(model) -> str:
-    """A short id of a LlamaFamilyModel: its config and order-free checksums of every weight (sum and sum of |w|,
-    6 digits), so the id does not depend on how the runtime lays matrices out. (A rounding tie between two
-    layouts would only cost a recalibration.)"""
+    """A short id of a LlamaFamilyModel: its config and exact, order-free checksums of every weight's bit patterns
+    (integer sums, so neither the runtime's matrix layout nor the thread count changes it)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True).encode())
     h.update(str(model.dtype).encode())
     tensors = [model.embed, model.final_norm]
     for lw in model.layers:
         tensors += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
     for t in tensors:
-        x = t.detach().float()
-        h.update(f"{x.sum().item():.5e} {x.abs().sum().item():.5e}".encode())
+        bits = t.detach().contiguous().view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
+        low = bits & 0xFFFF
+        h.update(f"{bits.sum().item()} {(low * low).sum().item()} {t.numel()}".encode())
     return h.hexdigest()[:16]
 
 

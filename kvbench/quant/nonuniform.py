@@ -56,11 +56,18 @@ def fit_nuq_levels(samples: torch.Tensor, bits: int, weights: torch.Tensor | Non
     cum = torch.cumsum(ws, 0) / ws.sum()
     targets = (torch.arange(n_levels, dtype=torch.float32) + 0.5) / n_levels
     centers = xs[torch.searchsorted(cum, targets).clamp_(max=xs.numel() - 1)]
+    # the samples are sorted, so each cluster is a run: its weight and weighted sum are differences of prefix
+    # sums at the cuts (O(levels log N) per iteration instead of assigning all N samples)
+    zero = torch.zeros(1, dtype=torch.float64)
+    cw = torch.cat([zero, torch.cumsum(ws.double(), 0)])
+    cwx = torch.cat([zero, torch.cumsum(ws.double() * xs.double(), 0)])
+    ends = torch.tensor([xs.numel()])
     for _ in range(iters):
-        assign = torch.bucketize(xs, (centers[1:] + centers[:-1]) / 2)
-        wsum = torch.zeros(n_levels).index_add_(0, assign, ws)
-        xsum = torch.zeros(n_levels).index_add_(0, assign, ws * xs)
-        new = torch.where(wsum > 0, xsum / wsum.clamp_min(1e-30), centers).sort().values
+        # a sample on a midpoint goes to the lower level (torch.bucketize's default)
+        cuts = torch.searchsorted(xs, (centers[1:] + centers[:-1]) / 2, right=True)
+        lo, hi = torch.cat([torch.zeros(1, dtype=torch.long), cuts]), torch.cat([cuts, ends])
+        wsum, xsum = cw[hi] - cw[lo], cwx[hi] - cwx[lo]
+        new = torch.where(wsum > 0, xsum / wsum.clamp_min(1e-300), centers.double()).float().sort().values
         done = float((new - centers).abs().max()) < tol
         centers = new
         if done:

@@ -19,6 +19,7 @@ row and its full-precision block goes back to the free list at once (in every li
 a batch are packed while the next one is prefilled). So a prefill chunk attends to its own tokens
 in full precision (as KIVI's prefill does), and each decode step sees the newest residual..residual+block-1
 tokens in full precision and everything older dequantized. `pack_pending()` packs without appending.
+(Granularity is the block: KVQuant's "first token in fp16" keeps the whole first block, 32 tokens, in fp16.)
 
 Reading: `attend` dequantizes the layer's blocks into a dense scratch buffer (torch on CPU; the Triton
 `kivi_dequantize` kernel for 2/4-bit KIVI on CUDA) and runs the engine's attention function on it, unchanged
