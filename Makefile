@@ -4,6 +4,7 @@
 #   make test            install (once) and run the test suite
 #   make bench           runtime benchmark (bench/bench_runtime.py)
 #   make bench-methods   methods benchmark (bench/bench_methods.py)
+#   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
 # Everything goes into .venv (created with $(PYTHON) -m venv). Repeats are fast: a stamp file records the install.
 
 SHELL := /bin/bash
@@ -21,7 +22,7 @@ PYTEST_ARGS ?=
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
 
-.PHONY: install run test bench bench-methods clean
+.PHONY: install run test bench bench-methods bench-codecs clean
 
 install: $(STAMP)
 
@@ -45,6 +46,9 @@ bench: install
 
 bench-methods: install
 	$(PY) bench/bench_methods.py $(ARGS)
+
+bench-codecs: install
+	$(PY) bench/bench_codecs.py $(ARGS)
 
 clean:
 	rm -f $(STAMP)

@@ -198,6 +198,11 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
             torch.set_num_threads(settings.runtime.threads)
         _seed_everything(settings.seed)
         loaded = _load_model(settings, device, load_model_fn)
+        if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
+            try:  # codecs that calibrate (method=kvquant) tokenize their calibration text with it
+                loaded.model.tokenizer = loaded.tokenizer
+            except AttributeError:
+                pass
         record["model_path"] = getattr(loaded, "name", None)
         if engine_cls is None:
             from kvbench.runtime.engine import Engine as engine_cls  # type: ignore[no-redef]
