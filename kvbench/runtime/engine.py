@@ -121,7 +121,8 @@ class Engine:
         full = blocks * 2 * bs * c.head_dim * torch.empty((), dtype=c.dtype).element_size()  # model dtype
         self._peak_full_bytes = max(self._peak_full_bytes, full)
 
-    def _prefill(self, slot: int, token_ids: Sequence[int], chunk_size: int, start_pos: int = 0,
+    def _prefill(self, slot: int, token_ids: Sequence[int], chunk_size: int, start_pos: int = 0, *,
+                 stream: bool = False,
                  logits_for: str = "last", progress: Callable[[int], None] | None = None):
         """Feed token_ids into sequence `slot` chunk by chunk; yields each chunk's logits."""
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device)
@@ -129,7 +130,7 @@ class Engine:
         for a in range(0, n, chunk_size):
             b = min(n, a + chunk_size)
             pos = torch.arange(start_pos + a, start_pos + b, device=ids.device).unsqueeze(0)
-            out = self._step([slot], ids[a:b].unsqueeze(0), pos, phase="prefill", last_chunk=b == n,
+            out = self._step([slot], ids[a:b].unsqueeze(0), pos, phase="prefill", last_chunk=stream or b == n,
                              logits_for=logits_for)
             if progress is not None:
                 progress(b - a)
@@ -141,8 +142,9 @@ class Engine:
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
         """log p(token[t+1] | tokens[<=t]) for t = 0..T-2, float32 [T-1].
 
-        The tokens stream through the cache chunk by chunk; the method compresses as they go, so
-        later chunks are scored against the compressed cache.
+        The tokens stream through the cache chunk by chunk; every chunk ends a prompt as far as the
+        method is concerned (it compresses after each, whatever its prefill_mode), so later chunks are
+        scored against the compressed cache.
         """
         chunk = chunk_size or self.prefill_chunk_size
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
@@ -151,7 +153,8 @@ class Engine:
         slot = self.cache.add_sequence()
         out = torch.empty(ids.numel() - 1, dtype=torch.float32)
         try:
-            for a, b, logits in self._prefill(slot, ids.tolist(), chunk, logits_for="all", progress=progress):
+            for a, b, logits in self._prefill(slot, ids.tolist(), chunk, logits_for="all", progress=progress,
+                                                  stream=True):
                 lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
                 tgt_end = min(b, ids.numel() - 1)
                 if tgt_end > a:
