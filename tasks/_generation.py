@@ -14,14 +14,13 @@ perf (also written per sample as ttft_s / prefill_s / decode_s):
                         batch_size > 1 the decode steps of a batch are shared, so this is throughput)
 - peak_kv_bytes         the engine pool's peak so far (app.py records the final value from engine.memory_stats())
 
-Two helpers reach into the engine (kvbench.runtime.engine.Engine) below its public API, for the lm-eval adapter:
-`score_continuation` (prefill and compress a context, then score a continuation against the compressed cache) and
-`generate_until` (generation that also stops on a condition checked after every token, e.g. a stop string).
+For the lm-eval adapter: `score_continuation` (prefill and compress a context, then score a continuation against
+the compressed cache; it reaches into the engine below its public API) and `generate_until` (engine.generate with a
+stop condition checked after every token, e.g. a stop string).
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -280,79 +279,5 @@ def generate_until(engine: Any, prompts: list[list[int]], *, max_new_tokens: int
                    seed: Optional[int] = None) -> list[Any]:
     """engine.generate, plus `should_stop(i, tokens_so_far)` checked after every token of prompt i (a sequence
     that should stop ends with finish_reason "stop"). Without should_stop this is engine.generate."""
-    if should_stop is None:
-        return engine.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                               temperature=temperature, seed=seed)
-    import torch
-
-    from kvbench.runtime.engine import Generation, _sync
-
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt")
-    stops = set(int(t) for t in stop_token_ids)
-    gen = torch.Generator(device="cpu")
-    if seed is not None:
-        gen.manual_seed(seed)
-    dev = engine.model.device
-    slots: list[int] = []
-    results: list[Generation] = []
-    nxt: list[int] = []
-
-    def emit(i: int, tok: int) -> None:
-        res = results[i]
-        engine._emit(res, tok, stops, max_new_tokens)
-        if res.finish_reason != "stop" and res.token_ids and should_stop(i, res.token_ids):
-            res.finish_reason = "stop"
-
-    def done(i: int) -> bool:
-        return engine._done(results[i], stops, max_new_tokens)
-
-    try:
-        for p in prompts:
-            t0 = time.perf_counter()
-            slot = engine.cache.add_sequence()
-            slots.append(slot)
-            logits = None
-            for _, _, logits in engine._prefill(slot, p, engine.prefill_chunk_size):
-                pass
-            tok = engine._sample(logits, temperature, 1.0, gen)[0]
-            _sync(dev)
-            t1 = time.perf_counter()
-            results.append(Generation([], "length", t1 - t0, len(p), t1 - t0, 0, 0.0))
-            nxt.append(tok)
-        pos = [len(p) for p in prompts]
-        for i in range(len(prompts)):
-            emit(i, nxt[i])
-        active = [i for i in range(len(prompts)) if not done(i)]
-        for i in range(len(prompts)):
-            if i not in active:
-                engine._end_sequence(slots[i])
-        while active:
-            t0 = time.perf_counter()
-            toks = torch.tensor([[nxt[i]] for i in active], dtype=torch.int64, device=dev)
-            qpos = torch.tensor([[pos[i]] for i in active], dtype=torch.int64, device=dev)
-            logits = engine._step([slots[i] for i in active], toks, qpos, phase="decode", last_chunk=True,
-                                  logits_for="last")
-            new = engine._sample(logits, temperature, 1.0, gen)
-            _sync(dev)
-            dt = time.perf_counter() - t0
-            still = []
-            for j, i in enumerate(active):
-                pos[i] += 1
-                nxt[i] = new[j]
-                results[i].decode_s += dt
-                results[i].decode_tokens += 1
-                emit(i, new[j])
-                if done(i):
-                    engine._end_sequence(slots[i])
-                else:
-                    still.append(i)
-            active = still
-    except BaseException:
-        for s in slots:
-            if s in engine.cache.live:
-                engine._end_sequence(s)
-        raise
-    return results
+    return engine.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                           temperature=temperature, seed=seed, should_stop=should_stop)

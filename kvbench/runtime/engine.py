@@ -167,9 +167,12 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 chunk_size: int | None = None) -> list[Generation]:
+                 chunk_size: int | None = None,
+                 should_stop: Callable[[int, list[int]], bool] | None = None) -> list[Generation]:
         """Generate for a batch of prompts of any lengths; each prompt is prefilled (chunked), then all
-        decode together one token per step. Greedy when temperature == 0."""
+        decode together one token per step. Greedy when temperature == 0.
+
+        should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
@@ -197,7 +200,7 @@ class Engine:
             active = list(range(len(prompts)))
             pos = [len(p) for p in prompts]
             for i in active:
-                self._emit(results[i], nxt[i], stops, max_new_tokens)
+                self._emit(results[i], nxt[i], stops, max_new_tokens, should_stop, i)
             active = [i for i in active if not self._done(results[i], stops, max_new_tokens)]
             for i in range(len(prompts)):
                 if i not in active:
@@ -217,7 +220,7 @@ class Engine:
                     nxt[i] = new[j]
                     results[i].decode_s += dt
                     results[i].decode_tokens += 1
-                    self._emit(results[i], new[j], stops, max_new_tokens)
+                    self._emit(results[i], new[j], stops, max_new_tokens, should_stop, i)
                     if self._done(results[i], stops, max_new_tokens):
                         self._end_sequence(slots[i])
                     else:
@@ -254,11 +257,11 @@ class Engine:
         self.cache.free_sequence(slot)
 
     @staticmethod
-    def _emit(res: Generation, tok: int, stops: set[int], max_new: int) -> None:
+    def _emit(res: Generation, tok: int, stops: set[int], max_new: int, should_stop=None, index: int = 0) -> None:
         if len(res.token_ids) >= max_new or res.finish_reason == "stop":
             return
         res.token_ids.append(int(tok))
-        if tok in stops:
+        if tok in stops or (should_stop is not None and should_stop(index, res.token_ids)):
             res.finish_reason = "stop"
 
     @staticmethod
