@@ -76,7 +76,7 @@ def kv_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
     return sum(g.decode_tokens for g in gens) / max(g.decode_s for g in gens)
 
 
-def best_of(fn, repeats: int) -> float:
+def median_of(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
@@ -104,8 +104,8 @@ def main() -> None:
     print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  copy bandwidth {bw / 1e9:.1f} GB/s")
 
     p2048 = random_prompt(2048, vocab, 1)
-    kv_pf, hf_pf = best_of(lambda: kv_prefill_tps(engine, p2048), R), best_of(lambda: hf_prefill_tps(hf, p2048), R)
-    chunked = best_of(lambda: engine.generate([p2048], max_new_tokens=1, chunk_size=512)[0], 1)
+    kv_pf, hf_pf = median_of(lambda: kv_prefill_tps(engine, p2048), R), median_of(lambda: hf_prefill_tps(hf, p2048), R)
+    chunked = engine.generate([p2048], max_new_tokens=1, chunk_size=512)[0]
     print(f"prefill 2048 tok      kvbench {kv_pf:8.1f} tok/s  transformers {hf_pf:8.1f} tok/s  ratio {kv_pf / hf_pf:.2f}"
           f"   (kvbench in 512-token chunks: {2048 / chunked.prefill_s:.1f} tok/s)")
     res["prefill_tokens_per_s"], res["hf_prefill_tokens_per_s"], res["prefill_ratio"] = kv_pf, hf_pf, kv_pf / hf_pf
@@ -113,8 +113,8 @@ def main() -> None:
     n = args.decode_tokens
     for ctx in (512, 4096):
         p = random_prompt(ctx, vocab, ctx)
-        kv = best_of(lambda: kv_decode(engine, [p], n), R)
-        ref = best_of(lambda: hf_decode(hf, [p], n), R)
+        kv = median_of(lambda: kv_decode(engine, [p], n), R)
+        ref = median_of(lambda: hf_decode(hf, [p], n), R)
         step_bytes = model.weight_bytes + (ctx + n // 2) * engine.cache.full_bytes_per_token
         frac = step_bytes * kv / bw
         print(f"decode b=1 ctx {ctx:5d}  kvbench {kv:8.2f} tok/s  transformers {ref:8.2f} tok/s  ratio {kv / ref:.2f}"
@@ -126,8 +126,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(16)
     lens = torch.randint(256, 769, (16,), generator=g).tolist()
     prompts = [random_prompt(L, vocab, 100 + i) for i, L in enumerate(lens)]
-    kv16 = best_of(lambda: kv_decode(engine, prompts, 64), max(1, R - 1))
-    hf16 = best_of(lambda: hf_decode(hf, prompts, 64), max(1, R - 1))
+    kv16 = median_of(lambda: kv_decode(engine, prompts, 64), max(1, R - 1))
+    hf16 = median_of(lambda: hf_decode(hf, prompts, 64), max(1, R - 1))
     b16_over_b1 = kv16 / res["decode_tokens_per_s_ctx512"]
     print(f"decode b=16 (256..768 tok prompts, 64 new)  kvbench {kv16:8.1f} tok/s  transformers {hf16:8.1f} tok/s"
           f"  ratio {kv16 / hf16:.2f}  batch16/batch1 {b16_over_b1:.2f}")
