@@ -186,30 +186,3 @@ def test_random_operations_never_leak(ops, bs):
     assert cache.pool.in_use == 0
     cache.pool.check_consistency()
 
-
-def test_prefix_run_view_matches_gathered_attention():
-    """The strided-run decode path reads the same keys as the gather path, before and after eviction."""
-    from kvbench.runtime.attention import paged_attention_torch
-
-    cache = make_cache(bs=4)
-    s = cache.add_sequence()
-    torch.manual_seed(0)
-    plan = cache.prepare_append([s], torch.arange(37).unsqueeze(0))
-    assert cache.runs[s][0][2] == math.ceil(37 / 4)  # fresh pool: one strided run per layer
-    for layer in range(L):
-        cache.write(layer, plan, torch.randn(1, H, 37, D), torch.randn(1, H, 37, D))
-    for step in range(6):  # decode appends land in new blocks outside the run
-        plan = cache.prepare_append([s], torch.tensor([[37 + step]]))
-        for layer in range(L):
-            cache.write(layer, plan, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D))
-    cache.evict_blocks(1, s, 0, [2])  # layer 1 head 0 drops a block inside the run
-    assert cache.runs[s][1][2] == 2 and cache.runs[s][0][2] == 10
-    q = torch.randn(1, 2 * H, 1, D)
-    for layer in range(L):
-        args = (q, cache.k_pool, cache.v_pool, cache.tables[[s], layer], cache.lengths[[s], layer],
-                cache.positions[[s], layer], torch.tensor([[99]]), 0.5)
-        ref, ref_scores = paged_attention_torch(*args, causal=False, return_key_scores=True)
-        fast, fast_scores = paged_attention_torch(*args, causal=False, return_key_scores=True,
-                                                  prefix_run=cache.runs[s][layer])
-        assert torch.allclose(ref, fast, atol=1e-6)
-        assert torch.allclose(ref_scores, fast_scores, atol=1e-6)

@@ -34,7 +34,6 @@ def paged_attention_torch(
     return_key_scores: bool = False,
     rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     causal: bool = True,
-    prefix_run: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [S, Hq, Q, D], key_scores [S, H, T] or None), T = lengths.max().
 
@@ -43,8 +42,6 @@ def paged_attention_torch(
     rotate_keys(k [S, H, Tp, D], key_positions [S, H, Tp]) -> k: applied to gathered keys when the
     cache stores them before RoPE. causal=False skips the position mask (valid when every cached
     key precedes every query, as in plain decoding).
-    prefix_run=(base, stride, P) (one sequence only): the first P table columns of head h hold blocks
-    base + h*stride + j, so they are read as a strided view of the pool, not gathered.
     """
     S, Hq, Q, D = q.shape
     H = tables.shape[1]
@@ -53,9 +50,6 @@ def paged_attention_torch(
     T = int(lengths.max())
     nb = -(-T // bs)
     Tp = nb * bs
-    if prefix_run is not None and not causal and rotate_keys is None and S == 1 and k_pool.is_contiguous():
-        return _decode_with_prefix_run(q, k_pool, v_pool, tables, lengths, scale, prefix_run, T, nb,
-                                       return_key_scores)
     k = gather_blocks(k_pool, tables, nb)  # [S, H, Tp, D]
     v = gather_blocks(v_pool, tables, nb)
     if rotate_keys is not None:
@@ -92,33 +86,3 @@ def paged_attention_torch(
     key_scores = probs.sum(dim=2)[:, :, :T] if return_key_scores else None
     return out, key_scores
 
-
-def _decode_with_prefix_run(q, k_pool, v_pool, tables, lengths, scale, prefix_run, T, nb, return_key_scores):
-    """Decode attention for one sequence whose first P blocks per head form a strided run in the pool:
-    keys/values of the run are read in place; only the remaining (tail) blocks are gathered."""
-    _, Hq, Q, D = q.shape
-    H = tables.shape[1]
-    G = Hq // H
-    bs = k_pool.shape[1]
-    base, stride, P = prefix_run
-    P = min(P, nb)
-    shape, strides, offset = (1, H, P * bs, D), (0, stride * bs * D, D, 1), base * bs * D
-    k_run = k_pool.as_strided(shape, strides, offset)  # [1, H, P*bs, D] view, no copy
-    v_run = v_pool.as_strided(shape, strides, offset)
-    qg = q.reshape(1, H, G * Q, D)
-    scores = torch.matmul(qg, k_run.transpose(-1, -2))  # [1, H, G*Q, P*bs]
-    if P < nb:
-        k_tail = gather_blocks(k_pool, tables[:, :, P:], nb - P)  # [1, H, (nb-P)*bs, D]
-        v_tail = gather_blocks(v_pool, tables[:, :, P:], nb - P)
-        scores = torch.cat([scores, torch.matmul(qg, k_tail.transpose(-1, -2))], dim=-1)
-    scores = scores.float() * scale
-    Tp = nb * bs
-    if Tp != T or bool((lengths != T).any()):
-        valid = torch.arange(Tp, device=q.device) < lengths.unsqueeze(-1)  # [1, H, Tp]
-        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v_pool.dtype)
-    out = torch.matmul(probs[..., : P * bs], v_run)
-    if P < nb:
-        out = out + torch.matmul(probs[..., P * bs:], v_tail)
-    key_scores = probs.float().sum(dim=2)[:, :, :T] if return_key_scores else None
-    return out.view(1, Hq, Q, D), key_scores

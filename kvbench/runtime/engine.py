@@ -81,24 +81,38 @@ class Engine:
 
     # ------------------------------------------------------------------ backends
     def _pick_attention(self, backend: str):
-        choices = ("auto", "torch", "triton")
+        """auto: Triton on CUDA (post-RoPE keys, full-precision pool), the C decode kernel on CPU,
+        the torch reference otherwise."""
+        choices = ("auto", "torch", "cpu", "triton")
         if backend not in choices:
             raise ValueError(f"unknown attention_backend {backend!r}; choose one of: {', '.join(choices)}")
-        usable_triton = (self.model.device.type == "cuda" and not self.cache.store_pre_rope
-                         and type(self.cache) is PagedKVCache)
+        on_cuda = self.model.device.type == "cuda"
+        usable_triton = on_cuda and not self.cache.store_pre_rope and type(self.cache) is PagedKVCache
         if backend == "triton" and not usable_triton:
             raise ValueError("attention_backend=triton needs a CUDA device and post-RoPE keys")
+        if backend == "cpu" and on_cuda:
+            raise ValueError("attention_backend=cpu needs the model on the CPU")
         if backend == "triton" or (backend == "auto" and usable_triton):
             from kvbench.runtime.triton_attention import paged_attention_triton
 
             def triton_attention(q, k_pool, v_pool, tables, lengths, key_pos, qpos, scale, *,
-                                 return_key_scores=False, rotate_keys=None, causal=True, prefix_run=None):
+                                 return_key_scores=False, rotate_keys=None, causal=True):
                 res = paged_attention_triton(q, k_pool, v_pool, tables, lengths.to(torch.int32), key_pos,
                                              qpos.to(torch.int32), scale, return_key_scores=return_key_scores)
                 return res if return_key_scores else (res, None)
 
             self.attention_backend = "triton"
             return triton_attention
+        if backend == "cpu" or (backend == "auto" and not on_cuda):
+            from kvbench.runtime.cpu_attention import load_kernel, paged_attention_cpu
+
+            if load_kernel() is not None:
+                self.attention_backend = "cpu"
+                return paged_attention_cpu
+            if backend == "cpu":
+                from kvbench.runtime.cpu_attention import kernel_error
+
+                raise ValueError(f"attention_backend=cpu: the C kernel could not be built ({kernel_error()})")
         self.attention_backend = "torch"
         return paged_attention_torch
 

@@ -77,11 +77,6 @@ class PagedKVCache:
         self.live: set[int] = set()
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
         self._shared = False  # set once any fork happened: enables copy-on-write checks
-        # Contiguous runs: for sequence s and layer l, runs[s][l] = (base, stride, P) means the first P
-        # table columns of every head h hold blocks base + h*stride + j (j < P), so attention can read
-        # them as one strided view of the pool instead of gathering them. Purely an acceleration:
-        # set when a fresh sequence's first allocation happens to be laid out so, shrunk by eviction.
-        self.runs: dict[int, list[tuple[int, int, int]]] = {}
 
     # ------------------------------------------------------------------ sizes and bytes
     @property
@@ -133,7 +128,6 @@ class PagedKVCache:
         ids = _table_entries(self.tables[slot], nb)
         self.pool.free(ids)
         self.lengths[slot] = 0
-        self.runs.pop(slot, None)
         self.live.discard(slot)
         self._free_slots.append(slot)
 
@@ -145,8 +139,6 @@ class PagedKVCache:
         self.lengths[child] = self.lengths[slot]
         self.positions[child] = self.positions[slot]
         self.tokens_seen[child] = self.tokens_seen[slot]
-        if slot in self.runs:
-            self.runs[child] = list(self.runs[slot])
         self.pool.share(_table_entries(self.tables[slot], self._num_blocks(self.lengths[slot])))
         self._shared = True
         return child
@@ -178,8 +170,6 @@ class PagedKVCache:
         ids = self.pool.allocate(total + n_cow)
         if n_cow:
             self._apply_copy_on_write(tables, cow, ids[total:])
-            for s in slots:  # a copied block may sit inside a run
-                self.runs.pop(s, None)
         if total:
             ids_t = torch.tensor(ids[:total], dtype=torch.int32, device=self.device)
             # fresh blocks start zeroed: masked slots of a partly filled block must not hold NaN/inf
@@ -191,8 +181,6 @@ class PagedKVCache:
             cols = old_nb.flatten()[rows] + offs
             tables.view(-1, self.max_blocks)[rows, cols] = ids_t
         self.tables[slot_t] = tables
-        if S == 1 and total and not bool(old_len.any()):
-            self._record_runs(slots[0], tables[0], int(new_nb.max()))
         slot_idx = old_len.unsqueeze(-1) + torch.arange(Q, device=self.device)  # [S, L, H, Q]
         blocks = tables.gather(-1, (slot_idx // bs).to(torch.int64)).to(torch.int64)
         write_index = blocks * bs + slot_idx % bs
@@ -219,15 +207,10 @@ class PagedKVCache:
         """Attention of q [S, Hq, Q, D] over this layer's cached tokens (after this step's write).
 
         A storage codec's cache overrides this to read (dequantize) its own block layout."""
-        extra = {}
-        if len(plan.slot_list) == 1 and plan.slot_list[0] in self.runs:
-            run = self.runs[plan.slot_list[0]][layer]
-            if run[2] > 0:
-                extra["prefix_run"] = run
         return attention(
             q, self.k_pool, self.v_pool, plan.tables[:, layer], plan.lengths[:, layer],
             plan.positions[:, layer], plan.query_positions, scale,
-            return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal, **extra,
+            return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
     def layer_tables(self, layer: int, slots: torch.Tensor):
@@ -259,7 +242,6 @@ class PagedKVCache:
         table = self.tables[slot, layer]  # [H, MB] view
         if self._shared:
             self._unshare_table(table, old_len)
-            self.runs.pop(slot, None)
         k_src = keep.clamp(min=0)
         src_rows = table.gather(-1, (k_src // bs).to(torch.int64)).to(torch.int64) * bs + k_src % bs  # [H, n]
         n = keep.shape[-1]
@@ -276,7 +258,6 @@ class PagedKVCache:
         new_pos = pos_row.gather(-1, k_src.to(torch.int64))
         pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))
         self._release_tail_blocks(table, old_len, new_len)
-        self._shrink_run(slot, layer, int(self._num_blocks(new_len).min()))
         self.lengths[slot, layer] = new_len
 
     def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
@@ -305,24 +286,8 @@ class PagedKVCache:
         pos[new_n:] = -1
         self.lengths[slot, layer, head] = new_n
         self.pool.free(freed)
-        self._shrink_run(slot, layer, drop[0])
 
     # ------------------------------------------------------------------ internals
-    def _record_runs(self, slot: int, tables: torch.Tensor, nb: int) -> None:
-        """tables [L, H, MB] of a fresh sequence: note each layer whose blocks form a strided run."""
-        H = self.num_kv_heads
-        t = tables[:, :, :nb].to(torch.int64)  # [L, H, nb]
-        base = t[:, 0, 0]  # [L]
-        expected = base[:, None, None] + torch.arange(H)[None, :, None] * nb + torch.arange(nb)[None, None, :]
-        ok = (t == expected).flatten(1).all(-1).tolist()
-        self.runs[slot] = [(int(b), nb, nb) if good else (0, 0, 0) for b, good in zip(base.tolist(), ok)]
-
-    def _shrink_run(self, slot: int, layer: int, keep_cols: int) -> None:
-        runs = self.runs.get(slot)
-        if runs is not None and runs[layer][2] > keep_cols:
-            b, st, _ = runs[layer]
-            runs[layer] = (b, st, keep_cols)
-
     def _num_blocks(self, lengths: torch.Tensor) -> torch.Tensor:
         return (lengths + self.block_size - 1) // self.block_size
 

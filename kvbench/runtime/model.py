@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
+from kvbench.runtime.linear import Linear
 from kvbench.runtime.rope import RotaryTable, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -40,15 +41,12 @@ class ModelConfig:
 
 @dataclass
 class LayerWeights:
-    # projection weights are stored transposed ([in, out]): x @ W_t reads them ~2x faster than
-    # F.linear's [out, in] layout in a CPU matrix-vector product (measured), the same on GPU
     ln_attn: torch.Tensor  # [E]
-    w_qkv: torch.Tensor  # [E, (Hq + 2H) * D]
-    b_qkv: torch.Tensor | None  # [(Hq + 2H) * D]
-    w_o: torch.Tensor  # [Hq * D, E]
+    qkv: Linear  # E -> (Hq + 2H) * D, q/k/v fused (with Qwen2's bias)
+    o: Linear  # Hq * D -> E
     ln_mlp: torch.Tensor  # [E]
-    w_gate_up: torch.Tensor  # [E, 2I]
-    w_down: torch.Tensor  # [I, E]
+    gate_up: Linear  # E -> 2I, gate and up fused
+    down: Linear  # I -> E
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
 
@@ -90,12 +88,12 @@ class LlamaFamilyModel:
     """Weights plus a forward over the paged cache."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rotary: RotaryTable):
+                 lm_head: Linear, rotary: RotaryTable):
         self.config = config
         self.embed = embed  # [V, E]
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head  # [E, V] (transposed; a copy of embed when tied)
+        self.lm_head = lm_head  # E -> V (a copy of embed when tied)
         self.rotary = rotary
         self.dtype = embed.dtype
         self.device = embed.device
@@ -105,7 +103,7 @@ class LlamaFamilyModel:
         """Bytes of weights a decode step reads (embedding row lookups excluded unless tied)."""
         n = self.lm_head.nbytes + self.final_norm.nbytes
         for lw in self.layers:
-            for t in (lw.ln_attn, lw.w_qkv, lw.b_qkv, lw.w_o, lw.ln_mlp, lw.w_gate_up, lw.w_down, lw.q_norm, lw.k_norm):
+            for t in (lw.ln_attn, lw.qkv, lw.o, lw.ln_mlp, lw.gate_up, lw.down, lw.q_norm, lw.k_norm):
                 if t is not None:
                     n += t.nbytes
         return n
@@ -140,9 +138,7 @@ class LlamaFamilyModel:
         x = self.embed[tokens]  # [S, Q, E]
         for li, lw in enumerate(self.layers):
             h = rms_norm(x, lw.ln_attn, eps)
-            qkv = h @ lw.w_qkv  # [S, Q, (Hq + 2H) D]
-            if lw.b_qkv is not None:
-                qkv = qkv + lw.b_qkv
+            qkv = lw.qkv(h)  # [S, Q, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
             q = q.view(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
             k = k.view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
@@ -174,16 +170,16 @@ class LlamaFamilyModel:
             )
             if hook is not None:
                 hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
-            x = x + out.transpose(1, 2).reshape(S, Q, Hq * D) @ lw.w_o
+            x = x + lw.o(out.transpose(1, 2).reshape(S, Q, Hq * D))
             h = rms_norm(x, lw.ln_mlp, eps)
-            gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ lw.w_down
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)
+            x = x + lw.down(F.silu(gate) * up)
         if logits_for == "none":
             return None
         if logits_for == "last":
             x = x[:, -1]
         x = rms_norm(x, self.final_norm, eps)
-        return x @ self.lm_head
+        return self.lm_head(x)
 
     def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T]."""
@@ -229,32 +225,31 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None, dev
     def t(name: str) -> torch.Tensor:
         return sd[name].to(device=device, dtype=dtype).contiguous()
 
-    def tt(*names: str) -> torch.Tensor:  # [out, in] weights concatenated, stored as [in, out]
-        return torch.cat([t(n) for n in names]).t().contiguous()
+    def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:  # [out, in] weights concatenated
+        return Linear(torch.cat([t(n) for n in names]), bias)
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        w_qkv = tt(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")
         b_qkv = None
         if cfg.qkv_bias and (p + "self_attn.q_proj.bias") in sd:
             b_qkv = torch.cat([t(p + "self_attn.q_proj.bias"), t(p + "self_attn.k_proj.bias"), t(p + "self_attn.v_proj.bias")])
         layers.append(LayerWeights(
             ln_attn=t(p + "input_layernorm.weight"),
-            w_qkv=w_qkv,
-            b_qkv=b_qkv,
-            w_o=tt(p + "self_attn.o_proj.weight"),
+            qkv=linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
+                       bias=b_qkv),
+            o=linear(p + "self_attn.o_proj.weight"),
             ln_mlp=t(p + "post_attention_layernorm.weight"),
-            w_gate_up=tt(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            w_down=tt(p + "mlp.down_proj.weight"),
+            gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=linear(p + "mlp.down_proj.weight"),
             q_norm=t(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=t(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
         ))
     embed = t("model.embed_tokens.weight")
     if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = embed.t().contiguous()
+        lm_head = Linear(embed)
     else:
-        lm_head = tt("lm_head.weight")
+        lm_head = linear("lm_head.weight")
     rot = hf_model.model.rotary_emb
     rotary = RotaryTable(rot.inv_freq.to(device), getattr(rot, "attention_scaling", 1.0), dtype,
                          max_positions=min(cfg.max_position_embeddings, 8192))

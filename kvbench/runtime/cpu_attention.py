@@ -1,0 +1,152 @@
+"""Paged decode attention on CPU through a small C kernel (csrc/paged_decode.c).
+
+The torch reference (``paged_attention_torch``) gathers a sequence's blocks before attending; at
+decode time on CPU that copy and MKL's small-matrix products cost more than the attention itself.
+The kernel reads K/V in place through the block tables, splits each (sequence, kv-head) into
+chunks of keys so both cores work even at batch 1, and merges the chunks with their softmax
+statistics. It also returns per-key attention mass for score-based methods.
+
+The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``, with OpenMP)
+into ``$KVBENCH_CACHE_DIR/ext`` (default ``~/.cache/kvbench/ext``), keyed by the source, flags and
+CPU. Without a compiler, or with ``KVBENCH_CPU_KERNEL=0``, ``paged_attention_cpu`` is the torch
+reference. It handles one query token per sequence (decode) in fp32 with keys stored after RoPE;
+every other call goes to the torch reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvbench.runtime.attention import paged_attention_torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
+CHUNK_SLOTS = 256  # keys per work item: several items per (sequence, kv-head) keep both cores busy
+_MAX_GROUP = 64  # MAX_G in the C source
+_kernel = None
+_kernel_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvbench")
+    return Path(root) / "ext"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _compile() -> Path:
+    cc = os.environ.get("CC", "cc")
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"paged_decode-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written library
+    except subprocess.CalledProcessError as err:
+        raise RuntimeError(f"{cc} failed: {err.stderr.strip()[:500]}") from err
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load_kernel():
+    """The compiled C function, or None (the reason is in ``kernel_error()``). Built once per process."""
+    global _kernel, _kernel_error
+    if _kernel is not None or _kernel_error is not None:
+        return _kernel
+    if os.environ.get("KVBENCH_CPU_KERNEL", "1") == "0":
+        _kernel_error = "disabled by KVBENCH_CPU_KERNEL=0"
+        return None
+    try:
+        # torch ships libgomp.so.1; the kernel links the same soname, so it shares torch's OpenMP runtime
+        lib = ctypes.CDLL(str(_compile()))
+    except (OSError, RuntimeError) as err:
+        _kernel_error = str(err)
+        log.warning("CPU paged-attention kernel unavailable (%s); using the torch reference", err)
+        return None
+    fn = lib.paged_decode_attention_f32
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [p, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, i32]
+    fn.restype = None
+    _kernel = fn
+    return fn
+
+
+def kernel_error() -> str | None:
+    return _kernel_error
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,  # [S, Hq, 1, D] fp32
+    k_pool: torch.Tensor,  # [N, bs, D] fp32 contiguous
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,  # [S, H, MB] int32
+    lengths: torch.Tensor,  # [S, H] int64
+    scale: float,
+    *,
+    return_key_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention read in place from the pool: (out [S, Hq, 1, D], key_scores [S, H, T] or None)."""
+    fn = load_kernel()
+    if fn is None:
+        raise RuntimeError(f"CPU paged-attention kernel unavailable: {_kernel_error}")
+    S, Hq, Q, D = q.shape
+    H = tables.shape[1]
+    G = Hq // H
+    bs = k_pool.shape[1]
+    assert Q == 1 and G <= _MAX_GROUP and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+    assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape[-1] == D
+    assert tables.dtype == torch.int32 and lengths.dtype == torch.int64
+    T = int(lengths.max())
+    Tp = max(1, -(-T // CHUNK_SLOTS)) * CHUNK_SLOTS
+    q = q.contiguous()
+    out = torch.empty(S, Hq, 1, D, dtype=torch.float32)
+    scores = torch.empty(S, H, G, Tp, dtype=torch.float32)
+    partials = torch.empty(S, H, Tp // CHUNK_SLOTS, G, D + 2, dtype=torch.float32)
+    key_scores = torch.empty(S, H, Tp, dtype=torch.float32) if return_key_scores else None
+    ts, ls = tables.stride(), lengths.stride()
+    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+       tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1],
+       S, H, G, D, bs, scale, Tp, CHUNK_SLOTS,
+       out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None,
+       scores.data_ptr(), partials.data_ptr(), torch.get_num_threads())
+    return out, (key_scores[:, :, :T] if key_scores is not None else None)
+
+
+def paged_attention_cpu(q, k_pool, v_pool, tables, lengths, key_positions, query_positions, scale, *,
+                        return_key_scores: bool = False, rotate_keys: Callable | None = None,
+                        causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``paged_attention_torch``'s signature; decode steps (one query, no causal mask, keys after RoPE,
+    fp32) run the C kernel, everything else the torch reference."""
+    if (not causal and q.shape[2] == 1 and rotate_keys is None and q.dtype == torch.float32
+            and k_pool.dtype == torch.float32 and k_pool.device.type == "cpu" and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and tables.dtype == torch.int32 and lengths.dtype == torch.int64
+            and q.shape[1] // tables.shape[1] <= _MAX_GROUP and load_kernel() is not None):
+        return paged_decode_attention_cpu(q, k_pool, v_pool, tables, lengths, scale,
+                                          return_key_scores=return_key_scores)
+    return paged_attention_torch(q, k_pool, v_pool, tables, lengths, key_positions, query_positions, scale,
+                                 return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal)
