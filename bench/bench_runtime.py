@@ -76,8 +76,14 @@ def kv_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
     return sum(g.decode_tokens for g in gens) / max(g.decode_s for g in gens)
 
 
-def median_of(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+def paired_medians(kv_fn, hf_fn, repeats: int) -> tuple[float, float]:
+    """Median of each side over `repeats` runs taken alternately, so load that drifts on a shared
+    machine hits kvbench and transformers alike."""
+    kv, hf = [], []
+    for _ in range(repeats):
+        kv.append(kv_fn())
+        hf.append(hf_fn())
+    return statistics.median(kv), statistics.median(hf)
 
 
 def main() -> None:
@@ -104,7 +110,7 @@ def main() -> None:
     print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  copy bandwidth {bw / 1e9:.1f} GB/s")
 
     p2048 = random_prompt(2048, vocab, 1)
-    kv_pf, hf_pf = median_of(lambda: kv_prefill_tps(engine, p2048), R), median_of(lambda: hf_prefill_tps(hf, p2048), R)
+    kv_pf, hf_pf = paired_medians(lambda: kv_prefill_tps(engine, p2048), lambda: hf_prefill_tps(hf, p2048), R)
     chunked = engine.generate([p2048], max_new_tokens=1, chunk_size=512)[0]
     print(f"prefill 2048 tok      kvbench {kv_pf:8.1f} tok/s  transformers {hf_pf:8.1f} tok/s  ratio {kv_pf / hf_pf:.2f}"
           f"   (kvbench in 512-token chunks: {2048 / chunked.prefill_s:.1f} tok/s)")
@@ -113,8 +119,7 @@ def main() -> None:
     n = args.decode_tokens
     for ctx in (512, 4096):
         p = random_prompt(ctx, vocab, ctx)
-        kv = median_of(lambda: kv_decode(engine, [p], n), R)
-        ref = median_of(lambda: hf_decode(hf, [p], n), R)
+        kv, ref = paired_medians(lambda: kv_decode(engine, [p], n), lambda: hf_decode(hf, [p], n), R)
         step_bytes = model.weight_bytes + (ctx + n // 2) * engine.cache.full_bytes_per_token
         frac = step_bytes * kv / bw
         print(f"decode b=1 ctx {ctx:5d}  kvbench {kv:8.2f} tok/s  transformers {ref:8.2f} tok/s  ratio {kv / ref:.2f}"
@@ -126,8 +131,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(16)
     lens = torch.randint(256, 769, (16,), generator=g).tolist()
     prompts = [random_prompt(L, vocab, 100 + i) for i, L in enumerate(lens)]
-    kv16 = median_of(lambda: kv_decode(engine, prompts, 64), max(1, R - 1))
-    hf16 = median_of(lambda: hf_decode(hf, prompts, 64), max(1, R - 1))
+    kv16, hf16 = paired_medians(lambda: kv_decode(engine, prompts, 64), lambda: hf_decode(hf, prompts, 64),
+                                max(1, R - 1))
     b16_over_b1 = kv16 / res["decode_tokens_per_s_ctx512"]
     print(f"decode b=16 (256..768 tok prompts, 64 new)  kvbench {kv16:8.1f} tok/s  transformers {hf16:8.1f} tok/s"
           f"  ratio {kv16 / hf16:.2f}  batch16/batch1 {b16_over_b1:.2f}")

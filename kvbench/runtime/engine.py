@@ -77,6 +77,11 @@ class Engine:
         self.codec = codec
         method.attach(self.cache, cfg)
         self.attention = self._pick_attention(attention_backend)
+        # methods that never act after attention (full, pure codecs) are not called once per layer
+        from methods.base import Method
+
+        acts = type(method).after_attention is not Method.after_attention
+        self._layer_hook = method if acts else None
         self._peak_full_bytes = 0
 
     # ------------------------------------------------------------------ backends
@@ -104,13 +109,13 @@ class Engine:
             self.attention_backend = "triton"
             return triton_attention
         if backend == "cpu" or (backend == "auto" and not on_cuda):
-            from kvbench.runtime.cpu_attention import load_kernel, paged_attention_cpu
+            from kvbench.runtime.cpu_kernels import load_kernel, paged_attention_cpu
 
             if load_kernel() is not None:
                 self.attention_backend = "cpu"
                 return paged_attention_cpu
             if backend == "cpu":
-                from kvbench.runtime.cpu_attention import kernel_error
+                from kvbench.runtime.cpu_kernels import kernel_error
 
                 raise ValueError(f"attention_backend=cpu: the C kernel could not be built ({kernel_error()})")
         self.attention_backend = "torch"
@@ -122,7 +127,7 @@ class Engine:
               last_chunk: bool, logits_for: str) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
         logits = self.model.forward(
-            tokens, self.cache, plan, attention=self.attention, hook=self.method, phase=phase,
+            tokens, self.cache, plan, attention=self.attention, hook=self._layer_hook, phase=phase,
             last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
         )
         self._track_full_bytes()

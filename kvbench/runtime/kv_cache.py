@@ -198,8 +198,8 @@ class PagedKVCache:
         """Store the new tokens' K/V of one layer. k, v: [S, H, Q, D]."""
         rows = plan.write_index[:, layer].reshape(-1)
         D = self.head_dim
-        self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype))
-        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype))
+        self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype, copy=False))
+        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
 
     # ------------------------------------------------------------------ reading
     def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, attention,

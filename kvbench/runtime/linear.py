@@ -34,6 +34,7 @@ class Linear:
         self.nbytes = weight.nbytes + (bias.nbytes if bias is not None else 0)
         self.bias = bias
         self._packed = _onednn_pack(weight)
+        self._onednn_linear = torch.ops.mkldnn._linear_pointwise.default if self._packed is not None else None
         # fallback layout [in, out]: x @ W_t streams rows of W_t, ~2x faster than F.linear in a CPU GEMV
         self._w_t = weight.t().contiguous() if self._packed is None else None
 
@@ -43,6 +44,6 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
+            return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
         return y + self.bias if self.bias is not None else y

@@ -12,6 +12,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from kvbench.runtime import cpu_kernels
 from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.linear import Linear
@@ -97,6 +98,8 @@ class LlamaFamilyModel:
         self.rotary = rotary
         self.dtype = embed.dtype
         self.device = embed.device
+        # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths)
+        self.use_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
 
     @property
     def weight_bytes(self) -> int:
@@ -135,9 +138,11 @@ class LlamaFamilyModel:
         cos_qk, sin_qk = cos[:, :, None], sin[:, :, None]  # [S, Q, 1, D]
         need_scores = bool(hook is not None and hook.needs_key_scores)
         causal = Q > 1
+        fast = self.use_cpu_kernels
+        norm = cpu_kernels.rms_norm if fast else rms_norm
         x = self.embed[tokens]  # [S, Q, E]
         for li, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.ln_attn, eps)
+            h = norm(x, lw.ln_attn, eps)
             qkv = lw.qkv(h)  # [S, Q, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
             q = q.view(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
@@ -147,7 +152,9 @@ class LlamaFamilyModel:
                 q = rms_norm(q, lw.q_norm, eps)
                 k = rms_norm(k, lw.k_norm, eps)
             rotate_keys = None
-            if not pre_rope and not cfg.qk_norm:  # q and k rotated together: one pass, before the split
+            if fast and not pre_rope and not cfg.qk_norm:  # q and k rotated in place in qkv (q, k are views)
+                cpu_kernels.rotary_(qkv.view(S * Q, -1), Hq + H, D, cos.view(S * Q, D), sin.view(S * Q, D))
+            elif not pre_rope and not cfg.qk_norm:  # q and k rotated together: one pass, before the split
                 qk = apply_rotary(qkv[..., : (Hq + H) * D].view(S, Q, Hq + H, D), cos_qk, sin_qk)
                 q = qk[:, :, :Hq].transpose(1, 2)  # [S, Hq, Q, D]
                 k = qk[:, :, Hq:].transpose(1, 2)  # [S, H, Q, D]
@@ -171,14 +178,14 @@ class LlamaFamilyModel:
             if hook is not None:
                 hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
             x = x + lw.o(out.transpose(1, 2).reshape(S, Q, Hq * D))
-            h = rms_norm(x, lw.ln_mlp, eps)
+            h = norm(x, lw.ln_mlp, eps)
             gate, up = lw.gate_up(h).chunk(2, dim=-1)
             x = x + lw.down(F.silu(gate) * up)
         if logits_for == "none":
             return None
         if logits_for == "last":
             x = x[:, -1]
-        x = rms_norm(x, self.final_norm, eps)
+        x = norm(x.contiguous(), self.final_norm, eps)
         return self.lm_head(x)
 
     def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -24,11 +24,139 @@
 
 #define MAX_G 64
 
-static inline float dot(const float *restrict a, const float *restrict b, int D) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int d = 0; d < D; d++) acc += a[d] * b[d];
-    return acc;
+/* 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones elsewhere) */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+
+/* the four horizontal sums of a0..a3, reduced together (a third of the shuffles of four separate sums) */
+static inline void hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float out[4]) {
+    const v16 s01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                  + SHUFFLE(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16 s23 = SHUFFLE(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                  + SHUFFLE(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16 t = SHUFFLE(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+                + SHUFFLE(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const v16 u = t + SHUFFLE(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const v16 w = u + SHUFFLE(u, u, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = w[0];
+    out[1] = w[4];
+    out[2] = w[8];
+    out[3] = w[12];
+}
+
+static inline void prefetch_rows(const float *p, int64_t n_floats) {
+    for (int64_t i = 0; i < n_floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* dot products of one query row with four consecutive key rows; D a multiple of 16 */
+static inline void dot4(const float *q, const float *k, const int D, float out[4]) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int c = 0; c < D; c += 16) {
+        const v16 qv = *(const v16 *)(q + c);
+        a0 += qv * *(const v16 *)(k + c);
+        a1 += qv * *(const v16 *)(k + D + c);
+        a2 += qv * *(const v16 *)(k + 2 * D + c);
+        a3 += qv * *(const v16 *)(k + 3 * D + c);
+    }
+    hsum4(a0, a1, a2, a3, out);
+}
+
+/* exp for x <= 0 (scores minus their running max), vectorizable: Cephes' expf polynomial, ~1 ulp */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
+/* One work item: keys [t0, t1) of one (sequence, kv-head) table for its G query heads.
+ * Walks the table one block-run at a time (rows of a run are contiguous in the pool); the G
+ * query rows are reused from registers, the run's K/V rows from L1. Writes exp(score - max) into
+ * sc[g * T + t] and (acc[D], max, sum) per query head into part. */
+static inline void attend_chunk(const float *restrict qh, const float *restrict k_pool, const float *restrict v_pool,
+                                const int32_t *table, int64_t tab_sj, int bs, int G, const int D, float scale,
+                                int64_t t0, int64_t t1, int64_t T, float *restrict sc, float *restrict part)
+{
+    float m[MAX_G];
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int64_t t = t0; t < t1;) {  /* scores and running max */
+        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+        const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
+        if (end < t1)  /* blocks need not be adjacent in the pool: fetch the next one ahead */
+            prefetch_rows(k_pool + (int64_t)table[(end / bs) * tab_sj] * bs * D, (end + bs < t1 ? bs : t1 - end) * D);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
+            float *row = sc + g * T;
+            float mg = m[g];
+            const int64_t n = end - t;
+            int64_t j = 0;
+            if (D % 16 == 0) {
+                for (; j + 4 <= n; j += 4) {  /* four keys at once, their sums reduced together */
+                    float x[4];
+                    dot4(qg, k + j * D, D, x);
+                    for (int i = 0; i < 4; i++) {
+                        x[i] *= scale;
+                        row[t + j + i] = x[i];
+                        mg = x[i] > mg ? x[i] : mg;
+                    }
+                }
+            }
+            for (; j < n; j++) {
+                float x = 0.0f;
+#pragma omp simd reduction(+ : x)
+                for (int d = 0; d < D; d++) x += qg[d] * k[j * D + d];
+                x *= scale;
+                row[t + j] = x;
+                mg = x > mg ? x : mg;
+            }
+            m[g] = mg;
+        }
+        t = end;
+    }
+    for (int g = 0; g < G; g++) {  /* exp in place, sum */
+        float *row = sc + g * T;
+        const float mg = m[g];
+        float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = t0; t < t1; t++) {
+            const float e = exp_nonpos(row[t] - mg);
+            row[t] = e;
+            l += e;
+        }
+        part[g * (D + 2) + D] = mg;
+        part[g * (D + 2) + D + 1] = l;
+    }
+    for (int g = 0; g < G; g++) {  /* acc = sum_t p_t v_t, accumulated in registers per query head */
+        float acc[D];
+        for (int d = 0; d < D; d++) acc[d] = 0.0f;
+        const float *row = sc + g * T;
+        for (int64_t t = t0; t < t1;) {
+            const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+            const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
+            if (g == 0 && end < t1)
+                prefetch_rows(v_pool + (int64_t)table[(end / bs) * tab_sj] * bs * D, (end + bs < t1 ? bs : t1 - end) * D);
+            for (int64_t j = 0; j < end - t; j++) {
+                const float p = row[t + j];
+#pragma omp simd
+                for (int d = 0; d < D; d++) acc[d] += p * v[j * D + d];
+            }
+            t = end;
+        }
+        memcpy(part + g * (D + 2), acc, sizeof(float) * D);
+    }
 }
 
 void paged_decode_attention_f32(
@@ -49,46 +177,26 @@ void paged_decode_attention_f32(
         const int s = (int)(sh / H), h = (int)(sh % H);
         const int64_t len = lengths[s * len_ss + h * len_sh];
         float *part = partials + (sh * n_chunks + c) * part_stride;
-        float *sc = scores + sh * G * T;  /* [G, T] */
         const int64_t t0 = c * chunk_slots;
         const int64_t t1 = len < t0 + chunk_slots ? len : t0 + chunk_slots;
-        for (int g = 0; g < G; g++) {  /* empty chunk: max -inf, sum 0 */
-            memset(part + g * (D + 2), 0, sizeof(float) * D);
-            part[g * (D + 2) + D] = -INFINITY;
-            part[g * (D + 2) + D + 1] = 0.0f;
+        if (t1 <= t0) {  /* empty chunk: max -inf, sum 0 */
+            for (int g = 0; g < G; g++) {
+                memset(part + g * (D + 2), 0, sizeof(float) * D);
+                part[g * (D + 2) + D] = -INFINITY;
+                part[g * (D + 2) + D + 1] = 0.0f;
+            }
+            continue;
         }
-        if (t1 <= t0) continue;
         const float *qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
         const int32_t *table = tables + s * tab_ss + h * tab_sh;
-        float m[MAX_G];
-        for (int g = 0; g < G; g++) m[g] = -INFINITY;
-        for (int64_t t = t0; t < t1; t++) {  /* scores and running max */
-            const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-            for (int g = 0; g < G; g++) {
-                const float x = dot(qh + g * D, k, D) * scale;
-                sc[g * T + t] = x;
-                if (x > m[g]) m[g] = x;
-            }
-        }
-        for (int g = 0; g < G; g++) {  /* exp in place, sum */
-            float l = 0.0f;
-            float *row = sc + g * T;
-            for (int64_t t = t0; t < t1; t++) {
-                row[t] = expf(row[t] - m[g]);
-                l += row[t];
-            }
-            part[g * (D + 2) + D] = m[g];
-            part[g * (D + 2) + D + 1] = l;
-        }
-        for (int64_t t = t0; t < t1; t++) {  /* acc = sum_t p_t v_t */
-            const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-            for (int g = 0; g < G; g++) {
-                const float p = sc[g * T + t];
-                float *acc = part + g * (D + 2);
-#pragma omp simd
-                for (int d = 0; d < D; d++) acc[d] += p * v[d];
-            }
-        }
+        float *sc = scores + sh * G * T;  /* [G, T] */
+        /* constant head dims let the compiler keep a query row and an accumulator in registers */
+        if (D == 64)
+            attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, 64, scale, t0, t1, T, sc, part);
+        else if (D == 128)
+            attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, 128, scale, t0, t1, T, sc, part);
+        else
+            attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, D, scale, t0, t1, T, sc, part);
     }
 
     /* merge the chunks of each (sequence, kv-head); normalise key scores with the final max/sum */

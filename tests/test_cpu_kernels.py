@@ -1,15 +1,15 @@
-"""The C decode-attention kernel equals the torch reference on real paged caches."""
+"""The C kernels of the CPU decode path equal their torch references (attention on real paged caches)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvbench.runtime import cpu_attention
+from kvbench.runtime import cpu_kernels
 from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import PagedKVCache
 
-pytestmark = pytest.mark.skipif(cpu_attention.load_kernel() is None,
-                                reason=f"no C compiler: {cpu_attention.kernel_error()}")
+pytestmark = pytest.mark.skipif(cpu_kernels.load_kernel() is None,
+                                reason=f"no C compiler: {cpu_kernels.kernel_error()}")
 
 
 def filled_cache(lengths, *, L=2, H=2, D=32, bs=8, seed=0):
@@ -36,7 +36,7 @@ def both(cache, slots, layer, q, key_scores=True):
     qpos = lengths.max(dim=1).values.unsqueeze(1)
     args = (q, cache.k_pool, cache.v_pool, tables, lengths, positions, qpos, 0.17)
     ref = paged_attention_torch(*args, causal=False, return_key_scores=key_scores)
-    fast = cpu_attention.paged_attention_cpu(*args, causal=False, return_key_scores=key_scores)
+    fast = cpu_kernels.paged_attention_cpu(*args, causal=False, return_key_scores=key_scores)
     return ref, fast
 
 
@@ -77,7 +77,7 @@ def test_other_calls_fall_back_to_the_reference():
     qpos = torch.tensor([[37, 38, 39]])
     args = (q, cache.k_pool, cache.v_pool, tables, lengths, positions, qpos, 0.2)
     ref, _ = paged_attention_torch(*args, causal=True)
-    out, _ = cpu_attention.paged_attention_cpu(*args, causal=True)
+    out, _ = cpu_kernels.paged_attention_cpu(*args, causal=True)
     assert torch.equal(out, ref)
 
 
@@ -94,3 +94,37 @@ def test_engine_uses_the_kernel_on_cpu_and_generates_like_the_reference():
     a = fast.generate(prompts, max_new_tokens=24)
     b = ref.generate(prompts, max_new_tokens=24)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+def test_rms_norm_and_rotary_match_torch():
+    from kvbench.runtime.model import rms_norm
+    from kvbench.runtime.rope import apply_rotary
+
+    torch.manual_seed(1)
+    for rows in (1, 7, 300):  # 300 rows take the multi-threaded branch
+        x, w = torch.randn(rows, 96) * 3, torch.randn(96)
+        torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+        heads, D = 5, 16
+        qkv = torch.randn(rows, (heads + 2) * D)  # two trailing heads (v) must stay untouched
+        cos, sin = torch.randn(rows, D), torch.randn(rows, D)
+        ref = apply_rotary(qkv[:, : heads * D].view(rows, heads, D), cos[:, None], sin[:, None])
+        got = qkv.clone()
+        cpu_kernels.rotary_(got, heads, D, cos, sin)
+        torch.testing.assert_close(got[:, : heads * D].view(rows, heads, D), ref, atol=1e-6, rtol=1e-6)
+        assert torch.equal(got[:, heads * D:], qkv[:, heads * D:])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_model_with_and_without_kernels(family):
+    """The same model through the C kernels and through plain torch ops gives the same log-probs."""
+    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.model import build_from_transformers
+    from tests.tiny_models import tiny_hf_model
+
+    model = build_from_transformers(tiny_hf_model(family, seed=4))
+    assert model.use_cpu_kernels
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    fast = Engine(model, block_size=8, num_blocks=2000).score(ids, chunk_size=64)
+    model.use_cpu_kernels = False
+    ref = Engine(model, block_size=8, num_blocks=2000, attention_backend="torch").score(ids, chunk_size=64)
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)

@@ -1,16 +1,19 @@
-"""Paged decode attention on CPU through a small C kernel (csrc/paged_decode.c).
+"""Small C kernels for the CPU decode path (csrc/), loaded with ctypes.
+
+- ``paged_decode_attention``: one query token per sequence against its cached K/V, read in place
+  through the block tables (no gather, no copy of cached K/V). Each (sequence, kv-head) is split
+  into chunks of keys so both cores work even at batch 1; chunks are merged with their softmax
+  statistics (flash-decoding). It also returns per-key attention mass for score-based methods.
+- ``rms_norm`` and ``rotary_``: row-wise ops where torch's dispatch of several small kernels per
+  token costs more than the arithmetic once the weight GEMVs have flushed the caches.
 
 The torch reference (``paged_attention_torch``) gathers a sequence's blocks before attending; at
 decode time on CPU that copy and MKL's small-matrix products cost more than the attention itself.
-The kernel reads K/V in place through the block tables, splits each (sequence, kv-head) into
-chunks of keys so both cores work even at batch 1, and merges the chunks with their softmax
-statistics. It also returns per-key attention mass for score-based methods.
+Every kernel is checked against its torch counterpart in tests/test_cpu_kernels.py.
 
-The kernel is compiled on first use with the system C compiler (``$CC`` or ``cc``, with OpenMP)
-into ``$KVBENCH_CACHE_DIR/ext`` (default ``~/.cache/kvbench/ext``), keyed by the source, flags and
-CPU. Without a compiler, or with ``KVBENCH_CPU_KERNEL=0``, ``paged_attention_cpu`` is the torch
-reference. It handles one query token per sequence (decode) in fp32 with keys stored after RoPE;
-every other call goes to the torch reference.
+The library is compiled on first use with the system C compiler (``$CC`` or ``cc``, with OpenMP)
+into ``$KVBENCH_CACHE_DIR/ext`` (default ``~/.cache/kvbench/ext``), keyed by the sources, flags and
+CPU. Without a compiler, or with ``KVBENCH_CPU_KERNEL=0``, callers use the torch paths.
 """
 from __future__ import annotations
 
@@ -30,11 +33,11 @@ from kvbench.runtime.attention import paged_attention_torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "decode_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 CHUNK_SLOTS = 256  # keys per work item: several items per (sequence, kv-head) keep both cores busy
 _MAX_GROUP = 64  # MAX_G in the C source
-_kernel = None
+_lib = None
 _kernel_error: str | None = None
 
 
@@ -54,19 +57,21 @@ def _cpu_signature() -> str:
 
 def _compile() -> Path:
     cc = os.environ.get("CC", "cc")
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode-{key}.so"
+    out = _cache_dir() / f"kvbench_cpu-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never load a half-written library
-    except subprocess.CalledProcessError as err:
-        raise RuntimeError(f"{cc} failed: {err.stderr.strip()[:500]}") from err
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = err.stderr.strip()[:500] if isinstance(err, subprocess.CalledProcessError) else str(err)
+        raise RuntimeError(f"{cc} failed: {detail}") from err
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -74,26 +79,33 @@ def _compile() -> Path:
 
 
 def load_kernel():
-    """The compiled C function, or None (the reason is in ``kernel_error()``). Built once per process."""
-    global _kernel, _kernel_error
-    if _kernel is not None or _kernel_error is not None:
-        return _kernel
+    """The compiled library, or None (the reason is in ``kernel_error()``). Built once per process."""
+    global _lib, _kernel_error
+    if _lib is not None or _kernel_error is not None:
+        return _lib
     if os.environ.get("KVBENCH_CPU_KERNEL", "1") == "0":
         _kernel_error = "disabled by KVBENCH_CPU_KERNEL=0"
         return None
     try:
-        # torch ships libgomp.so.1; the kernel links the same soname, so it shares torch's OpenMP runtime
+        # torch ships libgomp.so.1; the library links the same soname, so it shares torch's OpenMP runtime
         lib = ctypes.CDLL(str(_compile()))
     except (OSError, RuntimeError) as err:
         _kernel_error = str(err)
-        log.warning("CPU paged-attention kernel unavailable (%s); using the torch reference", err)
+        log.warning("CPU kernels unavailable (%s); using the torch paths", err)
         return None
-    fn = lib.paged_decode_attention_f32
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, i32]
-    fn.restype = None
-    _kernel = fn
-    return fn
+    lib.paged_decode_attention_f32.argtypes = [p, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32,
+                                               f32, i64, i32, p, p, p, p, i32]
+    lib.rms_norm_f32.argtypes = [p, p, p, i64, i64, f32, i32]
+    lib.rotary_f32.argtypes = [p, i64, i64, i64, i64, p, p, i32]
+    for fn in (lib.paged_decode_attention_f32, lib.rms_norm_f32, lib.rotary_f32):
+        fn.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return load_kernel() is not None
 
 
 def kernel_error() -> str | None:
@@ -111,9 +123,9 @@ def paged_decode_attention_cpu(
     return_key_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode attention read in place from the pool: (out [S, Hq, 1, D], key_scores [S, H, T] or None)."""
-    fn = load_kernel()
-    if fn is None:
-        raise RuntimeError(f"CPU paged-attention kernel unavailable: {_kernel_error}")
+    lib = load_kernel()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_kernel_error}")
     S, Hq, Q, D = q.shape
     H = tables.shape[1]
     G = Hq // H
@@ -129,11 +141,11 @@ def paged_decode_attention_cpu(
     partials = torch.empty(S, H, Tp // CHUNK_SLOTS, G, D + 2, dtype=torch.float32)
     key_scores = torch.empty(S, H, Tp, dtype=torch.float32) if return_key_scores else None
     ts, ls = tables.stride(), lengths.stride()
-    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-       tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1],
-       S, H, G, D, bs, scale, Tp, CHUNK_SLOTS,
-       out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None,
-       scores.data_ptr(), partials.data_ptr(), torch.get_num_threads())
+    lib.paged_decode_attention_f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                                   tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1],
+                                   S, H, G, D, bs, scale, Tp, CHUNK_SLOTS,
+                                   out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None,
+                                   scores.data_ptr(), partials.data_ptr(), torch.get_num_threads())
     return out, (key_scores[:, :, :T] if key_scores is not None else None)
 
 
@@ -150,3 +162,20 @@ def paged_attention_cpu(q, k_pool, v_pool, tables, lengths, key_positions, query
                                           return_key_scores=return_key_scores)
     return paged_attention_torch(q, k_pool, v_pool, tables, lengths, key_positions, query_positions, scale,
                                  return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm of x [..., E] (fp32, contiguous) with weight [E]."""
+    out = torch.empty_like(x)
+    E = x.shape[-1]
+    _lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // E, E, eps,
+                      torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, n_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate in place the first n_heads heads of every row of x [rows, row_len] (fp32, rows contiguous)
+    by cos/sin [rows, head_dim] (rotate-half convention)."""
+    assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (x.shape[0], head_dim)
+    _lib.rotary_f32(x.data_ptr(), x.shape[0], x.stride(0), n_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                    torch.get_num_threads())
