@@ -80,7 +80,8 @@ class Engine:
         # methods that never act after attention (full, pure codecs) are not called once per layer
         from methods.base import Method
 
-        acts = type(method).after_attention is not Method.after_attention
+        hook = method.after_attention
+        acts = getattr(hook, "__func__", hook) is not Method.after_attention
         self._layer_hook = method if acts else None
         self._peak_full_bytes = 0
 

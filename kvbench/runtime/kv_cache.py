@@ -29,10 +29,10 @@ class AppendPlan:
 
     slots: torch.Tensor  # [S] int64 sequence slots
     write_index: torch.Tensor  # [S, L, H, Q] int64 flat row in k_pool.view(-1, D)
-    tables: torch.Tensor  # [S, L, H, MB] int32 snapshot after allocation
+    tables: torch.Tensor  # [S, L, H, nb] int32 snapshot after allocation (nb = most blocks any table holds)
     lengths: torch.Tensor  # [S, L, H] int64 after the append
     query_positions: torch.Tensor  # [S, Q] int64
-    positions: torch.Tensor  # [S, L, H, MB*bs] int32 snapshot of key positions after the append
+    positions: torch.Tensor  # [S, L, H, nb*bs] int32 snapshot of key positions after the append
     slot_list: list[int]
 
 
@@ -162,7 +162,8 @@ class PagedKVCache:
         max_nb = int(new_nb.max())
         if max_nb > self.max_blocks:
             self._grow_blocks(max_nb)
-        tables = self.tables[slot_t]  # [S, L, H, MB] copy
+        # only the columns in use travel: copying whole rows would cost O(capacity) per decode step
+        tables = self.tables[slot_t, :, :, :max_nb]  # [S, L, H, max_nb] copy
         need = (new_nb - old_nb).flatten()
         total = int(need.sum())
         cow = self._copy_on_write_targets(tables, old_len) if self._shared else None
@@ -179,16 +180,16 @@ class PagedKVCache:
             starts = torch.cumsum(need, 0) - need
             offs = torch.arange(total, device=self.device) - starts[rows]
             cols = old_nb.flatten()[rows] + offs
-            tables.view(-1, self.max_blocks)[rows, cols] = ids_t
-        self.tables[slot_t] = tables
+            tables.view(-1, max_nb)[rows, cols] = ids_t
+        self.tables[slot_t, :, :, :max_nb] = tables
         slot_idx = old_len.unsqueeze(-1) + torch.arange(Q, device=self.device)  # [S, L, H, Q]
         blocks = tables.gather(-1, (slot_idx // bs).to(torch.int64)).to(torch.int64)
         write_index = blocks * bs + slot_idx % bs
         pos = query_positions.to(self.device)
         L, H = self.num_layers, self.num_kv_heads
-        pos_rows = self.positions[slot_t]  # [S, L, H, MB*bs]
+        pos_rows = self.positions[slot_t, :, :, : max_nb * bs]  # [S, L, H, max_nb*bs] copy
         pos_rows.scatter_(-1, slot_idx, pos[:, None, None, :].expand(S, L, H, Q).to(torch.int32))
-        self.positions[slot_t] = pos_rows
+        self.positions[slot_t, :, :, : max_nb * bs] = pos_rows
         self.lengths[slot_t] = new_len
         for s in slots:
             self.tokens_seen[s] += Q

@@ -95,8 +95,11 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
     for (int64_t t = t0; t < t1;) {  /* scores and running max */
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        if (end < t1)  /* blocks need not be adjacent in the pool: fetch the next one ahead */
-            prefetch_rows(k_pool + (int64_t)table[(end / bs) * tab_sj] * bs * D, (end + bs < t1 ? bs : t1 - end) * D);
+        if (end < t1) {  /* blocks need not be adjacent in the pool: fetch the next K and V ahead */
+            const int64_t next = (int64_t)table[(end / bs) * tab_sj] * bs * D, n_next = (end + bs < t1 ? bs : t1 - end) * D;
+            prefetch_rows(k_pool + next, n_next);
+            prefetch_rows(v_pool + next, n_next);  /* read by the V pass below, from L2 */
+        }
         for (int g = 0; g < G; g++) {
             const float *qg = qh + g * D;
             float *row = sc + g * T;
@@ -146,8 +149,6 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
         for (int64_t t = t0; t < t1;) {
             const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
             const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-            if (g == 0 && end < t1)
-                prefetch_rows(v_pool + (int64_t)table[(end / bs) * tab_sj] * bs * D, (end + bs < t1 ? bs : t1 - end) * D);
             for (int64_t j = 0; j < end - t; j++) {
                 const float p = row[t + j];
 #pragma omp simd
