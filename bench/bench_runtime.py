@@ -107,7 +107,8 @@ def main() -> None:
     res: dict[str, float] = {}
 
     bw = measure_copy_bandwidth()
-    print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  copy bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  copy bandwidth {bw / 1e9:.1f} GB/s  "
+          f"attention {engine.attention_backend}  projections {model.lm_head.backend}")
 
     p2048 = random_prompt(2048, vocab, 1)
     kv_pf, hf_pf = paired_medians(lambda: kv_prefill_tps(engine, p2048), lambda: hf_prefill_tps(hf, p2048), R)

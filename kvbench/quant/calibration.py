@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
+from kvbench.runtime.linear import Linear
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 
 log = logging.getLogger(__name__)
@@ -275,9 +276,13 @@ def model_fingerprint(model) -> str:
     (integer sums, so neither the runtime's matrix layout nor the thread count changes it)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True).encode())
     h.update(str(model.dtype).encode())
-    tensors = [model.embed, model.final_norm]
+    tensors = [model.embed, model.final_norm, model.lm_head.dense_weight()]
     for lw in model.layers:
-        tensors += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+        for t in vars(lw).values():
+            if isinstance(t, Linear):
+                tensors += [t.dense_weight()] + ([t.bias] if t.bias is not None else [])
+            elif isinstance(t, torch.Tensor):
+                tensors.append(t)
     for t in tensors:
         bits = t.detach().contiguous().view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
         low = bits & 0xFFFF

@@ -122,7 +122,8 @@ def paged_decode_attention_cpu(
     *,
     return_key_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decode attention read in place from the pool: (out [S, Hq, 1, D], key_scores [S, H, T] or None)."""
+    """Decode attention read in place from the pool: (out [S, Hq, 1, D], key_scores [S, H, T] or None).
+    A head with no cached keys gives zeros (the torch reference gives NaN there; the Triton kernel zeros)."""
     lib = load_kernel()
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {_kernel_error}")
@@ -166,6 +167,7 @@ def paged_attention_cpu(q, k_pool, v_pool, tables, lengths, key_positions, query
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm of x [..., E] (fp32, contiguous) with weight [E]."""
+    assert x.is_contiguous() and weight.is_contiguous()
     out = torch.empty_like(x)
     E = x.shape[-1]
     _lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // E, E, eps,

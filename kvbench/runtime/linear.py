@@ -10,6 +10,7 @@ multiplied as ``x @ W_t``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 ONEDNN_BATCH_HINT = 16  # rows the packed layout is tuned for; any number of rows works
 
@@ -42,8 +43,14 @@ class Linear:
     def backend(self) -> str:
         return "onednn" if self._packed is not None else "matmul"
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as [out, in] (a fresh copy when stored in oneDNN's layout)."""
+        return self._packed.to_dense() if self._packed is not None else self._w_t.t()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
+            if x.requires_grad and torch.is_grad_enabled():  # oneDNN's op has no backward (KVQuant's Fisher pass)
+                return F.linear(x, self.dense_weight(), self.bias)
             return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
         return y + self.bias if self.bias is not None else y

@@ -138,7 +138,7 @@ class LlamaFamilyModel:
         cos_qk, sin_qk = cos[:, :, None], sin[:, :, None]  # [S, Q, 1, D]
         need_scores = bool(hook is not None and hook.needs_key_scores)
         causal = Q > 1
-        fast = self.use_cpu_kernels
+        fast = self.use_cpu_kernels and not torch.is_grad_enabled()  # the C kernels have no backward
         norm = cpu_kernels.rms_norm if fast else rms_norm
         x = self.embed[tokens]  # [S, Q, E]
         for li, lw in enumerate(self.layers):
