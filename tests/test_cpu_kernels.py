@@ -136,3 +136,13 @@ def test_model_with_and_without_kernels(family):
     ref = Engine(model, block_size=8, num_blocks=2000, attention_backend="torch").score(ids, chunk_size=64)
     torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
 
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 64), (4, 128), (9, 64), (2, 96)])
+def test_kernel_specialisations_match_reference(group, head_dim):
+    """Groups of 1..8 with head dims 64/128 take the register-resident kernel; others the generic one."""
+    cache, slots = filled_cache([77, 300], H=2, D=head_dim)
+    q = torch.randn(2, 2 * group, 1, head_dim)
+    (ref, ref_ks), (out, ks) = both(cache, slots, 0, q)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ks, ref_ks, atol=1e-6, rtol=1e-5)

@@ -160,6 +160,112 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
     }
 }
 
+/* attend_chunk with the head dim (64 or 128) and the group size (1..8) as compile-time constants (see
+ * attend_chunk_fast): each K and V row is loaded once for the whole group, the group's accumulators
+ * stay in registers. Same arithmetic, in the same order, as attend_chunk. */
+#define GROUP_MAX 8
+static inline __attribute__((always_inline)) void attend_chunk_grouped(
+    const float *restrict qh, const float *restrict k_pool, const float *restrict v_pool,
+    const int32_t *table, int64_t tab_sj, int bs, const int G, const int D, float scale,
+    int64_t t0, int64_t t1, int64_t T, float *restrict sc, float *restrict part)
+{
+    float m[GROUP_MAX];
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+        const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
+        if (end < t1) {
+            const int64_t next = (int64_t)table[(end / bs) * tab_sj] * bs * D, n_next = (end + bs < t1 ? bs : t1 - end) * D;
+            prefetch_rows(k_pool + next, n_next);
+            prefetch_rows(v_pool + next, n_next);
+        }
+        const int64_t n = end - t;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            v16 a[GROUP_MAX][4];
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
+            const float *kj = k + j * D;
+            for (int c = 0; c < D; c += 16) {
+                const v16 k0 = *(const v16 *)(kj + c), k1 = *(const v16 *)(kj + D + c);
+                const v16 k2 = *(const v16 *)(kj + 2 * D + c), k3 = *(const v16 *)(kj + 3 * D + c);
+                for (int g = 0; g < G; g++) {
+                    const v16 qv = *(const v16 *)(qh + g * D + c);
+                    a[g][0] += qv * k0;
+                    a[g][1] += qv * k1;
+                    a[g][2] += qv * k2;
+                    a[g][3] += qv * k3;
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                float x[4];
+                hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
+                float *row = sc + g * T + t + j;
+                for (int i = 0; i < 4; i++) {
+                    row[i] = x[i] * scale;
+                    m[g] = row[i] > m[g] ? row[i] : m[g];
+                }
+            }
+        }
+        for (; j < n; j++)
+            for (int g = 0; g < G; g++) {
+                float x = 0.0f;
+                for (int d = 0; d < D; d++) x += qh[g * D + d] * k[j * D + d];
+                sc[g * T + t + j] = x * scale;
+                m[g] = x * scale > m[g] ? x * scale : m[g];
+            }
+        t = end;
+    }
+    for (int g = 0; g < G; g++) {
+        float *row = sc + g * T;
+        const float mg = m[g];
+        float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = t0; t < t1; t++) {
+            const float e = exp_nonpos(row[t] - mg);
+            row[t] = e;
+            l += e;
+        }
+        part[g * (D + 2) + D] = mg;
+        part[g * (D + 2) + D + 1] = l;
+    }
+    v16 acc[GROUP_MAX][128 / 16];  /* acc = sum_t p_t v_t per query head (D <= 128) */
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++) acc[g][c] = (v16){0};
+    for (int64_t t = t0; t < t1;) {
+        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+        const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
+        for (int64_t j = 0; j < end - t; j++)
+            for (int c = 0; c < D / 16; c++) {
+                const v16 vv = *(const v16 *)(v + j * D + c * 16);
+                for (int g = 0; g < G; g++) acc[g][c] += sc[g * T + t + j] * vv;
+            }
+        t = end;
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++) memcpy(part + g * (D + 2) + c * 16, &acc[g][c], sizeof(v16));
+}
+#define GROUPED_CASE(GG)                                                                                   \
+    case GG:                                                                                               \
+        if (D == 64)                                                                                       \
+            attend_chunk_grouped(qh, k_pool, v_pool, table, tab_sj, bs, GG, 64, scale, t0, t1, T, sc, part);  \
+        else                                                                                               \
+            attend_chunk_grouped(qh, k_pool, v_pool, table, tab_sj, bs, GG, 128, scale, t0, t1, T, sc, part); \
+        return 1;
+
+/* the grouped kernel for head dims 64 / 128 and groups of 1..8 query heads; 0 when it does not apply */
+static int attend_chunk_fast(const float *qh, const float *k_pool, const float *v_pool, const int32_t *table,
+                             int64_t tab_sj, int bs, int G, int D, float scale, int64_t t0, int64_t t1, int64_t T,
+                             float *sc, float *part)
+{
+    if (D != 64 && D != 128) return 0;
+    switch (G) {
+        GROUPED_CASE(1) GROUPED_CASE(2) GROUPED_CASE(3) GROUPED_CASE(4)
+        GROUPED_CASE(5) GROUPED_CASE(6) GROUPED_CASE(7) GROUPED_CASE(8)
+        default: return 0;
+    }
+}
+
 void paged_decode_attention_f32(
     const float *q, const float *k_pool, const float *v_pool,
     const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
@@ -191,6 +297,8 @@ void paged_decode_attention_f32(
         const float *qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
         const int32_t *table = tables + s * tab_ss + h * tab_sh;
         float *sc = scores + sh * G * T;  /* [G, T] */
+        if (attend_chunk_fast(qh, k_pool, v_pool, table, tab_sj, bs, G, D, scale, t0, t1, T, sc, part))
+            continue;
         /* constant head dims let the compiler keep a query row and an accumulator in registers */
         if (D == 64)
             attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, 64, scale, t0, t1, T, sc, part);
