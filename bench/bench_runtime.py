@@ -5,6 +5,9 @@ throughput (16 prompts of 256..768 tokens, 64 new tokens each), each with its kv
 and the fraction of the memory-bandwidth limit a batch-1 decode step reaches (bytes it must read,
 weights + KV, over a copy bandwidth measured here). The last line is one JSON object.
 
+Decode steps of the two are interleaved one for one and each is timed alone, and prefill runs alternate, so a
+load that comes and goes on a shared machine slows both sides alike; every figure is a median over --repeats.
+
     python bench/bench_runtime.py [--threads 2] [--repeats 3] [--dtype float32]
 """
 from __future__ import annotations
@@ -42,27 +45,33 @@ def hf_prefill_tps(hf, ids: list[int]) -> float:
     return len(ids) / (time.perf_counter() - t)
 
 
-@torch.inference_mode()
-def hf_decode(hf, prompts: list[list[int]], new_tokens: int) -> float:
-    """Greedy decode with transformers' own cache (left-padded batch); returns decode tokens/s."""
-    B = len(prompts)
-    T = max(len(p) for p in prompts)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = hf(ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-    last = pos[:, -1:]
-    t = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        last = last + 1
-        out = hf(nxt, attention_mask=mask, position_ids=last, cache=cache, use_cache=True)
-        cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-    return B * (new_tokens - 1) / (time.perf_counter() - t)
+class HFDecoder:
+    """Greedy decoding with transformers' own cache (left-padded batch), advanced one timed step at a time."""
+
+    @torch.inference_mode()
+    def __init__(self, hf, prompts: list[list[int]]):
+        B, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        self.mask = torch.zeros(B, T, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, T - len(p):] = torch.tensor(p)
+            self.mask[i, T - len(p):] = 1
+        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        out = hf(ids, attention_mask=self.mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        self.hf, self.cache, self.next = hf, out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        self.last = pos[:, -1:]
+        self.tokens, self.seconds = 0, 0.0
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        t = time.perf_counter()
+        B = self.next.shape[0]
+        self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        self.last = self.last + 1
+        out = self.hf(self.next, attention_mask=self.mask, position_ids=self.last, cache=self.cache, use_cache=True)
+        self.cache, self.next = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        self.seconds += time.perf_counter() - t
+        self.tokens += B
 
 
 # ---------------------------------------------------------------------------------- kvbench
@@ -71,19 +80,33 @@ def kv_prefill_tps(engine, ids: list[int]) -> float:
     return len(ids) / g.prefill_s
 
 
-def kv_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
-    gens = engine.generate(prompts, max_new_tokens=new_tokens)
-    return sum(g.decode_tokens for g in gens) / max(g.decode_s for g in gens)
+def paired_decode(engine, hf, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """Decode tokens/s of kvbench and of transformers, their steps interleaved one for one (each side timed
+    alone), so load that comes and goes on a shared machine hits both alike."""
+    ref = HFDecoder(hf, prompts)
+
+    def after_token(i: int, _ids: list[int]) -> bool:  # called outside kvbench's timed step
+        if i == 0 and ref.tokens < len(prompts) * (new_tokens - 1):
+            ref.step()
+        return False
+
+    gens = engine.generate(prompts, max_new_tokens=new_tokens, should_stop=after_token)
+    kv = sum(g.decode_tokens for g in gens) / max(g.decode_s for g in gens)
+    return kv, ref.tokens / ref.seconds
 
 
 def paired_medians(kv_fn, hf_fn, repeats: int) -> tuple[float, float]:
-    """Median of each side over `repeats` runs taken alternately, so load that drifts on a shared
-    machine hits kvbench and transformers alike."""
+    """Median of each side over `repeats` runs taken alternately."""
     kv, hf = [], []
     for _ in range(repeats):
         kv.append(kv_fn())
         hf.append(hf_fn())
     return statistics.median(kv), statistics.median(hf)
+
+
+def median_pair(fn, repeats: int) -> tuple[float, float]:
+    runs = [fn() for _ in range(repeats)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def main() -> None:
@@ -120,7 +143,7 @@ def main() -> None:
     n = args.decode_tokens
     for ctx in (512, 4096):
         p = random_prompt(ctx, vocab, ctx)
-        kv, ref = paired_medians(lambda: kv_decode(engine, [p], n), lambda: hf_decode(hf, [p], n), R)
+        kv, ref = median_pair(lambda: paired_decode(engine, hf, [p], n), R)
         step_bytes = model.weight_bytes + (ctx + n // 2) * engine.cache.full_bytes_per_token
         frac = step_bytes * kv / bw
         print(f"decode b=1 ctx {ctx:5d}  kvbench {kv:8.2f} tok/s  transformers {ref:8.2f} tok/s  ratio {kv / ref:.2f}"
@@ -132,8 +155,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(16)
     lens = torch.randint(256, 769, (16,), generator=g).tolist()
     prompts = [random_prompt(L, vocab, 100 + i) for i, L in enumerate(lens)]
-    kv16, hf16 = paired_medians(lambda: kv_decode(engine, prompts, 64), lambda: hf_decode(hf, prompts, 64),
-                                max(1, R - 1))
+    kv16, hf16 = median_pair(lambda: paired_decode(engine, hf, prompts, 64), max(1, R - 1))
     b16_over_b1 = kv16 / res["decode_tokens_per_s_ctx512"]
     print(f"decode b=16 (256..768 tok prompts, 64 new)  kvbench {kv16:8.1f} tok/s  transformers {hf16:8.1f} tok/s"
           f"  ratio {kv16 / hf16:.2f}  batch16/batch1 {b16_over_b1:.2f}")

@@ -49,10 +49,6 @@ static inline void hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float out[4]) {
     out[3] = w[12];
 }
 
-static inline void prefetch_rows(const float *p, int64_t n_floats) {
-    for (int64_t i = 0; i < n_floats; i += 16) __builtin_prefetch(p + i, 0, 3);
-}
-
 /* dot products of one query row with four consecutive key rows; D a multiple of 16 */
 static inline void dot4(const float *q, const float *k, const int D, float out[4]) {
     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -95,11 +91,6 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
     for (int64_t t = t0; t < t1;) {  /* scores and running max */
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        if (end < t1) {  /* blocks need not be adjacent in the pool: fetch the next K and V ahead */
-            const int64_t next = (int64_t)table[(end / bs) * tab_sj] * bs * D, n_next = (end + bs < t1 ? bs : t1 - end) * D;
-            prefetch_rows(k_pool + next, n_next);
-            prefetch_rows(v_pool + next, n_next);  /* read by the V pass below, from L2 */
-        }
         for (int g = 0; g < G; g++) {
             const float *qg = qh + g * D;
             float *row = sc + g * T;
@@ -174,11 +165,6 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        if (end < t1) {
-            const int64_t next = (int64_t)table[(end / bs) * tab_sj] * bs * D, n_next = (end + bs < t1 ? bs : t1 - end) * D;
-            prefetch_rows(k_pool + next, n_next);
-            prefetch_rows(v_pool + next, n_next);
-        }
         const int64_t n = end - t;
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) {
