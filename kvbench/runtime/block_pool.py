@@ -2,10 +2,13 @@
 
 The pool only does bookkeeping (which block ids are free, who holds them); the bytes live in the
 storage tensors of `kvbench.runtime.kv_cache`. Allocation and free are O(1) per block.
+
+The free list is a stack: the blocks freed last are handed out first, so a new sequence reuses memory
+that is already mapped and warm instead of touching fresh pages of the (mostly virtual) pool; each
+allocation comes out in ascending id order, so a table's blocks tend to sit next to each other.
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable
 
 
@@ -32,7 +35,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must exceed {reserved}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.reserved = reserved
-        self._free: deque[int] = deque(range(reserved, num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, reserved - 1, -1))  # top of the stack = lowest id
         self._refcount = [0] * num_blocks
         self.peak_in_use = 0
 
@@ -56,7 +59,8 @@ class BlockPool:
         if n > len(self._free):
             raise OutOfBlocksError(n, len(self._free), self.capacity)
         free, ref = self._free, self._refcount
-        ids = [free.popleft() for _ in range(n)]
+        ids = free[len(free) - n:][::-1]
+        del free[len(free) - n:]
         for b in ids:
             ref[b] = 1
         in_use = self.capacity - len(free)
@@ -74,13 +78,15 @@ class BlockPool:
 
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference to each block; blocks whose count reaches zero return to the free list."""
-        ref, free = self._refcount, self._free
+        ref = self._refcount
+        released = []
         for b in ids:
             if ref[b] <= 0:
                 raise ValueError(f"double free of block {b}")
             ref[b] -= 1
             if ref[b] == 0:
-                free.append(b)
+                released.append(b)
+        self._free.extend(reversed(released))  # the first released comes out first again
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]

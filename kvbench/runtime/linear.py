@@ -2,9 +2,9 @@
 
 On CPU (fp32, bf16) the weight is reordered once into oneDNN's blocked layout and multiplied with
 oneDNN's linear (the path torch.compile's CPU backend emits). Measured on this 2-core machine for
-SmolLM2's projections: one decode token 24 ms per step vs 31 ms for ``x @ W_t`` through MKL, and
-16 tokens 34 ms vs 85 ms (MKL repacks the weight on every small-M call). Elsewhere (CUDA, fp16 on
-CPUs without fp16 units, torch builds without oneDNN) the weight is stored transposed and
+SmolLM2's projections (medians of five alternating runs): one decode token 26 ms per step vs 31 ms
+for ``x @ W_t`` through MKL, and 16 tokens 34 ms vs 86 ms (MKL is slow at small M). Elsewhere (CUDA,
+fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored transposed and
 multiplied as ``x @ W_t``.
 """
 from __future__ import annotations
