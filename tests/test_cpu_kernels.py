@@ -47,8 +47,10 @@ def both(cache, slots, layer, q, key_scores=True):
     return ref, fast
 
 
+@pytest.mark.parametrize("items_per_thread", [1, 16])  # one chunk of keys per table, or several merged
 @pytest.mark.parametrize("lengths,group", [([1], 1), ([300], 3), ([1000], 4), ([5, 513, 256, 1024], 2)])
-def test_kernel_matches_reference_on_ragged_batches(lengths, group):
+def test_kernel_matches_reference_on_ragged_batches(lengths, group, items_per_thread, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "ITEMS_PER_THREAD", items_per_thread)
     cache, slots = filled_cache(lengths)
     H, D = cache.num_kv_heads, cache.head_dim
     q = torch.randn(len(lengths), H * group, 1, D)
