@@ -78,6 +78,26 @@ static inline float exp_nonpos(float x) {
     return p * two_n.f;
 }
 
+/* Scores of keys [t0, t1) for each of G query heads (rows of sc, stride T) become exp(score - m[g])
+ * in place; their max and sum go to part's (max, sum) slots after each head's D accumulators. */
+static inline void exp_and_sum(float *restrict sc, int64_t T, int G, int D, int64_t t0, int64_t t1,
+                               const float *m, float *restrict part)
+{
+    for (int g = 0; g < G; g++) {
+        float *row = sc + g * T;
+        const float mg = m[g];
+        float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = t0; t < t1; t++) {
+            const float e = exp_nonpos(row[t] - mg);
+            row[t] = e;
+            l += e;
+        }
+        part[g * (D + 2) + D] = mg;
+        part[g * (D + 2) + D + 1] = l;
+    }
+}
+
 /* One work item: keys [t0, t1) of one (sequence, kv-head) table for its G query heads.
  * Walks the table one block-run at a time (rows of a run are contiguous in the pool); the G
  * query rows are reused from registers, the run's K/V rows from L1. Writes exp(score - max) into
@@ -120,19 +140,7 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
         }
         t = end;
     }
-    for (int g = 0; g < G; g++) {  /* exp in place, sum */
-        float *row = sc + g * T;
-        const float mg = m[g];
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = t0; t < t1; t++) {
-            const float e = exp_nonpos(row[t] - mg);
-            row[t] = e;
-            l += e;
-        }
-        part[g * (D + 2) + D] = mg;
-        part[g * (D + 2) + D + 1] = l;
-    }
+    exp_and_sum(sc, T, G, D, t0, t1, m, part);
     for (int g = 0; g < G; g++) {  /* acc = sum_t p_t v_t, accumulated in registers per query head */
         float acc[D];
         for (int d = 0; d < D; d++) acc[d] = 0.0f;
@@ -202,19 +210,7 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
             }
         t = end;
     }
-    for (int g = 0; g < G; g++) {
-        float *row = sc + g * T;
-        const float mg = m[g];
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = t0; t < t1; t++) {
-            const float e = exp_nonpos(row[t] - mg);
-            row[t] = e;
-            l += e;
-        }
-        part[g * (D + 2) + D] = mg;
-        part[g * (D + 2) + D + 1] = l;
-    }
+    exp_and_sum(sc, T, G, D, t0, t1, m, part);
     v16 acc[GROUP_MAX][128 / 16];  /* acc = sum_t p_t v_t per query head (D <= 128) */
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 16; c++) acc[g][c] = (v16){0};
