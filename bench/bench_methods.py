@@ -29,9 +29,9 @@ PREFERRED_ORDER = ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv"
 
 
 def eviction_methods() -> list[str]:
-    """Every registered eviction method (methods._selection.EvictionMethod), the papers' ones first."""
+    """Every registered eviction method (methods.eviction.EvictionMethod), the papers' ones first."""
     from methods import METHODS, available_methods
-    from methods._selection import EvictionMethod
+    from methods.eviction import EvictionMethod
 
     names = [n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)]
     return sorted(names, key=lambda n: (PREFERRED_ORDER.index(n) if n in PREFERRED_ORDER else len(PREFERRED_ORDER), n))

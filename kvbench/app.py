@@ -140,6 +140,12 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.create(cfg)
     settings = _config.validate(cfg)
+    from kvbench.quant.registry import check_codec, resolve_storage
+
+    (settings.method_name, settings.method_options, settings.quant_name,
+     settings.quant_options) = resolve_storage(settings.method_name, settings.method_options,
+                                               settings.quant_name, settings.quant_options)
+    check_codec(settings.quant_name, settings.quant_options)
 
     # Pure checks first, so bad input fails before anything is loaded or written.
     if build_method_fn is None:
@@ -147,14 +153,11 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     from tasks import build_task
 
     try:
-        method = build_method_fn(settings.method_name, settings.budget, **settings.method_options)
+        method = build_method_fn(settings.method_name, settings.budget, seed=settings.seed,
+                                 **settings.method_options)
     except (TypeError, ValueError) as exc:
         raise UserError(f"invalid settings for method {settings.method_name!r}: {exc}") from None
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
-    from kvbench.quant.registry import available_codecs
-
-    if settings.quant_name not in available_codecs():
-        raise UserError(f"unknown quant {settings.quant_name!r}; choose one of: {', '.join(available_codecs())}")
 
     hashable = _config.hashable_config(cfg)
     run_id = run_id_for(hashable)
@@ -219,7 +222,9 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
             extra = {"codec": codec} if codec is not None else {}
             engine = engine_cls(loaded.model, method, block_size=rt.block_size, num_blocks=rt.num_blocks,
                                 kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
-                                attention_backend=rt.attention_backend, **extra)
+                                attention_backend=rt.attention_backend, max_num_seqs=rt.max_num_seqs,
+                                max_num_batched_tokens=rt.max_num_batched_tokens,
+                                admission_watermark=rt.admission_watermark, **extra)
         except ValueError as exc:
             raise UserError(f"invalid runtime settings: {exc}") from None
         record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)

@@ -63,6 +63,9 @@ class RuntimeConfig:
     batch_size: int = 1
     attention_backend: str = "auto"
     threads: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    admission_watermark: float = 0.01
 
     def __post_init__(self) -> None:
         _check_positive("runtime.block_size", self.block_size)
@@ -71,6 +74,11 @@ class RuntimeConfig:
         _check_positive("runtime.prefill_chunk_size", self.prefill_chunk_size)
         _check_positive("runtime.batch_size", self.batch_size)
         _check_positive("runtime.threads", self.threads, allow_none=True)
+        _check_positive("runtime.max_num_seqs", self.max_num_seqs)
+        _check_positive("runtime.max_num_batched_tokens", self.max_num_batched_tokens)
+        w = self.admission_watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
+            raise UserError(f"invalid runtime.admission_watermark={w!r}: expected a number in [0, 1)")
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""Compression methods, one module each, registered by their config name."""
+"""Compression methods, one module each, registered by their config name (`method=<name>`).
+
+Storage codecs (KIVI, KVQuant, int8, fp8) are not methods: they are chosen with `quant=<codec>`
+(`method=kivi` is shorthand for `method=full quant=kivi`, see kvbench.quant.registry.resolve_storage).
+"""
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
-from typing import Any
+from typing import Any, Optional
 
 from kvbench.errors import UserError
 from methods.base import METHODS, Method, register_method
@@ -12,27 +14,21 @@ from methods.base import METHODS, Method, register_method
 __all__ = ["Method", "register_method", "build_method", "available_methods", "METHODS"]
 
 
-def _load_all() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        if info.name != "base" and not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
 def available_methods() -> list[str]:
-    _load_all()
-    return sorted(METHODS)
+    return METHODS.names()
 
 
-def build_method(name: str, budget: int | None = None, **options: Any) -> Method:
-    """Instantiate a method by name; unknown names and options raise UserError naming the choices."""
-    choices = available_methods()
-    if name not in METHODS:
-        raise UserError(f"unknown method {name!r}; choose one of: {', '.join(choices)}")
-    cls = METHODS[name]
+def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int] = None, **options: Any) -> Method:
+    """Instantiate a method by name. `seed` (the run's top-level seed) reaches methods with a `seed` option left
+    null. Unknown names and options raise UserError naming the choices."""
+    cls = METHODS.get(name)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     bad = sorted(set(options) - fields)
     if bad:
-        raise UserError(f"unknown option(s) {', '.join(bad)} for method {name!r}; valid: {', '.join(sorted(fields - {'budget'}))}")
+        valid = ", ".join(sorted(fields - {"budget"})) or "(none)"
+        raise UserError(f"unknown option method.{bad[0]} for method {name!r}; valid options are {valid}")
+    if "seed" in fields and options.get("seed") is None and seed is not None:
+        options["seed"] = seed
     try:
         return cls(budget=budget, **options)
     except (TypeError, ValueError) as exc:

@@ -6,37 +6,28 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbench.errors import UserError
+from kvbench.registry import Registry
 from kvbench.runtime.model import LayerContext
-
-METHODS: dict[str, type["Method"]] = {}
-
-
-def register_method(name: str):
-    """Class decorator: make a Method reachable as `method=<name>`."""
-
-    def wrap(cls: type[Method]) -> type[Method]:
-        cls.name = name
-        METHODS[name] = cls
-        return cls
-
-    return wrap
 
 
 @dataclass
 class Method:
-    """A KV-cache compression method: an eviction policy and/or a storage codec.
+    """A KV-cache compression method: which tokens stay (storage codecs are chosen with `quant=`).
 
-    The engine calls:
+    The engine calls (the hook protocol; the runtime knows nothing else of methods):
       attach(cache, model_config)   once, before any sequence
-      after_attention(ctx)          after every layer's attention of every forward step
-                                    (prefill chunks and decode steps); evict here through
-                                    ctx.cache.keep_tokens / ctx.cache.evict_blocks
-      on_sequence_end(slot)         when a sequence's blocks are freed
+      after_attention(ctx)          after every layer's attention of every forward step (prefill chunks and
+                                    decode steps) when `acts_after_attention`; evict here through the cache's
+                                    named operations (keep_tokens, evict_blocks, drop_slots)
+      on_sequence_end(slot)         when a sequence's blocks are freed (finished or preempted)
     `budget` is the most KV tokens kept per sequence, per layer, per kv-head (None = unlimited).
+    `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null).
     """
 
     name: ClassVar[str] = "base"
     needs_key_scores: ClassVar[bool] = False
+    evicts: ClassVar[bool] = False
+    acts_after_attention: ClassVar[bool] = False
     budget: int | None = None
 
     def __post_init__(self) -> None:
@@ -55,12 +46,6 @@ class Method:
         """"original" (keys keep their token positions) or "cache" (re-indexed inside the cache)."""
         return "original"
 
-    def make_codec(self, model: Any) -> Any:
-        """The storage codec this method needs (e.g. KIVI), or None for full precision.
-
-        Called once by the engine with the LlamaFamilyModel (a codec may calibrate on it)."""
-        return None
-
     def attach(self, cache: Any, model_config: Any) -> None:
         self.cache = cache
         self.model_config = model_config
@@ -74,3 +59,7 @@ class Method:
     def describe(self) -> dict[str, Any]:
         """The method's settings, recorded in every run's results."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+METHODS: Registry[type[Method]] = Registry("method", base=Method, package="methods")
+register_method = METHODS.register

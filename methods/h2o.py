@@ -3,9 +3,11 @@
 Each kv-head's score for a cached token is the attention probability it has received, summed over
 the query heads of the kv-head's group and accumulated over every query seen so far (all prompt rows
 and every decode step). The budget is split into the last `round(recent_ratio * budget)` tokens and
-the heavy hitters: the highest accumulated scores among the older tokens. Eviction runs after the
-prompt (or after every chunk with prefill_mode=streaming) and after every decode step, so the cache
-never holds more than `budget` tokens after a step. Scores come from the runtime as per-key sums
+the heavy hitters: the highest accumulated scores among the older tokens; the newest token always stays
+(with recent_ratio=0 a generated token would otherwise be evicted right after its own step). Eviction runs
+after the prompt (or after every chunk with prefill_mode=streaming) and, with decode="evict" (default, the
+paper), after every decode step, so the cache never holds more than `budget` tokens after a step;
+decode="none" compresses the prompt only. Scores come from the runtime as per-key sums
 (`needs_key_scores`); no attention matrix is kept, and the scores follow the tokens when the table is
 compacted.
 """
@@ -17,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.runtime.model import LayerContext
-from methods._selection import ScoreEvictionMethod, check_float
+from methods.eviction import ScoreEvictionMethod, check_float
 from methods.base import register_method
 
 

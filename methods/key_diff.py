@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from methods._selection import BlockScoreEvictionMethod
+from methods.eviction import BlockScoreEvictionMethod
 from methods.base import register_method
 
 

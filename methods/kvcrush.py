@@ -5,25 +5,26 @@ kv-head by an importance method, `round(r * budget)` to representatives chosen f
 importance alone would evict:
   1. importance: "h2o" (accumulated attention, recent share `recent_ratio` of the important part
      kept first) or "snapkv" (observation-window attention of the last `window` queries, max-pooled
-     with `kernel_size`; the window kept first);
+     with `kernel_size` and `pooling`; the window kept first);
   2. signature: every token gets one bit per kv-head of the layer: 1 if the token is in the top half
      of that head's importance scores (the H bits are shared by all heads);
   3. each head orders its would-be-evicted tokens by Hamming distance between their signature and an
      anchor signature ("random": fixed random bits per layer from `seed`; "zeros"; "ones"; "mean":
      per head, the majority bit of its candidates), ties by position;
   4. it keeps evenly spaced picks along that order: candidates[floor(j * m / n_rep)], j < n_rep, of m.
-Decoding re-runs the whole selection every step (the budget holds after each step); with
-importance="snapkv" the window then holds the last decode queries.
+Decoding (`decode="rescore"`, default) re-runs the whole selection every step (the budget holds after each
+step), as its H2O importance does; with importance="snapkv" the window then holds the last decode queries.
+`decode="none"` compresses the prompt only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from kvbench.runtime.model import LayerContext
-from methods._selection import (ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep,
+from methods.eviction import (POOLINGS, ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep,
                                 top_tokens, valid_mask)
 from methods.base import register_method
 
@@ -78,17 +79,23 @@ class KVCrush(ScoreEvictionMethod):
     r: float = 0.25
     importance: str = "h2o"
     anchor: str = "random"
-    seed: int = 0
+    seed: int | None = None  # None: the run's top-level seed (build_method passes it), else 0
     recent_ratio: float = 0.5
-    window: int = 32
-    kernel_size: int = 7
+    window: int = 64
+    kernel_size: int = 5
+    pooling: str = "avgpool"
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("rescore", "none")
+    decode: str = "rescore"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float(self.name, "r", self.r, 0.0, 1.0)
         check_choice(self.name, "importance", self.importance, IMPORTANCE)
         check_choice(self.name, "anchor", self.anchor, ANCHORS)
+        if self.seed is None:
+            self.seed = 0
         check_int(self.name, "seed", self.seed, 0)
+        check_choice(self.name, "pooling", self.pooling, POOLINGS)
         check_float(self.name, "recent_ratio", self.recent_ratio, 0.0, 1.0)
         check_int(self.name, "window", self.window, 1)
         check_int(self.name, "kernel_size", self.kernel_size, 1)
@@ -124,7 +131,7 @@ class KVCrush(ScoreEvictionMethod):
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
         if self.importance == "h2o":
             return self.state(slot, ctx.layer)["scores"]
-        return self.snapkv_scores(ctx, slot, self.window, self.kernel_size)
+        return self.snapkv_scores(ctx, slot, self.window, self.kernel_size, self.pooling)
 
     def anchor_bits(self, layer: int, signatures: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Anchor signature per selecting head [H, B] bool."""

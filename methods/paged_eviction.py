@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods._selection import BlockScoreEvictionMethod
+from methods.eviction import BlockScoreEvictionMethod
 from methods.base import register_method
 
 

@@ -1,41 +1,42 @@
-"""`snapkv`: SnapKV (Li et al., 2024), a baseline of the PagedEviction and KVCrush papers.
+"""`snapkv`: SnapKV (Li et al., 2024; official code FasterDecoding/SnapKV, `SnapKVCluster`).
 
-Prompt compression: the last `window` prompt queries (the observation window) attend over every
-cached key; their softmax probabilities are summed over the window and over the query heads of each
-kv-head, max-pooled along the tokens (kernel `kernel_size`, pooling over the tokens before the
-window only), and each kv-head keeps its top `budget - window` tokens plus the window itself.
-The window's queries are carried across prefill chunks, so a short last chunk still scores with
-`window` queries.
+Prompt compression: the last `window` prompt queries (the observation window) attend over every cached key;
+their softmax probabilities are summed over the window and over the query heads of each kv-head, pooled along the
+tokens before the window (`pooling` avgpool as in the official code and kvpress, or maxpool; kernel
+`kernel_size`, stride 1, same length), and each kv-head keeps its top `budget - window` tokens plus the window.
+The window's queries are carried across prefill chunks, so a short last chunk still scores with `window` queries.
+GQA: the query heads of a group are summed (the same ranking as averaging); with avgpool, pooling before or
+after that aggregation gives the same scores; with maxpool the group is aggregated first.
 
-Decoding (SnapKV itself does not compress there; kvbench holds the budget at every step):
-  decode_mode="window" (default): the prompt selection stays; the most recent `window` tokens form a
-      sliding window; each step the token leaving it is evicted. No scoring while decoding.
-  decode_mode="rescore": every step re-runs the SnapKV selection with the last `window` queries
-      (decode queries included) over the current cache; costs one window-attention per layer and step.
+Decoding (`decode`):
+  "none" (default, the paper and official code): the prompt is compressed once; generated tokens are appended.
+  "window": the prompt selection stays, the newest `window` tokens slide; each step the token leaving the
+      window is evicted, so the budget holds at every step.
+  "rescore": every step re-runs the selection with the last `window` queries (decode queries included).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
-from methods._selection import ScoreEvictionMethod, check_choice, check_int
 from methods.base import register_method
-
-DECODE_MODES = ("window", "rescore")
+from methods.eviction import POOLINGS, ScoreEvictionMethod, check_choice, check_int
 
 
 @register_method("snapkv")
 @dataclass
 class SnapKV(ScoreEvictionMethod):
-    """Observation-window attention, max-pooled; keep top per kv-head plus the window."""
+    """Observation-window attention, pooled; keep top per kv-head plus the window."""
 
-    window: int = 32
-    kernel_size: int = 7
-    decode_mode: str = "window"
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "window", "rescore")
+    decode: str = "none"
+    window: int = 64
+    kernel_size: int = 5
+    pooling: str = "avgpool"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,25 +44,20 @@ class SnapKV(ScoreEvictionMethod):
         check_int(self.name, "kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise UserError(f"invalid snapkv.kernel_size={self.kernel_size}: expected an odd integer >= 1")
-        check_choice(self.name, "decode_mode", self.decode_mode, DECODE_MODES)
+        check_choice(self.name, "pooling", self.pooling, POOLINGS)
 
     def recent_window(self) -> int:
         return min(self.window, self.budget)
 
-    def describe(self) -> dict[str, Any]:
-        d = super().describe()
-        d["pooling"] = "max"
-        return d
-
     def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
-        if ctx.phase == "prefill" or self.decode_mode == "rescore":
+        if ctx.phase == "prefill" or self.decode == "rescore":
             self.push_queries(ctx, i, slot, self.window)
 
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        return self.snapkv_scores(ctx, slot, self.window, self.kernel_size)
+        return self.snapkv_scores(ctx, slot, self.window, self.kernel_size, self.pooling)
 
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
-        if self.decode_mode == "rescore":
+        if self.decode == "rescore":
             return self.evict_to_budget(ctx, i, slot)
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
         if int(lengths.max()) <= self.budget:

@@ -2,11 +2,10 @@
 
 Keeps the first `sinks` tokens and the most recent `budget - sinks` tokens of every layer and
 kv-head. Prefill evicts tokens down to the budget (after every chunk by default: StreamingLLM
-processes text as a stream). While decoding, whole blocks leave once every token in them has fallen
-out of the window: when the table reaches budget + block_size, the oldest block_size window tokens
-go. If the sinks end inside a block (sinks % block_size != 0), that block is shared by the sinks and
-the oldest window tokens: the survivors of the next block move into it (block_size - sinks % bs
-tokens) and the next block is returned to the pool; nothing else moves.
+processes text as a stream). While decoding (decode="window", the paper), whole blocks leave once every
+token in them has fallen out of the window: when the table reaches budget + block_size, the oldest
+block_size window tokens go through the cache's `drop_slots` (one block returns to the pool; if the sinks
+end inside a block, the cache moves at most one block's survivors). decode="none" keeps every generated token.
 
 position_mode="original": every key keeps its token position (RoPE applied at write time).
 position_mode="reindex": the official code's behaviour: keys are cached before RoPE and rotated at
@@ -21,9 +20,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import LayerContext
-from methods._selection import EvictionMethod, check_choice, check_int
+from methods.eviction import EvictionMethod, check_choice, check_int
 from methods.base import register_method
 
 POSITION_MODES = ("original", "reindex")
@@ -35,6 +33,8 @@ class StreamingLLM(EvictionMethod):
     """Attention sinks + recent window; budget = sinks + window."""
 
     granularity: ClassVar[str] = "block"
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("window", "none")
+    decode: str = "window"
     prefill_mode: str = "streaming"
     sinks: int = 4
     position_mode: str = "original"
@@ -92,33 +92,8 @@ class StreamingLLM(EvictionMethod):
         n = int(lengths.max())
         if n < self.budget + bs:  # at most the filling block over the budget
             return
-        uniform = int(lengths.min()) == n
-        if uniform and n == self.budget + bs and self._drop_oldest_window_block(cache, ctx.layer, slot, n):
+        if int(lengths.min()) == n and n == self.budget + bs:
+            # the oldest block_size window tokens leave: one block's worth of slots (the cache frees a block)
+            cache.drop_slots(ctx.layer, slot, self.sinks, self.sinks + bs)
             return
         self.evict_prefill(ctx, i, slot)  # fallback: token-level, down to the budget
-
-    def _drop_oldest_window_block(self, cache: PagedKVCache, layer: int, slot: int, n: int) -> bool:
-        """Evict window slots sinks..sinks+bs-1 of every head by dropping one whole block.
-
-        Returns False (nothing changed) where that cannot be done without moving more than one block's
-        tokens: a storage codec with its own layout, a shared block, or a window shorter than a block."""
-        bs = cache.block_size
-        a, r = divmod(self.sinks, bs)
-        if r == 0:
-            for h in range(cache.num_kv_heads):
-                cache.evict_blocks(layer, slot, h, [a])
-            return True
-        if type(cache) is not PagedKVCache or n < (a + 2) * bs:
-            return False
-        table = cache.tables[slot, layer]  # [H, MB]
-        dst = table[:, a].to(torch.int64)  # block shared by the last sinks and the oldest window tokens
-        src = table[:, a + 1].to(torch.int64)  # the next block; its first r slots are the rest of the evicted
-        if any(cache.pool.refcount(int(b)) > 1 for b in dst):
-            return False
-        cache.k_pool[dst, r:] = cache.k_pool[src, r:]
-        cache.v_pool[dst, r:] = cache.v_pool[src, r:]
-        pos = cache.positions[slot, layer]  # [H, MB*bs]
-        pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
-        for h in range(cache.num_kv_heads):
-            cache.evict_blocks(layer, slot, h, [a + 1])
-        return True

@@ -240,38 +240,11 @@ def mean_x100(values: Iterable[float], ndigits: int = 2) -> Optional[float]:
     return round(100 * sum(vals) / len(vals), ndigits) if vals else None
 
 
-# --------------------------------------------------------------------------- engine helpers (below its public API)
+# --------------------------------------------------------------------------- engine helpers
 def score_continuation(engine: Any, context_ids: Sequence[int], continuation_ids: Sequence[int],
                        chunk_size: Optional[int] = None) -> tuple[list[float], bool]:
-    """log p of every continuation token, scored against the context as the method left it in the cache.
-
-    The context but its last token is prefilled chunk by chunk (the method compresses as it does for any prompt);
-    then its last token and the continuation but its last token go in as one more chunk, whose logits give every
-    continuation token's log-prob, each predicted from the compressed cache. Returns (log-probs, greedy) where
-    greedy says whether every continuation token is the argmax. The sequence is freed at the end.
-    """
-    import torch
-
-    ctx, cont = [int(t) for t in context_ids], [int(t) for t in continuation_ids]
-    if not ctx or not cont:
-        raise ValueError("score_continuation needs a non-empty context and continuation")
-    chunk = chunk_size or engine.prefill_chunk_size
-    head, feed = ctx[:-1], ctx[-1:] + cont[:-1]
-    slot = engine.cache.add_sequence()
-    logprobs: list[float] = []
-    greedy = True
-    try:
-        if head:
-            for _ in engine._prefill(slot, head, chunk, logits_for="none"):
-                pass
-        for a, b, logits in engine._prefill(slot, feed, chunk, start_pos=len(head), logits_for="all"):
-            lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
-            logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
-            greedy = greedy and bool((lp.argmax(-1) == tgt).all())
-    finally:
-        engine._end_sequence(slot)
-    return logprobs, greedy
+    """engine.score_continuation (kept for the lm-eval adapter's import)."""
+    return engine.score_continuation(context_ids, continuation_ids, chunk_size)
 
 
 def generate_until(engine: Any, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
 from kvbench.errors import UserError
-
-TASKS: dict[str, type["Task"]] = {}
+from kvbench.registry import Registry
 
 
 @dataclass
@@ -91,7 +90,12 @@ class Task:
     def __init__(self, options: Any):
         self.options = options
 
-    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Progress) -> TaskResult:
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Checks that need no model (data reachable, lengths within the model's positions), run before the
+        model loads; raise UserError naming the bad value. `model_shape` may be None when unknown."""
+
+    def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Progress) -> TaskResult:
+        """Evaluate; `settings` is the run's validated kvbench.config.Settings (seed, runtime, budget, ...)."""
         raise NotImplementedError
 
     @classmethod
@@ -111,12 +115,5 @@ class Task:
             raise UserError(f"invalid options for task {cls.name!r}: {exc}") from None
 
 
-def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
-    """Class decorator: make a Task reachable as `task=<name>`."""
-
-    def wrap(cls: type[Task]) -> type[Task]:
-        cls.name = name
-        TASKS[name] = cls
-        return cls
-
-    return wrap
+TASKS: Registry[type[Task]] = Registry("task", base=Task, package="tasks")
+register_task = TASKS.register

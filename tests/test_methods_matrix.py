@@ -36,7 +36,8 @@ VARIANTS = [
     ("kvcrush", {}),
     ("kvcrush", {"importance": "snapkv", "anchor": "mean"}),
     ("snapkv", {}),
-    ("snapkv", {"decode_mode": "rescore", "window": 8}),
+    ("snapkv", {"decode": "rescore", "window": 8}),
+    ("snapkv", {"decode": "window", "pooling": "maxpool", "kernel_size": 7}),
     ("key_diff", {}),
 ]
 
@@ -48,7 +49,7 @@ def _id(v):
 
 def test_every_eviction_method_is_in_the_matrix():
     from methods import METHODS
-    from methods._selection import EvictionMethod
+    from methods.eviction import EvictionMethod
 
     eviction = {n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)}
     assert eviction >= {"streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"}
@@ -99,11 +100,15 @@ class Checker:
             self.check(ctx)
 
         method.after_attention = after_attention
+        method.acts_after_attention = True  # call it even for methods that never act (full)
 
     def check(self, ctx) -> None:
         self.calls += 1
         cache, bs = ctx.cache, self.bs
-        due = ctx.phase == "decode" or ctx.last_chunk or getattr(self.method, "prefill_mode", None) == "streaming"
+        evicts_in_decode = getattr(self.method, "decode", "none") != "none"
+        due = ((ctx.phase == "decode" and evicts_in_decode)
+               or (ctx.phase == "prefill" and (ctx.last_chunk
+                                               or getattr(self.method, "prefill_mode", None) == "streaming")))
         for slot in ctx.plan.slots.tolist():
             lengths = cache.lengths[slot, ctx.layer]  # [H]
             n = int(lengths.max())
@@ -167,6 +172,8 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
         pytest.skip("full keeps everything")
     budget = 40
     method = build_method(name, budget, **opts)
+    if method.decode == "none":
+        pytest.skip("decode=none appends generated tokens (test_decode_none_keeps_...)")
     seen = {}
     inner = method.on_sequence_end
 
@@ -226,7 +233,9 @@ def test_methods_need_a_budget_and_validate_options(name):
     ("kvcrush", {"anchor": "median"}, "anchor"),
     ("kvcrush", {"importance": "tova"}, "importance"),
     ("snapkv", {"kernel_size": 4}, "kernel_size"),
-    ("snapkv", {"decode_mode": "none"}, "decode_mode"),
+    ("snapkv", {"decode": "slide"}, "snapkv.decode"),
+    ("h2o", {"decode": "block"}, "h2o.decode"),
+    ("snapkv", {"pooling": "median"}, "pooling"),
     ("key_diff", {"protect_first_block": "yes"}, "protect_first_block"),
 ])
 def test_bad_options_name_the_value(name, opts, match):
@@ -248,3 +257,44 @@ def test_method_yaml_composes_to_the_dataclass_defaults(name):
     assert method == METHODS[name](budget=256)
     s = validate(compose([f"method={name}", "budget=256", "method.prefill_mode=streaming"]))
     assert build_method(s.method_name, s.budget, **s.method_options).describe()["prefill_mode"] == "streaming"
+
+
+EVICTION_METHODS = ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"]
+
+
+@pytest.mark.parametrize("name", EVICTION_METHODS)
+def test_decode_none_keeps_prefill_tokens_and_every_generated_token(model, prompts, name):
+    """method.decode=none: after prefill nothing leaves; 32 decode steps append 32 tokens to every table."""
+    budget, bs, steps = 40, 8, 32
+    method = build_method(name, budget, decode="none")
+    after_prefill, at_end = {}, {}
+    inner_after, inner_end = method.after_attention, method.on_sequence_end
+
+    def after_attention(ctx):
+        inner_after(ctx)
+        if ctx.phase == "prefill" and ctx.last_chunk:
+            for i, slot in enumerate(ctx.plan.slots.tolist()):
+                prompt_len = int(ctx.plan.query_positions[i, -1]) + 1
+                after_prefill[(slot, ctx.layer)] = (prompt_len, _kept_positions(ctx.cache, slot, ctx.layer))
+
+    def on_sequence_end(slot):
+        for layer in range(engine.cache.num_layers):
+            at_end[(slot, layer)] = _kept_positions(engine.cache, slot, layer)
+        inner_end(slot)
+
+    method.after_attention, method.on_sequence_end = after_attention, on_sequence_end
+    engine = Engine(model, method, block_size=bs, prefill_chunk_size=CHUNK, num_blocks=NUM_BLOCKS)
+    gens = engine.generate(prompts, max_new_tokens=steps + 1)  # the last token is never fed back
+    assert [len(g.token_ids) for g in gens] == [steps + 1] * len(prompts)
+    assert set(at_end) == set(after_prefill) and len(at_end) == len(prompts) * engine.cache.num_layers
+    for key, (slot_prompt, heads) in after_prefill.items():
+        assert all(len(h) <= budget for h in heads), "prefill did not compress"
+        generated = set(range(slot_prompt, slot_prompt + steps))
+        for before, after in zip(heads, at_end[key]):
+            assert set(after) == set(before) | generated
+
+
+def _kept_positions(cache, slot, layer):
+    """Original positions held by each kv-head table of one sequence's layer: list over heads of lists."""
+    lengths = cache.lengths[slot, layer]
+    return [cache.positions[slot, layer, h, : int(lengths[h])].tolist() for h in range(lengths.shape[0])]

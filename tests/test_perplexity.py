@@ -23,7 +23,7 @@ def run_task(tokenizer=None, **options):
 
 def test_registry():
     assert "perplexity" in available_tasks()
-    with pytest.raises(UserError, match="unknown task 'nope': choices are .*perplexity"):
+    with pytest.raises(UserError, match="unknown task 'nope'; choices are .*perplexity"):
         build_task("nope", {})
     with pytest.raises(UserError, match="unknown option task.bogus .*valid options are"):
         build_task("perplexity", {"bogus": 1})

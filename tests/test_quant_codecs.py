@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvbench.quant import (CODECS, Fp8Codec, FullPrecisionCodec, Int8Codec, KiviCodec, KVQuantCodec,
+from kvbench.quant import (Fp8Codec, FullPrecisionCodec, Int8Codec, KiviCodec, KVQuantCodec,
                            dequantize_asym, fit_channel_ranges, fit_nuq_levels, nuq_dequantize, nuq_quantize,
                            quantize_asym, uniform_levels)
 
@@ -199,7 +199,9 @@ def test_validation_and_describe():
     d = KiviCodec(4, key_axis="token").describe()
     assert d["codec"] == "kivi" and d["bits"] == 4 and d["key_axis"] == "token" and d["residual"] == 128
     assert KVQuantCodec(3, levels="uniform").describe()["key_ranges"] == "online"
-    assert set(CODECS) == {"full", "kivi", "kvquant", "int8", "fp8"}
+    from kvbench.quant.registry import CODECS
+
+    assert set(CODECS.names()) == {"none", "full", "kivi", "kvquant", "int8", "fp8"}
 
 
 @pytest.fixture(scope="module")

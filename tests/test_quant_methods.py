@@ -95,23 +95,38 @@ def test_kvquant_nuq_needs_a_model_or_a_tokenizer(tiny):
 
 
 # ---------------------------------------------------------------------------------------------------- methods
-def test_methods_make_their_codecs():
-    m = build_method("kivi", bits=4, group_size=16, residual=64, key_axis="token")
-    c = m.make_codec(None)
+def test_codec_methods_are_shorthands_for_quant():
+    """method=<codec> is method=full quant=<codec>; the method's options are the codec's."""
+    from kvbench.quant.registry import resolve_storage
+
+    route = resolve_storage("kivi", dict(bits=4, group_size=16, residual=64, key_axis="token"), "none", {})
+    assert route == ("full", {}, "kivi", dict(bits=4, group_size=16, residual=64, key_axis="token"))
+    c = build_codec(route[2], None, **route[3])
     assert isinstance(c, KiviCodec) and (c.bits, c.group_size, c.residual, c.key_axis) == (4, 16, 64, "token")
-    assert isinstance(build_method("int8").make_codec(None), Int8Codec)
-    assert isinstance(build_method("fp8").make_codec(None), Fp8Codec)
-    k = build_method("kvquant", levels="uniform", key_ranges="online", bits=2).make_codec(None)
+    assert resolve_storage("int8", {}, None, {})[2:] == ("int8", {})
+    assert resolve_storage("paged_eviction", {"heads": "shared"}, "kivi", {"bits": 4}) == (
+        "paged_eviction", {"heads": "shared"}, "kivi", {"bits": 4})
+    assert isinstance(build_codec("fp8", None), Fp8Codec) and isinstance(build_codec("int8", None), Int8Codec)
+    k = build_codec("kvquant", None, levels="uniform", key_ranges="online", bits=2)
     assert isinstance(k, KVQuantCodec) and k.bits == 2
-    assert build_method("kvquant").describe()["calibration"] == "fisher"
+
+
+@pytest.mark.parametrize("method,quant", [("kivi", "int8"), ("int8", "kivi"), ("kvquant", "kivi"), ("fp8", "fp8")])
+def test_a_method_and_a_quant_both_naming_a_codec_is_an_error(method, quant):
+    from kvbench.quant.registry import resolve_storage
+
+    with pytest.raises(UserError, match=f"method={method} and quant={quant} both choose a storage codec"):
+        resolve_storage(method, {}, quant, {})
 
 
 @pytest.mark.parametrize("name,options", [("kivi", {"bits": 5}), ("kivi", {"key_axis": "head"}),
                                           ("kvquant", {"bits": 8}), ("kvquant", {"outlier_fraction": 1.5}),
                                           ("kvquant", {"calibration_corpus": "essays"}), ("int8", {"bits": 4})])
-def test_methods_refuse_bad_settings(name, options):
+def test_codecs_refuse_bad_settings_without_a_model(name, options):
+    from kvbench.quant.registry import check_codec
+
     with pytest.raises(UserError):
-        build_method(name, **options)
+        check_codec(name, options)
 
 
 def _workload(engine, ids):
@@ -134,7 +149,7 @@ def full_run(tiny):
 ])
 def test_codec_method_end_to_end(tiny, full_run, name, options, tol):
     ids, (ref, _, full_stats) = full_run
-    eng = Engine(tiny, build_method(name, **options), num_blocks=256)
+    eng = Engine(tiny, codec=build_codec(name, tiny, **options), num_blocks=256)
     assert isinstance(eng.cache, QuantizedPagedKVCache) and eng.cache.codec.name == name
     assert eng.cache.describe_storage()["codec"] == name
     lp, gens, stats = _workload(eng, ids)
@@ -206,11 +221,21 @@ def test_calibration_text_is_not_the_evaluation_text(tiny):
 
 # ---------------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("name", ["kivi", "kvquant", "int8", "fp8"])
-def test_method_configs_build(name):
-    cfg = yaml.safe_load((CONF / "method" / f"{name}.yaml").read_text())
-    assert cfg.pop("name") == name
-    method = build_method(name, **cfg)
-    assert method.name == name
+def test_codec_method_configs_compose_to_full_plus_quant(name):
+    """conf/method/<codec>.yaml pulls the quant group's options: method=<codec> method.<opt>=x runs as
+    method=full quant=<codec> quant.<opt>=x (the same run)."""
+    from kvbench.config import validate
+    from kvbench.quant.registry import resolve_storage
+    from tests.harness_fakes import compose
+
+    def route(overrides):
+        s = validate(compose(overrides))
+        return resolve_storage(s.method_name, s.method_options, s.quant_name, s.quant_options)
+
+    assert route([f"method={name}"]) == route(["method=full", f"quant={name}"])
+    if name == "kivi":
+        assert route(["method=kivi", "method.bits=4"]) == route(["quant=kivi", "quant.bits=4"])
+        assert route(["method=kivi", "method.bits=4"])[3]["bits"] == 4
 
 
 @pytest.mark.parametrize("name", ["none", "kivi", "kvquant", "int8", "fp8"])
@@ -218,6 +243,7 @@ def test_quant_configs_match_the_registry(name):
     cfg = yaml.safe_load((CONF / "quant" / f"{name}.yaml").read_text())
     assert cfg.pop("name") == name
     assert set(cfg) <= set(OPTIONS[name])
+    assert cfg == {k: v for k, v in OPTIONS[name].items() if k in cfg}, "YAML and registry defaults differ"
     if name != "kvquant":
         codec = build_codec(name, None, **cfg)
         assert (codec is None) == (name == "none")

@@ -3,7 +3,7 @@
 Pure tensor functions live in `packing`, `uniform` and `nonuniform`; `codecs` turns them into fixed-size packed
 blocks. The optional Triton dequantizer (`triton_dequant`) is not imported here: triton stays a lazy dependency.
 """
-from kvbench.quant.codecs import (CODECS, Fp8Codec, FullPrecisionCodec, Int8Codec, KiviCodec, KVCodec,
+from kvbench.quant.codecs import (Fp8Codec, FullPrecisionCodec, Int8Codec, KiviCodec, KVCodec,
                                   KVQuantCodec)
 from kvbench.quant.nonuniform import (dense_normalized, fit_channel_ranges, fit_nuq_levels, nuq_dequantize,
                                       nuq_quantize, uniform_levels)
@@ -12,7 +12,7 @@ from kvbench.quant.uniform import (dequantize_asym, dequantize_fp8, dequantize_i
                                    quantize_fp8, quantize_int8_sym)
 
 __all__ = [
-    "CODECS", "KVCodec", "FullPrecisionCodec", "KiviCodec", "KVQuantCodec", "Int8Codec", "Fp8Codec",
+    "KVCodec", "FullPrecisionCodec", "KiviCodec", "KVQuantCodec", "Int8Codec", "Fp8Codec",
     "fit_nuq_levels", "fit_channel_ranges", "uniform_levels", "nuq_quantize", "nuq_dequantize",
     "dense_normalized", "ByteLayout", "pack_codes", "unpack_codes", "packed_nbytes",
     "quantize_asym", "dequantize_asym", "quantize_int8_sym", "dequantize_int8_sym", "quantize_fp8",

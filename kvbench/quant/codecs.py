@@ -371,6 +371,3 @@ class Fp8Codec(KVCodec):
         codes = f["codes"].view(n, block_size, head_dim)  # raw e4m3 bytes
         return dequantize_fp8(codes, f["scale"].view(n, block_size, 1))
 
-
-CODECS = {"full": FullPrecisionCodec, "kivi": KiviCodec, "kvquant": KVQuantCodec, "int8": Int8Codec,
-          "fp8": Fp8Codec}

@@ -1,5 +1,5 @@
-"""Storage codecs by name: `build_codec(name, model, **options)`, the entry point for `method=<codec>` and for
-the `quant=<codec>` config group (a codec under an eviction method).
+"""Storage codecs by name: the one route to a codec is the `quant=<codec>` config group (a codec under any
+method); `method=<codec>` is shorthand for `method=full quant=<codec>` (`resolve_storage`).
 
     build_codec("kivi", model, bits=2, group_size=32, residual=128, key_axis="channel")
     build_codec("kvquant", model, bits=3, outlier_fraction=0.01, levels="nuq", calibration="fisher")
@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.errors import UserError
+from kvbench.registry import Registry
 
 CODEC_NAMES = ("none", "full", "kivi", "kvquant", "int8", "fp8")
+# the codecs' defaults, declared once here (conf/quant/<codec>.yaml shows the same values; a test keeps them equal)
 
 KIVI_DEFAULTS = dict(bits=2, group_size=32, residual=128, key_axis="channel")
 KVQUANT_DEFAULTS = dict(bits=3, outlier_fraction=0.01, levels="nuq", calibration="fisher", key_ranges="calibrated",
@@ -28,12 +30,52 @@ def available_codecs() -> list[str]:
     return list(CODEC_NAMES)
 
 
+def resolve_storage(method_name: str, method_options: dict[str, Any], quant_name: Any,
+                    quant_options: dict[str, Any]) -> tuple[str, dict[str, Any], str, dict[str, Any]]:
+    """The one route to a codec: `method=<codec>` becomes `method=full quant=<codec>` (the method's options are
+    the codec's). A method and a quant that both name a codec is an error, never a silent winner.
+    Returns (method_name, method_options, quant_name, quant_options); codec options are checked here."""
+    quant_name = "none" if quant_name in (None, "full") else quant_name
+    if not isinstance(quant_name, str) or quant_name not in CODEC_NAMES:
+        from kvbench.registry import unknown_choice
+
+        raise unknown_choice("quant", quant_name, [c for c in CODEC_NAMES if c != "full"])
+    if method_name in CODEC_NAMES and method_name not in ("none", "full"):
+        if quant_name != "none":
+            raise UserError(f"method={method_name} and quant={quant_name} both choose a storage codec: use "
+                            f"method=full quant={quant_name}, or method=<eviction method> quant={quant_name}")
+        method_name, quant_name, quant_options, method_options = "full", method_name, dict(method_options), {}
+    _options(quant_name, dict(quant_options))  # unknown options -> UserError
+    return method_name, method_options, quant_name, dict(quant_options)
+
+
+def check_codec(name: str, options: dict[str, Any]) -> None:
+    """Validate a codec's options without building it (no model, no calibration): UserError on a bad value."""
+    opts = _options(name, options)
+    try:
+        if name == "kivi":
+            _kivi(opts)
+        elif name == "kvquant":
+            kvquant_settings(opts)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"invalid settings for quant {name!r}: {exc}") from None
+
+
+def _kivi(opts: dict[str, Any]):
+    from kvbench.quant.codecs import KiviCodec
+
+    if opts["bits"] not in (2, 4, 8):
+        raise ValueError(f"bits={opts['bits']!r}: choices are 2, 4, 8")
+    return KiviCodec(bits=opts["bits"], group_size=opts["group_size"], residual=opts["residual"],
+                     key_axis=opts["key_axis"])
+
+
 def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     defaults = OPTIONS[name]
     bad = sorted(set(options) - set(defaults))
     if bad:
         valid = ", ".join(sorted(defaults)) or "(none)"
-        raise UserError(f"unknown option(s) {', '.join(bad)} for codec {name!r}; valid: {valid}")
+        raise UserError(f"unknown option quant.{bad[0]} for codec {name!r}; valid options are {valid}")
     return {k: (defaults[k] if options.get(k) is None else options[k]) for k in defaults}
 
 
@@ -42,26 +84,41 @@ def build_codec(name: str, model: Any = None, **options: Any):
 
     `model` (a LlamaFamilyModel) is needed by codecs that calibrate on it (kvquant with nuq levels or calibrated
     key thresholds)."""
-    from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
-
-    if not isinstance(name, str) or name not in CODEC_NAMES:
-        raise UserError(f"unknown codec {name!r}; choose one of: {', '.join(CODEC_NAMES)}")
+    builder = CODECS.get(name)
     opts = _options(name, options)
     try:
-        if name in ("none", "full"):
-            return None
-        if name == "int8":
-            return Int8Codec()
-        if name == "fp8":
-            return Fp8Codec()
-        if name == "kivi":
-            if opts["bits"] not in (2, 4, 8):
-                raise ValueError(f"bits={opts['bits']!r}: choices are 2, 4, 8")
-            return KiviCodec(bits=opts["bits"], group_size=opts["group_size"], residual=opts["residual"],
-                             key_axis=opts["key_axis"])
-        return _build_kvquant(model, opts, KVQuantCodec)
+        return builder(model, opts)
     except (TypeError, ValueError) as exc:
-        raise UserError(f"invalid settings for codec {name!r}: {exc}") from None
+        raise UserError(f"invalid settings for quant {name!r}: {exc}") from None
+
+
+CODECS: Registry = Registry("quant")
+
+
+@CODECS.register("none")
+def _none(model: Any, opts: dict[str, Any]) -> None:
+    return None
+
+
+CODECS.register("full")(lambda model, opts: None)
+
+
+@CODECS.register("int8")
+def _int8(model: Any, opts: dict[str, Any]):
+    from kvbench.quant.codecs import Int8Codec
+
+    return Int8Codec()
+
+
+@CODECS.register("fp8")
+def _fp8(model: Any, opts: dict[str, Any]):
+    from kvbench.quant.codecs import Fp8Codec
+
+    return Fp8Codec()
+
+
+CODECS.register("kivi")(lambda model, opts: _kivi(opts))
+CODECS.register("kvquant")(lambda model, opts: _build_kvquant(model, opts))
 
 
 def kvquant_settings(opts: dict[str, Any]):
@@ -75,8 +132,9 @@ def kvquant_settings(opts: dict[str, Any]):
     )
 
 
-def _build_kvquant(model: Any, opts: dict[str, Any], codec_cls):
+def _build_kvquant(model: Any, opts: dict[str, Any]):
     from kvbench.quant.calibration import calibrate
+    from kvbench.quant.codecs import KVQuantCodec as codec_cls
 
     settings = kvquant_settings(opts)
     if settings.needs_activations and model is None:

@@ -2,7 +2,11 @@
 
     engine = Engine(model, method, block_size=16, prefill_chunk_size=512)
     logprobs = engine.score(token_ids)                      # [T-1] streaming, method applied
-    gens = engine.generate([ids_a, ids_b], max_new_tokens=64, stop_token_ids=[eos])
+    gens = engine.generate([ids_a, ids_b], max_new_tokens=64, stop_token_ids=[eos])   # via the scheduler
+    outcome = engine.serve([Request(ids, 128, arrival_s=0.5), ...])                   # a serving trace
+
+`method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
+methods. `codec` is a storage codec or None (full precision); kvbench.runtime.caches builds the matching cache.
 """
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.caches import build_cache, full_block_bytes
+from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import LlamaFamilyModel
+from kvbench.runtime.scheduler import Outcome, Request, Scheduler
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
 
@@ -24,12 +31,14 @@ class Generation:
     """One sequence's output and timings."""
 
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
-    ttft_s: float
+    finish_reason: str  # "stop" | "length" | "failed"
+    ttft_s: float  # from the generate() call to the first token
     prefill_tokens: int
     prefill_s: float
     decode_tokens: int
     decode_s: float
+    preemptions: int = 0
+    error: str | None = None
 
 
 class Engine:
@@ -40,49 +49,37 @@ class Engine:
         model: LlamaFamilyModel,
         method=None,
         *,
+        codec=None,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         prefill_chunk_size: int = 512,
         attention_backend: str = "auto",
-        max_seqs: int = 64,
-        codec=None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        admission_watermark: float = 0.01,
     ):
-        if method is None:
-            from methods import build_method
-
-            method = build_method("full")
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
-        self.model, self.method = model, method
+        method = NoCompression() if method is None else method
+        self.model, self.method, self.codec = model, method, codec
         cfg = model.config
         self.prefill_chunk_size = prefill_chunk_size
-        elem = torch.empty((), dtype=model.dtype).element_size()
-        block_bytes = 2 * block_size * cfg.head_dim * elem
-        if num_blocks is None:
-            num_blocks = max(2, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // block_bytes)
-        if codec is None:
-            codec = method.make_codec(model)
-        cache_kwargs = dict(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            block_size=block_size, num_blocks=int(num_blocks), dtype=model.dtype, device=model.device,
-            max_seqs=max_seqs, store_pre_rope=method.store_pre_rope or bool(getattr(codec, "pre_rope_keys", False)),
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.admission_watermark = admission_watermark
+        if kv_memory_bytes is None:
+            kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, cfg.head_dim, model.dtype)
+                               if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
+        self.kv_memory_bytes = int(kv_memory_bytes)
+        self.cache = build_cache(
+            codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
+            device=model.device, store_pre_rope=bool(method.store_pre_rope),
         )
-        if codec is None or getattr(codec, "name", "full") == "full":
-            self.cache = PagedKVCache(**cache_kwargs)
-        else:
-            from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
-
-            self.cache = QuantizedPagedKVCache(codec=codec, **cache_kwargs)
-        self.codec = codec
         method.attach(self.cache, cfg)
         self.attention = self._pick_attention(attention_backend)
         # methods that never act after attention (full, pure codecs) are not called once per layer
-        from methods.base import Method
-
-        hook = method.after_attention
-        acts = getattr(hook, "__func__", hook) is not Method.after_attention
-        self._layer_hook = method if acts else None
+        self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
         self._peak_full_bytes = 0
 
     # ------------------------------------------------------------------ backends
@@ -141,17 +138,42 @@ class Engine:
         full = blocks * 2 * bs * c.head_dim * torch.empty((), dtype=c.dtype).element_size()  # model dtype
         self._peak_full_bytes = max(self._peak_full_bytes, full)
 
+    def forward_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, *, last_chunk: bool = True,
+                      logits_for: str = "last") -> torch.Tensor | None:
+        """Append one chunk of tokens (positions start_pos..) to sequence `slot`: logits [1, V] ("last"),
+        [1, Q, V] ("all") or None. `last_chunk` tells the method the prompt ends here (it may compress)."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
+        pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
+        return self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for)
+
+    def decode_batch(self, slots: list[int], tokens: list[int], positions: list[int], temperature: float = 0.0,
+                     top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
+        """One decode step: token i at position i appended to sequence slots[i]; returns the sampled next tokens."""
+        dev = self.model.device
+        toks = torch.tensor(tokens, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
+        qpos = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
+        logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last")
+        return self.sample(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
+
+    def new_sequence(self) -> int:
+        """A new, empty sequence slot."""
+        return self.cache.add_sequence()
+
+    def end_sequence(self, slot: int) -> None:
+        """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
+        self.method.on_sequence_end(slot)
+        self.cache.free_sequence(slot)
+
     def _prefill(self, slot: int, token_ids: Sequence[int], chunk_size: int, start_pos: int = 0, *,
-                 stream: bool = False,
-                 logits_for: str = "last", progress: Callable[[int], None] | None = None):
-        """Feed token_ids into sequence `slot` chunk by chunk; yields each chunk's logits."""
-        ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device)
-        n = ids.numel()
+                 stream: bool = False, logits_for: str = "last",
+                 progress: Callable[[int], None] | None = None):
+        """Feed token_ids into sequence `slot` chunk by chunk; yields each chunk's (start, end, logits)."""
+        ids = [int(t) for t in token_ids]
+        n = len(ids)
         for a in range(0, n, chunk_size):
             b = min(n, a + chunk_size)
-            pos = torch.arange(start_pos + a, start_pos + b, device=ids.device).unsqueeze(0)
-            out = self._step([slot], ids[a:b].unsqueeze(0), pos, phase="prefill", last_chunk=stream or b == n,
-                             logits_for=logits_for)
+            out = self.forward_chunk(slot, ids[a:b], start_pos + a, last_chunk=stream or b == n,
+                                     logits_for=logits_for)
             if progress is not None:
                 progress(b - a)
             yield a, b, out
@@ -181,77 +203,72 @@ class Engine:
                     tgt = ids[a + 1: tgt_end + 1].to(lp.device)
                     out[a:tgt_end] = lp[: tgt_end - a].gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()
         finally:
-            self._end_sequence(slot)
+            self.end_sequence(slot)
         return out
+
+    @torch.no_grad()
+    def score_continuation(self, context_ids: Sequence[int], continuation_ids: Sequence[int],
+                           chunk_size: int | None = None) -> tuple[list[float], bool]:
+        """log p of every continuation token, scored against the context as the method left it in the cache.
+
+        The context but its last token is prefilled chunk by chunk (the method compresses it as any prompt);
+        then its last token and the continuation but its last token go in as one more chunk, whose logits give
+        every continuation token's log-prob, each predicted from the compressed cache. Returns (log-probs,
+        greedy), greedy saying whether every continuation token is the argmax. The sequence is freed at the end.
+        """
+        ctx, cont = [int(t) for t in context_ids], [int(t) for t in continuation_ids]
+        if not ctx or not cont:
+            raise ValueError("score_continuation needs a non-empty context and continuation")
+        chunk = chunk_size or self.prefill_chunk_size
+        head, feed = ctx[:-1], ctx[-1:] + cont[:-1]
+        slot = self.cache.add_sequence()
+        logprobs: list[float] = []
+        greedy = True
+        try:
+            for _ in self._prefill(slot, head, chunk, logits_for="none"):
+                pass
+            for a, b, logits in self._prefill(slot, feed, chunk, start_pos=len(head), logits_for="all"):
+                lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
+                tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
+                logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
+                greedy = greedy and bool((lp.argmax(-1) == tgt).all())
+        finally:
+            self.end_sequence(slot)
+        return logprobs, greedy
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  chunk_size: int | None = None,
                  should_stop: Callable[[int, list[int]], bool] | None = None) -> list[Generation]:
-        """Generate for a batch of prompts of any lengths; each prompt is prefilled (chunked), then all
-        decode together one token per step. Greedy when temperature == 0.
+        """Generate for a batch of prompts of any lengths, through the continuous-batching scheduler (all
+        submitted at once; it decides how many run together). Greedy when temperature == 0.
 
-        should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string)."""
+        should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string). A prompt
+        that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        stops = set(int(t) for t in stop_token_ids)
-        gen = torch.Generator(device="cpu")
-        if seed is not None:
-            gen.manual_seed(seed)
-        chunk = chunk_size or self.prefill_chunk_size
-        dev = self.model.device
-        slots, results, nxt = [], [], []
-        try:
-            for p in prompts:
-                t0 = time.perf_counter()
-                slot = self.cache.add_sequence()
-                slots.append(slot)
-                logits = None
-                for _, _, logits in self._prefill(slot, p, chunk):
-                    pass
-                tok = self._sample(logits, temperature, top_p, gen)[0]
-                _sync(dev)
-                t1 = time.perf_counter()
-                results.append(Generation([], "length", t1 - t0, len(p), t1 - t0, 0, 0.0))
-                nxt.append(tok)
-            active = list(range(len(prompts)))
-            pos = [len(p) for p in prompts]
-            for i in active:
-                self._emit(results[i], nxt[i], stops, max_new_tokens, should_stop, i)
-            active = [i for i in active if not self._done(results[i], stops, max_new_tokens)]
-            for i in range(len(prompts)):
-                if i not in active:
-                    self._end_sequence(slots[i])
-            while active:
-                t0 = time.perf_counter()
-                toks = torch.tensor([[nxt[i]] for i in active], dtype=torch.int64, device=dev)
-                qpos = torch.tensor([[pos[i]] for i in active], dtype=torch.int64, device=dev)
-                logits = self._step([slots[i] for i in active], toks, qpos, phase="decode", last_chunk=True,
-                                    logits_for="last")
-                new = self._sample(logits, temperature, top_p, gen)
-                _sync(dev)
-                dt = time.perf_counter() - t0
-                still = []
-                for j, i in enumerate(active):
-                    pos[i] += 1
-                    nxt[i] = new[j]
-                    results[i].decode_s += dt
-                    results[i].decode_tokens += 1
-                    self._emit(results[i], new[j], stops, max_new_tokens, should_stop, i)
-                    if self._done(results[i], stops, max_new_tokens):
-                        self._end_sequence(slots[i])
-                    else:
-                        still.append(i)
-                active = still
-        except BaseException:
-            for s in slots:
-                if s in self.cache.live:
-                    self._end_sequence(s)
-            raise
-        return results
+        if not prompts:
+            return []
+        reqs = [Request([int(t) for t in p], max_new_tokens) for p in prompts]
+        self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
+                   chunk_size=chunk_size, should_stop=should_stop)
+        return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,
+                           r.prefill_tokens, r.prefill_s, r.decode_tokens, r.decode_s, r.preemptions, r.error)
+                for r in reqs]
+
+    @torch.no_grad()
+    def serve(self, requests: list[Request], *, stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
+              top_p: float = 1.0, seed: int | None = None, chunk_size: int | None = None,
+              should_stop: Callable[[int, list[int]], bool] | None = None) -> Outcome:
+        """Run requests (with arrival times) through the scheduler; each request gets its output and timings."""
+        sched = Scheduler(self, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                          admission_watermark=self.admission_watermark, chunk_size=chunk_size,
+                          stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
+                          should_stop=should_stop)
+        return sched.run(requests)
 
     def memory_stats(self) -> dict:
         """Figures measured from the pool: peak bytes held, what a full cache would have held."""
@@ -264,32 +281,12 @@ class Engine:
             "block_size": c.block_size,
             "num_blocks": c.pool.num_blocks,
             "peak_blocks_in_use": c.pool.peak_in_use,
+            "kv_pool_bytes": c.pool_bytes(),
         }
 
-    def reset_stats(self) -> None:
-        self.cache.pool.reset_peak()
-        self._peak_full_bytes = 0
-        self._track_full_bytes()
-
     # ------------------------------------------------------------------ helpers
-    def _end_sequence(self, slot: int) -> None:
-        self.method.on_sequence_end(slot)
-        self.cache.free_sequence(slot)
-
     @staticmethod
-    def _emit(res: Generation, tok: int, stops: set[int], max_new: int, should_stop=None, index: int = 0) -> None:
-        if len(res.token_ids) >= max_new or res.finish_reason == "stop":
-            return
-        res.token_ids.append(int(tok))
-        if tok in stops or (should_stop is not None and should_stop(index, res.token_ids)):
-            res.finish_reason = "stop"
-
-    @staticmethod
-    def _done(res: Generation, stops: set[int], max_new: int) -> bool:
-        return res.finish_reason == "stop" or len(res.token_ids) >= max_new
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
+    def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
         """logits [S, V] -> one token id per row."""
         if temperature <= 0:
             return logits.argmax(dim=-1).tolist()
@@ -300,8 +297,3 @@ class Engine:
             sp = sp * keep
             probs = torch.zeros_like(probs).scatter(-1, si, sp)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

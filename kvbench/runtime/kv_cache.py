@@ -59,12 +59,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope
-        self.pool = BlockPool(num_blocks, reserved=1)
-        # the bytes: allocated once; pages are touched only as blocks are written
-        self.k_pool = torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
-        self.v_pool = torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
-        self.k_pool[SCRATCH_BLOCK] = 0
-        self.v_pool[SCRATCH_BLOCK] = 0
+        self._make_storage(num_blocks)
         self.max_seqs = max_seqs
         self.max_blocks = initial_max_blocks
         L, H = num_layers, num_kv_heads
@@ -78,6 +73,16 @@ class PagedKVCache:
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
         self._shared = False  # set once any fork happened: enables copy-on-write checks
 
+    def _make_storage(self, num_blocks: int) -> None:
+        """The block pool and the bytes: allocated once; pages are touched only as blocks are written.
+        (A codec's cache overrides this with its own layout.)"""
+        self.pool = BlockPool(num_blocks, reserved=1)
+        shape = (num_blocks, self.block_size, self.head_dim)
+        self.k_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.k_pool[SCRATCH_BLOCK] = 0
+        self.v_pool[SCRATCH_BLOCK] = 0
+
     # ------------------------------------------------------------------ sizes and bytes
     @property
     def bytes_per_block(self) -> int:
@@ -89,14 +94,15 @@ class PagedKVCache:
         """Bytes an uncompressed cache needs per token (all layers, kv-heads, K and V)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_pool.element_size()
 
-    def blocks_in_use(self) -> int:
-        return self.pool.in_use
-
     def kv_bytes_in_use(self) -> int:
         return self.pool.in_use * self.bytes_per_block
 
     def peak_kv_bytes(self) -> int:
         return self.pool.peak_in_use * self.bytes_per_block
+
+    def pool_bytes(self) -> int:
+        """The most K/V bytes the pool can hold at once."""
+        return self.pool.capacity * self.bytes_per_block
 
     def kv_bytes_per_token(self) -> float:
         """Pool bytes one cached token costs across all layers and kv-heads (codecs override)."""
@@ -105,9 +111,6 @@ class PagedKVCache:
     def describe_storage(self) -> dict:
         """Settings of the storage, recorded in results."""
         return {"codec": "full", "kv_dtype": str(self.dtype).replace("torch.", "")}
-
-    def live_tokens_seen(self) -> int:
-        return sum(self.tokens_seen[s] for s in self.live)
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self) -> int:
@@ -287,6 +290,66 @@ class PagedKVCache:
         pos[new_n:] = -1
         self.lengths[slot, layer, head] = new_n
         self.pool.free(freed)
+
+    def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None:
+        """Drop slots start..stop-1 of every kv-head table of one sequence's layer (all heads as long as each
+        other). Dropping exactly one block's worth frees one block: whole blocks when `start` is block-aligned,
+        else the survivors of the next block move into the block where `start` falls (at most block_size - 1
+        tokens move) and that next block is freed. Anything else, or a shared block, falls back to keep_tokens."""
+        self._check_live(slot)
+        bs = self.block_size
+        lengths = self.lengths[slot, layer]
+        n = int(lengths.max())
+        if not (0 <= start < stop <= n) or int(lengths.min()) != n:
+            raise ValueError(f"cannot drop slots {start}..{stop - 1} of tables of lengths {lengths.tolist()}")
+        a, r = divmod(start, bs)
+        if stop - start == bs and r == 0:
+            for h in range(self.num_kv_heads):
+                self.evict_blocks(layer, slot, h, [a])
+            return
+        table = self.tables[slot, layer]  # [H, MB]
+        can_shift = (stop - start == bs and n >= (a + 2) * bs and self._moves_raw_rows
+                     and not any(self.pool.refcount(int(b)) > 1 for b in table[:, a]))
+        if not can_shift:
+            keep = torch.cat([torch.arange(start), torch.arange(stop, n)]).to(self.device)
+            self.keep_tokens(layer, slot, keep.expand(self.num_kv_heads, -1))
+            return
+        dst = table[:, a].to(torch.int64)  # the block shared by the kept head and the dropped tail
+        src = table[:, a + 1].to(torch.int64)  # its first r slots are the rest of the dropped range
+        self.k_pool[dst, r:] = self.k_pool[src, r:]
+        self.v_pool[dst, r:] = self.v_pool[src, r:]
+        pos = self.positions[slot, layer]  # [H, MB*bs]
+        pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
+        for h in range(self.num_kv_heads):
+            self.evict_blocks(layer, slot, h, [a + 1])
+
+    # ------------------------------------------------------------------ pool accounting (for the scheduler)
+    _moves_raw_rows = True  # a codec's cache with its own block layout sets False
+
+    def free_blocks(self) -> int:
+        """New blocks an append could get now."""
+        return self.pool.num_free
+
+    def capacity_blocks(self) -> int:
+        """Blocks the pool can hand out in all."""
+        return self.pool.capacity
+
+    def blocks_in_use_now(self) -> int:
+        return self.pool.in_use
+
+    def blocks_for_append(self, slots: list[int | None], n_tokens: int) -> int:
+        """Blocks that appending n_tokens to each sequence of `slots` (None: a new, empty one) allocates."""
+        fresh = sum(1 for s in slots if s is None)
+        total = fresh * -(-n_tokens // self.block_size) * self.num_layers * self.num_kv_heads
+        live = [s for s in slots if s is not None]
+        if live:
+            old = self.lengths[torch.tensor(live, dtype=torch.int64, device=self.device)]  # [S, L, H]
+            total += int((self._num_blocks(old + n_tokens) - self._num_blocks(old)).sum())
+        return total
+
+    def blocks_held(self, slot: int) -> int:
+        """Blocks in the tables of one sequence (shared blocks counted once per table)."""
+        return int(self._num_blocks(self.lengths[slot]).sum())
 
     # ------------------------------------------------------------------ internals
     def _num_blocks(self, lengths: torch.Tensor) -> torch.Tensor:

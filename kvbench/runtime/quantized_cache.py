@@ -45,11 +45,10 @@ Eviction composes:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
+from kvbench.runtime.caches import codec_block_size  # noqa: F401  (re-exported)
 from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 
 
@@ -60,7 +59,10 @@ class RoutedBlockPool:
     `refcount` route by id. Tracks the peak of bytes in use (both pools together) at every allocation.
     """
 
-    def __init__(self, num_fp: int, num_packed: int, fp_block_bytes: int, packed_block_bytes: int):
+    def __init__(self, num_fp: int, num_packed: int, fp_block_bytes: int, packed_block_bytes: int,
+                 max_bytes: int | None = None):
+        self.max_bytes = max_bytes if max_bytes is not None else (
+            (num_fp - 1) * fp_block_bytes + num_packed * packed_block_bytes)
         self.fp = BlockPool(num_fp, reserved=1)
         self.packed = BlockPool(num_packed, reserved=0)
         self.offset = num_fp
@@ -85,17 +87,23 @@ class RoutedBlockPool:
     def in_use(self) -> int:
         return self.fp.in_use + self.packed.in_use
 
-    def can_allocate(self, n: int) -> bool:
-        return self.fp.can_allocate(n)
+    def free_fp_blocks(self) -> int:
+        """Full-precision blocks that can be allocated now (ids free and bytes left under max_bytes)."""
+        return min(self.fp.num_free, max(0, self.max_bytes - self.bytes_in_use()) // self.fp_block_bytes)
 
     def allocate(self, n: int) -> list[int]:
         """n full-precision blocks."""
+        if n > self.free_fp_blocks():
+            raise OutOfBlocksError(n, self.free_fp_blocks(), self.max_bytes // self.fp_block_bytes)
         ids = self.fp.allocate(n)
         self._track()
         return ids
 
     def allocate_packed(self, n: int) -> list[int]:
         """n packed blocks (ids in the shared id space)."""
+        if self.bytes_in_use() + n * self.packed_block_bytes > self.max_bytes:
+            raise OutOfBlocksError(n, max(0, self.max_bytes - self.bytes_in_use()) // self.packed_block_bytes,
+                                   self.max_bytes // self.packed_block_bytes)
         ids = self.packed.allocate(n)
         self._track()
         return [self.offset + i for i in ids]
@@ -143,61 +151,56 @@ class RoutedBlockPool:
         return fp, packed
 
 
-def codec_block_size(codec, block_size: int) -> int:
-    """Tokens per block the cache uses for `codec`: a multiple of both the requested size and the codec's hint."""
-    hint = int(getattr(codec, "block_size_hint", 1) or 1)
-    return block_size * hint // math.gcd(block_size, hint)
-
-
 class QuantizedPagedKVCache(PagedKVCache):
     """PagedKVCache whose blocks are packed by a storage codec once they leave the full-precision window."""
 
-    def __init__(
-        self,
-        *,
-        codec,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int = 16,
-        num_blocks: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        max_seqs: int = 64,
-        initial_max_blocks: int = 64,
-        store_pre_rope: bool | None = None,
-        num_packed_blocks: int | None = None,
-        dequant: str = "auto",
-    ):
+    _moves_raw_rows = False  # packed rows have the codec's layout: drop_slots falls back to keep_tokens
+
+    def __init__(self, *, codec, block_size: int, max_bytes: int, dequant: str = "auto", **kwargs):
+        """block_size must already suit the codec (see `codec_block_size`); max_bytes bounds the bytes of both
+        pools together (the engine's kv_memory_bytes)."""
         if dequant not in ("auto", "torch", "triton"):
             raise ValueError(f"dequant must be auto, torch or triton, got {dequant!r}")
+        if block_size % int(getattr(codec, "block_size_hint", 1) or 1):
+            raise ValueError(f"block_size {block_size} is not a multiple of the codec's {codec.block_size_hint}")
         self.codec = codec
-        self.requested_block_size = block_size
-        bs = codec_block_size(codec, block_size)
-        if bs != block_size:  # same token capacity with bigger blocks
-            num_blocks = max(2, -(-num_blocks * block_size // bs))
-            initial_max_blocks = max(1, -(-initial_max_blocks * block_size // bs))
-        if store_pre_rope is None:
-            store_pre_rope = bool(getattr(codec, "pre_rope_keys", False))
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs,
-                         num_blocks=2, dtype=dtype, device=device, max_seqs=max_seqs,
-                         initial_max_blocks=initial_max_blocks, store_pre_rope=store_pre_rope)
-        # the full-precision pool, in the codec's dtype for full-precision blocks
-        self.fp_dtype = getattr(codec, "fp_block_dtype", None) or dtype
-        self.k_pool = torch.empty(num_blocks, bs, head_dim, dtype=self.fp_dtype, device=self.device)
-        self.v_pool = torch.empty(num_blocks, bs, head_dim, dtype=self.fp_dtype, device=self.device)
+        self.max_bytes = int(max_bytes)
+        if kwargs.get("store_pre_rope") is None:
+            kwargs["store_pre_rope"] = bool(getattr(codec, "pre_rope_keys", False))
+        super().__init__(block_size=block_size, num_blocks=0, **kwargs)
+        self.dequant = self._pick_dequant(dequant)
+
+    def _make_storage(self, num_blocks: int) -> None:
+        """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
+        max_bytes on its own (virtual until written); the router enforces max_bytes over both."""
+        bs, D = self.block_size, self.head_dim
+        self.fp_dtype = getattr(self.codec, "fp_block_dtype", None) or self.dtype
+        fp_block_bytes = 2 * bs * D * _itemsize(self.fp_dtype)
+        self.key_nbytes = self.codec.packed_block_bytes(bs, D, "key")
+        self.value_nbytes = self.codec.packed_block_bytes(bs, D, "value")
+        packed_block_bytes = self.key_nbytes + self.value_nbytes
+        n_fp = max(2, self.max_bytes // fp_block_bytes + 1)  # + the scratch block
+        n_packed = max(1, self.max_bytes // packed_block_bytes)
+        self.k_pool = torch.empty(n_fp, bs, D, dtype=self.fp_dtype, device=self.device)
+        self.v_pool = torch.empty(n_fp, bs, D, dtype=self.fp_dtype, device=self.device)
         self.k_pool[SCRATCH_BLOCK] = 0
         self.v_pool[SCRATCH_BLOCK] = 0
-        # the packed pool: one K row and one V row per packed block
-        self.key_nbytes = codec.packed_block_bytes(bs, head_dim, "key")
-        self.value_nbytes = codec.packed_block_bytes(bs, head_dim, "value")
-        n_packed = int(num_packed_blocks if num_packed_blocks is not None else num_blocks)
         self.kq_pool = torch.empty(n_packed, self.key_nbytes, dtype=torch.uint8, device=self.device)
         self.vq_pool = torch.empty(n_packed, self.value_nbytes, dtype=torch.uint8, device=self.device)
-        self.num_fp_blocks = num_blocks
-        self.pool = RoutedBlockPool(num_blocks, n_packed, self.k_pool[0].nbytes + self.v_pool[0].nbytes,
-                                    self.kq_pool[0].nbytes + self.vq_pool[0].nbytes)
-        self.dequant = self._pick_dequant(dequant)
+        self.num_fp_blocks = n_fp
+        self.pool = RoutedBlockPool(n_fp, n_packed, fp_block_bytes, packed_block_bytes, self.max_bytes)
+
+    def free_blocks(self) -> int:
+        return self.pool.free_fp_blocks()
+
+    def capacity_blocks(self) -> int:
+        return self.max_bytes // self.pool.fp_block_bytes
+
+    def pool_bytes(self) -> int:
+        return self.max_bytes
+
+    def blocks_in_use_now(self) -> int:
+        return -(-self.pool.bytes_in_use() // self.pool.fp_block_bytes)
 
     def _pick_dequant(self, dequant: str) -> str:
         c = self.codec
@@ -257,7 +260,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         bs, D = self.block_size, self.head_dim
         out.update(
             kv_dtype=_dtype_name(self.dtype), fp_block_dtype=_dtype_name(self.fp_dtype), block_size=bs,
-            requested_block_size=self.requested_block_size, packed_key_bytes_per_block=self.key_nbytes,
+            packed_key_bytes_per_block=self.key_nbytes,
             packed_value_bytes_per_block=self.value_nbytes,
             packed_bits_per_element=round(8.0 * self.packed_block_bytes / (2 * bs * D), 4),
             pre_rope_keys=self.store_pre_rope, dequant=self.dequant,
@@ -303,7 +306,7 @@ class QuantizedPagedKVCache(PagedKVCache):
             return 0
         s_i, l_i, h_i, c_i = mask.nonzero(as_tuple=True)
         fp_ids = tables[s_i, l_i, h_i, c_i].to(torch.int64)
-        self._check_room(0, fp_ids.numel(), [])
+        self._check_room(0, fp_ids.numel(), fp_ids.tolist())
         k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
         v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
         for layer in torch.unique(l_i).tolist():
@@ -335,6 +338,10 @@ class QuantizedPagedKVCache(PagedKVCache):
         for need, sub, back in ((n_fp, self.pool.fp, back_fp), (n_packed, self.pool.packed, back_pk)):
             if need > sub.num_free + back:
                 raise OutOfBlocksError(need, sub.num_free + back, sub.capacity)
+        pool = self.pool
+        net = ((n_fp - back_fp) * pool.fp_block_bytes + (n_packed - back_pk) * pool.packed_block_bytes)
+        if pool.bytes_in_use() + net > pool.max_bytes:
+            raise OutOfBlocksError(n_fp + n_packed, pool.free_fp_blocks(), pool.max_bytes // pool.fp_block_bytes)
 
     # ------------------------------------------------------------------ reading
     def _dense_blocks(self, layer: int, tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

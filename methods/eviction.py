@@ -3,7 +3,9 @@
 `EvictionMethod` decides *when* a method evicts:
   prefill_mode="paper"      attend over the whole prompt, evict once after its last prefill chunk
   prefill_mode="streaming"  evict after every prefill chunk (peak within budget + one chunk)
-  decode                    every step (token-level methods) or when a block has filled (block-level)
+  decode="none"             compress after prefill only; generated tokens are appended, never evicted
+  decode=<policy>           the method's own decode-time policy (each method lists its choices in
+                            DECODE_POLICIES; its default is what its paper or official code does)
 and keeps per-(sequence slot, layer) state; a tensor stored under state["scores"] ([H, T], one column
 per cache slot) is kept aligned with the cache's slots whenever tokens are dropped.
 
@@ -116,11 +118,17 @@ def window_attention_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tenso
     return torch.nan_to_num(probs, nan=0.0).sum(dim=1)  # [H, T]
 
 
-def max_pool_tokens(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Max-pool [H, T] along tokens with an odd kernel, same length (SnapKV's clustering)."""
+POOLINGS = ("avgpool", "maxpool")
+
+
+def pool_tokens(scores: torch.Tensor, kernel: int, pooling: str = "avgpool") -> torch.Tensor:
+    """Pool [H, T] along tokens with an odd kernel, stride 1, same length (SnapKV's clustering).
+
+    avgpool is the official code's default (F.avg_pool1d, zero padding counted, as in SnapKV and kvpress)."""
     if kernel <= 1 or scores.shape[-1] == 0:
         return scores
-    return F.max_pool1d(scores[:, None, :], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0, :]
+    pool = F.avg_pool1d if pooling == "avgpool" else F.max_pool1d
+    return pool(scores[:, None, :], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0, :]
 
 
 # ---------------------------------------------------------------------------- bases
@@ -133,7 +141,11 @@ class EvictionMethod(Method):
     """
 
     granularity: ClassVar[str] = "token"
+    evicts: ClassVar[bool] = True
+    acts_after_attention: ClassVar[bool] = True
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("evict", "none")
     prefill_mode: str = "paper"
+    decode: str = "evict"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,6 +153,7 @@ class EvictionMethod(Method):
             raise UserError(f"method {self.name!r} needs a budget: set budget=N "
                             "(KV tokens kept per sequence, layer and kv-head)")
         check_choice(self.name, "prefill_mode", self.prefill_mode, PREFILL_MODES)
+        check_choice(self.name, "decode", self.decode, self.DECODE_POLICIES)
         self._state: dict[tuple[int, int], dict[str, Any]] = {}
 
     # --- runtime points ------------------------------------------------------------------
@@ -149,6 +162,8 @@ class EvictionMethod(Method):
         self._state.clear()
 
     def after_attention(self, ctx: LayerContext) -> None:
+        if ctx.phase == "decode" and self.decode == "none":
+            return  # compressed after prefill only: generated tokens are appended
         cache = ctx.cache
         Q = ctx.plan.query_positions.shape[1]
         for i, slot in enumerate(ctx.plan.slots.tolist()):
@@ -214,9 +229,12 @@ class EvictionMethod(Method):
             pos = torch.cat([st["q_pos"], pos])
         st["q"], st["q_pos"] = q[:, -window:].clone(), pos[-window:].clone()
 
-    def snapkv_scores(self, ctx: LayerContext, slot: int, window: int, kernel: int) -> torch.Tensor:
-        """SnapKV importance [H, T]: window-query attention, max-pooled over the tokens before the window
-        (the window's own columns are +inf: always kept)."""
+    def snapkv_scores(self, ctx: LayerContext, slot: int, window: int, kernel: int,
+                      pooling: str = "avgpool") -> torch.Tensor:
+        """SnapKV importance [H, T]: window-query attention summed over the window and the query heads of each
+        kv-head, pooled over the tokens before the window (the window's own columns are +inf: always kept).
+        Summing a GQA group before pooling ranks like averaging it; with avgpool the order of pooling and
+        group aggregation does not matter, with maxpool the group is aggregated first."""
         cache = ctx.cache
         if cache.store_pre_rope:
             raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
@@ -227,7 +245,7 @@ class EvictionMethod(Method):
         s = window_attention_scores(st["q"], st["q_pos"], k, k_pos, lengths, ctx.q.shape[-1] ** -0.5)
         w = min(window, T)
         out = torch.full_like(s, float("inf"))
-        out[:, : T - w] = max_pool_tokens(s[:, : T - w], kernel)
+        out[:, : T - w] = pool_tokens(s[:, : T - w], kernel, pooling)
         return out
 
 
@@ -247,8 +265,10 @@ class ScoreEvictionMethod(EvictionMethod):
         return 0
 
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        """Keep set [H, budget] (sorted slots) for a table over budget."""
-        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=min(self.recent_window(), self.budget))
+        """Keep set [H, budget] (sorted slots) for a table over budget. The newest token always stays (a
+        recent window of 0 would otherwise evict each generated token right after its own step)."""
+        recent = min(max(1, self.recent_window()), self.budget)
+        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=recent)
 
     def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
@@ -276,6 +296,8 @@ class BlockScoreEvictionMethod(EvictionMethod):
     """
 
     granularity: ClassVar[str] = "block"
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("block", "none")
+    decode: str = "block"
     heads: str = "shared"
     protect_first_block: bool = True
     prefill_keep_first_block: bool = True

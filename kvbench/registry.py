@@ -1,0 +1,87 @@
+"""One registry helper for everything chosen by name: methods, tasks and storage codecs.
+
+    METHODS = Registry("method", base=Method, package="methods")
+    @METHODS.register("my_method")
+    class MyMethod(Method): ...
+    METHODS.get("my_methd")   -> UserError: unknown method 'my_methd'; did you mean 'my_method'? choices are ...
+
+`package` names a package whose modules are imported on first lookup (each registers itself on import), so a new
+method is one file: nothing else lists it.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+from typing import Callable, Generic, Iterator, Optional, TypeVar
+
+from kvbench.errors import UserError
+
+T = TypeVar("T")
+
+
+def did_you_mean(value: object, choices: list[str]) -> str:
+    """"; did you mean 'x'" for the closest choice, or "" when none is close."""
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}" if close else ""
+
+
+def unknown_choice(kind: str, value: object, choices: list[str]) -> UserError:
+    """The one-line error for a name that is not among `choices`."""
+    return UserError(f"unknown {kind} {value!r}{did_you_mean(value, choices)}; choices are {', '.join(choices)}")
+
+
+class Registry(Generic[T]):
+    """Name -> class (or factory) of one kind, with a base-class check and did-you-mean errors."""
+
+    def __init__(self, kind: str, base: Optional[type] = None, package: Optional[str] = None):
+        self.kind, self.base, self.package = kind, base, package
+        self._items: dict[str, T] = {}
+        self._loaded = package is None
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: make the class reachable as `<kind>=<name>` (its `name` attribute is set)."""
+
+        def wrap(obj: T) -> T:
+            if self.base is not None and not (isinstance(obj, type) and issubclass(obj, self.base)):
+                raise TypeError(f"{obj!r} is not a subclass of {self.base.__name__}")
+            if name in self._items and self._items[name] is not obj:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            try:
+                obj.name = name  # type: ignore[attr-defined]
+            except (AttributeError, TypeError):
+                pass
+            self._items[name] = obj
+            return obj
+
+        return wrap
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        pkg = importlib.import_module(self.package)
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_") and info.name != "base":
+                importlib.import_module(f"{self.package}.{info.name}")
+
+    def names(self) -> list[str]:
+        self._load()
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def get(self, name: str) -> T:
+        """The entry registered as `name`; UserError with the choices (and the closest one) otherwise."""
+        self._load()
+        if not isinstance(name, str) or name not in self._items:
+            raise unknown_choice(self.kind, name, self.names())
+        return self._items[name]

@@ -1,0 +1,46 @@
+"""The one place a KV cache is built: full precision, or a storage codec's packed layout.
+
+    cache = build_cache(codec=None, kv_memory_bytes=2**30, num_layers=30, num_kv_heads=3, head_dim=64,
+                        block_size=16, dtype=torch.float32, device="cpu")
+
+`kv_memory_bytes` is the KV memory the pool may hold at once, in bytes, whatever the layout: a full-precision cache
+gets kv_memory_bytes // bytes-per-block blocks; a codec's cache may spend the same bytes on packed and
+full-precision blocks in any mix, so a compressed cache holds more tokens in the same memory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from kvbench.runtime.kv_cache import PagedKVCache
+
+
+def codec_block_size(codec: Any, block_size: int) -> int:
+    """Tokens per block for `codec`: the least multiple of block_size that the codec's groups fit (KIVI keys
+    per channel need block_size % G == 0)."""
+    hint = int(getattr(codec, "block_size_hint", 1) or 1)
+    return block_size * hint // math.gcd(block_size, hint)
+
+
+def full_block_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one full-precision block (K and V of one table's block_size tokens)."""
+    return 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                block_size: int, dtype: torch.dtype, device: Any, max_seqs: int = 64,
+                store_pre_rope: bool = False) -> PagedKVCache:
+    """A PagedKVCache (codec None or "full") or a QuantizedPagedKVCache holding at most kv_memory_bytes."""
+    common = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                  device=device, max_seqs=max_seqs)
+    if codec is None or getattr(codec, "name", "full") == "full":
+        num_blocks = max(2, kv_memory_bytes // full_block_bytes(block_size, head_dim, dtype) + 1)  # + scratch
+        return PagedKVCache(block_size=block_size, num_blocks=int(num_blocks), store_pre_rope=store_pre_rope,
+                            **common)
+    from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
+
+    pre_rope = store_pre_rope or bool(getattr(codec, "pre_rope_keys", False))
+    return QuantizedPagedKVCache(codec=codec, block_size=codec_block_size(codec, block_size),
+                                 max_bytes=int(kv_memory_bytes), store_pre_rope=pre_rope, **common)

@@ -1,0 +1,43 @@
+"""The hook protocol between the engine and a compression method, and the do-nothing default.
+
+The runtime never imports `methods`: the engine takes any object with these members (the app builds the method).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvbench.runtime.model import LayerContext
+
+
+class CacheHooks(Protocol):
+    """What the engine calls on a method (see methods.base.Method for the full contract)."""
+
+    needs_key_scores: bool  # the attention must return per-key attention mass (ctx.key_scores)
+    acts_after_attention: bool  # call after_attention after every layer (False: never called)
+    store_pre_rope: bool  # cache keys before RoPE
+    rope_mode: str  # "original" | "cache"
+
+    def attach(self, cache: Any, model_config: Any) -> None: ...
+
+    def after_attention(self, ctx: LayerContext) -> None: ...
+
+    def on_sequence_end(self, slot: int) -> None: ...
+
+
+class NoCompression:
+    """Keeps every token: the engine's default when no method is given."""
+
+    name = "full"
+    needs_key_scores = False
+    acts_after_attention = False
+    store_pre_rope = False
+    rope_mode = "original"
+
+    def attach(self, cache: Any, model_config: Any) -> None:
+        pass
+
+    def after_attention(self, ctx: LayerContext) -> None:
+        pass
+
+    def on_sequence_end(self, slot: int) -> None:
+        pass
