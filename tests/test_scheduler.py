@@ -1,0 +1,146 @@
+"""The continuous-batching scheduler: property tests over random traces, methods and tiny pools."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.scheduler import Request
+from methods import build_method
+
+BS = 8
+METHODS = [("full", None, {}), ("paged_eviction", 32, {}), ("streaming_llm", 24, {}), ("h2o", 24, {}),
+           ("snapkv", 24, {"window": 8}), ("snapkv", 24, {"window": 8, "decode": "window"}),
+           ("key_diff", 32, {"decode": "none"}), ("kvcrush", 24, {"prefill_mode": "streaming"})]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.runtime.model import build_from_transformers
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
+    return build_from_transformers(LlamaForCausalLM(cfg).eval())
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _checked_serve(engine, reqs, **kw):
+    """serve() with the pool's invariants checked after every generated token."""
+    cache = engine.cache
+
+    def check(_req):
+        owners = {}
+        for s in cache.live:
+            nb = (cache.lengths[s] + cache.block_size - 1) // cache.block_size  # [L, H]
+            for layer in range(cache.num_layers):
+                for h in range(cache.num_kv_heads):
+                    for b in cache.tables[s, layer, h, : int(nb[layer, h])].tolist():
+                        assert owners.setdefault(b, s) == s or cache.pool.refcount(b) > 1, \
+                            f"block {b} held by sequences {owners[b]} and {s}"
+        assert cache.pool.in_use == sum(int(((cache.lengths[s] + cache.block_size - 1) // cache.block_size).sum())
+                                        for s in cache.live)
+
+    return engine.serve(reqs, on_token=check, **kw)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(4, 90), min_size=1, max_size=7), new=st.integers(1, 24),
+       method=st.sampled_from(METHODS), pool=st.integers(18, 120), chunk=st.sampled_from([8, 16, 64]),
+       seed=st.integers(0, 10))
+def test_every_request_finishes_or_fails_alone_and_the_pool_empties(model, lengths, new, method, pool, chunk, seed):
+    name, budget, opts = method
+    engine = Engine(model, build_method(name, budget, **opts), block_size=BS, num_blocks=pool,
+                    prefill_chunk_size=chunk, admission_watermark=0.05)
+    reqs = [Request(p, new) for p in _prompts(lengths, seed)]
+    out = _checked_serve(engine, reqs)
+    for r in reqs:
+        assert r.status in ("finished", "failed")
+        if r.status == "finished":
+            assert len(r.output) == new and r.first_token_s is not None and r.finish_s >= r.first_token_s
+        else:
+            assert "does not fit" in r.error and "KV blocks" in r.error and r.output is not None
+    assert engine.cache.pool.in_use == 0 and not engine.cache.live
+    engine.cache.pool.check_consistency()
+    assert not getattr(engine.method, "_state", {}), "method state left behind"
+    assert out.max_running >= 1 and len(out.timeline) > 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(10, 70), min_size=2, max_size=6), new=st.integers(2, 20),
+       seed=st.integers(0, 5))
+def test_full_cache_outputs_equal_batch_one_generate_even_when_preempted(model, lengths, new, seed):
+    prompts = _prompts(lengths, seed)
+    ref = Engine(model, block_size=BS, num_blocks=4096)
+    want = [ref.generate([p], max_new_tokens=new)[0].token_ids for p in prompts]
+    # a pool that holds the longest request alone, so every request fits but not all at once
+    need = -(-(max(lengths) + new) // BS) * model.config.num_layers * model.config.num_kv_heads
+    engine = Engine(model, block_size=BS, num_blocks=need + 2, prefill_chunk_size=16)
+    reqs = [Request(p, new) for p in prompts]
+    _checked_serve(engine, reqs)
+    assert [r.output for r in reqs] == want
+    assert all(r.status == "finished" for r in reqs)
+
+
+def test_preemption_happens_and_recomputes(model):
+    prompts = _prompts([60, 64, 58, 62], 3)
+    need = -(-(64 + 40) // BS) * 2 * 2
+    engine = Engine(model, block_size=BS, num_blocks=need + 12, prefill_chunk_size=16, admission_watermark=0)
+    reqs = [Request(p, 40) for p in prompts]
+    out = _checked_serve(engine, reqs)
+    ref = Engine(model, block_size=BS, num_blocks=4096)
+    assert out.preemptions > 0 and sum(r.preemptions for r in reqs) == out.preemptions
+    assert [r.output for r in reqs] == [ref.generate([p], max_new_tokens=40)[0].token_ids for p in prompts]
+    preempted = [r for r in reqs if r.preemptions]
+    assert all(r.prefill_tokens > len(r.prompt) for r in preempted)  # prompt + generated tokens recomputed
+
+
+def test_a_request_that_can_never_fit_fails_alone(model):
+    prompts = _prompts([30, 400, 20], 1)
+    engine = Engine(model, block_size=BS, num_blocks=60, prefill_chunk_size=32)
+    gens = engine.generate(prompts, max_new_tokens=5)
+    assert [g.finish_reason for g in gens] == ["length", "failed", "length"]
+    assert "request 1 does not fit: its 400 tokens need 200 KV blocks, the whole pool holds 59" in gens[1].error
+    assert engine.cache.pool.in_use == 0
+    # a method that evicts during prefill (streaming) holds the same prompt in the same pool
+    engine = Engine(model, build_method("streaming_llm", 24), block_size=BS, num_blocks=60, prefill_chunk_size=32)
+    assert all(g.finish_reason == "length" for g in engine.generate(prompts, max_new_tokens=5))
+
+
+def test_compression_admits_more_sequences_into_the_same_pool(model):
+    prompts = _prompts([200] * 16, 2)
+    runs = {}
+    for name, budget in (("full", None), ("paged_eviction", 32)):
+        engine = Engine(model, build_method(name, budget), block_size=BS, num_blocks=420, prefill_chunk_size=64)
+        reqs = [Request(p, 16, ignore_eos=True) for p in prompts]
+        runs[name] = engine.serve(reqs)
+        assert all(r.status == "finished" for r in reqs)
+    assert runs["paged_eviction"].max_running >= 3 * runs["full"].max_running
+
+
+def test_arrivals_limits_and_timeline(model):
+    prompts = _prompts([20, 30, 25, 40], 4)
+    engine = Engine(model, block_size=BS, num_blocks=4096, max_num_seqs=2, max_num_batched_tokens=16)
+    reqs = [Request(p, 6, arrival_s=0.05 * i) for i, p in enumerate(prompts)]
+    out = engine.serve(reqs)
+    assert out.max_running <= 2
+    assert all(s.tokens <= 16 for s in out.timeline)
+    assert all(r.first_token_s >= r.arrival_s for r in reqs)
+    assert {s.kind for s in out.timeline} == {"prefill", "decode"}
+    assert [s.t_s for s in out.timeline] == sorted(s.t_s for s in out.timeline)

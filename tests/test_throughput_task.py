@@ -1,0 +1,89 @@
+"""task=throughput on the tiny model: the seeded trace, the serving metrics, the timeline files, bad options."""
+from __future__ import annotations
+
+import csv
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from kvbench.errors import UserError
+from methods import build_method
+from tasks import build_task, no_progress
+from tasks.throughput import ThroughputOptions, build_trace
+from tests.fixtures.task_fixtures import one_thread as _one_thread
+from tests.fixtures.task_fixtures import smollm2_tokenizer, tiny_engine
+
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
+
+OPTS = {"num_requests": 6, "input_tokens": [40, 160], "output_tokens": [3, 9]}
+
+
+def _run(tmp_path, method=None, seed=0, **engine_kw):
+    task = build_task("throughput", OPTS)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    task.output_dir = str(tmp_path)
+    engine = tiny_engine(method, block_size=8, **engine_kw)
+    return task.run(engine, smollm2_tokenizer(), SimpleNamespace(seed=seed), no_progress), engine
+
+
+def test_trace_is_seeded_and_within_the_ranges():
+    stream = list(range(5000))
+    opts = ThroughputOptions(num_requests=20, input_tokens=[10, 50], output_tokens=7, request_rate=4.0)
+    a, b, c = build_trace(stream, opts, 1), build_trace(stream, opts, 1), build_trace(stream, opts, 2)
+    assert [(t.prompt_ids, t.output_tokens, t.arrival_s) for t in a] == [
+        (t.prompt_ids, t.output_tokens, t.arrival_s) for t in b]
+    assert [t.prompt_ids for t in a] != [t.prompt_ids for t in c]
+    assert all(10 <= len(t.prompt_ids) <= 50 and t.output_tokens == 7 for t in a)
+    arrivals = [t.arrival_s for t in a]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0  # Poisson: exponential gaps
+    offline = build_trace(stream, ThroughputOptions(num_requests=5), 0) if len(stream) >= 4096 else None
+    assert offline is not None and all(t.arrival_s == 0.0 for t in offline)
+
+
+def test_serving_metrics_and_timeline(tmp_path):
+    res, engine = _run(tmp_path, kv_memory_bytes=60 * 8 * 2 * 16 * 4 * 4)  # about 240 tokens per table set
+    m = res.metrics
+    assert m["completed_requests"] == 6 and m["failed_requests"] == 0
+    assert m["output_tokens"] == sum(s["output_tokens"] for s in res.samples)
+    assert all(3 <= s["output_tokens"] <= 9 for s in res.samples)  # exactly as drawn: EOS ignored
+    assert m["output_tokens_per_s"] > 0 and m["total_tokens_per_s"] > m["output_tokens_per_s"]
+    assert m["ttft_s_p50"] <= m["ttft_s_p90"] <= m["ttft_s_p99"] and m["e2e_s_p50"] <= m["e2e_s_p99"]
+    assert 1 <= m["mean_running_seqs"] <= m["max_running_seqs"] <= 6
+    assert m["kv_pool_bytes"] == engine.cache.pool_bytes()
+    rows = list(csv.DictReader(open(tmp_path / "timeline.csv")))
+    assert len(rows) == m["steps"] and {r["kind"] for r in rows} == {"prefill", "decode"}
+    assert max(int(r["blocks_in_use"]) for r in rows) <= int(rows[0]["pool_blocks"])
+    if m.get("timeline_png"):
+        assert (tmp_path / "timeline.png").stat().st_size > 1000
+    assert engine.cache.pool.in_use == 0
+
+
+def test_compression_runs_more_sequences_at_fixed_memory(tmp_path):
+    mem = 40 * 8 * 2 * 16 * 4 * 4
+    full, _ = _run(tmp_path / "a", kv_memory_bytes=mem)
+    pe, _ = _run(tmp_path / "b", build_method("paged_eviction", 32), kv_memory_bytes=mem)
+    assert pe.metrics["completed_requests"] == 6
+    assert pe.metrics["max_running_seqs"] > full.metrics["max_running_seqs"]
+    assert pe.metrics["preemptions"] <= full.metrics["preemptions"]
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"num_requests": 0}, "task.num_requests=0"),
+    ({"request_rate": 0}, "task.request_rate=0"),
+    ({"request_rate": -2.5}, "task.request_rate=-2.5"),
+    ({"input_tokens": [500, 100]}, "task.input_tokens"),
+    ({"output_tokens": "many"}, "task.output_tokens='many'"),
+    ({"input_tokens": [1, 2, 3]}, "task.input_tokens"),
+])
+def test_bad_options_are_one_line(opts, match):
+    with pytest.raises(UserError, match=match):
+        build_task("throughput", opts)
+
+
+def test_preflight_refuses_lengths_beyond_the_model():
+    task = build_task("throughput", {"input_tokens": [1024, 8192]})
+    with pytest.raises(UserError, match="exceed the model's 8192"):
+        task.preflight(SimpleNamespace(seed=0), SimpleNamespace(max_positions=8192))
+    task.preflight(SimpleNamespace(seed=0), None)  # unknown shape: checked again at run time
+    assert math.isinf(build_task("throughput", {"request_rate": ".inf"}).options.request_rate)
