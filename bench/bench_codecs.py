@@ -65,11 +65,13 @@ def bits_and_speed(model, codec, ids: list[int], decode_tokens: int) -> dict:
     engine = make_engine(model, codec, chunk=1024)
     cache = engine.cache
     cfg = model.config
-    slot = cache.add_sequence()
+    slot = engine.new_sequence()
     try:
         logits = None
-        for _, _, logits in engine._prefill(slot, ids, 1024):
-            pass
+        for a in range(0, len(ids), 1024):
+            last = a + 1024 >= len(ids)
+            logits = engine.forward_chunk(slot, ids[a:a + 1024], a, last_chunk=last,
+                                          logits_for="last" if last else "none")
         if hasattr(cache, "pack_pending"):
             cache.pack_pending([slot])
         tokens = int(cache.lengths[slot].sum()) // (cfg.num_layers * cfg.num_kv_heads)
@@ -86,12 +88,11 @@ def bits_and_speed(model, codec, ids: list[int], decode_tokens: int) -> dict:
             pos = len(ids)
             t0 = time.perf_counter()
             for _ in range(decode_tokens):
-                lg = engine._step([slot], torch.tensor([[tok]]), torch.tensor([[pos]]), phase="decode",
-                                  last_chunk=True, logits_for="last")
-                tok, pos = int(lg[0].argmax()), pos + 1
+                (tok,) = engine.decode_batch([slot], [tok], [pos])
+                pos += 1
             out["decode_tok_s"] = decode_tokens / (time.perf_counter() - t0)
     finally:
-        engine._end_sequence(slot)
+        engine.end_sequence(slot)
     assert cache.pool.in_use == 0, "blocks left after free"
     return out
 

@@ -78,6 +78,7 @@ def run_method(model, name: str, budget: int, prompts: list[list[int]], new_toke
         inner_end(slot)
 
     method.after_attention, method.on_sequence_end = after_attention, on_sequence_end
+    method.acts_after_attention = True  # sample the pool after every decode step, `full` included
     t0 = time.perf_counter()
     gens = engine.generate(prompts, max_new_tokens=new_tokens)
     wall = time.perf_counter() - t0

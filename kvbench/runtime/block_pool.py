@@ -51,9 +51,6 @@ class BlockPool:
     def in_use(self) -> int:
         return self.capacity - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks (refcount 1 each); all or nothing."""
         if n > len(self._free):

@@ -6,7 +6,7 @@ our own so every token's K/V goes through the paged cache and the method hooks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -63,7 +63,6 @@ class LayerContext:
     last_chunk: bool  # the final chunk of a prefill (always True in decode)
     q: torch.Tensor  # [S, Hq, Q, D] queries as used for attention
     key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class LayerHook(Protocol):
