@@ -5,6 +5,7 @@
 #   make bench           runtime benchmark (bench/bench_runtime.py)
 #   make bench-methods   methods benchmark (bench/bench_methods.py)
 #   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
+#   make bench-throughput serving at fixed KV memory, per method (bench/bench_throughput.py)
 # Everything goes into .venv (created with $(PYTHON) -m venv). Repeats are fast: a stamp file records the install.
 
 SHELL := /bin/bash
@@ -22,7 +23,7 @@ PYTEST_ARGS ?=
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
 
-.PHONY: install run test bench bench-methods bench-codecs clean
+.PHONY: install run test bench bench-methods bench-codecs bench-throughput clean
 
 install: $(STAMP)
 
@@ -49,6 +50,9 @@ bench-methods: install
 
 bench-codecs: install
 	$(PY) bench/bench_codecs.py $(ARGS)
+
+bench-throughput: install
+	$(PY) bench/bench_throughput.py $(ARGS)
 
 clean:
 	rm -f $(STAMP)

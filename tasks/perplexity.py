@@ -47,7 +47,7 @@ class PerplexityOptions:
     text_file: Optional[str] = None
     data_path: Optional[str] = None
     split: str = "test"
-    max_tokens: int = 1024
+    max_tokens: int = 4096
     num_documents: Optional[int] = 1
     chunk_size: Optional[int] = 256
     bucket_size: int = 512

@@ -23,7 +23,7 @@ def test_default_config():
     assert cfg.budget is None and cfg.seed == 0 and cfg.results_dir == "results" and cfg.rerun is False
     assert cfg.model.name == "smollm2-135m" and cfg.model.path is None and cfg.model.dtype == "float32"
     assert cfg.method.name == "full"
-    assert cfg.task.name == "perplexity" and cfg.task.corpus == "pg_essays" and cfg.task.max_tokens == 1024
+    assert cfg.task.name == "perplexity" and cfg.task.corpus == "pg_essays" and cfg.task.max_tokens == 4096
     assert cfg.task.chunk_size == 256
     rt = cfg.runtime
     assert (rt.block_size, rt.num_blocks, rt.kv_memory_bytes, rt.prefill_chunk_size, rt.batch_size,

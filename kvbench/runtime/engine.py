@@ -81,6 +81,7 @@ class Engine:
         # methods that never act after attention (full, pure codecs) are not called once per layer
         self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
         self._peak_full_bytes = 0
+        self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
 
     # ------------------------------------------------------------------ backends
     def _pick_attention(self, backend: str):
@@ -161,6 +162,7 @@ class Engine:
 
     def end_sequence(self, slot: int) -> None:
         """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
+        self._max_sequence_tokens = max(self._max_sequence_tokens, self.cache.tokens_seen[slot])
         self.method.on_sequence_end(slot)
         self.cache.free_sequence(slot)
 
@@ -284,6 +286,7 @@ class Engine:
             "num_blocks": c.pool.num_blocks,
             "peak_blocks_in_use": c.pool.peak_in_use,
             "kv_pool_bytes": c.pool_bytes(),
+            "max_sequence_tokens": self._max_sequence_tokens,  # compare with the budget: was it ever reached?
         }
 
     # ------------------------------------------------------------------ helpers
