@@ -310,11 +310,18 @@ class BlockScoreEvictionMethod(EvictionMethod):
 
     def attach(self, cache: Any, model_config: Any) -> None:
         super().attach(cache, model_config)
-        need = (2 if self.protect_first_block else 1) * cache.block_size
+        self._check_budget(cache.block_size)
+
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Before the model loads: the budget must hold the blocks decoding never evicts."""
+        self._check_budget(settings.runtime.block_size)
+
+    def _check_budget(self, block_size: int) -> None:
+        need = (2 if self.protect_first_block else 1) * block_size
         if self.budget < need:
             raise UserError(
-                f"method {self.name!r} needs budget >= {need} with block_size {cache.block_size} "
-                f"(protect_first_block={self.protect_first_block}): got budget {self.budget}")
+                f"invalid budget={self.budget} for method {self.name!r}: it needs budget >= {need} with "
+                f"runtime.block_size {block_size} (protect_first_block={self.protect_first_block})")
 
     def token_scores(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """k, v [H, T, D] as cached, valid [H, T] -> importance [H, T] (higher = keep)."""

@@ -4,7 +4,8 @@
     outputs, perf = run_generation(engine, tokenizer, requests, batch_size=cfg.runtime.batch_size)
 
 Requests are cut into batches of `batch_size` consecutive requests with the same max_new_tokens and stop tokens;
-each batch goes through `engine.generate` (every prompt prefilled, then all decoded together, greedy). A
+each batch goes through `engine.generate` (the scheduler: prompts admitted as the pool allows, decoded together,
+greedy; a prompt that cannot fit in the pool is a UserError naming the sizes). A
 prediction is the generated tokens decoded with special tokens skipped (so the stop token is not in it).
 
 perf (also written per sample as ttft_s / prefill_s / decode_s):
@@ -14,9 +15,9 @@ perf (also written per sample as ttft_s / prefill_s / decode_s):
                         batch_size > 1 the decode steps of a batch are shared, so this is throughput)
 - peak_kv_bytes         the engine pool's peak so far (app.py records the final value from engine.memory_stats())
 
-For the lm-eval adapter: `score_continuation` (prefill and compress a context, then score a continuation against
-the compressed cache; it reaches into the engine below its public API) and `generate_until` (engine.generate with a
-stop condition checked after every token, e.g. a stop string).
+For the lm-eval adapter: `score_continuation` (engine.score_continuation: prefill and compress a context, then score
+a continuation against the compressed cache) and `generate_until` (engine.generate with a stop condition checked
+after every token, e.g. a stop string).
 """
 from __future__ import annotations
 
@@ -220,6 +221,9 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
         for batch in _batches(requests, batch_size):
             gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
                                    stop_token_ids=batch[0].stop_ids, temperature=0.0)
+            failed = [g for g in gens if g.finish_reason == "failed"]
+            if failed:  # an accuracy task needs every sample: a pool too small for its prompts is a setting
+                raise UserError(f"{failed[0].error} (task sample {batch[gens.index(failed[0])].id})")
             meter.add_batch(gens)
             done = [GenOutput(r, decode(tokenizer, g.token_ids), list(g.token_ids), g.finish_reason, g.ttft_s,
                               g.prefill_s, g.decode_s) for r, g in zip(batch, gens)]
