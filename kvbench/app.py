@@ -54,8 +54,10 @@ def _note_exit(code: int) -> None:
         _exit_code = code
 
 
-def main(cfg: DictConfig) -> Optional[dict]:
-    """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on."""
+def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
+    """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on.
+
+    run_kwargs go to run() (tests pass their fake loader, engine and method builder)."""
     install_sigterm_handler()  # also in launcher workers (joblib), where run_cli did not run
     run_dir = None
     try:
@@ -66,7 +68,7 @@ def main(cfg: DictConfig) -> Optional[dict]:
     except Exception:  # pragma: no cover
         pass
     try:
-        record = run(cfg, run_dir=run_dir)
+        record = run(cfg, run_dir=run_dir, **run_kwargs)
     except UserError as exc:
         report(str(exc))
         _note_exit(2)

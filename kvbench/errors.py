@@ -119,13 +119,12 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
         main()
     except UserError as ex:
         exit_usage(str(ex))
-    except OSError as ex:  # Hydra could not create the run or sweep folder: the results_dir is unusable
-        if user_wants_traceback:
-            raise
-        where = getattr(ex, "filename", None) or "results_dir"
-        exit_usage(f"cannot write the results folder {where}: {ex.strerror or ex} (check results_dir=...)")
     except Exception as ex:
         message = None if user_wants_traceback else describe_hydra_error(ex)
+        if message is None and isinstance(ex, OSError) and not user_wants_traceback:
+            # Hydra could not create the run or sweep folder: the results_dir is unusable
+            where = getattr(ex, "filename", None) or "results_dir"
+            message = f"cannot write the results folder {where}: {ex.strerror or ex} (check results_dir=...)"
         if message is None:
             raise
         exit_usage(message)

@@ -77,13 +77,15 @@ class FakeMethod:
     budget: Optional[int] = None
     window: int = 4
     name: str = "fake"
+    options: dict = dataclasses.field(default_factory=dict)  # any other option of the real method's YAML
 
     def describe(self) -> dict:
-        return {"budget": self.budget, "window": self.window}
+        return {"budget": self.budget, "window": self.window, **self.options}
 
 
 def fake_build_method(name: str, budget: Optional[int] = None, **options: Any) -> FakeMethod:
-    return FakeMethod(budget=budget, name=name, **options)
+    window = options.pop("window", 4)
+    return FakeMethod(budget=budget, name=name, window=window, options=options)
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:
@@ -93,3 +95,30 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+# --------------------------------------------------------------------------- `python -m tests.harness_fakes ARGS`
+# The real CLI (Hydra, launchers, signals, the results store, exit codes) over the fakes above: no model is loaded,
+# so a subprocess run costs the interpreter start only. The fault tests kill, interrupt and race these.
+FAKES = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
+
+
+def _fake_task_function(cfg: Any) -> Any:
+    from kvbench import app
+
+    return app.main(cfg, **FAKES)
+
+
+def fake_cli() -> None:
+    import hydra
+
+    import kvbench.config  # noqa: F401
+    from kvbench import app
+    from kvbench.errors import run_cli
+
+    main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_fake_task_function)
+    run_cli(main, after=app.exit_code)
+
+
+if __name__ == "__main__":
+    fake_cli()

@@ -13,10 +13,20 @@ from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR 
 from kvbench import results
 
 
-def kvbench(*args, cwd, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def kvbench_env(**extra):
+    """The environment of a `python -m kvbench` subprocess: this checkout first on sys.path (whatever the cwd)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for key in ("HYDRA_FULL_ERROR", "WANDB_API_KEY", "WANDB_MODE"):
         env.pop(key, None)
+    return env
+
+
+def kvbench(*args, cwd, timeout=300):
+    env = kvbench_env()
     return subprocess.run([sys.executable, "-m", "kvbench", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -79,6 +89,7 @@ def test_run_rerun_and_sweep_from_another_directory(tmp_path):
 
     again = kvbench("method=full", "budget=32", *common, cwd=cwd)
     assert again.returncode == 0 and "skipping" in again.stdout
+    assert "kvbench run OK" in again.stdout and "ppl" in again.stdout  # the stored summary, printed again
     assert len(results.read_jsonl(str(out / "runs.jsonl"))) == 1
 
     sweep = kvbench("-m", "method=full", "budget=16,32", *common, cwd=cwd)
@@ -88,8 +99,7 @@ def test_run_rerun_and_sweep_from_another_directory(tmp_path):
     assert len([p for p in out.iterdir() if p.is_dir()]) == 2
 
 
-def test_missing_model_path_is_a_usage_error_and_recorded(tmp_path):
+def test_repeat_prints_the_stored_summary_and_a_missing_model_is_refused_before_loading(tmp_path):
     proc = kvbench("model=hf", "model.path=/no/such/model", "logger.wandb=false", "results_dir=r", cwd=tmp_path)
-    assert_usage_error(proc, "/no/such/model")
-    (metrics,) = glob.glob(str(tmp_path / "r" / "*" / "metrics.json"))
-    assert json.loads(open(metrics).read())["status"] == "failed"
+    assert_usage_error(proc, "model.path='/no/such/model' does not exist")
+    assert not glob.glob(str(tmp_path / "r" / "*"))  # refused before anything was written
