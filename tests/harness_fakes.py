@@ -103,6 +103,56 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 FAKES = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
 
 
+REPO = os.path.dirname(CONF_DIR)
+FAKE_ARGS = ("logger.wandb=false", "task.max_tokens=40", "task.chunk_size=16", "method=h2o")
+
+
+def fake_env(**extra: str) -> dict:
+    """Environment of a fake-CLI subprocess: this checkout first on sys.path, no W&B, no Hydra tracebacks."""
+    import sys as _sys  # noqa: F401
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for key in ("HYDRA_FULL_ERROR", "WANDB_API_KEY", "WANDB_MODE", "KVBENCH_TEST_SLEEP_S", "KVBENCH_TEST_MARKER",
+                "KVBENCH_TEST_CRASH_BEFORE_INDEX"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def start_fake(*args: str, cwd: Any, **env_extra: str) -> Any:
+    """Popen of `python -m tests.harness_fakes FAKE_ARGS ARGS` (stdout/stderr captured as text)."""
+    import subprocess
+    import sys
+
+    flags = [a for a in args if a.startswith("-")]  # Hydra's flags (-m) before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.Popen([sys.executable, "-m", "tests.harness_fakes", *flags, *FAKE_ARGS, *overrides],
+                            cwd=str(cwd),
+                            env=fake_env(**env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_fake_cli(*args: str, cwd: Any, timeout: float = 120, **env_extra: str) -> Any:
+    """Run the fake CLI to the end: a CompletedProcess-like object with returncode, stdout, stderr."""
+    proc = start_fake(*args, cwd=cwd, **env_extra)
+    out, err = proc.communicate(timeout=timeout)
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)
+
+
+def wait_for_lines(path: Any, n: int, proc: Any, timeout: float = 60) -> None:
+    """Wait until the test marker file has n lines (n runs reached their sleep), or fail."""
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError("the run never reached its sleep")
+
+
 def _fake_task_function(cfg: Any) -> Any:
     from kvbench import app
 
