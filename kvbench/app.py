@@ -348,7 +348,11 @@ def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
 def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Optional[Callable],
                  engine_cls: Optional[type], print_summary: bool) -> dict:
     s = plan.settings
-    folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
+    try:
+        folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not start run {folder.run_id} in {folder.path}: "
+                                 f"{exc.strerror or exc}") from None
     record = _start_record(plan, folder)
     logger = WandbLogger(s.logger, run_dir=folder.path, run_id=folder.run_id, config=plan.resolved,
                          tags=[s.method_name, s.task_name, s.model.name], job_type=s.task_name,
