@@ -41,17 +41,58 @@ from kvbench.wandb_logger import WandbLogger
 
 _exit_code = 0
 _repaired: set = set()  # results folders whose index this process has repaired
+# Launcher workers (joblib, submitit) run in other processes: they report their exit codes through this file,
+# which the CLI process creates (open_exit_channel) and reads at the end (exit_code).
+EXIT_FILE_ENV = "KVBENCH_EXIT_FILE"
+
+
+def _merge(a: int, b: int) -> int:
+    return 2 if 2 in (a, b) else max(a, b)
+
+
+def open_exit_channel() -> None:
+    """In the CLI process, before Hydra launches anything: a file where every worker process notes its code."""
+    if os.environ.get(EXIT_FILE_ENV):
+        return
+    fd, path = tempfile.mkstemp(prefix="kvbench-exit-")
+    os.close(fd)
+    os.environ[EXIT_FILE_ENV] = path
 
 
 def exit_code() -> int:
-    """0 if every run of this process succeeded; 2 if one had bad input; else 1 if one failed."""
-    return _exit_code
+    """0 if every run (of this process and its launcher workers) succeeded; 2 if one had bad input; else 1."""
+    code = _exit_code
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.strip().isdigit():
+                        code = _merge(code, int(line))
+        except OSError:
+            pass
+    return code
+
+
+def close_exit_channel() -> None:
+    path = os.environ.pop(EXIT_FILE_ENV, None)
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _note_exit(code: int) -> None:
     global _exit_code
-    if code == 2 or (code == 1 and _exit_code == 0):
-        _exit_code = code
+    _exit_code = _merge(_exit_code, code)
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and code:
+        try:
+            with open(path, "a") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass
 
 
 def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:

@@ -135,3 +135,14 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
         report("interrupted")
         raise SystemExit(130)
     raise SystemExit(after() if after is not None else 0)
+
+
+def run_app_cli(main: Callable[[], Any]) -> NoReturn:
+    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit)."""
+    from kvbench import app
+
+    app.open_exit_channel()
+    try:
+        run_cli(main, after=app.exit_code)
+    finally:
+        app.close_exit_channel()

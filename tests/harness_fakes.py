@@ -163,11 +163,10 @@ def fake_cli() -> None:
     import hydra
 
     import kvbench.config  # noqa: F401
-    from kvbench import app
-    from kvbench.errors import run_cli
+    from kvbench.errors import run_app_cli
 
     main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_fake_task_function)
-    run_cli(main, after=app.exit_code)
+    run_app_cli(main)
 
 
 if __name__ == "__main__":
