@@ -75,24 +75,24 @@ def test_run_rerun_and_sweep_from_another_directory(tmp_path):
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     common = ["logger.wandb=false", "task.max_tokens=48", "task.chunk_size=16", "results_dir=out"]
-    proc = kvbench("method=full", "budget=32", *common, cwd=cwd)
+    proc = kvbench("method=streaming_llm", "budget=32", *common, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     assert "kvbench run OK" in proc.stdout and "ppl" in proc.stdout
     out = cwd / "out"
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["status"] == "ok" and metrics["budget"] == 32 and metrics["method"] == "full"
+    assert metrics["status"] == "ok" and metrics["budget"] == 32 and metrics["method"] == "streaming_llm"
     assert metrics["num_tokens"] == 47 and metrics["peak_kv_bytes"] > 0
     assert (run_dir / "config.yaml").exists() and (run_dir / "samples.jsonl").exists()
     assert (run_dir / ".hydra").is_dir()  # Hydra's files go inside the run folder...
     assert sorted(p.name for p in cwd.iterdir()) == ["out"]  # ...and nothing else lands in the cwd
 
-    again = kvbench("method=full", "budget=32", *common, cwd=cwd)
+    again = kvbench("method=streaming_llm", "budget=32", *common, cwd=cwd)
     assert again.returncode == 0 and "skipping" in again.stdout
     assert "kvbench run OK" in again.stdout and "ppl" in again.stdout  # the stored summary, printed again
     assert len(results.read_jsonl(str(out / "runs.jsonl"))) == 1
 
-    sweep = kvbench("-m", "method=full", "budget=16,32", *common, cwd=cwd)
+    sweep = kvbench("-m", "method=streaming_llm", "budget=16,32", *common, cwd=cwd)
     assert sweep.returncode == 0, sweep.stderr
     runs = results.read_jsonl(str(out / "runs.jsonl"))
     assert [r["budget"] for r in runs] == [32, 16]  # budget=32 was finished already: skipped
