@@ -83,6 +83,7 @@ class WandbLogger:
                  "(pip install wandb, or logger.wandb=false to silence this)")
             return
         remove_stale_offline_runs(self.run_dir)
+        before = set(glob.glob(os.path.join(self.run_dir, "wandb", "run-*")))
         try:
             self.run = self._init(wandb, self.mode)
         except Exception as exc:  # any W&B failure is a warning, never a failure
@@ -94,6 +95,8 @@ class WandbLogger:
             warn(f"W&B online init failed or timed out after at most {self._timeout():g} s ({reason}); "
                  f"logging offline into the run folder instead (wandb sync uploads it later)")
             self.mode = "offline"
+            for path in set(glob.glob(os.path.join(self.run_dir, "wandb", "run-*"))) - before:
+                shutil.rmtree(path, ignore_errors=True)  # the failed online attempt: nothing to sync
             try:
                 self.run = self._init(wandb, "offline")
             except Exception as exc2:
