@@ -3,8 +3,9 @@
     python -m kvbench ...    -> kvbench.__main__ -> app.main(cfg) -> app.run(cfg)
 
 1. plan_run (validate and build): every setting that needs no model is checked here, before anything is loaded
-   or written: config values, the storage codec and its options, the method (built), the task (built, then
-   task.preflight), the model path, the device, the runtime against the model's shape, the results folder.
+   or written: config values, the storage codec and its options, the method (built, then method.preflight if it
+   has one), the task (built, then task.preflight), the model path, the device, the runtime against the model's
+   shape, the results folder. Both preflights get (settings, model_shape) and raise UserError.
    Bad input raises UserError (the CLI prints one line and exits 2).
 2. open the run folder: skip a finished run (its stored summary is printed), claim the run (a run claimed by a
    live worker is skipped), write config.yaml, start W&B.
@@ -246,15 +247,19 @@ def _check_quant(name: str, options: dict) -> None:
     names = registry.available_codecs()
     if name not in names:
         raise UserError(f"unknown quant {name!r}: choices are {', '.join(names)}{_config.did_you_mean(name, names)}")
-    check = getattr(registry, "validate_options", None) or registry._options
-    opts = check(name, dict(options))
-    if name == "kvquant":
-        try:
+    check = getattr(registry, "validate_options", None) or getattr(registry, "_options", None)
+    opts = check(name, dict(options)) if check is not None else dict(options)
+    try:
+        if name == "kvquant":
             registry.kvquant_settings(opts)
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"invalid settings for quant 'kvquant': {exc}") from None
-    elif name not in ("none", "full"):
-        registry.build_codec(name, None, **options)  # cheap for kivi/int8/fp8: checks bits, group sizes...
+        elif name not in ("none", "full"):
+            registry.build_codec(name, None, **options)  # cheap for kivi/int8/fp8: checks bits, group sizes...
+    except UserError:
+        raise
+    except ValueError as exc:
+        raise UserError(f"invalid settings for quant {name!r}: {exc}") from None
+    except (TypeError, KeyError, AttributeError):  # a registry with other signatures: checked when built
+        pass
 
 
 def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
@@ -295,6 +300,9 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     if build_method_fn is None:
         from methods import build_method as build_method_fn  # type: ignore[no-redef]
     method = _build_method(build_method_fn, settings)
+    method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
+    if callable(method_preflight):
+        method_preflight(settings, shape)
     from tasks import build_task
 
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})

@@ -166,6 +166,13 @@ class Settings:
         """Attribute access by name (for task code written against the raw config: cfg.get("seed"))."""
         return getattr(self, key, default)
 
+    @property
+    def method(self) -> Any:
+        """The method as the raw config spelled it: .name and its options (for titles and labels)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name=self.method_name, **self.method_options)
+
 
 def _section(cfg: Any, key: str) -> dict:
     node = cfg.get(key) if hasattr(cfg, "get") else None
