@@ -151,11 +151,16 @@ def _git_commit() -> Optional[str]:
 
 
 def versions() -> dict:
-    import torch
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"kvbench": kvbench.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "git_commit": _git_commit()}
+    import torch
+
+    try:
+        tf_version = version("transformers")  # without importing it (seconds) when nothing else needs it
+    except PackageNotFoundError:  # pragma: no cover
+        tf_version = None
+    return {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
+            "git_commit": _git_commit()}
 
 
 def _now() -> str:
@@ -263,13 +268,17 @@ def _check_quant(name: str, options: dict) -> None:
 
 
 def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
+    """The method, given the top-level seed (a method's own `method.seed`, when set, wins)."""
     options = dict(settings.method_options)
     try:
         accepts_seed = "seed" in inspect.signature(build_method_fn).parameters
     except (TypeError, ValueError):  # pragma: no cover
         accepts_seed = False
-    kwargs = {"seed": settings.seed} if accepts_seed else {}
-    if not accepts_seed and settings.method_name == "kvcrush" and options.get("seed") is None:
+    kwargs = {}
+    if accepts_seed:
+        own = options.pop("seed", None)
+        kwargs["seed"] = settings.seed if own is None else own
+    elif settings.method_name == "kvcrush" and options.get("seed") is None:
         options["seed"] = settings.seed  # until build_method takes the top-level seed
     try:
         return build_method_fn(settings.method_name, settings.budget, **kwargs, **options)

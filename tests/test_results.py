@@ -225,3 +225,17 @@ def test_no_git_checkout_asks_git_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(app.kvbench, "__file__", str(tmp_path / "kvbench" / "__init__.py"))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("git was run")))
     assert app._git_commit() is None
+
+
+@pytest.mark.parametrize("method_seed,expected", [("null", 7), (3, 3)])
+def test_the_top_level_seed_reaches_the_method(tmp_path, method_seed, expected):
+    seen = {}
+
+    def build(name, budget=None, *, seed=None, **options):  # the interface of methods.build_method
+        seen["seed"] = seed
+        return fake_build_method(name, budget, **options)
+
+    overrides = ["method=kvcrush", "budget=8", "seed=7", f"method.seed={method_seed}"]
+    cfg = compose([f"results_dir={tmp_path}", *overrides])
+    app.plan_run(cfg, build_method_fn=build)
+    assert seen["seed"] == expected
