@@ -321,6 +321,9 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     _check_results_dir(settings.results_dir)
     hashable = _config.hashable_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    # what runs, in resolved form: method=kivi is recorded as method=full quant=kivi; no budget without eviction
+    resolved.update(method={"name": settings.method_name, **settings.method_options},
+                    quant={"name": settings.quant_name, **settings.quant_options}, budget=settings.budget)
     fields = {"model_path": settings.model.path, "model_gguf_file": settings.model.gguf_file,
               **_flat("task_", settings.task_options),
               **_flat("runtime_", {k: v for k, v in vars(settings.runtime).items() if k != "threads"}),

@@ -488,8 +488,21 @@ class RunFolder:
         append_jsonl(os.path.join(self.results_dir, RUNS_FILE), record)
 
     def finish(self, record: dict) -> dict:
-        record = self.write_metrics(record)
-        self.index(record)
+        """metrics.json, then its runs.jsonl line, both under the index's lock (so a concurrent repair_index never
+        sees the folder finished but unindexed and adds the line twice)."""
+        record = complete_record(record)
+        path = os.path.join(self.results_dir, RUNS_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError:
+            write_json(self.file(METRICS_FILE), record)  # the folder is the truth; the index is repaired later
+            raise
+        try:
+            _lock(fd, fcntl.LOCK_EX)
+            write_json(self.file(METRICS_FILE), record)
+            _append_locked(fd, path, [(dumps(record) + "\n").encode("utf-8")])
+        finally:
+            os.close(fd)
         return record
 
 

@@ -239,3 +239,14 @@ def test_the_top_level_seed_reaches_the_method(tmp_path, method_seed, expected):
     cfg = compose([f"results_dir={tmp_path}", *overrides])
     app.plan_run(cfg, build_method_fn=build)
     assert seen["seed"] == expected
+
+
+def test_codec_shorthand_is_recorded_resolved(tmp_path):
+    import yaml
+
+    rec = run_fake(tmp_path, ["method=kivi", "budget=64"])
+    assert (rec["method"], rec["quant"], rec["budget"], rec["quant_bits"]) == ("full", "kivi", None, 2)
+    saved = yaml.safe_load((tmp_path / rec["run_id"] / "config.yaml").read_text())
+    assert saved["method"] == {"name": "full"} and saved["quant"]["name"] == "kivi" and saved["budget"] is None
+    again = run_fake(tmp_path, ["method=full", "quant=kivi"])  # the same run, spelled the other way
+    assert again["run_id"] == rec["run_id"] and again["attempt_id"] == rec["attempt_id"]
