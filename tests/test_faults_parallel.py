@@ -75,3 +75,30 @@ def test_flock_claim_is_exclusive_and_released(tmp_path):
     third, _ = results.claim_run(run_dir)
     assert third is not None
     third.release()
+
+
+def test_repairs_racing_finishing_runs_never_duplicate(tmp_path):
+    import threading
+
+    def finish(i):
+        folder = results.RunFolder(str(tmp_path), f"run{i}")
+        folder.start("a: 1\n")
+        folder.finish({"run_id": f"run{i}", "status": "ok", "attempt_id": f"a{i}"})
+
+    stop = threading.Event()
+
+    def repair():
+        while not stop.is_set():
+            results.repair_index(str(tmp_path))
+
+    repairer = threading.Thread(target=repair)
+    repairer.start()
+    workers = [threading.Thread(target=finish, args=(i,)) for i in range(24)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    repairer.join()
+    ids = [r["attempt_id"] for r in results.read_jsonl(str(tmp_path / "runs.jsonl"))]
+    assert sorted(ids) == sorted(f"a{i}" for i in range(24))
