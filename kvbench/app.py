@@ -252,6 +252,9 @@ def _check_quant(name: str, options: dict) -> None:
     names = registry.available_codecs()
     if name not in names:
         raise UserError(f"unknown quant {name!r}: choices are {', '.join(names)}{_config.did_you_mean(name, names)}")
+    if hasattr(registry, "check_codec"):  # the registry validates without building (main, issue #13)
+        registry.check_codec(name, dict(options))
+        return
     check = getattr(registry, "validate_options", None) or getattr(registry, "_options", None)
     opts = check(name, dict(options)) if check is not None else dict(options)
     try:
