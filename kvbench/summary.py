@@ -1,6 +1,7 @@
 """The one-screen summary printed at the end of each run."""
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Optional
 
 _WIDTH = 78
@@ -49,7 +50,8 @@ def storage_line(record: dict) -> Optional[str]:
     if not codec or codec in ("full", "none"):
         return None
     opts = ", ".join(f"{k[len('storage_codec_'):]}={_fmt(v)}" for k, v in record.items()
-                     if k.startswith("storage_codec_") and not isinstance(v, (dict, list)))
+                     if k.startswith("storage_codec_") and not isinstance(v, (dict, list))
+                     and k != "storage_codec_fp_block_dtype")
     bits = record.get("storage_packed_bits_per_element")
     parts = [f"{codec}" + (f" ({opts})" if opts else "")]
     if bits is not None:
@@ -58,7 +60,8 @@ def storage_line(record: dict) -> Optional[str]:
         parts.append(f"window in {record.get('storage_fp_block_dtype')}")
     if record.get("storage_pre_rope_keys"):
         parts.append("pre-RoPE keys")
-    return "storage   " + ", ".join(parts)
+    return "\n".join(textwrap.wrap(", ".join(parts), _WIDTH, initial_indent="storage   ",
+                                   subsequent_indent=" " * 10))
 
 
 def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
@@ -72,7 +75,9 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     settings = {k[len('method_'):]: v for k, v in record.items() if k.startswith("method_")
                 and k not in ("method_budget", "method_name")}
     extra = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
-    lines.append(f"method    {record.get('method')}   budget {_fmt(record.get('budget'))}"
+    quant = record.get("quant")
+    method = record.get("method") if quant in (None, "none", "full") else f"{record.get('method')} + {quant}"
+    lines.append(f"method    {method}   budget {_fmt(record.get('budget'))}"
                  + (f"   [{extra}]" if extra else ""))
     lines.append(f"task      {record.get('task')}   samples {_fmt(record.get('num_samples'))}")
     if status != "ok":
@@ -104,8 +109,9 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
                  f"{_fmt(record.get('kv_bytes_per_token'))} B/token")
     if storage:
         lines.append(storage)
-        lines.append("          (B/token: one stored token, packed; % saved: measured peaks, which also hold the "
-                     "full-precision window and part-filled blocks)")
+        lines.extend(textwrap.wrap("(B/token: one stored token, packed; % saved: measured peaks, which also hold "
+                                   "the full-precision window and part-filled blocks)", _WIDTH,
+                                   initial_indent=" " * 10, subsequent_indent=" " * 11))
     lines.append(f"time      {_fmt(record.get('wall_s'))} s")
     if run_dir:
         lines.append(f"results   {run_dir}")

@@ -216,7 +216,8 @@ def test_codec_summary_is_one_storage_line():
     text = format_summary(rec)
     assert text.count("storage") == 1 and "kivi (bits=2, group_size=32)" in text and "3 bits/element" in text
     assert "storage_" not in text and "task_max_tokens" not in text and "ppl 12.5" in text
-    assert "% saved: measured peaks" in text
+    assert "% saved: measured peaks" in text and "full + kivi" in text
+    assert max(len(line) for line in text.splitlines()) <= 78
 
 
 def test_no_git_checkout_asks_git_nothing(tmp_path, monkeypatch):
