@@ -160,7 +160,6 @@ def test_bad_command_line(cli, paths, tmp_path, args, needle, monkeypatch):
 
 @pytest.mark.parametrize("args,needle", [
     (["+bugdet=128"], "did you mean budget?"),
-    (["method=kivi", "quant=int8", "task.max_tokens=64"], "quant=int8"),
 ])
 def test_bad_input_as_a_real_subprocess(tmp_path, args, needle):
     has_results_dir = any(a.startswith("results_dir=") for a in args)
