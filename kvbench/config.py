@@ -1,16 +1,18 @@
 """Config schemas (dataclasses) for `python -m kvbench`, registered in Hydra's ConfigStore.
 
 The schemas are stored at the root of the ConfigStore under `kvbench_*` names, not inside the `model/`,
-`task/`, ... groups, so they never show up as choices in `--help`. conf/config.yaml extends `kvbench_schema`;
-conf/task/perplexity.yaml extends `kvbench_task_perplexity` (tasks.perplexity.PerplexityOptions: a task's options
-dataclass is its schema).
+`task/`, ... groups, so they never show up as choices in `--help`. conf/config.yaml extends `kvbench_schema`.
+Task options have no Hydra schema: each task validates its own (tasks.build_task), so this module imports no task.
 
-Hydra checks types when it composes (budget=abc is refused there); `validate()` checks values (budget=-5) and
-turns a DictConfig into these dataclasses, raising UserError with the bad value and what is allowed.
+Hydra checks types when it composes (budget=abc is refused there); `validate()` checks values (budget=-5, unknown
+top-level keys added with `+`), resolves the storage codec (`method=kivi` = `method=full quant=kivi`) and turns a
+DictConfig into these dataclasses, raising UserError with the bad value and what is allowed. `hashable_config()` is
+the resolved form that names a run: two spellings of one setting give one run id.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -19,18 +21,32 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import UserError
-from tasks.perplexity import PerplexityOptions
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+SEED_MAX = 2**32 - 1  # numpy's limit (torch takes more; one range for every library)
+BLOCK_SIZE_MAX = 4096  # tokens per KV block
+# Storage codecs that are also accepted as a method name (`method=kivi` = `method=full quant=kivi`).
+CODEC_METHODS = ("kivi", "kvquant", "int8", "fp8")
+NON_EVICTING = ("full",) + CODEC_METHODS  # used only until methods declare `evicts`
 
 
-def _check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
+def _check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1,
+                    maximum: Optional[int] = None) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = f"an integer >= {minimum}" + (" or null" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or (maximum is not None and value > maximum):
+        allowed = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+        allowed += " or null" if allow_none else ""
         raise UserError(f"invalid {where}={value!r}: expected {allowed}")
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """ " (did you mean X?)" for the closest choice, or ""."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @dataclass
@@ -50,8 +66,11 @@ class ModelConfig:
             raise UserError(f"invalid model.device={dev!r}: choices are cpu, cuda, cuda:N, mps, auto")
         if self.name is None and self.path is None:
             raise UserError("model=hf needs model.path=<hub id or local folder>")
-        if self.name is None:
-            self.name = os.path.basename(os.path.normpath(self.path)) if self.path else "unnamed"
+        if self.path is not None and not str(self.path).strip():
+            raise UserError("invalid model.path='': expected a hub id or a local folder")
+        from kvbench.results import model_label
+
+        self.name = model_label(dataclasses.asdict(self)) if (self.path or self.name) else "unnamed"
 
 
 @dataclass
@@ -62,23 +81,26 @@ class RuntimeConfig:
     prefill_chunk_size: int = 512
     batch_size: int = 1
     attention_backend: str = "auto"
-    threads: Optional[int] = None
-    max_num_seqs: int = 256
+    threads: Optional[int] = None  # a pure performance knob: not part of the run id
     max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
     admission_watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        _check_positive("runtime.block_size", self.block_size)
-        _check_positive("runtime.num_blocks", self.num_blocks, allow_none=True)
+        _check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
+        _check_positive("runtime.num_blocks", self.num_blocks, allow_none=True, minimum=2)
         _check_positive("runtime.kv_memory_bytes", self.kv_memory_bytes, allow_none=True)
         _check_positive("runtime.prefill_chunk_size", self.prefill_chunk_size)
         _check_positive("runtime.batch_size", self.batch_size)
-        _check_positive("runtime.threads", self.threads, allow_none=True)
-        _check_positive("runtime.max_num_seqs", self.max_num_seqs)
+        _check_positive("runtime.threads", self.threads, allow_none=True, maximum=max(1024, os.cpu_count() or 1))
         _check_positive("runtime.max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("runtime.max_num_seqs", self.max_num_seqs)
         w = self.admission_watermark
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
             raise UserError(f"invalid runtime.admission_watermark={w!r}: expected a number in [0, 1)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise UserError(f"invalid runtime.attention_backend={self.attention_backend!r}: choices are "
+                            f"{', '.join(ATTENTION_BACKENDS)}{did_you_mean(self.attention_backend, ATTENTION_BACKENDS)}")
 
 
 @dataclass
@@ -88,10 +110,14 @@ class LoggerConfig:
     entity: Optional[str] = None
     mode: str = "auto"
     log_samples: bool = True
+    init_timeout_s: float = 30.0  # longest wait for W&B to start online; then the run logs offline
 
     def __post_init__(self) -> None:
         if self.mode not in LOGGER_MODES:
             raise UserError(f"invalid logger.mode={self.mode!r}: choices are {', '.join(LOGGER_MODES)}")
+        t = self.init_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise UserError(f"invalid logger.init_timeout_s={t!r}: expected seconds in (0, 3600]")
 
 
 @dataclass
@@ -109,6 +135,11 @@ class KvbenchConfig:
     results_dir: str = "results"
     rerun: bool = False
     progress: bool = True
+    experiment: Optional[str] = None  # set by conf/experiment/<name>.yaml; W&B group, recorded in metrics.json
+    paper: Any = None  # conf/experiment/<name>.yaml: the published values (read by kvbench-report; not hashed)
+
+
+ROOT_KEYS = tuple(f.name for f in dataclasses.fields(KvbenchConfig))
 
 
 @dataclass
@@ -129,6 +160,18 @@ class Settings:
     results_dir: str
     rerun: bool
     progress: bool
+    experiment: Optional[str] = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Attribute access by name (for task code written against the raw config: cfg.get("seed"))."""
+        return getattr(self, key, default)
+
+    @property
+    def method(self) -> Any:
+        """The method as the raw config spelled it: .name and its options (for titles and labels)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name=self.method_name, **self.method_options)
 
 
 def _section(cfg: Any, key: str) -> dict:
@@ -144,12 +187,54 @@ def _build(cls: type, where: str, values: dict) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise UserError(f"unknown option {where}.{unknown[0]}: valid options are {', '.join(names)}")
+        raise UserError(f"unknown option {where}.{unknown[0]}: valid options are {', '.join(names)}"
+                        f"{did_you_mean(unknown[0], names)}")
     return cls(**values)
 
 
+def method_evicts(name: str) -> bool:
+    """Whether the method drops tokens (its `evicts` class attribute; methods without one: by name)."""
+    try:
+        from methods import METHODS, available_methods
+
+        available_methods()
+        flag = getattr(METHODS.get(name), "evicts", None)
+    except Exception:  # pragma: no cover - an unknown method is refused later
+        flag = None
+    return (name not in NON_EVICTING) if flag is None else bool(flag)
+
+
+def resolve_storage(method_name: str, method_options: dict, quant_name: str,
+                    quant_options: dict) -> tuple[str, dict, str, dict]:
+    """`method=<codec>` -> `method=full quant=<codec>` (kvbench.quant.registry.resolve_storage where it exists)."""
+    from kvbench.quant import registry
+
+    fn = getattr(registry, "resolve_storage", None)
+    if fn is not None:
+        return fn(method_name, dict(method_options), quant_name, dict(quant_options))
+    if method_name in CODEC_METHODS:  # fallback until the registry has resolve_storage
+        if quant_name not in (None, "none", "full"):
+            raise UserError(f"method={method_name} and quant={quant_name} both choose a storage codec: keep one "
+                            f"(method=<eviction method> quant={quant_name}, or method={method_name} quant=none)")
+        return "full", {}, method_name, dict(method_options)
+    return method_name, dict(method_options), quant_name or "none", dict(quant_options)
+
+
+def _check_root_keys(cfg: Any) -> None:
+    try:
+        keys = [str(k) for k in cfg.keys()]
+    except Exception:  # pragma: no cover
+        return
+    for key in keys:
+        if key not in ROOT_KEYS and key != "hydra":
+            raise UserError(f"unknown option {key}: valid top-level options are {', '.join(ROOT_KEYS)}"
+                            f"{did_you_mean(key, ROOT_KEYS)}")
+
+
 def validate(cfg: Any) -> Settings:
-    """Check a composed run config and return it typed; raises UserError naming the bad value."""
+    """Check a composed run config and return it typed (storage resolved, budget null for a method that keeps
+    every token); raises UserError naming the bad value. Needs no model."""
+    _check_root_keys(cfg)
     method = _section(cfg, "method")
     task = _section(cfg, "task")
     if not method.get("name"):
@@ -159,30 +244,58 @@ def validate(cfg: Any) -> Settings:
     budget = cfg.get("budget")
     _check_positive("budget", budget, allow_none=True)
     seed = cfg.get("seed", 0)
-    _check_positive("seed", seed, minimum=0)
+    _check_positive("seed", seed, minimum=0, maximum=SEED_MAX)
     model = _section(cfg, "model")
     quant = _section(cfg, "quant") or {"name": "none"}
+    experiment = cfg.get("experiment")
+    if experiment is not None and not isinstance(experiment, str):
+        raise UserError(f"invalid experiment={experiment!r}: expected a name")
+    method_name, method_options, quant_name, quant_options = resolve_storage(
+        str(method.pop("name")), method, str(quant.pop("name", "none")), quant)
+    if budget is not None and not method_evicts(method_name):
+        budget = None  # nothing is evicted: every budget is the same run
+    results_dir = os.path.abspath(os.path.expanduser(str(cfg.get("results_dir", "results"))))
     return Settings(
         model=_build(ModelConfig, "model", model),
         runtime=_build(RuntimeConfig, "runtime", _section(cfg, "runtime")),
         logger=_build(LoggerConfig, "logger", _section(cfg, "logger")),
-        method_name=str(method.pop("name")),
-        method_options=method,
-        quant_name=str(quant.pop("name", "none")),
-        quant_options=quant,
+        method_name=method_name,
+        method_options=method_options,
+        quant_name=quant_name,
+        quant_options=quant_options,
         task_name=str(task.pop("name")),
         task_options=task,
         budget=budget,
         seed=int(seed),
-        results_dir=os.path.abspath(os.path.expanduser(str(cfg.get("results_dir", "results")))),
+        results_dir=results_dir,
         rerun=bool(cfg.get("rerun", False)),
         progress=bool(cfg.get("progress", True)),
+        experiment=experiment,
     )
 
 
-def hashable_config(root: Any) -> dict:
+def _raw_hashable(root: Any) -> dict:
     return {k: (OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k])
             for k in ("model", "method", "quant", "task", "runtime", "budget", "seed") if k in root}
+
+
+def hashable_config(root: Any) -> dict:
+    """The parts of a config that determine the result, in resolved form (storage codec moved to `quant`, budget
+    null for a method that evicts nothing), so two spellings of one run hash alike. Never raises: a config that
+    does not validate hashes as written (and is refused by validate)."""
+    data = _raw_hashable(root)
+    try:
+        method = dict(data.get("method") or {})
+        quant = dict(data.get("quant") or {"name": "none"})
+        m_name, m_opts, q_name, q_opts = resolve_storage(str(method.pop("name", "")), method,
+                                                         str(quant.pop("name", "none")), quant)
+        data["method"] = {"name": m_name, **m_opts}
+        data["quant"] = {"name": q_name, **q_opts}
+        if data.get("budget") is not None and not method_evicts(m_name):
+            data["budget"] = None
+    except Exception:
+        pass
+    return data
 
 
 def _resolve_run_id(*, _root_: DictConfig) -> str:
@@ -199,7 +312,6 @@ def _resolve_run_dir(*, _root_: DictConfig) -> str:
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="kvbench_schema", node=KvbenchConfig)
-    cs.store(name="kvbench_task_perplexity", node=PerplexityOptions)
     OmegaConf.register_new_resolver("kvbench_run_id", _resolve_run_id, replace=True)
     OmegaConf.register_new_resolver("kvbench_run_dir", _resolve_run_dir, replace=True)
 

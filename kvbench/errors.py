@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
 from typing import Any, Callable, NoReturn, Optional
 
 EXIT_USAGE = 2
@@ -29,8 +31,26 @@ _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or
                "String": "a string"}
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
 class UserError(Exception):
     """Bad input from the user (unknown choice, invalid value, missing file or dataset)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what a cluster scheduler sends), raised like Ctrl-C so the run is recorded as "terminated"."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def install_sigterm_handler() -> None:
+    """Turn SIGTERM into Terminated in this process (main thread only; a no-op elsewhere)."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def report(message: str) -> None:
@@ -94,16 +114,35 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
     """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code."""
     user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    install_sigterm_handler()
     try:
         main()
     except UserError as ex:
         exit_usage(str(ex))
     except Exception as ex:
         message = None if user_wants_traceback else describe_hydra_error(ex)
+        if message is None and isinstance(ex, OSError) and not user_wants_traceback:
+            # Hydra could not create the run or sweep folder: the results_dir is unusable
+            where = getattr(ex, "filename", None) or "results_dir"
+            message = f"cannot write the results folder {where}: {ex.strerror or ex} (check results_dir=...)"
         if message is None:
             raise
         exit_usage(message)
+    except Terminated:
+        report("terminated")
+        raise SystemExit(EXIT_TERMINATED)
     except KeyboardInterrupt:
         report("interrupted")
         raise SystemExit(130)
     raise SystemExit(after() if after is not None else 0)
+
+
+def run_app_cli(main: Callable[[], Any]) -> NoReturn:
+    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit)."""
+    from kvbench import app
+
+    app.open_exit_channel()
+    try:
+        run_cli(main, after=app.exit_code)
+    finally:
+        app.close_exit_channel()

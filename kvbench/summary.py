@@ -1,6 +1,7 @@
 """The one-screen summary printed at the end of each run."""
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Optional
 
 _WIDTH = 78
@@ -36,7 +37,31 @@ def _bytes(v: Any) -> str:
 _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "prefill_tokens_per_s",
              "decode_tokens_per_s", "ttft_s", "peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "wall_s",
              "num_samples", "device", "dtype", "kvbench", "torch", "transformers", "git_commit", "seed",
-             "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend"}
+             "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
+             "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
+             "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached"}
+# Prefixes of settings columns (flattened config) and internal storage details: in metrics.json, not the summary.
+_HIDDEN_PREFIXES = ("method_", "task_", "runtime_", "quant_", "storage_")
+
+
+def storage_line(record: dict) -> Optional[str]:
+    """One line for a codec run's storage_* fields (all of them stay in metrics.json), or None."""
+    codec = record.get("storage_codec")
+    if not codec or codec in ("full", "none"):
+        return None
+    opts = ", ".join(f"{k[len('storage_codec_'):]}={_fmt(v)}" for k, v in record.items()
+                     if k.startswith("storage_codec_") and not isinstance(v, (dict, list))
+                     and k != "storage_codec_fp_block_dtype")
+    bits = record.get("storage_packed_bits_per_element")
+    parts = [f"{codec}" + (f" ({opts})" if opts else "")]
+    if bits is not None:
+        parts.append(f"{_fmt(bits)} bits/element packed")
+    if record.get("storage_fp_block_dtype"):
+        parts.append(f"window in {record.get('storage_fp_block_dtype')}")
+    if record.get("storage_pre_rope_keys"):
+        parts.append("pre-RoPE keys")
+    return "\n".join(textwrap.wrap(", ".join(parts), _WIDTH, initial_indent="storage   ",
+                                   subsequent_indent=" " * 10))
 
 
 def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
@@ -50,12 +75,17 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     settings = {k[len('method_'):]: v for k, v in record.items() if k.startswith("method_")
                 and k not in ("method_budget", "method_name")}
     extra = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
-    lines.append(f"method    {record.get('method')}   budget {_fmt(record.get('budget'))}"
+    quant = record.get("quant")
+    method = record.get("method") if quant in (None, "none", "full") else f"{record.get('method')} + {quant}"
+    lines.append(f"method    {method}   budget {_fmt(record.get('budget'))}"
                  + (f"   [{extra}]" if extra else ""))
     lines.append(f"task      {record.get('task')}   samples {_fmt(record.get('num_samples'))}")
     if status != "ok":
         lines.append(f"error     {record.get('error')}")
-    metrics = [(k, v) for k, v in record.items() if k not in _RUN_KEYS and not k.startswith("method_")
+    if record.get("experiment"):
+        lines.append(f"experiment {record.get('experiment')}")
+    storage = storage_line(record)
+    metrics = [(k, v) for k, v in record.items() if k not in _RUN_KEYS and not k.startswith(_HIDDEN_PREFIXES)
                and not isinstance(v, (dict, list))]
     if metrics:
         lines.append("-" * _WIDTH)
@@ -77,6 +107,16 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
         saving = f"   ({100.0 * (1 - peak / full):.1f}% saved)"
     lines.append(f"KV memory peak {_bytes(peak)} of {_bytes(full)} uncompressed{saving}   "
                  f"{_fmt(record.get('kv_bytes_per_token'))} B/token")
+    if record.get("budget_reached") is False:
+        lines.extend(textwrap.wrap(
+            f"note      budget {record.get('budget')} was never reached: the longest sequence held "
+            f"{record.get('max_sequence_tokens')} tokens, so nothing was evicted (raise task.max_tokens or lower "
+            "budget)", _WIDTH, subsequent_indent=" " * 10))
+    if storage:
+        lines.append(storage)
+        lines.extend(textwrap.wrap("(B/token: one stored token, packed; % saved: measured peaks, which also hold "
+                                   "the full-precision window and part-filled blocks)", _WIDTH,
+                                   initial_indent=" " * 10, subsequent_indent=" " * 11))
     lines.append(f"time      {_fmt(record.get('wall_s'))} s")
     if run_dir:
         lines.append(f"results   {run_dir}")

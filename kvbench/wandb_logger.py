@@ -5,11 +5,18 @@
   folder (run_dir/wandb/offline-run-*), which `wandb sync` uploads later.
 - wandb is imported only when used; if it is missing, or init/log/finish raises, a one-line warning is printed
   and the run goes on.
+- Online init is bounded by logger.init_timeout_s (default 30 s); when it fails or times out (no network), the run
+  logs offline into the run folder instead, with a warning.
+- The offline folders of earlier attempts of the same run (a killed or retried run) are removed when a new attempt
+  starts, so `wandb sync <run>/wandb/offline-run-*` uploads only the attempt whose results the folder holds.
+- Runs of one experiment (the top-level `experiment` key) share a W&B `group`.
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
+import shutil
 import sys
 from typing import Any, Optional
 
@@ -48,13 +55,14 @@ def _cell(v: Any) -> Any:
 
 class WandbLogger:
     def __init__(self, settings: Any, *, run_dir: str, run_id: str, config: Optional[dict] = None,
-                 tags: Optional[list] = None, job_type: Optional[str] = None):
+                 tags: Optional[list] = None, job_type: Optional[str] = None, group: Optional[str] = None):
         self.settings = settings
         self.run_dir = run_dir
         self.run_id = run_id
         self.config = config or {}
         self.tags = [str(t) for t in (tags or []) if t is not None]
         self.job_type = job_type
+        self.group = group
         self.run: Any = None
         self.mode: Optional[str] = None
 
@@ -74,18 +82,40 @@ class WandbLogger:
             warn("wandb is not installed, so this run is not logged to W&B "
                  "(pip install wandb, or logger.wandb=false to silence this)")
             return
+        remove_stale_offline_runs(self.run_dir)
+        before = set(glob.glob(os.path.join(self.run_dir, "wandb", "run-*")))
         try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.run = wandb.init(
-                project=self.settings.project, entity=self.settings.entity, name=self.run_id,
-                dir=self.run_dir, config=self.config, mode=self.mode, tags=self.tags or None,
-                job_type=self.job_type, reinit="finish_previous",
-                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
-            )
+            self.run = self._init(wandb, self.mode)
         except Exception as exc:  # any W&B failure is a warning, never a failure
             self.run = None
-            warn(f"W&B init failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                 f"continuing without W&B")
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if self.mode != "online":
+                warn(f"W&B init failed ({reason}); continuing without W&B")
+                return
+            warn(f"W&B online init failed or timed out after at most {self._timeout():g} s ({reason}); "
+                 f"logging offline into the run folder instead (wandb sync uploads it later)")
+            self.mode = "offline"
+            for path in set(glob.glob(os.path.join(self.run_dir, "wandb", "run-*"))) - before:
+                shutil.rmtree(path, ignore_errors=True)  # the failed online attempt: nothing to sync
+            try:
+                self.run = self._init(wandb, "offline")
+            except Exception as exc2:
+                self.run = None
+                warn(f"W&B offline init failed too ({type(exc2).__name__}); continuing without W&B")
+
+    def _timeout(self) -> float:
+        return float(getattr(self.settings, "init_timeout_s", 30.0) or 30.0)
+
+    def _init(self, wandb: Any, mode: str) -> Any:
+        os.makedirs(self.run_dir, exist_ok=True)
+        timeout = self._timeout()
+        return wandb.init(
+            project=self.settings.project, entity=self.settings.entity, name=self.run_id,
+            dir=self.run_dir, config=self.config, mode=mode, tags=self.tags or None,
+            job_type=self.job_type, group=self.group, reinit="finish_previous",
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, init_timeout=timeout,
+                                    login_timeout=timeout),
+        )
 
     def log_result(self, record: dict, samples: Optional[list] = None) -> None:
         if self.run is None:
@@ -120,3 +150,17 @@ class WandbLogger:
             warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
         finally:
             self.run = None
+
+
+def remove_stale_offline_runs(run_dir: str) -> int:
+    """Delete run_dir/wandb/offline-run-* left by earlier attempts of this run; returns how many."""
+    stale = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    latest = os.path.join(run_dir, "wandb", "latest-run")
+    if stale and os.path.islink(latest):
+        try:
+            os.unlink(latest)
+        except OSError:
+            pass
+    return len(stale)

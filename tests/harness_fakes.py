@@ -77,13 +77,15 @@ class FakeMethod:
     budget: Optional[int] = None
     window: int = 4
     name: str = "fake"
+    options: dict = dataclasses.field(default_factory=dict)  # any other option of the real method's YAML
 
     def describe(self) -> dict:
-        return {"budget": self.budget, "window": self.window}
+        return {"budget": self.budget, "window": self.window, **self.options}
 
 
 def fake_build_method(name: str, budget: Optional[int] = None, **options: Any) -> FakeMethod:
-    return FakeMethod(budget=budget, name=name, **options)
+    window = options.pop("window", 4)
+    return FakeMethod(budget=budget, name=name, window=window, options=options)
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:
@@ -93,3 +95,79 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+# --------------------------------------------------------------------------- `python -m tests.harness_fakes ARGS`
+# The real CLI (Hydra, launchers, signals, the results store, exit codes) over the fakes above: no model is loaded,
+# so a subprocess run costs the interpreter start only. The fault tests kill, interrupt and race these.
+FAKES = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
+
+
+REPO = os.path.dirname(CONF_DIR)
+FAKE_ARGS = ("logger.wandb=false", "task.max_tokens=40", "task.chunk_size=16", "method=h2o")
+
+
+def fake_env(**extra: str) -> dict:
+    """Environment of a fake-CLI subprocess: this checkout first on sys.path, no W&B, no Hydra tracebacks."""
+    import sys as _sys  # noqa: F401
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for key in ("HYDRA_FULL_ERROR", "WANDB_API_KEY", "WANDB_MODE", "KVBENCH_TEST_SLEEP_S", "KVBENCH_TEST_MARKER",
+                "KVBENCH_TEST_CRASH_BEFORE_INDEX"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def start_fake(*args: str, cwd: Any, **env_extra: str) -> Any:
+    """Popen of `python -m tests.harness_fakes FAKE_ARGS ARGS` (stdout/stderr captured as text)."""
+    import subprocess
+    import sys
+
+    flags = [a for a in args if a.startswith("-")]  # Hydra's flags (-m) before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.Popen([sys.executable, "-m", "tests.harness_fakes", *flags, *FAKE_ARGS, *overrides],
+                            cwd=str(cwd),
+                            env=fake_env(**env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_fake_cli(*args: str, cwd: Any, timeout: float = 120, **env_extra: str) -> Any:
+    """Run the fake CLI to the end: a CompletedProcess-like object with returncode, stdout, stderr."""
+    proc = start_fake(*args, cwd=cwd, **env_extra)
+    out, err = proc.communicate(timeout=timeout)
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)
+
+
+def wait_for_lines(path: Any, n: int, proc: Any, timeout: float = 60) -> None:
+    """Wait until the test marker file has n lines (n runs reached their sleep), or fail."""
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError("the run never reached its sleep")
+
+
+def _fake_task_function(cfg: Any) -> Any:
+    from kvbench import app
+
+    return app.main(cfg, **FAKES)
+
+
+def fake_cli() -> None:
+    import hydra
+
+    import kvbench.config  # noqa: F401
+    from kvbench.errors import run_app_cli
+
+    main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_fake_task_function)
+    run_app_cli(main)
+
+
+if __name__ == "__main__":
+    fake_cli()

@@ -170,3 +170,84 @@ def test_summary_fits_one_screen(tmp_path):
     lines = text.splitlines()
     assert len(lines) < 25 and max(len(line) for line in lines) <= 100
     assert "ppl" in text and "perplexity" in text and "KV memory" in text and "50.0% saved" in text
+
+
+def test_every_setting_is_a_column_and_experiments_group(tmp_path):
+    for tokens in (40, 48):
+        for budget in (8, 16):
+            run_fake(tmp_path, [f"task.max_tokens={tokens}", f"budget={budget}", "method=h2o"])
+    df = results.load_runs(str(tmp_path))
+    assert sorted(df["task_max_tokens"]) == [40, 40, 48, 48]
+    assert set(df["runtime_block_size"]) == {16} and "runtime_threads" not in df.columns  # threads: speed only
+    assert set(df["task_corpus"]) == {"pg_essays"} and set(df["quant"]) == {"none"}
+    cols = results.group_columns(df)
+    assert "task_max_tokens" in cols and "runtime_block_size" in cols
+    assert not {"method", "budget", "quant", "method_window"} & set(cols)
+    groups = df.groupby(cols, dropna=False)
+    assert len(groups) == 2 and all(len(g) == 2 for _, g in groups)
+    assert df.groupby("experiment_key").ngroups == 2
+    assert df.groupby("config_hash").ngroups == 4
+
+
+def test_wall_s_counts_loading_too(tmp_path):
+    import time
+
+    base = fake_loader()
+
+    def slow_loader(*a, **k):
+        time.sleep(0.3)
+        return base(*a, **k)
+
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "budget=8"])
+    rec = app.run(cfg, load_model_fn=slow_loader, engine_cls=FakeEngine, build_method_fn=fake_build_method,
+                  print_summary=False)
+    assert rec["wall_s"] >= 0.3
+
+
+def test_codec_summary_is_one_storage_line():
+    from kvbench.summary import format_summary
+
+    rec = results.complete_record({
+        "run_id": "r", "status": "ok", "method": "full", "quant": "kivi", "task": "perplexity", "ppl": 12.5,
+        "peak_kv_bytes": 300, "full_kv_bytes": 1000, "kv_bytes_per_token": 40.0, "storage_codec": "kivi",
+        "storage_codec_bits": 2, "storage_codec_group_size": 32, "storage_packed_bits_per_element": 3.0,
+        "storage_fp_block_dtype": "float32", "storage_block_size": 32, "storage_packed_key_bytes_per_block": 1,
+        "task_max_tokens": 1024, "runtime_block_size": 16, "quant_bits": 2})
+    text = format_summary(rec)
+    assert text.count("storage") == 1 and "kivi (bits=2, group_size=32)" in text and "3 bits/element" in text
+    assert "storage_" not in text and "task_max_tokens" not in text and "ppl 12.5" in text
+    assert "% saved: measured peaks" in text and "full + kivi" in text
+    assert max(len(line) for line in text.splitlines()) <= 78
+
+
+def test_no_git_checkout_asks_git_nothing(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(app.kvbench, "__file__", str(tmp_path / "kvbench" / "__init__.py"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("git was run")))
+    assert app._git_commit() is None
+
+
+@pytest.mark.parametrize("method_seed,expected", [("null", 7), (3, 3)])
+def test_the_top_level_seed_reaches_the_method(tmp_path, method_seed, expected):
+    seen = {}
+
+    def build(name, budget=None, *, seed=None, **options):  # the interface of methods.build_method
+        seen["seed"] = seed
+        return fake_build_method(name, budget, **options)
+
+    overrides = ["method=kvcrush", "budget=8", "seed=7", f"method.seed={method_seed}"]
+    cfg = compose([f"results_dir={tmp_path}", *overrides])
+    app.plan_run(cfg, build_method_fn=build)
+    assert seen["seed"] == expected
+
+
+def test_codec_shorthand_is_recorded_resolved(tmp_path):
+    import yaml
+
+    rec = run_fake(tmp_path, ["method=kivi", "budget=64"])
+    assert (rec["method"], rec["quant"], rec["budget"], rec["quant_bits"]) == ("full", "kivi", None, 2)
+    saved = yaml.safe_load((tmp_path / rec["run_id"] / "config.yaml").read_text())
+    assert saved["method"] == {"name": "full"} and saved["quant"]["name"] == "kivi" and saved["budget"] is None
+    again = run_fake(tmp_path, ["method=full", "quant=kivi"])  # the same run, spelled the other way
+    assert again["run_id"] == rec["run_id"] and again["attempt_id"] == rec["attempt_id"]

@@ -125,3 +125,53 @@ def test_samples_table_and_metrics_are_logged(tmp_path, monkeypatch):
     assert logged[0] == {"ppl": 2.5}
     assert isinstance(logged[1]["samples"], wandb.Table) and logged[1]["samples"].columns == ["id", "references", "ppl"]
     assert summary["method"] == "full" and logged[-1] == {"finished": 0}
+
+
+class _FakeRun:
+    def __init__(self, **kw):
+        self.kw = kw
+        self.summary = SimpleNamespace(update=lambda d: None)
+
+    def log(self, d):
+        pass
+
+    def finish(self, exit_code=0):
+        pass
+
+
+def test_online_init_is_bounded_and_falls_back_offline(tmp_path, no_wandb_env, monkeypatch, capsys):
+    wandb = pytest.importorskip("wandb")
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        if kw["mode"] == "online":
+            os.makedirs(os.path.join(kw["dir"], "wandb", "run-failed-online"))
+            raise TimeoutError("no network")
+        return _FakeRun(**kw)
+
+    monkeypatch.setattr(wandb, "init", init)
+    rec = run_fake(tmp_path, ["budget=8", "method=h2o", "logger.mode=online", "logger.init_timeout_s=7"])
+    assert rec["status"] == "ok" and rec["wandb_mode"] == "offline"
+    assert [c["mode"] for c in calls] == ["online", "offline"]
+    assert calls[0]["settings"].init_timeout == 7 and calls[0]["settings"].login_timeout == 7
+    err = capsys.readouterr().err
+    assert "W&B online init failed or timed out after at most 7 s" in err and "offline" in err
+    assert not (tmp_path / rec["run_id"] / "wandb" / "run-failed-online").exists()
+
+
+def test_retry_removes_the_stale_offline_folder_and_groups_by_experiment(tmp_path, no_wandb_env, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: calls.append(kw) or _FakeRun(**kw))
+    cfg = compose([f"results_dir={tmp_path}", "task.max_tokens=40", "budget=8", "method=h2o"])
+    cfg.experiment = "h2o_table"  # what conf/experiment/<name>.yaml sets
+    run_id = app.plan_run(cfg, build_method_fn=fake_build_method).run_id
+    stale = tmp_path / run_id / "wandb" / "offline-run-20250101_000000-killed"
+    stale.mkdir(parents=True)  # the offline folder of a killed attempt
+    rec = app.run(cfg, load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method,
+                  print_summary=False)
+    assert not stale.exists()
+    assert calls[0]["group"] == "h2o_table" and rec["experiment"] == "h2o_table"
+    metrics = json.loads((tmp_path / run_id / "metrics.json").read_text())
+    assert metrics["experiment"] == "h2o_table"

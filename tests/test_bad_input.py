@@ -1,0 +1,169 @@
+"""Bad input, as typed on the command line: exit code 2, exactly one stderr line naming the bad value, nothing left in
+results_dir, and no model loaded. Most cases run the real CLI entry (Hydra included) in this process; a few run as
+real subprocesses."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
+from tests.test_cli import assert_usage_error, kvbench
+from kvbench.errors import run_cli
+
+CUDA = False
+try:
+    import torch
+
+    CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    pass
+
+# (command line, text the one stderr line must contain). {empty}, {textfile}, {gguf} are paths made per test.
+CASES = [
+    # groups
+    (["method=nope"], "unknown method 'nope'"),
+    (["task=nope"], "unknown task 'nope'"),
+    (["model=nope"], "unknown model 'nope'"),
+    (["quant=nope"], "unknown quant 'nope'"),
+    (["runtime=nope"], "unknown runtime 'nope'"),
+    (["logger=nope"], "unknown logger 'nope'"),
+    # top-level knobs
+    (["budget=abc"], "budget='abc'"),
+    (["budget=-5"], "budget=-5"),
+    (["budget=0"], "budget=0"),
+    (["method=h2o", "budget=1.5"], "budget=1.5"),
+    (["seed=-1"], "seed=-1"),
+    (["seed=18446744073709551616"], "seed=18446744073709551616"),
+    (["seed=abc"], "seed='abc'"),
+    (["rerun=maybe"], "rerun='maybe'"),
+    (["+bugdet=128"], "bugdet"),
+    (["nope=1"], "nope"),
+    # runtime
+    (["runtime.block_size=0"], "runtime.block_size=0"),
+    (["runtime.block_size=1000000000"], "runtime.block_size=1000000000"),
+    (["runtime.num_blocks=1"], "runtime.num_blocks=1"),
+    (["runtime.num_blocks=10"], "runtime.num_blocks=10"),
+    (["runtime.kv_memory_bytes=1000"], "runtime.kv_memory_bytes=1000"),
+    (["runtime.prefill_chunk_size=0"], "runtime.prefill_chunk_size=0"),
+    (["runtime.batch_size=0"], "runtime.batch_size=0"),
+    (["runtime.threads=0"], "runtime.threads=0"),
+    (["runtime.attention_backend=fast"], "runtime.attention_backend='fast'"),
+    (["+runtime.blocks=3"], "runtime.blocks"),
+    # model
+    (["model.dtype=int3"], "model.dtype='int3'"),
+    (["model.device=tpu"], "model.device='tpu'"),
+    (["model=hf"], "model.path"),
+    (["model=hf", "model.path=/no/such/model"], "/no/such/model"),
+    (["model.path={empty}"], "empty folder"),
+    (["model.path={textfile}"], "notes.txt"),
+    (["model.path={gguf}"], "broken.gguf"),
+    (["+model.nme=x"], "model.nme"),
+    # logger
+    (["logger.mode=sometimes"], "logger.mode='sometimes'"),
+    (["logger.wandb=maybe"], "logger.wandb='maybe'"),
+    (["logger.init_timeout_s=0"], "logger.init_timeout_s=0"),
+    # storage codecs
+    (["method=kivi", "quant=int8"], "quant=int8"),
+    (["quant=kivi", "quant.bits=5"], "bits"),
+    (["method=kivi", "method.bits=5"], "bits"),
+    (["quant=kivi", "quant.key_axis=diagonal"], "diagonal"),
+    (["quant=kvquant", "quant.bits=7"], "7"),
+    (["quant=kvquant", "quant.levels=fancy"], "fancy"),
+    (["+quant.foo=1"], "foo"),
+    (["quant=int8", "+quant.bits=4"], "bits"),
+    # methods and their options
+    (["method=h2o", "budget=64", "method.recent_ratio=2.0"], "recent_ratio"),
+    (["method=snapkv", "budget=64", "method.window=0"], "window"),
+    (["method=streaming_llm", "budget=64", "method.sinks=-1"], "sinks"),
+    (["method=paged_eviction", "budget=64", "method.heads=some"], "some"),
+    (["method=key_diff", "budget=64", "+method.nope=1"], "nope"),
+    (["method=kvcrush", "budget=64", "method.anchor=nowhere"], "nowhere"),
+    (["method=h2o", "+method.nope=1"], "nope"),
+    # tasks and their options
+    (["task.max_tokens=lots"], "task.max_tokens='lots'"),
+    (["task.max_tokens=1"], "task.max_tokens=1"),
+    (["task.nope=1"], "task.nope"),
+    (["task.corpus=books"], "task.corpus='books'"),
+    (["task.text_file=/no/such/file.txt"], "/no/such/file.txt"),
+    (["task=needle", "+task.nope=1"], "task.nope"),
+    (["task=longbench", "+task.nope=1"], "task.nope"),
+    (["task=summarization", "+task.nope=1"], "task.nope"),
+    # sweeps: the bad value is refused, the good ones are not run
+    (["-m", "budget=64,abc"], "budget='abc'"),
+]
+if not CUDA:
+    CASES += [(["model.device=cuda"], "model.device='cuda'"),
+              (["runtime.attention_backend=triton"], "attention_backend=triton")]
+
+
+@pytest.fixture
+def paths(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
+    return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
+            "gguf": str(tmp_path / "broken.gguf")}
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run `python -m kvbench ARGS` in this process; returns (exit code, stdout, stderr)."""
+    import hydra
+
+    from kvbench import app
+
+    entry = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(app.main)
+    old_term = signal.getsignal(signal.SIGTERM)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+
+    def call(args):
+        monkeypatch.setattr(sys, "argv", ["kvbench", *args])
+        monkeypatch.setattr(app, "_exit_code", 0)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            run_cli(entry, after=app.exit_code)
+        out = capsys.readouterr()
+        return info.value.code, out.out, out.err
+
+    yield call
+    signal.signal(signal.SIGTERM, old_term)
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_command_line(cli, paths, tmp_path, args, needle, monkeypatch):
+    import kvbench.app as app
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(app, "_load_model", no_loading)
+    results = tmp_path / "r"
+    args = [a.format(**paths) for a in args]
+    code, out, err = cli([*args, "logger.wandb=false", f"results_dir={results}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
+    assert needle.format(**paths) in lines[0], lines[0]
+    assert "Traceback" not in out + err
+    left = sorted(os.listdir(results)) if results.exists() else []
+    assert left in ([], ["multirun.yaml"]), left  # no run folder, no runs.jsonl
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["+bugdet=128"], "did you mean budget?"),
+])
+def test_bad_input_as_a_real_subprocess(tmp_path, args, needle):
+    has_results_dir = any(a.startswith("results_dir=") for a in args)
+    proc = kvbench(*args, "logger.wandb=false", *([] if has_results_dir else [f"results_dir={tmp_path / 'r'}"]),
+                   cwd=tmp_path)
+    assert_usage_error(proc, needle)
+    assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")

@@ -1,0 +1,60 @@
+"""kill -9 mid-run and between metrics.json and the runs.jsonl line, then a rerun: every run recorded exactly once.
+Real subprocesses of the CLI over fake models (tests.harness_fakes), so a run costs the interpreter start only."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from tests.harness_fakes import run_fake_cli, start_fake, wait_for_lines
+from kvbench import results
+
+
+def _index(out):
+    return results.read_jsonl(str(out / "runs.jsonl"))
+
+
+def test_kill_9_mid_run_then_rerun(tmp_path):
+    out, marker = tmp_path / "r", tmp_path / "marker"
+    sweep = ["-m", "budget=8,16", f"results_dir={out}"]
+    proc = start_fake(*sweep, cwd=tmp_path, KVBENCH_TEST_SLEEP_S="60", KVBENCH_TEST_MARKER=str(marker))
+    wait_for_lines(marker, 1, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    (killed,) = [p for p in out.iterdir() if p.is_dir()]
+    assert (killed / "config.yaml").exists() and not (killed / "metrics.json").exists()  # never looks finished
+    assert _index(out) == []
+
+    again = run_fake_cli(*sweep, cwd=tmp_path)  # the dead worker's claim is taken over
+    assert again.returncode == 0, again.stderr
+    runs = _index(out)
+    assert sorted(r["budget"] for r in runs) == [8, 16] and {r["status"] for r in runs} == {"ok"}
+    assert len({r["run_id"] for r in runs}) == 2
+    assert json.loads((killed / "metrics.json").read_text())["status"] == "ok"
+
+
+def test_kill_between_metrics_and_index_is_repaired(tmp_path):
+    out = tmp_path / "r"
+    crashed = run_fake_cli("budget=8", f"results_dir={out}", cwd=tmp_path, KVBENCH_TEST_CRASH_BEFORE_INDEX="1")
+    assert crashed.returncode == 9
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "ok"
+    assert _index(out) == []  # the folder finished, the index does not know yet
+
+    # the next run into the folder (here a repeat of the same config) repairs the index, and skips the run
+    again = run_fake_cli("budget=8", f"results_dir={out}", cwd=tmp_path)
+    assert again.returncode == 0 and "already finished" in again.stdout, again.stderr
+    runs = _index(out)
+    assert [r["run_id"] for r in runs] == [run_dir.name]  # once
+
+
+def test_load_runs_repairs_the_index_too(tmp_path):
+    folder = results.RunFolder(str(tmp_path), "r1")
+    folder.start("a: 1\n")
+    folder.write_metrics({"run_id": "r1", "status": "ok", "attempt_id": "x1"})  # killed before the index line
+    assert _index(tmp_path) == []
+    df = results.load_runs(str(tmp_path))
+    assert list(df["run_id"]) == ["r1"]
+    assert [r["attempt_id"] for r in _index(tmp_path)] == ["x1"]
+    results.load_runs(str(tmp_path))
+    assert len(_index(tmp_path)) == 1  # repair never duplicates

@@ -1,0 +1,28 @@
+"""SIGINT and SIGTERM (what a cluster scheduler sends) in the middle of a sweep: the run is recorded as failed with
+error "interrupted" / "terminated", the sweep stops, and the exit code is non-zero (130 / 143)."""
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from tests.harness_fakes import start_fake, wait_for_lines
+from kvbench import results
+
+
+@pytest.mark.parametrize("sig,error,code", [(signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "terminated", 143)])
+def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
+    out, marker = tmp_path / "r", tmp_path / "marker"
+    proc = start_fake("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, KVBENCH_TEST_SLEEP_S="60",
+                      KVBENCH_TEST_MARKER=str(marker))
+    wait_for_lines(marker, 1, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert f"kvbench: error: {error}" in err and "Traceback" not in err
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]  # the sweep stopped: the second run never started
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["error"] == error and metrics["wall_s"] > 0
+    (line,) = results.read_jsonl(str(out / "runs.jsonl"))
+    assert line["error"] == error and line["attempt_id"] == metrics["attempt_id"]
