@@ -91,6 +91,21 @@ CASES = [
     (["task=needle", "+task.nope=1"], "task.nope"),
     (["task=longbench", "+task.nope=1"], "task.nope"),
     (["task=summarization", "+task.nope=1"], "task.nope"),
+    # serving: the scheduler's knobs and the throughput trace
+    (["runtime.max_num_seqs=0"], "runtime.max_num_seqs=0"),
+    (["runtime.max_num_batched_tokens=0"], "runtime.max_num_batched_tokens=0"),
+    (["runtime.admission_watermark=1.5"], "runtime.admission_watermark=1.5"),
+    (["task=throughput", "task.request_rate=0"], "task.request_rate=0"),
+    (["task=throughput", "task.request_rate=-3"], "task.request_rate=-3"),
+    (["task=throughput", "task.num_requests=0"], "task.num_requests=0"),
+    (["task=throughput", "task.input_tokens=[9000,9000]"], "8192"),
+    (["task=throughput", "task.output_tokens=[50,10]"], "task.output_tokens"),
+    (["task=throughput", "runtime.kv_memory_bytes=100000"], "runtime.kv_memory_bytes=100000"),
+    # decode policies and SnapKV pooling
+    (["method=snapkv", "budget=64", "method.decode=slide"], "snapkv.decode='slide'"),
+    (["method=h2o", "budget=64", "method.decode=block"], "h2o.decode='block'"),
+    (["method=snapkv", "budget=64", "method.pooling=median"], "median"),
+    (["method=paged_eviction", "budget=16"], "budget=16"),
     # sweeps: the bad value is refused, the good ones are not run
     (["-m", "budget=64,abc"], "budget='abc'"),
 ]
