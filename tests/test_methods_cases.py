@@ -244,7 +244,7 @@ def test_snapkv_keeps_the_pooled_neighbourhood_of_attended_tokens_and_the_window
     q = torch.zeros(1, Hq, T, D)
     q[..., 0] = 1.0
     cache = make_cache(H=H, D=D, bs=4)
-    m = build_method("snapkv", w + 7, window=w, kernel_size=7)
+    m = build_method("snapkv", w + 7, window=w, kernel_size=7, pooling="maxpool", decode="window")
     slot = cache.add_sequence()
     step(m, cache, slot, k, torch.randn(H, T, D, generator=g), 0, "prefill", q=q)
     assert positions(cache, slot) == list(range(7, 14)) + list(range(T - w, T))
