@@ -139,8 +139,14 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
     return Table(title, columns, rows, numeric=(4, 5, 7, 8)), matched
 
 
-def history_plots(history: list[dict], metrics: list[str]) -> list[tuple]:
-    """One plot per metric across the commits of the history (runs.jsonl), one line per setting."""
+def history_plots(history: list[dict], metrics: list[str], labels: dict[str, str]) -> list[tuple]:
+    """One plot per metric across the commits of the history (runs.jsonl), one line per setting (labels: pair key
+    -> name); nothing unless some setting ran at two commits or more."""
+    per_setting: dict[str, set] = {}
+    for run in history:
+        per_setting.setdefault(pair_key(run), set()).add(run["metrics"].get("git_commit"))
+    if max((len(c - {None}) for c in per_setting.values()), default=0) < 2:
+        return []
     commits: dict[str, str] = {}
     for run in history:
         c = run["metrics"].get("git_commit")
@@ -153,13 +159,11 @@ def history_plots(history: list[dict], metrics: list[str]) -> list[tuple]:
     out = []
     for metric in metrics:
         points: dict[str, list] = {}
-        labels: dict[str, str] = {}
         for run in history:
             v, c = run["metrics"].get(metric), run["metrics"].get("git_commit")
             if c and isinstance(v, (int, float)) and not isinstance(v, bool) and run["metrics"].get("status") == "ok":
                 key = pair_key(run)
-                labels.setdefault(key, describe(run))
-                points.setdefault(labels[key], []).append((c, float(v)))
+                points.setdefault(labels.get(key) or describe(run), []).append((c, float(v)))
         png = plots.history(points, order, metric)
         if png:
             out.append((f"history: {metric} per commit", png))
@@ -191,7 +195,15 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
         metric = next((metric_for(r, paper) for r in ok if metric_for(r, paper)), None)
         if metric:
             headline.append(metric)
-            for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(ok, metric)),
+            swept = varying_keys(ok)
+            numeric = [k for k in swept if k != "budget" and all(
+                isinstance(r["cfg"].get(k), (int, float)) and not isinstance(r["cfg"].get(k), bool) for r in ok)]
+            other_x = []
+            for k in numeric[:2]:  # e.g. method.sinks, runtime.block_size: one line per setting of the other keys
+                rest = [k2 for k2 in swept if k2 not in (k, "task.name")]
+                relabeled = [dict(r, series=setting_of(r, rest) if rest else task) for r in ok]
+                other_x.append((f"{task}: {metric} vs {k}", plots.metric_vs_budget(relabeled, metric, k)))
+            for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(ok, metric)), *other_x,
                                (f"{task}: {metric} vs KV memory (Pareto front)", plots.pareto(ok, metric))):
                 if png:
                     sec.plots.append((title, png))
@@ -206,9 +218,11 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
             png = plots.metric_vs_budget(ok, "decode_tokens_per_s")
             if png:
                 sec.plots.append((f"{task}: decode tokens/s vs budget", png))
-    keys = {pair_key(r) for r in runs}
-    mine_hist = [r for r in history if pair_key(r) in keys]
-    sec.plots += history_plots(mine_hist, list(dict.fromkeys(headline + ["decode_tokens_per_s", "peak_kv_bytes"])))
+    all_keys = varying_keys(runs)
+    labels = {pair_key(r): setting_of(r, all_keys) for r in runs}
+    mine_hist = [r for r in history if pair_key(r) in labels]
+    sec.plots += history_plots(mine_hist, list(dict.fromkeys(headline + ["decode_tokens_per_s", "peak_kv_bytes"])),
+                               labels)
     return sec
 
 

@@ -63,28 +63,37 @@ def _by_series(runs: Sequence[dict]) -> dict[str, list[dict]]:
     return dict(list(out.items())[:MAX_SERIES])
 
 
-def metric_vs_budget(runs: Sequence[dict], metric: str) -> Optional[bytes]:
-    budgets = {r["metrics"].get("budget") for r in runs if _num(r["metrics"].get(metric)) is not None}
-    budgets.discard(None)
-    if len(budgets) < 2:
+def _x_of(run: dict, x_key: str) -> Optional[float]:
+    return _num(run["metrics"].get("budget")) if x_key == "budget" else _num(run["cfg"].get(x_key))
+
+
+def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -> Optional[bytes]:
+    """The metric against the budget (or another numeric setting, x_key = a dotted config key), one line per
+    series; methods that do not evict are flat reference lines."""
+    xs = {_x_of(r, x_key) for r in runs if _num(r["metrics"].get(metric)) is not None}
+    xs.discard(None)
+    if len(xs) < 2:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, rs in _by_series(runs).items():
-        pts = sorted((r["metrics"]["budget"], _num(r["metrics"].get(metric))) for r in rs
-                     if r["metrics"].get("budget") is not None and _num(r["metrics"].get(metric)) is not None)
+        pts = sorted((_x_of(r, x_key), _num(r["metrics"].get(metric))) for r in rs
+                     if _x_of(r, x_key) is not None and _num(r["metrics"].get(metric)) is not None)
         flat = [v for v in (_num(r["metrics"].get(metric)) for r in rs) if v is not None]
-        if _flat(rs) and flat:  # no eviction: the value does not depend on the budget
+        if x_key == "budget" and _flat(rs) and flat:  # no eviction: the value does not depend on the budget
             ax.axhline(flat[-1], linestyle="--", linewidth=1, label=f"{label} (no eviction)",
                        color=f"C{len(ax.lines) % 10}")
         elif pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (KV tokens per sequence, layer, kv-head)")
+    if x_key == "budget":
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (KV tokens per sequence, layer, kv-head)")
+    else:
+        ax.set_xlabel(x_key)
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better(metric) else ""))
     if lower_is_better(metric):
         ax.set_yscale("log")
-    ax.set_title(f"{metric} vs budget")
+    ax.set_title(f"{metric} vs {x_key}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     return _png(fig)
@@ -108,7 +117,7 @@ def _flat(runs: Sequence[dict]) -> bool:
 def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     pts = [(_num(r["metrics"].get("peak_kv_bytes")), _num(r["metrics"].get(metric)), series_label(r)) for r in runs]
     pts = [p for p in pts if p[0] is not None and p[1] is not None and p[0] > 0]
-    if len(pts) < 2:
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:  # one KV size: nothing to trade off
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
