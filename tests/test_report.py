@@ -86,6 +86,7 @@ def test_table_puts_paper_values_beside_ours(tmp_path):
         assert os.path.isfile(os.path.normpath(os.path.join(tmp_path / "out", href, "metrics.json")))
     assert float(rows[""][col["ours"]]) == pytest.approx(27.0) and rows[""][col["paper"]] == ""
     assert any("arXiv" in line or "Table 2" in line for line in sec.lines)
+    assert [t for t, _ in sec.plots] == ["perplexity: ppl vs method.sinks", "perplexity: ppl vs KV memory (Pareto front)"]
 
 
 def test_same_model_rows_and_longbench_bars(tmp_path):
