@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from kvbench.errors import UserError, exit_usage
 from kvbench.reporting import stats
-from kvbench.reporting.runs import describe, load_runs, pair_key, samples_of
+from kvbench.reporting.runs import describe, load_runs, pair_key, samples_of, setting_of, varying_keys
 
 
 def select_runs(folder: str, commit: Optional[str] = None) -> dict[str, dict]:
@@ -69,10 +69,11 @@ def score_tolerance(name: str, base_run: dict, base_value: float, max_drop: floa
     return max_drop, "max-drop"
 
 
-def compare_pair(base: dict, new: dict, *, max_drop: float, max_slowdown: float) -> list[dict]:
+def compare_pair(base: dict, new: dict, *, max_drop: float, max_slowdown: float,
+                 name: Optional[str] = None) -> list[dict]:
     """One row per compared metric of a paired run: base, new, change, tolerance, verdict (ok|regression|better)."""
     bm, nm = base["metrics"], new["metrics"]
-    name = describe(new)
+    name = name or describe(new)
     rows: list[dict] = []
     if bm.get("status") == "ok" and nm.get("status") != "ok":
         return [{"run": name, "metric": "status", "base": "ok", "new": nm.get("status"), "change": None,
@@ -109,11 +110,13 @@ def compare_pair(base: dict, new: dict, *, max_drop: float, max_slowdown: float)
 def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], *, max_drop: float = 0.0,
             max_slowdown: float = 0.10) -> dict:
     """The verdict as a JSON-ready dict: rows, regressions, runs only in base / only in new, ok."""
+    keys = varying_keys(list(base_runs.values()) + list(new_runs.values()))
+    names = {k: setting_of(r, keys) for runs in (base_runs, new_runs) for k, r in runs.items()}
     rows: list[dict] = []
-    for key in sorted(set(base_runs) & set(new_runs), key=lambda k: describe(new_runs[k])):
-        rows.extend(compare_pair(base_runs[key], new_runs[key], max_drop=max_drop, max_slowdown=max_slowdown))
-    only = {side: sorted(describe(runs[k]) + f" ({os.path.basename(runs[k]['run_dir'])})"
-                         for k in set(runs) - set(other))
+    for key in sorted(set(base_runs) & set(new_runs), key=lambda k: names[k]):
+        rows.extend(compare_pair(base_runs[key], new_runs[key], max_drop=max_drop, max_slowdown=max_slowdown,
+                                 name=names[key]))
+    only = {side: sorted(names[k] + f" ({os.path.basename(runs[k]['run_dir'])})" for k in set(runs) - set(other))
             for side, runs, other in (("only_base", base_runs, new_runs), ("only_new", new_runs, base_runs))}
     regressions = [r for r in rows if r["verdict"] == "regression"]
     return {"ok": not regressions, "pairs": len(set(base_runs) & set(new_runs)), "regressions": regressions,

@@ -23,61 +23,11 @@ from typing import Any, Optional
 from kvbench.errors import UserError, exit_usage
 from kvbench.reporting import plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
-from kvbench.reporting.runs import describe, load_runs, pair_key
+from kvbench.reporting.runs import describe, fmt as _fmt, load_runs, pair_key, setting_of, varying_keys
 
 NO_EXPERIMENT = "(runs without an experiment)"
-# Config keys never shown as a run's setting (bookkeeping, or the paper block itself).
-HIDDEN = ("paper.", "experiment", "results_dir", "rerun", "progress", "logger.", "model.cache_dir",
-          "runtime.threads", "hydra.")
-
-
-def _fmt(value: Any, digits: int = 5) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.2f}"
-    return str(value)
-
-
 def _mib(value: Any) -> str:
     return f"{value / 2**20:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
-
-
-def _shown(key: str) -> bool:
-    return not any(key == h or key.startswith(h) for h in HIDDEN)
-
-
-def varying_keys(runs: list[dict]) -> list[str]:
-    """Config keys whose values differ between the runs (the axes of the experiment's sweep)."""
-    keys = sorted({k for r in runs for k in r["cfg"] if _shown(k)},
-                  key=lambda k: (k.split(".")[0], not k.endswith(".name") and k != "model.path", k))
-    out = []
-    for key in keys:
-        values = {repr(r["cfg"].get(key)) for r in runs}
-        if len(values) > 1:
-            out.append(key)
-    return out
-
-
-def _short(key: str) -> str:
-    return {"method.name": "method", "quant.name": "quant", "model.path": "model", "model.name": "model",
-            "runtime.block_size": "block", "task.name": "task"}.get(key, key)
-
-
-def setting_of(run: dict, keys: list[str]) -> str:
-    parts = []
-    for key in keys:
-        if key not in run["cfg"]:
-            continue
-        value = run["cfg"][key]
-        if key == "budget" and value is None:
-            value = "none"
-        parts.append(f"{_short(key)}={_fmt(value)}")
-    return ", ".join(parts) or describe(run)
 
 
 def paper_row(run: dict, paper: Optional[dict]) -> tuple[Optional[dict], bool]:

@@ -40,6 +40,11 @@ def make_folder(path, *, ppl_shift=0.0, needle_scores=NEEDLE, decode=20.0, peak=
                      **common)
 
 
+def _method(label: str) -> str:
+    """The method in a run label such as "budget=256, method=h2o, task=needle"."""
+    return label.split("method=")[1].split(",")[0].split(" ")[0]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "kvbench.compare", *map(str, args)], capture_output=True,
                           text=True, timeout=120)
@@ -54,7 +59,7 @@ def test_identical_folders_pass(tmp_path):
     make_folder(tmp_path / "b")
     v = verdict_of(tmp_path / "a", tmp_path / "b")
     assert v["ok"] and v["pairs"] == 3 and not v["only_base"] and not v["only_new"]
-    metrics = {(r["run"].split()[2], r["metric"]) for r in v["rows"]}
+    metrics = {(_method(r["run"]), r["metric"]) for r in v["rows"]}
     assert {("full", "ppl"), ("h2o", "accuracy"), ("h2o", "decode_tokens_per_s"), ("full", "peak_kv_bytes")} <= metrics
 
 
@@ -104,7 +109,7 @@ def test_perplexity_rise_is_a_regression(tmp_path):
     make_folder(tmp_path / "a")
     make_folder(tmp_path / "b", ppl_shift=0.5)  # every document's nll +0.5: ppl x1.65
     v = verdict_of(tmp_path / "a", tmp_path / "b")
-    regs = sorted((r["run"].split()[2], r["metric"]) for r in v["regressions"])
+    regs = sorted((_method(r["run"]), r["metric"]) for r in v["regressions"])
     assert regs == [("full", "ppl"), ("streaming_llm", "ppl")]
     assert verdict_of(tmp_path / "b", tmp_path / "a")["ok"]  # lower perplexity is better, not a regression
 
@@ -116,7 +121,7 @@ def test_runs_on_one_side_are_listed(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr  # missing runs are listed, not a regression
     v = verdict_of(tmp_path / "a", tmp_path / "b")
     assert v["pairs"] == 2 and not v["only_new"]
-    assert sorted(name.split()[2] for name in v["only_base"]) == ["h2o", "snapkv"]
+    assert sorted(_method(name) for name in v["only_base"]) == ["h2o", "snapkv"]
     assert "Only in" in proc.stdout and "h2o" in proc.stdout.split("Only in")[1]
 
 

@@ -173,3 +173,54 @@ def describe(run: dict) -> str:
     if bs not in (None, 16):
         parts.append(f"bs{bs}")
     return " ".join(parts)
+
+
+# Config keys never shown as a run's setting (bookkeeping, or the paper block itself).
+HIDDEN = ("paper.", "experiment", "results_dir", "rerun", "progress", "logger.", "model.cache_dir",
+          "runtime.threads", "hydra.")
+
+
+def fmt(value: Any, digits: int = 5) -> str:
+    """A number for a table cell: 5 significant digits, thousands separated."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.2f}"
+    return str(value)
+
+
+def _shown(key: str) -> bool:
+    return not any(key == h or key.startswith(h) for h in HIDDEN)
+
+
+def varying_keys(runs: list[dict]) -> list[str]:
+    """Config keys whose values differ between the runs (the axes of the experiment's sweep)."""
+    keys = sorted({k for r in runs for k in r["cfg"] if _shown(k)},
+                  key=lambda k: (k.split(".")[0], not k.endswith(".name") and k != "model.path", k))
+    out = []
+    for key in keys:
+        values = {repr(r["cfg"].get(key)) for r in runs}
+        if len(values) > 1:
+            out.append(key)
+    return out
+
+
+def _short(key: str) -> str:
+    return {"method.name": "method", "quant.name": "quant", "model.path": "model", "model.name": "model",
+            "runtime.block_size": "block", "task.name": "task"}.get(key, key)
+
+
+def setting_of(run: dict, keys: list[str]) -> str:
+    parts = []
+    for key in keys:
+        if key not in run["cfg"]:
+            continue
+        value = run["cfg"][key]
+        if key == "budget" and value is None:
+            value = "none"
+        parts.append(f"{_short(key)}={fmt(value)}")
+    return ", ".join(parts) or describe(run)
