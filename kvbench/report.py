@@ -1,8 +1,9 @@
 """`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR]` (also `python -m kvbench.report`).
 
 Reads the runs of a results folder (metrics.json and config.yaml of each run folder, runs.jsonl for the history)
-and writes DIR/report.md (plots as DIR/plots/*.png) and DIR/report.html (one self-contained file: plots embedded,
-no network). DIR defaults to RESULTS_DIR/report.
+and writes DIR/report.md (plots as DIR/plots/*.png), DIR/report.html (one self-contained file: plots embedded,
+no network) and DIR/runs.csv (every run as one row of a pandas table: metrics, then `cfg.<key>` columns). DIR
+defaults to RESULTS_DIR/report.
 
 For each experiment (the `experiment` key of the runs; runs without one are grouped apart), per task:
 - a table with one row per run: the setting, the model, the reproduced value of the paper's metric beside the
@@ -23,7 +24,8 @@ from typing import Any, Optional
 from kvbench.errors import UserError, exit_usage
 from kvbench.reporting import plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
-from kvbench.reporting.runs import describe, fmt as _fmt, load_runs, pair_key, setting_of, varying_keys
+from kvbench.reporting.runs import (describe, fmt as _fmt, load_runs, pair_key, runs_frame, setting_of,
+                                   varying_keys)
 
 NO_EXPERIMENT = "(runs without an experiment)"
 def _mib(value: Any) -> str:
@@ -207,7 +209,10 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
     md_path, html_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     atomic_write_text(md_path, to_markdown(title, intro, sections, out_dir))
     atomic_write_text(html_path, to_html(title, intro, sections))
-    return {"markdown": md_path, "html": html_path, "experiments": names}
+    csv_path = os.path.join(out_dir, "runs.csv")  # every run of the report as one flat pandas table
+    frame = runs_frame([r for _, runs, _ in groups for r in runs])
+    atomic_write_text(csv_path, frame.to_csv(index=False))
+    return {"markdown": md_path, "html": html_path, "csv": csv_path, "experiments": names}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -149,6 +149,12 @@ def test_cli_writes_self_contained_html_and_markdown(tmp_path):
         assert (tmp_path / "o" / link).is_file()
     for href in re.findall(r'href="([^"#]+)"', html):
         assert os.path.isdir(os.path.join(tmp_path / "o", href)), href
+    import pandas as pd
+
+    frame = pd.read_csv(tmp_path / "o" / "runs.csv")
+    assert len(frame) == len(SINK_PPL) + 2
+    sinks = frame[frame["experiment"] == "streaming_llm_sinks"].set_index("cfg.method.sinks")["ppl"].to_dict()
+    assert sinks == pytest.approx({float(k): v for k, v in SINK_PPL.items()})
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path):

@@ -93,6 +93,21 @@ def load_runs(results_dir: str, *, history: bool = False, include_failed: bool =
     return out
 
 
+def runs_frame(runs: list[dict]) -> "Any":
+    """A pandas DataFrame with one row per run: the metrics.json fields, then the config as `cfg.<dotted key>`
+    columns (the paper block left out), then run_dir and experiment."""
+    import pandas as pd
+
+    rows = []
+    for run in runs:
+        row = dict(run["metrics"])
+        row.update({f"cfg.{k}": (v if not isinstance(v, (list, dict)) else str(v))
+                    for k, v in run["cfg"].items() if not k.startswith("paper.")})
+        row["run_dir"], row["experiment"] = run["run_dir"], run["experiment"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def samples_of(run: dict) -> Optional[list[dict]]:
     """The run's samples.jsonl, or None when the folder's samples belong to another attempt (or are missing)."""
     current = read_json(os.path.join(run["run_dir"], METRICS_FILE)) or {}
