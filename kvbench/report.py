@@ -178,7 +178,8 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
     return sec
 
 
-def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str], list[Section]]:
+def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str], list[tuple]]:
+    """The experiments to report and, for each, (name, its latest runs, the whole history of runs.jsonl)."""
     if not os.path.isdir(results_dir):
         raise UserError(f"no results folder {results_dir!r}")
     runs = load_runs(results_dir)
