@@ -218,8 +218,17 @@ def varying_keys(runs: list[dict]) -> list[str]:
                   key=lambda k: (k.split(".")[0], not k.endswith(".name") and k != "model.path", k))
     out = []
     for key in keys:
-        values = {repr(r["cfg"].get(key)) for r in runs}
-        if len(values) > 1:
+        section = key.split(".")[0]
+        if section in ("method", "quant") and key != f"{section}.name":
+            # a method's (codec's) option varies only if it differs between runs of that same method (codec)
+            groups: dict = {}
+            for r in runs:
+                if key in r["cfg"]:
+                    groups.setdefault(r["cfg"].get(f"{section}.name"), set()).add(repr(r["cfg"][key]))
+            varies = any(len(v) > 1 for v in groups.values())
+        else:
+            varies = len({repr(r["cfg"].get(key)) for r in runs}) > 1
+        if varies:
             out.append(key)
     return out
 
