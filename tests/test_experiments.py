@@ -84,8 +84,11 @@ def test_experiment_composes_at_both_scales(name):
         seen[scale] = configs
         # smoke runs the embedded model offline; the paper scale names a hub model, except kvbench's own table
         paths = {c.model.path for c in configs}
-        if scale == "smoke":
+        if scale == "smoke":  # offline: the packaged model and packaged text only
             assert paths == {None}, paths
+            for c in configs:
+                assert c.task.name not in ("longbench", "longbench_e", "govreport", "lm_eval"), c.task.name
+                assert c.task.get("corpus") in (None, "pg_essays", "aclsum"), c.task.corpus
         elif name != "budget_sweep":
             assert None not in paths and all("/" in p for p in paths), paths
     # the same grid at both scales: the rows (method / quant settings) of the smoke sweep are a subset of the paper's
