@@ -135,12 +135,13 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
     models = sorted({str(r["metrics"].get("model")) for r in runs})
     sec.lines.append(f"{len(runs)} runs; models: {', '.join(models)}. Rows on another model than the paper's "
                      "(smoke scale) show the paper's value for orientation only.")
-    for r in runs:  # one plot line per method and per other swept setting (budget is the x axis)
-        r["series"] = setting_of(r, [k for k in varying_keys(runs) if k not in ("budget", "task.name")]) or describe(r)
     tasks = sorted({str(r["cfg"].get("task.name") or r["metrics"].get("task")) for r in runs})
     headline = []
     for task in tasks:
         mine = [r for r in runs if str(r["cfg"].get("task.name") or r["metrics"].get("task")) == task]
+        line_keys = [k for k in varying_keys(mine) if k not in ("budget", "task.name")]
+        for r in mine:  # one plot line per method and per other swept setting of this task (budget is the x axis)
+            r["series"] = setting_of(r, line_keys) if line_keys else describe(r)
         table, matched = run_table(mine, paper, out_dir, f"task {task}" if len(tasks) > 1 else "")
         sec.tables.append(table)
         ok = [r for r in mine if r["metrics"].get("status") == "ok"]
