@@ -101,8 +101,6 @@ class KvbenchConfig:
     results_dir: str = "results"
     rerun: bool = False
     progress: bool = True
-    experiment: Optional[str] = None  # set by conf/experiment/<name>.yaml; W&B group, recorded in metrics.json
-    paper: Any = None  # conf/experiment/<name>.yaml: the published values (read by kvbench-report; not hashed)
 
 
 @dataclass
