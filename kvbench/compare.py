@@ -5,7 +5,8 @@
     kvbench-compare BASE NEW --json verdict.json --max-slowdown 0.2 --max-drop 0.5
 
 Runs are paired by the hash of their result-determining config without the code version
-(kvbench.reporting.runs.pair_key). For each pair:
+(kvbench.reporting.runs.pair_key); runs left over are paired on the config keys both sides know (a newer version
+that adds a setting with its default still pairs; the keys ignored are listed). For each pair:
 - a score (ppl, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) regresses when it is worse than the
   base by more than its tolerance: the half-width (on the bad side) of the bootstrap 95% interval of the base's score
   over its per-sample scores in samples.jsonl, or --max-drop (in the metric's unit) if that is larger; without
@@ -26,7 +27,7 @@ from typing import Any, Optional
 
 from kvbench.errors import UserError, exit_usage
 from kvbench.reporting import stats
-from kvbench.reporting.runs import describe, load_runs, pair_key, samples_of, setting_of, varying_keys
+from kvbench.reporting.runs import describe, load_runs, pair_key, result_keys, samples_of, setting_of, varying_keys
 
 
 def select_runs(folder: str, commit: Optional[str] = None) -> dict[str, dict]:
@@ -110,7 +111,8 @@ def compare_pair(base: dict, new: dict, *, max_drop: float, max_slowdown: float,
 def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], *, max_drop: float = 0.0,
             max_slowdown: float = 0.10) -> dict:
     """The verdict as a JSON-ready dict: rows, regressions, runs only in base / only in new, ok."""
-    keys = varying_keys(list(base_runs.values()) + list(new_runs.values()))
+    base_runs, new_runs, ignored = pair_on_shared_keys(base_runs, new_runs)
+    keys = [k for k in varying_keys(list(base_runs.values()) + list(new_runs.values())) if k not in ignored]
     names = {k: setting_of(r, keys) for runs in (base_runs, new_runs) for k, r in runs.items()}
     rows: list[dict] = []
     for key in sorted(set(base_runs) & set(new_runs), key=lambda k: names[k]):
@@ -120,7 +122,31 @@ def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], *, max_drop: 
             for side, runs, other in (("only_base", base_runs, new_runs), ("only_new", new_runs, base_runs))}
     regressions = [r for r in rows if r["verdict"] == "regression"]
     return {"ok": not regressions, "pairs": len(set(base_runs) & set(new_runs)), "regressions": regressions,
-            "rows": rows, **only}
+            "rows": rows, "ignored_keys": ignored, **only}
+
+
+def pair_on_shared_keys(base_runs: dict[str, dict], new_runs: dict[str, dict]) -> tuple[dict, dict, list[str]]:
+    """Pair the runs left unpaired by their full config on the config keys that both sides know: a version that
+    adds a setting (with its default) to every config still pairs with the runs made before it. Returns both sides
+    re-keyed and the keys ignored (present on one side only)."""
+    left_base = {k: r for k, r in base_runs.items() if k not in new_runs}
+    left_new = {k: r for k, r in new_runs.items() if k not in base_runs}
+    if not left_base or not left_new:
+        return base_runs, new_runs, []
+    known_base = set().union(*(result_keys(r) for r in base_runs.values()))
+    known_new = set().union(*(result_keys(r) for r in new_runs.values()))
+    shared = known_base & known_new
+    ignored = sorted(known_base ^ known_new)
+    if not ignored:
+        return base_runs, new_runs, []
+    by_base = {pair_key(r, shared): k for k, r in left_base.items()}
+    by_new = {pair_key(r, shared): k for k, r in left_new.items()}
+    base_out, new_out = dict(base_runs), dict(new_runs)
+    for loose in set(by_base) & set(by_new):
+        key = "shared-" + loose
+        base_out[key] = base_out.pop(by_base[loose])
+        new_out[key] = new_out.pop(by_new[loose])
+    return base_out, new_out, ignored
 
 
 def _fmt(value: Any) -> str:
@@ -145,6 +171,9 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
             mark = {"regression": "REGRESSION", "better": "better", "ok": "ok"}.get(r["verdict"], r["verdict"])
             lines.append(f"| {r['run']} | {r['metric']} | {_fmt(r['base'])} | {_fmt(r['new'])} | "
                          f"{_fmt(r['change'])} | {_fmt(r['tolerance'])} | {r['rule']} | {mark} |")
+    if verdict.get("ignored_keys"):
+        lines += ["", "Paired without the config keys that only one side has: "
+                  + ", ".join(f"`{k}`" for k in verdict["ignored_keys"])]
     for side, label in (("only_base", f"Only in {base_label}"), ("only_new", f"Only in {new_label}")):
         if verdict[side]:
             lines += ["", f"{label} ({len(verdict[side])}):", *[f"- {name}" for name in verdict[side]]]

@@ -162,3 +162,25 @@ def test_bootstrap_statistics_reproduce_the_recorded_metrics():
     assert stats.lower_is_better("ppl") and not stats.lower_is_better("accuracy")
     assert stats.is_score("score_qasper") and stats.is_score("arc_easy/acc,none") and not stats.is_score("acc_1024_50")
     assert math.isfinite(stats.bootstrap_interval(lambda idx: 1.0, 1)[0])
+
+
+def test_a_setting_added_by_a_newer_version_still_pairs(tmp_path):
+    """NEW's configs carry a runtime key BASE's lack (a newer version, default value): runs still pair on the keys
+    both know, the key is listed, and a changed value of a shared key still separates runs."""
+    make_folder(tmp_path / "a")
+    make_folder(tmp_path / "b", decode=10.0)
+    for run in os.listdir(tmp_path / "b"):
+        path = tmp_path / "b" / run / "config.yaml"
+        if path.is_file():
+            path.write_text(path.read_text().replace("runtime:\n", "runtime:\n  max_num_seqs: 256\n"))
+    v = verdict_of(tmp_path / "a", tmp_path / "b")
+    assert v["pairs"] == 3 and v["ignored_keys"] == ["runtime.max_num_seqs"]
+    assert [r["metric"] for r in v["regressions"]] == ["decode_tokens_per_s"]
+    assert "runtime.max_num_seqs" in compare.to_markdown(v, "a", "b")
+    make_folder(tmp_path / "c")
+    for run in os.listdir(tmp_path / "c"):
+        path = tmp_path / "c" / run / "config.yaml"
+        if path.is_file():
+            path.write_text(path.read_text().replace("block_size: 16", "block_size: 32"))
+    v = verdict_of(tmp_path / "a", tmp_path / "c")
+    assert v["pairs"] == 0 and len(v["only_base"]) == len(v["only_new"]) == 3

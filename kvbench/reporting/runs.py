@@ -168,10 +168,19 @@ def _normalise_storage(cfg: dict) -> dict:
     return cfg
 
 
-def pair_key(run: dict) -> str:
-    """A short hash of the run's result-determining config, the same across code versions and results folders."""
-    text = json.dumps(_result_config(run), sort_keys=True, separators=(",", ":"), default=str)
+def pair_key(run: dict, only: Optional[set] = None) -> str:
+    """A short hash of the run's result-determining config, the same across code versions and results folders.
+    With `only` (a set of flattened keys), just those keys count (see result_keys)."""
+    cfg = _result_config(run)
+    if only is not None:
+        cfg = {k: v for k, v in flatten(cfg).items() if k in only}
+    text = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def result_keys(run: dict) -> set:
+    """The flattened keys of the run's result-determining config (a newer version may add keys with defaults)."""
+    return set(flatten(_result_config(run)))
 
 
 def describe(run: dict) -> str:
