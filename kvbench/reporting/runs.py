@@ -228,8 +228,8 @@ def varying_keys(runs: list[dict]) -> list[str]:
     out = []
     for key in keys:
         section = key.split(".")[0]
-        if section in ("method", "quant") and key != f"{section}.name":
-            # a method's (codec's) option varies only if it differs between runs of that same method (codec)
+        if section in ("method", "quant", "task") and key != f"{section}.name":
+            # a method's (codec's, task's) option varies only if it differs between runs of that same method (codec, task)
             groups: dict = {}
             for r in runs:
                 if key in r["cfg"]:
