@@ -1,0 +1,253 @@
+"""The report's plots (matplotlib, Agg backend), each returned as PNG bytes or None when the runs have no data for it.
+
+    metric_vs_budget(runs, "ppl")     one line per method (codecs and `full` as flat reference lines)
+    pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front drawn through the best points
+    longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
+    needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
+    throughput(runs)                  output tokens/s against the KV pool size (task=throughput runs)
+    history(runs, metric)             a metric per commit, one line per setting (an asv-style regression dashboard)
+"""
+from __future__ import annotations
+
+import io
+import re
+from typing import Any, Optional, Sequence
+
+from kvbench.reporting.stats import lower_is_better
+
+MAX_SERIES = 12
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> bytes:
+    plt = _plt()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _num(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if value == value else None
+
+
+def series_label(run: dict) -> str:
+    """The line a run belongs to: run["series"] when the report set it (method plus the settings that vary in the
+    experiment), else method[+codec bits] [model]."""
+    if run.get("series"):
+        return run["series"]
+    cfg = run["cfg"]
+    label = str(cfg.get("method.name") or run["metrics"].get("method"))
+    quant = cfg.get("quant.name") or "none"
+    if quant not in ("none", "full"):
+        label += f"+{quant}" + (str(cfg["quant.bits"]) if cfg.get("quant.bits") is not None else "")
+    model = run["metrics"].get("model")
+    return label if model is None else f"{label} [{model}]"
+
+
+def _by_series(runs: Sequence[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for run in runs:
+        out.setdefault(series_label(run), []).append(run)
+    return dict(list(out.items())[:MAX_SERIES])
+
+
+def _x_of(run: dict, x_key: str) -> Optional[float]:
+    return _num(run["metrics"].get("budget")) if x_key == "budget" else _num(run["cfg"].get(x_key))
+
+
+def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -> Optional[bytes]:
+    """The metric against the budget (or another numeric setting, x_key = a dotted config key), one line per
+    series; methods that do not evict are flat reference lines."""
+    xs = {_x_of(r, x_key) for r in runs if _num(r["metrics"].get(metric)) is not None}
+    xs.discard(None)
+    if len(xs) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, rs in _by_series(runs).items():
+        pts = sorted((_x_of(r, x_key), _num(r["metrics"].get(metric))) for r in rs
+                     if _x_of(r, x_key) is not None and _num(r["metrics"].get(metric)) is not None)
+        flat = [v for v in (_num(r["metrics"].get(metric)) for r in rs) if v is not None]
+        if x_key == "budget" and _flat(rs) and flat:  # no eviction: the value does not depend on the budget
+            ax.axhline(flat[-1], linestyle="--", linewidth=1, label=f"{label} (no eviction)",
+                       color=f"C{len(ax.lines) % 10}")
+        elif pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    if x_key == "budget":
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (KV tokens per sequence, layer, kv-head)")
+    else:
+        ax.set_xlabel(x_key)
+    ax.set_ylabel(metric + (" (lower is better)" if lower_is_better(metric) else ""))
+    if lower_is_better(metric):
+        ax.set_yscale("log")
+    ax.set_title(f"{metric} vs {x_key}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return _png(fig)
+
+
+def _flat(runs: Sequence[dict]) -> bool:
+    """Runs of a method that does not evict (full or a codec): its budget does not change its result."""
+    r = runs[0]
+    name = r["cfg"].get("method.name") or r["metrics"].get("method")
+    try:
+        from methods import METHODS
+
+        evicts = getattr(METHODS.get(name), "evicts", None)
+        if evicts is not None:
+            return not evicts
+    except Exception:
+        pass
+    return name in ("full", "kivi", "kvquant", "int8", "fp8")
+
+
+def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
+    pts = [(_num(r["metrics"].get("peak_kv_bytes")), _num(r["metrics"].get(metric)), series_label(r)) for r in runs]
+    pts = [p for p in pts if p[0] is not None and p[1] is not None and p[0] > 0]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:  # one KV size: nothing to trade off
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_SERIES]:
+        mine = [p for p in pts if p[2] == label]
+        ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=24)
+    low = lower_is_better(metric)
+    front, best = [], None
+    for x, y, _ in sorted(pts, key=lambda p: (p[0], p[1] if low else -p[1])):
+        if best is None or (y < best if low else y > best):
+            front.append((x, y))
+            best = y
+    ax.step([p[0] / 2**20 for p in front], [p[1] for p in front], where="post", color="black", linewidth=1,
+            label="Pareto front")
+    ax.set_xlabel("peak KV memory (MiB, measured from the pool)")
+    ax.set_ylabel(metric)
+    if low:
+        ax.set_yscale("log")
+    ax.set_title(f"{metric} vs KV memory")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return _png(fig)
+
+
+DATASET_KEY = re.compile(r"^score_(?!.*_(0-4k|4-8k|8k\+)$)(.+)$")
+
+
+def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = ()) -> Optional[bytes]:
+    """Grouped bars: one group per dataset, one bar per run; the paper's per-dataset value of the run's row as a
+    black tick."""
+    runs = [r for r in runs if any(DATASET_KEY.match(k) and _num(v) is not None for k, v in r["metrics"].items())]
+    if not runs:
+        return None
+    runs = runs[:8]
+    rows = list(paper_rows)[:len(runs)] + [None] * (len(runs) - len(paper_rows))
+    datasets = sorted({DATASET_KEY.match(k).group(2) for r in runs for k in r["metrics"]
+                       if DATASET_KEY.match(k) and _num(r["metrics"][k]) is not None})
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(datasets) + 2), 4.2))
+    width = 0.8 / len(runs)
+    for i, (run, row) in enumerate(zip(runs, rows)):
+        xs = [j + i * width for j in range(len(datasets))]
+        ax.bar(xs, [_num(run["metrics"].get(f"score_{d}")) or 0 for d in datasets], width, label=series_label(run))
+        per = (row or {}).get("per_dataset") or {}
+        tick = [(x, per.get(d)) for x, d in zip(xs, datasets) if per.get(d) is not None]
+        if tick:
+            ax.scatter([t[0] for t in tick], [t[1] for t in tick], marker="_", color="black", s=120,
+                       label="paper" if i == 0 else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))])
+    ax.set_xticklabels(datasets, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("score (x100)")
+    ax.set_title("LongBench per dataset")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+CELL = re.compile(r"^acc_(\d+)_(\d+(?:\.\d+)?)$")
+
+
+def needle_heatmaps(runs: Sequence[dict], limit: int = 24) -> Optional[bytes]:
+    panels = []
+    for run in runs:
+        cells = {}
+        for key, value in run["metrics"].items():
+            m = CELL.match(key)
+            if m and _num(value) is not None:
+                cells[(int(m.group(1)), float(m.group(2)))] = float(value)
+        if cells:
+            panels.append((run, cells))
+    if not panels:
+        return None
+    panels = panels[:limit]
+    plt = _plt()
+    cols = min(4, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (run, cells) in zip(axes.flat, panels):
+        lengths = sorted({k[0] for k in cells})
+        depths = sorted({k[1] for k in cells})
+        grid = [[cells.get((n, d), float("nan")) for n in lengths] for d in depths]
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(lengths)))
+        ax.set_xticklabels(lengths, fontsize=7)
+        ax.set_yticks(range(len(depths)))
+        ax.set_yticklabels([f"{d:g}%" for d in depths], fontsize=7)
+        ax.set_title(f"{series_label(run)} b{run['metrics'].get('budget')}", fontsize=8)
+    fig.suptitle("needle accuracy (x: context tokens, y: depth)", fontsize=9)
+    return _png(fig)
+
+
+def throughput(runs: Sequence[dict]) -> Optional[bytes]:
+    pts = [(r, _num(r["metrics"].get("kv_pool_bytes")), _num(r["metrics"].get("output_tokens_per_s")))
+           for r in runs]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label in list(dict.fromkeys(series_label(p[0]) for p in pts))[:MAX_SERIES]:
+        mine = sorted((p for p in pts if series_label(p[0]) == label), key=lambda p: p[1])
+        ax.plot([p[1] / 2**20 for p in mine], [p[2] for p in mine], marker="o", label=label)
+        for run, x, y in mine:
+            seqs = run["metrics"].get("max_running_seqs")
+            if seqs is not None:
+                ax.annotate(f"{seqs} seqs", (x / 2**20, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("KV pool (MiB)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs KV memory")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], metric: str) -> Optional[bytes]:
+    """points: setting label -> [(commit, value)]; commits in order. None with fewer than two commits."""
+    if len(commits) < 2 or not points:
+        return None
+    index = {c: i for i, c in enumerate(commits)}
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, pts in list(points.items())[:MAX_SERIES]:
+        pts = sorted(pts, key=lambda p: index[p[0]])
+        ax.plot([index[c] for c, _ in pts], [v for _, v in pts], marker="o", label=label)
+    ax.set_xticks(range(len(commits)))
+    ax.set_xticklabels([c[:8] for c in commits], rotation=30, fontsize=7)
+    ax.set_xlabel("git commit (in the order first run)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} across commits")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    return _png(fig)

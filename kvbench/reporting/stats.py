@@ -1,0 +1,121 @@
+"""Which metrics are scores, which way is better, and their bootstrap intervals over per-sample scores.
+
+Per-sample fields written by the tasks (samples.jsonl):
+- perplexity: `nll` (mean per token of the document) and `num_tokens` -> ppl = exp(token-weighted mean nll)
+- needle: `score` (0/1) -> accuracy = mean
+- longbench: `score` per sample (0-1) and `dataset` -> score_<ds> = 100 x mean; score = mean over datasets
+- summarization / govreport: `rouge_l`, `rouge1`, ... per sample (0-1) -> metric = 100 x mean
+
+`statistic(name, samples)` recomputes a metric from samples in the metric's own unit (a scale factor found from
+the recorded value absorbs the x100); `bootstrap_interval` resamples the samples (with replacement, fixed seed).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+LOWER_IS_BETTER = re.compile(r"^(ppl|nll)(_.*)?$|^ttft_s$")
+SCORE = re.compile(r"^(ppl|nll|accuracy|score|score_[A-Za-z0-9_.-]+|rouge\w*|acc|acc_norm|exact_match|f1|em)$"
+                   r"|^[\w.-]+/(acc|acc_norm|exact_match|f1|em|bleu|rouge\w*)(,[\w-]+)?$")
+SPEED = ("decode_tokens_per_s", "prefill_tokens_per_s", "output_tokens_per_s", "requests_per_s")
+MEMORY = ("peak_kv_bytes",)
+# The headline metric of each task, when an experiment's paper block names none the run has.
+PRIMARY = {"perplexity": "ppl", "needle": "accuracy", "longbench": "score", "longbench_e": "score",
+           "summarization": "rouge_l", "govreport": "rouge_l", "throughput": "output_tokens_per_s"}
+
+
+def lower_is_better(name: str) -> bool:
+    return bool(LOWER_IS_BETTER.match(name))
+
+
+def is_score(name: str) -> bool:
+    """A quality metric compared by kvbench-compare (needle cells acc_<len>_<depth> are summarized by accuracy)."""
+    return bool(SCORE.match(name)) and not name.startswith("score_") or _is_dataset_score(name)
+
+
+def _is_dataset_score(name: str) -> bool:
+    return name.startswith("score_") and not re.search(r"_(0-4k|4-8k|8k\+)$", name)
+
+
+def primary_metric(task: Optional[str], metrics: dict) -> Optional[str]:
+    """The task's headline metric (PRIMARY), else the first score-like key with a number."""
+    name = PRIMARY.get(str(task))
+    if name and isinstance(metrics.get(name), (int, float)):
+        return name
+    for key, value in metrics.items():
+        if is_score(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return key
+    return name
+
+
+def _raw_statistic(name: str, samples: Sequence[dict]) -> Optional[Callable[[np.ndarray], float]]:
+    """A function of sample indices that recomputes `name` from `samples` (up to a constant factor), or None."""
+    if name in ("ppl", "nll"):
+        rows = [(s.get("nll"), s.get("num_tokens")) for s in samples]
+        if not rows or any(not isinstance(v, (int, float)) or not isinstance(n, (int, float)) for v, n in rows):
+            return None
+        nll = np.array([v for v, _ in rows], dtype=float)
+        ntok = np.array([n for _, n in rows], dtype=float)
+
+        def weighted(idx: np.ndarray) -> float:
+            mean = float((nll[idx] * ntok[idx]).sum() / max(ntok[idx].sum(), 1e-12))
+            return math.exp(min(mean, 700.0)) if name == "ppl" else mean
+        return weighted
+    if name == "accuracy" or name == "score" or name.startswith("score_"):
+        key = "score"
+    else:
+        key = name
+    values = [(s.get(key), s.get("dataset")) for s in samples]
+    if name.startswith("score_"):
+        values = [(v, d) for v, d in values if d == name[len("score_"):]]
+    if not values or any(not isinstance(v, (int, float)) or isinstance(v, bool) for v, _ in values):
+        return None
+    arr = np.array([v for v, _ in values], dtype=float)
+    if name == "score":  # mean over datasets of the per-dataset means
+        groups = np.array([str(d) for _, d in values])
+        labels = sorted(set(groups))
+
+        def by_dataset(idx: np.ndarray) -> float:
+            g = groups[idx]
+            means = [arr[idx][g == lab].mean() for lab in labels if (g == lab).any()]
+            return float(np.mean(means))
+        return by_dataset
+    return lambda idx: float(arr[idx].mean())
+
+
+def statistic(name: str, samples: Sequence[dict], recorded: Optional[float] = None) -> Optional[Callable]:
+    """Like _raw_statistic, scaled so that all samples give the recorded value (e.g. x100 for LongBench)."""
+    fn = _raw_statistic(name, samples)
+    if fn is None:
+        return None
+    n = len(samples) if not name.startswith("score_") else None
+    full = np.arange(n if n is not None else _count(name, samples))
+    base = fn(full)
+    scale = 1.0
+    if recorded is not None and base not in (0.0,) and math.isfinite(base) and name not in ("ppl", "nll"):
+        scale = recorded / base
+    return lambda idx: fn(idx) * scale
+
+
+def _count(name: str, samples: Sequence[dict]) -> int:
+    ds = name[len("score_"):]
+    return sum(1 for s in samples if s.get("dataset") == ds)
+
+
+def bootstrap_interval(fn: Callable[[np.ndarray], float], n: int, *, iters: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """The bootstrap percentile interval of fn over n samples (resampled with replacement)."""
+    if n < 2:
+        v = fn(np.arange(n))
+        return v, v
+    rng = np.random.default_rng(seed)
+    stats = np.array([fn(rng.integers(0, n, size=n)) for _ in range(iters)])
+    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(lo), float(hi)
+
+
+def sample_count(name: str, samples: Sequence[dict]) -> int:
+    return _count(name, samples) if name.startswith("score_") else len(samples)

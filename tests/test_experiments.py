@@ -1,0 +1,137 @@
+"""Every experiment in conf/experiment/ composes at both scales, every point of its sweep is a valid run config,
+and its `paper:` block is complete (source, model, metric, rows whose `match` keys select runs of the sweep)."""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import kvbench.config as kvconfig  # registers the schemas before any compose
+from tests.harness_fakes import CONF_DIR
+
+EXPERIMENTS = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "experiment")) if f.endswith(".yaml"))
+REQUIRED = {"streaming_llm_sinks", "kivi_longbench", "kvquant_ppl", "paged_eviction_longbench", "h2o", "budget_sweep"}
+
+
+@functools.lru_cache(maxsize=None)
+def _compose_cached(overrides: tuple, hydra_cfg: bool):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def _compose(overrides, hydra_cfg=False):
+    return _compose_cached(tuple(overrides), hydra_cfg).copy()
+
+
+def sweep_axes(name: str, scale: str) -> tuple[list[str], list[list[str]]]:
+    """The experiment's base overrides and its sweep axes (hydra.sweeper.params: one list of overrides per key)."""
+    base = [f"+experiment={name}", f"scale={scale}"]
+    params = _compose(base, hydra_cfg=True).hydra.sweeper.params or {}
+    return base, [[f"{k}={v.strip()}" for v in str(values).split(",")] for k, values in params.items()]
+
+
+def sweep_points(name: str, scale: str) -> list[list[str]]:
+    """Runs of the sweep that cover every value of every axis (the first value of the other axes): composing the
+    whole cartesian product (hundreds of runs for budget_sweep) would take minutes."""
+    base, axes = sweep_axes(name, scale)
+    points = []
+    for i, axis in enumerate(axes):
+        for value in axis[1:] if i else axis:
+            points.append(base + [value if j == i else other[0] for j, other in enumerate(axes)])
+    return points
+
+
+def test_sweep_sizes():
+    """The smoke grids stay small (minutes on a laptop CPU); the paper grids are the papers' full tables."""
+    def size(name, scale):
+        return len(list(itertools.product(*sweep_axes(name, scale)[1])))
+    assert size("streaming_llm_sinks", "paper") == size("streaming_llm_sinks", "smoke") == 5
+    assert size("kivi_longbench", "paper") == 6 and size("kivi_longbench", "smoke") == 3
+    assert size("paged_eviction_longbench", "paper") == 5 * 4 * 3 * 2
+    assert size("budget_sweep", "paper") == 11 * 5 * 2 and size("budget_sweep", "smoke") == 11 * 2 * 2
+
+
+def _get(cfg, dotted):
+    return OmegaConf.select(cfg, dotted, default="<missing>")
+
+
+def test_the_issue_experiments_exist():
+    assert REQUIRED <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_at_both_scales(name):
+    from methods import build_method
+    from tasks import build_task
+
+    seen = {}
+    for scale in ("paper", "smoke"):
+        points = sweep_points(name, scale)
+        assert len(points) >= 2, (name, scale, points)
+        configs = []
+        for overrides in points:
+            cfg = _compose(overrides)
+            assert cfg.experiment == name
+            settings = kvconfig.validate(cfg)  # values checked as the app checks them
+            build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
+            if settings.method_name not in ("kivi", "kvquant", "int8", "fp8"):
+                build_method(settings.method_name, settings.budget, **settings.method_options)
+            configs.append(cfg)
+        seen[scale] = configs
+        # smoke runs the embedded model offline; the paper scale names a hub model, except kvbench's own table
+        paths = {c.model.path for c in configs}
+        if scale == "smoke":  # offline: the packaged model and packaged text only
+            assert paths == {None}, paths
+            for c in configs:
+                assert c.task.name not in ("longbench", "longbench_e", "govreport", "lm_eval"), c.task.name
+                assert c.task.get("corpus") in (None, "pg_essays", "aclsum"), c.task.corpus
+        elif name != "budget_sweep":
+            assert None not in paths and all("/" in p for p in paths), paths
+    # the same grid at both scales: the rows (method / quant settings) of the smoke sweep are a subset of the paper's
+    def rows(configs):  # the method and codec settings (a smaller calibration is allowed at smoke scale)
+        return {OmegaConf.to_yaml(c.method) + str({k: v for k, v in c.quant.items() if "calibration_" not in k})
+                for c in configs}
+    assert rows(seen["smoke"]) <= rows(seen["paper"]) and len(rows(seen["smoke"])) >= 2
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_paper_block_rows_match_runs_of_the_sweep(name):
+    configs = [_compose(o) for o in sweep_points(name, "paper")]
+    paper = OmegaConf.to_container(configs[0].paper)
+    for key in ("source", "model", "dataset", "metric", "rows"):
+        assert paper.get(key) not in (None, ""), (name, key)
+    for row in paper["rows"]:
+        assert row["value"] is None or isinstance(row["value"], (int, float)), row
+        assert row["label"] and row["match"], row
+        assert any(all(_get(c, k) == v for k, v in row["match"].items()) for c in configs), \
+            (name, row["label"], "matches no run of the sweep")
+        if row.get("model") is not None:
+            assert any(c.model.path == row["model"] for c in configs), (name, row["label"], row["model"])
+        for value in (row.get("per_dataset") or {}).values():
+            assert isinstance(value, (int, float))
+
+
+def test_published_values_are_the_referenced_ones():
+    """Spot checks against REFERENCE.md / the KIVI repository: a typo in a paper block fails here."""
+    def values(name):
+        paper = _compose([f"+experiment={name}"]).paper
+        return [r.value for r in paper.rows]
+    assert values("streaming_llm_sinks") == [3359.95, 11.88, 10.51, 9.59, 9.54]
+    assert values("kvquant_ppl") == [5.68, 10.87, 5.87, 5.75]
+    assert values("kivi_longbench") == [43.54, 42.43, 43.53, 38.72, 38.30, 38.79]
+    assert all(v is None for v in values("paged_eviction_longbench") + values("h2o"))
+    # the KIVI averages are the means of their 15 per-dataset values
+    for row in _compose(["+experiment=kivi_longbench"]).paper.rows:
+        per = list(row.per_dataset.values())
+        assert len(per) == 15 and abs(sum(per) / 15 - row.value) < 0.006, row.label
+
+
+def test_unknown_scale_is_refused():
+    from hydra.errors import HydraException
+
+    with pytest.raises(HydraException):
+        _compose(["+experiment=h2o", "scale=huge"])
