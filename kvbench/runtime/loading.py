@@ -118,6 +118,7 @@ def load_hf(path: str, *, gguf_file: str | None = None, cache_dir: str | os.Path
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"cannot load model {path!r}: {first}") from None
     hf.eval()
+    hf.kvbench_source = path  # the folder or hub id transformers loaded (a GGUF's converted folder)
     return hf, tok
 
 
@@ -160,6 +161,7 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
     loaded = LoadedModel(model, tok, hf.config, str(name), torch_dtype, torch.device(device))
     if keep_hf:
         loaded.hf_model = hf  # type: ignore[attr-defined]
+        loaded.hf_dir = hf.kvbench_source  # type: ignore[attr-defined]
     return loaded
 
 
