@@ -9,6 +9,9 @@ multiplied as ``x @ W_t``.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +41,7 @@ class Linear:
         self._onednn_linear = torch.ops.mkldnn._linear_pointwise.default if self._packed is not None else None
         # fallback layout [in, out]: x @ W_t streams rows of W_t, ~2x faster than F.linear in a CPU GEMV
         self._w_t = weight.t().contiguous() if self._packed is None else None
+        self._dense: torch.Tensor | None = None  # kept only inside `keep_dense_weights` (autograd passes)
 
     @property
     def backend(self) -> str:
@@ -50,7 +54,23 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             if x.requires_grad and torch.is_grad_enabled():  # oneDNN's op has no backward (KVQuant's Fisher pass)
-                return F.linear(x, self.dense_weight(), self.bias)
+                w = self._dense if self._dense is not None else self.dense_weight()
+                return F.linear(x, w, self.bias)
             return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
         return y + self.bias if self.bias is not None else y
+
+
+@contextmanager
+def keep_dense_weights(linears: Iterable[Linear]):
+    """Within the block, autograd passes through these Linears reuse one dense copy of each weight instead of
+    reordering oneDNN's layout back at every call (KVQuant calibration runs many forward+backward passes)."""
+    linears = list(linears)
+    for lin in linears:
+        if lin._packed is not None:
+            lin._dense = lin.dense_weight()
+    try:
+        yield
+    finally:
+        for lin in linears:
+            lin._dense = None
