@@ -70,7 +70,7 @@ class LogProgress(_NoBar):
                  clock: Callable[[], float] = time.monotonic):
         self.total, self.desc, self.unit, self.interval = total, desc or "progress", unit, interval
         self.stream, self.clock = stream if stream is not None else sys.stderr, clock
-        self.n, self.postfix, self.lines = 0, "", 0
+        self.n, self.postfix, self.lines, self.written_n = 0, "", 0, -1
         self.start = self.last = clock()
 
     def update(self, n: int = 1) -> None:
@@ -84,9 +84,9 @@ class LogProgress(_NoBar):
         self.postfix = s
 
     def close(self) -> None:
-        if self.lines:
+        if self.lines and self.n != self.written_n:  # a last line unless the previous one already said it all
             self._write(self.clock(), done=True)
-            self.lines = 0
+        self.lines = 0
 
     def _write(self, now: float, done: bool = False) -> None:
         elapsed = max(now - self.start, 1e-9)
@@ -97,6 +97,7 @@ class LogProgress(_NoBar):
         print(f"kvbench: {self.desc}: {count} {self.unit}{pct}, {self.n / elapsed:.3g} {self.unit}/s, "
               f"{elapsed:.0f} s elapsed{extra}{end}", file=self.stream, flush=True)
         self.lines += 1
+        self.written_n = self.n
 
 
 Progress = Callable[..., Any]
