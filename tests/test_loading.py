@@ -63,6 +63,10 @@ def test_digest_is_remembered_by_path_size_and_mtime(tmp_path, conversions, monk
     (lambda d: (d / "empty").mkdir() or d / "empty", None, "is empty"),
     (lambda d: (d / "notmodel").mkdir() or (d / "notmodel" / "x.txt").write_text("x") and d / "notmodel", None,
      "no config.json"),
+    (lambda d: (d / "cfg").mkdir() or (d / "cfg" / "config.json").write_text("{}") and d / "cfg", None,
+     "no weights"),
+    (lambda d: (d / "w").mkdir() or (d / "w" / "config.json").write_text("{}") and
+     (d / "w" / "model.safetensors").write_bytes(b"x") and d / "w", None, "no tokenizer"),
     (lambda d: (d / "bad.gguf").write_bytes(b"not a gguf at all") and d, "bad.gguf", "not a GGUF file"),
     (lambda d: d, "absent.gguf", "does not exist"),
 ])

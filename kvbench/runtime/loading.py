@@ -25,6 +25,7 @@ from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 @dataclass
@@ -70,8 +71,8 @@ def check_model_path(path: str, gguf_file: str | None = None) -> None:
     """Cheap checks of a model location before anything loads; UserError (one line) when it cannot be a model.
 
     `path` is a hub id ("org/name"), a local folder or a .gguf file; with `gguf_file`, the GGUF file inside the
-    folder `path`. Checks: the file or folder exists, a folder is not empty and has a config.json, a GGUF starts
-    with the GGUF magic bytes. A hub id is left to the hub.
+    folder `path`. Checks: the file or folder exists, a folder is not empty and has a config.json, weights and a
+    tokenizer, a GGUF starts with the GGUF magic bytes. A hub id is left to the hub.
     """
     if gguf_file is not None or str(path).endswith(".gguf"):
         src = Path(path).expanduser() / gguf_file if gguf_file is not None else Path(path).expanduser()
@@ -90,6 +91,11 @@ def check_model_path(path: str, gguf_file: str | None = None) -> None:
             raise UserError(f"model folder {path!r} is empty")
         if not (p / "config.json").is_file():
             raise UserError(f"model folder {path!r} has no config.json: it is not a transformers model folder")
+        names = {c.name for c in p.iterdir()}
+        if not any(n.endswith((".safetensors", ".bin", ".pt", ".pth")) for n in names):
+            raise UserError(f"model folder {path!r} has no weights (*.safetensors or *.bin)")
+        if not names & set(TOKENIZER_FILES):
+            raise UserError(f"model folder {path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
         return
     if _looks_local(str(path)):
         raise UserError(f"model path {path!r} does not exist")
