@@ -270,3 +270,15 @@ def test_bundled_offline_task_score_equals_accuracy(tmp_path, monkeypatch):
     assert rec["score"] == rec["kvbench_essays_mc/acc"] and rec["score_metric"] == "kvbench_essays_mc/acc"
     rows = [json.loads(x) for x in open(f"{rec['run_dir']}/samples.jsonl")]
     assert len(rows) == 3 and rec["score"] == sum(r["acc"] for r in rows) / 3
+
+
+def test_seed_from_typed_settings_or_old_configs():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from tasks.lm_eval import seed_of
+
+    assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.config.Settings
+    assert seed_of(OmegaConf.create({"seed": 3})) == 3 and seed_of({"seed": 2}) == 2
+    assert seed_of(None) == 0
