@@ -143,11 +143,12 @@ class Task:
     def __init__(self, options: Any):
         self.options = options
 
-    def preflight(self, settings: Any, model_shape: Any) -> None:
-        """Checks that need no model, run by the app before the model loads; raise UserError (one line) for task
-        settings that cannot work (e.g. hub data while offline). `model_shape` may be None. Default: nothing."""
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Checks that need no model (data reachable, lengths within the model's positions), run before the
+        model loads; raise UserError naming the bad value. `model_shape` may be None when unknown."""
 
-    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Progress) -> TaskResult:
+    def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Progress) -> TaskResult:
+        """Evaluate; `settings` is the run's validated kvbench.config.Settings (seed, runtime, budget, ...)."""
         raise NotImplementedError
 
     @classmethod
