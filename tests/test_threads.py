@@ -49,3 +49,45 @@ def test_configure_threads_default_is_bounded_by_the_usable_cores():
         assert 1 <= n <= threads.usable_cores() and n == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+class FakeRuntime:
+    """A clock and a thread setting where a step's time depends on the thread count through `cost`."""
+
+    def __init__(self, configured=2):
+        self.threads, self.t, self.cost = configured, 0.0, {1: 1.0, 2: 0.8}
+
+    def step(self, ctl, tokens=1):
+        n = ctl.begin(tokens)
+        assert self.threads == n
+        self.t += self.cost[n] if tokens <= ctl.max_tokens else 5.0
+        ctl.end()
+        assert self.threads == 2  # the configured count is back after every step
+        return n
+
+
+def controller(rt):
+    return threads.StepThreads(clock=lambda: rt.t, get_threads=lambda: rt.threads,
+                               set_threads=lambda n: setattr(rt, "threads", n))
+
+
+def test_step_threads_follow_the_faster_count_as_load_comes_and_goes():
+    rt = FakeRuntime()
+    ctl = controller(rt)
+    idle = [rt.step(ctl) for _ in range(100)]
+    assert idle[-50:].count(2) >= 45  # idle: two threads are faster, one is only tried now and then
+    rt.cost = {1: 1.0, 2: 3.0}  # a competing process: two threads collapse
+    loaded = [rt.step(ctl) for _ in range(300)]
+    assert loaded[-100:].count(1) >= 95
+    rt.cost = {1: 1.0, 2: 0.8}  # the other process ended
+    again = [rt.step(ctl) for _ in range(600)]
+    assert again[-100:].count(2) >= 95
+
+
+def test_large_steps_use_every_thread():
+    rt = FakeRuntime()
+    ctl = controller(rt)
+    rt.cost = {1: 1.0, 2: 3.0}
+    for _ in range(50):
+        rt.step(ctl)
+    assert rt.step(ctl, tokens=512) == 2
