@@ -15,6 +15,9 @@ The policy (applied by `apply_wait_policy`, called from kvbench/__init__.py befo
 libgomp reads these variables once, when torch loads it: if torch was imported before kvbench, the default
 (long spin) stays, and `configure_threads` says so once in the log.
 
+`StepThreads` (used by LlamaFamilyModel.forward on CPU) then picks, per decode-sized step, 1 thread or all of
+them, whichever its timed steps show faster.
+
 `configure_threads(requested)` sets torch's intra-op thread count (the C kernels follow it) and returns it; the
 app calls it once before the model runs (`runtime.threads`, null = the cores this process may use).
 """
