@@ -333,11 +333,10 @@ def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
 
 
 def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict):
-    import torch
+    from kvbench.runtime.threads import configure_threads
 
     s = plan.settings
-    if s.runtime.threads:
-        torch.set_num_threads(s.runtime.threads)
+    configure_threads(s.runtime.threads)
     _seed_everything(s.seed)
     loaded = _load_model(s, plan.device, load_model_fn)
     if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:

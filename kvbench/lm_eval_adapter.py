@@ -55,6 +55,16 @@ def _int_or_none(value: Any, name: str) -> Optional[int]:
         raise ValueError(f"kvbench model_args: {name}={value!r} is not an integer") from None
 
 
+def _score_continuation(engine: Any, context_ids: list[int], continuation_ids: list[int]) -> tuple[list, bool]:
+    """(log-probs of the continuation tokens, whether greedy decoding gives them): the engine's public
+    `score_continuation` when it has one, else the older helper in tasks/_generation.py."""
+    fn = getattr(engine, "score_continuation", None)
+    if fn is not None:
+        lps, greedy = fn(list(context_ids), list(continuation_ids))
+        return [float(x) for x in lps], bool(greedy)
+    return score_continuation(engine, context_ids, continuation_ids)
+
+
 @register_model("kvbench")
 class KVBenchLM(TemplateLM):
     """An lm-eval LM over a kvbench Engine (see the module docstring)."""
@@ -154,7 +164,7 @@ class KVBenchLM(TemplateLM):
                 raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
             ctx = list(ctx)[-keep:]
             t0 = time.perf_counter()
-            lps, greedy = score_continuation(self.engine, ctx, cont)
+            lps, greedy = _score_continuation(self.engine, ctx, cont)
             self.meter.add_prefill(len(ctx) + len(cont) - 1, time.perf_counter() - t0)
             answer = (float(sum(lps)), bool(greedy))
             if key is not None:

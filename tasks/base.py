@@ -15,7 +15,7 @@ A task is a class with an `Options` dataclass (the keys of conf/task/<name>.yaml
 `run` gets the engine (kvbench.runtime.engine.Engine: score / generate / memory_stats), the model's tokenizer,
 the whole run config (cfg.task holds the raw task options, cfg.runtime.batch_size, cfg.seed, ...; the validated
 options are self.options) and `progress`, a factory of progress bars: `progress(total, desc, unit)` returns an
-object with update(n) and close() (a tqdm bar on a terminal, a no-op otherwise).
+object with update(n) and close() (a tqdm bar on a terminal, periodic log lines when stderr is not one).
 
 It returns TaskResult(metrics, samples, perf): metrics are flat task scores (ppl, rouge_l, accuracy, ...);
 samples are one dict per evaluated sample (id, dataset, prompt, prediction, references, per-sample metrics);
@@ -24,7 +24,9 @@ perf holds prefill_tokens_per_s, decode_tokens_per_s and ttft_s as measured by t
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
@@ -56,21 +58,71 @@ class _NoBar:
         self.close()
 
 
+class LogProgress(_NoBar):
+    """Progress for a log (stderr not a terminal: CI, nohup, a cluster job): one line every `interval` seconds,
+
+        kvbench: perplexity: 12/40 chunks (30%), 2.1 chunks/s, 6 s elapsed
+
+    and a last line on close if any was written. `clock` is injectable for tests."""
+
+    def __init__(self, total: Optional[int], desc: str, unit: str, interval: float, stream: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.total, self.desc, self.unit, self.interval = total, desc or "progress", unit, interval
+        self.stream, self.clock = stream if stream is not None else sys.stderr, clock
+        self.n, self.postfix, self.lines, self.written_n = 0, "", 0, -1
+        self.start = self.last = clock()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = self.clock()
+        if now - self.last >= self.interval:
+            self.last = now
+            self._write(now)
+
+    def set_postfix_str(self, s: str) -> None:
+        self.postfix = s
+
+    def close(self) -> None:
+        if self.lines and self.n != self.written_n:  # a last line unless the previous one already said it all
+            self._write(self.clock(), done=True)
+        self.lines = 0
+
+    def _write(self, now: float, done: bool = False) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        count = f"{self.n}/{self.total}" if self.total else f"{self.n}"
+        pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        extra = f", {self.postfix}" if self.postfix else ""
+        end = ", done" if done else ""
+        print(f"kvbench: {self.desc}: {count} {self.unit}{pct}, {self.n / elapsed:.3g} {self.unit}/s, "
+              f"{elapsed:.0f} s elapsed{extra}{end}", file=self.stream, flush=True)
+        self.lines += 1
+        self.written_n = self.n
+
+
 Progress = Callable[..., Any]
+LOG_INTERVAL_S = 20.0  # seconds between progress lines when stderr is not a terminal ($KVBENCH_PROGRESS_INTERVAL)
 
 
-def make_progress(enabled: bool = True) -> Progress:
-    """A progress-bar factory: tqdm on stderr when enabled and stderr is a terminal, otherwise no-op bars."""
+def make_progress(enabled: bool = True, *, stream: Any = None) -> Progress:
+    """A progress-bar factory: tqdm on stderr when enabled and stderr is a terminal; when it is not (a log file,
+    CI), a line every LOG_INTERVAL_S seconds (LogProgress); no-op bars when disabled."""
+    out = stream if stream is not None else sys.stderr
 
     def progress(total: Optional[int] = None, desc: str = "", unit: str = "it") -> Any:
         if not enabled:
             return _NoBar()
+        isatty = getattr(out, "isatty", None)
+        if not (isatty and isatty()):
+            try:
+                interval = float(os.environ.get("KVBENCH_PROGRESS_INTERVAL", LOG_INTERVAL_S))
+            except ValueError:
+                interval = LOG_INTERVAL_S
+            return LogProgress(total, desc, unit, interval, stream=out)
         try:
             from tqdm import tqdm
         except ImportError:  # pragma: no cover
             return _NoBar()
-        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False,
-                    dynamic_ncols=True, unit_scale=True)
+        return tqdm(total=total, desc=desc, unit=unit, file=out, leave=False, dynamic_ncols=True, unit_scale=True)
 
     return progress
 

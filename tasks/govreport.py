@@ -55,6 +55,13 @@ class GovReportOptions:
 class GovReport(Task):
     Options = GovReportOptions
 
+    def preflight(self, settings: Any, model_shape: Any) -> None:
+        """Offline without task.data_dir: fail now (one line), before the model loads."""
+        if not self.options.data_dir:
+            from kvbench.data.hub import require_hub
+
+            require_hub(f"GovReport ({self.options.source})", "task.data_dir")
+
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         from kvbench.data.govreport import load_govreport_full, load_govreport_longbench
         from kvbench.data.longbench import prompt_template

@@ -3,6 +3,7 @@ run's engine, so the method and budget apply to both log-likelihood scoring and 
 
     python -m kvbench task=lm_eval task.tasks=[arc_easy,hellaswag] task.limit=100 method=... budget=...
     python -m kvbench task=lm_eval task.include_path=my_tasks/ task.tasks=[my_task]
+    python -m kvbench task=lm_eval task.tasks=[kvbench_essays_mc] task.include_defaults=false   # offline example
 
 Options:
 - tasks          lm-eval task or group names (a list, or one comma-separated string); required
@@ -17,8 +18,8 @@ Options:
 - log_samples    keep lm-eval's per-document records as kvbench samples
 
 Metrics: every lm-eval result as `<task>/<metric>` (`<task>/<metric>/<filter>` for filters other than "none"),
-`<task>/<metric>_stderr` when bootstrap_iters > 0, and `score`, the mean over the requested tasks of each one's first
-metric. Samples: id `<task>/<doc_id>`, dataset = task, prompt = the first request's context, prediction = the
+`<task>/<metric>_stderr` when bootstrap_iters > 0, `score`, the mean over the requested tasks of each one's primary
+metric (the first of its metric_list: acc for multiple choice), and `score_metric` naming them. Samples: id `<task>/<doc_id>`, dataset = task, prompt = the first request's context, prediction = the
 filtered response(s), references = [target], and lm-eval's per-document metrics. Perf: the adapter's timing
 (loglikelihood scoring counts as prefill), and the engine's peak KV bytes. The seed is cfg.seed.
 """
@@ -26,14 +27,18 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import kvbench
 from kvbench.errors import UserError
 from tasks._generation import batch_size_of
 from tasks.base import Task, TaskResult, register_task
 
 INSTALL_HINT = "pip install 'lm-eval>=0.4.13,<0.5'"
+# lm-eval tasks shipped with kvbench (always on the include path): kvbench_essays_mc, offline multiple choice
+BUNDLED_TASKS = Path(kvbench.__file__).resolve().parent / "lm_eval_tasks"
 
 
 def _names(value: Any) -> list[str]:
@@ -89,22 +94,45 @@ def _metric_key(task: str, metric: str) -> Optional[str]:
     return f"{task}/{name}" if filt in ("", "none") else f"{task}/{name}/{filt}"
 
 
+_NOT_SCORES = ("sample_len", "samples", "alias")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+        isinstance(value, float) and math.isnan(value))
+
+
+def primary_metric(results: dict, task: str) -> Optional[tuple[str, float]]:
+    """(result key, value) of a task's primary metric: the first metric of its config's metric_list (acc for a
+    multiple-choice task), at the first filter reported for it; else the first numeric metric that is a score
+    (not sample_len, not a stderr)."""
+    values = (results.get("results") or {}).get(task) or {}
+    config = (results.get("configs") or {}).get(task) or {}
+    listed = [m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)]
+    names = [n for n in listed if isinstance(n, str)] + [k.partition(",")[0] for k in values]
+    for name in names:
+        if name in _NOT_SCORES or name.endswith("_stderr"):
+            continue
+        for key, value in values.items():
+            if key.partition(",")[0] == name and _is_number(value):
+                return key, float(value)
+    return None
+
+
 def flatten_results(results: dict, requested: list[str]) -> dict:
-    """lm-eval's results[task][metric,filter] as flat `<task>/<metric>[/<filter>]` keys plus `score`."""
+    """lm-eval's results[task][metric,filter] as flat `<task>/<metric>[/<filter>]` keys, plus `score` (the mean of
+    the requested tasks' primary metrics) and `score_metric` (which ones, e.g. "arc_easy/acc")."""
     metrics: dict = {}
-    primary: dict[str, float] = {}
     for task, values in (results.get("results") or {}).items():
         for metric, value in values.items():
             key = _metric_key(task, metric)
-            if key is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            if isinstance(value, float) and math.isnan(value):
-                continue
-            metrics[key] = float(value)
-            if task not in primary and "_stderr" not in metric:
-                primary[task] = float(value)
-    chosen = [primary[t] for t in requested if t in primary] or list(primary.values())
-    metrics["score"] = sum(chosen) / len(chosen) if chosen else None
+            if key is not None and _is_number(value):
+                metrics[key] = float(value)
+    tasks = [t for t in requested if t in (results.get("results") or {})] or list(results.get("results") or {})
+    chosen = [(t, primary_metric(results, t)) for t in tasks]
+    chosen = [(t, p) for t, p in chosen if p is not None]
+    metrics["score"] = sum(p[1] for _, p in chosen) / len(chosen) if chosen else None
+    metrics["score_metric"] = ",".join(_metric_key(t, p[0]) or t for t, p in chosen) or None
     return metrics
 
 
@@ -140,6 +168,17 @@ def sample_records(results: dict) -> list[dict]:
     return out
 
 
+def seed_of(settings: Any) -> int:
+    """The run's seed from the typed Settings (settings.seed), an old-style DictConfig or a dict; 0 if none."""
+    seed = getattr(settings, "seed", None)
+    if seed is None and isinstance(settings, dict):
+        seed = settings.get("seed")
+    try:
+        return int(seed) if seed is not None else 0
+    except (TypeError, ValueError):
+        return 0
+
+
 @register_task("lm_eval")
 class LmEval(Task):
     Options = LmEvalOptions
@@ -153,14 +192,11 @@ class LmEval(Task):
             from kvbench.lm_eval_adapter import KVBenchLM
         except ImportError as exc:
             raise UserError(f"task=lm_eval needs lm-eval ({INSTALL_HINT}): {exc}") from None
-        seed = 0
-        try:
-            seed = int(cfg.get("seed", 0)) if cfg is not None and hasattr(cfg, "get") else 0
-        except Exception:
-            pass
+        seed = seed_of(cfg)
         lm = KVBenchLM(engine=engine, tokenizer=tokenizer, batch_size=batch_size_of(cfg),
                        max_gen_toks=opts.max_gen_toks, seed=seed)
-        manager = TaskManager(include_path=opts.include_path, include_defaults=opts.include_defaults)
+        manager = TaskManager(include_path=[*(opts.include_path or []), str(BUNDLED_TASKS)],
+                              include_defaults=opts.include_defaults)
         unknown = [t for t in opts.tasks if not manager.match_tasks([t]) and not os.path.isfile(t)]
         if unknown:
             raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}"

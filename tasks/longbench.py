@@ -140,6 +140,13 @@ def score_results(samples: list[dict], datasets: list[str]) -> dict:
 class LongBench(Task):
     Options = LongBenchOptions
 
+    def preflight(self, settings: Any, model_shape: Any) -> None:
+        """Offline without task.data_dir: fail now (one line), before the model loads."""
+        if not self.options.data_dir:
+            from kvbench.data.hub import require_hub
+
+            require_hub("LongBench data", "task.data_dir")
+
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         from kvbench.data.longbench import load_longbench
         from kvbench.metrics.longbench import score_sample

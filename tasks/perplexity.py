@@ -158,6 +158,18 @@ def _ppl(nll_sum: float, count: int) -> Optional[float]:
 class Perplexity(Task):
     Options = PerplexityOptions
 
+    def preflight(self, settings: Any, model_shape: Any) -> None:
+        """Before the model loads: a text file must be UTF-8 text; hub corpora need the hub or task.data_path."""
+        opts = self.options
+        if opts.corpus == "text_file":
+            from kvbench.data.text_corpora import check_text_file
+
+            check_text_file(opts.text_file)
+        elif opts.corpus in ("wikitext", "pg19") and not opts.data_path:
+            from kvbench.data.hub import require_hub
+
+            require_hub(f"task.corpus={opts.corpus}", "task.data_path")
+
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         import torch
 

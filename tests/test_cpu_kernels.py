@@ -148,3 +148,22 @@ def test_kernel_specialisations_match_reference(group, head_dim):
     (ref, ref_ks), (out, ks) = both(cache, slots, 0, q)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ks, ref_ks, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,bias", [(1, False), (3, True), (4, False), (5, True)])
+def test_decode_projection_gemv_matches_torch(rows, bias):
+    from kvbench.runtime.linear import Linear
+
+    torch.manual_seed(rows)
+    w = torch.randn(300, 96)
+    b = torch.randn(300) if bias else None
+    lin = Linear(w, b)
+    assert (lin._plain is not None) == (lin.backend == "onednn")  # the C path exists wherever oneDNN packs fp32
+    x = torch.randn(rows, 1, 96)
+    with torch.inference_mode():
+        y = lin(x)
+    assert y.shape == (rows, 1, 300)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    if lin._plain is not None and rows <= cpu_kernels.GEMV_MAX_ROWS:  # the C kernel alone gives the same numbers
+        torch.testing.assert_close(cpu_kernels.gemv(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5,
+                                   atol=1e-4)

@@ -243,3 +243,42 @@ def test_lm_eval_task_needs_task_names():
     with pytest.raises(UserError, match="task.tasks"):
         build_task("lm_eval", {})
     assert build_task("lm_eval", {"tasks": "a, b"}).options.tasks == ["a", "b"]
+
+
+def test_score_is_the_primary_metric_not_sample_len():
+    from tasks.lm_eval import flatten_results
+
+    results = {"results": {"mc": {"alias": "mc", "sample_len": 4, "acc,none": 0.75, "acc_stderr,none": 0.1,
+                                  "acc_norm,none": 0.5}},
+               "configs": {"mc": {"metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}}}
+    m = flatten_results(results, ["mc"])
+    assert m["score"] == m["mc/acc"] == 0.75 and m["score_metric"] == "mc/acc"
+    results["configs"] = {}  # no config: the first score-like metric, never sample_len
+    assert flatten_results(results, ["mc"])["score"] == 0.75
+
+
+def test_bundled_offline_task_score_equals_accuracy(tmp_path, monkeypatch):
+    """kvbench_essays_mc ships with kvbench (YAML + data): it runs without the hub, and `score` is its accuracy."""
+    from kvbench.app import run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rec = run(run_cfg(tmp_path, ["task=lm_eval", "task.tasks=[kvbench_essays_mc]", "task.include_defaults=false",
+                                 "task.limit=3", "runtime.prefill_chunk_size=64"]),
+              load_model_fn=tiny_loader(), print_summary=False)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["score"] == rec["kvbench_essays_mc/acc"] and rec["score_metric"] == "kvbench_essays_mc/acc"
+    rows = [json.loads(x) for x in open(f"{rec['run_dir']}/samples.jsonl")]
+    assert len(rows) == 3 and rec["score"] == sum(r["acc"] for r in rows) / 3
+
+
+def test_seed_from_typed_settings_or_old_configs():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from tasks.lm_eval import seed_of
+
+    assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.config.Settings
+    assert seed_of(OmegaConf.create({"seed": 3})) == 3 and seed_of({"seed": 2}) == 2
+    assert seed_of(None) == 0

@@ -23,12 +23,25 @@ PG19_HUB_ID = "emozilla/pg19-test"
 _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
 
 
-def load_text_file(path: str) -> str:
-    """The text of a local file (UTF-8; undecodable bytes replaced)."""
+def check_text_file(path: str) -> Path:
+    """The path of a readable UTF-8 text file; UserError (one line) for a missing, binary or non-UTF-8 file."""
     p = Path(os.path.expanduser(str(path)))
     if not p.is_file():
         raise UserError(f"task.text_file={str(path)!r}: no such file")
-    return p.read_text(encoding="utf-8", errors="replace")
+    data = p.read_bytes()
+    if b"\x00" in data[:65536]:
+        raise UserError(f"task.text_file={str(path)!r} is a binary file (NUL bytes): give a UTF-8 text file")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"task.text_file={str(path)!r} is not UTF-8 text (byte {exc.start}): "
+                        f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+    return p
+
+
+def load_text_file(path: str) -> str:
+    """The text of a local UTF-8 text file (binary or other encodings are refused: check_text_file)."""
+    return check_text_file(path).read_text(encoding="utf-8")
 
 
 def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str, list[str]]:
@@ -77,6 +90,9 @@ def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: 
             return datasets.load_dataset(builder, data_files={split: files}, split=split)
         except Exception as exc:
             raise UserError(f"cannot read task.data_path={str(data_path)!r}: {str(exc).splitlines()[0]}") from None
+    from kvbench.data.hub import require_hub
+
+    require_hub(f"dataset {hub_id!r}", "task.data_path")  # fail at once offline, not after the hub's retries
     try:
         return datasets.load_dataset(hub_id, config, split=split) if config else \
             datasets.load_dataset(hub_id, split=split)

@@ -29,16 +29,17 @@ import dataclasses
 import hashlib
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
-from kvbench.runtime.linear import Linear
+from kvbench.runtime.linear import Linear, keep_dense_weights
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,15 @@ def _normalized(weights: list[torch.Tensor]) -> torch.Tensor | None:
     return w / m if float(m) > 0 else torch.ones_like(w)
 
 
-def calibrate_on_tokens(model, sequences: Sequence[Sequence[int]], settings: CalibrationSettings) -> Calibration:
-    """Run the calibration forward over token sequences and fit levels / thresholds (no disk cache)."""
+def _log_line(message: str) -> None:
+    """Progress of a calibration: one line on stderr per step (it runs once per model and settings, minutes)."""
+    print(f"kvbench: {message}", file=sys.stderr, flush=True)
+
+
+def calibrate_on_tokens(model, sequences: Sequence[Sequence[int]], settings: CalibrationSettings,
+                        progress: Callable[[str], None] | None = None) -> Calibration:
+    """Run the calibration forward over token sequences and fit levels / thresholds (no disk cache). `progress`
+    receives one line per step (default: stderr)."""
     s = settings
     L = model.config.num_layers
     fisher = s.method == "fisher" and s.levels == "nuq"
@@ -228,11 +236,17 @@ def calibrate_on_tokens(model, sequences: Sequence[Sequence[int]], settings: Cal
     vw: list[list[torch.Tensor]] | None = [[] for _ in range(L)] if fisher else None
     t0 = time.perf_counter()
     n_tokens = 0
-    for seq in sequences:
+    say = progress or _log_line
+    linears = [lin for lw in model.layers for lin in vars(lw).values() if isinstance(lin, Linear)] + [model.lm_head]
+    for i, seq in enumerate(sequences):
         ids = torch.as_tensor(list(seq), dtype=torch.int64)
         if ids.numel() <= s.block_size:
             raise UserError(f"calibration sequence of {ids.numel()} tokens is too short (need > {s.block_size})")
-        _, ks, vs, kg, vg = forward_capture(model, ids, grads=fisher, pre_rope=s.pre_rope)
+        ts = time.perf_counter()
+        with keep_dense_weights(linears if fisher else []):
+            _, ks, vs, kg, vg = forward_capture(model, ids, grads=fisher, pre_rope=s.pre_rope)
+        say(f"kvquant calibration: sequence {i + 1}/{len(sequences)} ({ids.numel()} tokens, "
+            f"{'forward+backward' if fisher else 'forward'} {time.perf_counter() - ts:.1f} s)")
         for l in range(L):
             k = ks[l]
             # the first block stays in full precision in the cache: leave it out
@@ -243,7 +257,10 @@ def calibrate_on_tokens(model, sequences: Sequence[Sequence[int]], settings: Cal
                 vw[l].append(vg[l][:, s.block_size:].cpu())
         n_tokens += ids.numel()
     t1 = time.perf_counter()
+    if s.levels == "nuq":
+        say(f"kvquant calibration: fitting {2 ** s.bits} levels per layer for keys and values ...")
     cal = fit_from_activations(keys, values, kw, vw, s)
+    say(f"kvquant calibration: done in {time.perf_counter() - t0:.1f} s")
     cal.info = {"calibration_tokens": n_tokens, "calibration_sequences": len(sequences),
                 "forward_s": round(t1 - t0, 2), "fit_s": round(time.perf_counter() - t1, 2)}
     return cal
@@ -311,12 +328,13 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings | None = None
     path = cache_path(model, settings, cache_dir)
     if use_cache and path.is_file():
         data = torch.load(path, map_location="cpu", weights_only=True)
+        _log_line(f"kvquant calibration: reusing the cached one in {path}")
         return Calibration(data.get("key_levels"), data.get("value_levels"), data.get("key_ranges"),
                            {**json.loads(data["info"]), "cached": True, "cache_file": str(path)})
     tok = resolve_tokenizer(model, tokenizer)
     seqs = calibration_sequences(tok, settings)
-    log.info("kvquant calibration (%s, %d x %d tokens of %s) ...", settings.method, len(seqs), settings.seq_len,
-             settings.corpus)
+    _log_line(f"kvquant calibration ({settings.method}, {len(seqs)} x {settings.seq_len} tokens of "
+              f"{settings.corpus}), once per model and settings; later runs reuse {path}")
     cal = calibrate_on_tokens(model, seqs, settings)
     cal.info.update(settings=dataclasses.asdict(settings), model_fingerprint=model_fingerprint(model))
     if use_cache:

@@ -4,6 +4,7 @@
   through the block tables (no gather, no copy of cached K/V). Each (sequence, kv-head) is split
   into chunks of keys so both cores work even at batch 1; chunks are merged with their softmax
   statistics (flash-decoding). It also returns per-key attention mass for score-based methods.
+- ``gemv``: a decode step's projections (a few rows against the weight in transformers' [out, in] layout).
 - ``rms_norm`` and ``rotary_``: row-wise ops where torch's dispatch of several small kernels per
   token costs more than the arithmetic once the weight GEMVs have flushed the caches.
 
@@ -100,7 +101,8 @@ def load_kernel():
                                                f32, i64, i32, p, p, p, p, i32]
     lib.rms_norm_f32.argtypes = [p, p, p, i64, i64, f32, i32]
     lib.rotary_f32.argtypes = [p, i64, i64, i64, i64, p, p, i32]
-    for fn in (lib.paged_decode_attention_f32, lib.rms_norm_f32, lib.rotary_f32):
+    lib.gemv_f32.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    for fn in (lib.paged_decode_attention_f32, lib.rms_norm_f32, lib.rotary_f32, lib.gemv_f32):
         fn.restype = None
     _lib = lib
     return lib
@@ -186,3 +188,17 @@ def rotary_(x: torch.Tensor, n_heads: int, head_dim: int, cos: torch.Tensor, sin
     assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (x.shape[0], head_dim)
     _lib.rotary_f32(x.data_ptr(), x.shape[0], x.stride(0), n_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                     torch.get_num_threads())
+
+
+GEMV_MAX_ROWS = 4  # rows of x up to which `gemv` beats oneDNN (one weight pass, x in L1); larger batches: oneDNN
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., I] (fp32, at most GEMV_MAX_ROWS rows) @ weight[O, I]^T (+ bias [O]) -> [..., O]."""
+    assert weight.is_contiguous() and weight.dtype == x.dtype == torch.float32
+    x = x.contiguous()
+    O, I = weight.shape
+    y = torch.empty(*x.shape[:-1], O, dtype=torch.float32)
+    _lib.gemv_f32(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), O,
+                  I, x.numel() // I, torch.get_num_threads())
+    return y

@@ -6,11 +6,22 @@ SmolLM2's projections (medians of five alternating runs): one decode token 26 ms
 for ``x @ W_t`` through MKL, and 16 tokens 34 ms vs 86 ms (MKL is slow at small M). Elsewhere (CUDA,
 fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored transposed and
 multiplied as ``x @ W_t``.
+
+fp32 on CPU with kvbench's C kernels: inputs of at most 4 rows (a decode step of up to 4 sequences) go through a
+plain C GEMV over a second, [out, in] copy of the weight (kvbench/runtime/csrc/decode_ops.c). Measured in one
+process on the (shared, loaded) dev machine: all of SmolLM2's projections for one token 50-52 ms vs 70-74 ms
+through oneDNN (42.8 vs 49.7 ms in a quieter moment), and whole decode steps interleaved one for one 20.8 vs
+18.5 tok/s at context 512, 11.8 vs 11.1 at 4096, the same greedy tokens. With more rows oneDNN's packed layout wins.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
+
+from kvbench.runtime import cpu_kernels
 
 ONEDNN_BATCH_HINT = 16  # rows the packed layout is tuned for; any number of rows works
 
@@ -26,6 +37,14 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _use_gemv(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    from kvbench.runtime import cpu_kernels
+
+    return cpu_kernels.available()
+
+
 class Linear:
     """y = x @ W^T + b for x [..., in] -> [..., out]; W given as [out, in] (transformers' layout)."""
 
@@ -38,19 +57,44 @@ class Linear:
         self._onednn_linear = torch.ops.mkldnn._linear_pointwise.default if self._packed is not None else None
         # fallback layout [in, out]: x @ W_t streams rows of W_t, ~2x faster than F.linear in a CPU GEMV
         self._w_t = weight.t().contiguous() if self._packed is None else None
+        self._dense: torch.Tensor | None = None  # kept only inside `keep_dense_weights` (autograd passes)
+        # fp32 on CPU with the C kernels: decode-sized inputs (<= GEMV_MAX_ROWS rows) stream this [out, in] copy
+        # through cpu_kernels.gemv; the packed copy serves prefill and larger batches. Costs one more copy of the
+        # weights in memory (SmolLM2-135M: +538 MB) for ~1.1x decode steps (see the module docstring).
+        self._plain = weight.contiguous() if self._packed is not None and _use_gemv(weight) else None
 
     @property
     def backend(self) -> str:
         return "onednn" if self._packed is not None else "matmul"
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight as [out, in] (a fresh copy when stored in oneDNN's layout)."""
+        """The weight as [out, in], read-only (the plain copy when kept, else a fresh copy of oneDNN's layout)."""
+        if self._plain is not None:
+            return self._plain
         return self._packed.to_dense() if self._packed is not None else self._w_t.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             if x.requires_grad and torch.is_grad_enabled():  # oneDNN's op has no backward (KVQuant's Fisher pass)
-                return F.linear(x, self.dense_weight(), self.bias)
+                w = self._dense if self._dense is not None else self.dense_weight()
+                return F.linear(x, w, self.bias)
+            if self._plain is not None and x.numel() <= cpu_kernels.GEMV_MAX_ROWS * self.in_features:
+                return cpu_kernels.gemv(x, self._plain, self.bias)
             return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
         return y + self.bias if self.bias is not None else y
+
+
+@contextmanager
+def keep_dense_weights(linears: Iterable[Linear]):
+    """Within the block, autograd passes through these Linears reuse one dense copy of each weight instead of
+    reordering oneDNN's layout back at every call (KVQuant calibration runs many forward+backward passes)."""
+    linears = list(linears)
+    for lin in linears:
+        if lin._packed is not None:
+            lin._dense = lin.dense_weight()
+    try:
+        yield
+    finally:
+        for lin in linears:
+            lin._dense = None

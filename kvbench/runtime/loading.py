@@ -2,13 +2,17 @@
 
 transformers reads weights, config and tokenizer; `build_from_transformers` copies the weights into
 kvbench's own forward. A GGUF checkpoint is de-quantized once and cached as a normal
-safetensors folder, so later loads take seconds.
+safetensors folder, keyed by the file's content, so later loads (from any checkout) take seconds.
+`check_model_path` refuses a path that cannot be a model with one line before anything loads.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 @dataclass
@@ -62,24 +67,89 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_model_path(path: str, gguf_file: str | None = None) -> None:
+    """Cheap checks of a model location before anything loads; UserError (one line) when it cannot be a model.
+
+    `path` is a hub id ("org/name"), a local folder or a .gguf file; with `gguf_file`, the GGUF file inside the
+    folder `path`. Checks: the file or folder exists, a folder is not empty and has a config.json, weights and a
+    tokenizer, a GGUF starts with the GGUF magic bytes. A hub id is left to the hub.
+    """
+    if gguf_file is not None or str(path).endswith(".gguf"):
+        src = Path(path).expanduser() / gguf_file if gguf_file is not None else Path(path).expanduser()
+        if not src.is_file():
+            raise UserError(f"GGUF file {str(src)!r} does not exist")
+        with open(src, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise UserError(f"{str(src)!r} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        return
+    p = Path(path).expanduser()
+    if p.is_file():
+        raise UserError(f"model path {path!r} is a file; give a model folder, a hub id or a .gguf file")
+    if p.is_dir():
+        if not any(p.iterdir()):
+            raise UserError(f"model folder {path!r} is empty")
+        if not (p / "config.json").is_file():
+            raise UserError(f"model folder {path!r} has no config.json: it is not a transformers model folder")
+        names = {c.name for c in p.iterdir()}
+        if not any(n.endswith((".safetensors", ".bin", ".pt", ".pth")) for n in names):
+            raise UserError(f"model folder {path!r} has no weights (*.safetensors or *.bin)")
+        if not names & set(TOKENIZER_FILES):
+            raise UserError(f"model folder {path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
+        return
+    if _looks_local(str(path)):
+        raise UserError(f"model path {path!r} does not exist")
+
+
+def _looks_local(path: str) -> bool:
+    """True for a path that cannot be a hub id ("name" or "org/name")."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+
+
 def load_hf(path: str, *, gguf_file: str | None = None, cache_dir: str | os.PathLike | None = None):
     """(transformers model in fp32 on cpu, tokenizer) from a hub id, local folder or GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    check_model_path(path, gguf_file)
     if gguf_file is not None:
         path = str(_converted_gguf(path, gguf_file, cache_dir))
     elif path.endswith(".gguf"):
-        p = Path(path)
+        p = Path(path).expanduser()
         path = str(_converted_gguf(str(p.parent), p.name, cache_dir))
-    elif os.path.sep in path and not Path(path).exists() or path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
-        raise UserError(f"model path {path!r} does not exist")
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except OSError as exc:
-        raise UserError(f"cannot load model {path!r}: {str(exc).splitlines()[0]}") from None
+    with quiet_transformers():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot load model {path!r}: {first}") from None
     hf.eval()
+    hf.kvbench_source = path  # the folder or hub id transformers loaded (a GGUF's converted folder)
     return hf, tok
+
+
+@contextmanager
+def quiet_transformers():
+    """Keep transformers' and huggingface_hub's progress bars ("Loading weights", the GGUF conversion bar)
+    out of the output while loading; restores the previous state."""
+    from transformers.utils import logging as tlog
+
+    was_enabled = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    gguf_mod = None
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_mod  # its bar is a plain tqdm.auto
+        saved = gguf_mod.tqdm
+        gguf_mod.tqdm = functools.partial(saved, disable=True)
+    except (ImportError, AttributeError):
+        gguf_mod = None
+    try:
+        yield
+    finally:
+        if gguf_mod is not None:
+            gguf_mod.tqdm = saved
+        if was_enabled:
+            tlog.enable_progress_bar()
 
 
 def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str | torch.dtype = "float32",
@@ -97,33 +167,78 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
     loaded = LoadedModel(model, tok, hf.config, str(name), torch_dtype, torch.device(device))
     if keep_hf:
         loaded.hf_model = hf  # type: ignore[attr-defined]
+        loaded.hf_dir = hf.kvbench_source  # type: ignore[attr-defined]
     return loaded
 
 
+def file_digest(src: Path, index_dir: Path) -> str:
+    """sha256 of a file's content, remembered in `index_dir`/digests.json keyed by (absolute path, size, mtime),
+    so a file is hashed once, not at every load."""
+    st = src.stat()
+    key = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = index_dir / "digests.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key in index:
+        return index[key]
+    h = hashlib.sha256()
+    with open(src, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    try:  # re-read and merge: another process may have added entries meanwhile
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    index[key] = digest
+    try:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f"{index_path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(index, indent=0))
+        os.replace(tmp, index_path)
+    except OSError:  # a read-only cache still works, it only hashes again next time
+        pass
+    return digest
+
+
 def _converted_gguf(folder: str, gguf_file: str, cache_dir: str | os.PathLike | None) -> Path:
-    """De-quantize a GGUF once into a safetensors folder under the cache; return that folder."""
+    """De-quantize a GGUF once into a safetensors folder under the cache; return that folder.
+
+    The folder is named by the GGUF's content (sha256), so every checkout and venv on a machine that has the
+    same file shares one conversion."""
     src = Path(folder).expanduser() / gguf_file
     if not src.exists():
         raise UserError(f"GGUF file {str(src)!r} does not exist")
-    st = src.stat()
-    key = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    out = Path(cache_dir or cache_root()) / "gguf" / f"{src.stem}-{key}"
+    root = Path(cache_dir or cache_root()) / "gguf"
+    out = root / f"{src.stem}-{file_digest(src, root)[:16]}"
     if (out / "done").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=gguf_file)
-    q = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=gguf_file, dtype=torch.float32)
-    config = q.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = type(q)(config)  # same architecture without the GGUF quantizer attached
-    plain.load_state_dict(q.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    _convert_gguf(src, tmp)
     (tmp / "done").write_text(str(src))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def _convert_gguf(src: Path, dest: Path) -> None:
+    """Write the de-quantized model and tokenizer of the GGUF `src` into the folder `dest` (safetensors)."""
+    with quiet_transformers():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            q = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        except Exception as exc:  # a corrupt or unsupported GGUF fails deep inside the reader
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot read GGUF file {str(src)!r}: {first}") from None
+        config = q.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = type(q)(config)  # same architecture without the GGUF quantizer attached
+        plain.load_state_dict(q.state_dict())
+        plain.save_pretrained(dest)
+        tok.save_pretrained(dest)

@@ -17,6 +17,7 @@ from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.linear import Linear
 from kvbench.runtime.rope import RotaryTable, apply_rotary
+from kvbench.runtime.threads import StepThreads
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -99,6 +100,7 @@ class LlamaFamilyModel:
         self.device = embed.device
         # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths)
         self.use_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        self.step_threads = StepThreads() if self.device.type == "cpu" else None
 
     @property
     def weight_bytes(self) -> int:
@@ -110,7 +112,19 @@ class LlamaFamilyModel:
                     n += t.nbytes
         return n
 
-    def forward(
+    def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """One step (see `_forward`); on CPU a decode-sized step runs with the thread count that `StepThreads`
+        finds fastest (1 or all: it differs on a machine shared with other processes)."""
+        st = self.step_threads
+        if st is None or torch.is_grad_enabled():
+            return self._forward(tokens, *args, **kwargs)
+        st.begin(tokens.numel())
+        try:
+            return self._forward(tokens, *args, **kwargs)
+        finally:
+            st.end()
+
+    def _forward(
         self,
         tokens: torch.Tensor,  # [S, Q] int64
         cache: PagedKVCache,

@@ -1,0 +1,93 @@
+"""Model loading: the GGUF conversion cache is keyed by content, and bad model paths fail with one line."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kvbench.errors import UserError
+from kvbench.runtime import loading
+
+
+@pytest.fixture
+def conversions(tmp_path, monkeypatch):
+    """Replace the (slow) transformers conversion by one that records its calls."""
+    calls = []
+
+    def fake_convert(src, dest):
+        calls.append(str(src))
+        dest.mkdir(parents=True)
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "_convert_gguf", fake_convert)
+    return calls
+
+
+def _fake_gguf(folder, content=b"GGUF" + bytes(range(256)) * 8):
+    folder.mkdir(parents=True)
+    (folder / "m.gguf").write_bytes(content)
+    return folder
+
+
+def test_two_checkouts_share_one_conversion(tmp_path, conversions):
+    a = _fake_gguf(tmp_path / "checkout_a" / ".venv" / "pkg")
+    b = tmp_path / "checkout_b" / ".venv" / "pkg"
+    shutil.copytree(a, b)
+    os.utime(b / "m.gguf", (1_000_000, 1_000_000))  # another mtime, another path: same content
+    out_a = loading._converted_gguf(str(a), "m.gguf", None)
+    out_b = loading._converted_gguf(str(b), "m.gguf", None)
+    assert out_a == out_b and (out_a / "done").exists()
+    assert conversions == [str(a / "m.gguf")]  # converted once
+    other = _fake_gguf(tmp_path / "other", b"GGUF" + b"different weights")
+    assert loading._converted_gguf(str(other), "m.gguf", None) != out_a
+    assert len(conversions) == 2
+
+
+def test_digest_is_remembered_by_path_size_and_mtime(tmp_path, conversions, monkeypatch):
+    a = _fake_gguf(tmp_path / "a")
+    first = loading._converted_gguf(str(a), "m.gguf", None)
+    index = (tmp_path / "cache" / "gguf" / "digests.json").read_text()
+    assert str((a / "m.gguf").resolve()) in index
+
+    def no_rehash(*args, **kwargs):
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(loading.hashlib, "sha256", no_rehash)
+    assert loading._converted_gguf(str(a), "m.gguf", None) == first
+
+
+@pytest.mark.parametrize("make,gguf,needle", [
+    (lambda d: d / "missing", None, "does not exist"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", None, "is empty"),
+    (lambda d: (d / "notmodel").mkdir() or (d / "notmodel" / "x.txt").write_text("x") and d / "notmodel", None,
+     "no config.json"),
+    (lambda d: (d / "cfg").mkdir() or (d / "cfg" / "config.json").write_text("{}") and d / "cfg", None,
+     "no weights"),
+    (lambda d: (d / "w").mkdir() or (d / "w" / "config.json").write_text("{}") and
+     (d / "w" / "model.safetensors").write_bytes(b"x") and d / "w", None, "no tokenizer"),
+    (lambda d: (d / "bad.gguf").write_bytes(b"not a gguf at all") and d, "bad.gguf", "not a GGUF file"),
+    (lambda d: d, "absent.gguf", "does not exist"),
+])
+def test_bad_model_paths_are_one_line_user_errors(tmp_path, make, gguf, needle):
+    path = make(tmp_path)
+    with pytest.raises(UserError) as info:
+        loading.check_model_path(str(path), gguf)
+    msg = str(info.value)
+    assert needle in msg and "\n" not in msg and "sentencepiece" not in msg
+
+
+def test_hub_ids_pass_the_cheap_check(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    loading.check_model_path("HuggingFaceTB/SmolLM2-360M-Instruct")  # left to the hub: no error here
+    with pytest.raises(UserError):
+        loading.check_model_path("./HuggingFaceTB/SmolLM2-360M-Instruct")
+
+
+def test_corrupt_gguf_with_magic_fails_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    d = _fake_gguf(tmp_path / "m")  # right magic, garbage after it
+    with pytest.raises(UserError) as info:
+        loading.load_hf(str(d), gguf_file="m.gguf")
+    assert "cannot read GGUF file" in str(info.value) and "\n" not in str(info.value)
