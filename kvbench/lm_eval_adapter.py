@@ -19,7 +19,8 @@ positions), max_gen_toks (default 256), seed.
 How requests meet the compressed cache:
 - loglikelihood(context, continuation): the context but its last token is prefilled chunk by chunk, and the
   method compresses it as it would any prompt; its last token and the continuation (but the last token) then go in as
-  one chunk, so every continuation token is predicted from the compressed cache (`score_continuation`). A plain
+  one chunk, so every continuation token is predicted from the compressed cache (`score_continuation`); the
+  continuations of one context (multiple choice) share its prefill through forks (`score_continuations`). A plain
   lm-eval model scores context + continuation in one forward pass, where compression could not matter.
   Too-long inputs keep their last max_length + 1 tokens, as lm-eval's HF model does.
 - loglikelihood_rolling(text): lm-eval's rolling windows of max_length tokens, each streamed through
@@ -41,7 +42,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from tasks._generation import PerfMeter, decode, generate_until, score_continuation, stop_token_ids
+from tasks._generation import PerfMeter, decode, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,11 @@ def _int_or_none(value: Any, name: str) -> Optional[int]:
         raise ValueError(f"kvbench model_args: {name}={value!r} is not an integer") from None
 
 
-def _score_continuation(engine: Any, context_ids: list[int], continuation_ids: list[int]) -> tuple[list, bool]:
-    """(log-probs of the continuation tokens, whether greedy decoding gives them): the engine's public
-    `score_continuation` when it has one, else the older helper in tasks/_generation.py."""
-    fn = getattr(engine, "score_continuation", None)
-    if fn is not None:
-        lps, greedy = fn(list(context_ids), list(continuation_ids))
-        return [float(x) for x in lps], bool(greedy)
-    return score_continuation(engine, context_ids, continuation_ids)
+def _score_continuations(engine: Any, context_ids: list[int], continuations: list[list[int]]) -> list[tuple]:
+    """[(log-probs of the continuation's tokens, whether greedy decoding gives them)] for continuations of one
+    context: prefilled and compressed once, each continuation scored on a fork (Engine.score_continuations)."""
+    return [([float(x) for x in lps], bool(greedy))
+            for lps, greedy in engine.score_continuations(list(context_ids), [list(c) for c in continuations])]
 
 
 @register_model("kvbench")
@@ -154,23 +152,30 @@ class KVBenchLM(TemplateLM):
     # ------------------------------------------------------------------ requests
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        out = []
-        for key, ctx, cont in tqdm(requests, desc="kvbench loglikelihood", disable=disable_tqdm):
+        out: list = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}  # requests sharing a context (multiple choice) share its prefill
+        for i, (key, ctx, cont) in enumerate(requests):
             if not cont:
-                out.append((0.0, True))
+                out[i] = (0.0, True)
                 continue
             keep = self.max_length + 1 - len(cont)
             if keep < 1:
                 raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
-            ctx = list(ctx)[-keep:]
+            groups.setdefault(tuple(list(ctx)[-keep:]), []).append(i)
+        bar = tqdm(total=len(requests), desc="kvbench loglikelihood", disable=disable_tqdm)
+        for ctx, idx in groups.items():
+            conts = [list(requests[i][2]) for i in idx]
             t0 = time.perf_counter()
-            lps, greedy = _score_continuation(self.engine, ctx, cont)
-            self.meter.add_prefill(len(ctx) + len(cont) - 1, time.perf_counter() - t0)
-            answer = (float(sum(lps)), bool(greedy))
-            if key is not None:
-                self.cache_hook.add_partial("loglikelihood", key, answer)
-            out.append(answer)
-        return out
+            answers = _score_continuations(self.engine, list(ctx), conts)
+            self.meter.add_prefill(len(ctx) - 1 + sum(len(c) for c in conts), time.perf_counter() - t0)
+            for i, (lps, greedy) in zip(idx, answers):
+                answer = (float(sum(lps)), bool(greedy))
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                out[i] = answer
+            bar.update(len(idx))
+        bar.close()
+        return [a for a in out]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -214,9 +219,9 @@ class KVBenchLM(TemplateLM):
                     text = self.tok_decode(toks)
                     return any(u in text for u in until)
 
-                gens = generate_until(self.engine, prompts, max_new_tokens=max_gen, stop_token_ids=self.stop_ids,
-                                      should_stop=should_stop if until else None, temperature=temperature,
-                                      seed=self.seed)
+                gens = self.engine.generate(prompts, max_new_tokens=max_gen, stop_token_ids=self.stop_ids,
+                                            should_stop=should_stop if until else None, temperature=temperature,
+                                            seed=self.seed)
                 self.meter.add_batch(gens)
                 for i, g in zip(batch, gens):
                     text = self.tok_decode(g.token_ids)

@@ -20,6 +20,7 @@ class Method:
                                     decode steps) when `acts_after_attention`; evict here through the cache's
                                     named operations (keep_tokens, evict_blocks, drop_slots)
       on_sequence_end(slot)         when a sequence's blocks are freed (finished or preempted)
+      on_fork(parent, child)        when a sequence is forked (shared blocks): copy per-sequence state
     `budget` is the most KV tokens kept per sequence, per layer, per kv-head (None = unlimited).
     `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null).
     """
@@ -54,6 +55,9 @@ class Method:
         pass
 
     def on_sequence_end(self, slot: int) -> None:
+        pass
+
+    def on_fork(self, parent: int, child: int) -> None:
         pass
 
     def describe(self) -> dict[str, Any]:

@@ -179,6 +179,13 @@ class EvictionMethod(Method):
         for key in [k for k in self._state if k[0] == slot]:
             del self._state[key]
 
+    def on_fork(self, parent: int, child: int) -> None:
+        """A forked sequence starts with a copy of its parent's per-layer state (scores, window queries)."""
+        for (slot, layer), st in list(self._state.items()):
+            if slot == parent:
+                self._state[(child, layer)] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                               for k, v in st.items()}
+
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["eviction"] = self.granularity

@@ -15,9 +15,6 @@ perf (also written per sample as ttft_s / prefill_s / decode_s):
                         batch_size > 1 the decode steps of a batch are shared, so this is throughput)
 - peak_kv_bytes         the engine pool's peak so far (app.py records the final value from engine.memory_stats())
 
-For the lm-eval adapter: `score_continuation` (engine.score_continuation: prefill and compress a context, then score
-a continuation against the compressed cache) and `generate_until` (engine.generate with a stop condition checked
-after every token, e.g. a stop string).
 """
 from __future__ import annotations
 
@@ -244,17 +241,3 @@ def mean_x100(values: Iterable[float], ndigits: int = 2) -> Optional[float]:
     return round(100 * sum(vals) / len(vals), ndigits) if vals else None
 
 
-# --------------------------------------------------------------------------- engine helpers
-def score_continuation(engine: Any, context_ids: Sequence[int], continuation_ids: Sequence[int],
-                       chunk_size: Optional[int] = None) -> tuple[list[float], bool]:
-    """engine.score_continuation (kept for the lm-eval adapter's import)."""
-    return engine.score_continuation(context_ids, continuation_ids, chunk_size)
-
-
-def generate_until(engine: Any, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
-                   should_stop: Optional[Callable[[int, list[int]], bool]] = None, temperature: float = 0.0,
-                   seed: Optional[int] = None) -> list[Any]:
-    """engine.generate, plus `should_stop(i, tokens_so_far)` checked after every token of prompt i (a sequence
-    that should stop ends with finish_reason "stop"). Without should_stop this is engine.generate."""
-    return engine.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                           temperature=temperature, seed=seed, should_stop=should_stop)

@@ -10,7 +10,6 @@ import torch
 pytest.importorskip("lm_eval")
 
 from methods import available_methods, build_method  # noqa: E402
-from tasks._generation import generate_until, score_continuation  # noqa: E402
 from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer, tiny_engine,  # noqa: E402
                                           tiny_hf_model, tiny_loader, write_jsonl)
 
@@ -122,7 +121,7 @@ def test_score_continuation_full_matches_transformers():
     ctx = tok.encode(DOCS[0]["context"], add_special_tokens=False)
     cont = tok.encode(" river stone light", add_special_tokens=False)
     engine = tiny_engine(None, prefill_chunk_size=16)
-    lps, greedy = score_continuation(engine, ctx, cont)
+    lps, greedy = engine.score_continuation(ctx, cont)
     with torch.no_grad():
         logits = hf(torch.tensor([ctx + cont])).logits[0].float()
     ref = torch.log_softmax(logits, -1)[len(ctx) - 1:-1].gather(-1, torch.tensor(cont)[:, None]).squeeze(-1)
@@ -131,22 +130,46 @@ def test_score_continuation_full_matches_transformers():
     assert engine.cache.live == set()  # the sequence was freed
 
     small = tiny_engine(budget_method(), prefill_chunk_size=16)
-    lps_b, _ = score_continuation(small, ctx, cont)
+    lps_b, _ = small.score_continuation(ctx, cont)
     assert not torch.allclose(torch.tensor(lps_b), ref, atol=1e-3)  # scored against the compressed context
     full_peak, small_peak = engine.memory_stats()["peak_kv_bytes"], small.memory_stats()["peak_kv_bytes"]
     assert small_peak < full_peak / 2
+
+
+@pytest.mark.parametrize("method", [None, ("h2o", 24), ("snapkv", 24), ("paged_eviction", 32),
+                                    ("streaming_llm", 24)])
+def test_continuations_of_one_context_share_its_prefill(method):
+    """score_continuations (one prefill, a fork per continuation) equals one score_continuation per continuation,
+    under a compressing method too; the forks share the context's blocks and everything is freed."""
+    from methods import build_method
+
+    tok = smollm2_tokenizer()
+    ctx = tok.encode(DOCS[0]["context"] * 3, add_special_tokens=False)
+    conts = [tok.encode(t, add_special_tokens=False) for t in (" river stone light", " a", " the end of it all")]
+    m = (lambda: None) if method is None else (lambda: build_method(method[0], method[1]))
+    one = tiny_engine(m(), prefill_chunk_size=16, block_size=8)
+    want = [one.score_continuation(ctx, c) for c in conts]
+    shared = tiny_engine(m(), prefill_chunk_size=16, block_size=8)
+    got = shared.score_continuations(ctx, conts)
+    for (lw, gw), (lg, gg) in zip(want, got):
+        assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=1e-5) and gg == gw
+    assert shared.cache.live == set() and shared.cache.pool.in_use == 0
+    shared.cache.pool.check_consistency()
+    assert not getattr(shared.method, "_state", {})
+    # sharing the context's blocks keeps the peak below one context per continuation
+    assert shared.memory_stats()["peak_kv_bytes"] <= one.memory_stats()["peak_kv_bytes"] * 1.5
 
 
 def test_generate_until_stops_on_a_string():
     tok = smollm2_tokenizer()
     engine = tiny_engine()
     prompt = tok.encode(DOCS[1]["context"], add_special_tokens=False)
-    (free,) = generate_until(engine, [prompt], max_new_tokens=12)
+    (free,) = engine.generate([prompt], max_new_tokens=12)
     assert len(free.token_ids) == 12
     stop_text = tok.decode(free.token_ids[4:5])
     assert stop_text.strip()
-    (cut,) = generate_until(engine, [prompt], max_new_tokens=12,
-                            should_stop=lambda i, toks: stop_text in tok.decode(toks))
+    (cut,) = engine.generate([prompt], max_new_tokens=12,
+                             should_stop=lambda i, toks: stop_text in tok.decode(toks))
     first = next(n for n in range(1, 13) if stop_text in tok.decode(free.token_ids[:n]))
     assert cut.token_ids == free.token_ids[:first] and cut.finish_reason == "stop"
     assert engine.cache.live == set()
@@ -200,8 +223,9 @@ def test_registered_model_from_model_args(task_dir, tmp_path):
     assert lm.engine.method.name == BUDGET_METHOD and lm.engine.method.budget == BUDGET and lm.engine.method.sinks == 2
     assert lm.batch_size == 2 and lm.max_length == 8192 and lm.device == "cpu"
     out = _evaluate(lm, task_dir, ["kvb_mc"], limit=2)
-    # the budget held: at its peak the pool never had more than budget + one chunk + one block per table
-    assert lm.engine.memory_stats()["peak_kv_bytes"] <= (BUDGET + 16 + 16) * lm.engine.cache.kv_bytes_per_token()
+    # the budget held: at its peak the pool never had more than budget + one chunk + one block per table, for the
+    # shared context and the one fork (a choice being scored) alive beside it
+    assert lm.engine.memory_stats()["peak_kv_bytes"] <= 2 * (BUDGET + 16 + 16) * lm.engine.cache.kv_bytes_per_token()
 
     out_dir = tmp_path / "cli_out"
     cli(["--model", "kvbench", "--model_args", args, "--tasks", "kvb_mc", "--include_path", str(task_dir),

@@ -160,6 +160,15 @@ class Engine:
         """A new, empty sequence slot."""
         return self.cache.add_sequence()
 
+    def fork_sequence(self, slot: int) -> int:
+        """A new sequence sharing every block of `slot` (copy-on-write on its first write); the method copies its
+        state for it (`on_fork`), so both go on exactly as the original would."""
+        child = self.cache.fork(slot)
+        on_fork = getattr(self.method, "on_fork", None)
+        if on_fork is not None:
+            on_fork(slot, child)
+        return child
+
     def end_sequence(self, slot: int) -> None:
         """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
         self._max_sequence_tokens = max(self._max_sequence_tokens, self.cache.tokens_seen[slot])
@@ -218,24 +227,47 @@ class Engine:
         every continuation token's log-prob, each predicted from the compressed cache. Returns (log-probs,
         greedy), greedy saying whether every continuation token is the argmax. The sequence is freed at the end.
         """
-        ctx, cont = [int(t) for t in context_ids], [int(t) for t in continuation_ids]
-        if not ctx or not cont:
+        return self.score_continuations(context_ids, [continuation_ids], chunk_size)[0]
+
+    @torch.no_grad()
+    def score_continuations(self, context_ids: Sequence[int], continuations: Sequence[Sequence[int]],
+                            chunk_size: int | None = None) -> list[tuple[list[float], bool]]:
+        """score_continuation for several continuations of one context (a multiple-choice question): the context
+        is prefilled and compressed once, and each continuation is scored on a fork of that sequence, sharing its
+        blocks (copy-on-write), with the method's state copied. Same results as one call per continuation."""
+        ctx = [int(t) for t in context_ids]
+        conts = [[int(t) for t in c] for c in continuations]
+        if not ctx or not conts or any(not c for c in conts):
             raise ValueError("score_continuation needs a non-empty context and continuation")
         chunk = chunk_size or self.prefill_chunk_size
-        head, feed = ctx[:-1], ctx[-1:] + cont[:-1]
-        slot = self.cache.add_sequence()
+        head = ctx[:-1]
+        parent = self.cache.add_sequence()
+        out: list[tuple[list[float], bool]] = []
+        try:
+            for _ in self._prefill(parent, head, chunk, logits_for="none"):
+                pass
+            for i, cont in enumerate(conts):
+                last = i == len(conts) - 1
+                slot = parent if last else self.fork_sequence(parent)  # the last one goes on in the original
+                try:
+                    out.append(self._score_feed(slot, len(head), ctx[-1:] + cont[:-1], cont, chunk))
+                finally:
+                    if not last:
+                        self.end_sequence(slot)
+        finally:
+            if parent in self.cache.live:
+                self.end_sequence(parent)
+        return out
+
+    def _score_feed(self, slot: int, start: int, feed: list[int], cont: list[int],
+                    chunk: int) -> tuple[list[float], bool]:
         logprobs: list[float] = []
         greedy = True
-        try:
-            for _ in self._prefill(slot, head, chunk, logits_for="none"):
-                pass
-            for a, b, logits in self._prefill(slot, feed, chunk, start_pos=len(head), logits_for="all"):
-                lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-                tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
-                logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
-                greedy = greedy and bool((lp.argmax(-1) == tgt).all())
-        finally:
-            self.end_sequence(slot)
+        for a, b, logits in self._prefill(slot, feed, chunk, start_pos=start, logits_for="all"):
+            lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
+            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
+            logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
+            greedy = greedy and bool((lp.argmax(-1) == tgt).all())
         return logprobs, greedy
 
     @torch.no_grad()

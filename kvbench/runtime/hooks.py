@@ -23,6 +23,8 @@ class CacheHooks(Protocol):
 
     def on_sequence_end(self, slot: int) -> None: ...
 
+    def on_fork(self, parent: int, child: int) -> None: ...
+
 
 class NoCompression:
     """Keeps every token: the engine's default when no method is given."""
@@ -40,4 +42,7 @@ class NoCompression:
         pass
 
     def on_sequence_end(self, slot: int) -> None:
+        pass
+
+    def on_fork(self, parent: int, child: int) -> None:
         pass
