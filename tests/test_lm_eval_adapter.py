@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from methods import available_methods, build_method  # noqa: E402
-from tasks._generation import generate_until, score_continuation  # noqa: E402
+from kvbench.methods import available_methods, build_method  # noqa: E402
+from kvbench.tasks._generation import generate_until, score_continuation  # noqa: E402
 from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer, tiny_engine,  # noqa: E402
                                           tiny_hf_model, tiny_loader, write_jsonl)
 
@@ -238,7 +238,7 @@ def test_kvbench_task_lm_eval_through_app(task_dir, tmp_path):
 
 def test_lm_eval_task_needs_task_names():
     from kvbench.errors import UserError
-    from tasks import build_task
+    from kvbench.tasks import build_task
 
     with pytest.raises(UserError, match="task.tasks"):
         build_task("lm_eval", {})
@@ -246,7 +246,7 @@ def test_lm_eval_task_needs_task_names():
 
 
 def test_score_is_the_primary_metric_not_sample_len():
-    from tasks.lm_eval import flatten_results
+    from kvbench.tasks.lm_eval import flatten_results
 
     results = {"results": {"mc": {"alias": "mc", "sample_len": 4, "acc,none": 0.75, "acc_stderr,none": 0.1,
                                   "acc_norm,none": 0.5}},
@@ -277,7 +277,7 @@ def test_seed_from_typed_settings_or_old_configs():
 
     from omegaconf import OmegaConf
 
-    from tasks.lm_eval import seed_of
+    from kvbench.tasks.lm_eval import seed_of
 
     assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.config.Settings
     assert seed_of(OmegaConf.create({"seed": 3})) == 3 and seed_of({"seed": 2}) == 2
