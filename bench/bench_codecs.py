@@ -46,7 +46,7 @@ PPL_CONFIGS = {
 
 def essay_tokens(tokenizer, n: int) -> list[int]:
     from kvbench.data.essays import essay_corpus_text
-    from tasks.perplexity import encode_prefix
+    from kvbench.tasks.perplexity import encode_prefix
 
     ids = encode_prefix(tokenizer, essay_corpus_text(), n)
     assert len(ids) == n, f"essays give only {len(ids)} tokens"

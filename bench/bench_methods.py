@@ -30,8 +30,8 @@ PREFERRED_ORDER = ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv"
 
 def eviction_methods() -> list[str]:
     """Every registered eviction method (methods.eviction.EvictionMethod), the papers' ones first."""
-    from methods import METHODS, available_methods
-    from methods.eviction import EvictionMethod
+    from kvbench.methods import METHODS, available_methods
+    from kvbench.methods.eviction import EvictionMethod
 
     names = [n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)]
     return sorted(names, key=lambda n: (PREFERRED_ORDER.index(n) if n in PREFERRED_ORDER else len(PREFERRED_ORDER), n))
@@ -54,7 +54,7 @@ def essay_prompts(tokenizer, batch: int, n: int) -> list[list[int]]:
 def run_method(model, name: str, budget: int, prompts: list[list[int]], new_tokens: int, block_size: int,
                chunk: int, options: dict) -> dict:
     from kvbench.runtime.engine import Engine
-    from methods import build_method
+    from kvbench.methods import build_method
 
     method = build_method(name, None if name == "full" else budget, **options)
     cfg = model.config
@@ -129,7 +129,7 @@ def main() -> None:
 
     names = eviction_methods() if args.methods is None else [m for m in args.methods.split(",") if m]
     names = list(dict.fromkeys(n for n in names if n != "full"))
-    from methods import build_method
+    from kvbench.methods import build_method
 
     for n in names:  # fail on a bad name before the minutes of `full`
         build_method(n, args.budget)

@@ -40,8 +40,8 @@ def serve(model, tokenizer_stream_trace, setup, budget: int, args) -> dict:
     from kvbench.quant.registry import build_codec
     from kvbench.runtime.engine import Engine
     from kvbench.runtime.scheduler import Request
-    from methods import build_method
-    from tasks.throughput import serving_metrics
+    from kvbench.methods import build_method
+    from kvbench.tasks.throughput import serving_metrics
 
     method_name, mopts, codec_name, copts = setup
     method = build_method(method_name, budget if method_name != "full" else None, **mopts)
@@ -93,7 +93,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from kvbench.runtime.loading import load_model
-    from tasks.throughput import ThroughputOptions, build_trace, essay_token_stream
+    from kvbench.tasks.throughput import ThroughputOptions, build_trace, essay_token_stream
 
     loaded = load_model()
     model, cfg = loaded.model, loaded.model.config

@@ -44,7 +44,7 @@ def essay_tokens(tokenizer, n: int) -> list[int]:
 def perplexity(model, ids: list[int], method_name: str, budget: int | None, chunk: int, **opts) -> dict:
     """PPL of ids streamed through an Engine with the method (prefill_mode=streaming)."""
     from kvbench.runtime.engine import Engine
-    from methods import build_method
+    from kvbench.methods import build_method
 
     if method_name == "full":
         method = build_method("full")

@@ -372,7 +372,7 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
 
 # =========================================================================== 4. execute
 def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record: dict) -> list:
-    from tasks import make_progress
+    from kvbench.tasks import make_progress
 
     _test_hook()
     task = plan.task

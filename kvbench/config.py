@@ -195,7 +195,7 @@ def _build(cls: type, where: str, values: dict) -> Any:
 def method_evicts(name: str) -> bool:
     """Whether the method drops tokens (its `evicts` class attribute; methods without one: by name)."""
     try:
-        from methods import METHODS, available_methods
+        from kvbench.methods import METHODS, available_methods
 
         available_methods()
         flag = getattr(METHODS.get(name), "evicts", None)

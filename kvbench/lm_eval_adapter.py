@@ -42,7 +42,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from tasks._generation import PerfMeter, decode, stop_token_ids
+from kvbench.tasks._generation import PerfMeter, decode, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class KVBenchLM(TemplateLM):
 
         from kvbench.runtime.engine import Engine
         from kvbench.runtime.loading import load_model
-        from methods import build_method
+        from kvbench.methods import build_method
 
         device = str(device or "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():

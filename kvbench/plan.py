@@ -159,12 +159,12 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
     _check_quant(settings.quant_name, settings.quant_options)
     if build_method_fn is None:
-        from methods import build_method as build_method_fn  # type: ignore[no-redef]
+        from kvbench.methods import build_method as build_method_fn  # type: ignore[no-redef]
     method = _build_method(build_method_fn, settings)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):
         method_preflight(settings, shape)
-    from tasks import build_task
+    from kvbench.tasks import build_task
 
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
     preflight = getattr(task, "preflight", None)

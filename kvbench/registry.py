@@ -1,6 +1,6 @@
 """One registry helper for everything chosen by name: methods, tasks and storage codecs.
 
-    METHODS = Registry("method", base=Method, package="methods")
+    METHODS = Registry("method", base=Method, package="kvbench.methods")
     @METHODS.register("my_method")
     class MyMethod(Method): ...
     METHODS.get("my_methd")   -> UserError: unknown method 'my_methd'; did you mean 'my_method'? choices are ...

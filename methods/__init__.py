@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from methods.base import METHODS, Method, register_method
+from kvbench.methods.base import METHODS, Method, register_method
 
 __all__ = ["Method", "register_method", "build_method", "available_methods", "METHODS"]
 

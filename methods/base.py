@@ -65,5 +65,5 @@ class Method:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-METHODS: Registry[type[Method]] = Registry("method", base=Method, package="methods")
+METHODS: Registry[type[Method]] = Registry("method", base=Method, package="kvbench.methods")
 register_method = METHODS.register

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
-from methods.base import Method
+from kvbench.methods.base import Method
 
 PREFILL_MODES = ("paper", "streaming")
 HEAD_MODES = ("shared", "per_head")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from methods.base import Method, register_method
+from kvbench.methods.base import Method, register_method
 
 
 @register_method("full")

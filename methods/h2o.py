@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.runtime.model import LayerContext
-from methods.eviction import ScoreEvictionMethod, check_float
-from methods.base import register_method
+from kvbench.methods.eviction import ScoreEvictionMethod, check_float
+from kvbench.methods.base import register_method
 
 
 @register_method("h2o")

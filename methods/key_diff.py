@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from methods.eviction import BlockScoreEvictionMethod
-from methods.base import register_method
+from kvbench.methods.eviction import BlockScoreEvictionMethod
+from kvbench.methods.base import register_method
 
 
 @register_method("key_diff")

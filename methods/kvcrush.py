@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.runtime.model import LayerContext
-from methods.eviction import (POOLINGS, ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep,
+from kvbench.methods.eviction import (POOLINGS, ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep,
                                 top_tokens, valid_mask)
-from methods.base import register_method
+from kvbench.methods.base import register_method
 
 IMPORTANCE = ("h2o", "snapkv")
 ANCHORS = ("random", "zeros", "ones", "mean")

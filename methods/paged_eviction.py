@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.eviction import BlockScoreEvictionMethod
-from methods.base import register_method
+from kvbench.methods.eviction import BlockScoreEvictionMethod
+from kvbench.methods.base import register_method
 
 
 @register_method("paged_eviction")

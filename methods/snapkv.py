@@ -23,8 +23,8 @@ import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
-from methods.base import register_method
-from methods.eviction import POOLINGS, ScoreEvictionMethod, check_choice, check_int
+from kvbench.methods.base import register_method
+from kvbench.methods.eviction import POOLINGS, ScoreEvictionMethod, check_choice, check_int
 
 
 @register_method("snapkv")

@@ -21,8 +21,8 @@ import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
-from methods.eviction import EvictionMethod, check_choice, check_int
-from methods.base import register_method
+from kvbench.methods.eviction import EvictionMethod, check_choice, check_int
+from kvbench.methods.base import register_method
 
 POSITION_MODES = ("original", "reindex")
 

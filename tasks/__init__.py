@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.errors import UserError
-from tasks.base import TASKS, Task, TaskResult, make_progress, no_progress, register_task
+from kvbench.tasks.base import TASKS, Task, TaskResult, make_progress, no_progress, register_task
 
 __all__ = ["Task", "TaskResult", "register_task", "build_task", "available_tasks", "make_progress",
            "no_progress", "TASKS"]

@@ -167,5 +167,5 @@ class Task:
             raise UserError(f"invalid options for task {cls.name!r}: {exc}") from None
 
 
-TASKS: Registry[type[Task]] = Registry("task", base=Task, package="tasks")
+TASKS: Registry[type[Task]] = Registry("task", base=Task, package="kvbench.tasks")
 register_task = TASKS.register

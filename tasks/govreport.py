@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from tasks._generation import check_chat_template_option, check_positive, wants_chat_template
-from tasks.base import Task, TaskResult, register_task
-from tasks.summarization import check_limit, check_max_length, run_summarization, summarization_requests
+from kvbench.tasks._generation import check_chat_template_option, check_positive, wants_chat_template
+from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.summarization import check_limit, check_max_length, run_summarization, summarization_requests
 
 SOURCES = ("longbench", "ccdv")
 

@@ -33,8 +33,8 @@ from typing import Any, Optional, Union
 
 import kvbench
 from kvbench.errors import UserError
-from tasks._generation import batch_size_of
-from tasks.base import Task, TaskResult, register_task
+from kvbench.tasks._generation import batch_size_of
+from kvbench.tasks.base import Task, TaskResult, register_task
 
 INSTALL_HINT = "pip install 'lm-eval>=0.4.13,<0.5'"
 # lm-eval tasks shipped with kvbench (always on the include path): kvbench_essays_mc, offline multiple choice

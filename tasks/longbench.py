@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvbench.errors import UserError
-from tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
+from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
                                encode, model_context_length, run_generation, stop_token_ids, wants_chat_template)
-from tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, register_task
 
 RESERVED_TOKENS = 692  # null max_length = model context minus this (512 new tokens + the chat template)
 DATASET_GROUPS = ("all", "en", "zh", "e")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from kvbench.errors import UserError
-from tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
 STREAM_CORPORA = ("pg_essays", "wikitext", "text_file")

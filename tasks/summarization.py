@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
+from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
                                encode, run_generation, stop_token_ids, wants_chat_template)
-from tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, register_task
 
 DEFAULT_PROMPT = (
     "You are given a scientific paper. Write a short summary of the paper in three sentences: the problem it "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
 

@@ -147,9 +147,9 @@ def test_task_options_are_checked_by_the_task_not_a_schema():
     import subprocess
     import sys
 
-    code = "import sys, kvbench.config; sys.exit(any(m == 'tasks' or m.startswith('tasks.') for m in sys.modules))"
+    code = "import sys, kvbench.config; sys.exit(any(m == 'kvbench.tasks' or m.startswith('kvbench.tasks.') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
-    from tasks import build_task
+    from kvbench.tasks import build_task
 
     s = kconfig.validate(compose(["task.max_tokens=many"]))
     with pytest.raises(UserError, match="invalid task.max_tokens='many'"):

@@ -65,8 +65,8 @@ def test_the_issue_experiments_exist():
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_at_both_scales(name):
-    from methods import build_method
-    from tasks import build_task
+    from kvbench.methods import build_method
+    from kvbench.tasks import build_task
 
     seen = {}
     for scale in ("paper", "smoke"):

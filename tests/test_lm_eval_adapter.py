@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from methods import available_methods, build_method  # noqa: E402
+from kvbench.methods import available_methods, build_method  # noqa: E402
 from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer, tiny_engine,  # noqa: E402
                                           tiny_hf_model, tiny_loader, write_jsonl)
 
@@ -141,7 +141,7 @@ def test_score_continuation_full_matches_transformers():
 def test_continuations_of_one_context_share_its_prefill(method):
     """score_continuations (one prefill, a fork per continuation) equals one score_continuation per continuation,
     under a compressing method too; the forks share the context's blocks and everything is freed."""
-    from methods import build_method
+    from kvbench.methods import build_method
 
     tok = smollm2_tokenizer()
     ctx = tok.encode(DOCS[0]["context"] * 3, add_special_tokens=False)
@@ -262,7 +262,7 @@ def test_kvbench_task_lm_eval_through_app(task_dir, tmp_path):
 
 def test_lm_eval_task_needs_task_names():
     from kvbench.errors import UserError
-    from tasks import build_task
+    from kvbench.tasks import build_task
 
     with pytest.raises(UserError, match="task.tasks"):
         build_task("lm_eval", {})
@@ -270,7 +270,7 @@ def test_lm_eval_task_needs_task_names():
 
 
 def test_score_is_the_primary_metric_not_sample_len():
-    from tasks.lm_eval import flatten_results
+    from kvbench.tasks.lm_eval import flatten_results
 
     results = {"results": {"mc": {"alias": "mc", "sample_len": 4, "acc,none": 0.75, "acc_stderr,none": 0.1,
                                   "acc_norm,none": 0.5}},
@@ -301,7 +301,7 @@ def test_seed_from_typed_settings_or_old_configs():
 
     from omegaconf import OmegaConf
 
-    from tasks.lm_eval import seed_of
+    from kvbench.tasks.lm_eval import seed_of
 
     assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.config.Settings
     assert seed_of(OmegaConf.create({"seed": 3})) == 3 and seed_of({"seed": 2}) == 2

@@ -7,8 +7,8 @@ import torch
 from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import LayerContext
-from methods import build_method
-from methods.kvcrush import hamming_order, spread_picks, top_half_bits
+from kvbench.methods import build_method
+from kvbench.methods.kvcrush import hamming_order, spread_picks, top_half_bits
 
 
 def make_cache(H=2, D=4, bs=4, **kw) -> PagedKVCache:

@@ -16,7 +16,7 @@ import torch
 from kvbench.errors import UserError
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
-from methods import available_methods, build_method
+from kvbench.methods import available_methods, build_method
 
 CHUNK = 32
 NEW_TOKENS = 20
@@ -48,8 +48,8 @@ def _id(v):
 
 
 def test_every_eviction_method_is_in_the_matrix():
-    from methods import METHODS
-    from methods.eviction import EvictionMethod
+    from kvbench.methods import METHODS
+    from kvbench.methods.eviction import EvictionMethod
 
     eviction = {n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)}
     assert eviction >= {"streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"}
@@ -248,7 +248,7 @@ def test_method_yaml_composes_to_the_dataclass_defaults(name):
     """conf/method/<name>.yaml through Hydra and config.validate builds the method with its documented defaults,
     and an override on the command line reaches the method."""
     from kvbench.config import validate
-    from methods import METHODS
+    from kvbench.methods import METHODS
     from tests.harness_fakes import compose
 
     s = validate(compose([f"method={name}", "budget=256"]))

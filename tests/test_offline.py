@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.data import hub
 from kvbench.errors import UserError
-from tasks import build_task
+from kvbench.tasks import build_task
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch
 
 from tests.harness_fakes import CharTokenizer, FakeEngine, compose, expected_ppl
 from kvbench.errors import UserError
-from tasks import available_tasks, build_task, no_progress
-from tasks.perplexity import encode_prefix
+from kvbench.tasks import available_tasks, build_task, no_progress
+from kvbench.tasks.perplexity import encode_prefix
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 chars
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from tasks.base import LogProgress, _NoBar, make_progress
+from kvbench.tasks.base import LogProgress, _NoBar, make_progress
 
 
 class Clock:

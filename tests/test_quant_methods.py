@@ -13,7 +13,7 @@ from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.quant.registry import CODEC_NAMES, OPTIONS, build_codec
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
-from methods import build_method
+from kvbench.methods import build_method
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CAL = dict(calibration_sequences=2, calibration_tokens=96)  # a small calibration for the tiny model

@@ -35,7 +35,7 @@ def test_greedy_generation_matches_transformers(family):
 
 def test_pre_rope_storage_gives_the_same_logprobs():
     """Keys cached before RoPE and rotated at read time at their original positions change nothing."""
-    from methods.full import FullCache
+    from kvbench.methods.full import FullCache
 
     class PreRope(FullCache):
         @property

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.scheduler import Request
-from methods import build_method
+from kvbench.methods import build_method
 
 BS = 8
 METHODS = [("full", None, {}), ("paged_eviction", 32, {}), ("streaming_llm", 24, {}), ("h2o", 24, {}),

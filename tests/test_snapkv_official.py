@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
-from methods import build_method
+from kvbench.methods import build_method
 
 T, BUDGET = 230, 120
 

@@ -39,7 +39,7 @@ def one_thread():
 
 def test_attention_sinks_keep_windowed_perplexity_close_to_full(smollm2, one_thread):
     from kvbench.data.essays import essay_corpus_text
-    from methods import build_method
+    from kvbench.methods import build_method
 
     ids = smollm2.tokenizer(essay_corpus_text()[: 8 * TOKENS])["input_ids"][:TOKENS]
     assert len(ids) == TOKENS

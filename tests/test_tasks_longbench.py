@@ -7,8 +7,8 @@ import pytest
 
 from kvbench.data.longbench import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS, prompt_template
 from kvbench.errors import UserError
-from tasks import build_task, no_progress
-from tasks.longbench import build_request
+from kvbench.tasks import build_task, no_progress
+from kvbench.tasks.longbench import build_request
 from tests.fixtures.task_fixtures import (ScriptedEngine, longbench_record, one_thread, run_cfg, smollm2_tokenizer,
                                           tiny_loader, write_jsonl)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvbench.errors import UserError
-from tasks import build_task, no_progress
-from tasks._generation import run_generation, stop_token_ids
+from kvbench.tasks import build_task, no_progress
+from kvbench.tasks._generation import run_generation, stop_token_ids
 from tests.fixtures.task_fixtures import ScriptedEngine, one_thread, run_cfg, smollm2_tokenizer, tiny_loader
 
 single_thread = pytest.fixture(one_thread)

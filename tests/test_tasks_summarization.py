@@ -8,7 +8,7 @@ import pytest
 from kvbench.data.longbench import prompt_template
 from kvbench.errors import UserError
 from kvbench.metrics.rouge import rouge_l_official, rouge_score_f
-from tasks import build_task, no_progress
+from kvbench.tasks import build_task, no_progress
 from tests.fixtures.task_fixtures import (ScriptedEngine, longbench_record, one_thread, run_cfg, smollm2_tokenizer,
                                           tiny_loader, write_jsonl)
 
@@ -35,7 +35,7 @@ def test_options():
 
 def test_yaml_prompt_is_the_default():
     from tests.harness_fakes import compose
-    from tasks.summarization import DEFAULT_PROMPT
+    from kvbench.tasks.summarization import DEFAULT_PROMPT
 
     assert compose(["task=summarization"]).task.prompt == DEFAULT_PROMPT
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvbench.errors import UserError
-from methods import build_method
-from tasks import build_task, no_progress
-from tasks.throughput import ThroughputOptions, build_trace
+from kvbench.methods import build_method
+from kvbench.tasks import build_task, no_progress
+from kvbench.tasks.throughput import ThroughputOptions, build_trace
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.fixtures.task_fixtures import smollm2_tokenizer, tiny_engine
 

@@ -104,7 +104,7 @@ def _flat(runs: Sequence[dict]) -> bool:
     r = runs[0]
     name = r["cfg"].get("method.name") or r["metrics"].get("method")
     try:
-        from methods import METHODS
+        from kvbench.methods import METHODS
 
         evicts = getattr(METHODS.get(name), "evicts", None)
         if evicts is not None:

@@ -158,7 +158,7 @@ def _normalise_storage(cfg: dict) -> dict:
         method, quant = dict(cfg.get("method") or {}), dict(cfg.get("quant") or {"name": "none"})
     cfg = dict(cfg, method=method, quant=quant)
     try:
-        from methods import METHODS
+        from kvbench.methods import METHODS
 
         cls = METHODS.get(method.get("name"))
         if cls is not None and getattr(cls, "evicts", True) is False:
