@@ -7,7 +7,7 @@ KIVI 2-bit, int8, and paged_eviction over KIVI-2 storage. Each prints output tok
 preemptions and TTFT p50, and the ratios to `full` measured in this process. The last line is one JSON object
 {method: {"throughput_ratio_vs_full": ..., "max_running_seqs": ..., "preemptions": ..., ...}}.
 
-    python bench/bench_throughput.py [--num-requests 12] [--input-tokens 1024 2048] [--output-tokens 1024 2048]
+    python bench/bench_throughput.py [--num-requests 16] [--input-tokens 1024 2048] [--output-tokens 2048]
                                      [--budget 1024] [--methods full,paged_eviction] [--kv-memory-bytes N]
 
 The default trace is decode-heavy (as PagedEviction's throughput runs, input 1024 / output 8192, scaled to a CPU):
@@ -66,9 +66,9 @@ def serve(model, tokenizer_stream_trace, setup, budget: int, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=12)
+    ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--input-tokens", type=int, nargs="+", default=[1024, 2048], help="one length or lo hi")
-    ap.add_argument("--output-tokens", type=int, nargs="+", default=[1024, 2048], help="one length or lo hi")
+    ap.add_argument("--output-tokens", type=int, nargs="+", default=[2048], help="one length or lo hi")
     ap.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at 0")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--kv-memory-bytes", type=int, default=None,
