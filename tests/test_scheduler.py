@@ -7,8 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.model import build_from_transformers
 from kvbench.runtime.scheduler import Request
 from kvbench.methods import build_method
+from tests.fixtures.task_fixtures import one_thread as _one_thread
+from tests.fixtures.task_fixtures import tiny_hf_model
 
 BS = 8
 METHODS = [("full", None, {}), ("paged_eviction", 32, {}), ("streaming_llm", 24, {}), ("h2o", 24, {}),
@@ -16,24 +19,13 @@ METHODS = [("full", None, {}), ("paged_eviction", 32, {}), ("streaming_llm", 24,
            ("key_diff", 32, {"decode": "none"}), ("kvcrush", 24, {"prefill_mode": "streaming"})]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvbench.runtime.model import build_from_transformers
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
-    return build_from_transformers(LlamaForCausalLM(cfg).eval())
+    """A 2-layer random Llama over 256 tokens (2 kv-heads of 4 query heads)."""
+    return build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024))
 
 
 def _prompts(lengths, seed):
