@@ -4,6 +4,9 @@
   through the block tables (no gather, no copy of cached K/V). Each (sequence, kv-head) is split
   into chunks of keys so both cores work even at batch 1; chunks are merged with their softmax
   statistics (flash-decoding). It also returns per-key attention mass for score-based methods.
+- ``codec_decode_attention``: the same over a codec cache (KIVI 2/4/8-bit, int8): each packed or fp16 block
+  is decoded into an fp32 tile in L1 as the kernel reaches it, instead of dequantizing the layer into a dense
+  copy first (what the torch path of QuantizedPagedKVCache does).
 - ``gemv``: a decode step's projections (a few rows against the weight in transformers' [out, in] layout).
 - ``rms_norm`` and ``rotary_``: row-wise ops where torch's dispatch of several small kernels per
   token costs more than the arithmetic once the weight GEMVs have flushed the caches.
@@ -34,7 +37,9 @@ from kvbench.runtime.attention import paged_attention_torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "decode_ops.c")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_decode.c", "codec_decode.c", "decode_ops.c")]
+_HEADERS = [_CSRC / "decode_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 ITEMS_PER_THREAD = 2  # work items (sequence, kv-head, chunk of keys) per thread: fewer chunks run faster,
 # but a batch of one needs its heads split for every core to have work (measured: T=4096, batch 1,
@@ -60,7 +65,7 @@ def _cpu_signature() -> str:
 
 def _compile() -> Path:
     cc = os.environ.get("CC", "cc")
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
     out = _cache_dir() / f"kvbench_cpu-{key}.so"
     if out.exists():
@@ -104,6 +109,10 @@ def load_kernel():
     lib.gemv_f32.argtypes = [p, p, p, p, i64, i64, i64, i32]
     for fn in (lib.paged_decode_attention_f32, lib.rms_norm_f32, lib.rotary_f32, lib.gemv_f32):
         fn.restype = None
+    fmt = ctypes.POINTER(BlockFormat)
+    lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
+                                               i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, p, i32]
+    lib.codec_decode_attention_f32.restype = i32
     _lib = lib
     return lib
 
@@ -154,6 +163,80 @@ def paged_decode_attention_cpu(
                                    S, H, G, D, bs, scale, Tp, chunk,
                                    out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None,
                                    scores.data_ptr(), partials.data_ptr(), threads)
+    return out, (key_scores[:, :, :T] if key_scores is not None else None)
+
+
+class BlockFormat(ctypes.Structure):
+    """How the C kernel reads one packed K or V row (`block_format` in csrc/codec_decode.c)."""
+
+    _fields_ = [("row_bytes", ctypes.c_int64), ("codes_off", ctypes.c_int64), ("mn_off", ctypes.c_int64),
+                ("scale_off", ctypes.c_int64), ("bits", ctypes.c_int32), ("is_signed", ctypes.c_int32),
+                ("per_channel", ctypes.c_int32), ("group", ctypes.c_int32)]
+
+
+def codec_block_format(codec, kind: str, block_size: int, head_dim: int) -> BlockFormat | None:
+    """The kernel's reading of a codec's packed `kind` ("key" / "value") rows, or None when the kernel cannot
+    read them (KVQuant's non-uniform levels and outliers, fp8, a head dim other than 64 / 128)."""
+    if head_dim not in (64, 128):
+        return None
+    lay = codec.layout(kind, block_size, head_dim)
+    f = lay.fields
+    name = getattr(codec, "name", "")
+    if name == "kivi" and codec.bits in (2, 4, 8):
+        per_channel = kind == "key" and codec.key_axis == "channel"
+        return BlockFormat(lay.nbytes, f["codes"].offset, f["mn"].offset, f["scale"].offset, codec.bits, 0,
+                           int(per_channel), codec.group_size)
+    if name == "int8":
+        return BlockFormat(lay.nbytes, f["codes"].offset, -1, f["scale"].offset, 8, 1, 0, head_dim)
+    return None
+
+
+def codec_decode_attention_cpu(
+    q: torch.Tensor,  # [S, Hq, 1, D] fp32
+    k_fp: torch.Tensor,  # [num_fp, bs, D] fp16 or fp32, contiguous (same for v_fp)
+    v_fp: torch.Tensor,
+    kq: torch.Tensor,  # [num_packed, key row bytes] uint8, contiguous
+    vq: torch.Tensor,  # [num_packed, value row bytes] uint8, contiguous
+    formats: tuple[BlockFormat, BlockFormat],  # key, value (codec_block_format)
+    tables: torch.Tensor,  # [S, H, MB] int32: ids < k_fp.shape[0] full precision, the rest packed
+    lengths: torch.Tensor,  # [S, H] int64
+    scale: float,
+    *,
+    return_key_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention over a codec cache's two pools, read in place: (out [S, Hq, 1, D], key_scores [S, H, T]
+    or None), as ``paged_decode_attention_cpu`` returns them for the dequantized blocks."""
+    lib = load_kernel()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_kernel_error}")
+    S, Hq, Q, D = q.shape
+    H = tables.shape[1]
+    G = Hq // H
+    bs = k_fp.shape[1]
+    assert Q == 1 and q.dtype == torch.float32 and k_fp.dtype == v_fp.dtype in (torch.float16, torch.float32)
+    assert k_fp.is_contiguous() and v_fp.is_contiguous() and kq.is_contiguous() and vq.is_contiguous()
+    assert tables.dtype == torch.int32 and lengths.dtype == torch.int64
+    T = int(lengths.max())
+    threads = torch.get_num_threads()
+    chunks_per_table = -(-ITEMS_PER_THREAD * threads // (S * H))
+    chunk = max(bs, -(-T // chunks_per_table))
+    chunk = -(-chunk // bs) * bs  # whole blocks per work item: each block is decoded once
+    Tp = max(1, -(-T // chunk)) * chunk
+    q = q.contiguous()
+    out = torch.empty(S, Hq, 1, D, dtype=torch.float32)
+    scores = torch.empty(S, H, G, Tp, dtype=torch.float32)
+    partials = torch.empty(S, H, Tp // chunk, G, D + 2, dtype=torch.float32)
+    tiles = torch.empty(threads, bs, D, dtype=torch.float32)
+    key_scores = torch.empty(S, H, Tp, dtype=torch.float32) if return_key_scores else None
+    ts, ls = tables.stride(), lengths.stride()
+    rc = lib.codec_decode_attention_f32(
+        q.data_ptr(), k_fp.data_ptr(), v_fp.data_ptr(), int(k_fp.dtype == torch.float16), kq.data_ptr(),
+        vq.data_ptr(), ctypes.byref(formats[0]), ctypes.byref(formats[1]), k_fp.shape[0],
+        tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1], S, H, G, D, bs, scale, Tp, chunk,
+        out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None, scores.data_ptr(),
+        partials.data_ptr(), tiles.data_ptr(), threads)
+    if rc != 0:
+        raise ValueError(f"codec_decode_attention: unsupported shape (head dim {D}, {G} query heads per kv head)")
     return out, (key_scores[:, :, :T] if key_scores is not None else None)
 
 

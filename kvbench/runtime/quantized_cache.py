@@ -24,6 +24,9 @@ tokens in full precision and everything older dequantized. `pack_pending()` pack
 Reading: `attend` dequantizes the layer's blocks into a dense scratch buffer (torch on CPU; the Triton
 `kivi_dequantize` kernel for 2/4-bit KIVI on CUDA) and runs the engine's attention function on it, unchanged
 (pre-RoPE keys, as KVQuant stores them, are rotated by the model's `rotate_keys` after dequantization).
+Decode steps on CPU with the engine's C attention kernel and a codec it can read (KIVI 2/4/8-bit, int8) skip the
+scratch buffer: `cpu_kernels.codec_decode_attention_cpu` decodes each block into an L1-sized tile as it reads
+it, from both pools in place (tests/test_codec_decode_kernel.py checks it against the dequantize-then-attend path).
 
 Bytes: `kv_bytes_in_use` = full-precision blocks in use x their bytes + packed blocks in use x their row bytes,
 all counted from the pools; `peak_kv_bytes` is the largest such sum seen (updated at every allocation).
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.runtime import cpu_kernels
 from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
 from kvbench.runtime.caches import codec_block_size  # noqa: F401  (re-exported)
 from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
@@ -169,6 +173,7 @@ class QuantizedPagedKVCache(PagedKVCache):
             kwargs["store_pre_rope"] = bool(getattr(codec, "pre_rope_keys", False))
         super().__init__(block_size=block_size, num_blocks=0, **kwargs)
         self.dequant = self._pick_dequant(dequant)
+        self._kernel_formats: tuple | None | bool = False  # (key, value) BlockFormat, None (unreadable); lazy
 
     def _make_storage(self, num_blocks: int) -> None:
         """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
@@ -387,12 +392,30 @@ class QuantizedPagedKVCache(PagedKVCache):
         """Dequantize this layer's blocks and run `attention` over them, as PagedKVCache.attend does."""
         tables, lengths = plan.tables[:, layer], plan.lengths[:, layer]
         S, H = tables.shape[:2]
+        if attention is cpu_kernels.paged_attention_cpu and self._kernel_reads(q, rotate_keys, causal):
+            return cpu_kernels.codec_decode_attention_cpu(
+                q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
+                scale, return_key_scores=return_key_scores)
         k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
         return attention(
             q, k, v, dense_tables, lengths, self.positions[plan.slots, layer], plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
+
+    def _kernel_reads(self, q: torch.Tensor, rotate_keys, causal: bool) -> bool:
+        """Whether this step can run the C codec kernel: one fp32 query per sequence over post-RoPE keys, a
+        readable codec, at most 8 query heads per kv-head."""
+        if causal or rotate_keys is not None or q.shape[2] != 1 or q.dtype != torch.float32:
+            return False
+        if q.device.type != "cpu" or self.dtype != torch.float32 or q.shape[1] // self.num_kv_heads > 8:
+            return False
+        if self._kernel_formats is False:
+            formats = (cpu_kernels.codec_block_format(self.codec, "key", self.block_size, self.head_dim),
+                       cpu_kernels.codec_block_format(self.codec, "value", self.block_size, self.head_dim))
+            ok = None not in formats and self.fp_dtype in (torch.float16, torch.float32) and cpu_kernels.available()
+            self._kernel_formats = formats if ok else None
+        return self._kernel_formats is not None
 
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense (dequantized) K, V [H, T, D] and positions [H, T] of one sequence's layer (pad = -1)."""

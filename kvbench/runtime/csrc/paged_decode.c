@@ -18,85 +18,7 @@
  * even for one sequence; a second pass merges the chunks (flash-decoding style). Heads with no
  * keys give zeros.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define MAX_G 64
-
-/* 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones elsewhere) */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#endif
-
-/* the four horizontal sums of a0..a3, reduced together (a third of the shuffles of four separate sums) */
-static inline void hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float out[4]) {
-    const v16 s01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-                  + SHUFFLE(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const v16 s23 = SHUFFLE(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-                  + SHUFFLE(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const v16 t = SHUFFLE(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-                + SHUFFLE(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    const v16 u = t + SHUFFLE(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    const v16 w = u + SHUFFLE(u, u, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    out[0] = w[0];
-    out[1] = w[4];
-    out[2] = w[8];
-    out[3] = w[12];
-}
-
-/* dot products of one query row with four consecutive key rows; D a multiple of 16 */
-static inline void dot4(const float *q, const float *k, const int D, float out[4]) {
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int c = 0; c < D; c += 16) {
-        const v16 qv = *(const v16 *)(q + c);
-        a0 += qv * *(const v16 *)(k + c);
-        a1 += qv * *(const v16 *)(k + D + c);
-        a2 += qv * *(const v16 *)(k + 2 * D + c);
-        a3 += qv * *(const v16 *)(k + 3 * D + c);
-    }
-    hsum4(a0, a1, a2, a3, out);
-}
-
-/* exp for x <= 0 (scores minus their running max), vectorizable: Cephes' expf polynomial, ~1 ulp */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
-}
-
-/* Scores of keys [t0, t1) for each of G query heads (rows of sc, stride T) become exp(score - m[g])
- * in place; their max and sum go to part's (max, sum) slots after each head's D accumulators. */
-static inline void exp_and_sum(float *restrict sc, int64_t T, int G, int D, int64_t t0, int64_t t1,
-                               const float *m, float *restrict part)
-{
-    for (int g = 0; g < G; g++) {
-        float *row = sc + g * T;
-        const float mg = m[g];
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = t0; t < t1; t++) {
-            const float e = exp_nonpos(row[t] - mg);
-            row[t] = e;
-            l += e;
-        }
-        part[g * (D + 2) + D] = mg;
-        part[g * (D + 2) + D + 1] = l;
-    }
-}
+#include "decode_common.h"
 
 /* One work item: keys [t0, t1) of one (sequence, kv-head) table for its G query heads.
  * Walks the table one block-run at a time (rows of a run are contiguous in the pool); the G
@@ -268,12 +190,8 @@ void paged_decode_attention_f32(
         float *part = partials + (sh * n_chunks + c) * part_stride;
         const int64_t t0 = c * chunk_slots;
         const int64_t t1 = len < t0 + chunk_slots ? len : t0 + chunk_slots;
-        if (t1 <= t0) {  /* empty chunk: max -inf, sum 0 */
-            for (int g = 0; g < G; g++) {
-                memset(part + g * (D + 2), 0, sizeof(float) * D);
-                part[g * (D + 2) + D] = -INFINITY;
-                part[g * (D + 2) + D + 1] = 0.0f;
-            }
+        if (t1 <= t0) {
+            empty_partial(part, G, D);
             continue;
         }
         const float *qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
@@ -290,51 +208,6 @@ void paged_decode_attention_f32(
             attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, D, scale, t0, t1, T, sc, part);
     }
 
-    /* merge the chunks of each (sequence, kv-head); normalise key scores with the final max/sum */
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t sh = 0; sh < (int64_t)S * H; sh++) {
-        const int s = (int)(sh / H), h = (int)(sh % H);
-        const int64_t len = lengths[s * len_ss + h * len_sh];
-        const float *part = partials + sh * n_chunks * part_stride;
-        float w[MAX_G];  /* per query head: 1 / total sum, relative to the global max */
-        float gm[MAX_G];
-        for (int g = 0; g < G; g++) {
-            float M = -INFINITY;
-            for (int64_t c = 0; c < n_chunks; c++) {
-                const float mc = part[c * part_stride + g * (D + 2) + D];
-                if (mc > M) M = mc;
-            }
-            float *o = out + ((int64_t)s * H * G + (int64_t)h * G + g) * D;
-            memset(o, 0, sizeof(float) * D);
-            gm[g] = M;
-            w[g] = 0.0f;
-            if (M == -INFINITY) continue;
-            float L = 0.0f;
-            for (int64_t c = 0; c < n_chunks; c++) {
-                const float *pc = part + c * part_stride + g * (D + 2);
-                if (pc[D + 1] == 0.0f) continue;
-                const float f = expf(pc[D] - M);
-                L += pc[D + 1] * f;
-#pragma omp simd
-                for (int d = 0; d < D; d++) o[d] += pc[d] * f;
-            }
-            const float inv = 1.0f / L;
-            for (int d = 0; d < D; d++) o[d] *= inv;
-            w[g] = inv;
-        }
-        if (key_scores == NULL) continue;
-        float *ks = key_scores + sh * T;
-        const float *sc = scores + sh * G * T;
-        memset(ks, 0, sizeof(float) * T);
-        for (int64_t c = 0; c < n_chunks; c++) {
-            const int64_t t0 = c * chunk_slots;
-            const int64_t t1 = len < t0 + chunk_slots ? len : t0 + chunk_slots;
-            for (int g = 0; g < G; g++) {
-                if (w[g] == 0.0f || t1 <= t0) continue;
-                const float f = expf(part[c * part_stride + g * (D + 2) + D] - gm[g]) * w[g];
-                const float *row = sc + g * T;
-                for (int64_t t = t0; t < t1; t++) ks[t] += row[t] * f;
-            }
-        }
-    }
+    merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,
+                 nthreads);
 }

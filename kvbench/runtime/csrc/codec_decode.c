@@ -1,0 +1,231 @@
+/* Paged decode attention over a codec cache (kvbench/runtime/quantized_cache.py), read in place: each block of
+ * a (sequence, kv-head) table is decoded into a small fp32 tile as the kernel reaches it (a few KiB, in L1), so
+ * the layer is never dequantized into a dense scratch copy. Same semantics, work split and chunk merge as
+ * paged_decode_attention_f32 (paged_decode.c), which this mirrors:
+ *
+ *   block id < num_fp   a full-precision block of fp_pool [num_fp, bs, D] (fp16 or fp32)
+ *   block id >= num_fp  row (id - num_fp) of the packed pool [num_packed, row_bytes] (uint8), laid out by the
+ *                       codec (kvbench/quant/packing.ByteLayout): codes, and fp16 scale / minimum fields
+ *
+ * Packed formats (the `block_format` of each of K and V):
+ *   bits 2, 4, 8 unsigned codes, asymmetric: x = mn + code * scale (KIVI);
+ *   bits 8 signed codes, symmetric (mn_off < 0): x = code * scale (int8).
+ *   Codes of row t form one little-endian bit stream over t * D + d (packing.py); stats are either per channel
+ *   (one per channel for each group of `group` tokens: [bs / group, D]) or per token (one per group of `group`
+ *   channels of a token: [bs, ceil(D / group)]).
+ */
+#include "decode_common.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef struct {
+    int64_t row_bytes;  /* bytes of one packed row */
+    int64_t codes_off, mn_off, scale_off;  /* byte offsets in a row; mn_off < 0: symmetric (no minimum) */
+    int32_t bits;  /* 2, 4 or 8 */
+    int32_t is_signed;  /* 8-bit codes are int8 */
+    int32_t per_channel;  /* stats per channel over `group` tokens, else per token over `group` channels */
+    int32_t group;
+} block_format;
+
+/* fp16 bits -> fp32 (normals, subnormals, inf and nan), branch-light so loops over it vectorize */
+static inline float half_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)(h & 0x7fff) << 13 };
+    v.f *= 0x1.0p112f;  /* rebias the exponent: 2^(127 - 15); subnormal halves become normal floats */
+    if ((h & 0x7fff) >= 0x7c00) v.u |= 0x7f800000u;
+    v.u |= (uint32_t)(h & 0x8000) << 16;
+    return v.f;
+}
+
+static float lut2[256][4], lut4[256][2];  /* the codes of one byte as floats (filled before the parallel loop) */
+
+static void fill_luts(void) {
+    for (int b = 0; b < 256; b++) {
+        for (int i = 0; i < 4; i++) lut2[b][i] = (float)((b >> (2 * i)) & 3);
+        for (int i = 0; i < 2; i++) lut4[b][i] = (float)((b >> (4 * i)) & 15);
+    }
+}
+
+/* codes of one row (D values from bit offset 0 of `src`, D * bits a multiple of 8) as floats */
+static inline void decode_codes(const uint8_t *restrict src, const block_format *f, const int D, float *restrict c) {
+    if (f->bits == 2) {
+        for (int j = 0; j < D / 4; j++) memcpy(c + 4 * j, lut2[src[j]], 4 * sizeof(float));
+    } else if (f->bits == 4) {
+        for (int j = 0; j < D / 2; j++) memcpy(c + 2 * j, lut4[src[j]], 2 * sizeof(float));
+    } else if (f->is_signed) {
+#pragma omp simd
+        for (int d = 0; d < D; d++) c[d] = (float)(int8_t)src[d];
+    } else {
+#pragma omp simd
+        for (int d = 0; d < D; d++) c[d] = (float)src[d];
+    }
+}
+
+/* rows [r0, r1) of block `id` as fp32: tile[(r - r0) * D + d] */
+static inline void load_rows(const void *fp_pool, int fp_is_half, const uint8_t *packed, const block_format *f,
+                             int64_t num_fp, int64_t id, int bs, const int D, int r0, int r1, float *restrict tile)
+{
+    if (id < num_fp) {
+        if (fp_is_half) {
+            const uint16_t *src = (const uint16_t *)fp_pool + (id * bs + r0) * D;
+            const int64_t n = (int64_t)(r1 - r0) * D;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) tile[i] = half_to_float(src[i]);
+        } else {
+            memcpy(tile, (const float *)fp_pool + (id * bs + r0) * D, sizeof(float) * (r1 - r0) * D);
+        }
+        return;
+    }
+    const uint8_t *row = packed + (id - num_fp) * f->row_bytes;
+    const uint16_t *mn = f->mn_off >= 0 ? (const uint16_t *)(row + f->mn_off) : NULL;
+    const uint16_t *sc = (const uint16_t *)(row + f->scale_off);
+    const int64_t row_code_bytes = (int64_t)D * f->bits / 8;
+    const int ng = (D + f->group - 1) / f->group;  /* stat groups per token (per-token stats) */
+    float m[128], s[128];  /* this row's minimum and scale per channel (D <= 128) */
+    for (int r = r0; r < r1; r++) {
+        float *t = tile + (int64_t)(r - r0) * D;
+        decode_codes(row + f->codes_off + r * row_code_bytes, f, D, t);
+        if (f->per_channel) {
+            const int64_t base = (int64_t)(r / f->group) * D;
+            for (int d = 0; d < D; d++) {
+                s[d] = half_to_float(sc[base + d]);
+                m[d] = mn ? half_to_float(mn[base + d]) : 0.0f;
+            }
+        } else {
+            for (int d = 0; d < D; d++) {
+                s[d] = half_to_float(sc[(int64_t)r * ng + d / f->group]);
+                m[d] = mn ? half_to_float(mn[(int64_t)r * ng + d / f->group]) : 0.0f;
+            }
+        }
+        if (mn) {
+#pragma omp simd
+            for (int d = 0; d < D; d++) t[d] = m[d] + t[d] * s[d];
+        } else {
+#pragma omp simd
+            for (int d = 0; d < D; d++) t[d] = t[d] * s[d];
+        }
+    }
+}
+
+#define CODEC_GROUP_MAX 8
+
+/* One work item, keys [t0, t1) of one table: as attend_chunk_grouped in paged_decode.c, with each block's K (then
+ * V) rows decoded into `tile` [bs, D] first. */
+static inline __attribute__((always_inline)) void attend_chunk_codec(
+    const float *restrict qh, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq,
+    const uint8_t *vq, const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table,
+    int64_t tab_sj, int bs, const int G, const int D, float scale, int64_t t0, int64_t t1, int64_t T,
+    float *restrict sc, float *restrict part, float *restrict tile)
+{
+    float m[CODEC_GROUP_MAX];
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+        const int r0 = (int)(t % bs), n = (int)(end - t);
+        load_rows(k_fp, fp_is_half, kq, kf, num_fp, table[(t / bs) * tab_sj], bs, D, r0, r0 + n, tile);
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+            v16 a[CODEC_GROUP_MAX][4];
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
+            const float *kj = tile + j * D;
+            for (int c = 0; c < D; c += 16) {
+                const v16 k0 = *(const v16 *)(kj + c), k1 = *(const v16 *)(kj + D + c);
+                const v16 k2 = *(const v16 *)(kj + 2 * D + c), k3 = *(const v16 *)(kj + 3 * D + c);
+                for (int g = 0; g < G; g++) {
+                    const v16 qv = *(const v16 *)(qh + g * D + c);
+                    a[g][0] += qv * k0;
+                    a[g][1] += qv * k1;
+                    a[g][2] += qv * k2;
+                    a[g][3] += qv * k3;
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                float x[4];
+                hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
+                float *row = sc + g * T + t + j;
+                for (int i = 0; i < 4; i++) {
+                    row[i] = x[i] * scale;
+                    m[g] = row[i] > m[g] ? row[i] : m[g];
+                }
+            }
+        }
+        for (; j < n; j++)
+            for (int g = 0; g < G; g++) {
+                float x = 0.0f;
+                for (int d = 0; d < D; d++) x += qh[g * D + d] * tile[j * D + d];
+                sc[g * T + t + j] = x * scale;
+                m[g] = x * scale > m[g] ? x * scale : m[g];
+            }
+        t = end;
+    }
+    exp_and_sum(sc, T, G, D, t0, t1, m, part);
+    v16 acc[CODEC_GROUP_MAX][128 / 16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++) acc[g][c] = (v16){0};
+    for (int64_t t = t0; t < t1;) {
+        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+        const int r0 = (int)(t % bs), n = (int)(end - t);
+        load_rows(v_fp, fp_is_half, vq, vf, num_fp, table[(t / bs) * tab_sj], bs, D, r0, r0 + n, tile);
+        for (int j = 0; j < n; j++)
+            for (int c = 0; c < D / 16; c++) {
+                const v16 vv = *(const v16 *)(tile + j * D + c * 16);
+                for (int g = 0; g < G; g++) acc[g][c] += sc[g * T + t + j] * vv;
+            }
+        t = end;
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++) memcpy(part + g * (D + 2) + c * 16, &acc[g][c], sizeof(v16));
+}
+
+/* q [S, H*G, D] fp32; tables [S, H, MB] int32 and lengths [S, H] int64 with element strides; D 64 or 128,
+ * G <= 8; scores, partials, out, key_scores as in paged_decode_attention_f32; tiles: nthreads x bs x D floats.
+ * Returns 0, or -1 when the shape is not supported (nothing written). */
+int codec_decode_attention_f32(
+    const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
+    const block_format *kf, const block_format *vf, int64_t num_fp,
+    const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
+    const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
+    float *out, float *key_scores, float *scores, float *partials, float *tiles, int nthreads)
+{
+    if ((D != 64 && D != 128) || G < 1 || G > CODEC_GROUP_MAX) return -1;
+    const int64_t n_chunks = T / chunk_slots;
+    const int64_t n_items = (int64_t)S * H * n_chunks;
+    const int64_t part_stride = (int64_t)G * (D + 2);
+    fill_luts();
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *tile = tiles;
+#ifdef _OPENMP
+        tile += (int64_t)omp_get_thread_num() * bs * D;
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n_items; item++) {
+            const int64_t c = item % n_chunks;
+            const int64_t sh = item / n_chunks;
+            const int s = (int)(sh / H), h = (int)(sh % H);
+            const int64_t len = lengths[s * len_ss + h * len_sh];
+            float *part = partials + (sh * n_chunks + c) * part_stride;
+            const int64_t t0 = c * chunk_slots;
+            const int64_t t1 = len < t0 + chunk_slots ? len : t0 + chunk_slots;
+            if (t1 <= t0) {
+                empty_partial(part, G, D);
+                continue;
+            }
+            const float *qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
+            const int32_t *table = tables + s * tab_ss + h * tab_sh;
+            float *sc = scores + sh * G * T;
+            if (D == 64)
+                attend_chunk_codec(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, table, tab_sj, bs, G, 64,
+                                   scale, t0, t1, T, sc, part, tile);
+            else
+                attend_chunk_codec(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, table, tab_sj, bs, G, 128,
+                                   scale, t0, t1, T, sc, part, tile);
+        }
+    }
+    merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,
+                 nthreads);
+    return 0;
+}
