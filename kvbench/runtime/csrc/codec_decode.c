@@ -37,27 +37,67 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
-static float lut2[256][4], lut4[256][2];  /* the codes of one byte as floats (filled before the parallel loop) */
-
-static void fill_luts(void) {
-    for (int b = 0; b < 256; b++) {
-        for (int i = 0; i < 4; i++) lut2[b][i] = (float)((b >> (2 * i)) & 3);
-        for (int i = 0; i < 2; i++) lut4[b][i] = (float)((b >> (4 * i)) & 15);
+/* 16 codes starting at a multiple of 16 (so at byte `src`), as floats; loops of fixed length 16 that the
+ * compiler turns into a few vector shifts, masks and conversions */
+static inline __attribute__((always_inline)) void codes16(const uint8_t *restrict src, const int bits,
+                                                         const int is_signed, float *restrict c) {
+    if (bits == 2) {
+        uint32_t w;
+        memcpy(&w, src, 4);
+        for (int i = 0; i < 16; i++) c[i] = (float)((w >> (2 * i)) & 3u);
+    } else if (bits == 4) {
+        uint32_t w[2];
+        memcpy(w, src, 8);
+        for (int i = 0; i < 8; i++) c[i] = (float)((w[0] >> (4 * i)) & 15u);
+        for (int i = 0; i < 8; i++) c[8 + i] = (float)((w[1] >> (4 * i)) & 15u);
+    } else if (is_signed) {
+        for (int i = 0; i < 16; i++) c[i] = (float)(int8_t)src[i];
+    } else {
+        for (int i = 0; i < 16; i++) c[i] = (float)src[i];
     }
 }
 
-/* codes of one row (D values from bit offset 0 of `src`, D * bits a multiple of 8) as floats */
-static inline void decode_codes(const uint8_t *restrict src, const block_format *f, const int D, float *restrict c) {
-    if (f->bits == 2) {
-        for (int j = 0; j < D / 4; j++) memcpy(c + 4 * j, lut2[src[j]], 4 * sizeof(float));
-    } else if (f->bits == 4) {
-        for (int j = 0; j < D / 2; j++) memcpy(c + 2 * j, lut4[src[j]], 2 * sizeof(float));
-    } else if (f->is_signed) {
-#pragma omp simd
-        for (int d = 0; d < D; d++) c[d] = (float)(int8_t)src[d];
-    } else {
-#pragma omp simd
-        for (int d = 0; d < D; d++) c[d] = (float)src[d];
+/* rows [r0, r1) of packed row `row` as fp32 into tile[(r - r0) * D + d]; bits, is_signed, D constants */
+static inline __attribute__((always_inline)) void decode_packed_rows(
+    const uint8_t *row, const block_format *f, const int bits, const int is_signed, const int D, int r0, int r1,
+    float *restrict tile)
+{
+    const uint16_t *mn = f->mn_off >= 0 ? (const uint16_t *)(row + f->mn_off) : NULL;
+    const uint16_t *sc = (const uint16_t *)(row + f->scale_off);
+    const uint8_t *codes = row + f->codes_off;
+    const int64_t row_code_bytes = (int64_t)D * bits / 8;
+    const int group = f->group, per_channel = f->per_channel;
+    const int ng = (D + group - 1) / group;  /* stat groups per token (per-token stats) */
+    float m[128], s[128];  /* minimum and scale per channel for the current group of rows / this row (D <= 128) */
+    int stats_of = -1;  /* per channel: the token group m and s hold */
+    for (int r = r0; r < r1; r++) {
+        if (per_channel) {
+            if (r / group != stats_of) {
+                stats_of = r / group;
+                const int64_t base = (int64_t)stats_of * D;
+                for (int d = 0; d < D; d++) {
+                    s[d] = half_to_float(sc[base + d]);
+                    m[d] = mn ? half_to_float(mn[base + d]) : 0.0f;
+                }
+            }
+        } else {
+            for (int g = 0; g < ng; g++) {
+                const float sg = half_to_float(sc[(int64_t)r * ng + g]);
+                const float mg = mn ? half_to_float(mn[(int64_t)r * ng + g]) : 0.0f;
+                const int d1 = (g + 1) * group < D ? (g + 1) * group : D;
+                for (int d = g * group; d < d1; d++) {
+                    s[d] = sg;
+                    m[d] = mg;
+                }
+            }
+        }
+        float *t = tile + (int64_t)(r - r0) * D;
+        const uint8_t *src = codes + r * row_code_bytes;
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            float c[16];
+            codes16(src + d0 * bits / 8, bits, is_signed, c);
+            for (int i = 0; i < 16; i++) t[d0 + i] = m[d0 + i] + c[i] * s[d0 + i];
+        }
     }
 }
 
@@ -77,34 +117,14 @@ static inline void load_rows(const void *fp_pool, int fp_is_half, const uint8_t 
         return;
     }
     const uint8_t *row = packed + (id - num_fp) * f->row_bytes;
-    const uint16_t *mn = f->mn_off >= 0 ? (const uint16_t *)(row + f->mn_off) : NULL;
-    const uint16_t *sc = (const uint16_t *)(row + f->scale_off);
-    const int64_t row_code_bytes = (int64_t)D * f->bits / 8;
-    const int ng = (D + f->group - 1) / f->group;  /* stat groups per token (per-token stats) */
-    float m[128], s[128];  /* this row's minimum and scale per channel (D <= 128) */
-    for (int r = r0; r < r1; r++) {
-        float *t = tile + (int64_t)(r - r0) * D;
-        decode_codes(row + f->codes_off + r * row_code_bytes, f, D, t);
-        if (f->per_channel) {
-            const int64_t base = (int64_t)(r / f->group) * D;
-            for (int d = 0; d < D; d++) {
-                s[d] = half_to_float(sc[base + d]);
-                m[d] = mn ? half_to_float(mn[base + d]) : 0.0f;
-            }
-        } else {
-            for (int d = 0; d < D; d++) {
-                s[d] = half_to_float(sc[(int64_t)r * ng + d / f->group]);
-                m[d] = mn ? half_to_float(mn[(int64_t)r * ng + d / f->group]) : 0.0f;
-            }
-        }
-        if (mn) {
-#pragma omp simd
-            for (int d = 0; d < D; d++) t[d] = m[d] + t[d] * s[d];
-        } else {
-#pragma omp simd
-            for (int d = 0; d < D; d++) t[d] = t[d] * s[d];
-        }
-    }
+    if (f->bits == 2)
+        decode_packed_rows(row, f, 2, 0, D, r0, r1, tile);
+    else if (f->bits == 4)
+        decode_packed_rows(row, f, 4, 0, D, r0, r1, tile);
+    else if (f->is_signed)
+        decode_packed_rows(row, f, 8, 1, D, r0, r1, tile);
+    else
+        decode_packed_rows(row, f, 8, 0, D, r0, r1, tile);
 }
 
 #define CODEC_GROUP_MAX 8
@@ -193,7 +213,6 @@ int codec_decode_attention_f32(
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
     const int64_t part_stride = (int64_t)G * (D + 2);
-    fill_luts();
 
 #pragma omp parallel num_threads(nthreads)
     {
