@@ -37,24 +37,26 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
-/* 16 codes starting at a multiple of 16 (so at byte `src`), as floats; loops of fixed length 16 that the
- * compiler turns into a few vector shifts, masks and conversions */
-static inline __attribute__((always_inline)) void codes16(const uint8_t *restrict src, const int bits,
-                                                         const int is_signed, float *restrict c) {
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* 16 2- or 4-bit codes starting at a multiple of 16 (so at byte `src`), as floats: a few vector shifts, masks and
+ * conversions (GCC/Clang vector extensions) */
+static inline __attribute__((always_inline)) v16 codes16(const uint8_t *restrict src, const int bits) {
     if (bits == 2) {
+        static const v16u shift = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
         uint32_t w;
         memcpy(&w, src, 4);
-        for (int i = 0; i < 16; i++) c[i] = (float)((w >> (2 * i)) & 3u);
-    } else if (bits == 4) {
+        return __builtin_convertvector(((v16u){0} + w) >> shift & 3u, v16);
+    }
+    if (bits == 4) {
+        static const v16u shift = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+        static const v16u high = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
         uint32_t w[2];
         memcpy(w, src, 8);
-        for (int i = 0; i < 8; i++) c[i] = (float)((w[0] >> (4 * i)) & 15u);
-        for (int i = 0; i < 8; i++) c[8 + i] = (float)((w[1] >> (4 * i)) & 15u);
-    } else if (is_signed) {
-        for (int i = 0; i < 16; i++) c[i] = (float)(int8_t)src[i];
-    } else {
-        for (int i = 0; i < 16; i++) c[i] = (float)src[i];
+        const v16u words = (v16u){0} + w[0] + (w[1] - w[0]) * high;  /* lanes 0-7: w[0], 8-15: w[1] */
+        return __builtin_convertvector(words >> shift & 15u, v16);
     }
+    return (v16){0};  /* not reached: 8-bit codes are read by a plain loop */
 }
 
 /* rows [r0, r1) of packed row `row` as fp32 into tile[(r - r0) * D + d]; bits, is_signed, D constants */
@@ -93,10 +95,14 @@ static inline __attribute__((always_inline)) void decode_packed_rows(
         }
         float *t = tile + (int64_t)(r - r0) * D;
         const uint8_t *src = codes + r * row_code_bytes;
-        for (int d0 = 0; d0 < D; d0 += 16) {
-            float c[16];
-            codes16(src + d0 * bits / 8, bits, is_signed, c);
-            for (int i = 0; i < 16; i++) t[d0 + i] = m[d0 + i] + c[i] * s[d0 + i];
+        if (bits == 8) {  /* a plain loop vectorizes best here (measured) */
+            if (is_signed)
+                for (int d = 0; d < D; d++) t[d] = m[d] + (float)(int8_t)src[d] * s[d];
+            else
+                for (int d = 0; d < D; d++) t[d] = m[d] + (float)src[d] * s[d];
+        } else {
+            for (int d0 = 0; d0 < D; d0 += 16)
+                *(v16 *)(t + d0) = *(const v16 *)(m + d0) + codes16(src + d0 * bits / 8, bits) * *(const v16 *)(s + d0);
         }
     }
 }
