@@ -3,7 +3,9 @@
 Prints prefill tok/s at 2048 tokens, batch-1 decode tok/s at contexts 512 and 4096, batch-16 decode
 throughput (16 prompts of 256..768 tokens, 64 new tokens each), each with its kvbench/transformers ratio,
 and the fraction of the memory-bandwidth limit a batch-1 decode step reaches (bytes it must read,
-weights + KV, over a copy bandwidth measured here). The last line is one JSON object.
+weights + KV, times kvbench's decode steps/s, over a copy bandwidth measured right before and after the same run;
+`bandwidth_fraction_interleaved_*` is the same for the steps timed alternately with transformers' steps, against
+the best copy bandwidth seen). The last line is one JSON object.
 
 Then the loaded scenario: the same batch-1 decode at context 512 while one competing CPU-bound process (a
 busy-looping Python, started and stopped by the bench) shares the cores; kvbench and transformers (same process,
@@ -113,6 +115,22 @@ def paired_decode(engine, hf, prompts: list[list[int]], new_tokens: int) -> tupl
     return kv, ref.tokens / ref.seconds
 
 
+def bandwidth_fraction(engine, prompt: list[int], new_tokens: int, step_bytes: int, repeats: int
+                       ) -> tuple[float, list[float]]:
+    """Median over `repeats` of (bytes a decode step must read x kvbench's decode steps/s) / copy bandwidth, each
+    run's copy measured right before and after its decode (the larger of the two), so a busy or quiet moment on a
+    shared machine moves numerator and denominator together. kvbench decodes alone here, step after step as a
+    server does; the steps timed for the ratio to transformers alternate with transformers' steps, whose 540 MB of
+    weights and cache copies run through the memory system between each pair (about 5-10% slower steps)."""
+    runs = []
+    for _ in range(repeats):
+        before = measure_copy_bandwidth()
+        g = engine.generate([prompt], max_new_tokens=new_tokens)[0]
+        bw = max(before, measure_copy_bandwidth())
+        runs.append(step_bytes * g.decode_tokens / g.decode_s / bw)
+    return statistics.median(runs), runs
+
+
 def paired_medians(kv_fn, hf_fn, repeats: int) -> tuple[float, float]:
     """Median of each side over `repeats` runs taken alternately."""
     kv, hf = [], []
@@ -220,12 +238,14 @@ def main() -> None:
         bw = max(bw, measure_copy_bandwidth())  # the best copy seen: a busy moment must not inflate the fraction
         kv, ref = median_pair(lambda: paired_decode(engine, hf, [p], n), R)
         step_bytes = model.weight_bytes + (ctx + n // 2) * engine.cache.full_bytes_per_token
-        frac = step_bytes * kv / bw
+        frac, frac_runs = bandwidth_fraction(engine, p, n, step_bytes, R)
         print(f"decode b=1 ctx {ctx:5d}  kvbench {kv:8.2f} tok/s  transformers {ref:8.2f} tok/s  ratio {kv / ref:.2f}"
-              f"  bandwidth fraction {frac:.2f}")
+              f"  bandwidth fraction {frac:.2f} (runs {', '.join(f'{f:.2f}' for f in frac_runs)}; "
+              f"{step_bytes * kv / bw:.2f} for the steps interleaved with transformers)")
         res[f"decode_tokens_per_s_ctx{ctx}"], res[f"hf_decode_tokens_per_s_ctx{ctx}"] = kv, ref
         res[f"decode_ratio_ctx{ctx}"] = kv / ref
         res[f"bandwidth_fraction_ctx{ctx}"] = frac
+        res[f"bandwidth_fraction_interleaved_ctx{ctx}"] = step_bytes * kv / bw
 
     g = torch.Generator().manual_seed(16)
     lens = torch.randint(256, 769, (16,), generator=g).tolist()

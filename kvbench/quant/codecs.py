@@ -40,6 +40,7 @@ class KVCodec:
     first_token_fp: bool = False  # the block holding token 0 stays in full precision
     fp_block_dtype: torch.dtype | None = None  # dtype meant for the full-precision blocks (None: the model's)
     pre_rope_keys: bool = False  # keys are stored (and quantized) before RoPE, rotated after decoding
+    layer_independent: bool = False  # encoding ignores layer and head (blocks of all layers encode in one call)
 
     # ---- subclass hooks
     def _fields(self, kind: Kind, block_size: int, head_dim: int) -> list[tuple[str, torch.dtype, int]]:
@@ -105,7 +106,7 @@ class KVCodec:
         out = {"codec": self.name, "bits": self.bits}
         for f in dc_fields(self) if hasattr(self, "__dataclass_fields__") else ():
             v = getattr(self, f.name)
-            if f.name == "name" or isinstance(v, torch.Tensor):
+            if f.name in ("name", "layer_independent") or isinstance(v, torch.Tensor):
                 continue
             if isinstance(v, (int, float, str, bool)) or v is None:
                 out[f.name] = v
@@ -134,6 +135,8 @@ class KVCodec:
 @dataclass(eq=False)
 class FullPrecisionCodec(KVCodec):
     """No compression: the tile's elements in `dtype` (fp16 by default; pass the model's dtype for exactness)."""
+
+    layer_independent: bool = field(default=True, init=False)
 
     dtype: torch.dtype = torch.float16
     name: str = field(default="full", init=False)
@@ -166,6 +169,8 @@ class KiviCodec(KVCodec):
     Values are quantized a block at a time, not token by token as in the paper; per-token quantization gives
     the same numbers, only the full-precision window varies between residual and residual + block - 1.
     """
+
+    layer_independent: bool = field(default=True, init=False)
 
     bits: int = 2
     group_size: int = 32
@@ -337,6 +342,8 @@ class KVQuantCodec(KVCodec):
 class Int8Codec(KVCodec):
     """int8 per token, symmetric (absmax / 127, fp16 scale per token), for K and V alike."""
 
+    layer_independent: bool = field(default=True, init=False)
+
     bits: int = field(default=8, init=False)
     name: str = field(default="int8", init=False)
 
@@ -355,6 +362,8 @@ class Int8Codec(KVCodec):
 @dataclass(eq=False)
 class Fp8Codec(KVCodec):
     """fp8 e4m3 per token (torch.float8_e4m3fn) with an fp16 scale per token (amax / 448), for K and V."""
+
+    layer_independent: bool = field(default=True, init=False)
 
     bits: int = field(default=8, init=False)
     name: str = field(default="fp8", init=False)

@@ -312,13 +312,17 @@ class QuantizedPagedKVCache(PagedKVCache):
         s_i, l_i, h_i, c_i = mask.nonzero(as_tuple=True)
         fp_ids = tables[s_i, l_i, h_i, c_i].to(torch.int64)
         self._check_room(0, fp_ids.numel(), fp_ids.tolist())
-        k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
-        v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
-        for layer in torch.unique(l_i).tolist():
-            sel = torch.nonzero(l_i == layer).squeeze(1)
-            ids, heads = fp_ids[sel], h_i[sel]
-            k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
-            v_rows[sel] = self.codec.encode_values(self.v_pool[ids].float(), layer, heads)
+        if self.codec.layer_independent:  # KIVI, int8, fp8: every layer's blocks in one call
+            k_rows = self.codec.encode_keys(self.k_pool[fp_ids].float())
+            v_rows = self.codec.encode_values(self.v_pool[fp_ids].float())
+        else:  # per-layer levels / ranges (KVQuant)
+            k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
+            v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
+            for layer in torch.unique(l_i).tolist():
+                sel = torch.nonzero(l_i == layer).squeeze(1)
+                ids, heads = fp_ids[sel], h_i[sel]
+                k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
+                v_rows[sel] = self.codec.encode_values(self.v_pool[ids].float(), layer, heads)
         self.pool.free(fp_ids.tolist())
         new_ids = torch.tensor(self._allocate_packed(fp_ids.numel()), dtype=torch.int64, device=self.device)
         pid = new_ids - self.num_fp_blocks
