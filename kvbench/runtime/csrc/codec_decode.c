@@ -1,6 +1,8 @@
-/* Paged decode attention over a codec cache (kvbench/runtime/quantized_cache.py), read in place: each block of
- * a (sequence, kv-head) table is decoded into a small fp32 tile as the kernel reaches it (a few KiB, in L1), so
- * the layer is never dequantized into a dense scratch copy. Same semantics, work split and chunk merge as
+/* Paged decode attention over a codec cache (kvbench/runtime/quantized_cache.py), read in place, so the layer is
+ * never dequantized into a dense scratch copy. KIVI's 2- and 4-bit blocks are read straight from their codes
+ * (score_packed_keys, accumulate_packed_values: the scale and minimum are folded into the query and the
+ * probabilities); every other block (full precision, 8-bit, int8, per-token keys) is decoded into a small fp32
+ * tile as the kernel reaches it (a few KiB, in L1). Same semantics, work split and chunk merge as
  * paged_decode_attention_f32 (paged_decode.c), which this mirrors:
  *
  *   block id < num_fp   a full-precision block of fp_pool [num_fp, bs, D] (fp16 or fp32)
@@ -135,20 +137,146 @@ static inline void load_rows(const void *fp_pool, int fp_is_half, const uint8_t 
 
 #define CODEC_GROUP_MAX 8
 
+/* Scores of the n first rows of a packed key block (2/4-bit codes, a minimum and a scale per channel for each group
+ * of `group` tokens, group % 4 == 0) for the G query heads, without decoding the keys:
+ *   q . (mn + code * scale) = sum_d (q[d] * scale[d]) * code[d] + sum_d q[d] * mn[d],
+ * the first sum over codes unpacked 16 at a time, the second once per group. Writes scale * score into
+ * sc_t[g * T + j] and raises the running maximum m[g]. */
+static inline __attribute__((always_inline)) void score_packed_keys(
+    const uint8_t *row, const block_format *f, const int bits, const float *restrict qh, const int G, const int D,
+    float scale, int n, float *restrict sc_t, int64_t T, float *restrict m)
+{
+    const uint16_t *mn = (const uint16_t *)(row + f->mn_off);
+    const uint16_t *sc = (const uint16_t *)(row + f->scale_off);
+    const uint8_t *codes = row + f->codes_off;
+    const int64_t rb = (int64_t)D * bits / 8;  /* code bytes per row */
+    const int group = f->group;
+    float qs[CODEC_GROUP_MAX][128] __attribute__((aligned(64)));  /* q * scale per channel */
+    float qm[CODEC_GROUP_MAX];  /* q . mn */
+    for (int j0 = 0; j0 < n; j0 += group) {
+        const int64_t base = (int64_t)(j0 / group) * D;
+        for (int g = 0; g < G; g++) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; d++) {
+                qs[g][d] = qh[g * D + d] * half_to_float(sc[base + d]);
+                dot += qh[g * D + d] * half_to_float(mn[base + d]);
+            }
+            qm[g] = dot;
+        }
+        const int j1 = n < j0 + group ? n : j0 + group;
+        for (int j = j0; j < j1; j += 4) {
+            const int rows = j1 - j < 4 ? j1 - j : 4;
+            v16 a[CODEC_GROUP_MAX][4];
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
+            for (int c = 0; c < D; c += 16) {
+                const uint8_t *src = codes + j * rb + c * bits / 8;
+                const v16 k0 = codes16(src, bits);
+                const v16 k1 = rows > 1 ? codes16(src + rb, bits) : (v16){0};
+                const v16 k2 = rows > 2 ? codes16(src + 2 * rb, bits) : (v16){0};
+                const v16 k3 = rows > 3 ? codes16(src + 3 * rb, bits) : (v16){0};
+                for (int g = 0; g < G; g++) {
+                    const v16 qv = *(const v16 *)(qs[g] + c);
+                    a[g][0] += qv * k0;
+                    a[g][1] += qv * k1;
+                    a[g][2] += qv * k2;
+                    a[g][3] += qv * k3;
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                float x[4];
+                hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
+                for (int i = 0; i < rows; i++) {
+                    const float v = (x[i] + qm[g]) * scale;
+                    sc_t[g * T + j + i] = v;
+                    m[g] = v > m[g] ? v : m[g];
+                }
+            }
+        }
+    }
+}
+
+/* acc[g] += sum_j p[g, j] * value_j over the n first rows of a packed value block (2/4-bit codes, a minimum and a
+ * scale per token for each group of `group` channels, group % 16 == 0, D % group == 0), without decoding the
+ * values: p * (mn + code * scale) = (p * scale) * code + p * mn, the second term summed per channel group into
+ * msum[g][group index] (added to acc once, after the last block). p[g, j] = sc_t[g * T + j]. */
+static inline __attribute__((always_inline)) void accumulate_packed_values(
+    const uint8_t *row, const block_format *f, const int bits, const int G, const int D, int n,
+    const float *restrict sc_t, int64_t T, v16 acc[][128 / 16], float msum[][128 / 16])
+{
+    const uint16_t *mn = (const uint16_t *)(row + f->mn_off);
+    const uint16_t *sc = (const uint16_t *)(row + f->scale_off);
+    const uint8_t *codes = row + f->codes_off;
+    const int64_t rb = (int64_t)D * bits / 8;
+    const int group = f->group, ng = D / group;
+    for (int j0 = 0; j0 < n; j0 += 32) {  /* the stats of 32 rows at a time, converted in one vector loop */
+        const int jn = n - j0 < 32 ? n - j0 : 32;
+        float sv[32 * 8], mv[32 * 8];  /* [row, channel group] (ng <= 8) */
+#pragma omp simd
+        for (int i = 0; i < jn * ng; i++) {
+            sv[i] = half_to_float(sc[(int64_t)j0 * ng + i]);
+            mv[i] = half_to_float(mn[(int64_t)j0 * ng + i]);
+        }
+        for (int j = 0; j < jn; j++) {
+            const uint8_t *src = codes + (j0 + j) * rb;
+            for (int q = 0; q < ng; q++) {
+                float ps[CODEC_GROUP_MAX];
+                for (int g = 0; g < G; g++) {
+                    const float p = sc_t[g * T + j0 + j];
+                    ps[g] = p * sv[j * ng + q];
+                    msum[g][q] += p * mv[j * ng + q];
+                }
+                for (int c = q * group; c < (q + 1) * group; c += 16) {
+                    const v16 code = codes16(src + c * bits / 8, bits);
+                    for (int g = 0; g < G; g++) acc[g][c / 16] += ps[g] * code;
+                }
+            }
+        }
+    }
+}
+
+/* bring a packed row towards the cache before its block is read (blocks sit anywhere in the pool) */
+static inline void prefetch_row(const uint8_t *row, int64_t nbytes) {
+    for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+}
+
+/* whether a block format can take the direct paths above (KIVI's layouts at 2 and 4 bits) */
+static int direct_keys(const block_format *f, int bs) {
+    return (f->bits == 2 || f->bits == 4) && f->per_channel && f->mn_off >= 0 && f->group % 4 == 0 &&
+           bs % f->group == 0;
+}
+static int direct_values(const block_format *f, int D) {
+    return (f->bits == 2 || f->bits == 4) && !f->per_channel && f->mn_off >= 0 && f->group % 16 == 0 &&
+           D % f->group == 0;
+}
+
 /* One work item, keys [t0, t1) of one table: as attend_chunk_grouped in paged_decode.c, with each block's K (then
  * V) rows decoded into `tile` [bs, D] first. */
 static inline __attribute__((always_inline)) void attend_chunk_codec(
     const float *restrict qh, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq,
     const uint8_t *vq, const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table,
     int64_t tab_sj, int bs, const int G, const int D, float scale, int64_t t0, int64_t t1, int64_t T,
-    float *restrict sc, float *restrict part, float *restrict tile)
+    float *restrict sc, float *restrict part, float *restrict tile, int fast_keys, int fast_values)
 {
     float m[CODEC_GROUP_MAX];
     for (int g = 0; g < G; g++) m[g] = -INFINITY;
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const int r0 = (int)(t % bs), n = (int)(end - t);
-        load_rows(k_fp, fp_is_half, kq, kf, num_fp, table[(t / bs) * tab_sj], bs, D, r0, r0 + n, tile);
+        const int64_t id = table[(t / bs) * tab_sj];
+        if (end < t1 && table[(t / bs + 1) * tab_sj] >= num_fp)
+            prefetch_row(kq + (table[(t / bs + 1) * tab_sj] - num_fp) * kf->row_bytes, kf->row_bytes);
+        if (id >= num_fp && r0 == 0 && fast_keys) {  /* packed: scored from the codes */
+            const uint8_t *row = kq + (id - num_fp) * kf->row_bytes;
+            if (kf->bits == 2)
+                score_packed_keys(row, kf, 2, qh, G, D, scale, n, sc + t, T, m);
+            else
+                score_packed_keys(row, kf, 4, qh, G, D, scale, n, sc + t, T, m);
+            t = end;
+            continue;
+        }
+        load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, r0, r0 + n, tile);
         int j = 0;
         for (; j + 4 <= n; j += 4) {
             v16 a[CODEC_GROUP_MAX][4];
@@ -187,12 +315,28 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
     }
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
     v16 acc[CODEC_GROUP_MAX][128 / 16];
+    float msum[CODEC_GROUP_MAX][128 / 16];  /* sum of p * minimum per value channel group (direct path) */
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) acc[g][c] = (v16){0};
+        for (int c = 0; c < D / 16; c++) {
+            acc[g][c] = (v16){0};
+            msum[g][c] = 0.0f;
+        }
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const int r0 = (int)(t % bs), n = (int)(end - t);
-        load_rows(v_fp, fp_is_half, vq, vf, num_fp, table[(t / bs) * tab_sj], bs, D, r0, r0 + n, tile);
+        const int64_t id = table[(t / bs) * tab_sj];
+        if (end < t1 && table[(t / bs + 1) * tab_sj] >= num_fp)
+            prefetch_row(vq + (table[(t / bs + 1) * tab_sj] - num_fp) * vf->row_bytes, vf->row_bytes);
+        if (id >= num_fp && r0 == 0 && fast_values) {
+            const uint8_t *row = vq + (id - num_fp) * vf->row_bytes;
+            if (vf->bits == 2)
+                accumulate_packed_values(row, vf, 2, G, D, n, sc + t, T, acc, msum);
+            else
+                accumulate_packed_values(row, vf, 4, G, D, n, sc + t, T, acc, msum);
+            t = end;
+            continue;
+        }
+        load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, r0, r0 + n, tile);
         for (int j = 0; j < n; j++)
             for (int c = 0; c < D / 16; c++) {
                 const v16 vv = *(const v16 *)(tile + j * D + c * 16);
@@ -200,6 +344,9 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
             }
         t = end;
     }
+    if (fast_values)
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < D / 16; c++) acc[g][c] += msum[g][c * 16 / vf->group];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 16; c++) memcpy(part + g * (D + 2) + c * 16, &acc[g][c], sizeof(v16));
 }
@@ -219,6 +366,7 @@ int codec_decode_attention_f32(
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
     const int64_t part_stride = (int64_t)G * (D + 2);
+    const int fast_keys = direct_keys(kf, bs), fast_values = direct_values(vf, D);
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -244,10 +392,10 @@ int codec_decode_attention_f32(
             float *sc = scores + sh * G * T;
             if (D == 64)
                 attend_chunk_codec(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, table, tab_sj, bs, G, 64,
-                                   scale, t0, t1, T, sc, part, tile);
+                                   scale, t0, t1, T, sc, part, tile, fast_keys, fast_values);
             else
                 attend_chunk_codec(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, table, tab_sj, bs, G, 128,
-                                   scale, t0, t1, T, sc, part, tile);
+                                   scale, t0, t1, T, sc, part, tile, fast_keys, fast_values);
         }
     }
     merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,
