@@ -125,6 +125,30 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
+class _DecodeBuffers:
+    """The work split and the outputs / scratch of one decode-attention call (both kernels): chunks of `chunk` key
+    slots (a multiple of `min_chunk`; about ITEMS_PER_THREAD work items per thread), T padded to Tp,
+    out [S, Hq, 1, D], scores [S, H, G, Tp], partials [S, H, Tp / chunk, G, D + 2], key_scores [S, H, Tp]."""
+
+    def __init__(self, S: int, H: int, G: int, D: int, T: int, min_chunk: int, key_scores: bool):
+        self.threads = torch.get_num_threads()
+        chunks_per_table = -(-ITEMS_PER_THREAD * self.threads // (S * H))
+        chunk = max(min_chunk, -(-T // chunks_per_table))
+        self.chunk = -(-chunk // min_chunk) * min_chunk
+        self.Tp = max(1, -(-T // self.chunk)) * self.chunk
+        self.T = T
+        self.out = torch.empty(S, H * G, 1, D, dtype=torch.float32)
+        self.scores = torch.empty(S, H, G, self.Tp, dtype=torch.float32)
+        self.partials = torch.empty(S, H, self.Tp // self.chunk, G, D + 2, dtype=torch.float32)
+        self.key_scores = torch.empty(S, H, self.Tp, dtype=torch.float32) if key_scores else None
+
+    def key_scores_ptr(self) -> int | None:
+        return self.key_scores.data_ptr() if self.key_scores is not None else None
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.out, (self.key_scores[:, :, : self.T] if self.key_scores is not None else None)
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,  # [S, Hq, 1, D] fp32
     k_pool: torch.Tensor,  # [N, bs, D] fp32 contiguous
@@ -147,23 +171,14 @@ def paged_decode_attention_cpu(
     assert Q == 1 and G <= _MAX_GROUP and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
     assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape[-1] == D
     assert tables.dtype == torch.int32 and lengths.dtype == torch.int64
-    T = int(lengths.max())
-    threads = torch.get_num_threads()
-    chunks_per_table = -(-ITEMS_PER_THREAD * threads // (S * H))
-    chunk = max(16, -(-T // chunks_per_table))
-    Tp = max(1, -(-T // chunk)) * chunk
+    b = _DecodeBuffers(S, H, G, D, int(lengths.max()), 16, return_key_scores)
     q = q.contiguous()
-    out = torch.empty(S, Hq, 1, D, dtype=torch.float32)
-    scores = torch.empty(S, H, G, Tp, dtype=torch.float32)
-    partials = torch.empty(S, H, Tp // chunk, G, D + 2, dtype=torch.float32)
-    key_scores = torch.empty(S, H, Tp, dtype=torch.float32) if return_key_scores else None
     ts, ls = tables.stride(), lengths.stride()
     lib.paged_decode_attention_f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                                    tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1],
-                                   S, H, G, D, bs, scale, Tp, chunk,
-                                   out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None,
-                                   scores.data_ptr(), partials.data_ptr(), threads)
-    return out, (key_scores[:, :, :T] if key_scores is not None else None)
+                                   S, H, G, D, bs, scale, b.Tp, b.chunk, b.out.data_ptr(), b.key_scores_ptr(),
+                                   b.scores.data_ptr(), b.partials.data_ptr(), b.threads)
+    return b.result()
 
 
 class BlockFormat(ctypes.Structure):
@@ -216,28 +231,19 @@ def codec_decode_attention_cpu(
     assert Q == 1 and q.dtype == torch.float32 and k_fp.dtype == v_fp.dtype in (torch.float16, torch.float32)
     assert k_fp.is_contiguous() and v_fp.is_contiguous() and kq.is_contiguous() and vq.is_contiguous()
     assert tables.dtype == torch.int32 and lengths.dtype == torch.int64
-    T = int(lengths.max())
-    threads = torch.get_num_threads()
-    chunks_per_table = -(-ITEMS_PER_THREAD * threads // (S * H))
-    chunk = max(bs, -(-T // chunks_per_table))
-    chunk = -(-chunk // bs) * bs  # whole blocks per work item: each block is decoded once
-    Tp = max(1, -(-T // chunk)) * chunk
+    b = _DecodeBuffers(S, H, G, D, int(lengths.max()), bs, return_key_scores)  # whole blocks per work item
     q = q.contiguous()
-    out = torch.empty(S, Hq, 1, D, dtype=torch.float32)
-    scores = torch.empty(S, H, G, Tp, dtype=torch.float32)
-    partials = torch.empty(S, H, Tp // chunk, G, D + 2, dtype=torch.float32)
-    tiles = torch.empty(threads, bs, D, dtype=torch.float32)
-    key_scores = torch.empty(S, H, Tp, dtype=torch.float32) if return_key_scores else None
+    tiles = torch.empty(b.threads, bs, D, dtype=torch.float32)
     ts, ls = tables.stride(), lengths.stride()
     rc = lib.codec_decode_attention_f32(
         q.data_ptr(), k_fp.data_ptr(), v_fp.data_ptr(), int(k_fp.dtype == torch.float16), kq.data_ptr(),
         vq.data_ptr(), ctypes.byref(formats[0]), ctypes.byref(formats[1]), k_fp.shape[0],
-        tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1], S, H, G, D, bs, scale, Tp, chunk,
-        out.data_ptr(), key_scores.data_ptr() if key_scores is not None else None, scores.data_ptr(),
-        partials.data_ptr(), tiles.data_ptr(), threads)
+        tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1], S, H, G, D, bs, scale, b.Tp,
+        b.chunk, b.out.data_ptr(), b.key_scores_ptr(), b.scores.data_ptr(), b.partials.data_ptr(), tiles.data_ptr(),
+        b.threads)
     if rc != 0:
         raise ValueError(f"codec_decode_attention: unsupported shape (head dim {D}, {G} query heads per kv head)")
-    return out, (key_scores[:, :, :T] if key_scores is not None else None)
+    return b.result()
 
 
 def paged_attention_cpu(q, k_pool, v_pool, tables, lengths, key_positions, query_positions, scale, *,

@@ -135,7 +135,6 @@ static inline void load_rows(const void *fp_pool, int fp_is_half, const uint8_t 
         decode_packed_rows(row, f, 8, 0, D, r0, r1, tile);
 }
 
-#define CODEC_GROUP_MAX 8
 
 /* Scores of the n first rows of a packed key block (2/4-bit codes, a minimum and a scale per channel for each group
  * of `group` tokens, group % 4 == 0) for the G query heads, without decoding the keys:
@@ -151,8 +150,8 @@ static inline __attribute__((always_inline)) void score_packed_keys(
     const uint8_t *codes = row + f->codes_off;
     const int64_t rb = (int64_t)D * bits / 8;  /* code bytes per row */
     const int group = f->group;
-    float qs[CODEC_GROUP_MAX][128] __attribute__((aligned(64)));  /* q * scale per channel */
-    float qm[CODEC_GROUP_MAX];  /* q . mn */
+    float qs[GROUP_MAX][128] __attribute__((aligned(64)));  /* q * scale per channel */
+    float qm[GROUP_MAX];  /* q . mn */
     for (int j0 = 0; j0 < n; j0 += group) {
         const int64_t base = (int64_t)(j0 / group) * D;
         for (int g = 0; g < G; g++) {
@@ -167,7 +166,7 @@ static inline __attribute__((always_inline)) void score_packed_keys(
         const int j1 = n < j0 + group ? n : j0 + group;
         for (int j = j0; j < j1; j += 4) {
             const int rows = j1 - j < 4 ? j1 - j : 4;
-            v16 a[CODEC_GROUP_MAX][4];
+            v16 a[GROUP_MAX][4];
             for (int g = 0; g < G; g++)
                 for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
             for (int c = 0; c < D; c += 16) {
@@ -221,7 +220,7 @@ static inline __attribute__((always_inline)) void accumulate_packed_values(
         for (int j = 0; j < jn; j++) {
             const uint8_t *src = codes + (j0 + j) * rb;
             for (int q = 0; q < ng; q++) {
-                float ps[CODEC_GROUP_MAX];
+                float ps[GROUP_MAX];
                 for (int g = 0; g < G; g++) {
                     const float p = sc_t[g * T + j0 + j];
                     ps[g] = p * sv[j * ng + q];
@@ -252,14 +251,14 @@ static int direct_values(const block_format *f, int D) {
 }
 
 /* One work item, keys [t0, t1) of one table: as attend_chunk_grouped in paged_decode.c, with each block's K (then
- * V) rows decoded into `tile` [bs, D] first. */
+ * V) rows decoded into `tile` [bs, D] first (KIVI 2/4-bit blocks: read from their codes). */
 static inline __attribute__((always_inline)) void attend_chunk_codec(
     const float *restrict qh, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq,
     const uint8_t *vq, const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table,
     int64_t tab_sj, int bs, const int G, const int D, float scale, int64_t t0, int64_t t1, int64_t T,
     float *restrict sc, float *restrict part, float *restrict tile, int fast_keys, int fast_values)
 {
-    float m[CODEC_GROUP_MAX];
+    float m[GROUP_MAX];
     for (int g = 0; g < G; g++) m[g] = -INFINITY;
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
@@ -277,45 +276,12 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
             continue;
         }
         load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, r0, r0 + n, tile);
-        int j = 0;
-        for (; j + 4 <= n; j += 4) {
-            v16 a[CODEC_GROUP_MAX][4];
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
-            const float *kj = tile + j * D;
-            for (int c = 0; c < D; c += 16) {
-                const v16 k0 = *(const v16 *)(kj + c), k1 = *(const v16 *)(kj + D + c);
-                const v16 k2 = *(const v16 *)(kj + 2 * D + c), k3 = *(const v16 *)(kj + 3 * D + c);
-                for (int g = 0; g < G; g++) {
-                    const v16 qv = *(const v16 *)(qh + g * D + c);
-                    a[g][0] += qv * k0;
-                    a[g][1] += qv * k1;
-                    a[g][2] += qv * k2;
-                    a[g][3] += qv * k3;
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                float x[4];
-                hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
-                float *row = sc + g * T + t + j;
-                for (int i = 0; i < 4; i++) {
-                    row[i] = x[i] * scale;
-                    m[g] = row[i] > m[g] ? row[i] : m[g];
-                }
-            }
-        }
-        for (; j < n; j++)
-            for (int g = 0; g < G; g++) {
-                float x = 0.0f;
-                for (int d = 0; d < D; d++) x += qh[g * D + d] * tile[j * D + d];
-                sc[g * T + t + j] = x * scale;
-                m[g] = x * scale > m[g] ? x * scale : m[g];
-            }
+        score_rows(qh, tile, n, G, D, scale, sc + t, T, m);
         t = end;
     }
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
-    v16 acc[CODEC_GROUP_MAX][128 / 16];
-    float msum[CODEC_GROUP_MAX][128 / 16];  /* sum of p * minimum per value channel group (direct path) */
+    v16 acc[GROUP_MAX][128 / 16];
+    float msum[GROUP_MAX][128 / 16];  /* sum of p * minimum per value channel group (direct path) */
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / 16; c++) {
             acc[g][c] = (v16){0};
@@ -337,11 +303,7 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
             continue;
         }
         load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, r0, r0 + n, tile);
-        for (int j = 0; j < n; j++)
-            for (int c = 0; c < D / 16; c++) {
-                const v16 vv = *(const v16 *)(tile + j * D + c * 16);
-                for (int g = 0; g < G; g++) acc[g][c] += sc[g * T + t + j] * vv;
-            }
+        accumulate_rows(tile, n, G, D, sc + t, T, acc);
         t = end;
     }
     if (fast_values)
@@ -362,7 +324,7 @@ int codec_decode_attention_f32(
     int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
     float *out, float *key_scores, float *scores, float *partials, float *tiles, int nthreads)
 {
-    if ((D != 64 && D != 128) || G < 1 || G > CODEC_GROUP_MAX) return -1;
+    if ((D != 64 && D != 128) || G < 1 || G > GROUP_MAX) return -1;
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
     const int64_t part_stride = (int64_t)G * (D + 2);

@@ -82,6 +82,63 @@ static inline void exp_and_sum(float *restrict sc, int64_t T, int G, int D, int6
     }
 }
 
+#define GROUP_MAX 8  /* query heads per kv-head the register-blocked paths take */
+
+/* Scores of n consecutive K rows k [n, D] for the G query heads qh [G, D]: sc_t[g * T + j] = scale * (q_g . k_j),
+ * and m[g] raised to their maximum. Four rows at a time, each row loaded once for the whole group, the sums of the
+ * four reduced together. G <= GROUP_MAX, D a multiple of 16; inlined with G and D constant where it matters. */
+static inline __attribute__((always_inline)) void score_rows(const float *restrict qh, const float *restrict k,
+                                                             int64_t n, const int G, const int D, float scale,
+                                                             float *restrict sc_t, int64_t T, float *restrict m)
+{
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        v16 a[GROUP_MAX][4];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
+        const float *kj = k + j * D;
+        for (int c = 0; c < D; c += 16) {
+            const v16 k0 = *(const v16 *)(kj + c), k1 = *(const v16 *)(kj + D + c);
+            const v16 k2 = *(const v16 *)(kj + 2 * D + c), k3 = *(const v16 *)(kj + 3 * D + c);
+            for (int g = 0; g < G; g++) {
+                const v16 qv = *(const v16 *)(qh + g * D + c);
+                a[g][0] += qv * k0;
+                a[g][1] += qv * k1;
+                a[g][2] += qv * k2;
+                a[g][3] += qv * k3;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float x[4];
+            hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
+            float *row = sc_t + g * T + j;
+            for (int i = 0; i < 4; i++) {
+                row[i] = x[i] * scale;
+                m[g] = row[i] > m[g] ? row[i] : m[g];
+            }
+        }
+    }
+    for (; j < n; j++)
+        for (int g = 0; g < G; g++) {
+            float x = 0.0f;
+            for (int d = 0; d < D; d++) x += qh[g * D + d] * k[j * D + d];
+            sc_t[g * T + j] = x * scale;
+            m[g] = x * scale > m[g] ? x * scale : m[g];
+        }
+}
+
+/* acc[g] += sum_j p[g, j] * v_j over n consecutive V rows v [n, D], p[g, j] = sc_t[g * T + j]; acc [G][D / 16] */
+static inline __attribute__((always_inline)) void accumulate_rows(const float *restrict v, int64_t n, const int G,
+                                                                  const int D, const float *restrict sc_t, int64_t T,
+                                                                  v16 acc[][128 / 16])
+{
+    for (int64_t j = 0; j < n; j++)
+        for (int c = 0; c < D / 16; c++) {
+            const v16 vv = *(const v16 *)(v + j * D + c * 16);
+            for (int g = 0; g < G; g++) acc[g][c] += sc_t[g * T + j] * vv;
+        }
+}
+
 /* a chunk with no keys: zero accumulators, max -inf, sum 0 */
 static inline void empty_partial(float *part, int G, int D) {
     for (int g = 0; g < G; g++) {

@@ -84,7 +84,6 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
 /* attend_chunk with the head dim (64 or 128) and the group size (1..8) as compile-time constants (see
  * attend_chunk_fast): each K and V row is loaded once for the whole group, the group's accumulators
  * stay in registers. Same arithmetic, in the same order, as attend_chunk. */
-#define GROUP_MAX 8
 static inline __attribute__((always_inline)) void attend_chunk_grouped(
     const float *restrict qh, const float *restrict k_pool, const float *restrict v_pool,
     const int32_t *table, int64_t tab_sj, int bs, const int G, const int D, float scale,
@@ -95,41 +94,7 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        const int64_t n = end - t;
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-            v16 a[GROUP_MAX][4];
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
-            const float *kj = k + j * D;
-            for (int c = 0; c < D; c += 16) {
-                const v16 k0 = *(const v16 *)(kj + c), k1 = *(const v16 *)(kj + D + c);
-                const v16 k2 = *(const v16 *)(kj + 2 * D + c), k3 = *(const v16 *)(kj + 3 * D + c);
-                for (int g = 0; g < G; g++) {
-                    const v16 qv = *(const v16 *)(qh + g * D + c);
-                    a[g][0] += qv * k0;
-                    a[g][1] += qv * k1;
-                    a[g][2] += qv * k2;
-                    a[g][3] += qv * k3;
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                float x[4];
-                hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
-                float *row = sc + g * T + t + j;
-                for (int i = 0; i < 4; i++) {
-                    row[i] = x[i] * scale;
-                    m[g] = row[i] > m[g] ? row[i] : m[g];
-                }
-            }
-        }
-        for (; j < n; j++)
-            for (int g = 0; g < G; g++) {
-                float x = 0.0f;
-                for (int d = 0; d < D; d++) x += qh[g * D + d] * k[j * D + d];
-                sc[g * T + t + j] = x * scale;
-                m[g] = x * scale > m[g] ? x * scale : m[g];
-            }
+        score_rows(qh, k, end - t, G, D, scale, sc + t, T, m);
         t = end;
     }
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
@@ -139,11 +104,7 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        for (int64_t j = 0; j < end - t; j++)
-            for (int c = 0; c < D / 16; c++) {
-                const v16 vv = *(const v16 *)(v + j * D + c * 16);
-                for (int g = 0; g < G; g++) acc[g][c] += sc[g * T + t + j] * vv;
-            }
+        accumulate_rows(v, end - t, G, D, sc + t, T, acc);
         t = end;
     }
     for (int g = 0; g < G; g++)
