@@ -12,6 +12,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # one thread: tests are small, and two OpenMP threads on a busy 2-core machine can run 40x slower
 torch.set_num_threads(1)
 
+try:  # property tests draw the same examples on every run (CI must not depend on luck); HYPOTHESIS_PROFILE=default
+    from hypothesis import settings  # explores new ones
+
+    settings.register_profile("kvbench", derandomize=True, database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvbench"))
+except ImportError:
+    pass
+
 
 @pytest.fixture(scope="session")
 def smollm2():

@@ -71,7 +71,8 @@ def test_every_request_finishes_or_fails_alone_and_the_pool_empties(model, lengt
     assert engine.cache.pool.in_use == 0 and not engine.cache.live
     engine.cache.pool.check_consistency()
     assert not getattr(engine.method, "_state", {}), "method state left behind"
-    assert out.max_running >= 1 and len(out.timeline) > 0
+    if any(r.status == "finished" for r in reqs):  # a request too large for the pool fails before it is admitted
+        assert out.max_running >= 1 and len(out.timeline) > 0
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
