@@ -41,8 +41,10 @@ TARGETS = {  # issue #14: what `make bench` must show
 
 
 def measure_copy_bandwidth(nbytes: int = 512 * 1024**2, repeats: int = 5) -> float:
-    """Read+write bytes per second of a large tensor copy (the practical DRAM bandwidth). The source is random:
-    pages of one constant value can be merged by the host (same-page merging) and read faster than DRAM."""
+    """Read+write bytes per second of a large tensor copy (the practical DRAM bandwidth). The source is random data,
+    so no page merging or compression on the host can serve it faster than memory. On the 2-core dev VM this figure
+    is bimodal over time (about 43 or about 72 GB/s, even within one bench run), while a decode step's weight reads
+    stay near 40 GB/s; read the fraction beside the copy bandwidth printed with it."""
     a = torch.rand(nbytes // 4)
     b = torch.empty_like(a)
     best = float("inf")
