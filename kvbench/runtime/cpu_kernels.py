@@ -125,6 +125,18 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
+def _decode_call(q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor):
+    """The library and (S, H, G, D) of a decode-attention call: q [S, H*G, 1, D], tables [S, H, MB] int32,
+    lengths [S, H] int64."""
+    lib = load_kernel()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_kernel_error}")
+    S, Hq, Q, D = q.shape
+    H = tables.shape[1]
+    assert Q == 1 and tables.dtype == torch.int32 and lengths.dtype == torch.int64
+    return lib, S, H, Hq // H, D
+
+
 class _DecodeBuffers:
     """The work split and the outputs / scratch of one decode-attention call (both kernels): chunks of `chunk` key
     slots (a multiple of `min_chunk`; about ITEMS_PER_THREAD work items per thread), T padded to Tp,
@@ -161,16 +173,10 @@ def paged_decode_attention_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode attention read in place from the pool: (out [S, Hq, 1, D], key_scores [S, H, T] or None).
     A head with no cached keys gives zeros (the torch reference gives NaN there; the Triton kernel zeros)."""
-    lib = load_kernel()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_kernel_error}")
-    S, Hq, Q, D = q.shape
-    H = tables.shape[1]
-    G = Hq // H
+    lib, S, H, G, D = _decode_call(q, tables, lengths)
     bs = k_pool.shape[1]
-    assert Q == 1 and G <= _MAX_GROUP and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+    assert G <= _MAX_GROUP and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
     assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape[-1] == D
-    assert tables.dtype == torch.int32 and lengths.dtype == torch.int64
     b = _DecodeBuffers(S, H, G, D, int(lengths.max()), 16, return_key_scores)
     q = q.contiguous()
     ts, ls = tables.stride(), lengths.stride()
@@ -221,16 +227,10 @@ def codec_decode_attention_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode attention over a codec cache's two pools, read in place: (out [S, Hq, 1, D], key_scores [S, H, T]
     or None), as ``paged_decode_attention_cpu`` returns them for the dequantized blocks."""
-    lib = load_kernel()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_kernel_error}")
-    S, Hq, Q, D = q.shape
-    H = tables.shape[1]
-    G = Hq // H
+    lib, S, H, G, D = _decode_call(q, tables, lengths)
     bs = k_fp.shape[1]
-    assert Q == 1 and q.dtype == torch.float32 and k_fp.dtype == v_fp.dtype in (torch.float16, torch.float32)
+    assert q.dtype == torch.float32 and k_fp.dtype == v_fp.dtype in (torch.float16, torch.float32)
     assert k_fp.is_contiguous() and v_fp.is_contiguous() and kq.is_contiguous() and vq.is_contiguous()
-    assert tables.dtype == torch.int32 and lengths.dtype == torch.int64
     b = _DecodeBuffers(S, H, G, D, int(lengths.max()), bs, return_key_scores)  # whole blocks per work item
     q = q.contiguous()
     tiles = torch.empty(b.threads, bs, D, dtype=torch.float32)

@@ -183,15 +183,7 @@ static inline __attribute__((always_inline)) void score_packed_keys(
                     a[g][3] += qv * k3;
                 }
             }
-            for (int g = 0; g < G; g++) {
-                float x[4];
-                hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
-                for (int i = 0; i < rows; i++) {
-                    const float v = (x[i] + qm[g]) * scale;
-                    sc_t[g * T + j + i] = v;
-                    m[g] = v > m[g] ? v : m[g];
-                }
-            }
+            store_scores4(a, G, qm, rows, scale, sc_t + j, T, m);
         }
     }
 }
@@ -327,7 +319,6 @@ int codec_decode_attention_f32(
     if ((D != 64 && D != 128) || G < 1 || G > GROUP_MAX) return -1;
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
-    const int64_t part_stride = (int64_t)G * (D + 2);
     const int fast_keys = direct_keys(kf, bs), fast_values = direct_values(vf, D);
 
 #pragma omp parallel num_threads(nthreads)
@@ -338,26 +329,16 @@ int codec_decode_attention_f32(
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n_items; item++) {
-            const int64_t c = item % n_chunks;
-            const int64_t sh = item / n_chunks;
-            const int s = (int)(sh / H), h = (int)(sh % H);
-            const int64_t len = lengths[s * len_ss + h * len_sh];
-            float *part = partials + (sh * n_chunks + c) * part_stride;
-            const int64_t t0 = c * chunk_slots;
-            const int64_t t1 = len < t0 + chunk_slots ? len : t0 + chunk_slots;
-            if (t1 <= t0) {
-                empty_partial(part, G, D);
+            work_item w;
+            if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, tables, tab_ss, tab_sh, lengths, len_ss,
+                              len_sh, scores, partials, &w))
                 continue;
-            }
-            const float *qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
-            const int32_t *table = tables + s * tab_ss + h * tab_sh;
-            float *sc = scores + sh * G * T;
             if (D == 64)
-                attend_chunk_codec(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, table, tab_sj, bs, G, 64,
-                                   scale, t0, t1, T, sc, part, tile, fast_keys, fast_values);
+                attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, G, 64,
+                                   scale, w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values);
             else
-                attend_chunk_codec(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, table, tab_sj, bs, G, 128,
-                                   scale, t0, t1, T, sc, part, tile, fast_keys, fast_values);
+                attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, G, 128,
+                                   scale, w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values);
         }
     }
     merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,

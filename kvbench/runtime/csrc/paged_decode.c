@@ -140,33 +140,22 @@ void paged_decode_attention_f32(
 {
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
-    const int64_t part_stride = (int64_t)G * (D + 2);
 
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t item = 0; item < n_items; item++) {
-        const int64_t c = item % n_chunks;
-        const int64_t sh = item / n_chunks;
-        const int s = (int)(sh / H), h = (int)(sh % H);
-        const int64_t len = lengths[s * len_ss + h * len_sh];
-        float *part = partials + (sh * n_chunks + c) * part_stride;
-        const int64_t t0 = c * chunk_slots;
-        const int64_t t1 = len < t0 + chunk_slots ? len : t0 + chunk_slots;
-        if (t1 <= t0) {
-            empty_partial(part, G, D);
+        work_item w;
+        if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, tables, tab_ss, tab_sh, lengths, len_ss,
+                          len_sh, scores, partials, &w))
             continue;
-        }
-        const float *qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
-        const int32_t *table = tables + s * tab_ss + h * tab_sh;
-        float *sc = scores + sh * G * T;  /* [G, T] */
-        if (attend_chunk_fast(qh, k_pool, v_pool, table, tab_sj, bs, G, D, scale, t0, t1, T, sc, part))
+        if (attend_chunk_fast(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, D, scale, w.t0, w.t1, T, w.sc, w.part))
             continue;
         /* constant head dims let the compiler keep a query row and an accumulator in registers */
         if (D == 64)
-            attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, 64, scale, t0, t1, T, sc, part);
+            attend_chunk(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, 64, scale, w.t0, w.t1, T, w.sc, w.part);
         else if (D == 128)
-            attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, 128, scale, t0, t1, T, sc, part);
+            attend_chunk(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, 128, scale, w.t0, w.t1, T, w.sc, w.part);
         else
-            attend_chunk(qh, k_pool, v_pool, table, tab_sj, bs, G, D, scale, t0, t1, T, sc, part);
+            attend_chunk(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, D, scale, w.t0, w.t1, T, w.sc, w.part);
     }
 
     merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,
