@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any, Optional
 
-from kvbench.errors import UserError, exit_usage
+from kvbench.errors import UserError, exit_with
 from kvbench.reporting import stats
 from kvbench.reporting.runs import describe, load_runs, pair_key, result_keys, samples_of, setting_of, varying_keys
 
@@ -217,11 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def cli() -> None:
     """Console entry point: exit 1 on a regression, 2 on bad input (one line on stderr)."""
-    try:
-        code = main()
-    except UserError as exc:
-        exit_usage(str(exc))
-    sys.exit(code)
+    exit_with(main)
 
 
 if __name__ == "__main__":

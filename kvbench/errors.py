@@ -64,6 +64,15 @@ def exit_usage(message: str) -> NoReturn:
     raise SystemExit(EXIT_USAGE)
 
 
+def exit_with(main: Callable[[], int]) -> NoReturn:
+    """Console entry point of a plain (argparse) tool: exit with main()'s code; bad input -> one line, exit 2."""
+    try:
+        code = main()
+    except UserError as exc:
+        exit_usage(str(exc))
+    sys.exit(code)
+
+
 def _choices(options: Any) -> str:
     opts = sorted(str(o) for o in (options or []))
     return ", ".join(opts) if opts else "(none found)"

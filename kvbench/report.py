@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
-import sys
 from typing import Any, Optional
 
-from kvbench.errors import UserError, exit_usage
+from kvbench.errors import UserError, exit_with
 from kvbench.reporting import plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
 from kvbench.reporting.runs import (describe, fmt as _fmt, load_runs, pair_key, runs_frame, setting_of,
@@ -234,11 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def cli() -> None:
-    try:
-        code = main()
-    except UserError as exc:
-        exit_usage(str(exc))
-    sys.exit(code)
+    """Console entry point: exit 2 on bad input (one line on stderr)."""
+    exit_with(main)
 
 
 if __name__ == "__main__":
