@@ -167,3 +167,22 @@ def test_decode_projection_gemv_matches_torch(rows, bias):
     if lin._plain is not None and rows <= cpu_kernels.GEMV_MAX_ROWS:  # the C kernel alone gives the same numbers
         torch.testing.assert_close(cpu_kernels.gemv(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5,
                                    atol=1e-4)
+
+
+def test_installed_package_ships_every_kernel_source():
+    """pyproject's package-data must carry every file the kernel build reads (a wheel without decode_common.h
+    compiles nothing and falls back to the slow path)."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(cpu_kernels.__file__).resolve().parents[2]
+    pyproject = root / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not a checkout")
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["kvbench.runtime"]
+    runtime_dir = Path(cpu_kernels.__file__).parent
+    for path in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
+        rel = path.relative_to(runtime_dir).as_posix()
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), f"{rel} is not in package-data {patterns}"

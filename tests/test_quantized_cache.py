@@ -38,11 +38,11 @@ def _ids(n, seed=0):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _quant(codec, num_blocks=256, block_size=16, num_layers=L, num_kv_heads=H, head_dim=D):
+def _quant(codec, num_blocks=256, block_size=16, num_layers=L, num_kv_heads=H, head_dim=D, device="cpu"):
     """A codec's cache holding at most the bytes of num_blocks full-precision fp32 blocks."""
     mem = num_blocks * full_block_bytes(codec_block_size(codec, block_size), head_dim, torch.float32)
     return build_cache(codec=codec, kv_memory_bytes=mem, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, block_size=block_size, dtype=torch.float32, device="cpu", max_seqs=4)
+                       head_dim=head_dim, block_size=block_size, dtype=torch.float32, device=device, max_seqs=4)
 
 
 def _caches(codec, num_blocks=256, block_size=16):
@@ -61,9 +61,10 @@ def _feed(caches, slots, lengths, gen, start):
         k = torch.randn(L, 1, H, n, D, generator=gen) * 2 + torch.linspace(-3, 3, D)
         v = torch.randn(L, 1, H, n, D, generator=gen)
         for c in caches:
-            plan = c.prepare_append([s], pos)
+            dev = c.device
+            plan = c.prepare_append([s], pos.to(dev))
             for layer in range(L):
-                c.write(layer, plan, k[layer], v[layer])
+                c.write(layer, plan, k[layer].to(dev), v[layer].to(dev))
         start[s] += n
     return Q
 
@@ -415,7 +416,12 @@ def triton_dequant():
 
 def test_triton_dequant_path_matches_torch(triton_dequant):
     codec = KiviCodec(2, group_size=16, residual=32)
-    quant, s = _filled(codec, n=120)
+    # the compiled kernel (a GPU machine) reads GPU tensors; on a CPU the interpreter reads CPU ones
+    quant = _quant(codec, device="cuda" if torch.cuda.is_available() else "cpu")
+    s = quant.add_sequence()
+    _feed([quant], [s], [120], torch.Generator().manual_seed(3), {s: 0})
+    quant.pack_pending()
+    quant.dequant = "torch"
     ref = quant.gather(1, s)
     quant.dequant = "triton"
     k, v, _ = quant.gather(1, s)

@@ -1,4 +1,5 @@
-"""The Triton paged-attention kernel against a plain torch reference (CPU: Triton interpreter, fp32 / fp16).
+"""The Triton paged-attention kernel against a plain torch reference (CPU: Triton interpreter, fp32 / fp16;
+with KVBENCH_TEST_GPU=1 on a CUDA machine: the compiled kernel, bf16 too, as bench/gpu_check.sh runs it).
 
 Every cache built here is poisoned where the kernel must not look: pool slots past a table's length and every pool
 block no table owns hold NaN, unused block-table entries point at a NaN block, and key positions past the length
@@ -8,7 +9,9 @@ row, never a pass.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before importing any module that defines a @triton.jit kernel
+ON_GPU = os.environ.get("KVBENCH_TEST_GPU") == "1"  # the compiled kernel on a CUDA GPU instead of the interpreter
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before importing any module that defines a @triton.jit kernel
 
 import importlib.util  # noqa: E402
 import math  # noqa: E402
@@ -22,14 +25,21 @@ pytest.importorskip("triton")
 from kvbench.runtime import triton_attention as ta  # noqa: E402
 from kvbench.runtime.triton_attention import paged_attention_triton  # noqa: E402
 
-if type(ta._paged_attention_kernel).__name__ != "InterpretedFunction":  # pragma: no cover
+if ON_GPU and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("KVBENCH_TEST_GPU=1 needs a CUDA GPU", allow_module_level=True)
+if not ON_GPU and type(ta._paged_attention_kernel).__name__ != "InterpretedFunction":  # pragma: no cover
     pytest.skip(
         "kvbench.runtime.triton_attention was imported before TRITON_INTERPRET=1 was set; run this file alone",
         allow_module_level=True,
     )
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=1e-2)}
-SCORE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=1e-2),
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+SCORE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-3, rtol=1e-3),
+             torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+# the interpreter's bf16 dot is wrong: bf16 runs on a GPU only
+GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="bf16: the compiled kernel on a GPU only (KVBENCH_TEST_GPU=1)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -37,7 +47,11 @@ SCORE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol
 
 
 def reference_paged_attention(q, k_pool, v_pool, block_tables, lengths, key_positions, query_positions, scale):
-    """Returns (out [B, H_q, Q, D] in q.dtype, key_scores fp32 [B, H_kv, max_blocks * block_size])."""
+    """Returns (out [B, H_q, Q, D] in q.dtype, key_scores fp32 [B, H_kv, max_blocks * block_size]), computed on the
+    CPU in fp64 and returned on q's device."""
+    device = q.device
+    q, k_pool, v_pool, block_tables, lengths, key_positions, query_positions = (
+        t.cpu() for t in (q, k_pool, v_pool, block_tables, lengths, key_positions, query_positions))
     B, H_q, Q, D = q.shape
     H_kv, max_blocks = block_tables.shape[1:]
     group = H_q // H_kv
@@ -60,7 +74,7 @@ def reference_paged_attention(q, k_pool, v_pool, block_tables, lengths, key_posi
             p = torch.where(visible.any(-1)[None, :, None], p, torch.zeros_like(p))  # rows seeing nothing: 0
             out[b, h * group:(h + 1) * group] = p @ v
             key_scores[b, h, :L] = p.sum(dim=(0, 1))
-    return out.to(q.dtype), key_scores.float()
+    return out.to(q.dtype).to(device), key_scores.float().to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -111,7 +125,7 @@ def make_case(lengths, num_queries, *, group, head_dim, block_size, dtype, seed=
 
     q = torch.randn(B, H_kv * group, num_queries, head_dim, generator=g).to(dtype)
     lengths_t = torch.tensor(lengths, dtype=torch.int32)
-    return q, k_pool, v_pool, block_tables, lengths_t, key_positions, query_positions
+    return tuple(t.to(DEVICE) for t in (q, k_pool, v_pool, block_tables, lengths_t, key_positions, query_positions))
 
 
 def run_and_compare(case, *, scale=None, check_scores=True):
@@ -133,7 +147,8 @@ def run_and_compare(case, *, scale=None, check_scores=True):
                 kpos = key_positions[b, h, :L].long()
                 qpos = query_positions[b].long()
                 rows_seeing = ((kpos[None, :] <= qpos[:, None]).any(-1) & (qpos >= 0)).sum().item() * group
-                assert key_scores[b, h].sum().item() == pytest.approx(rows_seeing, rel=1e-4, abs=1e-4)
+                tol = 1e-3 if q.dtype == torch.bfloat16 else 1e-4
+                assert key_scores[b, h].sum().item() == pytest.approx(rows_seeing, rel=tol, abs=tol)
                 assert (key_scores[b, h, L:] == 0).all()
     # the plain call returns only the output, identical to the one with scores
     out_only = paged_attention_triton(*case, scale)
@@ -154,6 +169,7 @@ def run_and_compare(case, *, scale=None, check_scores=True):
         (16, 32, 4, torch.float16),
         (8, 64, 4, torch.float32),
         (16, 48, 2, torch.float32),  # head_dim not a power of two
+        pytest.param(16, 64, 3, torch.bfloat16, marks=GPU_ONLY),
     ],
 )
 def test_decode_ragged(block_size, head_dim, group, dtype):
@@ -176,6 +192,7 @@ def test_decode_ragged(block_size, head_dim, group, dtype):
         (17, 8, 32, 3, torch.float16),
         (33, 8, 32, 4, torch.float32),  # 132 rows: three query tiles share each table (atomics on the scores)
         (9, 16, 64, 4, torch.float16),
+        pytest.param(33, 16, 64, 3, torch.bfloat16, marks=GPU_ONLY),
     ],
 )
 def test_chunked_prefill(num_queries, block_size, head_dim, group, dtype):
@@ -296,6 +313,7 @@ def _load_fresh_copy(name):
     return module
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU machine the compiled kernel is what runs")
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     # imported without TRITON_INTERPRET the kernel is compiled for a GPU: CPU tensors get a clear error
     # instead of triton's "0 active drivers"

@@ -75,14 +75,14 @@ def paged_attention_torch(
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         if causal:  # rows that see no key (only possible for padded queries) give NaN in SDPA
             out = torch.nan_to_num(out, nan=0.0)
-        return out.view(S, Hq, Q, D), None
+        return out.reshape(S, Hq, Q, D), None  # SDPA with a mask may return a non-contiguous layout on CUDA
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [S, H, G*Q, Tp]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if causal:
         probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.matmul(probs.to(v.dtype), v).view(S, Hq, Q, D)
+    out = torch.matmul(probs.to(v.dtype), v).reshape(S, Hq, Q, D)
     key_scores = probs.sum(dim=2)[:, :, :T] if return_key_scores else None
     return out, key_scores
 

@@ -1,0 +1,321 @@
+"""The runtime on a CUDA GPU: correctness against references, then speed (a script, never a test; CI has no GPU).
+
+    python bench/gpu_check.py [--device cuda] [--quick] [--json FILE]
+
+1. Correctness, on the GPU, each against a plain reference on the same GPU:
+   - the kvbench forward (Triton paged attention) against transformers: log-probs and greedy tokens of tiny random
+     models of every supported family, fp32;
+   - every method and codec: greedy tokens with the default backend (Triton on CUDA) against attention_backend=torch
+     (the plain-torch reference attention), and the pool empty afterwards;
+   - the serving scheduler with a pool too small for the trace (preemption by recompute): every request's tokens
+     equal a batch-1 generate of the same prompt.
+2. Speed, on a SmolLM2-135M-shaped model with random weights (the packaged weights are too large to travel to the
+   GPU machine, and speed does not depend on the weights' values), bf16: prefill 2048, batch-1 decode at contexts
+   512 and 4096, batch-16 decode, each against transformers in the same process; then one serving trace at a fixed
+   KV pool for full, paged_eviction and KIVI-2.
+Each section prints one JSON line; --json writes them all to one file. The Triton kernels' own tests run on the GPU
+with `KVBENCH_TEST_GPU=1 pytest tests/test_triton_attention.py` (bench/gpu_check.sh runs both).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS: dict[str, dict] = {}
+JSON_PATH: list[Path] = []  # --json: rewritten after every section, so a run cut short keeps what it measured
+
+
+def section(name):
+    """Run one section; a failure is recorded (with its traceback) and the next section still runs."""
+    def wrap(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                res = fn(*a, **k)
+                res["ok"] = res.get("ok", True)
+            except Exception as ex:  # noqa: BLE001 - a GPU check reports every failure and goes on
+                traceback.print_exc()
+                res = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
+            res["seconds"] = round(time.perf_counter() - t0, 1)
+            RESULTS[name] = res
+            print(json.dumps({name: res}), flush=True)
+            for path in JSON_PATH:
+                path.write_text(json.dumps(RESULTS, indent=1))
+        return run
+    return wrap
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- correctness
+@section("model_vs_transformers")
+def model_vs_transformers(device: str) -> dict:
+    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.model import build_from_transformers
+    from tests.tiny_models import FAMILIES, tiny_hf_model
+
+    out = {}
+    for family in FAMILIES:
+        hf = tiny_hf_model(family).to(device)
+        model = build_from_transformers(hf, device=device)
+        ids = torch.randint(0, hf.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids], device=device)).logits[0].float()
+        ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+        engine = Engine(model, prefill_chunk_size=128, num_blocks=512)
+        got = engine.score(ids)
+        diff = (got.to(device) - ref).abs().max().item()
+        prompt = ids[:40]
+        with torch.no_grad():
+            ref_tokens = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=48, min_new_tokens=48,
+                                     do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        gen = Engine(model, prefill_chunk_size=16, num_blocks=512).generate([prompt], max_new_tokens=48)[0]
+        out[family] = {"backend": engine.attention_backend, "max_abs_logprob_diff": diff,
+                       "greedy_tokens_equal": gen.token_ids == ref_tokens}
+    out["ok"] = all(v["max_abs_logprob_diff"] <= 1e-3 and v["greedy_tokens_equal"] for v in out.values())
+    return out
+
+
+VARIANTS = [  # (method, method options, codec, codec options)
+    ("full", {}, None, {}), ("streaming_llm", {}, None, {}), ("h2o", {}, None, {}),
+    ("paged_eviction", {}, None, {}), ("snapkv", {}, None, {}), ("key_diff", {}, None, {}),
+    ("kvcrush", {}, None, {}), ("full", {}, "kivi", {"bits": 2}), ("full", {}, "kivi", {"bits": 4}),
+    ("full", {}, "int8", {}), ("full", {}, "fp8", {}), ("paged_eviction", {}, "kivi", {"bits": 2}),
+]
+
+
+def tiny_llama(device, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.runtime.model import build_from_transformers
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=256, vocab_size=256, max_position_embeddings=1024)
+    return build_from_transformers(LlamaForCausalLM(cfg).eval(), device=device)
+
+
+@section("methods_fast_vs_torch_attention")
+def methods_fast_vs_torch(device: str) -> dict:
+    from kvbench.methods import build_method
+    from kvbench.quant.registry import build_codec
+    from kvbench.runtime.engine import Engine
+
+    model = tiny_llama(device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 97, 210)]
+    out = {}
+    for name, mopts, codec_name, copts in VARIANTS:
+        label = name + (f"+{codec_name}{copts.get('bits', '')}" if codec_name else "")
+        tokens, backends = {}, {}
+        for backend in ("auto", "torch"):
+            method = build_method(name, None if name == "full" else 64, **mopts)
+            codec = build_codec(codec_name, model, group_size=16, residual=32, **copts) if codec_name == "kivi" \
+                else (build_codec(codec_name, model, **copts) if codec_name else None)
+            engine = Engine(model, method, codec=codec, block_size=16, num_blocks=1024, prefill_chunk_size=64,
+                            attention_backend=backend)
+            gens = engine.generate(prompts, max_new_tokens=40)
+            tokens[backend] = [x.token_ids for x in gens]
+            backends[backend] = engine.attention_backend
+            assert engine.cache.pool.in_use == 0, f"{label}: blocks left in the pool"
+        same = sum(a == b for a, b in zip(tokens["auto"], tokens["torch"]))
+        out[label] = {"backend": backends["auto"], "sequences_equal": f"{same}/{len(prompts)}"}
+    out["ok"] = all(v["sequences_equal"].split("/")[0] == v["sequences_equal"].split("/")[1] for v in out.values())
+    return out
+
+
+@section("scheduler_preemption_equals_batch1")
+def scheduler_preemption(device: str) -> dict:
+    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scheduler import Request
+
+    model = tiny_llama(device, seed=2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(20, 120, (12,), generator=g)]
+    ref = [Engine(model, block_size=8, num_blocks=256).generate([p], max_new_tokens=60)[0].token_ids for p in prompts]
+    # 2 layers x 2 kv-heads = 4 tables per sequence; 300 blocks of 8 hold about 3 of the longest (180 tokens)
+    engine = Engine(model, block_size=8, num_blocks=300, prefill_chunk_size=32)
+    outcome = engine.serve([Request(p, 60) for p in prompts])
+    equal = sum(r.output == b for r, b in zip(outcome.requests, ref))
+    return {"ok": equal == len(prompts) and outcome.preemptions > 0 and engine.cache.pool.in_use == 0,
+            "equal": f"{equal}/{len(prompts)}", "preemptions": outcome.preemptions,
+            "max_running": outcome.max_running, "backend": engine.attention_backend}
+
+
+# ---------------------------------------------------------------------------------------------- speed
+def smollm2_shaped(device: str, dtype: torch.dtype):
+    """SmolLM2-135M's architecture (30 layers, 9 heads, 3 kv-heads, head_dim 64), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.runtime.model import build_from_transformers
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                      tie_word_embeddings=True, rms_norm_eps=1e-5)
+    hf = LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
+    return hf, build_from_transformers(hf, dtype=dtype, device=device)
+
+
+def timed(fn, device, repeats=3):
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@section("speed_vs_transformers")
+def speed(device: str, quick: bool) -> dict:
+    from kvbench.runtime.engine import Engine
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    hf, model = smollm2_shaped(device, dtype)
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(100, vocab - 100, (n,), generator=g).tolist()  # noqa: E731
+    new = 16 if quick else 64
+    res = {"dtype": str(dtype), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+    def hf_generate(prompts, n):
+        ids = torch.tensor(prompts, device=device)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    def kv_generate(engine, prompts, n):
+        engine.generate(prompts, max_new_tokens=n)
+
+    engine = Engine(model, kv_memory_bytes=2 * 2**30, prefill_chunk_size=2048)
+    res["attention_backend"] = engine.attention_backend
+    # prefill 2048 tokens (one new token: the time of the prefill and one sampling)
+    p = rand(2048)
+    kv_generate(engine, [p], 1), hf_generate([p], 1)  # warm-up (Triton compiles, cuBLAS picks kernels)
+    t_kv, t_hf = timed(lambda: kv_generate(engine, [p], 1), device), timed(lambda: hf_generate([p], 1), device)
+    res["prefill_tokens_per_s"] = 2048 / t_kv
+    res["prefill_tokens_per_s_hf"] = 2048 / t_hf
+    # batch-1 decode at 512 and 4096: (time for 1 + new tokens - time for 1) / new
+    for ctx in ((512,) if quick else (512, 4096)):
+        p = rand(ctx)
+        for fn in (lambda: kv_generate(engine, [p], new + 1), lambda: hf_generate([p], new + 1)):
+            fn()  # warm-up at this shape
+        base_kv, base_hf = timed(lambda: kv_generate(engine, [p], 1), device), timed(lambda: hf_generate([p], 1), device)
+        t_kv = timed(lambda: kv_generate(engine, [p], new + 1), device) - base_kv
+        t_hf = timed(lambda: hf_generate([p], new + 1), device) - base_hf
+        res[f"decode_tokens_per_s_ctx{ctx}"] = new / t_kv
+        res[f"decode_tokens_per_s_ctx{ctx}_hf"] = new / t_hf
+        res[f"decode_ratio_ctx{ctx}"] = t_hf / t_kv
+    # batch 16 (same-length prompts so transformers needs no padding), 16 x 512 + new tokens
+    ps = [rand(512) for _ in range(16)]
+    kv_generate(engine, ps, 2), hf_generate(ps, 2)
+    t_kv = timed(lambda: kv_generate(engine, ps, new), device, repeats=1)
+    t_hf = timed(lambda: hf_generate(ps, new), device, repeats=1)
+    res["batch16_tokens_per_s"] = 16 * new / t_kv
+    res["batch16_tokens_per_s_hf"] = 16 * new / t_hf
+    res["batch16_ratio"] = t_hf / t_kv
+    assert engine.cache.pool.in_use == 0
+    return res
+
+
+@section("serving_fixed_pool")
+def serving(device: str, quick: bool) -> dict:
+    from bench.bench_throughput import SETUPS, serve
+    from kvbench.tasks.throughput import ThroughputOptions, build_trace
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    _, model = smollm2_shaped(device, dtype)
+    cfg = model.config
+    bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    n_req, out_tokens = (8, [64]) if quick else (16, [512])
+    args = argparse.Namespace(block_size=16, kv_memory_bytes=4 * 4096 * bytes_per_token, chunk=512,
+                              max_num_seqs=256, max_num_batched_tokens=2048)
+    stream = torch.randint(100, cfg.vocab_size - 100, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
+    opts = ThroughputOptions(num_requests=n_req, input_tokens=[1024, 2048], output_tokens=out_tokens,
+                             request_rate=math.inf)
+    trace = build_trace(stream, opts, 0)
+    res = {"requests": n_req, "input_tokens": [1024, 2048], "output_tokens": out_tokens, "budget": 1024,
+           "kv_pool_bytes": args.kv_memory_bytes}
+    for name in ("full", "paged_eviction", "kivi2"):
+        m = serve(model, trace, SETUPS[name], 1024, args)
+        res[name] = {k: m[k] for k in ("output_tokens_per_s", "max_running_seqs", "preemptions", "ttft_s_p50",
+                                       "peak_kv_bytes", "attention_backend")}
+    for name in ("paged_eviction", "kivi2"):
+        res[name]["throughput_ratio_vs_full"] = res[name]["output_tokens_per_s"] / res["full"]["output_tokens_per_s"]
+    return res
+
+
+def profile_serving(device: str, out_dir: Path) -> None:
+    """cProfile of a short serving trace per method (where a step's host time goes): out_dir/profile_<method>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    from bench.bench_throughput import SETUPS, serve
+    from kvbench.tasks.throughput import ThroughputOptions, build_trace
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    _, model = smollm2_shaped(device, dtype)
+    cfg = model.config
+    bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    args = argparse.Namespace(block_size=16, kv_memory_bytes=4 * 4096 * bytes_per_token, chunk=512,
+                              max_num_seqs=256, max_num_batched_tokens=2048)
+    stream = torch.randint(100, cfg.vocab_size - 100, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
+    trace = build_trace(stream, ThroughputOptions(num_requests=8, input_tokens=[1024, 2048], output_tokens=[128],
+                                                  request_rate=math.inf), 0)
+    serve(model, trace, SETUPS["full"], 1024, args)  # warm-up
+    for name in ("full", "paged_eviction"):
+        prof = cProfile.Profile()
+        prof.enable()
+        m = serve(model, trace, SETUPS[name], 1024, args)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        (out_dir / f"profile_{name}.txt").write_text(buf.getvalue())
+        print(f"profile {name}: {m['output_tokens_per_s']:.1f} out tok/s; top functions by own time:")
+        print("\n".join(buf.getvalue().splitlines()[:28]), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a dry run on a CPU)")
+    ap.add_argument("--json", default=None, help="write every section's result to this file")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also profile a short serving trace into DIR")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: correctness,speed,serving")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (use --device cpu --quick for a dry run)")
+    skip = set(args.skip.split(","))
+    if args.json:
+        JSON_PATH.append(Path(args.json))
+    print(f"gpu_check: torch {torch.__version__}, device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""), flush=True)
+    if "correctness" not in skip:
+        model_vs_transformers(args.device)
+        methods_fast_vs_torch(args.device)
+        scheduler_preemption(args.device)
+    if "speed" not in skip:
+        speed(args.device, args.quick)
+    if "serving" not in skip:
+        serving(args.device, args.quick)
+    if args.profile:
+        profile_serving(args.device, Path(args.profile))
+    print("gpu_check: " + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED'}" for k, v in RESULTS.items()))
+
+
+if __name__ == "__main__":
+    main()
