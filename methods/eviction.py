@@ -166,7 +166,7 @@ class EvictionMethod(Method):
             return  # compressed after prefill only: generated tokens are appended
         cache = ctx.cache
         Q = ctx.plan.query_positions.shape[1]
-        for i, slot in enumerate(ctx.plan.slots.tolist()):
+        for i, slot in enumerate(ctx.plan.slot_list):
             if cache.tokens_seen[slot] == Q:  # first step of the sequence now in this slot
                 self._state.pop((slot, ctx.layer), None)
             self.observe(ctx, i, slot)
@@ -216,7 +216,7 @@ class EvictionMethod(Method):
         """H2O statistics: add this step's attention mass per key slot to state["scores"] [H, T]."""
         if ctx.key_scores is None:
             raise RuntimeError(f"{self.name}: the runtime gave no key_scores (needs_key_scores is set)")
-        n = int(ctx.cache.lengths[slot, ctx.layer].max())
+        n = max(ctx.plan.table_lengths(i, ctx.layer))  # observed before this layer evicts: still exact
         st = self.state(slot, ctx.layer)
         ks = ctx.key_scores[i, :, :n].float()  # [H, n]
         acc = st.get("scores")
@@ -357,11 +357,11 @@ class BlockScoreEvictionMethod(EvictionMethod):
 
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
         cache, layer, bs = ctx.cache, ctx.layer, ctx.cache.block_size
-        lengths = cache.lengths[slot, layer]
-        n = int(lengths.max())
+        lengths = ctx.plan.table_lengths(i, layer)
+        n = max(lengths)
         if n <= self.budget:
             return
-        if n % bs or int(lengths.min()) != n:
+        if n % bs or min(lengths) != n:
             if n >= self.budget + bs:  # not reached by plain decoding: fall back to tokens
                 self.evict_prefill(ctx, i, slot)
             return

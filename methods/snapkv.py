@@ -59,9 +59,9 @@ class SnapKV(ScoreEvictionMethod):
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
         if self.decode == "rescore":
             return self.evict_to_budget(ctx, i, slot)
-        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
-        if int(lengths.max()) <= self.budget:
+        if max(ctx.plan.table_lengths(i, ctx.layer)) <= self.budget:
             return
+        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
         w = self.recent_window()
         H = lengths.shape[0]
         keep = torch.full((H, self.budget), -1, dtype=torch.int64, device=lengths.device)

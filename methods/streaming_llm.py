@@ -88,11 +88,11 @@ class StreamingLLM(EvictionMethod):
 
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
         cache, bs = ctx.cache, ctx.cache.block_size
-        lengths = cache.lengths[slot, ctx.layer]
-        n = int(lengths.max())
+        lengths = ctx.plan.table_lengths(i, ctx.layer)
+        n = max(lengths)
         if n < self.budget + bs:  # at most the filling block over the budget
             return
-        if int(lengths.min()) == n and n == self.budget + bs:
+        if min(lengths) == n and n == self.budget + bs:
             # the oldest block_size window tokens leave: one block's worth of slots (the cache frees a block)
             cache.drop_slots(ctx.layer, slot, self.sinks, self.sinks + bs)
             return

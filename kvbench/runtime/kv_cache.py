@@ -14,7 +14,8 @@ once. Slot order is original-position order (appends go to the end; eviction kee
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,15 @@ class AppendPlan:
     query_positions: torch.Tensor  # [S, Q] int64
     positions: torch.Tensor  # [S, L, H, nb*bs] int32 snapshot of key positions after the append
     slot_list: list[int]
+    _host_lengths: Optional[list] = field(default=None, repr=False)
+
+    def table_lengths(self, i: int, layer: int) -> list[int]:
+        """lengths[i, layer] (one per kv-head) as Python ints, copied to the host once per step for every layer's
+        hook (a device sync per layer and sequence costs more than the check it feeds on a GPU). Exact for a
+        layer until its own hook evicts: layers never change each other's tables."""
+        if self._host_lengths is None:
+            self._host_lengths = self.lengths.tolist()
+        return self._host_lengths[i][layer]
 
 
 class PagedKVCache:
