@@ -232,7 +232,7 @@ def speed(device: str, quick: bool) -> dict:
 
 
 @section("serving_fixed_pool")
-def serving(device: str, quick: bool) -> dict:
+def serving(device: str, quick: bool, methods: list[str]) -> dict:
     from bench.bench_throughput import SETUPS, serve
     from kvbench.tasks.throughput import ThroughputOptions, build_trace
 
@@ -249,11 +249,11 @@ def serving(device: str, quick: bool) -> dict:
     trace = build_trace(stream, opts, 0)
     res = {"requests": n_req, "input_tokens": [1024, 2048], "output_tokens": out_tokens, "budget": 1024,
            "kv_pool_bytes": args.kv_memory_bytes}
-    for name in ("full", "paged_eviction", "kivi2"):
+    for name in ["full"] + [m for m in methods if m != "full"]:
         m = serve(model, trace, SETUPS[name], 1024, args)
         res[name] = {k: m[k] for k in ("output_tokens_per_s", "max_running_seqs", "preemptions", "ttft_s_p50",
                                        "peak_kv_bytes", "attention_backend")}
-    for name in ("paged_eviction", "kivi2"):
+    for name in [m for m in methods if m != "full"]:
         res[name]["throughput_ratio_vs_full"] = res[name]["output_tokens_per_s"] / res["full"]["output_tokens_per_s"]
     return res
 
@@ -295,7 +295,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (a dry run on a CPU)")
     ap.add_argument("--json", default=None, help="write every section's result to this file")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also profile a short serving trace into DIR")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: correctness,speed,serving")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: model,methods,preemption,speed,"
+                                                "serving")
+    ap.add_argument("--serving-methods", default="full,paged_eviction,kivi2")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (use --device cpu --quick for a dry run)")
@@ -304,14 +306,16 @@ def main() -> None:
         JSON_PATH.append(Path(args.json))
     print(f"gpu_check: torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""), flush=True)
-    if "correctness" not in skip:
+    if "model" not in skip:
         model_vs_transformers(args.device)
+    if "methods" not in skip:
         methods_fast_vs_torch(args.device)
+    if "preemption" not in skip:
         scheduler_preemption(args.device)
     if "speed" not in skip:
         speed(args.device, args.quick)
     if "serving" not in skip:
-        serving(args.device, args.quick)
+        serving(args.device, args.quick, args.serving_methods.split(","))
     if args.profile:
         profile_serving(args.device, Path(args.profile))
     print("gpu_check: " + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED'}" for k, v in RESULTS.items()))

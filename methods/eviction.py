@@ -376,5 +376,4 @@ class BlockScoreEvictionMethod(EvictionMethod):
         drop = cand.topk(n_drop, dim=-1, largest=False).indices + first  # [H, n_drop]
         if self.heads == "shared":
             drop = drop[:1].expand(H, -1)
-        for h in range(H):
-            cache.evict_blocks(layer, slot, h, drop[h].tolist())
+        cache.evict_head_blocks(layer, slot, drop.tolist())

@@ -186,3 +186,27 @@ def test_random_operations_never_leak(ops, bs):
     assert cache.pool.in_use == 0
     cache.pool.check_consistency()
 
+
+
+def test_evict_head_blocks_equals_one_head_at_a_time():
+    """Dropping different blocks in each kv-head in one call leaves the same tables, positions, lengths and free
+    blocks as evict_blocks head by head; a part-filled last block is refused."""
+    bs = 4
+    a, b = make_cache(bs), make_cache(bs)
+    for cache in (a, b):
+        s = cache.add_sequence()
+        append(cache, s, 26, 0)  # 6 full blocks + 2 tokens per table
+    drops = [[1, 4], [0, 2, 5]]
+    a.evict_head_blocks(1, s, drops)
+    for h, drop in enumerate(drops):
+        b.evict_blocks(1, s, h, drop)
+    assert torch.equal(a.lengths, b.lengths) and a.lengths[s, 1].tolist() == [18, 14]
+    assert torch.equal(a.tables, b.tables) and torch.equal(a.positions, b.positions)
+    assert a.pool.in_use == b.pool.in_use == 2 * 7 + 5 + 4
+    k, _, pos = a.gather(1, s)
+    assert pos[0, :18].tolist() == [p for p in range(26) if p // bs not in (1, 4)]
+    assert pos[1, :14].tolist() == [p for p in range(26) if p // bs not in (0, 2, 5)]
+    assert torch.equal(k[0, :18, 0], pos[0, :18].float() + 1000 + 0)  # the data stayed with its position
+    with pytest.raises(ValueError, match="not a full block"):
+        a.evict_head_blocks(0, s, [[6], []])
+    assert_tables_consistent(a)

@@ -277,28 +277,45 @@ class PagedKVCache:
     def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
         """Block-level eviction: drop whole logical blocks of one (layer, kv-head) table without
         moving any K/V; only full blocks may be dropped (the table stays compact)."""
+        blocks: list[list[int]] = [[] for _ in range(self.num_kv_heads)]
+        blocks[head] = list(block_indices)
+        self.evict_head_blocks(layer, slot, blocks)
+
+    def evict_head_blocks(self, layer: int, slot: int, blocks: list[list[int]]) -> None:
+        """evict_blocks for every kv-head of one sequence's layer at once: blocks[h] are head h's logical blocks to
+        drop (may be empty). Two host copies (the layer's lengths and table rows) whatever the number of heads and
+        blocks, where a device sync per head and block would cost more than the eviction on a GPU."""
         self._check_live(slot)
-        if not block_indices:
+        if not any(blocks):
             return
         bs = self.block_size
-        n = int(self.lengths[slot, layer, head])
-        nb = -(-n // bs)
-        drop = sorted(set(block_indices))
-        for b in drop:
-            if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
-                raise ValueError(f"block {b} of a {n}-token table is not a full block")
-        keep_cols = [b for b in range(nb) if b not in set(drop)]
-        table = self.tables[slot, layer, head]
-        freed = [int(table[b]) for b in drop]
-        kc = torch.tensor(keep_cols, dtype=torch.int64, device=self.device)
-        table[: len(keep_cols)] = table[kc].clone()
-        pos = self.positions[slot, layer, head]
-        slot_idx = (kc[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
-        kept_pos = pos[slot_idx].clone()
-        pos[: kept_pos.numel()] = kept_pos
-        new_n = n - len(drop) * bs
-        pos[new_n:] = -1
-        self.lengths[slot, layer, head] = new_n
+        lengths = self.lengths[slot, layer].tolist()  # [H]
+        width = max(-(-n // bs) for n in lengths)
+        rows = self.tables[slot, layer, :, :width].tolist()  # [H][width] physical block ids
+        freed: list[int] = []
+        for h, block_indices in enumerate(blocks):
+            if not block_indices:
+                continue
+            n = lengths[h]
+            nb = -(-n // bs)
+            drop = sorted(set(block_indices))
+            for b in drop:
+                if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
+                    raise ValueError(f"block {b} of a {n}-token table is not a full block")
+            dropped = set(drop)
+            keep_cols = [b for b in range(nb) if b not in dropped]
+            freed += [rows[h][b] for b in drop]
+            table = self.tables[slot, layer, h]
+            table[: len(keep_cols)] = torch.tensor([rows[h][b] for b in keep_cols], dtype=table.dtype,
+                                                   device=self.device)
+            kc = torch.tensor(keep_cols, dtype=torch.int64, device=self.device)
+            pos = self.positions[slot, layer, h]
+            slot_idx = (kc[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+            kept_pos = pos[slot_idx].clone()
+            pos[: kept_pos.numel()] = kept_pos
+            new_n = n - len(drop) * bs
+            pos[new_n:] = -1
+            self.lengths[slot, layer, h] = new_n
         self.pool.free(freed)
 
     def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None:
@@ -308,18 +325,17 @@ class PagedKVCache:
         tokens move) and that next block is freed. Anything else, or a shared block, falls back to keep_tokens."""
         self._check_live(slot)
         bs = self.block_size
-        lengths = self.lengths[slot, layer]
-        n = int(lengths.max())
-        if not (0 <= start < stop <= n) or int(lengths.min()) != n:
-            raise ValueError(f"cannot drop slots {start}..{stop - 1} of tables of lengths {lengths.tolist()}")
+        lengths = self.lengths[slot, layer].tolist()  # [H], one host copy
+        n = max(lengths)
+        if not (0 <= start < stop <= n) or min(lengths) != n:
+            raise ValueError(f"cannot drop slots {start}..{stop - 1} of tables of lengths {lengths}")
         a, r = divmod(start, bs)
         if stop - start == bs and r == 0:
-            for h in range(self.num_kv_heads):
-                self.evict_blocks(layer, slot, h, [a])
+            self.evict_head_blocks(layer, slot, [[a]] * self.num_kv_heads)
             return
         table = self.tables[slot, layer]  # [H, MB]
         can_shift = (stop - start == bs and n >= (a + 2) * bs and self._moves_raw_rows
-                     and not any(self.pool.refcount(int(b)) > 1 for b in table[:, a]))
+                     and not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist()))
         if not can_shift:
             keep = torch.cat([torch.arange(start), torch.arange(stop, n)]).to(self.device)
             self.keep_tokens(layer, slot, keep.expand(self.num_kv_heads, -1))
@@ -330,8 +346,7 @@ class PagedKVCache:
         self.v_pool[dst, r:] = self.v_pool[src, r:]
         pos = self.positions[slot, layer]  # [H, MB*bs]
         pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
-        for h in range(self.num_kv_heads):
-            self.evict_blocks(layer, slot, h, [a + 1])
+        self.evict_head_blocks(layer, slot, [[a + 1]] * self.num_kv_heads)
 
     # ------------------------------------------------------------------ pool accounting (for the scheduler)
     _moves_raw_rows = True  # a codec's cache with its own block layout sets False
