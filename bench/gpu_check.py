@@ -231,29 +231,37 @@ def speed(device: str, quick: bool) -> dict:
     return res
 
 
-@section("serving_fixed_pool")
-def serving(device: str, quick: bool, methods: list[str]) -> dict:
-    from bench.bench_throughput import SETUPS, serve
+def serving_setup(device: str, num_requests: int, output_tokens: list[int]):
+    """The serving scenario: a SmolLM2-shaped model, bench-throughput's engine settings with a pool of four 4096-token
+    requests under `full`, and a seeded trace of random-token prompts of 1024-2048 tokens."""
     from kvbench.tasks.throughput import ThroughputOptions, build_trace
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     _, model = smollm2_shaped(device, dtype)
     cfg = model.config
     bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-    n_req, out_tokens = (8, [64]) if quick else (16, [512])
     args = argparse.Namespace(block_size=16, kv_memory_bytes=4 * 4096 * bytes_per_token, chunk=512,
                               max_num_seqs=256, max_num_batched_tokens=2048)
     stream = torch.randint(100, cfg.vocab_size - 100, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
-    opts = ThroughputOptions(num_requests=n_req, input_tokens=[1024, 2048], output_tokens=out_tokens,
+    opts = ThroughputOptions(num_requests=num_requests, input_tokens=[1024, 2048], output_tokens=output_tokens,
                              request_rate=math.inf)
-    trace = build_trace(stream, opts, 0)
+    return model, args, build_trace(stream, opts, 0)
+
+
+@section("serving_fixed_pool")
+def serving(device: str, quick: bool, methods: list[str]) -> dict:
+    from bench.bench_throughput import SETUPS, serve
+
+    n_req, out_tokens = (8, [64]) if quick else (16, [512])
+    model, args, trace = serving_setup(device, n_req, out_tokens)
     res = {"requests": n_req, "input_tokens": [1024, 2048], "output_tokens": out_tokens, "budget": 1024,
            "kv_pool_bytes": args.kv_memory_bytes}
-    for name in ["full"] + [m for m in methods if m != "full"]:
+    others = [m for m in methods if m != "full"]
+    for name in ["full"] + others:
         m = serve(model, trace, SETUPS[name], 1024, args)
         res[name] = {k: m[k] for k in ("output_tokens_per_s", "max_running_seqs", "preemptions", "ttft_s_p50",
                                        "peak_kv_bytes", "attention_backend")}
-    for name in [m for m in methods if m != "full"]:
+    for name in others:
         res[name]["throughput_ratio_vs_full"] = res[name]["output_tokens_per_s"] / res["full"]["output_tokens_per_s"]
     return res
 
@@ -265,17 +273,8 @@ def profile_serving(device: str, out_dir: Path) -> None:
     import pstats
 
     from bench.bench_throughput import SETUPS, serve
-    from kvbench.tasks.throughput import ThroughputOptions, build_trace
 
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    _, model = smollm2_shaped(device, dtype)
-    cfg = model.config
-    bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-    args = argparse.Namespace(block_size=16, kv_memory_bytes=4 * 4096 * bytes_per_token, chunk=512,
-                              max_num_seqs=256, max_num_batched_tokens=2048)
-    stream = torch.randint(100, cfg.vocab_size - 100, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
-    trace = build_trace(stream, ThroughputOptions(num_requests=8, input_tokens=[1024, 2048], output_tokens=[128],
-                                                  request_rate=math.inf), 0)
+    model, args, trace = serving_setup(device, 8, [128])
     serve(model, trace, SETUPS["full"], 1024, args)  # warm-up
     for name in ("full", "paged_eviction"):
         prof = cProfile.Profile()

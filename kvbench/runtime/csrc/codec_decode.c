@@ -232,6 +232,24 @@ static inline void prefetch_row(const uint8_t *row, int64_t nbytes) {
     for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(row + o, 0, 3);
 }
 
+/* The part of keys [t, t1) that lies in one block: its table entry `id`, first slot `r0` in the block, `n` slots,
+ * ending at `end`. When the next block is packed, its row of `packed` is prefetched. */
+typedef struct { int64_t end, id; int r0, n; } block_span;
+
+static inline __attribute__((always_inline)) block_span span_at(
+    int64_t t, int64_t t1, int bs, const int32_t *table, int64_t tab_sj, int64_t num_fp, const uint8_t *packed,
+    int64_t row_bytes)
+{
+    block_span b;
+    b.end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
+    b.r0 = (int)(t % bs);
+    b.n = (int)(b.end - t);
+    b.id = table[(t / bs) * tab_sj];
+    if (b.end < t1 && table[(t / bs + 1) * tab_sj] >= num_fp)
+        prefetch_row(packed + (table[(t / bs + 1) * tab_sj] - num_fp) * row_bytes, row_bytes);
+    return b;
+}
+
 /* whether a block format can take the direct paths above (KIVI's layouts at 2 and 4 bits) */
 static int direct_keys(const block_format *f, int bs) {
     return (f->bits == 2 || f->bits == 4) && f->per_channel && f->mn_off >= 0 && f->group % 4 == 0 &&
@@ -253,11 +271,9 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
     float m[GROUP_MAX];
     for (int g = 0; g < G; g++) m[g] = -INFINITY;
     for (int64_t t = t0; t < t1;) {
-        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
-        const int r0 = (int)(t % bs), n = (int)(end - t);
-        const int64_t id = table[(t / bs) * tab_sj];
-        if (end < t1 && table[(t / bs + 1) * tab_sj] >= num_fp)
-            prefetch_row(kq + (table[(t / bs + 1) * tab_sj] - num_fp) * kf->row_bytes, kf->row_bytes);
+        const block_span b = span_at(t, t1, bs, table, tab_sj, num_fp, kq, kf->row_bytes);
+        const int64_t end = b.end, id = b.id;
+        const int r0 = b.r0, n = b.n;
         if (id >= num_fp && r0 == 0 && fast_keys) {  /* packed: scored from the codes */
             const uint8_t *row = kq + (id - num_fp) * kf->row_bytes;
             if (kf->bits == 2)
@@ -280,11 +296,9 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
             msum[g][c] = 0.0f;
         }
     for (int64_t t = t0; t < t1;) {
-        const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
-        const int r0 = (int)(t % bs), n = (int)(end - t);
-        const int64_t id = table[(t / bs) * tab_sj];
-        if (end < t1 && table[(t / bs + 1) * tab_sj] >= num_fp)
-            prefetch_row(vq + (table[(t / bs + 1) * tab_sj] - num_fp) * vf->row_bytes, vf->row_bytes);
+        const block_span b = span_at(t, t1, bs, table, tab_sj, num_fp, vq, vf->row_bytes);
+        const int64_t end = b.end, id = b.id;
+        const int r0 = b.r0, n = b.n;
         if (id >= num_fp && r0 == 0 && fast_values) {
             const uint8_t *row = vq + (id - num_fp) * vf->row_bytes;
             if (vf->bits == 2)
