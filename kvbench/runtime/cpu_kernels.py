@@ -10,6 +10,8 @@
 - ``gemv``: a decode step's projections (a few rows against the weight in transformers' [out, in] layout).
 - ``rms_norm`` and ``rotary_``: row-wise ops where torch's dispatch of several small kernels per
   token costs more than the arithmetic once the weight GEMVs have flushed the caches.
+- ``decode_layer``: a whole decoder layer of a decode step (norms, projections, RoPE, the K/V write, attention,
+  MLP) in one OpenMP parallel region (csrc/decode_layer.c); kvbench/runtime/fused_decode.py decides when it applies.
 
 The torch reference (``paged_attention_torch``) gathers a sequence's blocks before attending; at
 decode time on CPU that copy and MKL's small-matrix products cost more than the attention itself.
@@ -38,8 +40,8 @@ from kvbench.runtime.attention import paged_attention_torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode.c", "codec_decode.c", "decode_ops.c")]
-_HEADERS = [_CSRC / "decode_common.h"]
+_SOURCES = [_CSRC / name for name in ("paged_decode.c", "codec_decode.c", "decode_ops.c", "decode_layer.c")]
+_HEADERS = [_CSRC / name for name in ("decode_common.h", "decode_ops.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 ITEMS_PER_THREAD = 2  # work items (sequence, kv-head, chunk of keys) per thread: fewer chunks run faster,
 # but a batch of one needs its heads split for every core to have work (measured: T=4096, batch 1,
@@ -109,6 +111,10 @@ def load_kernel():
     lib.gemv_f32.argtypes = [p, p, p, p, i64, i64, i64, i32]
     for fn in (lib.paged_decode_attention_f32, lib.rms_norm_f32, lib.rotary_f32, lib.gemv_f32):
         fn.restype = None
+    lib.decode_layer_f32.argtypes = [p, i64, i64, i64, ctypes.POINTER(DecodeLayerWeights), f32, p, p, p, p, p,
+                                     p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, f32, i64, i32,
+                                     p, p, p, p, p, p, p, i32]
+    lib.decode_layer_f32.restype = None
     fmt = ctypes.POINTER(BlockFormat)
     lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
                                                i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, p, i32]
@@ -291,3 +297,50 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     _lib.gemv_f32(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), O,
                   I, x.numel() // I, torch.get_num_threads())
     return y
+
+
+class DecodeLayerWeights(ctypes.Structure):
+    """Pointers to one layer's weights for ``decode_layer`` (`layer_weights` in csrc/decode_layer.c); biases may be
+    NULL. Holds references to the tensors so the pointers stay valid."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("ln_attn", "ln_mlp", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down")]
+
+    def __init__(self, **tensors: torch.Tensor | None):
+        super().__init__(**{k: (t.data_ptr() if t is not None else None) for k, t in tensors.items()})
+        self.tensors = tensors
+
+
+def decode_layer(
+    x: torch.Tensor,  # [M, E] fp32 contiguous residual stream, updated in place
+    weights: DecodeLayerWeights,
+    intermediate: int,
+    eps: float,
+    cos: torch.Tensor,  # [M, D] contiguous
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,  # [N, bs, D] fp32 contiguous (same for v_pool)
+    v_pool: torch.Tensor,
+    write_rows: torch.Tensor,  # [M, H] int64 contiguous: flat pool row of each new K/V
+    tables: torch.Tensor,  # [M, H, MB] int32
+    lengths: torch.Tensor,  # [M, H] int64, after this step's append
+    num_heads: int,
+    scale: float,
+    buffers: "_DecodeBuffers",  # sized for the longest table; its `out` holds the attention output
+    scratch: tuple[torch.Tensor, torch.Tensor],  # h [M, E], act [M, I]
+) -> torch.Tensor:
+    """One decoder layer of a decode step in one call (csrc/decode_layer.c): x += the layer's output, the new K/V
+    written at write_rows, per-key attention mass into buffers.key_scores when it is set. Returns q [M, Hq, 1, D]
+    after RoPE (a fresh tensor: a method's hook may keep it)."""
+    M, E = x.shape
+    H, D, bs = tables.shape[1], k_pool.shape[2], k_pool.shape[1]
+    G = num_heads // H
+    qkv = torch.empty(M, (num_heads + 2 * H) * D, dtype=torch.float32)
+    h, act = scratch
+    b = buffers
+    ts, ls = tables.stride(), lengths.stride()
+    _lib.decode_layer_f32(x.data_ptr(), M, E, intermediate, ctypes.byref(weights), eps, cos.data_ptr(),
+                          sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), write_rows.data_ptr(),
+                          tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1], H, G, D, bs,
+                          scale, b.Tp, b.chunk, h.data_ptr(), qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(),
+                          b.key_scores_ptr(), b.scores.data_ptr(), b.partials.data_ptr(), b.threads)
+    return qkv[:, : num_heads * D].view(M, num_heads, 1, D)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvbench.runtime import cpu_kernels
 from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.fused_decode import fused_decode_step
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.linear import Linear
 from kvbench.runtime.rope import RotaryTable, apply_rotary
@@ -101,6 +102,7 @@ class LlamaFamilyModel:
         # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths)
         self.use_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         self.step_threads = StepThreads() if self.device.type == "cpu" else None
+        self.fuse_decode_layers = True  # decode steps one C call per layer where they may (runtime/fused_decode.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -153,8 +155,15 @@ class LlamaFamilyModel:
         causal = Q > 1
         fast = self.use_cpu_kernels and not torch.is_grad_enabled()  # the C kernels have no backward
         norm = cpu_kernels.rms_norm if fast else rms_norm
+        fused = fused_decode_step(self, tokens, cache, plan, attention, rope_mode, cos, sin, need_scores) \
+            if fast else None
         x = self.embed[tokens]  # [S, Q, E]
         for li, lw in enumerate(self.layers):
+            if fused is not None:  # the whole layer in one C call, x updated in place
+                q, key_scores = fused.layer(li, x.view(S, -1))
+                if hook is not None:
+                    hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
+                continue
             h = norm(x, lw.ln_attn, eps)
             qkv = lw.qkv(h)  # [S, Q, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)

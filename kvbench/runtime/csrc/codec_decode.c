@@ -344,8 +344,8 @@ int codec_decode_attention_f32(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n_items; item++) {
             work_item w;
-            if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, tables, tab_ss, tab_sh, lengths, len_ss,
-                              len_sh, scores, partials, &w))
+            if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, (int64_t)H * G * D, tables, tab_ss, tab_sh,
+                              lengths, len_ss, len_sh, scores, partials, &w))
                 continue;
             if (D == 64)
                 attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, G, 64,
@@ -354,8 +354,7 @@ int codec_decode_attention_f32(
                 attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, G, 128,
                                    scale, w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values);
         }
+        merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
     }
-    merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,
-                 nthreads);
     return 0;
 }

@@ -166,8 +166,8 @@ static inline void empty_partial(float *part, int G, int D) {
 }
 
 /* One work item of the decode kernels: keys [t0, t1) of one (sequence, kv-head) table, with that table's query rows
- * qh [G, D], block ids (table, stride tab_sj), scores sc [G, T] and this chunk's partial (acc[D], max, sum per
- * query head). Items run chunk-fastest: item = (s * H + h) * n_chunks + chunk. */
+ * qh [G, D] (sequence s's rows start at q + s * q_ss), block ids (table, stride tab_sj), scores sc [G, T] and this
+ * chunk's partial (acc[D], max, sum per query head). Items run chunk-fastest: item = (s * H + h) * n_chunks + chunk. */
 typedef struct {
     int64_t t0, t1;
     const float *qh;
@@ -177,7 +177,7 @@ typedef struct {
 
 /* Fill *w for `item`; when its chunk holds no keys, write the empty partial and return 0. */
 static inline int work_item_at(int64_t item, int64_t n_chunks, int chunk_slots, int H, int G, int D, int64_t T,
-                               const float *q, const int32_t *tables, int64_t tab_ss, int64_t tab_sh,
+                               const float *q, int64_t q_ss, const int32_t *tables, int64_t tab_ss, int64_t tab_sh,
                                const int64_t *lengths, int64_t len_ss, int64_t len_sh, float *scores,
                                float *partials, work_item *w)
 {
@@ -191,7 +191,7 @@ static inline int work_item_at(int64_t item, int64_t n_chunks, int chunk_slots, 
         empty_partial(w->part, G, D);
         return 0;
     }
-    w->qh = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
+    w->qh = q + s * q_ss + (int64_t)h * G * D;
     w->table = tables + s * tab_ss + h * tab_sh;
     w->sc = scores + sh * G * T;
     return 1;
@@ -199,14 +199,15 @@ static inline int work_item_at(int64_t item, int64_t n_chunks, int chunk_slots, 
 
 /* The second pass of both kernels: merge the n_chunks partials (acc[D], max, sum per query head) of each
  * (sequence, kv-head) into out [S, H*G, D], and, when key_scores is not NULL, normalise the exp'd scores of
- * every chunk (scores [S, H, G, T]) by the final max and sum into key_scores [S, H, T]. */
-static void merge_chunks(const int64_t *lengths, int64_t len_ss, int64_t len_sh, int S, int H, int G, int D,
-                         int64_t T, int chunk_slots, float *out, float *key_scores, const float *scores,
-                         const float *partials, int nthreads)
+ * every chunk (scores [S, H, G, T]) by the final max and sum into key_scores [S, H, T]. A work-shared loop: called
+ * by every thread of the enclosing parallel region (after the chunks' loop and its barrier), or serially outside. */
+static inline void merge_chunks(const int64_t *lengths, int64_t len_ss, int64_t len_sh, int S, int H, int G,
+                                int D, int64_t T, int chunk_slots, float *out, float *key_scores,
+                                const float *scores, const float *partials)
 {
     const int64_t n_chunks = T / chunk_slots;
     const int64_t part_stride = (int64_t)G * (D + 2);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t sh = 0; sh < (int64_t)S * H; sh++) {
         const int s = (int)(sh / H), h = (int)(sh % H);
         const int64_t len = lengths[s * len_ss + h * len_sh];
@@ -253,4 +254,13 @@ static void merge_chunks(const int64_t *lengths, int64_t len_ss, int64_t len_sh,
         }
     }
 }
+/* Decode attention over fp32 pools for the threads of an enclosing parallel region (paged_decode.c; the arguments of
+ * paged_decode_attention_f32, plus q_ss: floats between consecutive sequences' query rows). */
+void paged_decode_attention_team(
+    const float *q, int64_t q_ss, const float *k_pool, const float *v_pool,
+    const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
+    const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
+    float *out, float *key_scores, float *scores, float *partials);
+
 #endif

@@ -1,14 +1,14 @@
-/* Row-wise ops of the Llama forward on CPU, fp32 (vLLM's CPU backend has the same set).
+/* Row-wise ops and projections of the Llama forward on CPU, fp32 (vLLM's CPU backend has the same set).
  * At decode a row is one token: torch spends more on dispatching its composite kernels
  * (rms_norm is five of them) than on the arithmetic, after every weight GEMV has flushed the caches.
+ *
+ * Each op has a `_team` form, a work-shared loop for the threads of an enclosing parallel region (decode_layer.c
+ * runs a whole layer in one region), and an `_f32` entry point that opens its own region.
  */
-#include <math.h>
-#include <stdint.h>
+#include "decode_ops.h"
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows r of E floats (transformers' LlamaRMSNorm) */
-void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t E, float eps,
-                  int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (rows >= 64)
+void rms_norm_team(const float *x, const float *weight, float *out, int64_t rows, int64_t E, float eps) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * E;
         float *o = out + r * E;
@@ -21,22 +21,32 @@ void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows,
     }
 }
 
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows r of E floats (transformers' LlamaRMSNorm) */
+void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t E, float eps,
+                  int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (rows >= 64)
+    rms_norm_team(x, weight, out, rows, E, eps);
+}
+
 /* In-place rotary embedding (rotate-half convention) of n_heads consecutive heads of D floats at
  * the start of each row: x[r, h, :] = x * cos[r] + rotate_half(x) * sin[r]; row_stride in floats. */
 void rotary_f32(float *x, int64_t rows, int64_t row_stride, int64_t n_heads, int64_t D,
                 const float *cos_t, const float *sin_t, int nthreads) {
-    const int64_t half = D / 2;
 #pragma omp parallel for num_threads(nthreads) if (rows >= 64)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos_t + r * D, *s = sin_t + r * D;
-        for (int64_t h = 0; h < n_heads; h++) {
-            float *v = x + r * row_stride + h * D;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < n_heads; h++)
+            rotate_half_head(x + r * row_stride + h * D, cos_t + r * D, sin_t + r * D, D);
+}
+
+void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, float *y, int64_t y_ss, int64_t O,
+               int64_t I, int64_t M, int accumulate) {
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < O; o++) {
+        const float *w = W + o * I;
+        for (int64_t m = 0; m < M; m++) {
+            float *ym = y + m * y_ss + o;
+            const float acc = dot_f32(w, x + m * x_ss, I) + (b ? b[o] : 0.0f);
+            *ym = accumulate ? *ym + acc : acc;
         }
     }
 }
@@ -47,15 +57,20 @@ void rotary_f32(float *x, int64_t rows, int64_t row_stride, int64_t n_heads, int
  * slower in an A/B on the dev machine (kvbench/runtime/linear.py). */
 void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t O, int64_t I, int64_t M,
               int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (O * I >= 65536)
-    for (int64_t o = 0; o < O; o++) {
-        const float *w = W + o * I;
+#pragma omp parallel num_threads(nthreads) if (O * I >= 65536)
+    gemv_team(W, x, I, b, y, O, O, I, M, 0);
+}
+
+void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x_ss, float *act, int64_t I,
+                       int64_t E, int64_t M) {
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < I; o++) {
+        const float *wg = W + o * E, *wu = W + (I + o) * E;
         for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * I;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < I; i++) acc += w[i] * xm[i];
-            y[m * O + o] = acc + (b ? b[o] : 0.0f);
+            const float *xm = x + m * x_ss;
+            const float g = dot_f32(wg, xm, E) + (b ? b[o] : 0.0f);
+            const float u = dot_f32(wu, xm, E) + (b ? b[I + o] : 0.0f);
+            act[m * I + o] = g / (1.0f + expf(-g)) * u;
         }
     }
 }

@@ -131,20 +131,20 @@ static int attend_chunk_fast(const float *qh, const float *k_pool, const float *
     }
 }
 
-void paged_decode_attention_f32(
-    const float *q, const float *k_pool, const float *v_pool,
+void paged_decode_attention_team(
+    const float *q, int64_t q_ss, const float *k_pool, const float *v_pool,
     const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
     const int64_t *lengths, int64_t len_ss, int64_t len_sh,
     int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
-    float *out, float *key_scores, float *scores, float *partials, int nthreads)
+    float *out, float *key_scores, float *scores, float *partials)
 {
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
 
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n_items; item++) {
         work_item w;
-        if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, tables, tab_ss, tab_sh, lengths, len_ss,
+        if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, q_ss, tables, tab_ss, tab_sh, lengths, len_ss,
                           len_sh, scores, partials, &w))
             continue;
         if (attend_chunk_fast(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, D, scale, w.t0, w.t1, T, w.sc, w.part))
@@ -157,7 +157,19 @@ void paged_decode_attention_f32(
         else
             attend_chunk(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, D, scale, w.t0, w.t1, T, w.sc, w.part);
     }
+    merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
+}
 
-    merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials,
-                 nthreads);
+/* One parallel region: the chunks, then their merge. */
+void paged_decode_attention_f32(
+    const float *q, const float *k_pool, const float *v_pool,
+    const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
+    const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
+    float *out, float *key_scores, float *scores, float *partials, int nthreads)
+{
+#pragma omp parallel num_threads(nthreads)
+    paged_decode_attention_team(q, (int64_t)H * G * D, k_pool, v_pool, tables, tab_ss, tab_sh, tab_sj, lengths,
+                                len_ss, len_sh, S, H, G, D, bs, scale, T, chunk_slots, out, key_scores, scores,
+                                partials);
 }

@@ -1,0 +1,98 @@
+"""Decode steps on CPU with one C call per layer (csrc/decode_layer.c) instead of about ten.
+
+Why: a batch-1 decode step of SmolLM2-135M reads ~540 MB of fp32 weights, which the C GEMVs stream in ~9-12 ms on
+the 2-core dev machine, yet the step took 16-20 ms: the rest was per-op overhead (Python, torch dispatch, and one
+OpenMP parallel region per op whose sleeping worker thread must be woken each time). The fused layer runs norms,
+projections, RoPE, the K/V write, paged attention and the MLP in one parallel region per layer.
+
+It applies to decode steps (one token per sequence, at most `cpu_kernels.GEMV_MAX_ROWS` sequences) of an fp32
+model on CPU with the C kernels, a plain `PagedKVCache` (codec caches read their own layout), keys cached after
+RoPE at their original positions, no q/k norm (Qwen3), and the C attention kernel. Anything else, or
+`model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers
+(tests/test_fused_decode.py). A method's hook still runs after every layer, with the same LayerContext; it runs
+after the layer's MLP instead of before its output projection, which changes nothing (hooks only read q and the
+attention scores and edit the cache, which that layer no longer reads).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbench.runtime import cpu_kernels
+from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
+
+if TYPE_CHECKING:
+    from kvbench.runtime.model import LlamaFamilyModel
+
+
+def layer_weights(model: "LlamaFamilyModel") -> list[cpu_kernels.DecodeLayerWeights] | None:
+    """The C kernel's view of every layer's weights (built once per model), or None when a projection has no plain
+    [out, in] fp32 copy (see linear.Linear)."""
+    cached = getattr(model, "_fused_weights", None)
+    if cached is not None:
+        return cached or None
+    weights = []
+    for lw in model.layers:
+        lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
+        if any(lin._plain is None for lin in lins):
+            model._fused_weights = []
+            return None
+        weights.append(cpu_kernels.DecodeLayerWeights(
+            ln_attn=lw.ln_attn, ln_mlp=lw.ln_mlp, w_qkv=lw.qkv._plain, b_qkv=lw.qkv.bias, w_o=lw.o._plain,
+            b_o=lw.o.bias, w_gu=lw.gate_up._plain, b_gu=lw.gate_up.bias, w_down=lw.down._plain,
+            b_down=lw.down.bias))
+    model._fused_weights = weights
+    return weights
+
+
+class FusedDecodeStep:
+    """One decode step's shared state for `decode_layer`: RoPE rows, write rows, scratch buffers sized for the
+    step's longest table."""
+
+    def __init__(self, model: "LlamaFamilyModel", weights: list, cache: PagedKVCache, plan: AppendPlan,
+                 cos: torch.Tensor, sin: torch.Tensor, need_scores: bool):
+        cfg = model.config
+        S = plan.lengths.shape[0]
+        H, D = cfg.num_kv_heads, cfg.head_dim
+        self.model, self.weights, self.cache, self.plan = model, weights, cache, plan
+        self.cos, self.sin = cos.reshape(S, D).contiguous(), sin.reshape(S, D).contiguous()  # [S, D]
+        self.write_rows = plan.write_index[..., 0].transpose(0, 1).contiguous()  # [L, S, H]
+        self.buffers = cpu_kernels._DecodeBuffers(S, H, cfg.num_heads // H, D, int(plan.lengths.max()), 16, False)
+        self.scratch = (torch.empty(S, cfg.hidden_size), torch.empty(S, cfg.intermediate_size))
+        self.need_scores = need_scores
+        self.scale = D ** -0.5
+
+    def layer(self, li: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run layer li on x [S, E] in place; (q [S, Hq, 1, D], key_scores [S, H, T_layer] or None)."""
+        cfg, plan, b = self.model.config, self.plan, self.buffers
+        S = x.shape[0]
+        if self.need_scores:  # fresh per layer: the method's hook may keep it
+            b.key_scores = torch.empty(S, cfg.num_kv_heads, b.Tp, dtype=torch.float32)
+        q = cpu_kernels.decode_layer(
+            x, self.weights[li], cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin, self.cache.k_pool,
+            self.cache.v_pool, self.write_rows[li], plan.tables[:, li], plan.lengths[:, li], cfg.num_heads,
+            self.scale, b, self.scratch)
+        if not self.need_scores:
+            return q, None
+        t_layer = max(max(plan.table_lengths(i, li)) for i in range(S))
+        return q, b.key_scores[:, :, :t_layer]
+
+
+def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
+                      attention, rope_mode: str, cos: torch.Tensor, sin: torch.Tensor,
+                      need_scores: bool) -> FusedDecodeStep | None:
+    """A FusedDecodeStep when this step can run fused (see the module docstring), else None."""
+    S, Q = tokens.shape
+    cfg = model.config
+    if not (model.fuse_decode_layers and model.use_cpu_kernels and Q == 1 and S <= cpu_kernels.GEMV_MAX_ROWS
+            and not torch.is_grad_enabled() and attention is cpu_kernels.paged_attention_cpu
+            and not cache.store_pre_rope and not cfg.qk_norm and rope_mode == "original"
+            and type(cache).write is PagedKVCache.write and type(cache).attend is PagedKVCache.attend
+            and cache.k_pool.dtype == torch.float32 and cache.k_pool.is_contiguous()
+            and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= cpu_kernels._MAX_GROUP):
+        return None
+    weights = layer_weights(model)
+    if weights is None:
+        return None
+    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores)

@@ -1,0 +1,130 @@
+"""The fused CPU decode layer (one C call per layer) gives the numbers of the op-by-op path, and runs exactly when
+it may (kvbench/runtime/fused_decode.py)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from kvbench.runtime import cpu_kernels
+from kvbench.runtime.fused_decode import fused_decode_step
+from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.model import build_from_transformers
+from tests.tiny_models import tiny_hf_model
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+
+
+class RecordingHook:
+    """Keeps what every after_attention call saw; optionally drops a layer's oldest full block (ragged heads)."""
+
+    def __init__(self, needs_key_scores: bool, evict: bool = False):
+        self.needs_key_scores, self.evict, self.seen = needs_key_scores, evict, []
+
+    def after_attention(self, ctx) -> None:
+        ks = None if ctx.key_scores is None else ctx.key_scores.clone()
+        self.seen.append((ctx.layer, ctx.phase, ctx.q.clone(), ks))
+        if self.evict and ctx.phase == "decode" and ctx.layer == 1:
+            for i, slot in enumerate(ctx.plan.slot_list):
+                lengths = ctx.plan.table_lengths(i, ctx.layer)
+                if lengths[0] > 2 * ctx.cache.block_size:  # head 0 only: heads of different lengths
+                    ctx.cache.evict_blocks(ctx.layer, slot, 0, [1])
+
+
+def run(model, prompts, steps, *, fused, hook=None, block_size=4):
+    """Prefill each prompt, then `steps` greedy decode steps of the whole batch: (logits per step, the cache)."""
+    cfg = model.config
+    model.fuse_decode_layers = fused
+    cache = PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=block_size, num_blocks=800)
+    slots = [cache.add_sequence() for _ in prompts]
+    attention = cpu_kernels.paged_attention_cpu
+    nxt = []
+    with torch.inference_mode():
+        for s, p in zip(slots, prompts):
+            plan = cache.prepare_append([s], torch.arange(len(p)).unsqueeze(0))
+            logits = model.forward(torch.tensor([p]), cache, plan, attention=attention, hook=hook)
+            nxt.append(int(logits[0].argmax()))
+        pos = [len(p) for p in prompts]
+        out = []
+        for _ in range(steps):
+            plan = cache.prepare_append(slots, torch.tensor(pos).unsqueeze(1))
+            used = fused_decode_step(model, torch.tensor([nxt]).T, cache, plan, attention, "original",
+                                     *model.rotary.lookup(plan.query_positions), hook is not None
+                                     and hook.needs_key_scores) is not None
+            assert used == (fused and model.config.model_type != "qwen3")
+            logits = model.forward(torch.tensor([nxt]).T, cache, plan, attention=attention, hook=hook,
+                                   phase="decode")
+            out.append(logits)
+            nxt = logits.argmax(-1).tolist()
+            pos = [x + 1 for x in pos]
+    return out, cache
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "tied", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_decode_matches_the_op_by_op_path(family, batch):
+    """Logits of every decode step and every cached K/V row agree (qwen3's q/k norms keep it unfused)."""
+    model = build_from_transformers(tiny_hf_model(family, seed=7))
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]
+    fused, cache_f = run(model, prompts, 12, fused=True)
+    ref, cache_r = run(model, prompts, 12, fused=False)
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert torch.equal(cache_f.tables, cache_r.tables) and torch.equal(cache_f.lengths, cache_r.lengths)
+    for slot in cache_f.live:
+        for layer in range(model.config.num_layers):
+            for a, b in zip(cache_f.gather(layer, slot), cache_r.gather(layer, slot)):  # K, V, positions
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_hooks_see_the_same_queries_and_key_scores(evict):
+    """A method's hook gets q and the per-key attention mass of every layer as before, also when an earlier step's
+    eviction left the heads of a layer with different lengths."""
+    model = build_from_transformers(tiny_hf_model("llama", seed=8))
+    prompts = [list(range(5, 45)), list(range(60, 83))]
+    hooks = {f: RecordingHook(needs_key_scores=True, evict=evict) for f in (True, False)}
+    logits = {f: run(model, prompts, 10, fused=f, hook=hooks[f])[0] for f in (True, False)}
+    for a, b in zip(logits[True], logits[False]):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    seen_f, seen_r = hooks[True].seen, hooks[False].seen
+    assert [s[:2] for s in seen_f] == [s[:2] for s in seen_r]
+    decode = [(f, r) for f, r in zip(seen_f, seen_r) if f[1] == "decode"]
+    assert len(decode) == 10 * model.config.num_layers
+    for (_, _, qf, kf), (_, _, qr, kr) in decode:
+        assert qf.shape == qr.shape and kf.shape == kr.shape
+        torch.testing.assert_close(qf, qr, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kf, kr, atol=1e-6, rtol=1e-5)
+
+
+def test_not_fused_where_it_does_not_apply():
+    """Prefill chunks, more sequences than the GEMV takes, the torch attention and pre-RoPE caches run op by op."""
+    model = build_from_transformers(tiny_hf_model("llama", seed=9))
+    cfg = model.config
+    cache = PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=4, num_blocks=200)
+    n = cpu_kernels.GEMV_MAX_ROWS + 1
+    slots = [cache.add_sequence() for _ in range(n)]
+    plan = cache.prepare_append(slots, torch.zeros(n, 1, dtype=torch.int64))
+    cos, sin = model.rotary.lookup(plan.query_positions)
+    cpu = cpu_kernels.paged_attention_cpu
+    with torch.inference_mode():
+        assert fused_decode_step(model, torch.zeros(4, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
+                                 False) is not None
+        assert fused_decode_step(model, torch.zeros(n, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
+                                 False) is None
+        assert fused_decode_step(model, torch.zeros(1, 2, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
+                                 False) is None
+        from kvbench.runtime.attention import paged_attention_torch
+        assert fused_decode_step(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, paged_attention_torch,
+                                 "original", cos, sin, False) is None
+        cache.store_pre_rope = True
+        assert fused_decode_step(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
+                                 False) is None
+    with torch.enable_grad():
+        cache.store_pre_rope = False
+        assert fused_decode_step(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
+                                 False) is None
