@@ -10,7 +10,7 @@
 - ``gemv``: a decode step's projections (a few rows against the weight in transformers' [out, in] layout).
 - ``rms_norm`` and ``rotary_``: row-wise ops where torch's dispatch of several small kernels per
   token costs more than the arithmetic once the weight GEMVs have flushed the caches.
-- ``decode_layer``: a whole decoder layer of a decode step (norms, projections, RoPE, the K/V write, attention,
+- ``decode_layers``: whole decoder layers of a decode step (norms, projections, RoPE, the K/V write, attention,
   MLP) in one OpenMP parallel region (csrc/decode_layer.c); kvbench/runtime/fused_decode.py decides when it applies.
 
 The torch reference (``paged_attention_torch``) gathers a sequence's blocks before attending; at
@@ -111,10 +111,10 @@ def load_kernel():
     lib.gemv_f32.argtypes = [p, p, p, p, i64, i64, i64, i32]
     for fn in (lib.paged_decode_attention_f32, lib.rms_norm_f32, lib.rotary_f32, lib.gemv_f32):
         fn.restype = None
-    lib.decode_layer_f32.argtypes = [p, i64, i64, i64, ctypes.POINTER(DecodeLayerWeights), f32, p, p, p, p, p,
-                                     p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, f32, i64, i32,
-                                     p, p, p, p, p, p, p, i32]
-    lib.decode_layer_f32.restype = None
+    lib.decode_layers_f32.argtypes = [p, i64, i64, i64, p, i32, f32, p, p, p, p, p, i64,
+                                      p, i64, i64, i64, i64, p, i64, i64, i64, i32, i32, i32, i32, f32, i64, i32,
+                                      p, p, p, p, p, p, p, i32]
+    lib.decode_layers_f32.restype = None
     fmt = ctypes.POINTER(BlockFormat)
     lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
                                                i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, p, i32]
@@ -300,47 +300,55 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 class DecodeLayerWeights(ctypes.Structure):
-    """Pointers to one layer's weights for ``decode_layer`` (`layer_weights` in csrc/decode_layer.c); biases may be
-    NULL. Holds references to the tensors so the pointers stay valid."""
+    """Pointers to one layer's weights for ``decode_layers`` (`layer_weights` in csrc/decode_layer.c); biases may be
+    NULL. The caller keeps the tensors alive."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("ln_attn", "ln_mlp", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down")]
 
-    def __init__(self, **tensors: torch.Tensor | None):
-        super().__init__(**{k: (t.data_ptr() if t is not None else None) for k, t in tensors.items()})
-        self.tensors = tensors
+    @classmethod
+    def of(cls, **tensors: torch.Tensor | None) -> "DecodeLayerWeights":
+        for t in tensors.values():
+            assert t is None or (t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu")
+        return cls(**{k: (t.data_ptr() if t is not None else None) for k, t in tensors.items()})
 
 
-def decode_layer(
+def decode_layers(
     x: torch.Tensor,  # [M, E] fp32 contiguous residual stream, updated in place
-    weights: DecodeLayerWeights,
+    weights: ctypes.Array,  # DecodeLayerWeights, one per layer
+    first: int,  # layers first .. first + n - 1 run
+    n: int,
     intermediate: int,
     eps: float,
     cos: torch.Tensor,  # [M, D] contiguous
     sin: torch.Tensor,
     k_pool: torch.Tensor,  # [N, bs, D] fp32 contiguous (same for v_pool)
     v_pool: torch.Tensor,
-    write_rows: torch.Tensor,  # [M, H] int64 contiguous: flat pool row of each new K/V
-    tables: torch.Tensor,  # [M, H, MB] int32
-    lengths: torch.Tensor,  # [M, H] int64, after this step's append
+    write_rows: torch.Tensor,  # [L, M, H] int64 contiguous: flat pool row of each layer's new K/V
+    tables: torch.Tensor,  # [M, L, H, MB] int32
+    lengths: torch.Tensor,  # [M, L, H] int64, after this step's append
     num_heads: int,
     scale: float,
     buffers: "_DecodeBuffers",  # sized for the longest table; its `out` holds the attention output
     scratch: tuple[torch.Tensor, torch.Tensor],  # h [M, E], act [M, I]
 ) -> torch.Tensor:
-    """One decoder layer of a decode step in one call (csrc/decode_layer.c): x += the layer's output, the new K/V
-    written at write_rows, per-key attention mass into buffers.key_scores when it is set. Returns q [M, Hq, 1, D]
-    after RoPE (a fresh tensor: a method's hook may keep it)."""
+    """Decoder layers first..first+n-1 of a decode step in one call (csrc/decode_layer.c): x += each layer's output
+    in turn, the new K/V written at write_rows, per-key attention mass into buffers.key_scores when it is set
+    (n == 1 then). Returns q [M, Hq, 1, D] of the last layer after RoPE (a fresh tensor: a method's hook may keep
+    it)."""
     M, E = x.shape
-    H, D, bs = tables.shape[1], k_pool.shape[2], k_pool.shape[1]
+    H, D, bs = tables.shape[2], k_pool.shape[2], k_pool.shape[1]
     G = num_heads // H
+    assert n == 1 or buffers.key_scores is None
     qkv = torch.empty(M, (num_heads + 2 * H) * D, dtype=torch.float32)
     h, act = scratch
     b = buffers
-    ts, ls = tables.stride(), lengths.stride()
-    _lib.decode_layer_f32(x.data_ptr(), M, E, intermediate, ctypes.byref(weights), eps, cos.data_ptr(),
-                          sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), write_rows.data_ptr(),
-                          tables.data_ptr(), ts[0], ts[1], ts[2], lengths.data_ptr(), ls[0], ls[1], H, G, D, bs,
-                          scale, b.Tp, b.chunk, h.data_ptr(), qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(),
-                          b.key_scores_ptr(), b.scores.data_ptr(), b.partials.data_ptr(), b.threads)
+    ts, ls, ws = tables.stride(), lengths.stride(), write_rows.stride()
+    size = ctypes.sizeof(DecodeLayerWeights)
+    _lib.decode_layers_f32(
+        x.data_ptr(), M, E, intermediate, ctypes.addressof(weights) + first * size, n, eps, cos.data_ptr(),
+        sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), write_rows[first].data_ptr(), ws[0],
+        tables[:, first].data_ptr(), ts[1], ts[0], ts[2], ts[3], lengths[:, first].data_ptr(), ls[1], ls[0], ls[2],
+        H, G, D, bs, scale, b.Tp, b.chunk, h.data_ptr(), qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(),
+        b.key_scores_ptr(), b.scores.data_ptr(), b.partials.data_ptr(), b.threads)
     return qkv[:, : num_heads * D].view(M, num_heads, 1, D)

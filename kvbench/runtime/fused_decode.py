@@ -1,21 +1,23 @@
-"""Decode steps on CPU with one C call per layer (csrc/decode_layer.c) instead of about ten.
+"""Decode steps on CPU in one C call for all layers (csrc/decode_layer.c) instead of about ten calls per layer.
 
 Why: a batch-1 decode step of SmolLM2-135M reads ~540 MB of fp32 weights, which the C GEMVs stream in ~9-12 ms on
 the 2-core dev machine, yet the step took 16-20 ms: the rest was per-op overhead (Python, torch dispatch, and one
-OpenMP parallel region per op whose sleeping worker thread must be woken each time). The fused layer runs norms,
-projections, RoPE, the K/V write, paged attention and the MLP in one parallel region per layer.
+OpenMP parallel region per op whose sleeping worker thread must be woken each time). The fused path runs norms,
+projections, RoPE, the K/V write, paged attention and the MLP of every layer in one parallel region; with a
+method's hook it makes one call per layer and calls the hook after each.
 
 It applies to decode steps (one token per sequence, at most `cpu_kernels.GEMV_MAX_ROWS` sequences) of an fp32
 model on CPU with the C kernels, a plain `PagedKVCache` (codec caches read their own layout), keys cached after
 RoPE at their original positions, no q/k norm (Qwen3), and the C attention kernel. Anything else, or
 `model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers
-(tests/test_fused_decode.py). A method's hook still runs after every layer, with the same LayerContext; it runs
-after the layer's MLP instead of before its output projection, which changes nothing (hooks only read q and the
-attention scores and edit the cache, which that layer no longer reads).
+(tests/test_fused_decode.py). The hook gets the same LayerContext as on the op-by-op path, but after the layer's
+MLP instead of before its output projection, which changes nothing: hooks read q and the attention scores and edit
+the cache, which that layer no longer reads.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ctypes
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -26,9 +28,9 @@ if TYPE_CHECKING:
     from kvbench.runtime.model import LlamaFamilyModel
 
 
-def layer_weights(model: "LlamaFamilyModel") -> list[cpu_kernels.DecodeLayerWeights] | None:
-    """The C kernel's view of every layer's weights (built once per model), or None when a projection has no plain
-    [out, in] fp32 copy (see linear.Linear)."""
+def layer_weights(model: "LlamaFamilyModel") -> ctypes.Array | None:
+    """The C kernel's view of every layer's weights (built once per model; the model's Linears keep the tensors
+    alive), or None when a projection has no plain [out, in] fp32 copy (see linear.Linear)."""
     cached = getattr(model, "_fused_weights", None)
     if cached is not None:
         return cached or None
@@ -38,19 +40,19 @@ def layer_weights(model: "LlamaFamilyModel") -> list[cpu_kernels.DecodeLayerWeig
         if any(lin._plain is None for lin in lins):
             model._fused_weights = []
             return None
-        weights.append(cpu_kernels.DecodeLayerWeights(
+        weights.append(cpu_kernels.DecodeLayerWeights.of(
             ln_attn=lw.ln_attn, ln_mlp=lw.ln_mlp, w_qkv=lw.qkv._plain, b_qkv=lw.qkv.bias, w_o=lw.o._plain,
             b_o=lw.o.bias, w_gu=lw.gate_up._plain, b_gu=lw.gate_up.bias, w_down=lw.down._plain,
             b_down=lw.down.bias))
-    model._fused_weights = weights
-    return weights
+    model._fused_weights = (cpu_kernels.DecodeLayerWeights * len(weights))(*weights)
+    return model._fused_weights
 
 
 class FusedDecodeStep:
-    """One decode step's shared state for `decode_layer`: RoPE rows, write rows, scratch buffers sized for the
+    """One decode step's shared state for `decode_layers`: RoPE rows, write rows, scratch buffers sized for the
     step's longest table."""
 
-    def __init__(self, model: "LlamaFamilyModel", weights: list, cache: PagedKVCache, plan: AppendPlan,
+    def __init__(self, model: "LlamaFamilyModel", weights: ctypes.Array, cache: PagedKVCache, plan: AppendPlan,
                  cos: torch.Tensor, sin: torch.Tensor, need_scores: bool):
         cfg = model.config
         S = plan.lengths.shape[0]
@@ -63,21 +65,31 @@ class FusedDecodeStep:
         self.need_scores = need_scores
         self.scale = D ** -0.5
 
-    def layer(self, li: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run layer li on x [S, E] in place; (q [S, Hq, 1, D], key_scores [S, H, T_layer] or None)."""
-        cfg, plan, b = self.model.config, self.plan, self.buffers
-        S = x.shape[0]
-        if self.need_scores:  # fresh per layer: the method's hook may keep it
-            b.key_scores = torch.empty(S, cfg.num_kv_heads, b.Tp, dtype=torch.float32)
-        q = cpu_kernels.decode_layer(
-            x, self.weights[li], cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin, self.cache.k_pool,
-            self.cache.v_pool, self.write_rows[li], plan.tables[:, li], plan.lengths[:, li], cfg.num_heads,
-            self.scale, b, self.scratch)
-        if not self.need_scores:
-            return q, None
-        t_layer = max(max(plan.table_lengths(i, li)) for i in range(S))
-        return q, b.key_scores[:, :, :t_layer]
+    def _layers(self, x: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        cfg, plan = self.model.config, self.plan
+        return cpu_kernels.decode_layers(
+            x, self.weights, first, n, cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin,
+            self.cache.k_pool, self.cache.v_pool, self.write_rows, plan.tables, plan.lengths, cfg.num_heads,
+            self.scale, self.buffers, self.scratch)
 
+    def run(self, x: torch.Tensor, after_layer: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None
+            ) -> None:
+        """Every layer on x [S, E] in place. Without `after_layer`, all of them in one call; with it, one call per
+        layer followed by after_layer(layer, q [S, Hq, 1, D], key_scores [S, H, T_layer] or None)."""
+        L = self.model.config.num_layers
+        if after_layer is None:
+            self._layers(x, 0, L)
+            return
+        b, S = self.buffers, x.shape[0]
+        for li in range(L):
+            if self.need_scores:  # fresh per layer: the method's hook may keep it
+                b.key_scores = torch.empty(S, self.model.config.num_kv_heads, b.Tp, dtype=torch.float32)
+            q = self._layers(x, li, 1)
+            key_scores = None
+            if self.need_scores:
+                t_layer = max(max(self.plan.table_lengths(i, li)) for i in range(S))
+                key_scores = b.key_scores[:, :, :t_layer]
+            after_layer(li, q, key_scores)
 
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
                       attention, rope_mode: str, cos: torch.Tensor, sin: torch.Tensor,

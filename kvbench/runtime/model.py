@@ -158,12 +158,11 @@ class LlamaFamilyModel:
         fused = fused_decode_step(self, tokens, cache, plan, attention, rope_mode, cos, sin, need_scores) \
             if fast else None
         x = self.embed[tokens]  # [S, Q, E]
-        for li, lw in enumerate(self.layers):
-            if fused is not None:  # the whole layer in one C call, x updated in place
-                q, key_scores = fused.layer(li, x.view(S, -1))
-                if hook is not None:
-                    hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
-                continue
+        if fused is not None:  # whole layers per C call, x updated in place
+            after = None if hook is None else lambda li, q, key_scores: hook.after_attention(
+                LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
+            fused.run(x.view(S, -1), after)
+        for li, lw in enumerate(self.layers if fused is None else ()):
             h = norm(x, lw.ln_attn, eps)
             qkv = lw.qkv(h)  # [S, Q, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
