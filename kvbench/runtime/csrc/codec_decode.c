@@ -61,6 +61,19 @@ static inline __attribute__((always_inline)) v16 codes16(const uint8_t *restrict
     return (v16){0};  /* not reached: 8-bit codes are read by a plain loop */
 }
 
+/* acc[0 .. 16 / VN) += x: 16 floats into native vectors */
+static inline __attribute__((always_inline)) void add16(vn *acc, v16 x) {
+#if VN == 16
+    acc[0] += x;
+#else
+    vn lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    acc[0] += lo;
+    acc[1] += hi;
+#endif
+}
+
 /* rows [r0, r1) of packed row `row` as fp32 into tile[(r - r0) * D + d]; bits, is_signed, D constants */
 static inline __attribute__((always_inline)) void decode_packed_rows(
     const uint8_t *row, const block_format *f, const int bits, const int is_signed, const int D, int r0, int r1,
@@ -194,7 +207,7 @@ static inline __attribute__((always_inline)) void score_packed_keys(
  * msum[g][group index] (added to acc once, after the last block). p[g, j] = sc_t[g * T + j]. */
 static inline __attribute__((always_inline)) void accumulate_packed_values(
     const uint8_t *row, const block_format *f, const int bits, const int G, const int D, int n,
-    const float *restrict sc_t, int64_t T, v16 acc[][128 / 16], float msum[][128 / 16])
+    const float *restrict sc_t, int64_t T, vn acc[][128 / VN], float msum[][128 / 16])
 {
     const uint16_t *mn = (const uint16_t *)(row + f->mn_off);
     const uint16_t *sc = (const uint16_t *)(row + f->scale_off);
@@ -220,7 +233,7 @@ static inline __attribute__((always_inline)) void accumulate_packed_values(
                 }
                 for (int c = q * group; c < (q + 1) * group; c += 16) {
                     const v16 code = codes16(src + c * bits / 8, bits);
-                    for (int g = 0; g < G; g++) acc[g][c / 16] += ps[g] * code;
+                    for (int g = 0; g < G; g++) add16(acc[g] + c / VN, ps[g] * code);
                 }
             }
         }
@@ -288,13 +301,12 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
         t = end;
     }
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
-    v16 acc[GROUP_MAX][128 / 16];
+    vn acc[GROUP_MAX][128 / VN];
     float msum[GROUP_MAX][128 / 16];  /* sum of p * minimum per value channel group (direct path) */
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) {
-            acc[g][c] = (v16){0};
-            msum[g][c] = 0.0f;
-        }
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < D / VN; c++) acc[g][c] = (vn){0};
+        for (int c = 0; c < D / 16; c++) msum[g][c] = 0.0f;
+    }
     for (int64_t t = t0; t < t1;) {
         const block_span b = span_at(t, t1, bs, table, tab_sj, num_fp, vq, vf->row_bytes);
         const int64_t end = b.end, id = b.id;
@@ -314,9 +326,9 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
     }
     if (fast_values)
         for (int g = 0; g < G; g++)
-            for (int c = 0; c < D / 16; c++) acc[g][c] += msum[g][c * 16 / vf->group];
+            for (int c = 0; c < D / VN; c++) acc[g][c] += msum[g][c * VN / vf->group];
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) memcpy(part + g * (D + 2) + c * 16, &acc[g][c], sizeof(v16));
+        for (int c = 0; c < D / VN; c++) memcpy(part + g * (D + 2) + c * VN, &acc[g][c], sizeof(vn));
 }
 
 /* q [S, H*G, D] fp32; tables [S, H, MB] int32 and lengths [S, H] int64 with element strides; D 64 or 128,

@@ -11,10 +11,21 @@
 /* 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones elsewhere) */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+/* one native vector register of floats (AVX-512: 16, else 8): GCC lowers a 64-byte vector on AVX2 through stack
+ * spills, which cost a GEMV ~40% of its bandwidth on an AVX2-only EPYC */
+#if defined(__AVX512F__)
+#define VN 16
+#else
+#define VN 8
+#endif
+typedef float vn __attribute__((vector_size(VN * 4), aligned(4)));
+typedef int32_t vni __attribute__((vector_size(VN * 4)));
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define SHUFFLEN(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#define SHUFFLEN(a, b, ...) __builtin_shuffle(a, b, (vni){__VA_ARGS__})
 #endif
 
 /* the four horizontal sums of a0..a3, reduced together (a third of the shuffles of four separate sums) */
@@ -33,17 +44,33 @@ static inline void hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float out[4]) {
     out[3] = w[12];
 }
 
-/* dot products of one query row with four consecutive key rows; D a multiple of 16 */
+#if VN == 16
+#define hsum4n hsum4
+#else
+/* hsum4 for native 8-float vectors */
+static inline void hsum4n(vn a0, vn a1, vn a2, vn a3, float out[4]) {
+    const vn s01 = SHUFFLEN(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLEN(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vn s23 = SHUFFLEN(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLEN(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vn t = SHUFFLEN(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLEN(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const vn u = t + SHUFFLEN(t, t, 1, 0, 3, 2, 5, 4, 7, 6);  /* lanes 0, 4, 2, 6: a0, a1, a2, a3 */
+    out[0] = u[0];
+    out[1] = u[4];
+    out[2] = u[2];
+    out[3] = u[6];
+}
+#endif
+
+/* dot products of one query row with four consecutive key rows; D a multiple of VN */
 static inline void dot4(const float *q, const float *k, const int D, float out[4]) {
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int c = 0; c < D; c += 16) {
-        const v16 qv = *(const v16 *)(q + c);
-        a0 += qv * *(const v16 *)(k + c);
-        a1 += qv * *(const v16 *)(k + D + c);
-        a2 += qv * *(const v16 *)(k + 2 * D + c);
-        a3 += qv * *(const v16 *)(k + 3 * D + c);
+    vn a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int c = 0; c < D; c += VN) {
+        const vn qv = *(const vn *)(q + c);
+        a0 += qv * *(const vn *)(k + c);
+        a1 += qv * *(const vn *)(k + D + c);
+        a2 += qv * *(const vn *)(k + 2 * D + c);
+        a3 += qv * *(const vn *)(k + 3 * D + c);
     }
-    hsum4(a0, a1, a2, a3, out);
+    hsum4n(a0, a1, a2, a3, out);
 }
 
 /* exp for x <= 0 (scores minus their running max), vectorizable: Cephes' expf polynomial, ~1 ulp */
@@ -103,22 +130,22 @@ static inline __attribute__((always_inline)) void store_scores4(v16 a[][4], cons
 
 /* Scores of n consecutive K rows k [n, D] for the G query heads qh [G, D]: sc_t[g * T + j] = scale * (q_g . k_j),
  * and m[g] raised to their maximum. Four rows at a time, each row loaded once for the whole group, the sums of the
- * four reduced together. G <= GROUP_MAX, D a multiple of 16; inlined with G and D constant where it matters. */
+ * four reduced together. G <= GROUP_MAX, D a multiple of VN; inlined with G and D constant where it matters. */
 static inline __attribute__((always_inline)) void score_rows(const float *restrict qh, const float *restrict k,
                                                              int64_t n, const int G, const int D, float scale,
                                                              float *restrict sc_t, int64_t T, float *restrict m)
 {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        v16 a[GROUP_MAX][4];
+        vn a[GROUP_MAX][4];
         for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
+            for (int i = 0; i < 4; i++) a[g][i] = (vn){0};
         const float *kj = k + j * D;
-        for (int c = 0; c < D; c += 16) {
-            const v16 k0 = *(const v16 *)(kj + c), k1 = *(const v16 *)(kj + D + c);
-            const v16 k2 = *(const v16 *)(kj + 2 * D + c), k3 = *(const v16 *)(kj + 3 * D + c);
+        for (int c = 0; c < D; c += VN) {
+            const vn k0 = *(const vn *)(kj + c), k1 = *(const vn *)(kj + D + c);
+            const vn k2 = *(const vn *)(kj + 2 * D + c), k3 = *(const vn *)(kj + 3 * D + c);
             for (int g = 0; g < G; g++) {
-                const v16 qv = *(const v16 *)(qh + g * D + c);
+                const vn qv = *(const vn *)(qh + g * D + c);
                 a[g][0] += qv * k0;
                 a[g][1] += qv * k1;
                 a[g][2] += qv * k2;
@@ -127,7 +154,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *restri
         }
         for (int g = 0; g < G; g++) {  /* store_scores4 inlined by hand: calling it here measured 3-7% slower */
             float x[4];
-            hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
+            hsum4n(a[g][0], a[g][1], a[g][2], a[g][3], x);
             float *row = sc_t + g * T + j;
             for (int i = 0; i < 4; i++) {
                 row[i] = x[i] * scale;
@@ -144,14 +171,14 @@ static inline __attribute__((always_inline)) void score_rows(const float *restri
         }
 }
 
-/* acc[g] += sum_j p[g, j] * v_j over n consecutive V rows v [n, D], p[g, j] = sc_t[g * T + j]; acc [G][D / 16] */
+/* acc[g] += sum_j p[g, j] * v_j over n consecutive V rows v [n, D], p[g, j] = sc_t[g * T + j]; acc [G][D / VN] */
 static inline __attribute__((always_inline)) void accumulate_rows(const float *restrict v, int64_t n, const int G,
                                                                   const int D, const float *restrict sc_t, int64_t T,
-                                                                  v16 acc[][128 / 16])
+                                                                  vn acc[][128 / VN])
 {
     for (int64_t j = 0; j < n; j++)
-        for (int c = 0; c < D / 16; c++) {
-            const v16 vv = *(const v16 *)(v + j * D + c * 16);
+        for (int c = 0; c < D / VN; c++) {
+            const vn vv = *(const vn *)(v + j * D + c * VN);
             for (int g = 0; g < G; g++) acc[g][c] += sc_t[g * T + j] * vv;
         }
 }

@@ -5,19 +5,19 @@
 #define KVBENCH_DECODE_OPS_H
 #include "decode_common.h"
 
-/* dot(w, x) over n floats; four 16-float accumulators (independent FMA chains) when n is a multiple of 64 */
+/* dot(w, x) over n floats; four native-vector accumulators (independent FMA chains) when n is a multiple of 4 VN */
 static inline float dot_f32(const float *restrict w, const float *restrict x, int64_t n) {
-    if (n % 64 == 0) {
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t i = 0; i < n; i += 64) {
-            a0 += *(const v16 *)(w + i) * *(const v16 *)(x + i);
-            a1 += *(const v16 *)(w + i + 16) * *(const v16 *)(x + i + 16);
-            a2 += *(const v16 *)(w + i + 32) * *(const v16 *)(x + i + 32);
-            a3 += *(const v16 *)(w + i + 48) * *(const v16 *)(x + i + 48);
+    if (n % (4 * VN) == 0) {
+        vn a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < n; i += 4 * VN) {
+            a0 += *(const vn *)(w + i) * *(const vn *)(x + i);
+            a1 += *(const vn *)(w + i + VN) * *(const vn *)(x + i + VN);
+            a2 += *(const vn *)(w + i + 2 * VN) * *(const vn *)(x + i + 2 * VN);
+            a3 += *(const vn *)(w + i + 3 * VN) * *(const vn *)(x + i + 3 * VN);
         }
-        const v16 a = (a0 + a1) + (a2 + a3);
+        const vn a = (a0 + a1) + (a2 + a3);
         float s = 0.0f;
-        for (int i = 0; i < 16; i++) s += a[i];
+        for (int i = 0; i < VN; i++) s += a[i];
         return s;
     }
     float acc = 0.0f;

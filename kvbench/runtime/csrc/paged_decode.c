@@ -113,9 +113,9 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
     }
     prefetch_block(v_pool, table, tab_sj, bs, D, t0, t1);  /* the first V block, while the exps are computed */
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
-    v16 acc[GROUP_MAX][128 / 16];  /* acc = sum_t p_t v_t per query head (D <= 128) */
+    vn acc[GROUP_MAX][128 / VN];  /* acc = sum_t p_t v_t per query head (D <= 128) */
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) acc[g][c] = (v16){0};
+        for (int c = 0; c < D / VN; c++) acc[g][c] = (vn){0};
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
         t = end;
     }
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / 16; c++) memcpy(part + g * (D + 2) + c * 16, &acc[g][c], sizeof(v16));
+        for (int c = 0; c < D / VN; c++) memcpy(part + g * (D + 2) + c * VN, &acc[g][c], sizeof(vn));
 }
 #define GROUPED_CASE(GG)                                                                                   \
     case GG:                                                                                               \
