@@ -39,39 +39,41 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
-typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint32_t vnu __attribute__((vector_size(VN * 4)));
 
-/* 16 2- or 4-bit codes starting at a multiple of 16 (so at byte `src`), as floats: a few vector shifts, masks and
+/* VN 2- or 4-bit codes starting at a multiple of VN (so at byte `src`), as floats: a few vector shifts, masks and
  * conversions (GCC/Clang vector extensions) */
-static inline __attribute__((always_inline)) v16 codes16(const uint8_t *restrict src, const int bits) {
+static inline __attribute__((always_inline)) vn codesn(const uint8_t *restrict src, const int bits) {
+#if VN == 16
     if (bits == 2) {
-        static const v16u shift = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+        static const vnu shift = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
         uint32_t w;
         memcpy(&w, src, 4);
-        return __builtin_convertvector(((v16u){0} + w) >> shift & 3u, v16);
+        return __builtin_convertvector(((vnu){0} + w) >> shift & 3u, vn);
     }
     if (bits == 4) {
-        static const v16u shift = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
-        static const v16u high = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+        static const vnu shift = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+        static const vnu high = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
         uint32_t w[2];
         memcpy(w, src, 8);
-        const v16u words = (v16u){0} + w[0] + (w[1] - w[0]) * high;  /* lanes 0-7: w[0], 8-15: w[1] */
-        return __builtin_convertvector(words >> shift & 15u, v16);
+        const vnu words = (vnu){0} + w[0] + (w[1] - w[0]) * high;  /* lanes 0-7: w[0], 8-15: w[1] */
+        return __builtin_convertvector(words >> shift & 15u, vn);
     }
-    return (v16){0};  /* not reached: 8-bit codes are read by a plain loop */
-}
-
-/* acc[0 .. 16 / VN) += x: 16 floats into native vectors */
-static inline __attribute__((always_inline)) void add16(vn *acc, v16 x) {
-#if VN == 16
-    acc[0] += x;
 #else
-    vn lo, hi;
-    memcpy(&lo, &x, sizeof lo);
-    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
-    acc[0] += lo;
-    acc[1] += hi;
+    if (bits == 2) {
+        static const vnu shift = {0, 2, 4, 6, 8, 10, 12, 14};
+        uint16_t w;
+        memcpy(&w, src, 2);
+        return __builtin_convertvector(((vnu){0} + (uint32_t)w) >> shift & 3u, vn);
+    }
+    if (bits == 4) {
+        static const vnu shift = {0, 4, 8, 12, 16, 20, 24, 28};
+        uint32_t w;
+        memcpy(&w, src, 4);
+        return __builtin_convertvector(((vnu){0} + w) >> shift & 15u, vn);
+    }
 #endif
+    return (vn){0};  /* not reached: 8-bit codes are read by a plain loop */
 }
 
 /* rows [r0, r1) of packed row `row` as fp32 into tile[(r - r0) * D + d]; bits, is_signed, D constants */
@@ -116,8 +118,8 @@ static inline __attribute__((always_inline)) void decode_packed_rows(
             else
                 for (int d = 0; d < D; d++) t[d] = m[d] + (float)src[d] * s[d];
         } else {
-            for (int d0 = 0; d0 < D; d0 += 16)
-                *(v16 *)(t + d0) = *(const v16 *)(m + d0) + codes16(src + d0 * bits / 8, bits) * *(const v16 *)(s + d0);
+            for (int d0 = 0; d0 < D; d0 += VN)
+                *(vn *)(t + d0) = *(const vn *)(m + d0) + codesn(src + d0 * bits / 8, bits) * *(const vn *)(s + d0);
         }
     }
 }
@@ -179,17 +181,17 @@ static inline __attribute__((always_inline)) void score_packed_keys(
         const int j1 = n < j0 + group ? n : j0 + group;
         for (int j = j0; j < j1; j += 4) {
             const int rows = j1 - j < 4 ? j1 - j : 4;
-            v16 a[GROUP_MAX][4];
+            vn a[GROUP_MAX][4];
             for (int g = 0; g < G; g++)
-                for (int i = 0; i < 4; i++) a[g][i] = (v16){0};
-            for (int c = 0; c < D; c += 16) {
+                for (int i = 0; i < 4; i++) a[g][i] = (vn){0};
+            for (int c = 0; c < D; c += VN) {
                 const uint8_t *src = codes + j * rb + c * bits / 8;
-                const v16 k0 = codes16(src, bits);
-                const v16 k1 = rows > 1 ? codes16(src + rb, bits) : (v16){0};
-                const v16 k2 = rows > 2 ? codes16(src + 2 * rb, bits) : (v16){0};
-                const v16 k3 = rows > 3 ? codes16(src + 3 * rb, bits) : (v16){0};
+                const vn k0 = codesn(src, bits);
+                const vn k1 = rows > 1 ? codesn(src + rb, bits) : (vn){0};
+                const vn k2 = rows > 2 ? codesn(src + 2 * rb, bits) : (vn){0};
+                const vn k3 = rows > 3 ? codesn(src + 3 * rb, bits) : (vn){0};
                 for (int g = 0; g < G; g++) {
-                    const v16 qv = *(const v16 *)(qs[g] + c);
+                    const vn qv = *(const vn *)(qs[g] + c);
                     a[g][0] += qv * k0;
                     a[g][1] += qv * k1;
                     a[g][2] += qv * k2;
@@ -231,9 +233,9 @@ static inline __attribute__((always_inline)) void accumulate_packed_values(
                     ps[g] = p * sv[j * ng + q];
                     msum[g][q] += p * mv[j * ng + q];
                 }
-                for (int c = q * group; c < (q + 1) * group; c += 16) {
-                    const v16 code = codes16(src + c * bits / 8, bits);
-                    for (int g = 0; g < G; g++) add16(acc[g] + c / VN, ps[g] * code);
+                for (int c = q * group; c < (q + 1) * group; c += VN) {
+                    const vn code = codesn(src + c * bits / 8, bits);
+                    for (int g = 0; g < G; g++) acc[g][c / VN] += ps[g] * code;
                 }
             }
         }

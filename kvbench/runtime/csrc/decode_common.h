@@ -1,4 +1,4 @@
-/* Helpers shared by the CPU decode-attention kernels (paged_decode.c, codec_decode.c): 16-float vectors,
+/* Helpers shared by the CPU decode kernels (paged_decode.c, codec_decode.c, decode_ops.c): native float vectors,
  * horizontal sums, a vectorizable exp, and the flash-decoding merge of per-chunk partial results. */
 #ifndef KVBENCH_DECODE_COMMON_H
 #define KVBENCH_DECODE_COMMON_H
@@ -8,11 +8,9 @@
 
 #define MAX_G 64
 
-/* 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones elsewhere) */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-/* one native vector register of floats (AVX-512: 16, else 8): GCC lowers a 64-byte vector on AVX2 through stack
- * spills, which cost a GEMV ~40% of its bandwidth on an AVX2-only EPYC */
+/* One native vector register of floats, VN lanes (GCC/Clang vector extensions): 16 with AVX-512, else 8. A 64-byte
+ * vector on an AVX2-only machine is lowered through stack spills by GCC: on an AVX2 EPYC the GEMV then read weights
+ * at ~19 GB/s instead of ~31, and decode attention at 4096 keys took 1.33 ms a layer instead of 0.72. */
 #if defined(__AVX512F__)
 #define VN 16
 #else
@@ -22,43 +20,36 @@ typedef float vn __attribute__((vector_size(VN * 4), aligned(4)));
 typedef int32_t vni __attribute__((vector_size(VN * 4)));
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#define SHUFFLEN(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#define SHUFFLEN(a, b, ...) __builtin_shuffle(a, b, (vni){__VA_ARGS__})
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vni){__VA_ARGS__})
 #endif
 
 /* the four horizontal sums of a0..a3, reduced together (a third of the shuffles of four separate sums) */
-static inline void hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float out[4]) {
-    const v16 s01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-                  + SHUFFLE(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const v16 s23 = SHUFFLE(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-                  + SHUFFLE(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const v16 t = SHUFFLE(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-                + SHUFFLE(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    const v16 u = t + SHUFFLE(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    const v16 w = u + SHUFFLE(u, u, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+static inline void hsum4(vn a0, vn a1, vn a2, vn a3, float out[4]) {
+#if VN == 16
+    const vn s01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                 + SHUFFLE(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vn s23 = SHUFFLE(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                 + SHUFFLE(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vn t = SHUFFLE(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + SHUFFLE(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vn u = t + SHUFFLE(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const vn w = u + SHUFFLE(u, u, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     out[0] = w[0];
     out[1] = w[4];
     out[2] = w[8];
     out[3] = w[12];
-}
-
-#if VN == 16
-#define hsum4n hsum4
 #else
-/* hsum4 for native 8-float vectors */
-static inline void hsum4n(vn a0, vn a1, vn a2, vn a3, float out[4]) {
-    const vn s01 = SHUFFLEN(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLEN(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
-    const vn s23 = SHUFFLEN(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLEN(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
-    const vn t = SHUFFLEN(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLEN(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
-    const vn u = t + SHUFFLEN(t, t, 1, 0, 3, 2, 5, 4, 7, 6);  /* lanes 0, 4, 2, 6: a0, a1, a2, a3 */
+    const vn s01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vn s23 = SHUFFLE(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vn t = SHUFFLE(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const vn u = t + SHUFFLE(t, t, 1, 0, 3, 2, 5, 4, 7, 6);  /* lanes 0, 4, 2, 6: a0, a1, a2, a3 */
     out[0] = u[0];
     out[1] = u[4];
     out[2] = u[2];
     out[3] = u[6];
-}
 #endif
+}
 
 /* dot products of one query row with four consecutive key rows; D a multiple of VN */
 static inline void dot4(const float *q, const float *k, const int D, float out[4]) {
@@ -70,7 +61,7 @@ static inline void dot4(const float *q, const float *k, const int D, float out[4
         a2 += qv * *(const vn *)(k + 2 * D + c);
         a3 += qv * *(const vn *)(k + 3 * D + c);
     }
-    hsum4n(a0, a1, a2, a3, out);
+    hsum4(a0, a1, a2, a3, out);
 }
 
 /* exp for x <= 0 (scores minus their running max), vectorizable: Cephes' expf polynomial, ~1 ulp */
@@ -113,7 +104,7 @@ static inline void exp_and_sum(float *restrict sc, int64_t T, int G, int D, int6
 
 /* The scores of four rows from their accumulators a[g][0..3] (one per row): sc_t[g * T + i] = (sum of a[g][i] +
  * bias[g]) * scale for the first `rows` rows (bias NULL: none), and m[g] raised to their maximum. */
-static inline __attribute__((always_inline)) void store_scores4(v16 a[][4], const int G, const float *bias,
+static inline __attribute__((always_inline)) void store_scores4(vn a[][4], const int G, const float *bias,
                                                                 int rows, float scale, float *restrict sc_t,
                                                                 int64_t T, float *restrict m)
 {
@@ -154,7 +145,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *restri
         }
         for (int g = 0; g < G; g++) {  /* store_scores4 inlined by hand: calling it here measured 3-7% slower */
             float x[4];
-            hsum4n(a[g][0], a[g][1], a[g][2], a[g][3], x);
+            hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
             float *row = sc_t + g * T + j;
             for (int i = 0; i < 4; i++) {
                 row[i] = x[i] * scale;
