@@ -186,3 +186,31 @@ def test_installed_package_ships_every_kernel_source():
     for path in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
         rel = path.relative_to(runtime_dir).as_posix()
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), f"{rel} is not in package-data {patterns}"
+
+
+def test_kernel_tests_pass_at_the_other_vector_width():
+    """The kernels' vector code has an 8-float (AVX2) and a 16-float (AVX-512) form, picked by the machine: build
+    the one this machine does not pick and run the kernel tests against it, so both are checked on any machine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    native = cpu_kernels.vector_width()
+    assert native in (8, 16)
+    other = "16" if native == 8 else "8"
+    tests = Path(__file__).parent
+    env = {**os.environ, "KVBENCH_CPU_KERNEL_VECTOR": other}
+    files = [str(tests / f) for f in ("test_cpu_kernels.py", "test_codec_decode_kernel.py", "test_fused_decode.py")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files,
+                           "-k", "not vector_width"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.strip().splitlines()[-1]
+    check = subprocess.run([sys.executable, "-c", "from kvbench.runtime import cpu_kernels as c; "
+                            "print(c.vector_width())"], env=env, capture_output=True, text=True, timeout=300)
+    assert check.stdout.strip() == other, check.stderr[-2000:]
+
+
+def test_bad_vector_width_is_named(monkeypatch):
+    monkeypatch.setenv("KVBENCH_CPU_KERNEL_VECTOR", "12")
+    with pytest.raises(RuntimeError, match="KVBENCH_CPU_KERNEL_VECTOR='12': valid values are 8, 16"):
+        cpu_kernels._flags()

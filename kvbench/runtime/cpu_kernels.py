@@ -65,10 +65,23 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
+def _flags() -> list[str]:
+    """The compiler flags. KVBENCH_CPU_KERNEL_VECTOR=8 or 16 (a testing knob) sets the floats per vector instead of
+    the machine's register width, so both forms of the kernels' vector code can be tested on one machine; that
+    build is -O1 (GCC takes a minute at -O3 for vectors wider than the registers)."""
+    width = os.environ.get("KVBENCH_CPU_KERNEL_VECTOR")
+    if width in (None, ""):
+        return _FLAGS
+    if width not in ("8", "16"):
+        raise RuntimeError(f"KVBENCH_CPU_KERNEL_VECTOR={width!r}: valid values are 8, 16 (unset: native width)")
+    return [("-O1" if f == "-O3" else f) for f in _FLAGS] + [f"-DKVBENCH_VN={width}"]
+
+
 def _compile() -> Path:
     cc = os.environ.get("CC", "cc")
+    flags = _flags()
     src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
     out = _cache_dir() / f"kvbench_cpu-{key}.so"
     if out.exists():
         return out
@@ -76,7 +89,7 @@ def _compile() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never load a half-written library
     except (OSError, subprocess.CalledProcessError) as err:
@@ -119,12 +132,19 @@ def load_kernel():
     lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
                                                i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, p, i32]
     lib.codec_decode_attention_f32.restype = i32
+    lib.vector_width.argtypes, lib.vector_width.restype = [], i32
     _lib = lib
     return lib
 
 
 def available() -> bool:
     return load_kernel() is not None
+
+
+def vector_width() -> int | None:
+    """Floats per vector register the kernels were built for (8: AVX2 and others, 16: AVX-512), or None."""
+    lib = load_kernel()
+    return lib.vector_width() if lib is not None else None
 
 
 def kernel_error() -> str | None:

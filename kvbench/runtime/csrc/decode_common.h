@@ -11,7 +11,9 @@
 /* One native vector register of floats, VN lanes (GCC/Clang vector extensions): 16 with AVX-512, else 8. A 64-byte
  * vector on an AVX2-only machine is lowered through stack spills by GCC: on an AVX2 EPYC the GEMV then read weights
  * at ~19 GB/s instead of ~31, and decode attention at 4096 keys took 1.33 ms a layer instead of 0.72. */
-#if defined(__AVX512F__)
+#if defined(KVBENCH_VN)
+#define VN KVBENCH_VN /* 8 or 16, set by KVBENCH_CPU_KERNEL_VECTOR (cpu_kernels.py) */
+#elif defined(__AVX512F__)
 #define VN 16
 #else
 #define VN 8

@@ -74,3 +74,6 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
         }
     }
 }
+
+/* floats per vector the kernels were built for (VN) */
+int vector_width(void) { return VN; }
