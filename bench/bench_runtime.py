@@ -42,9 +42,9 @@ TARGETS = {  # issue #14: what `make bench` must show
 
 def measure_copy_bandwidth(nbytes: int = 512 * 1024**2, repeats: int = 5) -> float:
     """Read+write bytes per second of a large tensor copy (the practical DRAM bandwidth). The source is random data,
-    so no page merging or compression on the host can serve it faster than memory. On the 2-core dev VM this figure
-    is bimodal over time (about 43 or about 72 GB/s, even within one bench run), while a decode step's weight reads
-    stay near 40 GB/s; read the fraction beside the copy bandwidth printed with it."""
+    so no page merging or compression on the host can serve it faster than memory. On one 2-core dev VM this figure
+    was bimodal over time (about 43 or about 72 GB/s, even within one bench run); read the fraction beside the copy
+    bandwidth printed with it."""
     a = torch.rand(nbytes // 4)
     b = torch.empty_like(a)
     best = float("inf")
@@ -224,8 +224,10 @@ def main() -> None:
     res: dict[str, float] = {}
 
     bw = measure_copy_bandwidth()
+    from kvbench.runtime import cpu_kernels
+
     print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads} (short OpenMP waits: {policy_in_effect()})  "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s  "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s  kernel vector width {cpu_kernels.vector_width()}  "
           f"attention {engine.attention_backend}  projections {model.lm_head.backend}")
 
     p2048 = random_prompt(2048, vocab, 1)
