@@ -212,6 +212,7 @@ def main() -> None:
 
     args.threads = configure_threads(args.threads)
 
+    from kvbench.runtime import cpu_kernels
     from kvbench.runtime.engine import Engine
     from kvbench.runtime.loading import load_model
 
@@ -224,8 +225,6 @@ def main() -> None:
     res: dict[str, float] = {}
 
     bw = measure_copy_bandwidth()
-    from kvbench.runtime import cpu_kernels
-
     print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads} (short OpenMP waits: {policy_in_effect()})  "
           f"copy bandwidth {bw / 1e9:.1f} GB/s  kernel vector width {cpu_kernels.vector_width()}  "
           f"attention {engine.attention_backend}  projections {model.lm_head.backend}")
