@@ -1,37 +1,64 @@
 """`kvbench-compare BASE NEW` (also `python -m kvbench.compare`): a regression gate between two sets of runs.
 
-    kvbench-compare results_main results_pr                       # two results folders
+    kvbench-compare results_main results_pr                            # two results folders
     kvbench-compare results --base-commit 1a2b3c --new-commit 4d5e6f   # two commits logged in one folder
-    kvbench-compare BASE NEW --json verdict.json --max-slowdown 0.2 --max-drop 0.5
+    kvbench-compare BASE NEW --json verdict.json --gate-speed --max-slowdown 0.3
 
 Runs are paired by the hash of their result-determining config without the code version
 (kvbench.reporting.runs.pair_key); runs left over are paired on the config keys both sides know (a newer version
-that adds a setting with its default still pairs; the keys ignored are listed). For each pair:
-- a score (ppl, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) regresses when it is worse than the
-  base by more than its tolerance: the half-width (on the bad side) of the bootstrap 95% interval of the base's score
-  over its per-sample scores in samples.jsonl, or --max-drop (in the metric's unit) if that is larger; without
-  per-sample scores the tolerance is --max-drop (default 0: any drop);
-- a speed (decode/prefill/output tokens per second) regresses when it falls by more than --max-slowdown (10%);
-- peak_kv_bytes regresses when it grows;
-- a run that finished in BASE and failed in NEW regresses.
-Prints a Markdown table, writes the same as JSON with --json, lists runs present on one side only, and exits 1 on
-any regression (0 otherwise; 2 on bad input).
+that adds a setting with its default still pairs; the keys ignored are listed). For each pair, every metric BASE
+has a number for is compared:
+- a score (ppl, nll, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) regresses when it is worse than
+  BASE by more than its tolerance, the largest of: the half-width (on the bad side) of the bootstrap 95% interval of
+  BASE's score over its samples.jsonl (per-sample scores; perplexity: the documents' windows of 64 tokens, so one
+  document has an interval too); --rel-tol x |base| (default 1e-4 relative: float noise between two machines or
+  thread counts, never a real change); --max-drop (in the metric's unit, default 0). A score that is missing, null,
+  NaN or inf in NEW where BASE had a number is a regression.
+- a speed (prefill/decode/output/total tokens per second, requests per second; ttft_s, tpot_s, e2e_s and their
+  percentiles) is shown with its change in % and NOT gated by default: a loss of more than --max-slowdown of the
+  speed prints a warning line. With --gate-speed it is a regression. The loss is one scale for rates and latencies
+  (0.5 = half the tokens per second, or twice the latency). The default --max-slowdown is 0.5 because single-shot
+  timings on a shared machine move that far on their own: two runs of one commit on a shared 2-core machine
+  differed by 18% (194.6 vs 160.0 prefill tok/s), and one competing busy process can take one of the two cores (a
+  2x swing on a run using both); only a slowdown beyond that is a signal there. On a dedicated machine use
+  --gate-speed --max-slowdown 0.1.
+- peak_kv_bytes regresses when it grows (a warning only for throughput traces with timed arrivals, whose batches
+  depend on the clock); failed_requests regresses when it grows.
+- a run that failed in NEW regresses (also one present in NEW only), and so does every NEW run folder whose
+  metrics.json or config.yaml cannot be read (truncated, not UTF-8, not a mapping), named with its folder.
+Runs present on one side only are listed. Nothing paired, or an empty or missing NEW, is bad input: one line,
+exit 2, never PASS. Prints the verdict as Markdown (every metric compared, per run: base, new, change, tolerance and
+its source, verdict), writes the same as JSON with --json, and exits 1 on any regression, 0 otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvbench.errors import UserError, exit_with
 from kvbench.reporting import stats
-from kvbench.reporting.runs import describe, load_runs, pair_key, result_keys, samples_of, setting_of, varying_keys
+from kvbench.reporting.runs import (corrupt_runs, describe, load_runs, pair_key, result_keys, samples_of,
+                                    setting_of, varying_keys)
+
+DEFAULT_REL_TOL = 1e-4
+DEFAULT_MAX_SLOWDOWN = 0.5
 
 
-def select_runs(folder: str, commit: Optional[str] = None) -> dict[str, dict]:
+@dataclass
+class Limits:
+    """How far NEW may move from BASE before it is a regression (see the module docstring)."""
+    rel_tol: float = DEFAULT_REL_TOL
+    max_drop: float = 0.0
+    max_slowdown: float = DEFAULT_MAX_SLOWDOWN
+    gate_speed: bool = False
+
+
+def select_runs(folder: str, commit: Optional[str] = None, skip: frozenset = frozenset()) -> dict[str, dict]:
     """Runs of a folder keyed by pair key: the latest attempt of each run folder, or, for a commit (prefix), the
-    last attempt of each run logged in runs.jsonl at that commit."""
+    last attempt of each run logged in runs.jsonl at that commit. Run folders named in `skip` are left out."""
     if not os.path.isdir(folder):
         raise UserError(f"no results folder {folder!r}")
     if commit is None:
@@ -44,7 +71,8 @@ def select_runs(folder: str, commit: Optional[str] = None) -> dict[str, dict]:
             raise UserError(f"no runs of commit {commit!r} in {folder}: commits there are {', '.join(commits) or '(none)'}")
     out: dict[str, dict] = {}
     for run in runs:  # a later attempt of the same setting replaces an earlier one
-        out[pair_key(run)] = run
+        if os.path.basename(run["run_dir"]) not in skip:
+            out[pair_key(run)] = run
     return out
 
 
@@ -54,74 +82,153 @@ def _number(value: Any) -> Optional[float]:
     return float(value)
 
 
-def score_tolerance(name: str, base_run: dict, base_value: float, max_drop: float) -> tuple[float, str]:
-    """How far a score may move the wrong way: max(bootstrap 95% half-width on the bad side, max_drop)."""
+def _why_not_a_number(metrics: dict, key: str) -> str:
+    """Why NEW has no number for key: missing, null, NaN, inf (from `nonfinite_metrics`), or another value."""
+    nonfinite = metrics.get("nonfinite_metrics") or {}
+    value = metrics.get(key)
+    if isinstance(nonfinite, dict) and key in nonfinite:
+        return {"nan": "NaN"}.get(str(nonfinite[key]), str(nonfinite[key]))
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else str(value)
+    if key not in metrics:
+        return "missing"
+    if value is None:
+        return "null"
+    return f"not a number ({value!r})"
+
+
+def _timed_arrivals(run: dict) -> bool:
+    """A throughput trace with Poisson arrivals on the wall clock: its batches (and peak memory) depend on timing."""
+    rate = run["cfg"].get("task.request_rate")
+    return run["cfg"].get("task.name") == "throughput" and isinstance(rate, (int, float)) and math.isfinite(rate)
+
+
+def metric_kind(name: str) -> Optional[str]:
+    """score | speed | memory | failures, or None for a metric kvbench-compare does not judge."""
+    if stats.is_score(name):
+        return "score"
+    if stats.is_speed(name):
+        return "speed"
+    if name in stats.MEMORY:
+        return "memory"
+    if name in stats.FAILURE_COUNTS:
+        return "failures"
+    return None
+
+
+def score_tolerance(name: str, base_run: dict, base_value: float, limits: Limits) -> tuple[float, str]:
+    """How far a score may move the wrong way, and where that figure comes from: the largest of the bootstrap 95%
+    half-width on the bad side (over BASE's samples), rel_tol x |base| and max_drop."""
+    options = [(limits.rel_tol * abs(base_value), f"relative {limits.rel_tol:g}")]
+    if limits.max_drop > 0:
+        options.append((limits.max_drop, "--max-drop"))
     samples = samples_of(base_run)
     if samples:
         fn = stats.statistic(name, samples, base_value)
         n = stats.sample_count(name, samples)
         if fn is not None and n >= 2:
             lo, hi = stats.bootstrap_interval(fn, n)
-            width = (hi - base_value) if stats.lower_is_better(name) else (base_value - lo)
-            width = max(width, 0.0)
-            if width >= max_drop:
-                return width, f"bootstrap 95% over {n} samples"
-    return max_drop, "max-drop"
+            width = max((hi - base_value) if stats.lower_is_better(name) else (base_value - lo), 0.0)
+            options.append((width, f"bootstrap 95% over {n} {stats.sample_unit(name, samples)}"))
+    return max(options, key=lambda o: o[0])
 
 
-def compare_pair(base: dict, new: dict, *, max_drop: float, max_slowdown: float,
-                 name: Optional[str] = None) -> list[dict]:
-    """One row per compared metric of a paired run: base, new, change, tolerance, verdict (ok|regression|better)."""
+def _row(name: str, base: dict, new: Optional[dict], metric: str, kind: str, **fields: Any) -> dict:
+    row = {"run": name, "metric": metric, "kind": kind, "base": None, "new": None, "change": None,
+           "change_pct": None, "tolerance": None, "source": "", "verdict": "ok", "note": "",
+           "base_run": base["run_dir"] if base else None, "new_run": new["run_dir"] if new else None}
+    row.update(fields)
+    return row
+
+
+def _judge_metric(name: str, base: dict, new: dict, key: str, b: float, limits: Limits) -> Optional[dict]:
+    kind = metric_kind(key)
+    if kind is None:
+        return None
+    nm = new["metrics"]
+    n = _number(nm.get(key))
+    gated = kind != "speed" or limits.gate_speed
+    if kind == "memory" and _timed_arrivals(base):
+        gated = False
+    if n is None:
+        why = _why_not_a_number(nm, key)
+        return _row(name, base, new, key, kind, base=b, new=why, source="BASE had a number",
+                    verdict="regression" if gated else "warning", note=f"{key} is {why} in NEW")
+    pct = (n - b) / abs(b) * 100.0 if b != 0 else None
+    if kind == "score":
+        tol, source = score_tolerance(key, base, b, limits)
+        worse = (n - b) if stats.lower_is_better(key) else (b - n)
+        verdict = "regression" if worse > tol else ("better" if worse < -tol else "ok")
+        return _row(name, base, new, key, kind, base=b, new=n, change=n - b, change_pct=pct, tolerance=tol,
+                    source=source, verdict=verdict)
+    if kind == "speed":
+        loss = stats.speed_loss(key, b, n)
+        if loss is None:
+            return None
+        over = loss > limits.max_slowdown
+        verdict = ("regression" if gated else "warning") if over else \
+            ("better" if loss < -limits.max_slowdown else "ok")
+        source = "--max-slowdown" + ("" if gated else " (not gated: a warning)")
+        return _row(name, base, new, key, kind, base=b, new=n, change=n - b, change_pct=pct,
+                    tolerance=limits.max_slowdown, source=source, verdict=verdict,
+                    note=f"{loss:.0%} slower" if loss > 0 else "")
+    # memory, failures: must not grow
+    verdict = ("regression" if gated else "warning") if n > b else ("better" if n < b else "ok")
+    source = "must not grow" + ("" if gated else " (timed arrivals: a warning)")
+    return _row(name, base, new, key, kind, base=b, new=n, change=n - b, change_pct=pct, tolerance=0.0,
+                source=source, verdict=verdict)
+
+
+def compare_pair(base: dict, new: dict, limits: Optional[Limits] = None, name: Optional[str] = None) -> list[dict]:
+    """One row per compared metric of a paired run (see _row): verdict ok | better | warning | regression."""
+    limits = limits or Limits()
     bm, nm = base["metrics"], new["metrics"]
     name = name or describe(new)
-    rows: list[dict] = []
-    if bm.get("status") == "ok" and nm.get("status") != "ok":
-        return [{"run": name, "metric": "status", "base": "ok", "new": nm.get("status"), "change": None,
-                 "tolerance": None, "rule": str(nm.get("error") or ""), "verdict": "regression",
-                 "base_run": base["run_dir"], "new_run": new["run_dir"]}]
+    if nm.get("status") != "ok":
+        return [_row(name, base, new, "status", "status", base=bm.get("status"), new=nm.get("status"),
+                     source="a failed run in NEW", verdict="regression",
+                     note=f"failed in NEW: {nm.get('error') or 'no error recorded'}")]
     if bm.get("status") != "ok":
-        return rows
+        return [_row(name, base, new, "status", "status", base=bm.get("status"), new="ok",
+                     source="failed in BASE: its metrics are not compared", verdict="better")]
+    rows = []
     for key, bval in bm.items():
-        b, n = _number(bval), _number(nm.get(key))
-        if b is None or n is None:
-            continue
-        if stats.is_score(key):
-            tol, rule = score_tolerance(key, base, b, max_drop)
-            worse = (n - b) if stats.lower_is_better(key) else (b - n)
-            verdict = "regression" if worse > tol + 1e-12 * max(1.0, abs(b)) else \
-                ("better" if worse < -tol - 1e-12 * max(1.0, abs(b)) else "ok")
-        elif key in stats.SPEED:
-            if b <= 0:
-                continue
-            tol, rule = max_slowdown, f"slowdown <= {max_slowdown:.0%}"
-            worse = (b - n) / b
-            verdict = "regression" if worse > max_slowdown else ("better" if worse < -max_slowdown else "ok")
-        elif key in stats.MEMORY:
-            tol, rule = 0.0, "must not grow"
-            worse = n - b
-            verdict = "regression" if n > b else ("better" if n < b else "ok")
-        else:
-            continue
-        rows.append({"run": name, "metric": key, "base": b, "new": n, "change": n - b, "tolerance": tol,
-                     "rule": rule, "verdict": verdict, "base_run": base["run_dir"], "new_run": new["run_dir"]})
+        b = _number(bval)
+        if b is not None:
+            row = _judge_metric(name, base, new, key, b, limits)
+            if row is not None:
+                rows.append(row)
     return rows
 
 
-def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], *, max_drop: float = 0.0,
-            max_slowdown: float = 0.10) -> dict:
-    """The verdict as a JSON-ready dict: rows, regressions, runs only in base / only in new, ok."""
+def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optional[Limits] = None, *,
+            corrupt_new: list[tuple[str, str]] = (), corrupt_base: list[tuple[str, str]] = ()) -> dict:
+    """The verdict as a JSON-ready dict: rows (every metric compared), regressions, warnings, the runs only in
+    BASE / only in NEW, the corrupt run folders of each side, pairs, ok."""
+    limits = limits or Limits()
     base_runs, new_runs, ignored = pair_on_shared_keys(base_runs, new_runs)
     keys = [k for k in varying_keys(list(base_runs.values()) + list(new_runs.values())) if k not in ignored]
     names = {k: setting_of(r, keys) for runs in (base_runs, new_runs) for k, r in runs.items()}
+    paired = sorted(set(base_runs) & set(new_runs), key=lambda k: names[k])
     rows: list[dict] = []
-    for key in sorted(set(base_runs) & set(new_runs), key=lambda k: names[k]):
-        rows.extend(compare_pair(base_runs[key], new_runs[key], max_drop=max_drop, max_slowdown=max_slowdown,
-                                 name=names[key]))
+    for key in paired:
+        rows.extend(compare_pair(base_runs[key], new_runs[key], limits, name=names[key]))
+    for key in sorted(set(new_runs) - set(base_runs), key=lambda k: names[k]):
+        run = new_runs[key]
+        if run["metrics"].get("status") != "ok":
+            rows.append(_row(names[key], {}, run, "status", "status", new=run["metrics"].get("status"),
+                             source="a failed run in NEW (not in BASE)", verdict="regression",
+                             note=f"failed in NEW: {run['metrics'].get('error') or 'no error recorded'}"))
+    for folder, reason in corrupt_new:
+        rows.append(_row(f"NEW run folder {folder}", {}, None, "run folder", "corrupt", new=reason,
+                         source="corrupt files in NEW", verdict="regression", note=reason))
     only = {side: sorted(names[k] + f" ({os.path.basename(runs[k]['run_dir'])})" for k in set(runs) - set(other))
             for side, runs, other in (("only_base", base_runs, new_runs), ("only_new", new_runs, base_runs))}
     regressions = [r for r in rows if r["verdict"] == "regression"]
-    return {"ok": not regressions, "pairs": len(set(base_runs) & set(new_runs)), "regressions": regressions,
-            "rows": rows, "ignored_keys": ignored, **only}
+    return {"ok": not regressions, "pairs": len(paired), "regressions": regressions,
+            "warnings": [r for r in rows if r["verdict"] == "warning"], "rows": rows, "ignored_keys": ignored,
+            "corrupt_new": [list(c) for c in corrupt_new], "corrupt_base": [list(c) for c in corrupt_base],
+            "limits": vars(limits), **only}
 
 
 def pair_on_shared_keys(base_runs: dict[str, dict], new_runs: dict[str, dict]) -> tuple[dict, dict, list[str]]:
@@ -148,28 +255,89 @@ def pair_on_shared_keys(base_runs: dict[str, dict], new_runs: dict[str, dict]) -
     return base_out, new_out, ignored
 
 
+def differing_settings(base_runs: dict[str, dict], new_runs: dict[str, dict], limit: int = 3) -> list[str]:
+    """The config keys whose values differ between the two sides, as "key: base values vs new values"."""
+    out = []
+    for key in varying_keys(list(base_runs.values()) + list(new_runs.values())):
+        vb = sorted({repr(r["cfg"].get(key)) for r in base_runs.values()})
+        vn = sorted({repr(r["cfg"].get(key)) for r in new_runs.values()})
+        if vb != vn:
+            out.append(f"{key} {'/'.join(vb)} vs {'/'.join(vn)}")
+    return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
+
+
+# --------------------------------------------------------------------------- Markdown
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        if abs(value) >= 1e5:
-            return f"{value:.4g}"
-        return f"{value:.4g}" if abs(value) < 1 else f"{value:.2f}"
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e9):
+            return f"{value:.3e}"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}" if value.is_integer() else f"{value:,.1f}"
+        return f"{value:.5g}"
     return str(value)
 
 
+def _change(row: dict) -> str:
+    if row["change"] is None:
+        return ""
+    pct = "" if row["change_pct"] is None else f"{row['change_pct']:+.2f}%"
+    if row["kind"] == "speed":
+        return pct
+    return f"{row['change']:+.4g}" + (f" ({pct})" if pct else "")
+
+
+def _tolerance(row: dict) -> str:
+    if row["tolerance"] is None:
+        return ""
+    if row["kind"] == "speed":
+        return f"{row['tolerance']:.0%} slowdown"
+    return _fmt(float(row["tolerance"]))
+
+
+def _line(row: dict) -> str:
+    """One line naming a regression or warning: the run, the metric, what happened."""
+    if row["kind"] in ("status", "corrupt") or isinstance(row["new"], str):
+        what = row["note"]
+    elif row["kind"] == "speed":
+        what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}, {row['note']}; " \
+               f"limit {row['tolerance']:.0%} slowdown)"
+    else:
+        what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}; tolerance " \
+               f"{_tolerance(row)}, {row['source']})"
+    return f"{row['run']}: {what}"
+
+
+VERDICT_MARK = {"regression": "REGRESSION", "warning": "warning", "better": "better", "ok": "ok"}
+
+
 def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
+    regs, warns = verdict["regressions"], verdict["warnings"]
     lines = [f"## kvbench-compare: {base_label} -> {new_label}", "",
-             f"{verdict['pairs']} paired runs, {len(verdict['regressions'])} regressions: "
+             f"{verdict['pairs']} paired runs, {len(regs)} regressions, {len(warns)} warnings: "
              + ("**PASS**" if verdict["ok"] else "**FAIL**"), ""]
-    if verdict["rows"]:
-        lines += ["| run | metric | base | new | change | tolerance | rule | verdict |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
-        order = {"regression": 0, "better": 1, "ok": 2}
-        for r in sorted(verdict["rows"], key=lambda r: order.get(r["verdict"], 3)):
-            mark = {"regression": "REGRESSION", "better": "better", "ok": "ok"}.get(r["verdict"], r["verdict"])
-            lines.append(f"| {r['run']} | {r['metric']} | {_fmt(r['base'])} | {_fmt(r['new'])} | "
-                         f"{_fmt(r['change'])} | {_fmt(r['tolerance'])} | {r['rule']} | {mark} |")
+    lines += [f"- REGRESSION: {_line(r)}" for r in regs]
+    lines += [f"- warning: {_line(r)}" for r in warns]
+    lines += [f"- warning: BASE run folder {name} is corrupt ({reason}): not compared"
+              for name, reason in verdict.get("corrupt_base", [])]
+    if any(r["verdict"] == "warning" and r["kind"] == "speed" for r in warns):
+        lines.append("- speeds are not gated (single-shot timings on a shared machine); --gate-speed gates them")
+    lim = verdict.get("limits") or {}
+    if lim:
+        lines += ["", f"Limits: scores relative {lim['rel_tol']:g}, --max-drop {lim['max_drop']:g}, or the "
+                      f"bootstrap 95% interval of BASE when wider; speeds {lim['max_slowdown']:.0%} slowdown "
+                      + ("(gated)" if lim["gate_speed"] else "(warning only)") + "."]
+    by_run: dict[str, list[dict]] = {}
+    for r in verdict["rows"]:
+        by_run.setdefault(r["run"], []).append(r)
+    for run, rows in by_run.items():
+        lines += ["", f"### {run}", "", "| metric | base | new | change | tolerance | source | verdict |",
+                  "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+        for r in rows:
+            new = r["new"] if not isinstance(r["new"], str) or r["kind"] != "corrupt" else "corrupt"
+            lines.append(f"| {r['metric']} | {_fmt(r['base'])} | {_fmt(new)} | {_change(r)} | {_tolerance(r)} | "
+                         f"{r['source']} | {VERDICT_MARK.get(r['verdict'], r['verdict'])} |")
     if verdict.get("ignored_keys"):
         lines += ["", "Paired without the config keys that only one side has: "
                   + ", ".join(f"`{k}`" for k in verdict["ignored_keys"])]
@@ -179,19 +347,35 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- CLI
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvbench-compare", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="kvbench-compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", help="results folder of the base runs")
     p.add_argument("new", nargs="?", help="results folder of the new runs (default: BASE, with --new-commit)")
     p.add_argument("--base-commit", help="only BASE's runs logged at this git commit (prefix)")
     p.add_argument("--new-commit", help="only NEW's runs logged at this git commit (prefix)")
+    p.add_argument("--rel-tol", type=float, default=DEFAULT_REL_TOL,
+                   help=f"tolerated relative move of a score without a wider bootstrap interval (default "
+                        f"{DEFAULT_REL_TOL:g}: float noise)")
     p.add_argument("--max-drop", type=float, default=0.0,
-                   help="smallest tolerated drop of a score, in its unit (default 0; the bootstrap interval applies "
-                        "when it is larger)")
-    p.add_argument("--max-slowdown", type=float, default=0.10, help="tolerated fall in tok/s (default 0.10 = 10%%)")
+                   help="tolerated move of a score the wrong way, in its unit (default 0; the bootstrap interval "
+                        "and --rel-tol apply when larger)")
+    p.add_argument("--gate-speed", action="store_true",
+                   help="a slowdown beyond --max-slowdown is a regression (default: a warning)")
+    p.add_argument("--max-slowdown", type=float, default=DEFAULT_MAX_SLOWDOWN,
+                   help=f"tolerated loss of speed as a fraction (default {DEFAULT_MAX_SLOWDOWN} = "
+                        f"{DEFAULT_MAX_SLOWDOWN * 100:.0f}%%: half the tokens per second or twice the latency)")
     p.add_argument("--json", metavar="PATH", help="write the verdict as JSON")
     return p.parse_args(argv)
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    for name, value, upper in (("--rel-tol", args.rel_tol, None), ("--max-drop", args.max_drop, None),
+                               ("--max-slowdown", args.max_slowdown, 1.0)):
+        if not math.isfinite(value) or value < 0 or (upper is not None and value >= upper):
+            bound = f"a number >= 0 and < {upper:g}" if upper is not None else "a number >= 0"
+            raise UserError(f"invalid {name}={value!r}: expected {bound}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -199,12 +383,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     new_folder = args.new or args.base
     if args.new is None and not (args.base_commit and args.new_commit):
         raise UserError("give two results folders (BASE NEW), or one folder with --base-commit and --new-commit")
-    for name, value in (("--max-drop", args.max_drop), ("--max-slowdown", args.max_slowdown)):
-        if not math.isfinite(value) or value < 0:
-            raise UserError(f"invalid {name}={value!r}: expected a number >= 0")
-    base = select_runs(args.base, args.base_commit)
-    new = select_runs(new_folder, args.new_commit)
-    verdict = compare(base, new, max_drop=args.max_drop, max_slowdown=args.max_slowdown)
+    _check_limits(args)
+    if not os.path.isdir(new_folder):
+        raise UserError(f"no results folder {new_folder!r} (NEW)")
+    corrupt_base = corrupt_runs(args.base)
+    corrupt_new = corrupt_runs(new_folder)
+    base = select_runs(args.base, args.base_commit, frozenset(name for name, _ in corrupt_base))
+    new = select_runs(new_folder, args.new_commit, frozenset(name for name, _ in corrupt_new))
+    if not base:
+        raise UserError(f"no runs in BASE {args.base!r} (run folders with a readable metrics.json)")
+    if not new and not corrupt_new:
+        raise UserError(f"no runs in NEW {new_folder!r} (run folders with a metrics.json): nothing to compare")
+    limits = Limits(args.rel_tol, args.max_drop, args.max_slowdown, args.gate_speed)
+    verdict = compare(base, new, limits, corrupt_new=corrupt_new, corrupt_base=corrupt_base)
+    if verdict["pairs"] == 0 and verdict["ok"]:
+        differ = differing_settings(base, new)
+        raise UserError(f"nothing paired: none of the {len(new)} runs in NEW has the setting of one of the "
+                        f"{len(base)} runs in BASE" + (f" (differing: {'; '.join(differ)})" if differ else ""))
     label = (lambda folder, commit: folder + (f"@{commit}" if commit else ""))
     print(to_markdown(verdict, label(args.base, args.base_commit), label(new_folder, args.new_commit)), end="")
     if args.json:

@@ -281,9 +281,14 @@ def finished_metrics(run_dir: str) -> Optional[dict]:
 
 
 def complete_record(record: dict) -> dict:
-    """Put every required field into the record (null when unknown), required fields first."""
+    """Put every required field into the record (null when unknown), required fields first. JSON has no NaN/inf,
+    so they are written as null and named in `nonfinite_metrics` ({"ppl": "inf", "nll": "nan"}): a null that
+    stands for NaN or inf is not mistaken for a metric that was never measured."""
     out = {k: record.get(k) for k in REQUIRED_FIELDS}
     out.update({k: v for k, v in record.items() if k not in out})
+    nonfinite = {k: str(v) for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)}
+    if nonfinite:
+        out["nonfinite_metrics"] = {**(out.get("nonfinite_metrics") or {}), **nonfinite}
     return out
 
 

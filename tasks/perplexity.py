@@ -15,6 +15,9 @@ A stream is tokenized as a whole (with the tokenizer's default special tokens) a
 `max_tokens`; a document corpus scores the first `max_tokens` tokens of each document. `num_documents` windows or
 documents are scored (null: all). Metrics: ppl and nll (per token, over all scored tokens), num_tokens, and
 ppl_pos_<lo>_<hi> per position bucket of width `bucket_size` (position of the predicted token in its document).
+Each sample (one per document) also records `window_nll_sum` and `window_tokens`: the NLL sum and token count of
+its consecutive windows of WINDOW_TOKENS predicted tokens (the last one shorter), so kvbench-compare can bootstrap
+the ppl of a single document over its windows.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
 STREAM_CORPORA = ("pg_essays", "wikitext", "text_file")
 _CHARS_PER_TOKEN_BOUND = 12  # a prefix of this many chars per token is enough for any English text
 _MARGIN_TOKENS = 8  # tokens dropped at the end of a prefix (they may merge differently with the rest)
+WINDOW_TOKENS = 64  # predicted tokens per bootstrap window in the samples (64 windows in a 4,096-token document)
 
 
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -147,6 +151,13 @@ def _bucket_key(lo: int, hi: int) -> str:
     return f"ppl_pos_{lo}_{hi}"
 
 
+def window_sums(nll: Any, size: int = WINDOW_TOKENS) -> tuple[list[float], list[int]]:
+    """NLL sums and token counts of consecutive windows of `size` tokens of nll: [T] (the last window shorter)."""
+    sums = [float(nll[a:a + size].sum()) for a in range(0, nll.numel(), size)]
+    counts = [min(size, nll.numel() - a) for a in range(0, nll.numel(), size)]
+    return sums, counts
+
+
 def _ppl(nll_sum: float, count: int) -> Optional[float]:
     if count == 0:
         return None
@@ -204,10 +215,11 @@ class Perplexity(Task):
                 doc_sum = float(nll.sum())
                 total_nll += doc_sum
                 total_n += nll.numel()
+                win_sums, win_tokens = window_sums(nll)
                 samples.append({
                     "id": doc_id, "dataset": opts.corpus, "prompt": None, "prediction": None, "references": [],
                     "num_tokens": int(nll.numel()), "nll": doc_sum / nll.numel(), "ppl": _ppl(doc_sum, nll.numel()),
-                    **doc_buckets,
+                    **doc_buckets, "window_nll_sum": win_sums, "window_tokens": win_tokens,
                 })
         finally:
             bar.close()

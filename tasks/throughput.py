@@ -11,7 +11,8 @@ Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s, tota
 over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
 output token after the first), e2e_s_p50/_p99, mean_running_seqs (time-weighted over steps), max_running_seqs,
 preemptions, failed_requests, peak_kv_bytes and kv_pool_bytes (measured from the pool). The run folder gets
-timeline.csv (one row per step) and timeline.png (running sequences and pool use over time).
+timeline.csv (one row per step) and timeline.png (running sequences and pool use over time). A trace in which
+every request failed measured nothing: the run fails (status "failed") with the first request's error.
 """
 from __future__ import annotations
 
@@ -204,6 +205,9 @@ class ThroughputTask(Task):
         finally:
             bar.close()
         metrics = serving_metrics(outcome)
+        if reqs and metrics["failed_requests"] == len(reqs):
+            first = next((r.error for r in reqs if r.error), None) or "no error recorded"
+            raise RuntimeError(f"all {len(reqs)} requests failed: {first}")
         metrics.update(write_timeline(outcome, getattr(self, "output_dir", None), engine.cache.capacity_blocks()))
         mem = engine.memory_stats()
         metrics["kv_pool_bytes"] = mem["kv_pool_bytes"]

@@ -38,6 +38,70 @@ def read_config(run_dir: str) -> dict:
         return {}
 
 
+def _metrics_problem(path: str) -> Optional[str]:
+    """Why a metrics.json cannot be read as a run's record, or None when it can."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        return f"metrics.json cannot be read: {exc.strerror or exc}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "metrics.json is not valid UTF-8"
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return f"metrics.json is not valid JSON (truncated?): {exc}"
+    if not isinstance(data, dict):
+        return f"metrics.json holds a {type(data).__name__}, not a mapping"
+    if not data.get("run_id"):
+        return "metrics.json has no run_id"
+    return None
+
+
+def _config_problem(path: str) -> Optional[str]:
+    """Why a config.yaml cannot be read as a run's config, or None when it can."""
+    if not os.path.isfile(path):
+        return "config.yaml is missing"
+    try:
+        with open(path, "rb") as f:
+            f.read().decode("utf-8")
+    except OSError as exc:
+        return f"config.yaml cannot be read: {exc.strerror or exc}"
+    except UnicodeDecodeError:
+        return "config.yaml is not valid UTF-8"
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as exc:
+        return f"config.yaml is not valid YAML: {' '.join(str(exc).split())[:120]}"
+    if not isinstance(cfg, dict):
+        return f"config.yaml holds a {type(cfg).__name__}, not a mapping"
+    return None
+
+
+def corrupt_runs(results_dir: str) -> list[tuple[str, str]]:
+    """(folder name, one-line reason) of every run folder of results_dir whose metrics.json or config.yaml cannot
+    be read: not UTF-8, not JSON/YAML (e.g. truncated), not a mapping, metrics without a run_id, config missing.
+    Only folders with a metrics.json count (a folder without one holds a run that has not finished)."""
+    out = []
+    try:
+        names = sorted(os.listdir(results_dir))
+    except OSError:
+        return []
+    for name in names:
+        folder = os.path.join(results_dir, name)
+        if name.startswith(".") or not os.path.isfile(os.path.join(folder, METRICS_FILE)):
+            continue
+        reason = _metrics_problem(os.path.join(folder, METRICS_FILE)) or \
+            _config_problem(os.path.join(folder, CONFIG_FILE))
+        if reason is not None:
+            out.append((name, reason))
+    return out
+
+
 def flatten(data: Any, prefix: str = "") -> dict:
     """{"method": {"sinks": 4}} -> {"method.sinks": 4}; lists are kept as values."""
     out: dict = {}

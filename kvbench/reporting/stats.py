@@ -1,13 +1,19 @@
 """Which metrics are scores, which way is better, and their bootstrap intervals over per-sample scores.
 
 Per-sample fields written by the tasks (samples.jsonl):
-- perplexity: `nll` (mean per token of the document) and `num_tokens` -> ppl = exp(token-weighted mean nll)
+- perplexity: `nll` (mean per token of the document) and `num_tokens` -> ppl = exp(token-weighted mean nll); and
+  `window_nll_sum` / `window_tokens`, the NLL sums and token counts of the document's consecutive windows
+  (tasks/perplexity.py WINDOW_TOKENS): the units resampled, so one document's ppl has an interval too
 - needle: `score` (0/1) -> accuracy = mean
 - longbench: `score` per sample (0-1) and `dataset` -> score_<ds> = 100 x mean; score = mean over datasets
 - summarization / govreport: `rouge_l`, `rouge1`, ... per sample (0-1) -> metric = 100 x mean
 
 `statistic(name, samples)` recomputes a metric from samples in the metric's own unit (a scale factor found from
-the recorded value absorbs the x100); `bootstrap_interval` resamples the samples (with replacement, fixed seed).
+the recorded value absorbs the x100); `bootstrap_interval` resamples the samples (with replacement, fixed seed);
+`sample_count` / `sample_unit` say how many units are resampled and what they are (samples, or perplexity windows).
+
+Speeds (`is_speed`): rates (tokens or requests per second) and latencies (ttft_s, tpot_s, e2e_s and their
+percentiles); `speed_loss` is the fraction of speed lost, one scale for both (0.5 = half the rate, twice the time).
 """
 from __future__ import annotations
 
@@ -20,8 +26,12 @@ import numpy as np
 LOWER_IS_BETTER = re.compile(r"^(ppl|nll)(_.*)?$|^ttft_s$")
 SCORE = re.compile(r"^(ppl|nll|accuracy|score|score_[A-Za-z0-9_.-]+|rouge\w*|acc|acc_norm|exact_match|f1|em)$"
                    r"|^[\w.-]+/(acc|acc_norm|exact_match|f1|em|bleu|rouge\w*)(,[\w-]+)?$")
-SPEED = ("decode_tokens_per_s", "prefill_tokens_per_s", "output_tokens_per_s", "requests_per_s")
+SPEED = ("decode_tokens_per_s", "prefill_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s",
+         "requests_per_s")
+LATENCY = re.compile(r"^(ttft_s|tpot_s|e2e_s)(_p\d+)?$")
 MEMORY = ("peak_kv_bytes",)
+# Counts of failures that must not grow.
+FAILURE_COUNTS = ("failed_requests",)
 # The headline metric of each task, when an experiment's paper block names none the run has.
 PRIMARY = {"perplexity": "ppl", "needle": "accuracy", "longbench": "score", "longbench_e": "score",
            "summarization": "rouge_l", "govreport": "rouge_l", "throughput": "output_tokens_per_s"}
@@ -40,6 +50,19 @@ def _is_dataset_score(name: str) -> bool:
     return name.startswith("score_") and not re.search(r"_(0-4k|4-8k|8k\+)$", name)
 
 
+def is_speed(name: str) -> bool:
+    """A rate (higher is faster) or a latency (lower is faster)."""
+    return name in SPEED or bool(LATENCY.match(name))
+
+
+def speed_loss(name: str, base: float, new: float) -> Optional[float]:
+    """The fraction of speed lost from base to new (negative: faster): 1 - new/base for a rate, 1 - base/new for a
+    latency; None when a value is not positive (no speed to compare)."""
+    if base <= 0 or new <= 0:
+        return None
+    return 1.0 - new / base if name in SPEED else 1.0 - base / new
+
+
 def primary_metric(task: Optional[str], metrics: dict) -> Optional[str]:
     """The task's headline metric (PRIMARY), else the first score-like key with a number."""
     name = PRIMARY.get(str(task))
@@ -54,14 +77,13 @@ def primary_metric(task: Optional[str], metrics: dict) -> Optional[str]:
 def _raw_statistic(name: str, samples: Sequence[dict]) -> Optional[Callable[[np.ndarray], float]]:
     """A function of sample indices that recomputes `name` from `samples` (up to a constant factor), or None."""
     if name in ("ppl", "nll"):
-        rows = [(s.get("nll"), s.get("num_tokens")) for s in samples]
-        if not rows or any(not isinstance(v, (int, float)) or not isinstance(n, (int, float)) for v, n in rows):
+        units = _nll_units(samples)
+        if units is None:
             return None
-        nll = np.array([v for v, _ in rows], dtype=float)
-        ntok = np.array([n for _, n in rows], dtype=float)
+        sums, ntok = units
 
         def weighted(idx: np.ndarray) -> float:
-            mean = float((nll[idx] * ntok[idx]).sum() / max(ntok[idx].sum(), 1e-12))
+            mean = float(sums[idx].sum() / max(ntok[idx].sum(), 1e-12))
             return math.exp(min(mean, 700.0)) if name == "ppl" else mean
         return weighted
     if name == "accuracy" or name == "score" or name.startswith("score_"):
@@ -86,13 +108,42 @@ def _raw_statistic(name: str, samples: Sequence[dict]) -> Optional[Callable[[np.
     return lambda idx: float(arr[idx].mean())
 
 
+def _windows(sample: dict) -> Optional[tuple[list, list]]:
+    sums, counts = sample.get("window_nll_sum"), sample.get("window_tokens")
+    if not isinstance(sums, list) or not isinstance(counts, list) or len(sums) != len(counts) or not sums:
+        return None
+    if not all(_finite(v) for v in sums) or not all(_finite(n) and n > 0 for n in counts):
+        return None
+    return sums, counts
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _nll_units(samples: Sequence[dict]) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(NLL sums, token counts) of the units a perplexity is resampled over: every document's windows when all
+    samples have them, else whole documents (nll x num_tokens); None when a sample has neither."""
+    if not samples:
+        return None
+    windows = [_windows(s) for s in samples]
+    if all(w is not None for w in windows):
+        sums = [v for w in windows for v in w[0]]  # type: ignore[index]
+        counts = [n for w in windows for n in w[1]]  # type: ignore[index]
+        return np.array(sums, dtype=float), np.array(counts, dtype=float)
+    rows = [(s.get("nll"), s.get("num_tokens")) for s in samples]
+    if any(not _finite(v) or not _finite(n) for v, n in rows):
+        return None
+    ntok = np.array([n for _, n in rows], dtype=float)
+    return np.array([v for v, _ in rows], dtype=float) * ntok, ntok
+
+
 def statistic(name: str, samples: Sequence[dict], recorded: Optional[float] = None) -> Optional[Callable]:
     """Like _raw_statistic, scaled so that all samples give the recorded value (e.g. x100 for LongBench)."""
     fn = _raw_statistic(name, samples)
     if fn is None:
         return None
-    n = len(samples) if not name.startswith("score_") else None
-    full = np.arange(n if n is not None else _count(name, samples))
+    full = np.arange(sample_count(name, samples))
     base = fn(full)
     scale = 1.0
     if recorded is not None and base not in (0.0,) and math.isfinite(base) and name not in ("ppl", "nll"):
@@ -118,4 +169,15 @@ def bootstrap_interval(fn: Callable[[np.ndarray], float], n: int, *, iters: int 
 
 
 def sample_count(name: str, samples: Sequence[dict]) -> int:
+    """How many units `statistic(name, samples)` resamples (perplexity windows, or samples)."""
+    if name in ("ppl", "nll"):
+        units = _nll_units(samples)
+        return 0 if units is None else len(units[0])
     return _count(name, samples) if name.startswith("score_") else len(samples)
+
+
+def sample_unit(name: str, samples: Sequence[dict]) -> str:
+    """What the resampled units are: "windows" (perplexity windows of the documents) or "samples"."""
+    if name in ("ppl", "nll") and samples and all(_windows(s) is not None for s in samples):
+        return "windows"
+    return "samples"
