@@ -133,10 +133,11 @@ def score_tolerance(name: str, base_run: dict, base_value: float, limits: Limits
     return max(options, key=lambda o: o[0])
 
 
-def _row(name: str, base: dict, new: Optional[dict], metric: str, kind: str, **fields: Any) -> dict:
+def _row(name: str, base_run: dict, new_run: Optional[dict], metric: str, kind: str, **fields: Any) -> dict:
+    """One compared metric: base, new, change (and in %), tolerance, its source, verdict, note, the run folders."""
     row = {"run": name, "metric": metric, "kind": kind, "base": None, "new": None, "change": None,
            "change_pct": None, "tolerance": None, "source": "", "verdict": "ok", "note": "",
-           "base_run": base["run_dir"] if base else None, "new_run": new["run_dir"] if new else None}
+           "base_run": base_run["run_dir"] if base_run else None, "new_run": new_run["run_dir"] if new_run else None}
     row.update(fields)
     return row
 
@@ -282,7 +283,8 @@ def _fmt(value: Any) -> str:
 def _change(row: dict) -> str:
     if row["change"] is None:
         return ""
-    pct = "" if row["change_pct"] is None else f"{row['change_pct']:+.2f}%"
+    p = row["change_pct"]
+    pct = "" if p is None else f"{p:+.1e}%" if 0 < abs(p) < 0.01 else f"{p:+.2f}%"
     if row["kind"] == "speed":
         return pct
     return f"{row['change']:+.4g}" + (f" ({pct})" if pct else "")
@@ -309,6 +311,7 @@ def _line(row: dict) -> str:
     return f"{row['run']}: {what}"
 
 
+KIND_ORDER = {"status": 0, "corrupt": 0, "score": 1, "failures": 2, "memory": 3, "speed": 4}
 VERDICT_MARK = {"regression": "REGRESSION", "warning": "warning", "better": "better", "ok": "ok"}
 
 
@@ -317,15 +320,15 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
     lines = [f"## kvbench-compare: {base_label} -> {new_label}", "",
              f"{verdict['pairs']} paired runs, {len(regs)} regressions, {len(warns)} warnings: "
              + ("**PASS**" if verdict["ok"] else "**FAIL**"), ""]
-    lines += [f"- REGRESSION: {_line(r)}" for r in regs]
-    lines += [f"- warning: {_line(r)}" for r in warns]
-    lines += [f"- warning: BASE run folder {name} is corrupt ({reason}): not compared"
+    notes = [f"- REGRESSION: {_line(r)}" for r in regs] + [f"- warning: {_line(r)}" for r in warns]
+    notes += [f"- warning: BASE run folder {name} is corrupt ({reason}): not compared"
               for name, reason in verdict.get("corrupt_base", [])]
-    if any(r["verdict"] == "warning" and r["kind"] == "speed" for r in warns):
-        lines.append("- speeds are not gated (single-shot timings on a shared machine); --gate-speed gates them")
+    if any(r["kind"] == "speed" for r in warns):
+        notes.append("- speeds are not gated (single-shot timings on a shared machine); --gate-speed gates them")
+    lines += notes + ([""] if notes else [])
     lim = verdict.get("limits") or {}
     if lim:
-        lines += ["", f"Limits: scores relative {lim['rel_tol']:g}, --max-drop {lim['max_drop']:g}, or the "
+        lines += [f"Limits: scores relative {lim['rel_tol']:g}, --max-drop {lim['max_drop']:g}, or the "
                       f"bootstrap 95% interval of BASE when wider; speeds {lim['max_slowdown']:.0%} slowdown "
                       + ("(gated)" if lim["gate_speed"] else "(warning only)") + "."]
     by_run: dict[str, list[dict]] = {}
@@ -334,7 +337,7 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
     for run, rows in by_run.items():
         lines += ["", f"### {run}", "", "| metric | base | new | change | tolerance | source | verdict |",
                   "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
-        for r in rows:
+        for r in sorted(rows, key=lambda r: KIND_ORDER.get(r["kind"], 9)):
             new = r["new"] if not isinstance(r["new"], str) or r["kind"] != "corrupt" else "corrupt"
             lines.append(f"| {r['metric']} | {_fmt(r['base'])} | {_fmt(new)} | {_change(r)} | {_tolerance(r)} | "
                          f"{r['source']} | {VERDICT_MARK.get(r['verdict'], r['verdict'])} |")

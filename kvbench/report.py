@@ -23,8 +23,8 @@ from typing import Any, Optional
 from kvbench.errors import UserError, exit_with
 from kvbench.reporting import plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
-from kvbench.reporting.runs import (describe, fmt as _fmt, load_runs, pair_key, runs_frame, setting_of,
-                                   varying_keys)
+from kvbench.reporting.runs import (corrupt_runs, describe, fmt as _fmt, load_runs, pair_key, runs_frame,
+                                   setting_of, varying_keys)
 
 NO_EXPERIMENT = "(runs without an experiment)"
 def _mib(value: Any) -> str:
@@ -229,6 +229,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     paths = write_report(args.results_dir, args.out, args.experiment)
     print(f"kvbench-report: wrote {paths['markdown']} and {paths['html']} "
           f"({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})")
+    corrupt = corrupt_runs(args.results_dir)
+    if corrupt:  # unreadable metrics.json: left out; unreadable config.yaml: shown without its settings
+        print(f"kvbench-report: {len(corrupt)} corrupt run folder(s): " + "; ".join(
+            f"{name} ({why}: {'left out' if why.startswith('metrics.json') else 'shown without its config'})"
+            for name, why in corrupt))
     return 0
 
 

@@ -36,9 +36,19 @@ def config(*, method: str = "full", budget: Optional[int] = None, task: str = "p
     }
 
 
-def ppl_samples(nlls: list[float], tokens: int = 256) -> list[dict]:
-    return [{"id": f"doc{i}", "dataset": "pg_essays", "prompt": None, "prediction": None, "references": [],
-             "num_tokens": tokens, "nll": nll, "ppl": math.exp(nll)} for i, nll in enumerate(nlls)]
+def ppl_samples(nlls: list[float], tokens: int = 256, windows: int = 0, spread: float = 0.3) -> list[dict]:
+    """One perplexity sample per document nll; with `windows` (even), the document's window_nll_sum /
+    window_tokens as tasks/perplexity.py writes them: windows alternately `spread` above and below the nll."""
+    out = []
+    for i, nll in enumerate(nlls):
+        s = {"id": f"doc{i}", "dataset": "pg_essays", "prompt": None, "prediction": None, "references": [],
+             "num_tokens": tokens, "nll": nll, "ppl": math.exp(nll)}
+        if windows:
+            size = tokens // windows
+            s["window_nll_sum"] = [(nll + (spread if w % 2 == 0 else -spread)) * size for w in range(windows)]
+            s["window_tokens"] = [size] * windows
+        out.append(s)
+    return out
 
 
 def ppl_of(samples: list[dict]) -> float:
