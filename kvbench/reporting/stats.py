@@ -57,10 +57,10 @@ def is_speed(name: str) -> bool:
 
 def speed_loss(name: str, base: float, new: float) -> Optional[float]:
     """The fraction of speed lost from base to new (negative: faster): 1 - new/base for a rate, 1 - base/new for a
-    latency; None when a value is not positive (no speed to compare)."""
-    if base <= 0 or new <= 0:
-        return None
-    return 1.0 - new / base if name in SPEED else 1.0 - base / new
+    latency (a rate that fell to 0 lost all of it); None when there is no speed to compare (a value <= 0)."""
+    if name in SPEED:
+        return 1.0 - max(new, 0.0) / base if base > 0 else None
+    return 1.0 - base / new if base > 0 and new > 0 else None
 
 
 def primary_metric(task: Optional[str], metrics: dict) -> Optional[str]:
