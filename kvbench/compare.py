@@ -9,11 +9,13 @@ Runs are paired by the hash of their result-determining config without the code 
 that adds a setting with its default still pairs; the keys ignored are listed). For each pair, every metric BASE
 has a number for is compared:
 - a score (ppl, nll, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) regresses when it is worse than
-  BASE by more than its tolerance, the largest of: the half-width (on the bad side) of the bootstrap 95% interval of
-  BASE's score over its samples.jsonl (per-sample scores; perplexity: the documents' windows of 64 tokens, so one
-  document has an interval too); --rel-tol x |base| (default 1e-4 relative: float noise between two machines or
-  thread counts, never a real change); --max-drop (in the metric's unit, default 0). A score that is missing, null,
-  NaN or inf in NEW where BASE had a number is a regression.
+  BASE by more than its tolerance, the largest of: a bootstrap 95% half-width over the runs' samples.jsonl
+  (per-sample scores; perplexity: the documents' windows of 64 tokens, so one document has an interval too), paired
+  when both runs scored the same items (the interval of NEW - BASE with the items resampled together, so a shift
+  on every item is found though the items differ widely among themselves), else the bad side of BASE's own
+  interval; --rel-tol x |base| (default 1e-4 relative: float noise between two machines or thread counts, never a
+  real change); --max-drop (in the metric's unit, default 0). A score that is missing, null, NaN or inf in NEW
+  where BASE had a number is a regression.
 - a speed (prefill/decode/output/total tokens per second, requests per second; ttft_s, tpot_s, e2e_s and their
   percentiles) is shown with its change in % and NOT gated by default: a loss of more than --max-slowdown of the
   speed prints a warning line. With --gate-speed it is a regression. The loss is one scale for rates and latencies
@@ -116,20 +118,31 @@ def metric_kind(name: str) -> Optional[str]:
     return None
 
 
-def score_tolerance(name: str, base_run: dict, base_value: float, limits: Limits) -> tuple[float, str]:
-    """How far a score may move the wrong way, and where that figure comes from: the largest of the bootstrap 95%
-    half-width on the bad side (over BASE's samples), rel_tol x |base| and max_drop."""
+def score_tolerance(name: str, base_run: dict, new_run: dict, base_value: float, new_value: float,
+                    limits: Limits) -> tuple[float, str]:
+    """How far a score may move the wrong way, and where that figure comes from: the largest of a bootstrap 95%
+    half-width, rel_tol x |base| and max_drop. When both runs have samples of the same items (same ids, same
+    perplexity windows), the bootstrap is paired: the half-width of the interval of NEW - BASE over the items
+    resampled together; else the bad-side half-width of BASE's own interval."""
     options = [(limits.rel_tol * abs(base_value), f"relative {limits.rel_tol:g}")]
     if limits.max_drop > 0:
         options.append((limits.max_drop, "--max-drop"))
-    samples = samples_of(base_run)
-    if samples:
-        fn = stats.statistic(name, samples, base_value)
-        n = stats.sample_count(name, samples)
-        if fn is not None and n >= 2:
-            lo, hi = stats.bootstrap_interval(fn, n)
-            width = max((hi - base_value) if stats.lower_is_better(name) else (base_value - lo), 0.0)
-            options.append((width, f"bootstrap 95% over {n} {stats.sample_unit(name, samples)}"))
+    base_samples = samples_of(base_run)
+    if base_samples:
+        unit = stats.sample_unit(name, base_samples)
+        new_samples = samples_of(new_run)
+        paired = stats.paired_interval(name, base_samples, new_samples, base_value, new_value) \
+            if new_samples else None
+        if paired is not None:
+            lo, hi, n = paired
+            options.append(((hi - lo) / 2.0, f"paired bootstrap 95% over {n} {unit}"))
+        else:
+            fn = stats.statistic(name, base_samples, base_value)
+            n = stats.sample_count(name, base_samples)
+            if fn is not None and n >= 2:
+                lo, hi = stats.bootstrap_interval(fn, n)
+                width = max((hi - base_value) if stats.lower_is_better(name) else (base_value - lo), 0.0)
+                options.append((width, f"bootstrap 95% of BASE over {n} {unit}"))
     return max(options, key=lambda o: o[0])
 
 
@@ -157,7 +170,7 @@ def _judge_metric(name: str, base: dict, new: dict, key: str, b: float, limits: 
                     verdict="regression" if gated else "warning", note=f"{key} is {why} in NEW")
     pct = (n - b) / abs(b) * 100.0 if b != 0 else None
     if kind == "score":
-        tol, source = score_tolerance(key, base, b, limits)
+        tol, source = score_tolerance(key, base, new, b, n, limits)
         worse = (n - b) if stats.lower_is_better(key) else (b - n)
         verdict = "regression" if worse > tol else ("better" if worse < -tol else "ok")
         return _row(name, base, new, key, kind, base=b, new=n, change=n - b, change_pct=pct, tolerance=tol,
@@ -328,8 +341,8 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
     lines += notes + ([""] if notes else [])
     lim = verdict.get("limits") or {}
     if lim:
-        lines += [f"Limits: scores relative {lim['rel_tol']:g}, --max-drop {lim['max_drop']:g}, or the "
-                      f"bootstrap 95% interval of BASE when wider; speeds {lim['max_slowdown']:.0%} slowdown "
+        lines += [f"Limits: scores relative {lim['rel_tol']:g}, --max-drop {lim['max_drop']:g}, or a "
+                      f"bootstrap 95% interval (paired when both runs scored the same items) when wider; speeds {lim['max_slowdown']:.0%} slowdown "
                       + ("(gated)" if lim["gate_speed"] else "(warning only)") + "."]
     by_run: dict[str, list[dict]] = {}
     for r in verdict["rows"]:

@@ -149,7 +149,10 @@ def test_two_real_runs_of_one_sweep_pass_ten_times_beside_a_busy_process(tmp_pat
     assert {("perplexity", "ppl"), ("perplexity", "nll"), ("perplexity", "peak_kv_bytes"),
             ("throughput", "failed_requests"), ("throughput", "output_tokens_per_s")} <= compared
     ppl_rows = [r for r in v["rows"] if r["metric"] == "ppl"]
-    assert all(r["source"] == "bootstrap 95% over 8 windows" for r in ppl_rows)  # 2 documents x 4 windows of 64
+    # same items in both runs (2 documents x 4 windows of 64 tokens): the paired interval, or the relative floor
+    # when the runs agree to the last bit
+    assert all(r["verdict"] == "ok" and r["source"] in ("relative 0.0001", "paired bootstrap 95% over 8 windows")
+               for r in ppl_rows), ppl_rows
     for r in (r for r in v["rows"] if r["kind"] == "speed"):
         assert r["verdict"] in ("ok", "better", "warning") and r["source"].endswith("(not gated: a warning)")
     # the perplexity samples: windows of 64 predicted tokens that add up to the document
@@ -198,11 +201,11 @@ def test_injected_accuracy_drop_fails_with_exit_1(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "| accuracy |" in proc.stdout and "REGRESSION" in proc.stdout
     (line,) = regression_lines(proc.stdout)
-    assert "method=h2o" in line and "accuracy 0.8 -> 0.5 (-0.3 (-37.50%); tolerance 0.2, bootstrap" in line
+    assert "method=h2o" in line and "accuracy 0.8 -> 0.5 (-0.3 (-37.50%); tolerance 0.2, paired bootstrap" in line
     data = json.loads((tmp_path / "v.json").read_text())
     regs = [(r["metric"], r["base"], r["new"]) for r in data["regressions"]]
     assert regs == [("accuracy", pytest.approx(np.mean(NEEDLE)), pytest.approx(np.mean(dropped)))]
-    assert data["regressions"][0]["source"] == "bootstrap 95% over 20 samples"
+    assert data["regressions"][0]["source"] == "paired bootstrap 95% over 20 samples"
 
 
 def test_small_drop_inside_the_bootstrap_interval_passes_but_not_without_samples(tmp_path):
@@ -224,20 +227,48 @@ def test_small_drop_inside_the_bootstrap_interval_passes_but_not_without_samples
 
 @pytest.mark.parametrize("samples", [True, False], ids=["windows", "no-samples"])
 def test_one_document_perplexity_float_noise_passes_and_1_5x_fails(tmp_path, samples):
-    """The issue's case: one document, ppl 26.17 moved by 1e-7 relative (float noise) -> exit 0; 1.5x -> exit 1,
-    with the bootstrap over the document's windows, or without samples the 1e-4 relative tolerance."""
+    """The issue's case: one document, ppl 26.17 moved by 1e-7 relative (float noise) -> exit 0 (the 1e-4 relative
+    tolerance); 1.5x -> exit 1, with the paired bootstrap over the document's windows, or the relative tolerance
+    without samples."""
     one_document(tmp_path / "a", samples=samples)
-    base_ppl = math.exp(3.2648)
-    one_document(tmp_path / "noise", ppl=base_ppl * (1 + 1e-7), nll=3.2648 + 1e-7, samples=samples)
+    one_document(tmp_path / "noise", nll=3.2648 + 1e-7, samples=samples)  # every window's nll + 1e-7: ppl x(1+1e-7)
     proc = run_cli(tmp_path / "a", tmp_path / "noise")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    source = "bootstrap 95% over 16 windows" if samples else "relative 0.0001"
-    assert "| ppl | 26.175 | 26.175 | +2.617e-06 (+1.0e-05%) |" in proc.stdout and source in proc.stdout
+    assert "| ppl | 26.175 | 26.175 | +2.617e-06 (+1.0e-05%) | 0.0026175 | relative 0.0001 | ok |" in proc.stdout
     one_document(tmp_path / "worse", nll=3.2648 + math.log(1.5), samples=samples)
     proc = run_cli(tmp_path / "a", tmp_path / "worse")
     assert proc.returncode == 1, proc.stdout
+    source = "paired bootstrap 95% over 16 windows" if samples else "relative 0.0001"
     lines = regression_lines(proc.stdout)
     assert any("ppl 26.175 -> 39.262 (+13.09 (+50.00%)" in line and source in line for line in lines), lines
+
+
+def test_paired_bootstrap_finds_a_shift_on_every_window_that_bases_own_interval_hides(tmp_path):
+    """One document of 16 windows whose NLLs differ widely (+-1.0): its ppl has a wide interval of its own (about
+    +-60%), yet NEW worse by 10% on every window is a regression when NEW's windows are paired with BASE's. NEW
+    worse on average by 5%, but worse on half the windows and better on the others, is not."""
+    s = fx.ppl_samples([3.0], tokens=1024, windows=16, spread=1.0)
+    cfg = fx.config(task_options={"max_tokens": 1025})
+    fx.write_run(str(tmp_path / "a"), cfg, {"ppl": fx.ppl_of(s)}, s)
+    worse = fx.ppl_samples([3.0 + math.log(1.1)], tokens=1024, windows=16, spread=1.0)
+    fx.write_run(str(tmp_path / "b"), cfg, {"ppl": fx.ppl_of(worse)}, worse)
+    v = verdict_of(tmp_path / "a", tmp_path / "b")
+    (row,) = v["regressions"]
+    assert row["change_pct"] == pytest.approx(10.0) and row["source"] == "paired bootstrap 95% over 16 windows"
+    fx.write_run(str(tmp_path / "c"), cfg, {"ppl": fx.ppl_of(worse)}, [])  # NEW without samples: BASE's interval
+    v = verdict_of(tmp_path / "a", tmp_path / "c")
+    (row,) = v["rows"]
+    assert row["verdict"] == "ok" and row["source"] == "bootstrap 95% of BASE over 16 windows" and \
+        row["tolerance"] > 0.3 * row["base"]
+    mixed = fx.ppl_samples([3.0], tokens=1024, windows=16, spread=1.0)  # nll +0.3 on 8 windows, -0.2 on 8
+    mixed[0]["window_nll_sum"] = [v + 64 * (0.3 if i % 4 < 2 else -0.2)
+                                  for i, v in enumerate(mixed[0]["window_nll_sum"])]
+    ppl = math.exp(sum(mixed[0]["window_nll_sum"]) / 1024)
+    fx.write_run(str(tmp_path / "d"), cfg, {"ppl": ppl}, mixed)
+    v = verdict_of(tmp_path / "a", tmp_path / "d")
+    (row,) = v["rows"]
+    assert v["ok"] and row["change_pct"] == pytest.approx(100 * (math.exp(0.05) - 1))
+    assert row["source"] == "paired bootstrap 95% over 16 windows" and row["tolerance"] > row["change"]
 
 
 def test_perplexity_rise_is_a_regression_and_fall_is_not(tmp_path):

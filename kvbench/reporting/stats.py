@@ -10,6 +10,7 @@ Per-sample fields written by the tasks (samples.jsonl):
 
 `statistic(name, samples)` recomputes a metric from samples in the metric's own unit (a scale factor found from
 the recorded value absorbs the x100); `bootstrap_interval` resamples the samples (with replacement, fixed seed);
+`paired_interval` bootstraps the difference of two runs scored on the same items (resampled together);
 `sample_count` / `sample_unit` say how many units are resampled and what they are (samples, or perplexity windows).
 
 Speeds (`is_speed`): rates (tokens or requests per second) and latencies (ttft_s, tpot_s, e2e_s and their
@@ -149,6 +150,33 @@ def statistic(name: str, samples: Sequence[dict], recorded: Optional[float] = No
     if recorded is not None and base not in (0.0,) and math.isfinite(base) and name not in ("ppl", "nll"):
         scale = recorded / base
     return lambda idx: fn(idx) * scale
+
+
+def aligned(name: str, base: Sequence[dict], new: Sequence[dict]) -> bool:
+    """Whether two runs' samples score the same items in the same order (same ids; for ppl/nll the same windows),
+    so that `paired_interval` can resample them together."""
+    if len(base) != len(new) or [s.get("id") for s in base] != [s.get("id") for s in new]:
+        return False
+    if name in ("ppl", "nll"):
+        return sample_unit(name, base) == sample_unit(name, new) and all(
+            b.get("window_tokens") == n.get("window_tokens") and b.get("num_tokens") == n.get("num_tokens")
+            for b, n in zip(base, new))
+    return True
+
+
+def paired_interval(name: str, base: Sequence[dict], new: Sequence[dict], base_value: Optional[float] = None,
+                    new_value: Optional[float] = None) -> Optional[tuple[float, float, int]]:
+    """The bootstrap 95% interval of statistic(new) - statistic(base), both computed on the same resampled items
+    (a paired bootstrap: the items' own difficulty cancels), and the number of items; None when the samples are
+    not aligned or the metric cannot be recomputed from them."""
+    if not aligned(name, base, new):
+        return None
+    fb, fn = statistic(name, base, base_value), statistic(name, new, new_value)
+    n = sample_count(name, base)
+    if fb is None or fn is None or n < 2:
+        return None
+    lo, hi = bootstrap_interval(lambda idx: fn(idx) - fb(idx), n)
+    return lo, hi, n
 
 
 def _count(name: str, samples: Sequence[dict]) -> int:
