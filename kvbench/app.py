@@ -385,7 +385,8 @@ def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record:
         record[key] = (result.perf or {}).get(key, metrics.get(key))
     try:
         mem = engine.memory_stats()
-        for key in ("peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "max_sequence_tokens"):
+        for key in ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
+                    "kv_bytes_per_token", "max_sequence_tokens"):
             record[key] = mem.get(key)
         budget, longest = plan.settings.budget, mem.get("max_sequence_tokens")
         if budget is not None and longest:  # a budget no sequence reached compresses nothing
