@@ -20,6 +20,7 @@ import inspect
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -30,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import config as _config
-from kvbench.errors import Terminated, UserError, install_sigterm_handler, report
+from kvbench.errors import RUN_LOG, Terminated, UserError, install_sigterm_handler, report, say
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.results import RunFolder, config_hash, experiment_key, repair_index, warn
 from kvbench.summary import format_summary
@@ -193,8 +194,8 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         return _skip_finished(folder, previous, print_summary)
     claim, holder = folder.claim()
     if claim is None:
-        print(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
-              flush=True)
+        say(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
+            stream=sys.stdout)
         return {"run_id": run_id, "status": "claimed", "holder": holder}
     try:
         previous = None if s.rerun else folder.finished()  # finished while we waited for the claim
@@ -215,14 +216,14 @@ def _repair_once(results_dir: str) -> None:
         warn(f"could not repair {results_dir}/runs.jsonl: {exc.strerror or exc}")
         return
     if n:
-        print(f"kvbench: runs.jsonl lacked {n} finished run(s) of {results_dir}; added", flush=True)
+        say(f"kvbench: runs.jsonl lacked {n} finished run(s) of {results_dir}; added", stream=sys.stdout)
 
 
 def _skip_finished(folder: RunFolder, previous: dict, print_summary: bool) -> dict:
-    print(f"kvbench: {folder.run_id} already finished in {folder.path}; skipping (rerun=true to run it again)",
-          flush=True)
+    say(f"kvbench: {folder.run_id} already finished in {folder.path}; skipping (rerun=true to run it again)",
+        stream=sys.stdout)
     if print_summary:
-        print(format_summary(previous, folder.path), flush=True)
+        say(format_summary(previous, folder.path), stream=sys.stdout)
     return previous
 
 
@@ -254,6 +255,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
         raise OSError(exc.errno, f"could not start run {folder.run_id} in {folder.path}: "
                                  f"{exc.strerror or exc}") from None
     record = _start_record(plan, folder)
+    RUN_LOG.info(f"run {folder.run_id}: model {s.model.name}, method {s.method_name}, budget {s.budget}, "
+                 f"quant {s.quant_name}, task {s.task_name}, seed {s.seed}; folder {folder.path}")
     logger = WandbLogger(s.logger, run_dir=folder.path, run_id=folder.run_id, config=plan.resolved,
                          tags=[s.method_name, s.task_name, s.model.name], job_type=s.task_name,
                          group=s.experiment)
@@ -438,5 +441,7 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     logger.log_result(record, samples)
     logger.finish(failed=record["status"] != "ok")
     if print_summary:
-        print(format_summary(record, folder.path), flush=True)
+        say(format_summary(record, folder.path), stream=sys.stdout)
+    else:
+        RUN_LOG.info(format_summary(record, folder.path))
     return record

@@ -11,6 +11,8 @@ user has not) to receive them as exceptions; a user who sets HYDRA_FULL_ERROR=1 
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
 import signal
@@ -53,10 +55,23 @@ def install_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+# kvbench's own lines (messages, warnings, errors, summaries) are printed and also kept in the run's log: the
+# CLI's Hydra logging config (conf/config.yaml) sends this logger to the run folder's kvbench.log only.
+RUN_LOG = logging.getLogger("kvbench.run")
+
+
+def say(message: str, *, stream: Any = None, level: int = logging.INFO) -> None:
+    """Print one of kvbench's messages (stderr unless `stream`) and keep it in the run's kvbench.log (when the CLI
+    set one up: outside Hydra nothing is logged, so nothing is printed twice)."""
+    print(message, file=stream if stream is not None else sys.stderr, flush=True)
+    if RUN_LOG.handlers:
+        RUN_LOG.log(level, message)
+
+
 def report(message: str) -> None:
     """Print one error line to stderr."""
     line = " ".join(str(message).split())  # one line, whatever the message
-    print(PREFIX + line, file=sys.stderr, flush=True)
+    say(PREFIX + line, level=logging.ERROR)
 
 
 def exit_usage(message: str) -> NoReturn:
