@@ -33,15 +33,17 @@ import kvbench
 from kvbench import config as _config
 from kvbench.errors import RUN_LOG, Terminated, UserError, install_sigterm_handler, report, say
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
-from kvbench.results import RunFolder, config_hash, experiment_key, repair_index, warn
-from kvbench.summary import format_summary
+from kvbench.results import METRICS_FILE, RunFolder, config_hash, experiment_key, read_json, repair_index, warn
+from kvbench.summary import format_summary, format_sweep_table
 from kvbench.wandb_logger import WandbLogger
 
 _exit_code = 0
 _repaired: set = set()  # results folders whose index this process has repaired
-# Launcher workers (joblib, submitit) run in other processes: they report their exit codes through this file,
-# which the CLI process creates (open_exit_channel) and reads at the end (exit_code).
+# Launcher workers (joblib, submitit) run in other processes: they report each run's exit code and folder through
+# a channel the CLI process opens (open_exit_channel) and reads at the end (exit_code, sweep_runs).
 EXIT_FILE_ENV = "KVBENCH_EXIT_FILE"
+_STALE_PREFIX = "kvbench-exit-"  # named channel files (only where there is no O_TMPFILE): kvbench-exit-<pid>-*
+_channel_fd: Optional[int] = None
 
 
 def _merge(a: int, b: int) -> int:
@@ -49,46 +51,110 @@ def _merge(a: int, b: int) -> int:
 
 
 def open_exit_channel() -> None:
-    """In the CLI process, before Hydra launches anything: a file where every worker process notes its code."""
+    """In the CLI process, before Hydra launches anything: a file where every worker process notes its runs.
+
+    On Linux the file has no name (O_TMPFILE): workers open it as /proc/<pid>/fd/<fd>, and it vanishes with the
+    process, however it ends (kill -9 included). Elsewhere it is a named temp file, deleted at the end; files of
+    processes that no longer exist (killed before they could delete theirs) are deleted when the next one opens."""
+    global _channel_fd
     if os.environ.get(EXIT_FILE_ENV):
         return
-    fd, path = tempfile.mkstemp(prefix="kvbench-exit-")
-    os.close(fd)
+    try:
+        fd = os.open(tempfile.gettempdir(), os.O_TMPFILE | os.O_RDWR, 0o600)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        if not os.path.exists(path):
+            os.close(fd)
+            raise OSError("no /proc")
+        _channel_fd = fd
+    except (AttributeError, OSError):
+        _remove_stale_channels()
+        fd, path = tempfile.mkstemp(prefix=f"{_STALE_PREFIX}{os.getpid()}-")
+        os.close(fd)
     os.environ[EXIT_FILE_ENV] = path
+
+
+def _remove_stale_channels() -> None:
+    """Delete this user's named channel files whose process is gone."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _STALE_PREFIX + "*")):
+        pid = os.path.basename(path)[len(_STALE_PREFIX):].split("-")[0]
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            continue
+
+
+def _channel_lines() -> list:
+    """(code, run folder or None) for each line the runs of this process and its workers wrote."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return []
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        code, _, run_dir = line.partition("\t")
+        if code.strip().isdigit():
+            out.append((int(code), run_dir or None))
+    return out
 
 
 def exit_code() -> int:
     """0 if every run (of this process and its launcher workers) succeeded; 2 if one had bad input; else 1."""
     code = _exit_code
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path:
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.strip().isdigit():
-                        code = _merge(code, int(line))
-        except OSError:
-            pass
+    for c, _ in _channel_lines():
+        code = _merge(code, c)
     return code
 
 
+def sweep_runs() -> list:
+    """The run folders this CLI process and its launcher workers finished or skipped, in the order reported."""
+    return list(dict.fromkeys(d for _, d in _channel_lines() if d))
+
+
+def end_of_cli() -> int:
+    """After Hydra returns in the CLI process: a sweep (-m) ends with one table of its runs; the exit code."""
+    runs = sweep_runs()
+    if runs and (len(runs) > 1 or "-m" in sys.argv or "--multirun" in sys.argv):
+        records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
+        table = format_sweep_table([r for r in records if r])
+        if table:
+            say(table, stream=sys.stdout)
+    return exit_code()
+
+
 def close_exit_channel() -> None:
+    global _channel_fd
     path = os.environ.pop(EXIT_FILE_ENV, None)
-    if path:
+    if _channel_fd is not None:
+        os.close(_channel_fd)
+        _channel_fd = None
+    elif path:
         try:
             os.unlink(path)
         except OSError:
             pass
 
 
-def _note_exit(code: int) -> None:
+def _note_exit(code: int, run_dir: Optional[str] = None) -> None:
     global _exit_code
     _exit_code = _merge(_exit_code, code)
     path = os.environ.get(EXIT_FILE_ENV)
-    if path and code:
+    if path and (code or run_dir):
         try:
             with open(path, "a") as f:
-                f.write(f"{code}\n")
+                f.write(f"{code}\t{run_dir or ''}\n")
         except OSError:
             pass
 
@@ -118,8 +184,8 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
         report(f"run failed: {type(exc).__name__}: {exc}")
         _note_exit(1)
         return None
-    if record.get("status") not in ("ok", "claimed"):
-        _note_exit(1)
+    folder = record.get("run_dir") if record.get("status") != "claimed" else None
+    _note_exit(0 if record.get("status") in ("ok", "claimed") else 1, folder)
     return record
 
 

@@ -160,3 +160,66 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
         lines.append(f"results   {run_dir}")
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+# Columns of the sweep table besides the task's own metrics (decode speed for generation, % saved for all).
+_SWEEP_EXTRA = ("decode_tokens_per_s",)
+_SWEEP_MAX_METRICS = 6  # task metrics shown per run (the rest are in each run's metrics.json)
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    return (key not in _RUN_KEYS and not key.startswith(_HIDDEN_PREFIXES) and isinstance(value, (int, float))
+            and not isinstance(value, bool) and "_pos_" not in key and not key.endswith("_stderr"))
+
+
+def format_sweep_table(records: list) -> str:
+    """One table for a sweep's runs, after their boxes: a row per run (method, budget and any other setting that
+    differs between the runs), a column per metric (the first few the task reports, decode tok/s when measured,
+    % saved as the summary defines it) and the status."""
+    records = [r for r in records if isinstance(r, dict)]
+    if not records:
+        return ""
+    settings = sorted({k for r in records for k in r if k.startswith(("method_", "task_", "quant_", "runtime_"))
+                       and not isinstance(r.get(k), (dict, list))})
+    by_method: dict = {}
+    for r in records:
+        by_method.setdefault((r.get("method"), r.get("quant")), []).append(r)
+    # settings swept besides method and budget: those that differ between runs of one method
+    varying = [k for k in settings if k not in ("method_name", "method_budget")
+               and any(len({str(r.get(k)) for r in group}) > 1 for group in by_method.values())]
+    metrics: list = []
+    for r in records:
+        for k, v in r.items():
+            if _is_metric(k, v) and k not in metrics:
+                metrics.append(k)
+    shown = metrics[:_SWEEP_MAX_METRICS]
+    shown += [k for k in _SWEEP_EXTRA if any(_num(r.get(k)) is not None for r in records) and k not in shown]
+    header = ["method", "budget"] + [k.split("_", 1)[1] for k in varying] + shown + ["% saved", "status"]
+    rows = []
+    for r in records:
+        quant = r.get("quant")
+        method = r.get("method") if quant in (None, "none", "full") else f"{r.get('method')} + {quant}"
+        saved = saved_fraction(r)
+        rows.append([str(method), _fmt(r.get("budget"))] + [_fmt(r.get(k)) for k in varying]
+                    + [_fmt(r.get(k)) for k in shown]
+                    + ["-" if saved is None else f"{100.0 * saved:.1f}", str(r.get("status"))])
+    rows.sort(key=lambda row: (row[0], _sort_budget(row[1]), row[2:]))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list) -> str:
+        return "  ".join(c.ljust(w) if i < 2 + len(varying) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    title = f" kvbench sweep: {len(records)} runs "
+    width = max(_WIDTH, len(line(header)))
+    out = [title.center(width, "="), line(header), line(["-" * w for w in widths])]
+    out += [line(row) for row in rows]
+    if len(metrics) > _SWEEP_MAX_METRICS:
+        out.append(f"({len(metrics) - _SWEEP_MAX_METRICS} more metrics per run in metrics.json / runs.jsonl)")
+    out.append("=" * width)
+    return "\n".join(out)
+
+
+def _sort_budget(text: str) -> tuple:
+    digits = text.replace(",", "")
+    return (0, int(digits)) if digits.isdigit() else (1, 0)

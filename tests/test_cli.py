@@ -57,6 +57,7 @@ def test_help_lists_each_group(tmp_path):
     (["budget=abc"], ["invalid budget='abc'", "positive integer", "null"]),
     (["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"]),
     (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
+    (["experiment=h2o"], ["experiment is not in the default config", "+experiment=h2o"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
     proc = kvbench(*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
@@ -97,3 +98,28 @@ def test_repeat_prints_the_stored_summary_and_a_missing_model_is_refused_before_
     proc = kvbench("model=hf", "model.path=/no/such/model", "logger.wandb=false", "results_dir=r", cwd=tmp_path)
     assert_usage_error(proc, "model.path='/no/such/model' does not exist")
     assert not glob.glob(str(tmp_path / "r" / "*"))  # refused before anything was written
+
+
+def test_a_sweep_ends_with_one_table_of_its_runs(tmp_path):
+    from tests.harness_fakes import run_fake_cli
+
+    proc = run_fake_cli("-m", "method=h2o,full", "budget=8,16", "task.max_tokens=40,48", f"results_dir={tmp_path / 'r'}",
+                        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    boxes, table = proc.stdout.rsplit("kvbench run OK", 1)[0], proc.stdout.split("kvbench sweep:")[-1]
+    assert "kvbench sweep: 6 runs" in proc.stdout and boxes  # after the per-run boxes (full ignores the budget)
+    lines = table.splitlines()
+    header = lines[1].split()
+    assert header[:3] == ["method", "budget", "max_tokens"] and "ppl" in header and header[-2:] == ["saved", "status"]
+    rows = [line.split() for line in lines[3:] if line and not line.startswith("=")]
+    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(
+        [("full", "-", "40"), ("full", "-", "48"), ("h2o", "8", "40"), ("h2o", "8", "48"), ("h2o", "16", "40"),
+         ("h2o", "16", "48")])
+    assert all(r[-1] == "ok" for r in rows)
+
+
+def test_a_single_run_prints_no_sweep_table(tmp_path):
+    from tests.harness_fakes import run_fake_cli
+
+    proc = run_fake_cli("budget=8", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert proc.returncode == 0 and "kvbench run OK" in proc.stdout and "kvbench sweep" not in proc.stdout
