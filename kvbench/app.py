@@ -172,6 +172,14 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
             run_dir = HydraConfig.get().runtime.output_dir
     except Exception:  # pragma: no cover
         pass
+    RUN_LOG.disabled = False  # kvbench's lines go to this run's kvbench.log (Hydra's file handler) while it runs
+    try:
+        return _run_and_note(cfg, run_dir, run_kwargs)
+    finally:
+        RUN_LOG.disabled = True
+
+
+def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> Optional[dict]:
     try:
         record = run(cfg, run_dir=run_dir, **run_kwargs)
     except UserError as exc:

@@ -70,15 +70,20 @@ def install_sigterm_handler() -> None:
 
 # kvbench's own lines (messages, warnings, errors, summaries) are printed and also kept in the run's log: the
 # CLI's Hydra logging config (conf/config.yaml) sends this logger to the run folder's kvbench.log only.
+# It is enabled only while a run executes (app.main), so nothing lands in a finished run's log.
 RUN_LOG = logging.getLogger("kvbench.run")
+RUN_LOG.disabled = True
 
 
 def say(message: str, *, stream: Any = None, level: int = logging.INFO) -> None:
     """Print one of kvbench's messages (stderr unless `stream`) and keep it in the run's kvbench.log (when the CLI
-    set one up: outside Hydra nothing is logged, so nothing is printed twice)."""
+    set one up: outside Hydra nothing is logged, so nothing is printed twice). Never fails."""
     print(message, file=stream if stream is not None else sys.stderr, flush=True)
-    if RUN_LOG.handlers:
-        RUN_LOG.log(level, message)
+    if RUN_LOG.handlers and not RUN_LOG.disabled:
+        try:
+            RUN_LOG.log(level, message)
+        except Exception:  # the log file cannot be written (a full disk, a removed folder): printed is enough
+            pass
 
 
 def report(message: str) -> None:
