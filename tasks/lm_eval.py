@@ -26,7 +26,6 @@ filtered response(s), references = [target], and lm-eval's per-document metrics.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -200,10 +199,15 @@ def quiet_lm_eval() -> Iterator[None]:
         patched.append((module, name, getattr(module, name)))
         setattr(module, name, value)
 
+    def no_bar(real: Any) -> Any:
+        def bar(*args: Any, **kwargs: Any) -> Any:
+            return real(*args, **{**kwargs, "disable": True})  # whatever disable= lm-eval passes
+        return bar
+
     for name in _LM_EVAL_BAR_MODULES:
         module = importlib.import_module(name)
         if hasattr(module, "tqdm"):
-            patch(module, "tqdm", functools.partial(module.tqdm, disable=True))
+            patch(module, "tqdm", no_bar(module.tqdm))
     evaluator = importlib.import_module("lm_eval.evaluator")
     if hasattr(evaluator, "get_git_commit_hash"):
         def quiet_git_hash() -> Optional[str]:
