@@ -210,7 +210,7 @@ def _discard_unstarted(run_dir: str) -> None:
 
 
 def _git_commit() -> Optional[str]:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(kvbench.__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.realpath(kvbench.__file__)))  # src/kvbench links to kvbench/
     if not os.path.exists(os.path.join(here, ".git")):
         return None  # not a checkout (an installed package): ask nothing, print nothing
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -123,3 +124,48 @@ def test_a_single_run_prints_no_sweep_table(tmp_path):
 
     proc = run_fake_cli("budget=8", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
     assert proc.returncode == 0 and "kvbench run OK" in proc.stdout and "kvbench sweep" not in proc.stdout
+
+
+def _copy_checkout(dest):
+    """The checkout's files (tracked and new, as git lists them; links kept as links) copied into dest."""
+    names = subprocess.run(["git", "-C", REPO, "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, names):
+        src, dst = os.path.join(REPO, name), os.path.join(dest, name)
+        if not os.path.lexists(src):
+            continue
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+
+
+def test_python_m_kvbench_from_the_folder_that_holds_a_checkout_named_kvbench(tmp_path):
+    """A checkout in a folder named kvbench, installed editable (as `make install` does): `python -m kvbench` works
+    from the folder that holds it, where Python first sees that folder as a namespace package `kvbench` (whose
+    results/ folder shadowed kvbench.results: "cannot import name 'model_label'")."""
+    parent = tmp_path / "work"
+    checkout = parent / "kvbench"
+    _copy_checkout(checkout)
+    (checkout / "results").mkdir(exist_ok=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages") and not p.startswith(REPO)]
+    with open(os.path.join(site, "zz_kvbench_test_deps.pth"), "w") as f:  # this interpreter's packages, last
+        f.write("\n".join(deps) + "\n")
+    install = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                              "-e", str(checkout)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+    env = {k: v for k, v in kvbench_env().items() if k != "PYTHONPATH"}
+    for cwd in (parent, checkout, tmp_path):
+        proc = subprocess.run([py, "-m", "kvbench", "--help"], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "Usage: python -m kvbench" in proc.stdout, (cwd, proc.stderr[-2000:])
+    where = subprocess.run([py, "-c", "import kvbench.methods, kvbench.results as r; r.model_label; "
+                            "print(kvbench.methods.__file__)"], cwd=parent, env=env, capture_output=True, text=True)
+    assert where.returncode == 0, where.stderr[-2000:]
+    assert os.path.realpath(where.stdout.strip()) == str(checkout / "methods" / "__init__.py")
