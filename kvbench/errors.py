@@ -11,6 +11,8 @@ user has not) to receive them as exceptions; a user who sets HYDRA_FULL_ERROR=1 
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
 import signal
@@ -42,7 +44,20 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what a cluster scheduler sends), raised like Ctrl-C so the run is recorded as "terminated"."""
 
 
+_terminating = False
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """The first SIGTERM raises Terminated (the run is recorded, the process exits 143). Another one while that
+    is under way (a scheduler or a user repeating it) ends the process at once, with one line, not a traceback
+    from wherever the cleanup happened to be (as kill -9 would: the results store holds under that)."""
+    global _terminating
+    if _terminating:
+        try:
+            os.write(2, f"{PREFIX}terminated again: exiting now\n".encode())
+        finally:
+            os._exit(EXIT_TERMINATED)
+    _terminating = True
     raise Terminated()
 
 
@@ -53,10 +68,28 @@ def install_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+# kvbench's own lines (messages, warnings, errors, summaries) are printed and also kept in the run's log: the
+# CLI's Hydra logging config (conf/config.yaml) sends this logger to the run folder's kvbench.log only.
+# It is enabled only while a run executes (app.main), so nothing lands in a finished run's log.
+RUN_LOG = logging.getLogger("kvbench.run")
+RUN_LOG.disabled = True
+
+
+def say(message: str, *, stream: Any = None, level: int = logging.INFO) -> None:
+    """Print one of kvbench's messages (stderr unless `stream`) and keep it in the run's kvbench.log (when the CLI
+    set one up: outside Hydra nothing is logged, so nothing is printed twice). Never fails."""
+    print(message, file=stream if stream is not None else sys.stderr, flush=True)
+    if RUN_LOG.handlers and not RUN_LOG.disabled:
+        try:
+            RUN_LOG.log(level, message)
+        except Exception:  # the log file cannot be written (a full disk, a removed folder): printed is enough
+            pass
+
+
 def report(message: str) -> None:
     """Print one error line to stderr."""
     line = " ".join(str(message).split())  # one line, whatever the message
-    print(PREFIX + line, file=sys.stderr, flush=True)
+    say(PREFIX + line, level=logging.ERROR)
 
 
 def exit_usage(message: str) -> NoReturn:
@@ -86,6 +119,12 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
     except ImportError:  # pragma: no cover
         return None
 
+    first_line = str(ex).splitlines()[0] if str(ex) else ""
+    m = re.match(r"Could not override '([\w./-]+)'\. No match in the defaults list", first_line)
+    if m:  # a group the config does not select by default (experiment=...): it is added with +
+        plus = re.search(r"use (\+\S+)", str(ex))
+        return (f"{m.group(1)} is not in the default config, so it is added with a +: "
+                f"{plus.group(1) if plus else '+' + m.group(1) + '=...'}")
     if isinstance(ex, MissingConfigException):
         missing = getattr(ex, "missing_cfg_file", None) or ""
         if "/" in missing:
@@ -119,9 +158,54 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
     return None
 
 
+# errno values of a results folder the user pointed at that cannot be used (bad input: exit 2); any other OSError
+# (a full disk, a quota, an I/O error) is a fault of the machine (exit 1).
+_UNUSABLE_FOLDER = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT,
+                    errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+
+
+def os_error_in(ex: BaseException) -> Optional[OSError]:
+    """The OSError ex is or was raised from (Hydra wraps its logging setup's in a ValueError), or None."""
+    seen = set()
+    while ex is not None and id(ex) not in seen:
+        if isinstance(ex, OSError):
+            return ex
+        seen.add(id(ex))
+        ex = ex.__cause__ or ex.__context__
+    return None
+
+
+def _file_being_written(ex: BaseException) -> Optional[str]:
+    """The name of the file an OSError without a file name came from (a write or close that failed: a full disk),
+    found as the innermost open file object in its traceback's frames; None if there is none."""
+    import io
+
+    tb, frames = ex.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), str):
+                return value.name
+    return None
+
+
+def describe_os_error(ex: OSError) -> tuple[str, int]:
+    """(one line naming the path and the OS error, exit code): 2 for a folder that cannot be used (read-only, not
+    a folder, no permission), 1 for a fault such as a full disk."""
+    where = ex.filename or _file_being_written(ex) or "the results folder"
+    reason = ex.strerror or str(ex)
+    if ex.errno in _UNUSABLE_FOLDER:
+        return f"cannot write {where}: {reason} (the results folder cannot be used: choose another with results_dir=...)", EXIT_USAGE
+    name = errno.errorcode.get(ex.errno, "") if ex.errno else ""
+    return f"could not write {where}: {reason}" + (f" ({name})" if name else ""), 1
+
+
 def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) -> NoReturn:
     """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code."""
     user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    logging.raiseExceptions = False  # a log write that fails (a full disk) must not print a traceback
     os.environ["HYDRA_FULL_ERROR"] = "1"
     install_sigterm_handler()
     try:
@@ -130,10 +214,11 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
         exit_usage(str(ex))
     except Exception as ex:
         message = None if user_wants_traceback else describe_hydra_error(ex)
-        if message is None and isinstance(ex, OSError) and not user_wants_traceback:
-            # Hydra could not create the run or sweep folder: the results_dir is unusable
-            where = getattr(ex, "filename", None) or "results_dir"
-            message = f"cannot write the results folder {where}: {ex.strerror or ex} (check results_dir=...)"
+        os_error = None if message is not None or user_wants_traceback else os_error_in(ex)
+        if os_error is not None:  # Hydra could not create a run folder or open its kvbench.log
+            message, code = describe_os_error(os_error)
+            report(message)
+            raise SystemExit(code)
         if message is None:
             raise
         exit_usage(message)
@@ -152,6 +237,6 @@ def run_app_cli(main: Callable[[], Any]) -> NoReturn:
 
     app.open_exit_channel()
     try:
-        run_cli(main, after=app.exit_code)
+        run_cli(main, after=app.end_of_cli)
     finally:
         app.close_exit_channel()

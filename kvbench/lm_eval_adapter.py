@@ -72,8 +72,9 @@ class KVBenchLM(TemplateLM):
                  device: Optional[str] = None, block_size: Any = 16, num_blocks: Any = None,
                  kv_memory_bytes: Any = None, prefill_chunk_size: Any = 512, attention_backend: str = "auto",
                  batch_size: Any = 1, max_batch_size: Any = None, max_length: Any = None, max_gen_toks: Any = 256,
-                 seed: Any = None, **method_options: Any):
+                 seed: Any = None, progress: Any = None, **method_options: Any):
         super().__init__()
+        self.progress = progress  # kvbench's progress factory (tasks.base.make_progress) for its bars; None: tqdm
         if (engine is None) != (tokenizer is None):
             raise ValueError("pass both engine and tokenizer, or neither")
         if engine is None:
@@ -150,6 +151,13 @@ class KVBenchLM(TemplateLM):
                                                   continue_final_message=not add_generation_prompt)
 
     # ------------------------------------------------------------------ requests
+    def _bar(self, total: int, desc: str, disable: bool) -> Any:
+        """A progress bar over requests: kvbench's own (a terminal bar, else a log line now and then) when the run
+        gave one, else tqdm as lm-eval's models show."""
+        if self.progress is not None and not disable:
+            return self.progress(total=total, desc=desc, unit="req")
+        return tqdm(total=total, desc=desc, disable=disable)
+
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         out: list = [None] * len(requests)
@@ -162,7 +170,7 @@ class KVBenchLM(TemplateLM):
             if keep < 1:
                 raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
             groups.setdefault(tuple(list(ctx)[-keep:]), []).append(i)
-        bar = tqdm(total=len(requests), desc="kvbench loglikelihood", disable=disable_tqdm)
+        bar = self._bar(len(requests), "kvbench loglikelihood", disable_tqdm)
         for ctx, idx in groups.items():
             conts = [list(requests[i][2]) for i in idx]
             t0 = time.perf_counter()
@@ -181,7 +189,8 @@ class KVBenchLM(TemplateLM):
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         out = []
-        for (string,) in tqdm([r.args for r in requests], desc="kvbench loglikelihood_rolling", disable=disable_tqdm):
+        bar = self._bar(len(requests), "kvbench loglikelihood_rolling", disable_tqdm)
+        for (string,) in [r.args for r in requests]:
             total = 0.0
             windows = get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
                                                 max_seq_len=self.max_length, context_len=1)
@@ -193,6 +202,8 @@ class KVBenchLM(TemplateLM):
                 total += float(lps[-len(pred):].double().sum())
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             out.append(total)
+            bar.update(1)
+        bar.close()
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
@@ -202,7 +213,7 @@ class KVBenchLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
-        bar = tqdm(total=len(requests), desc="kvbench generate_until", disable=disable_tqdm)
+        bar = self._bar(len(requests), "kvbench generate_until", disable_tqdm)
         for idxs in groups.values():
             kwargs = dict(normalize_gen_kwargs(dict(requests[idxs[0]].args[1]), self.max_gen_toks))
             until = [u for u in handle_stop_sequences(kwargs.pop("until", None), eos=None) if u]

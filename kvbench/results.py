@@ -31,15 +31,17 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 import socket
-import sys
 import tempfile
 import threading
 import time
 from typing import Any, Iterable, Optional
+
+from kvbench.errors import say
 
 METRICS_FILE = "metrics.json"
 CONFIG_FILE = "config.yaml"
@@ -72,7 +74,8 @@ CLAIM_STALE_S = float(os.environ.get("KVBENCH_CLAIM_STALE_S", "600"))
 
 
 def warn(message: str) -> None:
-    print("kvbench: warning: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+    """One warning line on stderr (and in the run's kvbench.log)."""
+    say("kvbench: warning: " + " ".join(str(message).split()), level=logging.WARNING)
 
 
 # --------------------------------------------------------------------------- run ids

@@ -36,6 +36,7 @@ def _bytes(v: Any) -> str:
 # Keys shown in their own section, not among the task metrics.
 _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "prefill_tokens_per_s",
              "decode_tokens_per_s", "ttft_s", "peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "wall_s",
+             "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
              "num_samples", "device", "dtype", "kvbench", "torch", "transformers", "git_commit", "seed",
              "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
@@ -62,6 +63,51 @@ def storage_line(record: dict) -> Optional[str]:
         parts.append("pre-RoPE keys")
     return "\n".join(textwrap.wrap(", ".join(parts), _WIDTH, initial_indent="storage   ",
                                    subsequent_indent=" " * 10))
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def saved_fraction(record: dict) -> Optional[float]:
+    """The share of the live sequences' uncompressed KV that the method (eviction and/or codec) removed, measured
+    at the moment that uncompressed figure peaked: 1 - held_kv_bytes / full_kv_bytes. Blocks forks share count
+    once per holder on both sides, so sharing is never counted as saving. None for records without the figures."""
+    held, full = _num(record.get("held_kv_bytes")), _num(record.get("full_kv_bytes"))
+    if held is None or not full:
+        return None
+    return max(0.0, 1.0 - held / full)
+
+
+def memory_lines(record: dict) -> list:
+    """The KV memory lines: what the method removed (% saved), what forks shared, how full the pool got."""
+    lines = []
+    peak, pool, full = _num(record.get("peak_kv_bytes")), _num(record.get("kv_pool_bytes")), record.get("full_kv_bytes")
+    saved = saved_fraction(record)
+    bpt = f"   {_fmt(record.get('kv_bytes_per_token'))} B/token"
+    if saved is None:  # a record from before held_kv_bytes was measured: no % saved, it could count forks
+        lines.append(f"KV saved  - (not measured in this run; uncompressed peak {_bytes(full)}){bpt}")
+    elif saved == 0.0:
+        lines.append(f"KV saved  0.0%: nothing removed (held {_bytes(record.get('held_kv_bytes'))}, "
+                     f"as uncompressed){bpt}")
+    else:
+        removed = [w for w, on in (("eviction", record.get("method") not in (None, "full")),
+                                   ("codec", record.get("storage_codec") not in (None, "full", "none"))) if on]
+        by = " + ".join(removed) or "the method"
+        lines.append(f"KV saved  {100.0 * saved:.1f}% by {by}: held {_bytes(record.get('held_kv_bytes'))} "
+                     f"where uncompressed {_bytes(full)}{bpt}")
+    shared = _num(record.get("fork_shared_kv_bytes"))
+    if shared:
+        lines.append(f"KV shared {_bytes(shared)} by forks (continuations share their context's blocks; "
+                     "not counted as saved)")
+    if peak is not None:
+        of_pool = f" of the {_bytes(pool)} pool ({100.0 * peak / pool:.1f}% used)" if pool else ""
+        lines.append(f"KV pool   peak {_bytes(peak)}{of_pool}")
+    if record.get("storage_codec") not in (None, "full", "none"):
+        lines.extend(textwrap.wrap("(B/token: one stored token, packed; held and pool peak also hold the "
+                                   "full-precision window and part-filled blocks)", _WIDTH,
+                                   initial_indent=" " * 10, subsequent_indent=" " * 11))
+    return lines
 
 
 def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
@@ -101,12 +147,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     lines.append("-" * _WIDTH)
     lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
                  f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")
-    peak, full = record.get("peak_kv_bytes"), record.get("full_kv_bytes")
-    saving = ""
-    if isinstance(peak, (int, float)) and isinstance(full, (int, float)) and full:
-        saving = f"   ({100.0 * (1 - peak / full):.1f}% saved)"
-    lines.append(f"KV memory peak {_bytes(peak)} of {_bytes(full)} uncompressed{saving}   "
-                 f"{_fmt(record.get('kv_bytes_per_token'))} B/token")
+    lines.extend(memory_lines(record))
     if record.get("budget_reached") is False:
         lines.extend(textwrap.wrap(
             f"note      budget {record.get('budget')} was never reached: the longest sequence held "
@@ -114,11 +155,71 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
             "budget)", _WIDTH, subsequent_indent=" " * 10))
     if storage:
         lines.append(storage)
-        lines.extend(textwrap.wrap("(B/token: one stored token, packed; % saved: measured peaks, which also hold "
-                                   "the full-precision window and part-filled blocks)", _WIDTH,
-                                   initial_indent=" " * 10, subsequent_indent=" " * 11))
     lines.append(f"time      {_fmt(record.get('wall_s'))} s")
     if run_dir:
         lines.append(f"results   {run_dir}")
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+# Columns of the sweep table besides the task's own metrics (decode speed for generation, % saved for all).
+_SWEEP_EXTRA = ("decode_tokens_per_s",)
+_SWEEP_MAX_METRICS = 6  # task metrics shown per run (the rest are in each run's metrics.json)
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    return (key not in _RUN_KEYS and not key.startswith(_HIDDEN_PREFIXES) and isinstance(value, (int, float))
+            and not isinstance(value, bool) and "_pos_" not in key and not key.endswith("_stderr"))
+
+
+def format_sweep_table(records: list) -> str:
+    """One table for a sweep's runs, after their boxes: a row per run (method, budget and any other setting that
+    differs between the runs), a column per metric (the first few the task reports, decode tok/s when measured,
+    % saved as the summary defines it) and the status."""
+    records = [r for r in records if isinstance(r, dict)]
+    if not records:
+        return ""
+    settings = sorted({k for r in records for k in r if k.startswith(("method_", "task_", "quant_", "runtime_"))
+                       and not isinstance(r.get(k), (dict, list))})
+    by_method: dict = {}
+    for r in records:
+        by_method.setdefault((r.get("method"), r.get("quant")), []).append(r)
+    # settings swept besides method and budget: those that differ between runs of one method
+    varying = [k for k in settings if k not in ("method_name", "method_budget")
+               and any(len({str(r.get(k)) for r in group}) > 1 for group in by_method.values())]
+    metrics: list = []
+    for r in records:
+        for k, v in r.items():
+            if _is_metric(k, v) and k not in metrics:
+                metrics.append(k)
+    shown = metrics[:_SWEEP_MAX_METRICS]
+    shown += [k for k in _SWEEP_EXTRA if any(_num(r.get(k)) is not None for r in records) and k not in shown]
+    header = ["method", "budget"] + [k.split("_", 1)[1] for k in varying] + shown + ["% saved", "status"]
+    rows = []
+    for r in records:
+        quant = r.get("quant")
+        method = r.get("method") if quant in (None, "none", "full") else f"{r.get('method')} + {quant}"
+        saved = saved_fraction(r)
+        rows.append([str(method), _fmt(r.get("budget"))] + [_fmt(r.get(k)) for k in varying]
+                    + [_fmt(r.get(k)) for k in shown]
+                    + ["-" if saved is None else f"{100.0 * saved:.1f}", str(r.get("status"))])
+    rows.sort(key=lambda row: (row[0], _sort_budget(row[1]), row[2:]))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list) -> str:
+        return "  ".join(c.ljust(w) if i < 2 + len(varying) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    title = f" kvbench sweep: {len(records)} runs "
+    width = max(_WIDTH, len(line(header)))
+    out = [title.center(width, "="), line(header), line(["-" * w for w in widths])]
+    out += [line(row) for row in rows]
+    if len(metrics) > _SWEEP_MAX_METRICS:
+        out.append(f"({len(metrics) - _SWEEP_MAX_METRICS} more metrics per run in metrics.json / runs.jsonl)")
+    out.append("=" * width)
+    return "\n".join(out)
+
+
+def _sort_budget(text: str) -> tuple:
+    digits = text.replace(",", "")
+    return (0, int(digits)) if digits.isdigit() else (1, 0)

@@ -17,14 +17,12 @@ import glob
 import math
 import os
 import shutil
-import sys
 from typing import Any, Optional
 
+from kvbench.errors import say
+from kvbench.results import warn
+
 MAX_TABLE_ROWS = 1000
-
-
-def warn(message: str) -> None:
-    print("kvbench: warning: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
 
 
 def resolve_mode(mode: str) -> str:
@@ -142,14 +140,30 @@ class WandbLogger:
             warn(f"W&B logging failed ({type(exc).__name__}: {exc}); the results folder is complete anyway")
 
     def finish(self, failed: bool = False) -> None:
+        """Close the W&B run; an offline run says where it logged and the command that uploads it."""
         if self.run is None:
             return
+        offline_dir = self._offline_dir()
         try:
             self.run.finish(exit_code=1 if failed else 0)
         except Exception as exc:
             warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
+            offline_dir = None
         finally:
             self.run = None
+        if offline_dir:
+            say(f"kvbench: W&B logged offline into {offline_dir}; "
+                f"upload it with: wandb sync {offline_dir}")
+
+    def _offline_dir(self) -> Optional[str]:
+        """The offline run's folder (run_dir/wandb/offline-run-*), or None for an online run."""
+        if self.mode != "offline":
+            return None
+        try:
+            return str(self.run.settings.sync_dir)
+        except Exception:
+            found = sorted(glob.glob(os.path.join(self.run_dir, "wandb", "offline-run-*")), key=os.path.getmtime)
+            return found[-1] if found else None
 
 
 def remove_stale_offline_runs(run_dir: str) -> int:

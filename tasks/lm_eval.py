@@ -25,11 +25,13 @@ filtered response(s), references = [target], and lm-eval's per-document metrics.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import kvbench
 from kvbench.errors import UserError
@@ -179,6 +181,59 @@ def seed_of(settings: Any) -> int:
         return 0
 
 
+# lm-eval's modules that draw tqdm bars of their own (building contexts, tokenizing inputs)
+_LM_EVAL_BAR_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.evaluator")
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """Keep lm-eval's own output out of kvbench's: its tqdm bars are off, its log records go to the run's
+    kvbench.log only (Hydra's file handler; nowhere when there is none) and its `git describe` (for a commit hash
+    kvbench records itself) asks git without letting git's "fatal: not a git repository" through."""
+    import importlib
+    import subprocess
+
+    patched: list = []
+
+    def patch(module: Any, name: str, value: Any) -> None:
+        patched.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def no_bar(real: Any) -> Any:
+        def bar(*args: Any, **kwargs: Any) -> Any:
+            return real(*args, **{**kwargs, "disable": True})  # whatever disable= lm-eval passes
+        return bar
+
+    for name in _LM_EVAL_BAR_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "tqdm"):
+            patch(module, "tqdm", no_bar(module.tqdm))
+    evaluator = importlib.import_module("lm_eval.evaluator")
+    if hasattr(evaluator, "get_git_commit_hash"):
+        def quiet_git_hash() -> Optional[str]:
+            try:
+                out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=5,
+                                     stdin=subprocess.DEVNULL)
+                return out.stdout.strip() or None
+            except (OSError, subprocess.SubprocessError):
+                return None
+        patch(evaluator, "get_git_commit_hash", quiet_git_hash)
+    lm_log = logging.getLogger("lm_eval")
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    saved = (lm_log.propagate, list(lm_log.handlers))
+    lm_log.propagate = False
+    for h in files:
+        lm_log.addHandler(h)
+    if not files:
+        lm_log.addHandler(logging.NullHandler())
+    try:
+        yield
+    finally:
+        lm_log.propagate, lm_log.handlers[:] = saved[0], saved[1]
+        for module, name, value in reversed(patched):
+            setattr(module, name, value)
+
+
 @register_task("lm_eval")
 class LmEval(Task):
     Options = LmEvalOptions
@@ -194,21 +249,22 @@ class LmEval(Task):
             raise UserError(f"task=lm_eval needs lm-eval ({INSTALL_HINT}): {exc}") from None
         seed = seed_of(cfg)
         lm = KVBenchLM(engine=engine, tokenizer=tokenizer, batch_size=batch_size_of(cfg),
-                       max_gen_toks=opts.max_gen_toks, seed=seed)
-        manager = TaskManager(include_path=[*(opts.include_path or []), str(BUNDLED_TASKS)],
-                              include_defaults=opts.include_defaults)
-        unknown = [t for t in opts.tasks if not manager.match_tasks([t]) and not os.path.isfile(t)]
-        if unknown:
-            raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}"
-                            + (f" (include_path {', '.join(opts.include_path)})" if opts.include_path else
-                               " (lm_eval ls tasks lists them; task.include_path adds your own YAMLs)"))
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=list(opts.tasks), num_fewshot=opts.num_fewshot, limit=opts.limit,
-            task_manager=manager, bootstrap_iters=opts.bootstrap_iters, log_samples=opts.log_samples,
-            apply_chat_template=opts.apply_chat_template, fewshot_as_multiturn=opts.fewshot_as_multiturn,
-            system_instruction=opts.system_instruction, gen_kwargs=opts.gen_kwargs,
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        )
+                       max_gen_toks=opts.max_gen_toks, seed=seed, progress=progress)
+        with quiet_lm_eval():  # lm-eval's logs and bars stay out of kvbench's output
+            manager = TaskManager(include_path=[*(opts.include_path or []), str(BUNDLED_TASKS)],
+                                  include_defaults=opts.include_defaults)
+            unknown = [t for t in opts.tasks if not manager.match_tasks([t]) and not os.path.isfile(t)]
+            if unknown:
+                raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}"
+                                + (f" (include_path {', '.join(opts.include_path)})" if opts.include_path else
+                                   " (lm_eval ls tasks lists them; task.include_path adds your own YAMLs)"))
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=list(opts.tasks), num_fewshot=opts.num_fewshot, limit=opts.limit,
+                task_manager=manager, bootstrap_iters=opts.bootstrap_iters, log_samples=opts.log_samples,
+                apply_chat_template=opts.apply_chat_template, fewshot_as_multiturn=opts.fewshot_as_multiturn,
+                system_instruction=opts.system_instruction, gen_kwargs=opts.gen_kwargs,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+            )
         if results is None:  # pragma: no cover (only on non-zero ranks)
             raise UserError("lm-eval returned no results")
         metrics = flatten_results(results, opts.tasks)

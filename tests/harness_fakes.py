@@ -55,7 +55,8 @@ class FakeEngine:
 
     def memory_stats(self) -> dict:
         n = max((len(s) for s in self.scored), default=0)
-        return {"peak_kv_bytes": 100 * n, "full_kv_bytes": 200 * n, "kv_bytes_per_token": 200.0,
+        return {"peak_kv_bytes": 100 * n, "full_kv_bytes": 200 * n, "held_kv_bytes": 100 * n,
+                "fork_shared_kv_bytes": 0, "kv_pool_bytes": 400 * n, "kv_bytes_per_token": 200.0,
                 "block_size": 16, "num_blocks": 8}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -57,6 +58,7 @@ def test_help_lists_each_group(tmp_path):
     (["budget=abc"], ["invalid budget='abc'", "positive integer", "null"]),
     (["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"]),
     (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
+    (["experiment=h2o"], ["experiment is not in the default config", "+experiment=h2o"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
     proc = kvbench(*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
@@ -97,3 +99,73 @@ def test_repeat_prints_the_stored_summary_and_a_missing_model_is_refused_before_
     proc = kvbench("model=hf", "model.path=/no/such/model", "logger.wandb=false", "results_dir=r", cwd=tmp_path)
     assert_usage_error(proc, "model.path='/no/such/model' does not exist")
     assert not glob.glob(str(tmp_path / "r" / "*"))  # refused before anything was written
+
+
+def test_a_sweep_ends_with_one_table_of_its_runs(tmp_path):
+    from tests.harness_fakes import run_fake_cli
+
+    proc = run_fake_cli("-m", "method=h2o,full", "budget=8,16", "task.max_tokens=40,48", f"results_dir={tmp_path / 'r'}",
+                        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    boxes, table = proc.stdout.rsplit("kvbench run OK", 1)[0], proc.stdout.split("kvbench sweep:")[-1]
+    assert "kvbench sweep: 6 runs" in proc.stdout and boxes  # after the per-run boxes (full ignores the budget)
+    lines = table.splitlines()
+    header = lines[1].split()
+    assert header[:3] == ["method", "budget", "max_tokens"] and "ppl" in header and header[-2:] == ["saved", "status"]
+    rows = [line.split() for line in lines[3:] if line and not line.startswith("=")]
+    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(
+        [("full", "-", "40"), ("full", "-", "48"), ("h2o", "8", "40"), ("h2o", "8", "48"), ("h2o", "16", "40"),
+         ("h2o", "16", "48")])
+    assert all(r[-1] == "ok" for r in rows)
+
+
+def test_a_single_run_prints_no_sweep_table(tmp_path):
+    from tests.harness_fakes import run_fake_cli
+
+    proc = run_fake_cli("budget=8", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert proc.returncode == 0 and "kvbench run OK" in proc.stdout and "kvbench sweep" not in proc.stdout
+
+
+def _copy_checkout(dest):
+    """The checkout's files (tracked and new, as git lists them; links kept as links) copied into dest."""
+    names = subprocess.run(["git", "-C", REPO, "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, names):
+        src, dst = os.path.join(REPO, name), os.path.join(dest, name)
+        if not os.path.lexists(src):
+            continue
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+
+
+def test_python_m_kvbench_from_the_folder_that_holds_a_checkout_named_kvbench(tmp_path):
+    """A checkout in a folder named kvbench, installed editable (as `make install` does): `python -m kvbench` works
+    from the folder that holds it, where Python first sees that folder as a namespace package `kvbench` (whose
+    results/ folder shadowed kvbench.results: "cannot import name 'model_label'")."""
+    parent = tmp_path / "work"
+    checkout = parent / "kvbench"
+    _copy_checkout(checkout)
+    (checkout / "results").mkdir(exist_ok=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages") and not p.startswith(REPO)]
+    with open(os.path.join(site, "zz_kvbench_test_deps.pth"), "w") as f:  # this interpreter's packages, last
+        f.write("\n".join(deps) + "\n")
+    install = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                              "-e", str(checkout)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+    env = {k: v for k, v in kvbench_env().items() if k != "PYTHONPATH"}
+    for cwd in (parent, checkout, tmp_path):
+        proc = subprocess.run([py, "-m", "kvbench", "--help"], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "Usage: python -m kvbench" in proc.stdout, (cwd, proc.stderr[-2000:])
+    where = subprocess.run([py, "-c", "import kvbench.methods, kvbench.results as r; r.model_label; "
+                            "print(kvbench.methods.__file__)"], cwd=parent, env=env, capture_output=True, text=True)
+    assert where.returncode == 0, where.stderr[-2000:]
+    assert os.path.realpath(where.stdout.strip()) == str(checkout / "methods" / "__init__.py")

@@ -102,3 +102,18 @@ def test_full_filesystem_never_leaves_a_short_record(tiny_tmpfs, tmp_path):
     runs = results.read_jsonl(str(out / "runs.jsonl"))
     assert {r["run_id"] for r in runs} >= {p.name for p in ok_folders}
     assert len({r["attempt_id"] for r in runs}) == len(runs)  # none twice
+
+
+def test_a_full_disk_is_a_fault_not_bad_input(tiny_tmpfs, tmp_path):
+    """Exit 1 (not the bad-input code 2), one line naming the file and the OS error, no traceback."""
+    (tiny_tmpfs / "r").mkdir()
+    with open(tiny_tmpfs / "fill", "wb") as f:  # fill the disk
+        try:
+            f.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+    proc = run_fake_cli("budget=8", f"results_dir={tiny_tmpfs / 'r'}", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvbench: error: could not write ") and str(tiny_tmpfs / "r") in lines[0]
+    assert "No space left on device" in lines[0] and "results_dir" not in lines[0]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 
 from tests.harness_fakes import run_fake_cli, start_fake, wait_for_lines
-from kvbench import results
+from kvbench import app, results
 
 
 def _index(out):
@@ -58,3 +61,38 @@ def test_load_runs_repairs_the_index_too(tmp_path):
     assert [r["attempt_id"] for r in _index(tmp_path)] == ["x1"]
     results.load_runs(str(tmp_path))
     assert len(_index(tmp_path)) == 1  # repair never duplicates
+
+
+def test_kill_9_leaves_no_exit_channel_file(tmp_path):
+    """The channel the launcher workers report through has no name on Linux: a killed CLI leaves nothing in TMPDIR."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out, marker = tmp_path / "r", tmp_path / "marker"
+    proc = start_fake("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, TMPDIR=str(tmp),
+                      KVBENCH_TEST_SLEEP_S="60", KVBENCH_TEST_MARKER=str(marker))
+    wait_for_lines(marker, 1, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("kvbench-exit-")] == []
+
+
+def test_named_channels_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """Without O_TMPFILE the channel is a named file: the next CLI deletes those whose process is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    monkeypatch.delenv(app.EXIT_FILE_ENV, raising=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"kvbench-exit-{dead.stdout.strip()}-abc"
+    live = tmp_path / f"kvbench-exit-{os.getppid()}-abc"
+    stale.write_text("1\t\n")
+    live.write_text("")
+    app.open_exit_channel()
+    try:
+        path = os.environ[app.EXIT_FILE_ENV]
+        assert not stale.exists() and live.exists() and os.path.dirname(path) == str(tmp_path)
+        app._note_exit(2, "/some/run")
+        assert app.exit_code() == 2 and app.sweep_runs() == ["/some/run"]
+    finally:
+        app.close_exit_channel()
+        monkeypatch.setattr(app, "_exit_code", 0)
+    assert not os.path.exists(path)

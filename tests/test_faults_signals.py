@@ -26,3 +26,44 @@ def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
     assert metrics["status"] == "failed" and metrics["error"] == error and metrics["wall_s"] > 0
     (line,) = results.read_jsonl(str(out / "runs.jsonl"))
     assert line["error"] == error and line["attempt_id"] == metrics["attempt_id"]
+
+
+SECOND_SIGTERM = """
+import os, signal, time
+from kvbench.errors import Terminated, install_sigterm_handler
+install_sigterm_handler()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except Terminated:
+    os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM while the first is being handled (cleanup, atexit)
+    time.sleep(5)
+print("not reached")
+"""
+
+
+def test_a_second_sigterm_while_the_first_is_handled_exits_at_once_without_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGTERM], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143 and "not reached" not in proc.stdout
+    assert proc.stderr.strip() == "kvbench: error: terminated again: exiting now", proc.stderr
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.005, 0.01, 0.02, 0.05])
+def test_two_sigterms_mid_run_print_no_traceback(tmp_path, gap_s):
+    import time
+
+    out, marker = tmp_path / "r", tmp_path / "marker"
+    proc = start_fake("budget=8", f"results_dir={out}", cwd=tmp_path, KVBENCH_TEST_SLEEP_S="60",
+                      KVBENCH_TEST_MARKER=str(marker))
+    wait_for_lines(marker, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(gap_s)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    # 143; or killed by the signal itself (-15, 143 to a shell) when it came as the interpreter was shutting down
+    assert proc.returncode in (143, -signal.SIGTERM) and "Traceback" not in err, err
+    assert "kvbench: error: terminated" in err

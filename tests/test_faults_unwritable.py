@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.test_bad_input import cli  # noqa: F401  (the in-process CLI fixture)
+from tests.harness_fakes import run_fake_cli
 from tests.test_cli import assert_usage_error, kvbench
 
 
@@ -47,3 +48,25 @@ def test_read_only_filesystem(cli, read_only_dir):  # noqa: F811
     code, out, err = cli(["logger.wandb=false", f"results_dir={read_only_dir / 'r'}"])
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "Read-only file system" in lines[0], err
+
+
+def test_rerun_into_a_folder_that_became_read_only(tmp_path):
+    """A results folder that held a finished run and is now read-only (a remounted disk): one line, exit 2."""
+    if os.geteuid() != 0:
+        pytest.skip("remounting needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        first = run_fake_cli("budget=8", f"results_dir={mnt / 'r'}", cwd=tmp_path)
+        assert first.returncode == 0, first.stderr
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        for args in (["budget=8", "rerun=true"], ["budget=8"], ["-m", "budget=8,16"]):
+            proc = run_fake_cli(*args, f"results_dir={mnt / 'r'}", cwd=tmp_path)
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr)
+            assert "Read-only file system" in lines[0] and str(mnt / "r") in lines[0]
+            assert "Traceback" not in proc.stdout + proc.stderr
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

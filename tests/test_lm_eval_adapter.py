@@ -306,3 +306,33 @@ def test_seed_from_typed_settings_or_old_configs():
     assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.config.Settings
     assert seed_of(OmegaConf.create({"seed": 3})) == 3 and seed_of({"seed": 2}) == 2
     assert seed_of(None) == 0
+
+
+def test_lm_eval_output_stays_out_of_kvbench_output(tmp_path, capfd):
+    """lm-eval's log lines, its tqdm bars and its `git describe` noise do not reach the terminal; its log records go
+    to the run's log file (Hydra's file handler on the root logger, stood in for here)."""
+    import logging
+
+    from kvbench.app import run
+
+    log_file = tmp_path / "kvbench.log"
+    handler = logging.FileHandler(log_file)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        rec = run(run_cfg(tmp_path, ["task=lm_eval", "task.tasks=[kvbench_essays_mc]", "task.include_defaults=false",
+                                     "task.limit=2", "runtime.prefill_chunk_size=64", "progress=false"]),
+                  load_model_fn=tiny_loader(), print_summary=False)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+        handler.close()
+    out, err = capfd.readouterr()
+    assert rec["status"] == "ok", rec["error"]
+    for noise in ("Building contexts", "Setting random seed", "Tokenizing inputs", "it/s]", "%|", "fatal:",
+                  "lm_eval", "Custom kwargs"):
+        assert noise not in out + err, (noise, out, err)
+    logged = log_file.read_text()
+    assert "Building contexts for kvbench_essays_mc" in logged and "Running loglikelihood requests" in logged

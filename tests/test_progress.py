@@ -49,3 +49,22 @@ def test_no_duplicate_closing_line():
     bar.update(2)  # the line written here already shows 2/2
     bar.close()
     assert len(out.getvalue().splitlines()) == 1
+
+
+def test_first_use_of_a_gguf_says_it_converts_before_it_does(tmp_path, monkeypatch, capsys):
+    """The conversion takes about a minute on the first run: one line says so before it starts, and only then."""
+    from kvbench.runtime import loading
+
+    said = []
+
+    def fake_convert(src, dest):  # what had been printed when the (slow) conversion started
+        said.append(capsys.readouterr().err)
+        dest.mkdir(parents=True)
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "_convert_gguf", fake_convert)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(64)))
+    out = loading._converted_gguf(str(tmp_path), "m.gguf", None)
+    assert len(said) == 1 and f"kvbench: converting m.gguf into {out}" in said[0] and "about a minute" in said[0]
+    loading._converted_gguf(str(tmp_path), "m.gguf", None)
+    assert len(said) == 1 and "converting" not in capsys.readouterr().err  # converted once, said once

@@ -169,7 +169,7 @@ def test_summary_fits_one_screen(tmp_path):
     text = format_summary(rec, str(tmp_path))
     lines = text.splitlines()
     assert len(lines) < 25 and max(len(line) for line in lines) <= 100
-    assert "ppl" in text and "perplexity" in text and "KV memory" in text and "50.0% saved" in text
+    assert "ppl" in text and "perplexity" in text and "KV saved  50.0%" in text and "KV pool" in text
 
 
 def test_every_setting_is_a_column_and_experiments_group(tmp_path):
@@ -209,14 +209,15 @@ def test_codec_summary_is_one_storage_line():
 
     rec = results.complete_record({
         "run_id": "r", "status": "ok", "method": "full", "quant": "kivi", "task": "perplexity", "ppl": 12.5,
-        "peak_kv_bytes": 300, "full_kv_bytes": 1000, "kv_bytes_per_token": 40.0, "storage_codec": "kivi",
+        "peak_kv_bytes": 300, "full_kv_bytes": 1000, "held_kv_bytes": 300, "kv_bytes_per_token": 40.0,
+        "storage_codec": "kivi",
         "storage_codec_bits": 2, "storage_codec_group_size": 32, "storage_packed_bits_per_element": 3.0,
         "storage_fp_block_dtype": "float32", "storage_block_size": 32, "storage_packed_key_bytes_per_block": 1,
         "task_max_tokens": 1024, "runtime_block_size": 16, "quant_bits": 2})
     text = format_summary(rec)
     assert text.count("storage") == 1 and "kivi (bits=2, group_size=32)" in text and "3 bits/element" in text
     assert "storage_" not in text and "task_max_tokens" not in text and "ppl 12.5" in text
-    assert "% saved: measured peaks" in text and "full + kivi" in text
+    assert "KV saved  70.0% by codec" in text and "full + kivi" in text and "full-precision window" in text
     assert max(len(line) for line in text.splitlines()) <= 78
 
 

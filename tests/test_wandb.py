@@ -35,13 +35,15 @@ def test_mode_resolution(no_wandb_env, monkeypatch):
     assert resolve_mode("offline") == "offline"
 
 
-def test_offline_run_lands_in_the_run_folder(tmp_path, no_wandb_env):
+def test_offline_run_lands_in_the_run_folder(tmp_path, no_wandb_env, capsys):
     pytest.importorskip("wandb")
     rec = run_fake(tmp_path, ["budget=16"])
     assert rec["status"] == "ok"
     run_dir = tmp_path / rec["run_id"]
     offline = glob.glob(str(run_dir / "wandb" / "offline-run-*"))
     assert len(offline) == 1
+    # it says where it logged and how to upload it
+    assert f"W&B logged offline into {offline[0]}; upload it with: wandb sync {offline[0]}" in capsys.readouterr().err
     assert glob.glob(os.path.join(offline[0], "*.wandb"))  # the data file `wandb sync` uploads
     assert not os.path.exists("wandb") or os.path.abspath("wandb") == str(run_dir / "wandb")
 

@@ -29,7 +29,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
+from kvbench.results import warn
 from kvbench.runtime.linear import Linear, keep_dense_weights
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 
@@ -327,10 +330,10 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings | None = None
         return Calibration(None, None, None, {"cached": False})
     path = cache_path(model, settings, cache_dir)
     if use_cache and path.is_file():
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        _log_line(f"kvquant calibration: reusing the cached one in {path}")
-        return Calibration(data.get("key_levels"), data.get("value_levels"), data.get("key_ranges"),
-                           {**json.loads(data["info"]), "cached": True, "cache_file": str(path)})
+        cached = _read_cached(path)
+        if cached is not None:
+            _log_line(f"kvquant calibration: reusing the cached one in {path}")
+            return cached
     tok = resolve_tokenizer(model, tokenizer)
     seqs = calibration_sequences(tok, settings)
     _log_line(f"kvquant calibration ({settings.method}, {len(seqs)} x {settings.seq_len} tokens of "
@@ -338,16 +341,52 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings | None = None
     cal = calibrate_on_tokens(model, seqs, settings)
     cal.info.update(settings=dataclasses.asdict(settings), model_fingerprint=model_fingerprint(model))
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        data: dict[str, Any] = {"info": json.dumps(cal.info)}
-        for name in ("key_levels", "value_levels", "key_ranges"):
-            if getattr(cal, name) is not None:
-                data[name] = getattr(cal, name).float().cpu().contiguous()
-        torch.save(data, tmp)
-        tmp.replace(path)
+        _write_cached(path, cal)
     cal.info.update(cached=False, cache_file=str(path))
     return cal
+
+
+_CACHED_TENSORS = ("key_levels", "value_levels", "key_ranges")
+
+
+def _read_cached(path: Path) -> Calibration | None:
+    """The calibration stored in `path`, or None (with a warning naming the file) when it cannot be read whole: a
+    truncated or corrupt file (a crash or a full disk while another version wrote it) is computed again."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        info = json.loads(data["info"])
+        tensors = {name: data.get(name) for name in _CACHED_TENSORS}
+        if not isinstance(info, dict) or not any(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise ValueError("no calibration tensors in it")
+        if not all(t is None or bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ValueError("non-finite values in it")
+    except Exception as exc:  # torch.load raises RuntimeError, EOFError, pickle errors... on a damaged file
+        warn(f"the cached kvquant calibration {path} is unreadable ({type(exc).__name__}: "
+             f"{str(exc).splitlines()[0] if str(exc) else 'damaged'}); computing it again")
+        return None
+    return Calibration(tensors["key_levels"], tensors["value_levels"], tensors["key_ranges"],
+                       {**info, "cached": True, "cache_file": str(path)})
+
+
+def _write_cached(path: Path, cal: Calibration) -> None:
+    """Store `cal` in `path` atomically: written to a temp file of this writer's own (calibrators running at once
+    never share one), then renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"info": json.dumps(cal.info)}
+    for name in _CACHED_TENSORS:
+        if getattr(cal, name) is not None:
+            data[name] = getattr(cal, name).float().cpu().contiguous()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(data, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def resolve_tokenizer(model, tokenizer=None):

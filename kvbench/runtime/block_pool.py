@@ -38,6 +38,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, reserved - 1, -1))  # top of the stack = lowest id
         self._refcount = [0] * num_blocks
         self.peak_in_use = 0
+        # references beyond a block's first, over all blocks: what forked sequences share (each holder of a
+        # shared block counts it once; the pool holds it once). Tables reference in_use + shared_refs blocks.
+        self.shared_refs = 0
 
     @property
     def capacity(self) -> int:
@@ -72,6 +75,7 @@ class BlockPool:
             if ref[b] <= 0:
                 raise ValueError(f"cannot share free block {b}")
             ref[b] += 1
+            self.shared_refs += 1
 
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference to each block; blocks whose count reaches zero return to the free list."""
@@ -83,6 +87,8 @@ class BlockPool:
             ref[b] -= 1
             if ref[b] == 0:
                 released.append(b)
+            else:
+                self.shared_refs -= 1
         self._free.extend(reversed(released))  # the first released comes out first again
 
     def refcount(self, block_id: int) -> int:
@@ -100,3 +106,4 @@ class BlockPool:
                 assert self._refcount[b] == 0, f"free block {b} has refcount {self._refcount[b]}"
             else:
                 assert self._refcount[b] > 0, f"block {b} neither free nor referenced"
+        assert self.shared_refs == sum(max(0, r - 1) for r in self._refcount), "shared_refs out of step"

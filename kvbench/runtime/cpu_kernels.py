@@ -19,7 +19,9 @@ Every kernel is checked against its torch counterpart in tests/test_cpu_kernels.
 
 The library is compiled on first use with the system C compiler (``$CC`` or ``cc``, with OpenMP)
 into ``$KVBENCH_CACHE_DIR/ext`` (default ``~/.cache/kvbench/ext``), keyed by the sources, flags and
-CPU. Without a compiler, or with ``KVBENCH_CPU_KERNEL=0``, callers use the torch paths.
+CPU. A cached library is loaded only if it and that folder belong to the user and no one else can write them;
+else it is rebuilt in a private temporary folder, with a warning. Without a compiler, or with
+``KVBENCH_CPU_KERNEL=0``, callers use the torch paths.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -35,6 +39,8 @@ from typing import Callable
 
 import torch
 
+from kvbench.errors import say
+from kvbench.results import warn
 from kvbench.runtime.attention import paged_attention_torch
 
 log = logging.getLogger(__name__)
@@ -77,21 +83,69 @@ def _flags() -> list[str]:
     return [("-O1" if f == "-O3" else f) for f in _FLAGS] + [f"-DKVBENCH_VN={width}"]
 
 
-def _compile() -> Path:
+def _library_path() -> Path:
+    """Where the library for these sources, flags and CPU is cached: $KVBENCH_CACHE_DIR/ext/kvbench_cpu-<key>.so."""
     cc = os.environ.get("CC", "cc")
-    flags = _flags()
     src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kvbench_cpu-{key}.so"
+    key = hashlib.sha256(src + " ".join([cc, *_flags()]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    return _cache_dir() / f"kvbench_cpu-{key}.so"
+
+
+def untrusted(path: Path) -> str | None:
+    """Why a cached library (or its folder) must not be loaded, or None when it may: only a file or folder of this
+    user's, not a symbolic link, and writable by no one else (anyone who can write it could run code in kvbench)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "is writable by group or others"
+    return None
+
+
+def _compile() -> tuple[Path, Path | None]:
+    """(the library to load, a private folder to delete once it is loaded, or None). A cached library is used only
+    if it and its folder pass `untrusted`; otherwise the kernels are built into a fresh private folder, with a
+    warning, and that folder is deleted after loading (the loaded library stays mapped)."""
+    out = _library_path()
+    folder = out.parent
+    why = None
+    if os.path.lexists(folder):
+        why = untrusted(folder) and f"{folder} {untrusted(folder)}"
+        if why is None and os.path.lexists(out):
+            why = untrusted(out) and f"{out} {untrusted(out)}"
+    if why is not None:
+        warn(f"not loading the cached CPU kernels: {why}; building them in a private folder for this run instead "
+             f"(fix it: remove {folder} or make it yours and not group/world-writable)")
+        private = Path(tempfile.mkdtemp(prefix="kvbench-ext-"))  # mode 0700, this user's
+        try:
+            return _build(private / out.name), private
+        except BaseException:
+            shutil.rmtree(private, ignore_errors=True)
+            raise
     if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+        return out, None
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return _build(out), None
+
+
+def _build(out: Path) -> Path:
+    """Compile the sources into `out` (through a temp file in its folder, renamed: concurrent builders never load
+    a half-written library); a file no one else may write."""
+    cc = os.environ.get("CC", "cc")
+    say(f"kvbench: compiling the CPU kernels into {out.parent} (once per machine and kernel version; "
+        "about 20 s)")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, *_flags(), *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True)
-        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written library
+        os.chmod(tmp, 0o755)  # the linker's mode follows the umask; never group/world-writable
+        os.replace(tmp, out)
     except (OSError, subprocess.CalledProcessError) as err:
         detail = err.stderr.strip()[:500] if isinstance(err, subprocess.CalledProcessError) else str(err)
         raise RuntimeError(f"{cc} failed: {detail}") from err
@@ -110,8 +164,12 @@ def load_kernel():
         _kernel_error = "disabled by KVBENCH_CPU_KERNEL=0"
         return None
     try:
-        # torch ships libgomp.so.1; the library links the same soname, so it shares torch's OpenMP runtime
-        lib = ctypes.CDLL(str(_compile()))
+        path, private = _compile()
+        try:  # torch ships libgomp.so.1; the library links the same soname, so it shares torch's OpenMP runtime
+            lib = ctypes.CDLL(str(path))
+        finally:
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
     except (OSError, RuntimeError) as err:
         _kernel_error = str(err)
         log.warning("CPU kernels unavailable (%s); using the torch paths", err)

@@ -81,6 +81,11 @@ class Engine:
         # methods that never act after attention (full, pure codecs) are not called once per layer
         self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
         self._peak_full_bytes = 0
+        # measured at the moment _peak_full_bytes was reached: bytes the live tables held (a block shared by n
+        # forks counted n times, like the uncompressed figure counts each sequence): what eviction/codec removed
+        # is _peak_full_bytes - _held_at_full_peak
+        self._held_at_full_peak = 0
+        self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
 
     # ------------------------------------------------------------------ backends
@@ -137,7 +142,11 @@ class Engine:
         bs = c.block_size
         blocks = sum(-(-c.tokens_seen[s] // bs) for s in c.live) * c.num_layers * c.num_kv_heads
         full = blocks * 2 * bs * c.head_dim * torch.empty((), dtype=c.dtype).element_size()  # model dtype
-        self._peak_full_bytes = max(self._peak_full_bytes, full)
+        shared = c.fork_shared_bytes()
+        self._peak_fork_shared_bytes = max(self._peak_fork_shared_bytes, shared)
+        if full > self._peak_full_bytes:
+            self._peak_full_bytes = full
+            self._held_at_full_peak = c.kv_bytes_in_use() + shared
 
     def forward_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, *, last_chunk: bool = True,
                       logits_for: str = "last") -> torch.Tensor | None:
@@ -307,11 +316,16 @@ class Engine:
         return sched.run(requests)
 
     def memory_stats(self) -> dict:
-        """Figures measured from the pool: peak bytes held, what a full cache would have held."""
+        """Figures measured from the pool: peak bytes held (peak_kv_bytes, of kv_pool_bytes), the most bytes an
+        uncompressed cache would have held for the live sequences (full_kv_bytes), what their block tables held
+        at that moment (held_kv_bytes; the method removed full - held) and the most bytes forks shared at once
+        (fork_shared_kv_bytes: referenced by several tables, held once in the pool)."""
         c = self.cache
         return {
             "peak_kv_bytes": c.peak_kv_bytes(),
             "full_kv_bytes": self._peak_full_bytes,
+            "held_kv_bytes": self._held_at_full_peak,
+            "fork_shared_kv_bytes": self._peak_fork_shared_bytes,
             "kv_bytes_per_token": c.kv_bytes_per_token(),
             "kv_bytes_in_use": c.kv_bytes_in_use(),
             "block_size": c.block_size,

@@ -110,6 +110,11 @@ class PagedKVCache:
     def peak_kv_bytes(self) -> int:
         return self.pool.peak_in_use * self.bytes_per_block
 
+    def fork_shared_bytes(self) -> int:
+        """Bytes that forked sequences share now: the live tables reference kv_bytes_in_use() + this
+        (a block shared by n tables counts n times there, once in the pool); counted by the pool's refcounts."""
+        return self.pool.shared_refs * self.bytes_per_block
+
     def pool_bytes(self) -> int:
         """The most K/V bytes the pool can hold at once."""
         return self.pool.capacity * self.bytes_per_block

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvbench.errors import UserError
+from kvbench.errors import UserError, say
 from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -217,6 +217,8 @@ def _converted_gguf(folder: str, gguf_file: str, cache_dir: str | os.PathLike | 
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    say(f"kvbench: converting {src.name} into {out} (first use of this file on this machine; about a minute for "
+        "the packaged 135M model, then it loads in seconds)")
     _convert_gguf(src, tmp)
     (tmp / "done").write_text(str(src))
     shutil.rmtree(out, ignore_errors=True)

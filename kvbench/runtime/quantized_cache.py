@@ -140,6 +140,10 @@ class RoutedBlockPool:
     def bytes_in_use(self) -> int:
         return self.fp.in_use * self.fp_block_bytes + self.packed.in_use * self.packed_block_bytes
 
+    def shared_bytes(self) -> int:
+        """Bytes of the extra references forks hold to shared blocks (each holder beyond the first)."""
+        return self.fp.shared_refs * self.fp_block_bytes + self.packed.shared_refs * self.packed_block_bytes
+
     def _track(self) -> None:
         b = self.bytes_in_use()
         if b > self.peak_bytes:
@@ -238,6 +242,9 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def peak_kv_bytes(self) -> int:
         return self.pool.peak_bytes
+
+    def fork_shared_bytes(self) -> int:
+        return self.pool.shared_bytes()
 
     def kv_bytes_per_token(self) -> float:
         """Pool bytes one packed token costs across all layers and kv-heads (codes and all metadata): the
