@@ -108,6 +108,50 @@ CASES = [
     (["method=paged_eviction", "budget=16"], "budget=16"),
     # sweeps: the bad value is refused, the good ones are not run
     (["-m", "budget=64,abc"], "budget='abc'"),
+    # issue 23: found before the model loads, no longer as a failed run or a traceback after it
+    (["task.text_file={emptyfile}"], "is empty"),
+    (["task.text_file={blankfile}"], "holds only whitespace"),
+    (["task.text_file=' '"], "task.text_file=' '"),
+    (["task.text_file={fifo}"], "is not a regular file"),
+    (["task=needle", "task.lengths=[100000]"], "task.lengths=[100000]"),
+    (["task=needle", "task.max_new_tokens=100000"], "task.max_new_tokens=100000"),
+    (["task=needle", "task.lengths=[64]", "task.buffer_tokens=100"], "task.buffer_tokens=100"),
+    (["task=summarization", "task.limit=0"], "task.limit=0"),
+    (["task=longbench", "task.limit=0"], "task.limit=0"),
+    (["task=govreport", "task.limit=0"], "task.limit=0"),
+    (["task=longbench", "task.data_dir={empty}"], "has no narrativeqa.jsonl"),
+    (["task=longbench", "task.data_dir=''"], "task.data_dir=''"),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={textfile}"], "neither a folder nor a zip"),
+    (["task=govreport", "task.data_dir={empty}"], "has no gov_report.jsonl"),
+    (["task=govreport", "task.source=ccdv", "task.data_dir={empty}"], "no GovReport 'test' data"),
+    (["task.corpus=wikitext", "task.data_path=/no/such/data"], "task.data_path='/no/such/data'"),
+    (["task.corpus=wikitext", "task.data_path={empty}"], "no 'test' split files"),
+    (["task.corpus=pg19", "task.data_path=''"], "task.data_path=''"),
+    (["task.data_path={textfile}"], "does not read it"),
+    (["model=hf", "model.path=nobody/no-such-model-kvbench"], "not in the local Hugging Face cache",
+     {"env": {"HF_HUB_OFFLINE": "1"}}),
+    (["task=lm_eval", "task.tasks=[kvbench_essays_mc]"], "needs lm-eval", {"hide": ["lm_eval"]}),
+    (["quant=kvquant", "quant.calibration_tokens=100000"], "quant.calibration_tokens=100000"),
+    (["quant=kvquant", "quant.bits=3.5"], "quant.bits=3.5"),
+    (["quant=kivi", "quant.group_size=32.5"], "quant.group_size=32.5"),
+    (["runtime.num_blocks=1e12"], "runtime.num_blocks=1000000000000.0"),
+    (["runtime.num_blocks=1000000000000"], "runtime.num_blocks=1000000000000"),
+    (["runtime.kv_memory_bytes=1000000000000000"], "runtime.kv_memory_bytes=1000000000000000"),
+    (["task.max_tokens=1e12"], "task.max_tokens=1000000000000"),
+    (["task.max_tokens=1000000000000"], "task.max_tokens=1000000000000"),
+    (["task.max_tokens=200000"], "task.max_tokens=200000"),
+    (["quant=kivi", "quant.group_size=100000"], "G=100000"),
+    (["quant=kivi", "quant.group_size=100000", "quant.residual=100000"], "quant.group_size=100000"),
+    (["quant=kivi", "quant.group_size=4096", "quant.residual=4096", "runtime.kv_memory_bytes=50000000"],
+     "quant.group_size=4096"),
+    (["method=kvcrush", "budget=64", "method.seed=1e21"], "method.seed=1e+21"),
+    (["method=kvcrush", "budget=64", "method.seed=100000000000000000000"], "method.seed=100000000000000000000"),
+    (["task=throughput", "task.request_rate=1e-300"], "task.request_rate=1e-300"),
+    (["task=throughput", "task.request_rate=0.001"], "task.request_rate=0.001"),
+    (["budget=${{oc.env:NOPE}}"], "budget='${{oc.env:NOPE}}'"),  # {{ }}: the table's str.format escapes
+    (["task.max_tokens=${{nope}}"], "task.max_tokens='${{nope}}'"),
+    (["model.path=/dev/null"], "model.path='/dev/null' is not a regular file or folder"),
+    (["model.path={fifo}"], "is not a regular file or folder"),
 ]
 if not CUDA:
     CASES += [(["model.device=cuda"], "model.device='cuda'"),
@@ -119,8 +163,12 @@ def paths(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\t\n  ")
+    os.mkfifo(tmp_path / "fifo")  # opening it would block: it must be refused without being opened
     return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
-            "gguf": str(tmp_path / "broken.gguf")}
+            "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
+            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo")}
 
 
 @pytest.fixture
@@ -150,17 +198,26 @@ def cli(monkeypatch, capsys):
 
 
 def test_the_table_is_big_enough():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 110
 
 
-@pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a) for a, _ in CASES])
-def test_bad_command_line(cli, paths, tmp_path, args, needle, monkeypatch):
+# A case is (command line, needle) or (command line, needle, setup): setup["env"] sets environment variables,
+# setup["hide"] makes modules unimportable (as if not installed).
+TABLE = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in CASES]
+
+
+@pytest.mark.parametrize("args,needle,setup", TABLE, ids=[" ".join(a) for a, _, _ in TABLE])
+def test_bad_command_line(cli, paths, tmp_path, args, needle, setup, monkeypatch):
     import kvbench.app as app
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded for bad input")
 
     monkeypatch.setattr(app, "_load_model", no_loading)
+    for key, value in setup.get("env", {}).items():
+        monkeypatch.setenv(key, value)
+    for module in setup.get("hide", []):
+        monkeypatch.setitem(sys.modules, module, None)
     results = tmp_path / "r"
     args = [a.format(**paths) for a in args]
     code, out, err = cli([*args, "logger.wandb=false", f"results_dir={results}"])
