@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -150,6 +151,8 @@ CASES = [
     (["task=throughput", "task.request_rate=0.001"], "task.request_rate=0.001"),
     (["budget=${{oc.env:NOPE}}"], "budget='${{oc.env:NOPE}}'"),  # {{ }}: the table's str.format escapes
     (["task.max_tokens=${{nope}}"], "task.max_tokens='${{nope}}'"),
+    (["results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "Environment variable 'KVBENCH_NO_SUCH_VAR' not found"),
+    (["-m", "results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "KVBENCH_NO_SUCH_VAR"),
     (["model.path=/dev/null"], "model.path='/dev/null' is not a regular file or folder"),
     (["model.path={fifo}"], "is not a regular file or folder"),
 ]
@@ -218,9 +221,12 @@ def test_bad_command_line(cli, paths, tmp_path, args, needle, setup, monkeypatch
         monkeypatch.setenv(key, value)
     for module in setup.get("hide", []):
         monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.chdir(tmp_path)  # a results_dir that cannot be resolved must not leave a folder here either
+    before = set(os.listdir(tmp_path))
     results = tmp_path / "r"
     args = [a.format(**paths) for a in args]
-    code, out, err = cli([*args, "logger.wandb=false", f"results_dir={results}"])
+    own_results = any(a.startswith("results_dir=") for a in args)
+    code, out, err = cli([*args, "logger.wandb=false", *([] if own_results else [f"results_dir={results}"])])
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (code, out, err)
     assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
@@ -228,6 +234,7 @@ def test_bad_command_line(cli, paths, tmp_path, args, needle, setup, monkeypatch
     assert "Traceback" not in out + err
     left = sorted(os.listdir(results)) if results.exists() else []
     assert left in ([], ["multirun.yaml"]), left  # no run folder, no runs.jsonl
+    assert set(os.listdir(tmp_path)) - before <= {"r"}
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -239,3 +246,60 @@ def test_bad_input_as_a_real_subprocess(tmp_path, args, needle):
                    cwd=tmp_path)
     assert_usage_error(proc, needle)
     assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+
+
+def _hub_cache_with(root, repo_id, config):
+    """A Hugging Face hub cache at root holding repo_id's config.json (its layout: refs/main -> snapshots/<rev>)."""
+    import json
+
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(config))
+
+
+def test_a_cached_hub_model_is_checked_against_its_config(cli, tmp_path, monkeypatch):
+    # offline, a hub id in the local cache passes, and its config.json (not the weights) bounds the task
+    import huggingface_hub.constants
+
+    import kvbench.app as app
+    from kvbench.model_info import model_shape
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _hub_cache_with(tmp_path / "hub", "org/tiny-llama", {
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "max_position_embeddings": 512})
+    shape = model_shape(SimpleNamespace(path="org/tiny-llama", gguf_file=None))
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_positions) == (2, 2, 16, 512)
+
+    monkeypatch.setattr(app, "_load_model", lambda *a, **k: pytest.fail("the model was loaded for bad input"))
+    code, out, err = cli(["model=hf", "model.path=org/tiny-llama", "task=needle", "task.lengths=[1024]",
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    assert code == 2 and "invalid task.lengths=[1024]" in err and "model's 512 positions" in err, err
+    assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+
+
+def test_a_hub_id_the_hub_does_not_know_is_refused(cli, tmp_path, monkeypatch):
+    # online: the hub is asked for config.json (a few kB) before the model loads; "no such repository" is one line
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    import kvbench.app as app
+    import kvbench.data.hub as hub
+
+    def not_found(repo_id, filename, **kwargs):
+        exc = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+        Exception.__init__(exc, f"404 Client Error: Repository Not Found for url: .../{repo_id}")
+        raise exc
+
+    monkeypatch.setattr(hub, "hub_unreachable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", not_found)
+    monkeypatch.setattr(app, "_load_model", lambda *a, **k: pytest.fail("the model was loaded for bad input"))
+    code, out, err = cli(["model=hf", "model.path=nobody/no-such-model-kvbench", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.path='nobody/no-such-model-kvbench' is not a model on the Hugging Face hub" in lines[0]
