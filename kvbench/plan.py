@@ -3,10 +3,13 @@
     plan_run(cfg) -> RunPlan(settings, method, task, run_id, hashable, resolved, device, shape, setting_fields)
 
 Checked here, before anything is loaded or written (UserError, one line, on bad input): config values
-(kvbench.config.validate: storage codec resolved, budget null without eviction), the device, the model path
-(kvbench.model_info), the runtime against the model's shape, the codec's options, the method (built, then its
-`preflight(settings, shape)` if it has one), the task (built, then `task.preflight(settings, shape)`), and that
-results_dir is writable.
+(kvbench.config.validate: interpolations resolvable, storage codec resolved, integral floats as ints, budget null
+without eviction), the device, the model path (kvbench.model_info: a folder, .gguf file or a hub id that is cached
+or on a reachable hub), the runtime against the model's shape (read from config.json or the GGUF header, never the
+weights) and the device's memory, the codec's options (against the model's positions) and block geometry, the
+method (method.seed in range; built, then its `preflight(settings, shape)` if it has one), the task (built, then
+`task.preflight(settings, shape)`: data present, lengths within the model's positions, the KV pool large enough),
+and that results_dir is writable.
 """
 from __future__ import annotations
 
