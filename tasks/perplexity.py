@@ -189,9 +189,12 @@ class Perplexity(Task):
 
             fit = kv_pool_tokens(settings, model_shape)
             if fit is not None and opts.max_tokens > fit:
+                rt = settings.runtime
+                sized_by = "runtime.num_blocks" if rt.kv_memory_bytes is None and rt.num_blocks is not None \
+                    else "runtime.kv_memory_bytes"
                 raise UserError(f"invalid task.max_tokens={opts.max_tokens}: without a budget every token of a "
                                 f"window stays in the KV pool, which holds {fit} tokens of this model; expected at "
-                                f"most {fit}, a budget, or a larger runtime.kv_memory_bytes")
+                                f"most {fit}, a budget, or a larger {sized_by}")
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         import torch

@@ -141,6 +141,7 @@ CASES = [
     (["task.max_tokens=1e12"], "task.max_tokens=1000000000000"),
     (["task.max_tokens=1000000000000"], "task.max_tokens=1000000000000"),
     (["task.max_tokens=200000"], "task.max_tokens=200000"),
+    (["runtime.num_blocks=5000"], "larger runtime.num_blocks"),  # 4096 tokens of full KV need 23,297 blocks
     (["quant=kivi", "quant.group_size=100000"], "G=100000"),
     (["quant=kivi", "quant.group_size=100000", "quant.residual=100000"], "quant.group_size=100000"),
     (["quant=kivi", "quant.group_size=4096", "quant.residual=4096", "runtime.kv_memory_bytes=50000000"],
