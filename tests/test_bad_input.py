@@ -304,3 +304,21 @@ def test_a_hub_id_the_hub_does_not_know_is_refused(cli, tmp_path, monkeypatch):
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
     assert "model.path='nobody/no-such-model-kvbench' is not a model on the Hugging Face hub" in lines[0]
+
+
+def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
+    # on CUDA the bound is the GPU's memory (the pool is allocated there, not virtual): checked without a GPU
+    import torch
+
+    from kvbench import plan
+    from kvbench.config import RuntimeConfig
+    from kvbench.errors import UserError
+    from kvbench.model_info import PACKAGED_SHAPE, ModelShape
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=8 * 2**30))
+    assert plan.machine_memory_bytes("cuda:0") == 8 * 2**30
+    shape = ModelShape(*PACKAGED_SHAPE)
+    plan._check_memory(RuntimeConfig(kv_memory_bytes=4 * 2**30), "cuda:0", shape, "float16")
+    with pytest.raises(UserError, match=r"runtime.kv_memory_bytes=17179869184: 16.0 GiB is more than this "
+                                        r"machine's 8.0 GiB of cuda:0 memory"):
+        plan._check_memory(RuntimeConfig(kv_memory_bytes=16 * 2**30), "cuda:0", shape, "float16")
