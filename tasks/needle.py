@@ -148,8 +148,10 @@ class Needle(Task):
         if not limit:
             return
         if opts.max_new_tokens >= limit:
+            room = limit - max(opts.lengths)
+            hint = f" (with task.lengths: at most {room})" if room > 0 else ""
             raise UserError(f"invalid task.max_new_tokens={opts.max_new_tokens}: expected fewer than the model's "
-                            f"{limit} positions (with task.lengths: at most {limit - max(opts.lengths)})")
+                            f"{limit} positions{hint}")
         too_long = [n for n in opts.lengths if n + opts.max_new_tokens > limit]
         if too_long:
             raise UserError(f"invalid task.lengths={too_long}: with task.max_new_tokens={opts.max_new_tokens} they "
