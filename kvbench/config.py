@@ -43,6 +43,37 @@ def _check_positive(where: str, value: Any, *, allow_none: bool = False, minimum
         raise UserError(f"invalid {where}={value!r}: expected {allowed}")
 
 
+def results_path(value: Any) -> str:
+    """results_dir as an absolute path, `~` expanded: the one spelling used for run folders, Hydra's sweep folder
+    and runs.jsonl alike."""
+    return os.path.abspath(os.path.expanduser(str(value)))
+
+
+EXACT_FLOAT_INT = 2**53  # integral floats up to this are exact integers
+
+
+def normalise_numbers(values: Any, defaults: Optional[dict] = None) -> Any:
+    """Integral floats as ints (`group_size=32.0` is `group_size=32`: one setting, one run id), in dicts and lists.
+    With `defaults` (an option's declared default), an option whose default is a float keeps a float (`0` -> `0.0`).
+    Floats beyond 2**53 are left as written (refused where an integer is expected)."""
+    if isinstance(values, dict):
+        out = {}
+        for key, value in values.items():
+            default = (defaults or {}).get(key)
+            if isinstance(default, float) and not isinstance(value, bool) and isinstance(value, int):
+                out[key] = float(value)
+            elif isinstance(default, float):
+                out[key] = value
+            else:
+                out[key] = normalise_numbers(value)
+        return out
+    if isinstance(values, list):
+        return [normalise_numbers(v) for v in values]
+    if isinstance(values, float) and values.is_integer() and abs(values) <= EXACT_FLOAT_INT:
+        return int(values)
+    return values
+
+
 def did_you_mean(word: str, choices: Any) -> str:
     """ " (did you mean X?)" for the closest choice, or ""."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
@@ -206,12 +237,15 @@ def method_evicts(name: str) -> bool:
 
 def resolve_storage(method_name: str, method_options: dict, quant_name: str,
                     quant_options: dict) -> tuple[str, dict, str, dict]:
-    """`method=<codec>` -> `method=full quant=<codec>` (kvbench.quant.registry.resolve_storage where it exists)."""
+    """`method=<codec>` -> `method=full quant=<codec>` (kvbench.quant.registry.resolve_storage where it exists),
+    with integral floats as ints (a codec's float options kept floats: normalise_numbers)."""
     from kvbench.quant import registry
 
     fn = getattr(registry, "resolve_storage", None)
     if fn is not None:
-        return fn(method_name, dict(method_options), quant_name, dict(quant_options))
+        m_name, m_opts, q_name, q_opts = fn(method_name, dict(method_options), quant_name, dict(quant_options))
+        return (m_name, normalise_numbers(m_opts), q_name,
+                normalise_numbers(q_opts, getattr(registry, "OPTIONS", {}).get(q_name)))
     if method_name in CODEC_METHODS:  # fallback until the registry has resolve_storage
         if quant_name not in (None, "none", "full"):
             raise UserError(f"method={method_name} and quant={quant_name} both choose a storage codec: keep one "
@@ -231,12 +265,42 @@ def _check_root_keys(cfg: Any) -> None:
                             f"{did_you_mean(key, ROOT_KEYS)}")
 
 
+def _raw_value(cfg: Any, full_key: str) -> Any:
+    """The value at `full_key` (a.b[0].c) as written, interpolations unresolved; None when not found."""
+    node: Any = OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg
+    for part in full_key.replace("]", "").replace("[", ".").split("."):
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return None
+    return node
+
+
+def check_resolvable(cfg: Any) -> None:
+    """UserError (one line) naming the first value whose interpolation (${...}) cannot be resolved."""
+    if not OmegaConf.is_config(cfg):
+        return
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        for key in cfg.keys():
+            if key != "hydra":  # Hydra's own node (present in composed test configs) resolves only in a job
+                value = cfg[key]  # resolves a scalar (against the whole config)
+                if OmegaConf.is_config(value):
+                    OmegaConf.to_container(value, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+        raise UserError(f"cannot resolve {key}={_raw_value(cfg, key)!r}: {msg}") from None
+
+
 def validate(cfg: Any) -> Settings:
     """Check a composed run config and return it typed (storage resolved, budget null for a method that keeps
-    every token); raises UserError naming the bad value. Needs no model."""
+    every token, integral floats as ints); raises UserError naming the bad value. Needs no model."""
+    check_resolvable(cfg)
     _check_root_keys(cfg)
     method = _section(cfg, "method")
-    task = _section(cfg, "task")
+    task = normalise_numbers(_section(cfg, "task"))
     if not method.get("name"):
         raise UserError("method.name is missing: every method YAML needs `name:` (see conf/method/)")
     if not task.get("name"):
@@ -254,7 +318,7 @@ def validate(cfg: Any) -> Settings:
         str(method.pop("name")), method, str(quant.pop("name", "none")), quant)
     if budget is not None and not method_evicts(method_name):
         budget = None  # nothing is evicted: every budget is the same run
-    results_dir = os.path.abspath(os.path.expanduser(str(cfg.get("results_dir", "results"))))
+    results_dir = results_path(cfg.get("results_dir", "results"))
     return Settings(
         model=_build(ModelConfig, "model", model),
         runtime=_build(RuntimeConfig, "runtime", _section(cfg, "runtime")),
@@ -275,8 +339,18 @@ def validate(cfg: Any) -> Settings:
 
 
 def _raw_hashable(root: Any) -> dict:
-    return {k: (OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k])
-            for k in ("model", "method", "quant", "task", "runtime", "budget", "seed") if k in root}
+    """The hashed sections, resolved (as written where an interpolation cannot be resolved: validate refuses it)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    out = {}
+    for k in ("model", "method", "quant", "task", "runtime", "budget", "seed"):
+        if k not in root:
+            continue
+        try:
+            out[k] = OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k]
+        except OmegaConfBaseException:
+            out[k] = _raw_value(root, k)
+    return out
 
 
 def hashable_config(root: Any) -> dict:
@@ -291,6 +365,8 @@ def hashable_config(root: Any) -> dict:
                                                          str(quant.pop("name", "none")), quant)
         data["method"] = {"name": m_name, **m_opts}
         data["quant"] = {"name": q_name, **q_opts}
+        if isinstance(data.get("task"), dict):
+            data["task"] = normalise_numbers(data["task"])
         if data.get("budget") is not None and not method_evicts(m_name):
             data["budget"] = None
     except Exception:
@@ -304,9 +380,14 @@ def _resolve_run_id(*, _root_: DictConfig) -> str:
     return run_id_for(hashable_config(_root_))
 
 
+def _resolve_results_dir(*, _root_: DictConfig) -> str:
+    """Hydra's sweep folder: results_dir as validate() reads it (`~` expanded, absolute). An unresolvable
+    results_dir raises here, before Hydra makes a folder (run_cli prints it as one line)."""
+    return results_path(_root_.results_dir)
+
+
 def _resolve_run_dir(*, _root_: DictConfig) -> str:
-    results_dir = os.path.expanduser(str(_root_.results_dir))
-    return os.path.join(results_dir, _resolve_run_id(_root_=_root_))
+    return os.path.join(results_path(_root_.results_dir), _resolve_run_id(_root_=_root_))
 
 
 def register() -> None:
@@ -314,6 +395,7 @@ def register() -> None:
     cs.store(name="kvbench_schema", node=KvbenchConfig)
     OmegaConf.register_new_resolver("kvbench_run_id", _resolve_run_id, replace=True)
     OmegaConf.register_new_resolver("kvbench_run_dir", _resolve_run_dir, replace=True)
+    OmegaConf.register_new_resolver("kvbench_results_dir", _resolve_results_dir, replace=True)
 
 
 register()

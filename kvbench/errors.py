@@ -155,6 +155,10 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
         return f"invalid {key}={value!r}: {msg}"
     if isinstance(ex, HydraException):
         return str(ex).splitlines()[0] if str(ex) else type(ex).__name__
+    from omegaconf.errors import InterpolationResolutionError
+
+    if isinstance(ex, InterpolationResolutionError):  # e.g. results_dir=${oc.env:UNSET}, met by Hydra itself
+        return f"cannot resolve an interpolation: {(getattr(ex, 'msg', '') or str(ex)).splitlines()[0]}"
     return None
 
 

@@ -5,7 +5,8 @@
     model_shape(model_cfg)       -> ModelShape(num_layers, num_kv_heads, head_dim, max_positions) or None
 
 Both read at most a config.json or a GGUF header (never the weights), so bad input is refused in milliseconds.
-A hub id that is not a local path is left to the loader (None: shape unknown until loaded).
+A hub id must be in the local Hugging Face cache or on a reachable hub (its config.json is fetched); its shape is
+read from the cached config.json (None when not cached: unknown until loaded).
 """
 from __future__ import annotations
 
@@ -45,9 +46,13 @@ def check_model_path(model: Any) -> None:
     local = os.path.expanduser(str(path))
     if not os.path.exists(local):
         if _is_hub_id(str(path)) and gguf_file is None:
-            return  # a hub id: the loader fetches it (or fails with the hub's message)
+            _check_hub_model(str(path))  # the loader fetches it; refused now if it cannot be had
+            return
         raise UserError(f"model.path={path!r} does not exist (a local folder, a .gguf file or a hub id "
                         f"like HuggingFaceTB/SmolLM2-135M-Instruct)")
+    if not (os.path.isdir(local) or os.path.isfile(local)):  # /dev/null, a FIFO, a socket: never opened
+        raise UserError(f"model.path={path!r} is not a regular file or folder: expected a model folder "
+                        f"(config.json + weights) or a .gguf file")
     if gguf_file is not None:
         _read_gguf_header(os.path.join(local, str(gguf_file)), f"model.gguf_file={gguf_file!r}")
         return
@@ -72,6 +77,42 @@ def check_model_path(model: Any) -> None:
                         f"(no num_hidden_layers)")
 
 
+def _cached_hub_config(repo_id: str) -> Optional[str]:
+    """The path of a hub model's config.json in the local Hugging Face cache, or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return found if isinstance(found, str) else None
+
+
+def _check_hub_model(repo_id: str) -> None:
+    """A hub id must be in the local cache, or the hub reachable and the repository there (its config.json is
+    fetched now: a few kB, which the loader would fetch first anyway)."""
+    if _cached_hub_config(repo_id) is not None:
+        return
+    from kvbench.data.hub import hub_unreachable_reason
+
+    reason = hub_unreachable_reason()
+    if reason is not None:
+        raise UserError(f"model.path={repo_id!r} is not in the local Hugging Face cache and the hub is "
+                        f"unreachable ({reason}): download it first, or give a local model folder or .gguf file")
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import RepositoryNotFoundError
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        hf_hub_download(repo_id, "config.json")
+    except RepositoryNotFoundError:
+        raise UserError(f"model.path={repo_id!r} is not a model on the Hugging Face hub (or it is private: "
+                        f"log in with `hf auth login`); expected a hub id like HuggingFaceTB/SmolLM2-135M-Instruct "
+                        f"or a local folder") from None
+    except Exception:  # no config.json, a network fault: the loader reports it
+        return
+
+
 def model_shape(model: Any) -> Optional[ModelShape]:
     """The model's KV shape and position limit from its config.json or GGUF header, or None when unknown
     (a hub id, an unreadable file). Call check_model_path first for a one-line error instead of None."""
@@ -86,6 +127,8 @@ def model_shape(model: Any) -> Optional[ModelShape]:
         if os.path.isfile(local) and local.endswith(".gguf"):
             return _shape_from_gguf(_read_gguf_header(local, "model.path"))
         cfg_path = os.path.join(local, "config.json")
+        if not os.path.exists(local) and _is_hub_id(str(path)):
+            cfg_path = _cached_hub_config(str(path)) or cfg_path  # a hub model's config.json, if cached
         if os.path.isfile(cfg_path):
             with open(cfg_path, encoding="utf-8") as f:
                 return _shape_from_hf(json.load(f))

@@ -3,15 +3,19 @@
     plan_run(cfg) -> RunPlan(settings, method, task, run_id, hashable, resolved, device, shape, setting_fields)
 
 Checked here, before anything is loaded or written (UserError, one line, on bad input): config values
-(kvbench.config.validate: storage codec resolved, budget null without eviction), the device, the model path
-(kvbench.model_info), the runtime against the model's shape, the codec's options, the method (built, then its
-`preflight(settings, shape)` if it has one), the task (built, then `task.preflight(settings, shape)`), and that
-results_dir is writable.
+(kvbench.config.validate: interpolations resolvable, storage codec resolved, integral floats as ints, budget null
+without eviction), the device, the model path (kvbench.model_info: a folder, .gguf file or a hub id that is cached
+or on a reachable hub), the runtime against the model's shape (read from config.json or the GGUF header, never the
+weights) and the device's memory, the codec's options (against the model's positions) and block geometry, the
+method (method.seed in range; built, then its `preflight(settings, shape)` if it has one), the task (built, then
+`task.preflight(settings, shape)`: data present, lengths within the model's positions, the KV pool large enough),
+and that results_dir is writable.
 """
 from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.results import run_id_for
+from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 
 
 def _scalar(v: Any) -> Any:
@@ -72,6 +77,88 @@ def _resolve_device(device: str) -> str:
     return device
 
 
+def machine_memory_bytes(device: str) -> Optional[int]:
+    """Total memory of the device the KV pool lives on (RAM for cpu, the GPU's for cuda), or None if unknown."""
+    try:
+        if device.startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+        if device == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, RuntimeError, AttributeError):  # pragma: no cover
+        return None
+    return None
+
+
+def _elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def kv_pool_bytes(rt: _config.RuntimeConfig, shape: Any, dtype: str) -> Optional[int]:
+    """Bytes of the KV pool as the engine sizes it (runtime.kv_memory_bytes, else num_blocks - 1 full-precision
+    blocks, else the engine's default); None when num_blocks is set and the model's shape is unknown."""
+    if rt.kv_memory_bytes is not None:
+        return rt.kv_memory_bytes
+    if rt.num_blocks is not None:
+        if shape is None:
+            return None
+        return max(1, rt.num_blocks - 1) * 2 * rt.block_size * shape.head_dim * _elem_bytes(dtype)
+    from kvbench.runtime.engine import DEFAULT_KV_MEMORY_BYTES
+
+    return DEFAULT_KV_MEMORY_BYTES
+
+
+def kv_pool_tokens(settings: _config.Settings, shape: Any) -> Optional[int]:
+    """Tokens one sequence can keep in the full-precision KV pool (every layer and kv-head; quant=none), or None
+    when unknown (model shape unknown, or a storage codec packs the blocks)."""
+    rt = settings.runtime
+    pool = kv_pool_bytes(rt, shape, settings.model.dtype) if shape is not None else None
+    if pool is None or settings.quant_name not in ("none", "full"):
+        return None
+    blocks = pool // (2 * rt.block_size * shape.head_dim * _elem_bytes(settings.model.dtype))
+    return max(0, (blocks - 1) // (shape.num_layers * shape.num_kv_heads)) * rt.block_size
+
+
+def _check_memory(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: str) -> None:
+    """A pool the user sized (num_blocks, kv_memory_bytes) must fit in the device's memory."""
+    memory = machine_memory_bytes(device)
+    if memory is None:
+        return
+    machine = f"this machine's {_bytes(memory)} of {device} memory"
+    if rt.kv_memory_bytes is not None and rt.kv_memory_bytes > memory:
+        raise UserError(f"invalid runtime.kv_memory_bytes={rt.kv_memory_bytes}: {_bytes(rt.kv_memory_bytes)} is "
+                        f"more than {machine}; expected at most {memory}")
+    if rt.kv_memory_bytes is None and rt.num_blocks is not None:
+        pool = kv_pool_bytes(rt, shape, dtype)
+        if pool is not None and pool > memory:
+            block = pool // max(1, rt.num_blocks - 1)
+            raise UserError(f"invalid runtime.num_blocks={rt.num_blocks}: {rt.num_blocks} blocks of {block} B are "
+                            f"{_bytes(pool)}, more than {machine}; expected at most {memory // block + 1}")
+
+
+def _check_codec_blocks(rt: _config.RuntimeConfig, shape: Any, dtype: str, quant_name: str,
+                        quant_options: dict) -> None:
+    """A codec whose groups need longer blocks (KIVI: a multiple of group_size) must still fit one block per
+    layer and kv-head in the pool."""
+    from kvbench.quant.registry import storage_geometry
+
+    hint, fp_dtype = storage_geometry(quant_name, quant_options)
+    tokens = rt.block_size * hint // math.gcd(rt.block_size, hint)  # kvbench.runtime.caches.codec_block_size
+    pool = kv_pool_bytes(rt, shape, dtype)
+    if tokens == rt.block_size or pool is None:
+        return
+    elem = _elem_bytes(dtype) if fp_dtype is None else fp_dtype.itemsize
+    block_bytes = 2 * tokens * shape.head_dim * elem
+    need = shape.num_layers * shape.num_kv_heads * rt.batch_size + 1
+    if pool // block_bytes < need:
+        what = f"quant.group_size={hint}" if quant_name == "kivi" else f"quant={quant_name}"
+        fit = pool // (need * 2 * shape.head_dim * elem)
+        raise UserError(f"invalid {what}: it stores KV in blocks of {tokens} tokens ({_bytes(block_bytes)} each); "
+                        f"this model needs at least {need} blocks ({_bytes(need * block_bytes)}) but the KV pool is "
+                        f"{_bytes(pool)}: expected blocks of at most {fit} tokens, or a larger runtime.kv_memory_bytes")
+
+
 def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: str) -> None:
     backend = rt.attention_backend
     if backend == "triton" and not device.startswith("cuda"):
@@ -79,6 +166,7 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
                         f"triton needs cuda; choices here: auto, torch, cpu")
     if backend == "cpu" and device != "cpu":
         raise UserError(f"invalid runtime.attention_backend=cpu on model.device={device}: choices: auto, torch, triton")
+    _check_memory(rt, device, shape, dtype)
     if shape is None:
         return
     need = shape.num_layers * shape.num_kv_heads * rt.batch_size + 1  # a block per table, and the scratch block
@@ -94,34 +182,22 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
                             f"least {need} ({need * block_bytes} bytes)")
 
 
-def _check_quant(name: str, options: dict) -> None:
-    """Codec name and options, checked without the model (kvquant's calibration needs it: only its settings)."""
+def _check_quant(name: str, options: dict, shape: Any = None) -> None:
+    """Codec name and options, checked without the model (kvquant's calibration needs it: only its settings,
+    its calibration length against the model's positions)."""
     from kvbench.quant import registry
 
     names = registry.available_codecs()
     if name not in names:
         raise UserError(f"unknown quant {name!r}: choices are {', '.join(names)}{_config.did_you_mean(name, names)}")
-    if hasattr(registry, "check_codec"):  # the registry validates without building (main, issue #13)
-        registry.check_codec(name, dict(options))
-        return
-    check = getattr(registry, "validate_options", None) or getattr(registry, "_options", None)
-    opts = check(name, dict(options)) if check is not None else dict(options)
-    try:
-        if name == "kvquant":
-            registry.kvquant_settings(opts)
-        elif name not in ("none", "full"):
-            registry.build_codec(name, None, **options)  # cheap for kivi/int8/fp8: checks bits, group sizes...
-    except UserError:
-        raise
-    except ValueError as exc:
-        raise UserError(f"invalid settings for quant {name!r}: {exc}") from None
-    except (TypeError, KeyError, AttributeError):  # a registry with other signatures: checked when built
-        pass
+    registry.check_codec(name, dict(options), shape)
 
 
 def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
     """The method, given the top-level seed (a method's own `method.seed`, when set, wins)."""
     options = dict(settings.method_options)
+    _config._check_positive("method.seed", options.get("seed"), allow_none=True, minimum=0,
+                            maximum=_config.SEED_MAX)
     try:
         accepts_seed = "seed" in inspect.signature(build_method_fn).parameters
     except (TypeError, ValueError):  # pragma: no cover
@@ -157,7 +233,10 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     check_model_path(settings.model)
     shape = model_shape(settings.model)
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
-    _check_quant(settings.quant_name, settings.quant_options)
+    _check_quant(settings.quant_name, settings.quant_options, shape)
+    if shape is not None:
+        _check_codec_blocks(settings.runtime, shape, settings.model.dtype, settings.quant_name,
+                            settings.quant_options)
     if build_method_fn is None:
         from kvbench.methods import build_method as build_method_fn  # type: ignore[no-redef]
     method = _build_method(build_method_fn, settings)

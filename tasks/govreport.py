@@ -56,11 +56,20 @@ class GovReport(Task):
     Options = GovReportOptions
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
-        """Offline without task.data_dir: fail now (one line), before the model loads."""
-        if not self.options.data_dir:
+        """Before the model loads: task.data_dir holds the data, or (null) the hub is reachable."""
+        opts = self.options
+        if opts.data_dir is None:
             from kvbench.data.hub import require_hub
 
-            require_hub(f"GovReport ({self.options.source})", "task.data_dir")
+            require_hub(f"GovReport ({opts.source})", "task.data_dir")
+        elif opts.source == "longbench":
+            from kvbench.data.longbench import check_data_dir
+
+            check_data_dir(opts.data_dir, ["gov_report"])
+        else:
+            from kvbench.data.govreport import check_data_dir as check_govreport_dir
+
+            check_govreport_dir(opts.data_dir, opts.split)
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         from kvbench.data.govreport import load_govreport_full, load_govreport_longbench

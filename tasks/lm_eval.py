@@ -238,6 +238,17 @@ def quiet_lm_eval() -> Iterator[None]:
 class LmEval(Task):
     Options = LmEvalOptions
 
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Before the model loads: lm-eval must be installed (found without importing it)."""
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec("lm_eval") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UserError(f"task=lm_eval needs lm-eval, which is not installed: {INSTALL_HINT}")
+
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         opts = self.options
         try:

@@ -67,8 +67,9 @@ class LongBenchOptions:
     def __post_init__(self) -> None:
         self.datasets = _dataset_names(self.datasets)
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
-                                       or self.limit < 0):
-            raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 0 or null")
+                                       or self.limit < 1):
+            raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 1 (samples per dataset) "
+                            f"or null (all)")
         check_positive("task.max_length", self.max_length, allow_none=True)
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"invalid task.max_length={self.max_length!r}: expected an integer >= 2 or null")
@@ -141,8 +142,12 @@ class LongBench(Task):
     Options = LongBenchOptions
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
-        """Offline without task.data_dir: fail now (one line), before the model loads."""
-        if not self.options.data_dir:
+        """Before the model loads: task.data_dir holds every dataset's file, or (null) the hub is reachable."""
+        if self.options.data_dir is not None:
+            from kvbench.data.longbench import check_data_dir
+
+            check_data_dir(self.options.data_dir, self.options.datasets)
+        else:
             from kvbench.data.hub import require_hub
 
             require_hub("LongBench data", "task.data_dir")

@@ -60,8 +60,11 @@ class NeedleOptions:
         self.lengths = list(dict.fromkeys(self.lengths))  # duplicates dropped, order kept
         self.depths = list(dict.fromkeys(self.depths))
         check_positive("task.max_new_tokens", self.max_new_tokens)
-        if isinstance(self.buffer_tokens, bool) or not isinstance(self.buffer_tokens, int) or self.buffer_tokens < 0:
-            raise UserError(f"invalid task.buffer_tokens={self.buffer_tokens!r}: expected an integer >= 0")
+        shortest = min(self.lengths)
+        if isinstance(self.buffer_tokens, bool) or not isinstance(self.buffer_tokens, int) \
+                or not 0 <= self.buffer_tokens < shortest:
+            raise UserError(f"invalid task.buffer_tokens={self.buffer_tokens!r}: expected an integer from 0 to "
+                            f"{shortest - 1} (less than the shortest of task.lengths, {shortest})")
         custom = self.needle is not None
         self.needle = self.needle if custom else nd.DEFAULT_NEEDLE
         self.question = self.question or nd.DEFAULT_QUESTION
@@ -89,13 +92,12 @@ def run_output_dir(task: Any, cfg: Any) -> Optional[str]:
     try:
         from omegaconf import OmegaConf
 
-        from kvbench.config import hashable_config
+        from kvbench.config import hashable_config, results_path
         from kvbench.results import run_id_for
 
         if not OmegaConf.is_config(cfg):
             cfg = OmegaConf.create(cfg)
-        path = os.path.join(os.path.abspath(os.path.expanduser(str(cfg.results_dir))),
-                            run_id_for(hashable_config(cfg)))
+        path = os.path.join(results_path(cfg.results_dir), run_id_for(hashable_config(cfg)))
     except Exception:
         return None
     return path if os.path.isdir(path) else None
@@ -139,6 +141,22 @@ def _title(cfg: Any) -> str:
 @register_task("needle")
 class Needle(Task):
     Options = NeedleOptions
+
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Before the model loads: every length plus max_new_tokens within the model's positions."""
+        opts, limit = self.options, getattr(model_shape, "max_positions", None)
+        if not limit:
+            return
+        if opts.max_new_tokens >= limit:
+            room = limit - max(opts.lengths)
+            hint = f" (with task.lengths: at most {room})" if room > 0 else ""
+            raise UserError(f"invalid task.max_new_tokens={opts.max_new_tokens}: expected fewer than the model's "
+                            f"{limit} positions{hint}")
+        too_long = [n for n in opts.lengths if n + opts.max_new_tokens > limit]
+        if too_long:
+            raise UserError(f"invalid task.lengths={too_long}: with task.max_new_tokens={opts.max_new_tokens} they "
+                            f"exceed the model's {limit} positions; expected lengths of at most "
+                            f"{limit - opts.max_new_tokens}")
 
     def requests(self, tokenizer: Any, engine: Any = None) -> list[GenRequest]:
         from kvbench.data.needle import needle_grid, needle_prompt

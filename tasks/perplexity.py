@@ -35,6 +35,8 @@ STREAM_CORPORA = ("pg_essays", "wikitext", "text_file")
 _CHARS_PER_TOKEN_BOUND = 12  # a prefix of this many chars per token is enough for any English text
 _MARGIN_TOKENS = 8  # tokens dropped at the end of a prefix (they may merge differently with the rest)
 WINDOW_TOKENS = 64  # predicted tokens per bootstrap window in the samples (64 windows in a 4,096-token document)
+MAX_TOKENS_LIMIT = 1 << 24  # tokens per window (16.8M: 4x the StreamingLLM paper's 4M-token stream)
+HUB_CORPORA = ("wikitext", "pg19")  # read from the hub, or from a local copy at task.data_path
 
 
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -58,19 +60,27 @@ class PerplexityOptions:
 
     def __post_init__(self) -> None:
         if self.text_file is not None:
+            if not str(self.text_file).strip():
+                raise UserError(f"invalid task.text_file={self.text_file!r}: expected the path of a UTF-8 text file")
             if self.corpus not in ("pg_essays", "text_file"):
                 raise UserError(f"task.text_file is set but task.corpus={self.corpus!r}: "
                                 f"drop one of them (text_file selects corpus=text_file)")
             self.corpus = "text_file"
-            if not os.path.isfile(os.path.expanduser(self.text_file)):
-                raise UserError(f"task.text_file={self.text_file!r}: no such file")
+            path = os.path.expanduser(self.text_file)
+            if not os.path.isfile(path):  # a FIFO or device is refused unopened
+                raise UserError(f"task.text_file={self.text_file!r}: "
+                                f"{'is not a regular file' if os.path.exists(path) else 'no such file'}")
         if self.corpus not in CORPORA:
             raise UserError(f"unknown task.corpus={self.corpus!r}: choices are {', '.join(CORPORA)}")
         if self.corpus == "text_file" and self.text_file is None:
             raise UserError("task.corpus=text_file needs task.text_file=PATH")
+        if self.data_path is not None and self.corpus not in HUB_CORPORA:
+            raise UserError(f"task.data_path is set but task.corpus={self.corpus!r} does not read it: "
+                            f"data_path is for corpus {' or '.join(HUB_CORPORA)}")
         if self.max_tokens is None or isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or self.max_tokens < 2:
-            raise UserError(f"invalid task.max_tokens={self.max_tokens!r}: expected an integer >= 2")
+                or not 2 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise UserError(f"invalid task.max_tokens={self.max_tokens!r}: expected an integer from 2 to "
+                            f"{MAX_TOKENS_LIMIT}")
         _positive("num_documents", self.num_documents, allow_none=True)
         _positive("chunk_size", self.chunk_size, allow_none=True)
         _positive("bucket_size", self.bucket_size)
@@ -170,16 +180,32 @@ class Perplexity(Task):
     Options = PerplexityOptions
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
-        """Before the model loads: a text file must be UTF-8 text; hub corpora need the hub or task.data_path."""
+        """Before the model loads: a text file must hold UTF-8 text; hub corpora need task.data_path (a local copy
+        with the split) or the hub; a method that keeps every token needs a KV pool that holds a window."""
         opts = self.options
         if opts.corpus == "text_file":
             from kvbench.data.text_corpora import check_text_file
 
             check_text_file(opts.text_file)
-        elif opts.corpus in ("wikitext", "pg19") and not opts.data_path:
+        elif opts.corpus in HUB_CORPORA and opts.data_path is not None:
+            from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path
+
+            check_data_path(opts.data_path, opts.split, WIKITEXT_CONFIG if opts.corpus == "wikitext" else None)
+        elif opts.corpus in HUB_CORPORA:
             from kvbench.data.hub import require_hub
 
             require_hub(f"task.corpus={opts.corpus}", "task.data_path")
+        if getattr(settings, "budget", None) is None and model_shape is not None:
+            from kvbench.plan import kv_pool_tokens
+
+            fit = kv_pool_tokens(settings, model_shape)
+            if fit is not None and opts.max_tokens > fit:
+                rt = settings.runtime
+                sized_by = "runtime.num_blocks" if rt.kv_memory_bytes is None and rt.num_blocks is not None \
+                    else "runtime.kv_memory_bytes"
+                raise UserError(f"invalid task.max_tokens={opts.max_tokens}: without a budget every token of a "
+                                f"window stays in the KV pool, which holds {fit} tokens of this model; expected at "
+                                f"most {fit}, a budget, or a larger {sized_by}")
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         import torch

@@ -32,8 +32,8 @@ ROUGE_KEYS = ("rouge_l", "rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
 def check_limit(value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise UserError(f"invalid task.limit={value!r}: expected an integer >= 0 or null")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UserError(f"invalid task.limit={value!r}: expected an integer >= 1 (documents) or null (all)")
 
 
 def check_max_length(value: Any) -> None:

@@ -28,6 +28,7 @@ from kvbench.errors import UserError
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
+MAX_ARRIVAL_SPAN_S = 3600.0  # a Poisson trace whose arrivals would span longer than this is refused
 
 
 def _length_range(where: str, value: Any) -> tuple[int, int]:
@@ -59,6 +60,11 @@ class ThroughputOptions:
             r = self.request_rate = math.inf
         if isinstance(r, bool) or not isinstance(r, (int, float)) or math.isnan(r) or r <= 0:
             raise UserError(f"invalid task.request_rate={r!r}: expected a number > 0 (requests per second) or inf")
+        span = n / r  # expected time of the last arrival
+        if span > MAX_ARRIVAL_SPAN_S:
+            raise UserError(f"invalid task.request_rate={r!r}: {n} requests would arrive over about {span:.3g} s "
+                            f"({span / 3600:.3g} h); expected at least {n / MAX_ARRIVAL_SPAN_S:.3g} requests/s "
+                            f"(arrivals within {MAX_ARRIVAL_SPAN_S:.0f} s) or inf")
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,6 +109,53 @@ CASES = [
     (["method=paged_eviction", "budget=16"], "budget=16"),
     # sweeps: the bad value is refused, the good ones are not run
     (["-m", "budget=64,abc"], "budget='abc'"),
+    # issue 23: found before the model loads, no longer as a failed run or a traceback after it
+    (["task.text_file={emptyfile}"], "is empty"),
+    (["task.text_file={blankfile}"], "holds only whitespace"),
+    (["task.text_file=' '"], "task.text_file=' '"),
+    (["task.text_file={fifo}"], "is not a regular file"),
+    (["task=needle", "task.lengths=[100000]"], "task.lengths=[100000]"),
+    (["task=needle", "task.max_new_tokens=100000"], "task.max_new_tokens=100000"),
+    (["task=needle", "task.lengths=[64]", "task.buffer_tokens=100"], "task.buffer_tokens=100"),
+    (["task=summarization", "task.limit=0"], "task.limit=0"),
+    (["task=longbench", "task.limit=0"], "task.limit=0"),
+    (["task=govreport", "task.limit=0"], "task.limit=0"),
+    (["task=longbench", "task.data_dir={empty}"], "has no narrativeqa.jsonl"),
+    (["task=longbench", "task.data_dir=''"], "task.data_dir=''"),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={textfile}"], "neither a folder nor a zip"),
+    (["task=govreport", "task.data_dir={empty}"], "has no gov_report.jsonl"),
+    (["task=govreport", "task.source=ccdv", "task.data_dir={empty}"], "no GovReport 'test' data"),
+    (["task.corpus=wikitext", "task.data_path=/no/such/data"], "task.data_path='/no/such/data'"),
+    (["task.corpus=wikitext", "task.data_path={empty}"], "no 'test' split files"),
+    (["task.corpus=pg19", "task.data_path=''"], "task.data_path=''"),
+    (["task.data_path={textfile}"], "does not read it"),
+    (["model=hf", "model.path=nobody/no-such-model-kvbench"], "not in the local Hugging Face cache",
+     {"env": {"HF_HUB_OFFLINE": "1"}}),
+    (["task=lm_eval", "task.tasks=[kvbench_essays_mc]"], "needs lm-eval", {"hide": ["lm_eval"]}),
+    (["quant=kvquant", "quant.calibration_tokens=100000"], "quant.calibration_tokens=100000"),
+    (["quant=kvquant", "quant.bits=3.5"], "quant.bits=3.5"),
+    (["quant=kivi", "quant.group_size=32.5"], "quant.group_size=32.5"),
+    (["runtime.num_blocks=1e12"], "runtime.num_blocks=1000000000000.0"),
+    (["runtime.num_blocks=1000000000000"], "runtime.num_blocks=1000000000000"),
+    (["runtime.kv_memory_bytes=1000000000000000"], "runtime.kv_memory_bytes=1000000000000000"),
+    (["task.max_tokens=1e12"], "task.max_tokens=1000000000000"),
+    (["task.max_tokens=1000000000000"], "task.max_tokens=1000000000000"),
+    (["task.max_tokens=200000"], "task.max_tokens=200000"),
+    (["runtime.num_blocks=5000"], "larger runtime.num_blocks"),  # 4096 tokens of full KV need 23,297 blocks
+    (["quant=kivi", "quant.group_size=100000"], "G=100000"),
+    (["quant=kivi", "quant.group_size=100000", "quant.residual=100000"], "quant.group_size=100000"),
+    (["quant=kivi", "quant.group_size=4096", "quant.residual=4096", "runtime.kv_memory_bytes=50000000"],
+     "quant.group_size=4096"),
+    (["method=kvcrush", "budget=64", "method.seed=1e21"], "method.seed=1e+21"),
+    (["method=kvcrush", "budget=64", "method.seed=100000000000000000000"], "method.seed=100000000000000000000"),
+    (["task=throughput", "task.request_rate=1e-300"], "task.request_rate=1e-300"),
+    (["task=throughput", "task.request_rate=0.001"], "task.request_rate=0.001"),
+    (["budget=${{oc.env:NOPE}}"], "budget='${{oc.env:NOPE}}'"),  # {{ }}: the table's str.format escapes
+    (["task.max_tokens=${{nope}}"], "task.max_tokens='${{nope}}'"),
+    (["results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "Environment variable 'KVBENCH_NO_SUCH_VAR' not found"),
+    (["-m", "results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "KVBENCH_NO_SUCH_VAR"),
+    (["model.path=/dev/null"], "model.path='/dev/null' is not a regular file or folder"),
+    (["model.path={fifo}"], "is not a regular file or folder"),
 ]
 if not CUDA:
     CASES += [(["model.device=cuda"], "model.device='cuda'"),
@@ -119,8 +167,12 @@ def paths(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\t\n  ")
+    os.mkfifo(tmp_path / "fifo")  # opening it would block: it must be refused without being opened
     return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
-            "gguf": str(tmp_path / "broken.gguf")}
+            "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
+            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo")}
 
 
 @pytest.fixture
@@ -150,20 +202,32 @@ def cli(monkeypatch, capsys):
 
 
 def test_the_table_is_big_enough():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 110
 
 
-@pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a) for a, _ in CASES])
-def test_bad_command_line(cli, paths, tmp_path, args, needle, monkeypatch):
+# A case is (command line, needle) or (command line, needle, setup): setup["env"] sets environment variables,
+# setup["hide"] makes modules unimportable (as if not installed).
+TABLE = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in CASES]
+
+
+@pytest.mark.parametrize("args,needle,setup", TABLE, ids=[" ".join(a) for a, _, _ in TABLE])
+def test_bad_command_line(cli, paths, tmp_path, args, needle, setup, monkeypatch):
     import kvbench.app as app
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded for bad input")
 
     monkeypatch.setattr(app, "_load_model", no_loading)
+    for key, value in setup.get("env", {}).items():
+        monkeypatch.setenv(key, value)
+    for module in setup.get("hide", []):
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.chdir(tmp_path)  # a results_dir that cannot be resolved must not leave a folder here either
+    before = set(os.listdir(tmp_path))
     results = tmp_path / "r"
     args = [a.format(**paths) for a in args]
-    code, out, err = cli([*args, "logger.wandb=false", f"results_dir={results}"])
+    own_results = any(a.startswith("results_dir=") for a in args)
+    code, out, err = cli([*args, "logger.wandb=false", *([] if own_results else [f"results_dir={results}"])])
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (code, out, err)
     assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
@@ -171,6 +235,7 @@ def test_bad_command_line(cli, paths, tmp_path, args, needle, monkeypatch):
     assert "Traceback" not in out + err
     left = sorted(os.listdir(results)) if results.exists() else []
     assert left in ([], ["multirun.yaml"]), left  # no run folder, no runs.jsonl
+    assert set(os.listdir(tmp_path)) - before <= {"r"}
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -182,3 +247,78 @@ def test_bad_input_as_a_real_subprocess(tmp_path, args, needle):
                    cwd=tmp_path)
     assert_usage_error(proc, needle)
     assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+
+
+def _hub_cache_with(root, repo_id, config):
+    """A Hugging Face hub cache at root holding repo_id's config.json (its layout: refs/main -> snapshots/<rev>)."""
+    import json
+
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(config))
+
+
+def test_a_cached_hub_model_is_checked_against_its_config(cli, tmp_path, monkeypatch):
+    # offline, a hub id in the local cache passes, and its config.json (not the weights) bounds the task
+    import huggingface_hub.constants
+
+    import kvbench.app as app
+    from kvbench.model_info import model_shape
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _hub_cache_with(tmp_path / "hub", "org/tiny-llama", {
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "max_position_embeddings": 512})
+    shape = model_shape(SimpleNamespace(path="org/tiny-llama", gguf_file=None))
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_positions) == (2, 2, 16, 512)
+
+    monkeypatch.setattr(app, "_load_model", lambda *a, **k: pytest.fail("the model was loaded for bad input"))
+    code, out, err = cli(["model=hf", "model.path=org/tiny-llama", "task=needle", "task.lengths=[1024]",
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    assert code == 2 and "invalid task.lengths=[1024]" in err and "model's 512 positions" in err, err
+    assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+
+
+def test_a_hub_id_the_hub_does_not_know_is_refused(cli, tmp_path, monkeypatch):
+    # online: the hub is asked for config.json (a few kB) before the model loads; "no such repository" is one line
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    import kvbench.app as app
+    import kvbench.data.hub as hub
+
+    def not_found(repo_id, filename, **kwargs):
+        exc = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+        Exception.__init__(exc, f"404 Client Error: Repository Not Found for url: .../{repo_id}")
+        raise exc
+
+    monkeypatch.setattr(hub, "hub_unreachable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", not_found)
+    monkeypatch.setattr(app, "_load_model", lambda *a, **k: pytest.fail("the model was loaded for bad input"))
+    code, out, err = cli(["model=hf", "model.path=nobody/no-such-model-kvbench", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.path='nobody/no-such-model-kvbench' is not a model on the Hugging Face hub" in lines[0]
+
+
+def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
+    # on CUDA the bound is the GPU's memory (the pool is allocated there, not virtual): checked without a GPU
+    import torch
+
+    from kvbench import plan
+    from kvbench.config import RuntimeConfig
+    from kvbench.errors import UserError
+    from kvbench.model_info import PACKAGED_SHAPE, ModelShape
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=8 * 2**30))
+    assert plan.machine_memory_bytes("cuda:0") == 8 * 2**30
+    shape = ModelShape(*PACKAGED_SHAPE)
+    plan._check_memory(RuntimeConfig(kv_memory_bytes=4 * 2**30), "cuda:0", shape, "float16")
+    with pytest.raises(UserError, match=r"runtime.kv_memory_bytes=17179869184: 16.0 GiB is more than this "
+                                        r"machine's 8.0 GiB of cuda:0 memory"):
+        plan._check_memory(RuntimeConfig(kv_memory_bytes=16 * 2**30), "cuda:0", shape, "float16")

@@ -194,3 +194,76 @@ def test_run_folder_is_named_after_the_model_path():
     assert run_id_for(kconfig.hashable_config(compose(["model=hf", "model.path=org/Qwen2.5-0.5B"]))).startswith(
         "Qwen2.5-0.5B_")
     assert kconfig.validate(compose(["model.path=/models/Llama-3.2-1B"])).model.name == "Llama-3.2-1B"
+
+
+def test_integral_floats_are_one_setting():
+    """`quant.group_size=32.0` is `quant.group_size=32` (one run id, an int for the codec); a codec's float option
+    stays a float (`outlier_fraction=0` is `0.0`); task and method options alike."""
+    def rid(*o):
+        return run_id_for(kconfig.hashable_config(compose(list(o))))
+
+    assert rid("quant=kivi", "quant.group_size=32.0") == rid("quant=kivi", "quant.group_size=32") == rid("quant=kivi")
+    assert rid("method=kivi", "method.bits=4.0") == rid("quant=kivi", "quant.bits=4")
+    assert rid("quant=kivi", "quant.group_size=64.0") != rid("quant=kivi")
+    assert rid("quant=kvquant", "quant.outlier_fraction=0") == rid("quant=kvquant", "quant.outlier_fraction=0.0")
+    assert rid("task.max_tokens=1024.0") == rid("task.max_tokens=1024")
+    assert rid("method=h2o", "budget=64", "method.recent_ratio=1.0") == rid("method=h2o", "budget=64",
+                                                                            "method.recent_ratio=1")
+    s = kconfig.validate(compose(["quant=kvquant", "quant.bits=3.0", "quant.outlier_fraction=0", "task=needle",
+                                  "task.lengths=[512.0,1024]"]))
+    assert s.quant_options["bits"] == 3 and type(s.quant_options["bits"]) is int
+    assert type(s.quant_options["outlier_fraction"]) is float
+    assert s.task_options["lengths"] == [512, 1024] and all(type(n) is int for n in s.task_options["lengths"])
+    # beyond 2**53 a float is not an exact integer: left as written (and refused where an integer is expected)
+    assert kconfig.normalise_numbers({"seed": 1e21}) == {"seed": 1e21}
+
+
+def test_bits_3_0_builds_the_codec_it_names():
+    # quant.bits=3.0 used to calibrate, then fail on `1 << bits`: normalised, it checks and builds as 3
+    from kvbench.quant.registry import check_codec
+
+    s = kconfig.validate(compose(["quant=kvquant", "quant.bits=3.0", "quant.levels=uniform",
+                                  "quant.key_ranges=online"]))
+    check_codec(s.quant_name, s.quant_options)
+    from kvbench.quant.registry import build_codec
+
+    codec = build_codec(s.quant_name, None, **s.quant_options)
+    assert codec.bits == 3 and type(codec.bits) is int
+
+
+def test_unresolvable_interpolation_is_one_line():
+    cfg = compose(["budget=${oc.env:KVBENCH_NO_SUCH_VAR}"])
+    kconfig.hashable_config(cfg)  # never raises (names the run folder Hydra makes before validate refuses it)
+    with pytest.raises(UserError) as info:
+        kconfig.validate(cfg)
+    msg = str(info.value)
+    assert msg.startswith("cannot resolve budget='${oc.env:KVBENCH_NO_SUCH_VAR}'") and "\n" not in msg
+    assert "KVBENCH_NO_SUCH_VAR" in msg
+
+
+def test_results_dir_tilde_is_expanded_once_for_every_consumer(tmp_path, monkeypatch):
+    from hydra import compose as hcompose, initialize_config_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hcompose(config_name="config", overrides=['results_dir="~/res"'], return_hydra_config=True)
+    home_res = str(tmp_path / "res")
+    assert kconfig.results_path("~/res") == home_res
+    assert cfg.hydra.sweep.dir == home_res  # -m: the run folders
+    assert os.path.dirname(cfg.hydra.run.dir) == home_res  # a single run's folder
+    assert kconfig.validate(cfg).results_dir == home_res  # runs.jsonl
+
+
+def test_tilde_results_dir_in_a_sweep_keeps_runs_and_index_together(tmp_path):
+    # `-m` used to write run folders to ./~/res but runs.jsonl to $HOME/res
+    from tests.harness_fakes import run_fake_cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = run_fake_cli("-m", "budget=8,16", 'results_dir="~/res"', cwd=tmp_path, HOME=str(home))
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "~").exists()
+    res = home / "res"
+    runs = [p for p in res.iterdir() if (p / "metrics.json").is_file()]
+    assert len(runs) == 2 and (res / "runs.jsonl").is_file()
+    assert len((res / "runs.jsonl").read_text().splitlines()) == 2

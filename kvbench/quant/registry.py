@@ -49,16 +49,44 @@ def resolve_storage(method_name: str, method_options: dict[str, Any], quant_name
     return method_name, method_options, quant_name, dict(quant_options)
 
 
-def check_codec(name: str, options: dict[str, Any]) -> None:
-    """Validate a codec's options without building it (no model, no calibration): UserError on a bad value."""
+def check_codec(name: str, options: dict[str, Any], shape: Any = None) -> None:
+    """Validate a codec's options without building it (no model, no calibration): UserError on a bad value.
+    `shape` (kvbench.model_info.ModelShape, or None when unknown) bounds KIVI's group_size and kvquant's
+    calibration_tokens by the model's positions."""
     opts = _options(name, options)
+    for key, default in OPTIONS[name].items():  # an integer option takes an integer (3.0 is normalised to 3 before)
+        value = opts[key]
+        if isinstance(default, int) and not isinstance(default, bool) and \
+                (isinstance(value, bool) or not isinstance(value, int)):
+            raise UserError(f"invalid quant.{key}={value!r}: expected an integer")
     try:
+        limit = getattr(shape, "max_positions", None)
         if name == "kivi":
             _kivi(opts)
+            if limit and opts["group_size"] > limit:
+                raise UserError(f"invalid quant.group_size={opts['group_size']}: expected at most the model's "
+                                f"{limit} positions (a longer group never fills)")
         elif name == "kvquant":
-            kvquant_settings(opts)
+            settings = kvquant_settings(opts)
+            if settings.needs_activations and limit and settings.seq_len > limit:
+                raise UserError(f"invalid quant.calibration_tokens={settings.seq_len}: expected at most the "
+                                f"model's {limit} positions")
     except (TypeError, ValueError) as exc:
         raise UserError(f"invalid settings for quant {name!r}: {exc}") from None
+
+
+def storage_geometry(name: str, options: dict[str, Any]) -> tuple[int, Any]:
+    """(block_size_hint, fp_block_dtype) of codec `name` with `options`, without building it: blocks hold a
+    multiple of the hint (kvbench.runtime.caches.codec_block_size); fp_block_dtype is the torch dtype of its
+    full-precision blocks (None: the model's). (1, None) for full precision."""
+    if name in ("none", "full"):
+        return 1, None
+    from kvbench.quant import codecs
+
+    cls = {"kivi": codecs.KiviCodec, "kvquant": codecs.KVQuantCodec, "int8": codecs.Int8Codec,
+           "fp8": codecs.Fp8Codec}[name]
+    hint = _options(name, options)["group_size"] if name == "kivi" else cls.block_size_hint
+    return int(hint), getattr(cls, "fp_block_dtype", None)
 
 
 def _kivi(opts: dict[str, Any]):
