@@ -201,10 +201,13 @@ def paper_of(name: str, runs: list[dict]) -> Optional[dict]:
     return None if paper is None else claims.validate_paper(paper, name)
 
 
-def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir: str) -> Section:
+def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir: str,
+                       others: Optional[list[dict]] = None) -> Section:
+    """One experiment: its claims' verdicts, its runs per task, its plots (others: the folder's other runs, which
+    a claim may use for a row whose identical run another experiment recorded)."""
     paper = paper_of(name, runs)
     sec = Section(title=name)
-    verdicts = [claims.judge(c, paper, runs) for c in (paper or {}).get("claims") or []]
+    verdicts = [claims.judge(c, paper, runs, others) for c in (paper or {}).get("claims") or []]
     sec.verdicts = verdicts
     if paper:
         verdict, summary = claims.experiment_verdict(verdicts)
@@ -318,7 +321,12 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
     check_out_paths(out_dir, json_path)
     names, groups = build(results_dir, experiment)
     os.makedirs(out_dir, exist_ok=True)
-    sections = [experiment_section(name, runs, history, out_dir) for name, runs, history in groups]
+    everything = load_runs(results_dir)
+    sections = []
+    for name, runs, history in groups:
+        mine = {r["run_dir"] for r in runs}
+        sections.append(experiment_section(name, runs, history, out_dir,
+                                           [r for r in everything if r["run_dir"] not in mine]))
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     intro = [f"Results folder: `{results_dir}`; {sum(len(g[1]) for g in groups)} runs; generated {now}.",
              "Verdicts judge the paper's claims (relations between its rows) on our rows: reproduced, not reproduced, "

@@ -432,3 +432,29 @@ def test_markdown_escapes_like_html(tmp_path):
     assert "](javascript" not in md.replace("\\](", "") and "\\[x\\]" in md and "a\\|b" in md and "\\*z\\*" in md
     assert "[&lt;script&gt;alert(1)&lt;/script&gt; a\\|b" in md and "(run%20dir/)" in md  # a link, escaped
     assert "`code`" in md
+
+
+def test_a_row_recorded_by_another_experiment_is_used_only_when_comparable(tmp_path):
+    """One run per result config: budget_sweep's full run may be the run kvquant_ppl recorded. It is used for a
+    claim only when its model, task and runtime settings equal this experiment's runs'."""
+    paper = {"source": "s", "model": "m", "dataset": "d", "metric": "ppl", "lower_is_better": True,
+             "rows": [{"id": "f", "label": "full", "match": {"method.name": "full"}, "value": None},
+                      {"id": "h", "label": "h2o", "match": {"method.name": "h2o"}, "value": None}],
+             "claims": [{"claim": "full < h2o", "order": ["f", "h"]}]}
+    cfg = fx.config(method="h2o", budget=128, experiment="sweep", paper=paper, task_options={"max_tokens": 1024})
+    fx.write_run(str(tmp_path), cfg, {"ppl": 27.0}, fx.ppl_samples([1.0]))
+    cfg = fx.config(method="full", experiment="other", task_options={"max_tokens": 4096})
+    fx.write_run(str(tmp_path), cfg, {"ppl": 20.0}, fx.ppl_samples([1.0]))
+
+    def judged():
+        out = report.write_report(str(tmp_path), str(tmp_path / "out"), json_path=str(tmp_path / "v.json"))
+        import json
+
+        return out, json.loads((tmp_path / "v.json").read_text())["sweep"]["claims"][0]
+    _, claim = judged()
+    assert claim["verdict"] == "not run"  # a 4,096-token full run is not the baseline of 1,024-token runs
+    cfg = fx.config(method="full", experiment="other", task_options={"max_tokens": 1024})
+    fx.write_run(str(tmp_path), cfg, {"ppl": 25.0}, fx.ppl_samples([1.0]))
+    _, claim = judged()
+    assert claim["verdict"] == "reproduced" and claim["ours"] == "25 < 27"
+    assert "identical run recorded under other" in claim["why"]

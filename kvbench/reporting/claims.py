@@ -218,8 +218,26 @@ def _fits(run: dict, keys: list[str], setting: tuple) -> bool:
     return all(value_of(run, k) is None or value_of(run, k) == v for k, v in zip(keys, setting))
 
 
-def judge(claim: dict, paper: dict, runs: list[dict]) -> Verdict:
-    """Evaluate one claim of a validated paper block on an experiment's runs."""
+SIGNATURE_SKIP = ("runtime.threads", "model.cache_dir")
+
+
+def signature(run: dict) -> tuple:
+    """What must be equal for two runs to be compared: model, task and runtime settings and the seed."""
+    return tuple(sorted((k, repr(v)) for k, v in run["cfg"].items()
+                        if (k.startswith(("model.", "task.", "runtime.")) or k == "seed") and k not in SIGNATURE_SKIP))
+
+
+def shared_runs(row: dict, runs: list[dict], others: list[dict]) -> list[dict]:
+    """Runs of another experiment for a row this one lacks: a results folder keeps one run per result config, so
+    e.g. budget_sweep's `full` perplexity run is the very run kvquant_ppl recorded when their settings are equal.
+    Only runs with the model, task and runtime settings of one of this experiment's runs."""
+    mine = {signature(r) for r in runs}
+    return [r for r in runs_of_row(row, others) if signature(r) in mine]
+
+
+def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict]] = None) -> Verdict:
+    """Evaluate one claim of a validated paper block on an experiment's runs (others: the rest of the folder, for
+    a row whose identical run another experiment recorded)."""
     kind = "order" if "order" in claim else "ratio"
     names = {}
     for row in paper.get("rows") or []:
@@ -229,6 +247,13 @@ def judge(claim: dict, paper: dict, runs: list[dict]) -> Verdict:
     where = claim.get("where") or {}
     pool = [r for r in runs if all(value_of(r, k) == v for k, v in where.items())]
     per_row = [runs_of_row(row, pool) for row in rows]
+    borrowed = []
+    for i, row in enumerate(rows):
+        if not per_row[i] and others:
+            per_row[i] = shared_runs(row, pool, [r for r in others if all(value_of(r, k) == v for k, v in where.items())])
+            if per_row[i]:
+                borrowed.append(f"{row['label']}: the identical run recorded under "
+                                f"{', '.join(sorted({str(r['experiment']) for r in per_row[i]}))}")
     metric, own_metric = claim_metric(claim, paper, [r for rs in per_row for r in rs])
     lower = _lower(dict(claim, metric=metric), paper) if own_metric else stats.lower_is_better(metric)
     published = [row.get("value") for row in rows]
@@ -291,6 +316,8 @@ def judge(claim: dict, paper: dict, runs: list[dict]) -> Verdict:
         out.why = f"{out.expected} does not hold"
     if skipped:
         out.why = (out.why + "; " if out.why else "") + f"not run at {len(skipped)} setting(s): {'; '.join(skipped[:3])}"
+    if borrowed:
+        out.why = (out.why + "; " if out.why else "") + "; ".join(borrowed)
     if not own_metric and out.verdict == REPRODUCED:
         out.why = (out.why + "; " if out.why else "") + f"judged in {metric}, the paper's relation in its own metric"
     return out
