@@ -1,17 +1,21 @@
-"""`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR]` (also `python -m kvbench.report`).
+"""`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR] [--json FILE]` (also `python -m kvbench.report`).
 
 Reads the runs of a results folder (metrics.json and config.yaml of each run folder, runs.jsonl for the history)
 and writes DIR/report.md (plots as DIR/plots/*.png), DIR/report.html (one self-contained file: plots embedded,
-no network) and DIR/runs.csv (every run as one row of a pandas table: metrics, then `cfg.<key>` columns). DIR
-defaults to RESULTS_DIR/report.
+no network), DIR/runs.csv (every run as one row of a pandas table: metrics, then `cfg.<key>` columns) and, with
+--json, the verdicts; prints the verdicts. DIR defaults to RESULTS_DIR/report.
 
-For each experiment (the `experiment` key of the runs; runs without one are grouped apart), per task:
-- a table with one row per run: the setting, the model, the reproduced value of the paper's metric beside the
-  published one (the `paper:` block of conf/experiment/NAME.yaml, saved in each run's config.yaml) and the
-  difference, KV memory and speed, a link to the run folder, the versions and the git commit;
-- plots: the metric against the budget per method, the metric against peak KV bytes with its Pareto front,
-  LongBench per-dataset bars, needle heatmaps, throughput against KV memory (task=throughput runs), and, when the
-  folder holds runs of several commits, each headline metric per commit (a regression dashboard).
+For each experiment (the `experiment` key of the runs; runs without one are grouped apart):
+- the verdict on the paper's claims (the `paper:` block of conf/experiment/NAME.yaml, saved in each run's
+  config.yaml; kvbench.reporting.claims): per claim our figure beside the paper's and reproduced / not reproduced /
+  not run, and for the experiment reproduced only when every claim is;
+- per task, a table with one row per run: the setting, the paper row it matches, the model and dtype, our value
+  and, only on the paper's model and data and in its metric, the published one and the difference; KV memory and
+  speed, a link to the run folder, the versions and the git commit (columns empty for every run are left out);
+- plots, each over comparable runs only (same model, task and runtime settings; one colour per method): the metric
+  against the budget per method, against peak KV bytes with its Pareto front, against another swept number (sinks,
+  block size), LongBench per-dataset bars, needle heatmaps, throughput against KV memory (task=throughput runs),
+  and, when the folder holds runs of several commits, each headline metric per commit (a regression dashboard).
 """
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
         metric = metric_for(run, paper)
         ours = m.get(metric) if metric else None
         row, same = paper_row(run, paper)
-        matched.append((run, row))
+        matched.append((run, row if same else None))  # published per-dataset ticks only on the paper's model and data
         published = row.get("value") if row else None
         shown, diff = "", ""
         if row is not None and metric != paper_metric:

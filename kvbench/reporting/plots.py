@@ -92,6 +92,11 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def _legend(ax: Any) -> None:
+    """The legend beside the axes (right), never over the data."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
 def _num(value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -132,7 +137,7 @@ def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -
     if len(xs) < 2:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     style = _Styler()
     ys: list[float] = []
     for label, rs in _by_series(runs).items():
@@ -159,7 +164,7 @@ def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -
         ax.set_yscale("log")
     ax.set_title(f"{metric} vs {x_key}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _legend(ax)
     return _png(fig)
 
 
@@ -186,7 +191,7 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     if len(pts) < 2 or len({p[0] for p in pts}) < 2:  # one KV size: nothing to trade off
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     style = _Styler()
     for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_SERIES]:
         mine = [p for p in pts if p[2] == label]
@@ -209,7 +214,7 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         ax.set_xscale("log")
     ax.set_title(f"{metric} vs KV memory")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _legend(ax)
     return _png(fig)
 
 
@@ -227,7 +232,7 @@ def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = 
     datasets = sorted({DATASET_KEY.match(k).group(2) for r in runs for k in r["metrics"]
                        if DATASET_KEY.match(k) and _num(r["metrics"][k]) is not None})
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(datasets) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(datasets) + 4), 4.2))
     width = 0.8 / len(runs)
     style = _Styler()
     for i, (run, row) in enumerate(zip(runs, rows)):
@@ -244,7 +249,7 @@ def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = 
     ax.set_xticklabels(datasets, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("score (x100)")
     ax.set_title("LongBench per dataset")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _png(fig)
 
 
@@ -254,6 +259,7 @@ CELL = re.compile(r"^acc_(\d+)_(\d+(?:\.\d+)?)$")
 
 
 def needle_heatmaps(runs: Sequence[dict], limit: int = 24) -> Optional[bytes]:
+    """Accuracy per (context length, depth) cell, one panel per run; None when every run has a single cell."""
     panels = []
     for run in runs:
         cells = {}
@@ -263,8 +269,8 @@ def needle_heatmaps(runs: Sequence[dict], limit: int = 24) -> Optional[bytes]:
                 cells[(int(m.group(1)), float(m.group(2)))] = float(value)
         if cells:
             panels.append((run, cells))
-    if not panels:
-        return None
+    if not panels or all(len(cells) == 1 for _, cells in panels):
+        return None  # no panels, or one cell each: the accuracy plot already shows it
     panels = panels[:limit]
     plt = _plt()
     cols = min(4, len(panels))
@@ -293,7 +299,7 @@ def throughput(runs: Sequence[dict]) -> Optional[bytes]:
     if not pts:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     style = _Styler()
     for label in list(dict.fromkeys(series_label(p[0]) for p in pts))[:MAX_SERIES]:
         mine = sorted((p for p in pts if series_label(p[0]) == label), key=lambda p: p[1])
@@ -306,7 +312,7 @@ def throughput(runs: Sequence[dict]) -> Optional[bytes]:
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput vs KV memory")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _png(fig)
 
 
@@ -318,7 +324,7 @@ def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], 
         return None
     index = {c: i for i, c in enumerate(commits)}
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     seen: dict[str, int] = {}
     for label, pts in list(points.items())[:MAX_SERIES]:
         pts = sorted(pts, key=lambda p: index[p[0]])
@@ -334,5 +340,5 @@ def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], 
         ax.set_yscale("log")
     ax.set_title(f"{metric} across commits")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    _legend(ax)
     return _png(fig)
