@@ -184,7 +184,8 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
                     out.append((_titled(f"{task}: {metric} vs {k}", group), png))
     ok_pairs = [(r, row) for r, row in matched if r["metrics"].get("status") == "ok"]
     bars = plots.longbench_bars([r for r, _ in ok_pairs], [row for _, row in ok_pairs])
-    for title, png in (("LongBench per dataset", bars), (f"{task}: needle accuracy per cell", plots.needle_heatmaps(ok)),
+    for title, png in (("LongBench per dataset", bars),
+                       (f"{task}: needle accuracy per cell", plots.needle_heatmaps(ok)),
                        ("throughput vs KV memory", plots.throughput(ok))):
         if png:
             out.append((title, png))
@@ -287,7 +288,8 @@ def check_out_paths(out_dir: str, json_path: Optional[str]) -> None:
             raise UserError(f"--json {json_path!r} is a folder: give a file path (e.g. verdicts.json)")
         if not os.path.isdir(folder):
             raise UserError(f"--json {json_path!r}: no folder {folder!r}")
-        if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(json_path) and not os.access(json_path, os.W_OK)):
+        if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(json_path)
+                                                        and not os.access(json_path, os.W_OK)):
             raise UserError(f"--json {json_path!r}: not writable")
 
 

@@ -363,7 +363,8 @@ def test_one_colour_per_method_in_every_plot(monkeypatch):
 
     figs = _figures(monkeypatch)
     a = _runs([("h2o", 128, 27.0), ("h2o", 512, 26.0), ("snapkv", 128, 27.5), ("snapkv", 512, 26.2)])
-    b = _runs([("snapkv", 128, 30.0), ("snapkv", 512, 29.0), ("streaming_llm", 128, 31.0), ("streaming_llm", 512, 29.5)])
+    b = _runs([("snapkv", 128, 30.0), ("snapkv", 512, 29.0),
+               ("streaming_llm", 128, 31.0), ("streaming_llm", 512, 29.5)])
     plots.metric_vs_budget(a, "ppl")
     plots.metric_vs_budget(b, "ppl")
     plots.pareto(b + a, "ppl")
@@ -379,7 +380,8 @@ def test_one_colour_per_method_in_every_plot(monkeypatch):
 
                 colour.setdefault(method, set()).add(to_hex(col))
     assert colour["snapkv"] == {plots.METHOD_COLORS["snapkv"]}  # the same in all three plots
-    assert colour["h2o"] == {plots.METHOD_COLORS["h2o"]} and colour["streaming_llm"] == {plots.METHOD_COLORS["streaming_llm"]}
+    assert colour["h2o"] == {plots.METHOD_COLORS["h2o"]}
+    assert colour["streaming_llm"] == {plots.METHOD_COLORS["streaming_llm"]}
     assert len(set(plots.METHOD_COLORS[m] for m in ("full", "h2o", "snapkv", "streaming_llm", "paged_eviction"))) == 5
     assert plots.method_color("new_method") == plots.method_color("new_method")  # unknown: a stable pick
 
@@ -388,7 +390,8 @@ def test_narrow_range_axis_is_linear_wide_range_is_log(monkeypatch):
     from kvbench.reporting import plots
 
     figs = _figures(monkeypatch)
-    plots.metric_vs_budget(_runs([("h2o", 128, 26.3), ("h2o", 512, 25.7), ("snapkv", 128, 26.1), ("snapkv", 512, 25.8)]), "ppl")
+    narrow_runs = [("h2o", 128, 26.3), ("h2o", 512, 25.7), ("snapkv", 128, 26.1), ("snapkv", 512, 25.8)]
+    plots.metric_vs_budget(_runs(narrow_runs), "ppl")
     plots.metric_vs_budget(_runs([("h2o", 128, 3000.0), ("h2o", 2048, 26.0)]), "ppl")
     narrow, wide = figs
     assert narrow.axes[0].get_yscale() == "linear" and narrow.axes[0].get_xscale() == "linear"  # 128-512: 4x

@@ -107,7 +107,8 @@ def _validate_claim(claim: Any, names: dict, paper: dict, experiment: str) -> No
                                f": valid keys are {', '.join(sorted(CLAIM_KEYS))}")
     kinds = [k for k in ("order", "ratio") if k in claim]
     if len(kinds) != 1:
-        raise _bad(experiment, f"claim {text!r} needs exactly one of order: [rows best first] or ratio: [row, base row]")
+        raise _bad(experiment, f"claim {text!r} needs exactly one of order: [rows best first] or "
+                               "ratio: [row, base row]")
     refs = claim[kinds[0]]
     size_ok = isinstance(refs, list) and (len(refs) >= 2 if kinds[0] == "order" else len(refs) == 2)
     if not size_ok:
@@ -250,7 +251,8 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
     borrowed = []
     for i, row in enumerate(rows):
         if not per_row[i] and others:
-            per_row[i] = shared_runs(row, pool, [r for r in others if all(value_of(r, k) == v for k, v in where.items())])
+            foreign = [r for r in others if all(value_of(r, k) == v for k, v in where.items())]
+            per_row[i] = shared_runs(row, pool, foreign)
             if per_row[i]:
                 borrowed.append(f"{row['label']}: the identical run recorded under "
                                 f"{', '.join(sorted({str(r['experiment']) for r in per_row[i]}))}")
@@ -291,7 +293,8 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
             if not all(_is_number(v) for v in vals):
                 bad = next(r for r, v in zip(rs, vals) if not _is_number(v))
                 state = bad["metrics"].get("status")
-                empty.append(f"{row['label']} has no {metric} ({'status ' + str(state) if state != 'ok' else 'null/NaN'}"
+                why = f"status {state}" if state != "ok" else "null/NaN"
+                empty.append(f"{row['label']} has no {metric} ({why}"
                              f" in {bad['metrics'].get('run_id')})")
                 continue
             values.append(sum(vals) / len(vals))
@@ -315,7 +318,8 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
     elif failed:
         out.why = f"{out.expected} does not hold"
     if skipped:
-        out.why = (out.why + "; " if out.why else "") + f"not run at {len(skipped)} setting(s): {'; '.join(skipped[:3])}"
+        out.why = ((out.why + "; " if out.why else "")
+                   + f"not run at {len(skipped)} setting(s): {'; '.join(skipped[:3])}")
     if borrowed:
         out.why = (out.why + "; " if out.why else "") + "; ".join(borrowed)
     if not own_metric and out.verdict == REPRODUCED:

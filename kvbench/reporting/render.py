@@ -68,7 +68,8 @@ def md_escape(text: Any, one_line: bool = True) -> str:
 def _md_inline(text: str) -> str:
     """A paragraph: escaped, except `code` spans (shown as code; a backtick inside ends it)."""
     parts = re.split(r"(`[^`]+`)", " ".join(str(text).split()))
-    return "".join(p if p.startswith("`") and p.endswith("`") and len(p) > 1 else md_escape(p, one_line=False) for p in parts)
+    return "".join(p if p.startswith("`") and p.endswith("`") and len(p) > 1 else md_escape(p, one_line=False)
+                   for p in parts)
 
 
 def _md_href(href: str) -> str:
