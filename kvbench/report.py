@@ -86,9 +86,9 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
         if row is not None and metric != paper_metric:
             diff = f"not compared: paper reports {paper_metric}"
         elif row is not None and published is None:
-            diff = "unknown (no published value)"
-        elif row is not None and not same:
-            shown, diff = _fmt(published), "not compared: other model or data"
+            diff = ""  # unknown: the block's note says so; nothing to compare
+        elif row is not None and not same:  # the published value belongs to another model or data: not shown here
+            diff = "not compared: other model or data (see the claims)"
         elif row is not None and isinstance(ours, (int, float)) and not isinstance(ours, bool):
             shown, diff = _fmt(published), f"{ours - published:+.4g}"
         versions = " ".join(f"{k} {m[k]}" for k in ("kvbench", "torch", "transformers") if m.get(k))
@@ -279,9 +279,11 @@ def check_out_paths(out_dir: str, json_path: Optional[str]) -> None:
             break
         probe = parent
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"--out {out_dir!r} is a file, not a folder: give a folder for report.md and report.html")
+        raise UserError(f"output folder (--out) {out_dir!r} is a file: give a folder for report.md and "
+                        "report.html")
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out_dir!r}: cannot create or write a folder there ({probe!r} is not writable)")
+        raise UserError(f"output folder (--out) {out_dir!r}: cannot create or write a folder there "
+                        f"({probe!r} is not writable)")
     if json_path is not None:
         folder = os.path.dirname(os.path.abspath(json_path))
         if os.path.isdir(json_path) or not json_path or json_path.endswith(os.sep):

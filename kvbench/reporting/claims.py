@@ -323,7 +323,8 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
     if borrowed:
         out.why = (out.why + "; " if out.why else "") + "; ".join(borrowed)
     if not own_metric and out.verdict == REPRODUCED:
-        out.why = (out.why + "; " if out.why else "") + f"judged in {metric}, the paper's relation in its own metric"
+        out.why = ((out.why + "; " if out.why else "")
+                   + f"judged in {metric}: the runs have no {claim.get('metric') or paper['metric']}")
     return out
 
 
@@ -332,7 +333,8 @@ def experiment_verdict(verdicts: list[Verdict]) -> tuple[str, str]:
     if not verdicts:
         return "no claims", "the paper block states no claims"
     counts = {v: sum(1 for x in verdicts if x.verdict == v) for v in (REPRODUCED, NOT_REPRODUCED, NOT_RUN)}
-    summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" (of {len(verdicts)} claims)"
+    total = f"{len(verdicts)} claim" + ("s" if len(verdicts) != 1 else "")
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" (of {total})"
     if counts[REPRODUCED] == len(verdicts):
         return REPRODUCED, summary
     if counts[NOT_REPRODUCED]:

@@ -92,6 +92,16 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def _log(axis: Any, set_scale: Any) -> None:
+    """A log axis labelled with plain numbers (25, 100, 1000), not powers of ten."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    set_scale("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _legend(ax: Any) -> None:
     """The legend beside the axes (right), never over the data."""
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
@@ -137,7 +147,7 @@ def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -
     if len(xs) < 2:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4))
     style = _Styler()
     ys: list[float] = []
     for label, rs in _by_series(runs).items():
@@ -161,7 +171,7 @@ def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -
     ax.set_xticklabels([f"{x:g}" for x in sorted(xs)])
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better(metric) else ""))
     if wants_log(ys):
-        ax.set_yscale("log")
+        _log(ax.yaxis, ax.set_yscale)
     ax.set_title(f"{metric} vs {x_key}")
     ax.grid(alpha=0.3)
     _legend(ax)
@@ -191,7 +201,7 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     if len(pts) < 2 or len({p[0] for p in pts}) < 2:  # one KV size: nothing to trade off
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4))
     style = _Styler()
     for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_SERIES]:
         mine = [p for p in pts if p[2] == label]
@@ -209,9 +219,9 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     ax.set_xlabel("peak KV memory (MiB, measured from the pool)")
     ax.set_ylabel(metric + (" (lower is better)" if low else ""))
     if wants_log([p[1] for p in pts]):
-        ax.set_yscale("log")
+        _log(ax.yaxis, ax.set_yscale)
     if wants_log([p[0] for p in pts]):
-        ax.set_xscale("log")
+        _log(ax.xaxis, ax.set_xscale)
     ax.set_title(f"{metric} vs KV memory")
     ax.grid(alpha=0.3)
     _legend(ax)
@@ -299,7 +309,7 @@ def throughput(runs: Sequence[dict]) -> Optional[bytes]:
     if not pts:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4))
     style = _Styler()
     for label in list(dict.fromkeys(series_label(p[0]) for p in pts))[:MAX_SERIES]:
         mine = sorted((p for p in pts if series_label(p[0]) == label), key=lambda p: p[1])
@@ -324,7 +334,7 @@ def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], 
         return None
     index = {c: i for i, c in enumerate(commits)}
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     seen: dict[str, int] = {}
     for label, pts in list(points.items())[:MAX_SERIES]:
         pts = sorted(pts, key=lambda p: index[p[0]])
@@ -337,7 +347,7 @@ def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], 
     ax.set_xlabel("git commit (in the order first run)")
     ax.set_ylabel(metric)
     if wants_log([v for pts in points.values() for _, v in pts]):
-        ax.set_yscale("log")
+        _log(ax.yaxis, ax.set_yscale)
     ax.set_title(f"{metric} across commits")
     ax.grid(alpha=0.3)
     _legend(ax)
