@@ -340,6 +340,9 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
              "Verdicts judge the paper's claims (relations between its rows) on our rows: reproduced, not reproduced, "
              "or not run (a row has no run). Each table row links its run folder (config.yaml, metrics.json, "
              "samples.jsonl); `diff` = ours - paper, on the paper's model and data only."]
+    judged = [f"{sec.title}: {sec.verdict[0]}" for sec in sections if sec.verdict]
+    if judged:
+        intro.append("Verdicts: " + "; ".join(judged) + ".")
     title = "kvbench report" + (f": {experiment}" if experiment else "")
     from kvbench.results import atomic_write_text
 

@@ -292,6 +292,7 @@ def test_verdicts_in_terminal_markdown_html_and_json(tmp_path):
     assert data["verdict"] == "not reproduced"
     assert [c["verdict"] for c in data["claims"]] == ["not reproduced", "reproduced", "reproduced"]
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "Verdicts: sinks\\_claims: not reproduced." in md
     assert "**Verdict: not reproduced**" in md and "window only &gt; 10x 4 sinks" in md  # escaped as in HTML
     assert 'class="verdict bad"' in html and '<td class="good">reproduced</td>' in html
 
