@@ -1,27 +1,32 @@
-"""`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR]` (also `python -m kvbench.report`).
+"""`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR] [--json FILE]` (also `python -m kvbench.report`).
 
 Reads the runs of a results folder (metrics.json and config.yaml of each run folder, runs.jsonl for the history)
 and writes DIR/report.md (plots as DIR/plots/*.png), DIR/report.html (one self-contained file: plots embedded,
-no network) and DIR/runs.csv (every run as one row of a pandas table: metrics, then `cfg.<key>` columns). DIR
-defaults to RESULTS_DIR/report.
+no network), DIR/runs.csv (every run as one row of a pandas table: metrics, then `cfg.<key>` columns) and, with
+--json, the verdicts; prints the verdicts. DIR defaults to RESULTS_DIR/report.
 
-For each experiment (the `experiment` key of the runs; runs without one are grouped apart), per task:
-- a table with one row per run: the setting, the model, the reproduced value of the paper's metric beside the
-  published one (the `paper:` block of conf/experiment/NAME.yaml, saved in each run's config.yaml) and the
-  difference, KV memory and speed, a link to the run folder, the versions and the git commit;
-- plots: the metric against the budget per method, the metric against peak KV bytes with its Pareto front,
-  LongBench per-dataset bars, needle heatmaps, throughput against KV memory (task=throughput runs), and, when the
-  folder holds runs of several commits, each headline metric per commit (a regression dashboard).
+For each experiment (the `experiment` key of the runs; runs without one are grouped apart):
+- the verdict on the paper's claims (the `paper:` block of conf/experiment/NAME.yaml, saved in each run's
+  config.yaml; kvbench.reporting.claims): per claim our figure beside the paper's and reproduced / not reproduced /
+  not run, and for the experiment reproduced only when every claim is;
+- per task, a table with one row per run: the setting, the paper row it matches, the model and dtype, our value
+  and, only on the paper's model and data and in its metric, the published one and the difference; KV memory and
+  speed, a link to the run folder, the versions and the git commit (columns empty for every run are left out);
+- plots, each over comparable runs only (same model, task and runtime settings; one colour per method): the metric
+  against the budget per method, against peak KV bytes with its Pareto front, against another swept number (sinks,
+  block size), LongBench per-dataset bars, needle heatmaps, throughput against KV memory (task=throughput runs),
+  and, when the folder holds runs of several commits, each headline metric per commit (a regression dashboard).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import os
 from typing import Any, Optional
 
 from kvbench.errors import UserError, exit_with
-from kvbench.reporting import plots, stats
+from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
 from kvbench.reporting.runs import (corrupt_runs, describe, fmt as _fmt, load_runs, pair_key, runs_frame,
                                    setting_of, varying_keys)
@@ -33,18 +38,19 @@ def _mib(value: Any) -> str:
 
 def paper_row(run: dict, paper: Optional[dict]) -> tuple[Optional[dict], bool]:
     """The paper row whose `match` the run's config satisfies (preferring the row of the run's model), and whether
-    the run used the paper's model."""
+    the run is on the paper's model and data (then, and only then, absolute values are compared)."""
     if not paper:
         return None, False
     path = run["cfg"].get("model.path")
     hits = [row for row in paper.get("rows") or []
             if all(run["cfg"].get(k) == v for k, v in (row.get("match") or {}).items())]
     same = [row for row in hits if row.get("model") and row.get("model") == path]
+    models = [m.strip() for m in str(paper.get("model") or "").split(",")]
+    data = all(run["cfg"].get(k) == v for k, v in (paper.get("data_match") or {}).items())
     if same:
-        return same[0], True
+        return same[0], data
     row = hits[0] if hits else None
-    models = str(paper.get("model") or "")
-    return row, bool(path) and path in [m.strip() for m in models.split(",")]
+    return row, bool(path) and path in models and data and not (row or {}).get("model")
 
 
 def metric_for(run: dict, paper: Optional[dict]) -> Optional[str]:
@@ -62,35 +68,47 @@ def _rel(path: str, out_dir: str) -> str:
 
 
 def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str) -> tuple[Table, list]:
+    """One row per run: its setting, the paper row it matches, our value and, only on the paper's model and data
+    and in the paper's metric, the published value and the difference. Empty columns are left out when rendered."""
     keys = [k for k in varying_keys(runs) if k != "task.name"]
-    columns = ["setting", "paper row", "model", "metric", "ours", "paper", "diff", "peak KV MiB", "decode tok/s",
-               "status", "run", "versions", "commit"]
+    columns = ["setting", "paper row", "model (dtype)", "metric", "ours", "paper", "diff", "peak KV MiB",
+               "decode tok/s", "status", "run", "versions", "commit"]
     rows, matched = [], []
+    paper_metric = (paper or {}).get("metric")
     for run in sorted(runs, key=lambda r: setting_of(r, keys)):
         m = run["metrics"]
         metric = metric_for(run, paper)
         ours = m.get(metric) if metric else None
-        row, same_model = paper_row(run, paper)
-        matched.append((run, row))
+        row, same = paper_row(run, paper)
+        matched.append((run, row if same else None))  # published per-dataset ticks only on the paper's model and data
         published = row.get("value") if row else None
-        comparable = (published is not None and isinstance(ours, (int, float)) and metric == (paper or {}).get("metric"))
-        diff = ""
-        if comparable:
-            diff = f"{ours - published:+.4g}" + ("" if same_model else " (other model)")
+        shown, diff = "", ""
+        if row is not None and metric != paper_metric:
+            diff = f"not compared: paper reports {paper_metric}"
         elif row is not None and published is None:
-            diff = "unknown"
-        elif row is not None and metric != (paper or {}).get("metric"):
-            diff = f"n/a ({metric} vs {(paper or {}).get('metric')})"
+            diff = ""  # unknown: the block's note says so; nothing to compare
+        elif row is not None and not same:  # the published value belongs to another model or data: not shown here
+            diff = "not compared: other model or data (see the claims)"
+        elif row is not None and isinstance(ours, (int, float)) and not isinstance(ours, bool):
+            shown, diff = _fmt(published), f"{ours - published:+.4g}"
         versions = " ".join(f"{k} {m[k]}" for k in ("kvbench", "torch", "transformers") if m.get(k))
         commit = str(m.get("git_commit") or "")[:10]
-        rows.append([setting_of(run, keys), row.get("label", "") if row else "", str(m.get("model") or ""),
-                     metric or "", _fmt(ours), _fmt(published), diff, _mib(m.get("peak_kv_bytes")),
+        model = str(m.get("model") or "") + (f" ({m['dtype']})" if m.get("dtype") else "")
+        rows.append([setting_of(run, keys), row.get("label", "") if row else "", model,
+                     metric or "", _fmt(ours), shown, diff, _mib(m.get("peak_kv_bytes")),
                      _fmt(m.get("decode_tokens_per_s"), 3), str(m.get("status")),
                      (m.get("run_id") or "run", _rel(run["run_dir"], out_dir)), versions, commit])
     return Table(title, columns, rows, numeric=(4, 5, 7, 8)), matched
 
 
-def history_plots(history: list[dict], metrics: list[str], labels: dict[str, str]) -> list[tuple]:
+def claims_table(verdicts: list[claims.Verdict]) -> Table:
+    rows = [[v.claim, v.metric, v.expected, v.ours, v.paper, v.verdict, v.why] for v in verdicts]
+    return Table("claims of the paper, judged on these runs", ["claim", "metric", "relation", "ours", "paper",
+                                                               "verdict", "why"], rows, keep=tuple(range(6)))
+
+
+def history_plots(history: list[dict], metrics: list[str], labels: dict[str, str],
+                  methods: Optional[dict[str, str]] = None) -> list[tuple]:
     """One plot per metric across the commits of the history (runs.jsonl), one line per setting (labels: pair key
     -> name); nothing unless some setting ran at two commits or more."""
     per_setting: dict[str, set] = {}
@@ -115,71 +133,125 @@ def history_plots(history: list[dict], metrics: list[str], labels: dict[str, str
             if c and isinstance(v, (int, float)) and not isinstance(v, bool) and run["metrics"].get("status") == "ok":
                 key = pair_key(run)
                 points.setdefault(labels.get(key) or describe(run), []).append((c, float(v)))
-        png = plots.history(points, order, metric)
+        png = plots.history(points, order, metric, methods)
         if png:
             out.append((f"history: {metric} per commit", png))
     return out
 
 
-def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir: str) -> Section:
-    paper = next((r["paper"] for r in reversed(runs) if r.get("paper")), None)
+# Settings that make runs incomparable in one plot when they differ (model, data, runtime): plots draw lines only
+# among runs equal in these (the method's own options and the budget are what a plot compares).
+COMPARABLE_SECTIONS = ("model.", "task.", "runtime.")
+
+
+def comparable_groups(runs: list[dict], free: tuple = ()) -> list[tuple[str, list[dict]]]:
+    """The runs split by the model / task / runtime settings (and seed) that vary among them, except `free` keys
+    (a plot's x axis); each group named by its setting ("" for one group)."""
+    keys = [k for k in varying_keys(runs) if (k.startswith(COMPARABLE_SECTIONS) or k == "seed")
+            and k not in free and k != "task.name"]
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(setting_of(run, keys) if keys else "", []).append(run)
+    return sorted(groups.items())
+
+
+def _titled(title: str, group: str) -> str:
+    return f"{title} [{group}]" if group else title
+
+
+def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) -> list[tuple]:
+    """The plots of one task's ok runs: per comparable group, the metric against the budget and against KV memory
+    (and decode speed); against each other swept numeric setting; LongBench bars, needle heatmaps, throughput."""
+    out: list[tuple] = []
+    if metric:
+        for group, runs in comparable_groups(ok):
+            line_keys = [k for k in varying_keys(runs) if k not in ("budget", "task.name")]
+            series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
+            for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(series, metric)),
+                               (f"{task}: {metric} vs KV memory (Pareto front)", plots.pareto(series, metric))):
+                if png:
+                    out.append((_titled(title, group), png))
+        swept = varying_keys(ok)
+        numeric = [k for k in swept if k != "budget" and all(
+            isinstance(r["cfg"].get(k), (int, float)) and not isinstance(r["cfg"].get(k), bool) for r in ok)]
+        for k in numeric[:2]:  # e.g. method.sinks, runtime.block_size: one line per setting of the other keys
+            for group, runs in comparable_groups(ok, free=(k,)):
+                rest = [k2 for k2 in varying_keys(runs) if k2 not in (k, "task.name") and not
+                        (k.startswith("method.") and k2.startswith("method.") and k2 != "method.name")]
+                relabeled = [dict(r, series=setting_of(r, rest) if rest else task) for r in runs]
+                png = plots.metric_vs_budget(relabeled, metric, k)
+                if png:
+                    out.append((_titled(f"{task}: {metric} vs {k}", group), png))
+    ok_pairs = [(r, row) for r, row in matched if r["metrics"].get("status") == "ok"]
+    bars = plots.longbench_bars([r for r, _ in ok_pairs], [row for _, row in ok_pairs])
+    for title, png in (("LongBench per dataset", bars),
+                       (f"{task}: needle accuracy per cell", plots.needle_heatmaps(ok)),
+                       ("throughput vs KV memory", plots.throughput(ok))):
+        if png:
+            out.append((title, png))
+    if task != "throughput" and any(isinstance(r["metrics"].get("decode_tokens_per_s"), (int, float)) for r in ok):
+        for group, runs in comparable_groups(ok):
+            line_keys = [k for k in varying_keys(runs) if k not in ("budget", "task.name")]
+            series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
+            png = plots.metric_vs_budget(series, "decode_tokens_per_s")
+            if png:
+                out.append((_titled(f"{task}: decode tokens/s vs budget", group), png))
+    return out
+
+
+def paper_of(name: str, runs: list[dict]) -> Optional[dict]:
+    """The experiment's paper block as the newest run recorded it, checked (a bad block: one-line UserError)."""
+    latest = sorted(runs, key=lambda r: str(r["metrics"].get("finished_at") or ""))
+    paper = next((r["paper"] for r in reversed(latest) if r.get("paper") is not None), None)
+    return None if paper is None else claims.validate_paper(paper, name)
+
+
+def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir: str,
+                       others: Optional[list[dict]] = None) -> Section:
+    """One experiment: its claims' verdicts, its runs per task, its plots (others: the folder's other runs, which
+    a claim may use for a row whose identical run another experiment recorded)."""
+    paper = paper_of(name, runs)
     sec = Section(title=name)
+    verdicts = [claims.judge(c, paper, runs, others) for c in (paper or {}).get("claims") or []]
+    sec.verdicts = verdicts
     if paper:
+        verdict, summary = claims.experiment_verdict(verdicts)
+        sec.verdict = (verdict, summary)
         sec.lines.append(f"Paper: {paper.get('source')}")
         sec.lines.append(f"Paper's model: {paper.get('model')}; data: {paper.get('dataset')}; metric: "
                          f"`{paper.get('metric')}` ({'lower' if paper.get('lower_is_better') else 'higher'} is better)"
                          + (f"; setting: {paper.get('setting')}" if paper.get("setting") else ""))
         if paper.get("note"):
             sec.lines.append(str(paper["note"]))
+        if verdicts:
+            sec.tables.append(claims_table(verdicts))
     models = sorted({str(r["metrics"].get("model")) for r in runs})
-    sec.lines.append(f"{len(runs)} runs; models: {', '.join(models)}. Rows on another model than the paper's "
-                     "(smoke scale) show the paper's value for orientation only.")
+    sec.lines.append(f"{len(runs)} runs; models: {', '.join(models)}. Claims compare relations between our own rows "
+                     "(ratios, orderings); absolute values are compared with the paper's only for runs on the "
+                     "paper's model and data.")
     tasks = sorted({str(r["cfg"].get("task.name") or r["metrics"].get("task")) for r in runs})
     headline = []
     for task in tasks:
         mine = [r for r in runs if str(r["cfg"].get("task.name") or r["metrics"].get("task")) == task]
-        line_keys = [k for k in varying_keys(mine) if k not in ("budget", "task.name")]
-        for r in mine:  # one plot line per method and per other swept setting of this task (budget is the x axis)
-            r["series"] = setting_of(r, line_keys) if line_keys else describe(r)
-        table, matched = run_table(mine, paper, out_dir, f"task {task}" if len(tasks) > 1 else "")
+        table, matched = run_table(mine, paper, out_dir, f"task {task}" if len(tasks) > 1 else "runs")
         sec.tables.append(table)
         ok = [r for r in mine if r["metrics"].get("status") == "ok"]
         metric = next((metric_for(r, paper) for r in ok if metric_for(r, paper)), None)
         if metric:
             headline.append(metric)
-            swept = varying_keys(ok)
-            numeric = [k for k in swept if k != "budget" and all(
-                isinstance(r["cfg"].get(k), (int, float)) and not isinstance(r["cfg"].get(k), bool) for r in ok)]
-            other_x = []
-            for k in numeric[:2]:  # e.g. method.sinks, runtime.block_size: one line per setting of the other keys
-                rest = [k2 for k2 in swept if k2 not in (k, "task.name")]
-                relabeled = [dict(r, series=setting_of(r, rest) if rest else task) for r in ok]
-                other_x.append((f"{task}: {metric} vs {k}", plots.metric_vs_budget(relabeled, metric, k)))
-            for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(ok, metric)), *other_x,
-                               (f"{task}: {metric} vs KV memory (Pareto front)", plots.pareto(ok, metric))):
-                if png:
-                    sec.plots.append((title, png))
-        ok_pairs = [(r, row) for r, row in matched if r["metrics"].get("status") == "ok"]
-        bars = plots.longbench_bars([r for r, _ in ok_pairs], [row for _, row in ok_pairs])
-        for title, png in (("LongBench per dataset", bars),
-                           (f"{task}: needle accuracy per cell", plots.needle_heatmaps(ok)),
-                           ("throughput vs KV memory", plots.throughput(ok))):
-            if png:
-                sec.plots.append((title, png))
-        if any(isinstance(r["metrics"].get("decode_tokens_per_s"), (int, float)) for r in ok) and task != "throughput":
-            png = plots.metric_vs_budget(ok, "decode_tokens_per_s")
-            if png:
-                sec.plots.append((f"{task}: decode tokens/s vs budget", png))
+        sec.plots += task_plots(task, ok, metric, matched)
     all_keys = varying_keys(runs)
     labels = {pair_key(r): setting_of(r, all_keys) for r in runs}
+    methods = {setting_of(r, all_keys): plots.method_key(r) for r in runs}
     mine_hist = [r for r in history if pair_key(r) in labels]
     sec.plots += history_plots(mine_hist, list(dict.fromkeys(headline + ["decode_tokens_per_s", "peak_kv_bytes"])),
-                               labels)
+                               labels, methods)
     return sec
 
 
 def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str], list[tuple]]:
-    """The experiments to report and, for each, (name, its latest runs, the whole history of runs.jsonl)."""
+    """The experiments to report and, for each, (name, its latest runs, the whole history of runs.jsonl). Every
+    experiment's paper block is checked here, before anything is written."""
     if not os.path.isdir(results_dir):
         raise UserError(f"no results folder {results_dir!r}")
     runs = load_runs(results_dir)
@@ -191,19 +263,86 @@ def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str]
             raise UserError(f"unknown experiment {experiment!r} in {results_dir}: choices are {', '.join(names)}")
         names = [experiment]
     history = load_runs(results_dir, history=True)
-    return names, [(name, [r for r in runs if (r["experiment"] or NO_EXPERIMENT) == name], history) for name in names]
+    groups = [(name, [r for r in runs if (r["experiment"] or NO_EXPERIMENT) == name], history) for name in names]
+    for name, mine, _ in groups:
+        paper_of(name, mine)
+    return names, groups
 
 
-def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Optional[str] = None) -> dict:
-    """Write report.md (+ plots/) and report.html; returns their paths."""
+def check_out_paths(out_dir: str, json_path: Optional[str]) -> None:
+    """--out must be a folder (or creatable as one) we can write, --json a file path in an existing folder: one-line
+    UserError otherwise, before any work."""
+    probe = out_dir
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"output folder (--out) {out_dir!r} is a file: give a folder for report.md and "
+                        "report.html")
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"output folder (--out) {out_dir!r}: cannot create or write a folder there "
+                        f"({probe!r} is not writable)")
+    if json_path is not None:
+        folder = os.path.dirname(os.path.abspath(json_path))
+        if os.path.isdir(json_path) or not json_path or json_path.endswith(os.sep):
+            raise UserError(f"--json {json_path!r} is a folder: give a file path (e.g. verdicts.json)")
+        if not os.path.isdir(folder):
+            raise UserError(f"--json {json_path!r}: no folder {folder!r}")
+        if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(json_path)
+                                                        and not os.access(json_path, os.W_OK)):
+            raise UserError(f"--json {json_path!r}: not writable")
+
+
+def verdicts_json(sections: list[Section]) -> dict:
+    """Per experiment: its verdict, the count, and every claim with our figure, the paper's and the verdict."""
+    out = {}
+    for sec in sections:
+        if sec.verdict is None:
+            continue
+        out[sec.title] = {"verdict": sec.verdict[0], "summary": sec.verdict[1],
+                          "claims": [v.as_dict() for v in sec.verdicts]}
+    return out
+
+
+def verdict_lines(sections: list[Section]) -> list[str]:
+    """The verdicts for the terminal: one line per experiment, one per claim."""
+    lines = []
+    for sec in sections:
+        if sec.verdict is None:
+            continue
+        lines.append(f"{sec.title}: {sec.verdict[0]} ({sec.verdict[1]})")
+        for v in sec.verdicts:
+            figure = f"ours {v.ours or '-'} | paper {v.paper}"
+            lines.append(f"  [{v.verdict}] {v.claim} ({v.metric}; {v.expected}): {figure}"
+                         + (f" -- {v.why}" if v.why else ""))
+    return lines
+
+
+def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Optional[str] = None,
+                 json_path: Optional[str] = None) -> dict:
+    """Write report.md (+ plots/), report.html, runs.csv and (json_path) the verdicts as JSON; returns their paths
+    and the verdict lines."""
     results_dir = os.path.abspath(results_dir)
     out_dir = os.path.abspath(out_dir or os.path.join(results_dir, "report"))
+    check_out_paths(out_dir, json_path)
     names, groups = build(results_dir, experiment)
     os.makedirs(out_dir, exist_ok=True)
-    sections = [experiment_section(name, runs, history, out_dir) for name, runs, history in groups]
+    everything = load_runs(results_dir)
+    sections = []
+    for name, runs, history in groups:
+        mine = {r["run_dir"] for r in runs}
+        sections.append(experiment_section(name, runs, history, out_dir,
+                                           [r for r in everything if r["run_dir"] not in mine]))
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     intro = [f"Results folder: `{results_dir}`; {sum(len(g[1]) for g in groups)} runs; generated {now}.",
-             "Each table row links its run folder (config.yaml, metrics.json, samples.jsonl). `diff` = ours - paper."]
+             "Verdicts judge the paper's claims (relations between its rows) on our rows: reproduced, not reproduced, "
+             "or not run (a row has no run). Each table row links its run folder (config.yaml, metrics.json, "
+             "samples.jsonl); `diff` = ours - paper, on the paper's model and data only."]
+    judged = [f"{sec.title}: {sec.verdict[0]}" for sec in sections if sec.verdict]
+    if judged:
+        intro.append("Verdicts: " + "; ".join(judged) + ".")
     title = "kvbench report" + (f": {experiment}" if experiment else "")
     from kvbench.results import atomic_write_text
 
@@ -213,7 +352,10 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
     csv_path = os.path.join(out_dir, "runs.csv")  # every run of the report as one flat pandas table
     frame = runs_frame([r for _, runs, _ in groups for r in runs])
     atomic_write_text(csv_path, frame.to_csv(index=False))
-    return {"markdown": md_path, "html": html_path, "csv": csv_path, "experiments": names}
+    if json_path is not None:
+        atomic_write_text(json_path, json.dumps(verdicts_json(sections), indent=2) + "\n")
+    return {"markdown": md_path, "html": html_path, "csv": csv_path, "json": json_path, "experiments": names,
+            "verdicts": verdict_lines(sections)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -221,14 +363,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("results_dir", help="a results folder (results_dir of the runs)")
     p.add_argument("--experiment", help="only this experiment (the runs' `experiment` key)")
     p.add_argument("--out", help="output folder (default: RESULTS_DIR/report)")
+    p.add_argument("--json", help="also write the verdicts (per experiment and claim) to this JSON file")
     args = p.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UserError("kvbench-report needs matplotlib: pip install 'kvbench[report]'") from None
-    paths = write_report(args.results_dir, args.out, args.experiment)
-    print(f"kvbench-report: wrote {paths['markdown']} and {paths['html']} "
-          f"({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})")
+    paths = write_report(args.results_dir, args.out, args.experiment, args.json)
+    for line in paths["verdicts"]:
+        print(line)
+    print(f"kvbench-report: wrote {paths['markdown']} and {paths['html']}"
+          + (f" and {paths['json']}" if paths["json"] else "")
+          + f" ({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})")
     corrupt = corrupt_runs(args.results_dir)
     if corrupt:  # unreadable metrics.json: left out; unreadable config.yaml: shown without its settings
         print(f"kvbench-report: {len(corrupt)} corrupt run folder(s): " + "; ".join(

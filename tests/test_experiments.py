@@ -45,6 +45,19 @@ def sweep_points(name: str, scale: str) -> list[list[str]]:
     return points
 
 
+def sweep_pairs(name: str, scale: str) -> list[list[str]]:
+    """sweep_points plus every combination of the first two axes (e.g. each budget_sweep row at each budget), the
+    other axes at their first value: what a paper row matching on two swept keys needs."""
+    base, axes = sweep_axes(name, scale)
+    points = sweep_points(name, scale)
+    if len(axes) >= 2:
+        for a, b in itertools.product(axes[0], axes[1]):
+            point = base + [a, b] + [other[0] for other in axes[2:]]
+            if point not in points:
+                points.append(point)
+    return points
+
+
 def test_sweep_sizes():
     """The smoke grids stay small (minutes on a laptop CPU); the paper grids are the papers' full tables."""
     def size(name, scale):
@@ -100,7 +113,7 @@ def test_experiment_composes_at_both_scales(name):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_paper_block_rows_match_runs_of_the_sweep(name):
-    configs = [_compose(o) for o in sweep_points(name, "paper")]
+    configs = [_compose(o) for o in sweep_pairs(name, "paper")]
     paper = OmegaConf.to_container(configs[0].paper)
     for key in ("source", "model", "dataset", "metric", "rows"):
         assert paper.get(key) not in (None, ""), (name, key)
@@ -121,7 +134,8 @@ def test_published_values_are_the_referenced_ones():
         paper = _compose([f"+experiment={name}"]).paper
         return [r.value for r in paper.rows]
     assert values("streaming_llm_sinks") == [3359.95, 11.88, 10.51, 9.59, 9.54]
-    assert values("kvquant_ppl") == [5.68, 10.87, 5.87, 5.75]
+    # int3 here is KVQuant's layout with uniform levels: the ablation's 6.23, not Table 18's plain int3 (10.87)
+    assert values("kvquant_ppl") == [5.68, 6.23, 5.87, 5.75]
     assert values("kivi_longbench") == [43.54, 42.43, 43.53, 38.72, 38.30, 38.79]
     assert all(v is None for v in values("paged_eviction_longbench") + values("h2o"))
     # the KIVI averages are the means of their 15 per-dataset values
@@ -135,3 +149,27 @@ def test_unknown_scale_is_refused():
 
     with pytest.raises(HydraException):
         _compose(["+experiment=h2o", "scale=huge"])
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_paper_block_states_checkable_claims(name):
+    """Every block passes kvbench-report's check (claims name its rows, hold for the published values) and states
+    at least one claim; the row a claim names selects runs of the sweep at both scales."""
+    from kvbench.reporting import claims
+
+    paper = OmegaConf.to_container(_compose([f"+experiment={name}"]).paper)
+    claims.validate_paper(paper, name)
+    assert paper.get("claims"), name
+    rows = {claims.row_name(r): r for r in paper["rows"]}
+    for scale in ("paper", "smoke"):
+        configs = [_compose(o) for o in sweep_pairs(name, scale)]
+        for claim in paper["claims"]:
+            for ref in claim.get("order") or claim.get("ratio"):
+                row = rows[ref]
+                assert any(all(_get(c, k) == v for k, v in row["match"].items()) for c in configs), \
+                    (name, scale, claim["claim"], ref)
+
+
+def test_kvquant_source_names_table_18():
+    paper = _compose(["+experiment=kvquant_ppl"]).paper
+    assert "Table 18" in paper.source and "2401.18079" in paper.source and "not yet checked" not in paper.source

@@ -73,20 +73,19 @@ def test_table_puts_paper_values_beside_ours(tmp_path):
     col = {c: i for i, c in enumerate(table.columns)}
     rows = {r[col["paper row"]]: r for r in table.rows}
     assert set(rows) == {"0 sinks", "1 sinks", "4 sinks", ""}  # 8 sinks: no published row
-    for label, sinks, published in (("0 sinks", 0, 3359.95), ("1 sinks", 1, 11.88), ("4 sinks", 4, 9.59)):
+    for label, sinks in (("0 sinks", 0), ("1 sinks", 1), ("4 sinks", 4)):
         r = rows[label]
         assert float(r[col["ours"]]) == pytest.approx(SINK_PPL[sinks])
-        assert float(r[col["paper"]].replace(",", "")) == pytest.approx(published, rel=1e-3)
-        assert r[col["diff"]].startswith(f"{SINK_PPL[sinks] - published:+.4g}")
-        assert "(other model)" in r[col["diff"]]  # smollm2, not Llama-2-7B
+        # smollm2, not Llama-2-7B: the published value is not set beside ours, and no raw difference
+        assert r[col["paper"]] == "" and r[col["diff"]] == "not compared: other model or data (see the claims)"
         assert r[col["setting"]] == f"method.sinks={sinks}"
-        assert r[col["metric"]] == "ppl" and r[col["model"]] == "smollm2-135m"
+        assert r[col["metric"]] == "ppl" and r[col["model (dtype)"]] == "smollm2-135m (float32)"
         assert r[col["commit"]] == "c0ffee01" and "torch 2.13.0" in r[col["versions"]]
         text, href = r[col["run"]]
         assert os.path.isfile(os.path.normpath(os.path.join(tmp_path / "out", href, "metrics.json")))
     assert float(rows[""][col["ours"]]) == pytest.approx(27.0) and rows[""][col["paper"]] == ""
     assert any("arXiv" in line or "Table 2" in line for line in sec.lines)
-    assert [t for t, _ in sec.plots] == ["perplexity: ppl vs method.sinks", "perplexity: ppl vs KV memory (Pareto front)"]
+    assert sorted(t for t, _ in sec.plots) == ["perplexity: ppl vs KV memory (Pareto front)", "perplexity: ppl vs method.sinks"]
 
 
 def test_same_model_rows_and_longbench_bars(tmp_path):
@@ -141,7 +140,8 @@ def test_cli_writes_self_contained_html_and_markdown(tmp_path):
     html = (tmp_path / "o" / "report.html").read_text()
     md = (tmp_path / "o" / "report.md").read_text()
     assert "<h2 id=\"streaming_llm_sinks\">" in html and "<h2 id=\"kivi_longbench\">" in html
-    assert "3,359.95" in html and "11.88" in md
+    assert "3,359.95" not in html and "11.88" not in md  # published values of another model: not beside ours
+    assert "43.54" in html and "42.43" in md  # the KIVI runs are on the paper's model (org/mistral)
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)  # nothing fetched from the network
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
     assert images and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
@@ -163,3 +163,303 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "'nope'" in proc.stderr and "streaming_llm_sinks" in proc.stderr
+
+
+# ---------------------------------------------------------------- claims of the paper, judged both ways
+CLAIM_PAPER = {
+    "source": "StreamingLLM, Table 2", "model": "meta-llama/Llama-2-7b-hf", "dataset": "PG19", "metric": "ppl",
+    "lower_is_better": True, "data_match": {"task.corpus": "pg19"},
+    "rows": [{"id": f"s{s}", "label": f"{s} sinks", "match": {"method.sinks": s}, "value": v}
+             for s, v in ((0, 3359.95), (1, 11.88), (4, 9.59))],
+    "claims": [{"claim": "window only > 10x 4 sinks", "ratio": ["s0", "s4"], "min": 10},
+               {"claim": "1 sink within 25% of 4 sinks", "ratio": ["s1", "s4"], "max": 1.25},
+               {"claim": "4 < 1 < 0 sinks", "order": ["s4", "s1", "s0"]}],
+}
+
+
+def claim_folder(path, ppl: dict, experiment="sinks_claims", paper=None):
+    for sinks, value in ppl.items():
+        cfg = fx.config(method="streaming_llm", budget=256, method_options={"sinks": sinks}, experiment=experiment,
+                        paper=paper or CLAIM_PAPER)
+        fx.write_run(str(path), cfg, {"ppl": value, "peak_kv_bytes": 2**20}, fx.ppl_samples([1.0]))
+
+
+def verdicts(path, name="sinks_claims"):
+    sec = section(path, name)
+    return sec.verdict[0], {v.claim: v for v in sec.verdicts}
+
+
+def test_claims_reproduced_when_our_rows_satisfy_them(tmp_path):
+    claim_folder(tmp_path, {0: 400.0, 1: 30.0, 4: 27.0})
+    verdict, by = verdicts(tmp_path)
+    assert verdict == "reproduced"
+    v = by["window only > 10x 4 sinks"]
+    assert v.verdict == "reproduced" and v.ours == f"x{400 / 27:.4g}" and v.paper == f"x{3359.95 / 9.59:.4g}"
+    assert by["1 sink within 25% of 4 sinks"].ours == f"x{30 / 27:.4g}"
+    assert by["4 < 1 < 0 sinks"].ours == "27 < 30 < 400" and by["4 < 1 < 0 sinks"].paper == "9.59 < 11.88 < 3,359.95"
+
+
+def test_claims_not_reproduced_when_violated(tmp_path):
+    claim_folder(tmp_path, {0: 44.0, 1: 36.0, 4: 37.0})  # no collapse, 1 sink better than 4: the smoke picture
+    verdict, by = verdicts(tmp_path)
+    assert verdict == "not reproduced"
+    assert by["window only > 10x 4 sinks"].verdict == "not reproduced"
+    assert by["1 sink within 25% of 4 sinks"].verdict == "reproduced"
+    order = by["4 < 1 < 0 sinks"]
+    assert order.verdict == "not reproduced" and order.ours == "37 > 36 < 44"
+
+
+def test_claims_not_run_when_rows_are_missing(tmp_path):
+    claim_folder(tmp_path, {1: 30.0, 4: 27.0})  # no 0-sink run
+    verdict, by = verdicts(tmp_path)
+    assert by["window only > 10x 4 sinks"].verdict == "not run"
+    assert "no run of 0 sinks" in by["window only > 10x 4 sinks"].why
+    assert by["1 sink within 25% of 4 sinks"].verdict == "reproduced"
+    assert verdict == "not run"  # never "reproduced" with a claim unjudged
+
+
+@pytest.mark.parametrize("bad", [float("nan"), None, float("inf")])
+def test_claims_with_a_missing_value_are_never_reproduced(tmp_path, bad):
+    claim_folder(tmp_path, {0: 400.0, 1: bad, 4: 27.0})
+    verdict, by = verdicts(tmp_path)
+    assert by["1 sink within 25% of 4 sinks"].verdict == "not reproduced"
+    assert "1 sinks has no ppl" in by["1 sink within 25% of 4 sinks"].settings[0][1]
+    assert by["window only > 10x 4 sinks"].verdict == "reproduced"
+    assert verdict == "not reproduced"
+
+
+def test_failed_run_counts_as_no_value(tmp_path):
+    claim_folder(tmp_path, {0: 400.0, 4: 27.0})
+    cfg = fx.config(method="streaming_llm", budget=256, method_options={"sinks": 1}, experiment="sinks_claims",
+                    paper=CLAIM_PAPER)
+    fx.write_run(str(tmp_path), cfg, {"ppl": 28.0}, [], status="failed")
+    _, by = verdicts(tmp_path)
+    assert by["1 sink within 25% of 4 sinks"].verdict == "not reproduced"
+    assert "status failed" in by["1 sink within 25% of 4 sinks"].settings[0][1]
+
+
+def test_claims_judged_per_comparable_setting(tmp_path):
+    """A sweep over budget x block size: each (budget, block) setting is judged; full (budget null) joins each."""
+    paper = {"source": "s", "model": "m", "dataset": "d", "metric": "ppl", "lower_is_better": True,
+             "rows": [{"id": "p", "label": "paged", "match": {"method.name": "paged_eviction"}, "value": None},
+                      {"id": "f", "label": "full", "match": {"method.name": "full"}, "value": None}],
+             "claims": [{"claim": "full <= paged", "order": ["f", "p"], "strict": False}]}
+    for bs in (8, 16):
+        cfg = fx.config(method="full", experiment="grid", paper=paper, block_size=bs)
+        fx.write_run(str(tmp_path), cfg, {"ppl": 20.0}, fx.ppl_samples([1.0]))
+        for budget, value in ((128, 25.0), (256, 21.0 if bs == 8 else 19.0)):
+            cfg = fx.config(method="paged_eviction", budget=budget, experiment="grid", paper=paper, block_size=bs)
+            fx.write_run(str(tmp_path), cfg, {"ppl": value}, fx.ppl_samples([1.0]))
+    verdict, by = verdicts(tmp_path, "grid")
+    v = by["full <= paged"]
+    assert len(v.settings) == 4 and v.ours == "holds in 3 of 4 settings" and verdict == "not reproduced"
+    assert "runtime.block_size=16, budget=256: 20 > 19" in v.why
+    assert v.paper.startswith("unknown")
+
+
+def test_stand_in_metric_is_never_set_beside_the_papers(tmp_path):
+    """h2o at smoke scale: the paper reports accuracy, the runs have ppl: the relation is judged in ppl, the paper's
+    figure is not shown, and the table shows no published value or difference."""
+    paper = {"source": "H2O", "model": "huggyllama/llama-7b", "dataset": "lm-eval", "metric": "accuracy",
+             "lower_is_better": False,
+             "rows": [{"id": "h", "label": "H2O", "match": {"method.name": "h2o"}, "value": 0.5},
+                      {"id": "r", "label": "recent", "match": {"method.name": "streaming_llm"}, "value": 0.4}],
+             "claims": [{"claim": "H2O beats recent", "order": ["h", "r"]}]}
+    for method, ppl in (("h2o", 26.5), ("streaming_llm", 49.0)):
+        cfg = fx.config(method=method, budget=205, experiment="h2o_like", paper=paper)
+        fx.write_run(str(tmp_path), cfg, {"ppl": ppl}, fx.ppl_samples([1.0]))
+    sec = section(tmp_path, "h2o_like")
+    v, = sec.verdicts
+    assert v.verdict == "reproduced" and v.ours == "26.5 < 49" and "stand-in" in v.metric
+    assert "not comparable" in v.paper and "0.5" not in v.paper
+    runs_table = sec.tables[-1]
+    col = {c: i for i, c in enumerate(runs_table.columns)}
+    for row in runs_table.rows:
+        assert row[col["paper"]] == "" and row[col["diff"]] == "not compared: paper reports accuracy"
+
+
+def test_verdicts_in_terminal_markdown_html_and_json(tmp_path):
+    claim_folder(tmp_path / "res", {0: 44.0, 1: 30.0, 4: 27.0})
+    out, js = tmp_path / "o", tmp_path / "v.json"
+    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(out),
+                           "--json", str(js)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sinks_claims: not reproduced (2 reproduced, 1 not reproduced (of 3 claims))" in proc.stdout
+    assert "[not reproduced] window only > 10x 4 sinks" in proc.stdout
+    import json
+
+    data = json.loads(js.read_text())["sinks_claims"]
+    assert data["verdict"] == "not reproduced"
+    assert [c["verdict"] for c in data["claims"]] == ["not reproduced", "reproduced", "reproduced"]
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "Verdicts: sinks\\_claims: not reproduced." in md
+    assert "**Verdict: not reproduced**" in md and "window only &gt; 10x 4 sinks" in md  # escaped as in HTML
+    assert 'class="verdict bad"' in html and '<td class="good">reproduced</td>' in html
+
+
+BAD_PAPERS = [
+    ({"rows": [{"label": "a", "match": {"method.sinks": 0}, "value": "abc"}]}, "value must be a finite number"),
+    ({"rows": [{"label": "a", "match": {"method.sinks": 0}, "value": 1.0}],
+      "claims": [{"claim": "c", "order": ["a", "nope"]}]}, "names row 'nope'"),
+    ({"rows": [{"label": "a", "match": {"method.sinks": 0}, "value": 1.0},
+               {"label": "b", "match": {"method.sinks": 1}, "value": 2.0}],
+      "claims": [{"claim": "b better", "order": ["b", "a"]}]}, "does not hold for the paper's own values"),
+    ({"rows": [{"label": "a", "match": {"method.sinks": 0}, "value": 1.0},
+               {"label": "b", "match": {"method.sinks": 1}, "value": 2.0}],
+      "claims": [{"claim": "r", "ratio": ["a", "b"]}]}, "needs min and/or max"),
+    ({"metric": None}, "metric must be"),
+    ({"rows": "x"}, "rows must be a list"),
+    ({"lower_is_better": "yes"}, "lower_is_better must be true or false"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_PAPERS)
+def test_bad_paper_block_is_one_line_exit_2(tmp_path, change, message):
+    paper = {"source": "s", "model": "m", "dataset": "d", "metric": "ppl", "lower_is_better": True, "rows": []}
+    paper.update(change)
+    claim_folder(tmp_path / "res", {0: 44.0}, paper=paper)
+    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "sinks_claims" in proc.stderr and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()  # found before anything is written
+
+
+def test_bad_out_and_json_paths_are_one_line_exit_2(tmp_path):
+    claim_folder(tmp_path / "res", {0: 44.0, 1: 30.0, 4: 27.0})
+    (tmp_path / "file").write_text("x")
+    cases = [(["--out", str(tmp_path / "file")], "is a file"),
+             (["--out", str(tmp_path / "file" / "sub")], "cannot create"),
+             (["--json", str(tmp_path)], "is a folder"),
+             (["--json", str(tmp_path / "nope" / "v.json")], "no folder")]
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+        assert not (tmp_path / "res" / "report").exists()
+
+
+# ---------------------------------------------------------------- plots and rendering
+def _figures(monkeypatch):
+    """Capture the matplotlib figures the plot functions make (their PNGs are not needed)."""
+    from kvbench.reporting import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figs.append(fig) or b"png")
+    return figs
+
+
+def _runs(points, task_options=None):
+    """plot records: (method, budget, ppl)."""
+    out = []
+    for method, budget, ppl in points:
+        cfg = {"method.name": method, "quant.name": "none", "task.name": "perplexity",
+               **{f"task.{k}": v for k, v in (task_options or {}).items()}}
+        out.append({"cfg": cfg, "metrics": {"method": method, "budget": budget, "ppl": ppl,
+                                             "peak_kv_bytes": (budget or 4096) * 1000}})
+    return out
+
+
+def test_one_colour_per_method_in_every_plot(monkeypatch):
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    a = _runs([("h2o", 128, 27.0), ("h2o", 512, 26.0), ("snapkv", 128, 27.5), ("snapkv", 512, 26.2)])
+    b = _runs([("snapkv", 128, 30.0), ("snapkv", 512, 29.0),
+               ("streaming_llm", 128, 31.0), ("streaming_llm", 512, 29.5)])
+    plots.metric_vs_budget(a, "ppl")
+    plots.metric_vs_budget(b, "ppl")
+    plots.pareto(b + a, "ppl")
+    colour = {}
+    for fig in figs:
+        ax = fig.axes[0]
+        items = [(line.get_label(), line.get_color()) for line in ax.lines] + \
+                [(c.get_label(), tuple(c.get_facecolor()[0])) for c in ax.collections]
+        for label, col in items:
+            method = label.split(" ")[0]
+            if method in ("h2o", "snapkv", "streaming_llm"):
+                from matplotlib.colors import to_hex
+
+                colour.setdefault(method, set()).add(to_hex(col))
+    assert colour["snapkv"] == {plots.METHOD_COLORS["snapkv"]}  # the same in all three plots
+    assert colour["h2o"] == {plots.METHOD_COLORS["h2o"]}
+    assert colour["streaming_llm"] == {plots.METHOD_COLORS["streaming_llm"]}
+    assert len(set(plots.METHOD_COLORS[m] for m in ("full", "h2o", "snapkv", "streaming_llm", "paged_eviction"))) == 5
+    assert plots.method_color("new_method") == plots.method_color("new_method")  # unknown: a stable pick
+
+
+def test_narrow_range_axis_is_linear_wide_range_is_log(monkeypatch):
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    narrow_runs = [("h2o", 128, 26.3), ("h2o", 512, 25.7), ("snapkv", 128, 26.1), ("snapkv", 512, 25.8)]
+    plots.metric_vs_budget(_runs(narrow_runs), "ppl")
+    plots.metric_vs_budget(_runs([("h2o", 128, 3000.0), ("h2o", 2048, 26.0)]), "ppl")
+    narrow, wide = figs
+    assert narrow.axes[0].get_yscale() == "linear" and narrow.axes[0].get_xscale() == "linear"  # 128-512: 4x
+    assert wide.axes[0].get_yscale() == "log" and wide.axes[0].get_xscale() == "log"  # 26-3000, 128-2048
+
+
+def test_lines_only_among_comparable_runs(tmp_path):
+    """A 4,096-token full run is not drawn across 1,024-token runs: one plot per task setting."""
+    for tokens, base in ((1024, 26.0), (4096, 20.0)):
+        cfg = fx.config(method="full", task_options={"max_tokens": tokens}, experiment="cmp")
+        fx.write_run(str(tmp_path), cfg, {"ppl": base, "peak_kv_bytes": tokens * 46080}, fx.ppl_samples([1.0]))
+        for budget in (128, 256):
+            cfg = fx.config(method="h2o", budget=budget, task_options={"max_tokens": tokens}, experiment="cmp")
+            fx.write_run(str(tmp_path), cfg, {"ppl": base + 1000 / budget, "peak_kv_bytes": budget * 46080},
+                         fx.ppl_samples([1.0]))
+    titles = [t for t, _ in section(tmp_path, "cmp").plots]
+    assert "perplexity: ppl vs budget [task.max_tokens=1024]" in titles
+    assert "perplexity: ppl vs budget [task.max_tokens=4096]" in titles
+    assert "perplexity: ppl vs budget" not in titles
+
+
+def test_empty_columns_are_left_out(tmp_path):
+    sinks_folder(tmp_path / "res")
+    subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
+                   check=True, capture_output=True, timeout=120)
+    md = (tmp_path / "o" / "report.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| setting"))
+    assert "decode tok/s" not in header and "peak KV MiB" in header  # perplexity runs have no decode speed
+
+
+def test_markdown_escapes_like_html(tmp_path):
+    from kvbench.reporting.render import Section, Table, to_html, to_markdown
+
+    evil = "<script>alert(1)</script> a|b [x](javascript:y) *z*"
+    sec = Section(title=f"exp {evil}", lines=[f"note {evil} `code`"],
+                  tables=[Table(evil, ["setting", "run"], [[evil, (evil, "run dir/")]])])
+    md = to_markdown(f"title {evil}", [evil], [sec], str(tmp_path))
+    html = to_html(f"title {evil}", [evil], [sec])
+    assert "<script>" not in md and "<script>" not in html
+    assert "&lt;script&gt;" in md and "&lt;script&gt;" in html
+    assert "](javascript" not in md.replace("\\](", "") and "\\[x\\]" in md and "a\\|b" in md and "\\*z\\*" in md
+    assert "[&lt;script&gt;alert(1)&lt;/script&gt; a\\|b" in md and "(run%20dir/)" in md  # a link, escaped
+    assert "`code`" in md
+
+
+def test_a_row_recorded_by_another_experiment_is_used_only_when_comparable(tmp_path):
+    """One run per result config: budget_sweep's full run may be the run kvquant_ppl recorded. It is used for a
+    claim only when its model, task and runtime settings equal this experiment's runs'."""
+    paper = {"source": "s", "model": "m", "dataset": "d", "metric": "ppl", "lower_is_better": True,
+             "rows": [{"id": "f", "label": "full", "match": {"method.name": "full"}, "value": None},
+                      {"id": "h", "label": "h2o", "match": {"method.name": "h2o"}, "value": None}],
+             "claims": [{"claim": "full < h2o", "order": ["f", "h"]}]}
+    cfg = fx.config(method="h2o", budget=128, experiment="sweep", paper=paper, task_options={"max_tokens": 1024})
+    fx.write_run(str(tmp_path), cfg, {"ppl": 27.0}, fx.ppl_samples([1.0]))
+    cfg = fx.config(method="full", experiment="other", task_options={"max_tokens": 4096})
+    fx.write_run(str(tmp_path), cfg, {"ppl": 20.0}, fx.ppl_samples([1.0]))
+
+    def judged():
+        out = report.write_report(str(tmp_path), str(tmp_path / "out"), json_path=str(tmp_path / "v.json"))
+        import json
+
+        return out, json.loads((tmp_path / "v.json").read_text())["sweep"]["claims"][0]
+    _, claim = judged()
+    assert claim["verdict"] == "not run"  # a 4,096-token full run is not the baseline of 1,024-token runs
+    cfg = fx.config(method="full", experiment="other", task_options={"max_tokens": 1024})
+    fx.write_run(str(tmp_path), cfg, {"ppl": 25.0}, fx.ppl_samples([1.0]))
+    _, claim = judged()
+    assert claim["verdict"] == "reproduced" and claim["ours"] == "25 < 27"
+    assert "identical run recorded under other" in claim["why"]

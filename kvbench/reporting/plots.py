@@ -1,6 +1,10 @@
 """The report's plots (matplotlib, Agg backend), each returned as PNG bytes or None when the runs have no data for it.
 
     metric_vs_budget(runs, "ppl")     one line per method (codecs and `full` as flat reference lines)
+
+Every plot colours a run by its method (METHOD_COLORS: the same colour for a method in every plot; other settings
+by line style and marker) and uses a log axis only for data spanning more than a decade (wants_log). Callers pass
+comparable runs (same model, task and runtime settings: kvbench.report groups them).
     pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front drawn through the best points
     longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
@@ -16,6 +20,58 @@ from typing import Any, Optional, Sequence
 from kvbench.reporting.stats import lower_is_better
 
 MAX_SERIES = 12
+
+# One colour per method in every plot (codecs by name and bits: KIVI-2 and KIVI-4 are told apart); settings other
+# than the method (block size, sinks, ...) are told apart by line style and marker, never by colour.
+METHOD_COLORS = {
+    "full": "#222222", "streaming_llm": "#1f77b4", "h2o": "#ff7f0e", "paged_eviction": "#2ca02c",
+    "snapkv": "#d62728", "key_diff": "#9467bd", "kvcrush": "#8c564b",
+    "kivi": "#e377c2", "kivi2": "#e377c2", "kivi4": "#f7b6d2", "kvquant": "#17becf", "kvquant2": "#9edae5",
+    "kvquant3": "#17becf", "kvquant4": "#0e7c8a", "int8": "#7f7f7f", "fp8": "#bcbd22",
+}
+_SPARE = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
+STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LOG_SPAN = 10.0  # a log axis only when the data spans more than this factor (one decade)
+
+
+def method_key(run: dict) -> str:
+    """The method a run's colour stands for: the method, or the codec and its bits for a codec run (method=full
+    quant=kivi bits=2 -> kivi2)."""
+    cfg = run["cfg"]
+    quant = cfg.get("quant.name") or run["metrics"].get("quant") or "none"
+    if quant not in ("none", "full"):
+        bits = cfg.get("quant.bits")
+        return f"{quant}{bits if isinstance(bits, int) and quant in ('kivi', 'kvquant') else ''}"
+    return str(cfg.get("method.name") or run["metrics"].get("method"))
+
+
+def method_color(name: str) -> str:
+    """The fixed colour of a method (a stable pick from a spare palette for a method not in METHOD_COLORS)."""
+    if name in METHOD_COLORS:
+        return METHOD_COLORS[name]
+    import zlib
+
+    return _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
+
+
+def wants_log(values: Sequence[float]) -> bool:
+    """A log axis for positive data spanning more than a decade; linear for a narrow range (e.g. ppl 25.7-26.3)."""
+    vals = [v for v in values if v is not None]
+    return bool(vals) and min(vals) > 0 and max(vals) / min(vals) > LOG_SPAN
+
+
+class _Styler:
+    """Colour by method; line style and marker by the order a method's series appear in (one plot)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, run: dict) -> dict:
+        key = method_key(run)
+        i = self.seen.get(key, 0)
+        self.seen[key] = i + 1
+        return {"color": method_color(key), "linestyle": STYLES[i % len(STYLES)], "marker": MARKERS[i % len(MARKERS)]}
 
 
 def _plt():
@@ -34,6 +90,21 @@ def _png(fig: Any) -> bytes:
     fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _log(axis: Any, set_scale: Any) -> None:
+    """A log axis labelled with plain numbers (25, 100, 1000), not powers of ten."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    set_scale("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _legend(ax: Any) -> None:
+    """The legend beside the axes (right), never over the data."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
 
 
 def _num(value: Any) -> Optional[float]:
@@ -69,33 +140,41 @@ def _x_of(run: dict, x_key: str) -> Optional[float]:
 
 def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -> Optional[bytes]:
     """The metric against the budget (or another numeric setting, x_key = a dotted config key), one line per
-    series; methods that do not evict are flat reference lines."""
+    series, coloured by method; methods that do not evict are flat reference lines. Pass comparable runs only
+    (same model, task and runtime settings): a reference line is drawn across every point of the plot."""
     xs = {_x_of(r, x_key) for r in runs if _num(r["metrics"].get(metric)) is not None}
     xs.discard(None)
     if len(xs) < 2:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    style = _Styler()
+    ys: list[float] = []
     for label, rs in _by_series(runs).items():
         pts = sorted((_x_of(r, x_key), _num(r["metrics"].get(metric))) for r in rs
                      if _x_of(r, x_key) is not None and _num(r["metrics"].get(metric)) is not None)
         flat = [v for v in (_num(r["metrics"].get(metric)) for r in rs) if v is not None]
+        st = style(rs[0])
         if x_key == "budget" and _flat(rs) and flat:  # no eviction: the value does not depend on the budget
-            ax.axhline(flat[-1], linestyle="--", linewidth=1, label=f"{label} (no eviction)",
-                       color=f"C{len(ax.lines) % 10}")
+            ax.axhline(flat[-1], linestyle="--", linewidth=1, label=f"{label} (no eviction)", color=st["color"])
+            ys.append(flat[-1])
         elif pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **st)
+            ys += [p[1] for p in pts]
     if x_key == "budget":
-        ax.set_xscale("log", base=2)
+        if wants_log(sorted(xs)):
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (KV tokens per sequence, layer, kv-head)")
     else:
         ax.set_xlabel(x_key)
+    ax.set_xticks(sorted(xs))
+    ax.set_xticklabels([f"{x:g}" for x in sorted(xs)])
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better(metric) else ""))
-    if lower_is_better(metric):
-        ax.set_yscale("log")
+    if wants_log(ys):
+        _log(ax.yaxis, ax.set_yscale)
     ax.set_title(f"{metric} vs {x_key}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _legend(ax)
     return _png(fig)
 
 
@@ -115,30 +194,37 @@ def _flat(runs: Sequence[dict]) -> bool:
 
 
 def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
-    pts = [(_num(r["metrics"].get("peak_kv_bytes")), _num(r["metrics"].get(metric)), series_label(r)) for r in runs]
+    """The metric against peak KV memory (one marker colour per method), the Pareto front through the best points.
+    Pass comparable runs only."""
+    pts = [(_num(r["metrics"].get("peak_kv_bytes")), _num(r["metrics"].get(metric)), series_label(r), r) for r in runs]
     pts = [p for p in pts if p[0] is not None and p[1] is not None and p[0] > 0]
     if len(pts) < 2 or len({p[0] for p in pts}) < 2:  # one KV size: nothing to trade off
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    style = _Styler()
     for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_SERIES]:
         mine = [p for p in pts if p[2] == label]
-        ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=24)
+        st = style(mine[0][3])
+        ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=28, color=st["color"],
+                   marker=st["marker"])
     low = lower_is_better(metric)
     front, best = [], None
-    for x, y, _ in sorted(pts, key=lambda p: (p[0], p[1] if low else -p[1])):
+    for x, y, _, _ in sorted(pts, key=lambda p: (p[0], p[1] if low else -p[1])):
         if best is None or (y < best if low else y > best):
             front.append((x, y))
             best = y
     ax.step([p[0] / 2**20 for p in front], [p[1] for p in front], where="post", color="black", linewidth=1,
             label="Pareto front")
     ax.set_xlabel("peak KV memory (MiB, measured from the pool)")
-    ax.set_ylabel(metric)
-    if low:
-        ax.set_yscale("log")
+    ax.set_ylabel(metric + (" (lower is better)" if low else ""))
+    if wants_log([p[1] for p in pts]):
+        _log(ax.yaxis, ax.set_yscale)
+    if wants_log([p[0] for p in pts]):
+        _log(ax.xaxis, ax.set_xscale)
     ax.set_title(f"{metric} vs KV memory")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _legend(ax)
     return _png(fig)
 
 
@@ -156,11 +242,14 @@ def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = 
     datasets = sorted({DATASET_KEY.match(k).group(2) for r in runs for k in r["metrics"]
                        if DATASET_KEY.match(k) and _num(r["metrics"][k]) is not None})
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(datasets) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(datasets) + 4), 4.2))
     width = 0.8 / len(runs)
+    style = _Styler()
     for i, (run, row) in enumerate(zip(runs, rows)):
         xs = [j + i * width for j in range(len(datasets))]
-        ax.bar(xs, [_num(run["metrics"].get(f"score_{d}")) or 0 for d in datasets], width, label=series_label(run))
+        st = style(run)
+        ax.bar(xs, [_num(run["metrics"].get(f"score_{d}")) or 0 for d in datasets], width, label=series_label(run),
+               color=st["color"], hatch=_HATCH[STYLES.index(st["linestyle"])], edgecolor="white")
         per = (row or {}).get("per_dataset") or {}
         tick = [(x, per.get(d)) for x, d in zip(xs, datasets) if per.get(d) is not None]
         if tick:
@@ -170,14 +259,17 @@ def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = 
     ax.set_xticklabels(datasets, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("score (x100)")
     ax.set_title("LongBench per dataset")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _png(fig)
 
+
+_HATCH = ("", "//", "..", "xx")
 
 CELL = re.compile(r"^acc_(\d+)_(\d+(?:\.\d+)?)$")
 
 
 def needle_heatmaps(runs: Sequence[dict], limit: int = 24) -> Optional[bytes]:
+    """Accuracy per (context length, depth) cell, one panel per run; None when every run has a single cell."""
     panels = []
     for run in runs:
         cells = {}
@@ -187,8 +279,8 @@ def needle_heatmaps(runs: Sequence[dict], limit: int = 24) -> Optional[bytes]:
                 cells[(int(m.group(1)), float(m.group(2)))] = float(value)
         if cells:
             panels.append((run, cells))
-    if not panels:
-        return None
+    if not panels or all(len(cells) == 1 for _, cells in panels):
+        return None  # no panels, or one cell each: the accuracy plot already shows it
     panels = panels[:limit]
     plt = _plt()
     cols = min(4, len(panels))
@@ -217,10 +309,11 @@ def throughput(runs: Sequence[dict]) -> Optional[bytes]:
     if not pts:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    style = _Styler()
     for label in list(dict.fromkeys(series_label(p[0]) for p in pts))[:MAX_SERIES]:
         mine = sorted((p for p in pts if series_label(p[0]) == label), key=lambda p: p[1])
-        ax.plot([p[1] / 2**20 for p in mine], [p[2] for p in mine], marker="o", label=label)
+        ax.plot([p[1] / 2**20 for p in mine], [p[2] for p in mine], label=label, **style(mine[0][0]))
         for run, x, y in mine:
             seqs = run["metrics"].get("max_running_seqs")
             if seqs is not None:
@@ -229,25 +322,33 @@ def throughput(runs: Sequence[dict]) -> Optional[bytes]:
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput vs KV memory")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _png(fig)
 
 
-def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], metric: str) -> Optional[bytes]:
-    """points: setting label -> [(commit, value)]; commits in order. None with fewer than two commits."""
+def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], metric: str,
+            methods: Optional[dict[str, str]] = None) -> Optional[bytes]:
+    """points: setting label -> [(commit, value)]; commits in order; methods: label -> method_key (its colour).
+    None with fewer than two commits."""
     if len(commits) < 2 or not points:
         return None
     index = {c: i for i, c in enumerate(commits)}
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    seen: dict[str, int] = {}
     for label, pts in list(points.items())[:MAX_SERIES]:
         pts = sorted(pts, key=lambda p: index[p[0]])
-        ax.plot([index[c] for c, _ in pts], [v for _, v in pts], marker="o", label=label)
+        key = (methods or {}).get(label, label)
+        i = seen[key] = seen.get(key, -1) + 1
+        ax.plot([index[c] for c, _ in pts], [v for _, v in pts], label=label, color=method_color(key),
+                linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)])
     ax.set_xticks(range(len(commits)))
     ax.set_xticklabels([c[:8] for c in commits], rotation=30, fontsize=7)
     ax.set_xlabel("git commit (in the order first run)")
     ax.set_ylabel(metric)
+    if wants_log([v for pts in points.values() for _, v in pts]):
+        _log(ax.yaxis, ax.set_yscale)
     ax.set_title(f"{metric} across commits")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    _legend(ax)
     return _png(fig)
