@@ -175,3 +175,64 @@ def test_question_appended_uncompressed_stays_whole(model, variant):
     slot2 = engine2.new_sequence()
     _prefill(engine2, slot2, context + question)
     assert all(len(pos) <= 64 for heads in _tables(engine2.cache, slot2) for pos in heads)
+
+
+# --------------------------------------------------------------------------- task.compress_question
+def _tables_after_prefill(engine, requests):
+    """Run generate_split and read every sequence's tables when its prefill is over (at the first decode step)."""
+    from kvbench.tasks._generation import generate_split
+
+    seen: dict[int, list] = {}
+    decode = engine.decode_batch
+
+    def spy(slots, *args, **kwargs):
+        for s in slots:
+            seen.setdefault(s, _tables(engine.cache, s))
+        return decode(slots, *args, **kwargs)
+
+    engine.decode_batch = spy
+    gens = generate_split(engine, requests)
+    return gens, seen
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "key_diff", "h2o"])
+def test_needle_question_uncompressed_is_all_in_the_cache(name):
+    """task.compress_question=false: after prefill every question token is in every table; the context is
+    compressed to the budget. With true (the default) the question is tokenized with the prompt and compressed."""
+    from kvbench.tasks import build_task
+    from tests.fixtures.task_fixtures import smollm2_tokenizer, tiny_engine
+
+    tok = smollm2_tokenizer()
+    opts = {"lengths": [256], "depths": [50], "max_new_tokens": 3}
+    (req,) = build_task("needle", {**opts, "compress_question": False}).requests(tok)
+    (whole,) = build_task("needle", opts).requests(tok)
+    assert whole.uncompressed_tail == 0 and req.uncompressed_tail > 10
+    assert tok.decode(req.token_ids[-req.uncompressed_tail:]).startswith("What is the best thing to do in San")
+    assert tok.decode(req.token_ids[-req.uncompressed_tail:]).endswith("<|im_start|>assistant\n")
+    budget = 64
+    method = build_method(name, budget, decode="none") if name != "h2o" else build_method(name, budget)
+    engine = tiny_engine(method, block_size=BS)
+    gens, seen = _tables_after_prefill(engine, [req])
+    (tables,) = seen.values()
+    n, tail = len(req.token_ids), req.uncompressed_tail
+    question = set(range(n - tail, n))
+    for heads in tables:
+        for pos in heads:
+            assert question <= set(pos), f"{name}: question tokens evicted"
+            assert len(pos) <= budget + tail and len([p for p in pos if p < n - tail]) <= budget
+    assert len(gens[0].token_ids) >= 1 and engine.cache.pool.in_use == 0
+
+
+def test_split_generation_equals_the_scheduler_without_eviction():
+    """With nothing evicted, prefilling context then question (compress=False) and decoding the batch together
+    gives the scheduler's greedy tokens for the same token ids."""
+    from kvbench.tasks._generation import GenRequest, generate_split
+    from tests.fixtures.task_fixtures import tiny_engine
+
+    reqs = [GenRequest(id=str(n), dataset=None, prompt="", token_ids=_ids(n), max_new_tokens=6,
+                       uncompressed_tail=t) for n, t in ((150, 20), (90, 70))]
+    engine = tiny_engine(None, block_size=BS)
+    split = generate_split(engine, reqs)
+    ref = engine.generate([r.token_ids for r in reqs], max_new_tokens=6)
+    assert [g.token_ids for g in split] == [g.token_ids for g in ref]
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 6 for g in split)
