@@ -236,3 +236,20 @@ def test_split_generation_equals_the_scheduler_without_eviction():
     ref = engine.generate([r.token_ids for r in reqs], max_new_tokens=6)
     assert [g.token_ids for g in split] == [g.token_ids for g in ref]
     assert all(g.finish_reason == "length" and len(g.token_ids) == 6 for g in split)
+
+
+def test_compare_pairs_runs_by_ratio(tmp_path):
+    """kvbench-compare's pairing key holds the ratio: two ratios never pair; `full` ignores it."""
+    from kvbench.reporting.runs import make_run, pair_key
+
+    def run(method, ratio, with_config=True):
+        config = {"model": {"name": "m"}, "method": {"name": method}, "quant": {"name": "none"},
+                  "task": {"name": "ruler"}, "runtime": {}, "budget": None, "compression_ratio": ratio, "seed": 0}
+        metrics = {"run_id": f"{method}-{ratio}", "model": "m", "method": method, "task": "ruler", "budget": None,
+                   "compression_ratio": ratio, "seed": 0}
+        return make_run(str(tmp_path), metrics, config if with_config else {})
+
+    assert pair_key(run("snapkv", 0.25)) != pair_key(run("snapkv", 0.5))
+    assert pair_key(run("snapkv", 0.25, False)) != pair_key(run("snapkv", 0.5, False))
+    assert pair_key(run("snapkv", 0.5)) == pair_key(run("snapkv", 0.5))
+    assert pair_key(run("full", 0.25)) == pair_key(run("full", None))
