@@ -305,7 +305,8 @@ def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
     s = plan.settings
     record: dict = {
         "run_id": folder.run_id, "attempt_id": uuid.uuid4().hex, "status": "failed", "error": None,
-        "model": s.model.name, "method": s.method_name, "budget": s.budget, "task": s.task_name,
+        "model": s.model.name, "method": s.method_name, "budget": s.budget,
+        "compression_ratio": s.compression_ratio, "task": s.task_name,
         "seed": s.seed, "experiment": s.experiment, "device": plan.device, "dtype": s.model.dtype,
         "num_samples": 0, "config_hash": config_hash(plan.hashable),
         "experiment_key": experiment_key(plan.hashable), "run_dir": folder.path, "started_at": _now(),

@@ -162,6 +162,7 @@ class KvbenchConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     budget: Optional[int] = None
+    compression_ratio: Optional[float] = None  # kvpress's knob, exclusive with budget (see check_compression)
     seed: int = 0
     results_dir: str = "results"
     rerun: bool = False
@@ -192,6 +193,7 @@ class Settings:
     rerun: bool
     progress: bool
     experiment: Optional[str] = None
+    compression_ratio: Optional[float] = None
 
     def get(self, key: str, default: Any = None) -> Any:
         """Attribute access by name (for task code written against the raw config: cfg.get("seed"))."""
@@ -294,6 +296,22 @@ def check_resolvable(cfg: Any) -> None:
         raise UserError(f"cannot resolve {key}={_raw_value(cfg, key)!r}: {msg}") from None
 
 
+def check_compression(budget: Any, compression_ratio: Any) -> Optional[float]:
+    """`compression_ratio`: the fraction of each prompt's KV removed at prefill (kvpress's meaning; 0.0 = keep
+    all), a number in [0, 1), exclusive with `budget`; each eviction method turns it into a per-sequence budget
+    (methods/eviction.py). Returns it as a float (or None); UserError on a bad value or both knobs set."""
+    r = compression_ratio
+    if r is None:
+        return None
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+        raise UserError(f"invalid compression_ratio={r!r}: expected a number in [0, 1) (the fraction of each "
+                        "prompt's KV removed) or null")
+    if budget is not None:
+        raise UserError(f"budget={budget} and compression_ratio={r} are both set: choose one (budget = KV tokens "
+                        "kept per sequence, layer and kv-head; compression_ratio = fraction of each prompt removed)")
+    return float(r)
+
+
 def validate(cfg: Any) -> Settings:
     """Check a composed run config and return it typed (storage resolved, budget null for a method that keeps
     every token, integral floats as ints); raises UserError naming the bad value. Needs no model."""
@@ -307,6 +325,7 @@ def validate(cfg: Any) -> Settings:
         raise UserError("task.name is missing: every task YAML needs `name:` (see conf/task/)")
     budget = cfg.get("budget")
     _check_positive("budget", budget, allow_none=True)
+    compression_ratio = check_compression(budget, cfg.get("compression_ratio"))
     seed = cfg.get("seed", 0)
     _check_positive("seed", seed, minimum=0, maximum=SEED_MAX)
     model = _section(cfg, "model")
@@ -316,8 +335,8 @@ def validate(cfg: Any) -> Settings:
         raise UserError(f"invalid experiment={experiment!r}: expected a name")
     method_name, method_options, quant_name, quant_options = resolve_storage(
         str(method.pop("name")), method, str(quant.pop("name", "none")), quant)
-    if budget is not None and not method_evicts(method_name):
-        budget = None  # nothing is evicted: every budget is the same run
+    if not method_evicts(method_name):
+        budget = compression_ratio = None  # nothing is evicted: every budget (or ratio) is the same run
     results_dir = results_path(cfg.get("results_dir", "results"))
     return Settings(
         model=_build(ModelConfig, "model", model),
@@ -335,6 +354,7 @@ def validate(cfg: Any) -> Settings:
         rerun=bool(cfg.get("rerun", False)),
         progress=bool(cfg.get("progress", True)),
         experiment=experiment,
+        compression_ratio=compression_ratio,
     )
 
 
@@ -350,6 +370,8 @@ def _raw_hashable(root: Any) -> dict:
             out[k] = OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k]
         except OmegaConfBaseException:
             out[k] = _raw_value(root, k)
+    if root.get("compression_ratio") is not None:  # absent when null: runs without it keep their ids
+        out["compression_ratio"] = root["compression_ratio"]
     return out
 
 
@@ -367,8 +389,10 @@ def hashable_config(root: Any) -> dict:
         data["quant"] = {"name": q_name, **q_opts}
         if isinstance(data.get("task"), dict):
             data["task"] = normalise_numbers(data["task"])
-        if data.get("budget") is not None and not method_evicts(m_name):
-            data["budget"] = None
+        if not method_evicts(m_name):
+            if data.get("budget") is not None:
+                data["budget"] = None
+            data.pop("compression_ratio", None)
     except Exception:
         pass
     return data

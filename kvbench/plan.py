@@ -208,6 +208,8 @@ def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
         kwargs["seed"] = settings.seed if own is None else own
     elif settings.method_name == "kvcrush" and options.get("seed") is None:
         options["seed"] = settings.seed  # until build_method takes the top-level seed
+    if settings.compression_ratio is not None:
+        kwargs["compression_ratio"] = settings.compression_ratio
     try:
         return build_method_fn(settings.method_name, settings.budget, **kwargs, **options)
     except (TypeError, ValueError) as exc:
@@ -254,7 +256,8 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # what runs, in resolved form: method=kivi is recorded as method=full quant=kivi; no budget without eviction
     resolved.update(method={"name": settings.method_name, **settings.method_options},
-                    quant={"name": settings.quant_name, **settings.quant_options}, budget=settings.budget)
+                    quant={"name": settings.quant_name, **settings.quant_options}, budget=settings.budget,
+                    compression_ratio=settings.compression_ratio)
     fields = {"model_path": settings.model.path, "model_gguf_file": settings.model.gguf_file,
               **flat("task_", settings.task_options),
               **flat("runtime_", {k: v for k, v in vars(settings.runtime).items() if k != "threads"}),

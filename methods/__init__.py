@@ -18,18 +18,22 @@ def available_methods() -> list[str]:
     return METHODS.names()
 
 
-def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int] = None, **options: Any) -> Method:
-    """Instantiate a method by name. `seed` (the run's top-level seed) reaches methods with a `seed` option left
-    null. Unknown names and options raise UserError naming the choices."""
+def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int] = None,
+                 compression_ratio: Optional[float] = None, **options: Any) -> Method:
+    """Instantiate a method by name. `budget` and `compression_ratio` are the top-level knobs (one of them);
+    `seed` (the run's top-level seed) reaches methods with a `seed` option left null. Unknown names and options
+    raise UserError naming the choices."""
     cls = METHODS.get(name)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"budget", "compression_ratio"}
     bad = sorted(set(options) - fields)
     if bad:
-        valid = ", ".join(sorted(fields - {"budget"})) or "(none)"
+        valid = ", ".join(sorted(fields)) or "(none)"
         raise UserError(f"unknown option method.{bad[0]} for method {name!r}; valid options are {valid}")
     if "seed" in fields and options.get("seed") is None and seed is not None:
         options["seed"] = seed
     try:
+        if compression_ratio is not None:
+            options["compression_ratio"] = compression_ratio
         return cls(budget=budget, **options)
     except (TypeError, ValueError) as exc:
         raise UserError(f"invalid settings for method {name!r}: {exc}") from None

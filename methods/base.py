@@ -22,6 +22,8 @@ class Method:
       on_sequence_end(slot)         when a sequence's blocks are freed (finished or preempted)
       on_fork(parent, child)        when a sequence is forked (shared blocks): copy per-sequence state
     `budget` is the most KV tokens kept per sequence, per layer, per kv-head (None = unlimited).
+    `compression_ratio` (exclusive with `budget`) is kvpress's knob: the fraction of each prompt's KV removed at
+    prefill (0.0 = keep all); eviction methods turn it into a per-sequence budget (methods.eviction).
     `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null).
     """
 
@@ -30,11 +32,20 @@ class Method:
     evicts: ClassVar[bool] = False
     acts_after_attention: ClassVar[bool] = False
     budget: int | None = None
+    compression_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
                 raise UserError(f"invalid budget {self.budget!r}: expected a positive integer or null")
+        r = self.compression_ratio
+        if r is not None:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+                raise UserError(f"invalid compression_ratio={r!r}: expected a number in [0, 1) or null")
+            if self.budget is not None:
+                raise UserError(f"budget={self.budget} and compression_ratio={r} both set how much KV is kept: "
+                                "set one of them")
+            self.compression_ratio = float(r)
 
     # --- runtime points -------------------------------------------------------------
     @property
@@ -59,6 +70,11 @@ class Method:
 
     def on_fork(self, parent: int, child: int) -> None:
         pass
+
+    def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
+        """The next `num_tokens` appended to `slot` (one forward step) stay uncompressed: a question appended
+        after its context was compressed (kvpress's query-agnostic protocol). Nothing to do for a method that
+        keeps every token; eviction methods raise that sequence's budget by num_tokens (methods.eviction)."""
 
     def describe(self) -> dict[str, Any]:
         """The method's settings, recorded in every run's results."""

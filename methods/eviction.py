@@ -9,6 +9,15 @@
 and keeps per-(sequence slot, layer) state; a tensor stored under state["scores"] ([H, T], one column
 per cache slot) is kept aligned with the cache's slots whenever tokens are dropped.
 
+The budget of a sequence is decided here, once for every method (`EvictionMethod.sequence_budget`): while a
+method's hooks run for a sequence, `self.budget` is that sequence's budget:
+  budget=N                 N
+  compression_ratio=r      int(P * (1 - r)) (kvpress's n_kept), P = the prompt's tokens, known when its last
+                           prefill chunk has been written (so with a ratio, prefill evicts once, at that chunk,
+                           whatever `prefill_mode`); at least `min_budget()`; fixed from then on while decoding
+  + uncompressed tokens    tokens appended through `keep_uncompressed` (a question after its compressed context)
+                           are never evicted in their own step and add to the sequence's budget.
+
 `ScoreEvictionMethod` (token level): subclasses implement `score()` -> [H, T] (higher = keep) and
 `recent_window()`; the base keeps, per kv-head, the recent window plus the best-scoring tokens.
 
@@ -149,35 +158,97 @@ class EvictionMethod(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.budget is None:
-            raise UserError(f"method {self.name!r} needs a budget: set budget=N "
-                            "(KV tokens kept per sequence, layer and kv-head)")
+        if self.budget is None and self.compression_ratio is None:
+            raise UserError(f"method {self.name!r} needs a budget: set budget=N (KV tokens kept per sequence, "
+                            "layer and kv-head) or compression_ratio=R (fraction of each prompt's KV removed)")
         check_choice(self.name, "prefill_mode", self.prefill_mode, PREFILL_MODES)
         check_choice(self.name, "decode", self.decode, self.DECODE_POLICIES)
         self._state: dict[tuple[int, int], dict[str, Any]] = {}
+        self._configured_budget = self.budget  # None with a compression_ratio
+        # slot -> {"prompt": budget from the prompt (ratio) or None, "extra": uncompressed tokens, "hold": tokens of
+        # the step being appended uncompressed (0 = none)}
+        self._sequences: dict[int, dict[str, Any]] = {}
+        self._kept = [0.0, 0, 0]  # sum of tokens kept per kv-head, sum of prompt tokens, (prompt, layer) count
 
     # --- runtime points ------------------------------------------------------------------
     def attach(self, cache: Any, model_config: Any) -> None:
         super().attach(cache, model_config)
         self._state.clear()
+        self._sequences.clear()
 
     def after_attention(self, ctx: LayerContext) -> None:
         if ctx.phase == "decode" and self.decode == "none":
             return  # compressed after prefill only: generated tokens are appended
         cache = ctx.cache
         Q = ctx.plan.query_positions.shape[1]
-        for i, slot in enumerate(ctx.plan.slot_list):
-            if cache.tokens_seen[slot] == Q:  # first step of the sequence now in this slot
-                self._state.pop((slot, ctx.layer), None)
-            self.observe(ctx, i, slot)
-            if ctx.phase == "decode":
-                self.evict_decode(ctx, i, slot)
-            elif ctx.last_chunk or self.prefill_mode == "streaming":
-                self.evict_prefill(ctx, i, slot)
+        try:
+            for i, slot in enumerate(ctx.plan.slot_list):
+                if cache.tokens_seen[slot] == Q:  # first step of the sequence now in this slot
+                    self._state.pop((slot, ctx.layer), None)
+                held = self.sequence_budget(ctx, slot, Q)
+                self.observe(ctx, i, slot)
+                if held:  # appended uncompressed: observed, never evicted in its own step
+                    if ctx.layer == cache.num_layers - 1:
+                        self._sequences[slot]["hold"] = 0
+                elif ctx.phase == "decode":
+                    self.evict_decode(ctx, i, slot)
+                elif ctx.last_chunk or self.prefill_mode == "streaming":
+                    self.evict_prefill(ctx, i, slot)
+                    if ctx.last_chunk:
+                        self._record_kept(ctx, slot)
+        finally:
+            self.budget = self._configured_budget
+
+    def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
+        """The next step's `num_tokens` tokens of `slot` are not evicted in that step and raise its budget."""
+        seq = self._sequences.setdefault(slot, {"prompt": None, "extra": 0, "hold": 0})
+        seq["hold"] = int(num_tokens)
+        seq["extra"] += int(num_tokens)
+
+    def sequence_budget(self, ctx: LayerContext, slot: int, Q: int) -> bool:
+        """Set `self.budget` to `slot`'s budget for this step (see the module docstring: the one place where
+        `budget` or `compression_ratio` becomes a sequence's budget); True when this step is held uncompressed."""
+        seen = int(ctx.cache.tokens_seen[slot])
+        seq = self._sequences.setdefault(slot, {"prompt": None, "extra": 0, "hold": 0})
+        if seen == Q and not seq["hold"]:  # the first step of the sequence now in this slot
+            seq.update(prompt=None, extra=0)
+        held = bool(seq["hold"]) and seq["hold"] == Q and ctx.phase == "prefill"
+        if self.compression_ratio is None:
+            self.budget = self._configured_budget + seq["extra"]
+            return held
+        if ctx.phase == "prefill" and ctx.last_chunk and not held:
+            compressible = seen - seq["extra"]  # prompt tokens (a held question is not compressed)
+            seq["prompt"] = max(self.min_budget(), int(compressible * (1.0 - self.compression_ratio)))
+        # before the prompt's last chunk nothing is evicted: the budget is every token seen
+        self.budget = seen if seq["prompt"] is None else seq["prompt"] + seq["extra"]
+        return held
+
+    def min_budget(self) -> int:
+        """The smallest budget a compression_ratio may give a sequence (the method's own minimum)."""
+        return 1
+
+    def _record_kept(self, ctx: LayerContext, slot: int) -> None:
+        """After a prompt's compression of one layer: its prompt tokens and the tokens kept per kv-head."""
+        seq = self._sequences.get(slot, {})
+        prompt = int(ctx.cache.tokens_seen[slot]) - int(seq.get("extra", 0))
+        kept = float(ctx.cache.lengths[slot, ctx.layer].float().mean())  # mean over kv-heads
+        self._kept[0] += kept
+        self._kept[1] += prompt
+        self._kept[2] += 1
+
+    def prefill_stats(self) -> dict[str, Any]:
+        """Tokens kept per (layer, kv-head) after each prompt's compression, averaged over every prompt, layer
+        and kv-head compressed so far (`kv_tokens_kept_mean`), the prompts' mean length and the kept fraction."""
+        kept, prompt, n = self._kept
+        if not n:
+            return {"kv_tokens_kept_mean": None, "prompt_tokens_mean": None, "kv_kept_fraction": None}
+        return {"kv_tokens_kept_mean": round(kept / n, 2), "prompt_tokens_mean": round(prompt / n, 2),
+                "kv_kept_fraction": round(kept / prompt, 4) if prompt else None}
 
     def on_sequence_end(self, slot: int) -> None:
         for key in [k for k in self._state if k[0] == slot]:
             del self._state[key]
+        self._sequences.pop(slot, None)
 
     def on_fork(self, parent: int, child: int) -> None:
         """A forked sequence starts with a copy of its parent's per-layer state (scores, window queries)."""
@@ -185,6 +256,8 @@ class EvictionMethod(Method):
             if slot == parent:
                 self._state[(child, layer)] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                for k, v in st.items()}
+        if parent in self._sequences:
+            self._sequences[child] = dict(self._sequences[parent])
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
@@ -323,9 +396,13 @@ class BlockScoreEvictionMethod(EvictionMethod):
         """Before the model loads: the budget must hold the blocks decoding never evicts."""
         self._check_budget(settings.runtime.block_size)
 
+    def min_budget(self) -> int:
+        """The blocks decoding never evicts (a compression_ratio never gives a sequence less)."""
+        return (2 if self.protect_first_block else 1) * self.cache.block_size
+
     def _check_budget(self, block_size: int) -> None:
         need = (2 if self.protect_first_block else 1) * block_size
-        if self.budget < need:
+        if self.budget is not None and self.budget < need:
             raise UserError(
                 f"invalid budget={self.budget} for method {self.name!r}: it needs budget >= {need} with "
                 f"runtime.block_size {block_size} (protect_first_block={self.protect_first_block})")

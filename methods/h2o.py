@@ -40,8 +40,9 @@ class H2O(ScoreEvictionMethod):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d["recent_tokens"] = self.recent_window()
-        d["heavy_tokens"] = self.budget - self.recent_window()
+        per_sequence = self.budget is None  # compression_ratio: the split is made per sequence
+        d["recent_tokens"] = None if per_sequence else self.recent_window()
+        d["heavy_tokens"] = None if per_sequence else self.budget - self.recent_window()
         return d
 
     def observe(self, ctx: LayerContext, i: int, slot: int) -> None:

@@ -111,8 +111,9 @@ class KVCrush(ScoreEvictionMethod):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d["representatives"] = self.n_rep
-        d["important_tokens"] = self.budget - self.n_rep
+        per_sequence = self.budget is None  # compression_ratio: the split is made per sequence
+        d["representatives"] = None if per_sequence else self.n_rep
+        d["important_tokens"] = None if per_sequence else self.budget - self.n_rep
         d["signature"] = "top-half bit per kv-head"
         return d
 

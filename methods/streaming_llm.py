@@ -43,13 +43,16 @@ class StreamingLLM(EvictionMethod):
         super().__post_init__()
         check_int(self.name, "sinks", self.sinks, 0)
         check_choice(self.name, "position_mode", self.position_mode, POSITION_MODES)
-        if self.budget <= self.sinks:
+        if self.budget is not None and self.budget <= self.sinks:
             raise UserError(f"invalid budget {self.budget} for streaming_llm with sinks={self.sinks}: "
                             "the budget must exceed sinks (budget = sinks + window)")
 
     @property
-    def window(self) -> int:
-        return self.budget - self.sinks
+    def window(self) -> int | None:
+        return None if self.budget is None else self.budget - self.sinks  # None: per sequence (compression_ratio)
+
+    def min_budget(self) -> int:
+        return self.sinks + 1
 
     @property
     def store_pre_rope(self) -> bool:

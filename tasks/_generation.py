@@ -8,6 +8,12 @@ each batch goes through `engine.generate` (the scheduler: prompts admitted as th
 greedy; a prompt that cannot fit in the pool is a UserError naming the sizes). A
 prediction is the generated tokens decoded with special tokens skipped (so the stop token is not in it).
 
+Query-agnostic compression (`task.compress_question=false`, kvpress's default): a request whose last
+`uncompressed_tail` prompt tokens are its question goes through `generate_split` instead: the context is
+prefilled chunk by chunk (the method compresses it at its last chunk), the question is appended with
+`compress=False` (never evicted in its own step, added to the sequence's budget), then the batch decodes
+greedily together. `split_prompt` tokenizes a prompt as context + question for it.
+
 perf (also written per sample as ttft_s / prefill_s / decode_s):
 - ttft_s                mean over samples of the time from the start of a prompt's prefill to its first token
 - prefill_tokens_per_s  all prompt tokens / all prefill time
@@ -19,10 +25,13 @@ perf (also written per sample as ttft_s / prefill_s / decode_s):
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvbench.errors import UserError
+from kvbench.runtime.block_pool import OutOfBlocksError
+from kvbench.runtime.engine import Generation
 
 # End-of-turn / end-of-text tokens of the common chat formats; those the tokenizer knows stop generation.
 CHAT_END_TOKENS: tuple[str, ...] = (
@@ -100,6 +109,11 @@ def model_context_length(engine: Any, default: int = 4096) -> int:
     return int(n) if n else default
 
 
+def check_bool_option(where: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise UserError(f"invalid {where}={value!r}: expected true or false")
+
+
 def check_positive(where: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -128,6 +142,7 @@ class GenRequest:
     references: list = field(default_factory=list)
     stop_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)  # copied into the sample record
+    uncompressed_tail: int = 0  # the last tokens of token_ids (the question) are appended after compression
 
 
 @dataclass
@@ -196,14 +211,91 @@ class PerfMeter:
 def _batches(requests: Sequence[GenRequest], batch_size: int) -> list[list[GenRequest]]:
     """Consecutive runs of requests with the same generation settings, cut to batch_size."""
     out: list[list[GenRequest]] = []
+
+    def key(r: GenRequest) -> tuple:
+        return r.max_new_tokens, tuple(sorted(r.stop_ids)), r.uncompressed_tail > 0
+
     for r in requests:
-        key = (r.max_new_tokens, tuple(sorted(r.stop_ids)))
         last = out[-1] if out else None
-        if last and len(last) < batch_size and (last[0].max_new_tokens, tuple(sorted(last[0].stop_ids))) == key:
+        if last and len(last) < batch_size and key(last[0]) == key(r):
             last.append(r)
         else:
             out.append([r])
     return out
+
+
+def split_prompt(tokenizer: Any, prompt: str, question_start: int, templated: bool) -> tuple[list[int], int]:
+    """Token ids of prompt[:question_start] (the context, with the tokenizer's special tokens unless templated)
+    followed by those of prompt[question_start:] (the question and what follows it, no special tokens), and the
+    number of the latter: the two parts are tokenized apart, as kvpress's pipeline does."""
+    head = encode(tokenizer, prompt[:question_start], templated)
+    tail = list(tokenizer(prompt[question_start:], add_special_tokens=False)["input_ids"])
+    return head + tail, len(tail)
+
+
+def generate_split(engine: Any, requests: Sequence[GenRequest], *, chunk_size: Optional[int] = None) -> list[Any]:
+    """Greedy generation with each request's question appended uncompressed (see the module docstring), the
+    batch decoded together; returns kvbench.runtime.engine.Generation records (timings per sequence)."""
+    chunk = chunk_size or getattr(engine, "prefill_chunk_size", 512)
+    stops = set(requests[0].stop_ids)
+    max_new = requests[0].max_new_tokens
+    t0 = time.perf_counter()
+    live: list[dict] = []
+    try:
+        for r in requests:
+            ids = list(r.token_ids)
+            n_tail = min(max(0, r.uncompressed_tail), len(ids) - 1)
+            head, tail = ids[: len(ids) - n_tail], ids[len(ids) - n_tail:]
+            slot = engine.new_sequence()
+            seq = {"slot": slot, "out": [], "reason": "", "pos": len(ids), "ttft": 0.0, "decode_s": 0.0}
+            live.append(seq)
+            start = time.perf_counter()
+            logits = None
+            for a in range(0, len(head), chunk):  # the context: compressed at its last chunk
+                b = min(len(head), a + chunk)
+                logits = engine.forward_chunk(slot, head[a:b], a, last_chunk=b == len(head),
+                                              logits_for="last" if not tail and b == len(head) else "none")
+            for a in range(0, len(tail), chunk):  # the question: appended uncompressed
+                b = min(len(tail), a + chunk)
+                logits = engine.forward_chunk(slot, tail[a:b], len(head) + a, last_chunk=True,
+                                              logits_for="last" if b == len(tail) else "none", compress=False)
+            first = int(logits[0].argmax(-1)) if logits.dim() == 2 else int(logits[0, -1].argmax(-1))
+            seq["prefill_s"] = time.perf_counter() - start
+            seq["ttft"] = time.perf_counter() - t0
+            seq["out"].append(first)
+            if first in stops:
+                seq["reason"] = "stop"
+            elif max_new <= 1:
+                seq["reason"] = "length"
+        while True:
+            running = [s for s in live if not s["reason"]]
+            if not running:
+                break
+            start = time.perf_counter()
+            new = engine.decode_batch([s["slot"] for s in running], [s["out"][-1] for s in running],
+                                      [s["pos"] + len(s["out"]) - 1 for s in running])
+            dt = time.perf_counter() - start
+            for s, tok in zip(running, new):
+                s["out"].append(int(tok))
+                s["decode_s"] += dt
+                if int(tok) in stops:
+                    s["reason"] = "stop"
+                elif len(s["out"]) >= max_new:
+                    s["reason"] = "length"
+    except OutOfBlocksError as exc:
+        raise UserError(f"the KV pool is too small for this batch of prompts ({exc}): raise "
+                        "runtime.kv_memory_bytes or lower runtime.batch_size") from None
+    finally:
+        for s in live:
+            engine.end_sequence(s["slot"])
+    return [Generation(s["out"], s["reason"], s["ttft"], len(r.token_ids), s.get("prefill_s", 0.0),
+                       max(0, len(s["out"]) - 1), s["decode_s"]) for r, s in zip(requests, live)]
+
+
+def kept_stats(engine: Any) -> dict:
+    """The method's prefill_stats (tokens kept per layer and kv-head after each prompt's compression), or {}."""
+    stats = getattr(getattr(engine, "method", None), "prefill_stats", None)
+    return dict(stats()) if callable(stats) else {}
 
 
 def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], *, batch_size: int = 1,
@@ -216,8 +308,11 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
     bar = progress(total=len(requests), desc=desc, unit="sample") if progress is not None else None
     try:
         for batch in _batches(requests, batch_size):
-            gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
-                                   stop_token_ids=batch[0].stop_ids, temperature=0.0)
+            if batch[0].uncompressed_tail > 0:
+                gens = generate_split(engine, batch)
+            else:
+                gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
+                                       stop_token_ids=batch[0].stop_ids, temperature=0.0)
             failed = [g for g in gens if g.finish_reason == "failed"]
             if failed:  # an accuracy task needs every sample: a pool too small for its prompts is a setting
                 raise UserError(f"{failed[0].error} (task sample {batch[gens.index(failed[0])].id})")

@@ -19,6 +19,9 @@ Options:
 - max_length   prompt tokens kept by the middle truncation (default 7500, for SmolLM2's 8192 positions; null =
                the model's max positions minus 692, which leaves room for 512 new tokens and the chat template)
 - chat_template  auto | true | false
+- compress_question  true (default, as pred.py: the question is part of the compressed prompt) | false (the
+               context is compressed, then the part after it, question and answer cue, is appended uncompressed:
+               kvpress's protocol)
 """
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvbench.errors import UserError
-from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
-                               encode, model_context_length, run_generation, stop_token_ids, wants_chat_template)
+from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
+                                       check_chat_template_option, check_positive, encode, kept_stats,
+                                       model_context_length, run_generation, split_prompt, stop_token_ids,
+                                       wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 RESERVED_TOKENS = 692  # null max_length = model context minus this (512 new tokens + the chat template)
@@ -63,6 +68,7 @@ class LongBenchOptions:
     limit: Optional[int] = None
     max_length: Optional[int] = 7500
     chat_template: Any = "auto"
+    compress_question: bool = True  # false: the context is compressed, then the question appended uncompressed
 
     def __post_init__(self) -> None:
         self.datasets = _dataset_names(self.datasets)
@@ -74,29 +80,47 @@ class LongBenchOptions:
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"invalid task.max_length={self.max_length!r}: expected an integer >= 2 or null")
         self.chat_template = check_chat_template_option(self.chat_template)
+        check_bool_option("task.compress_question", self.compress_question)
+
+
+def question_part(dataset: str, record: dict) -> str:
+    """What the dataset's template puts after the context (the question and the answer cue), filled in."""
+    from kvbench.data import longbench as lb
+
+    after = lb.prompt_template(dataset).split("{context}", 1)[1]
+    return after.format(input=record.get("input", ""))
 
 
 def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, chat: bool,
-                  stops: tuple[int, ...]) -> GenRequest:
-    """One LongBench sample as pred.py prepares it (see the module docstring)."""
+                  stops: tuple[int, ...], compress_question: bool = True) -> GenRequest:
+    """One LongBench sample as pred.py prepares it (see the module docstring). compress_question=False: the
+    part after the context (the question, the answer cue and the chat turn's end) is appended uncompressed; when
+    the middle truncation cut into it, the whole prompt is compressed (`question_compressed` in the sample)."""
     from kvbench.data import longbench as lb
 
     full = lb.build_prompt(dataset, record)
     prompt = lb.truncate_prompt_middle(tokenizer, full, max_length)
     truncated = prompt != full
     templated = chat and lb.uses_chat_template(dataset)
+    question = question_part(dataset, record)
+    split = prompt.rfind(question) if question and not compress_question else -1
     if templated:
         prompt = apply_chat(tokenizer, prompt)
-    ids = encode(tokenizer, prompt, templated)
+        split = prompt.rfind(question) if split >= 0 else -1
+    if split >= 0:
+        ids, tail = split_prompt(tokenizer, prompt, split, templated)
+    else:
+        ids, tail = encode(tokenizer, prompt, templated), 0
     if lb.base_dataset(dataset) == "samsum":  # pred.py: eos_token_id=[eos, the id of "\n"]
         stops = tuple(sorted(set(stops) | {int(tokenizer.encode("\n", add_special_tokens=False)[-1])}))
     rid = record.get("_id")
     return GenRequest(
         id=str(rid) if rid is not None else f"{dataset}-{record.get('_index', 0)}", dataset=dataset, prompt=prompt,
         token_ids=ids, max_new_tokens=lb.max_new_tokens(dataset), references=list(record["answers"]),
-        stop_ids=stops,
+        stop_ids=stops, uncompressed_tail=tail,
         extra={"length": record.get("length"), "language": record.get("language"), "truncated": truncated,
-               "chat_template": templated, "_all_classes": record.get("all_classes")},
+               "chat_template": templated, "_all_classes": record.get("all_classes"),
+               "question_compressed": tail == 0},
     )
 
 
@@ -170,7 +194,7 @@ class LongBench(Task):
                 rec.setdefault("_index", i)
                 if rec.get("_id") is None:
                     rec["_id"] = f"{ds}-{i}"
-                requests.append(build_request(tokenizer, ds, rec, max_length, chat, stops))
+                requests.append(build_request(tokenizer, ds, rec, max_length, chat, stops, opts.compress_question))
         if not requests:
             raise UserError(f"no LongBench samples to run (datasets {', '.join(opts.datasets)}, limit {opts.limit})")
         outputs, perf = run_generation(engine, tokenizer, requests, batch_size=batch_size_of(cfg), progress=progress,
@@ -184,6 +208,7 @@ class LongBench(Task):
             samples.append(rec)
         metrics = score_results(samples, opts.datasets)
         metrics["max_length"] = max_length
+        metrics.update(kept_stats(engine))
         return TaskResult(metrics=metrics, samples=samples, perf=perf)
 
 

@@ -4,7 +4,9 @@ One sample per (context length, depth) cell of `lengths` x `depths`: the essays 
 haystack with the needle), the needle sentence inserted at the depth (backed off to a sentence start), then the
 question. With a chat template (`chat_template`: auto = when the tokenizer has one) the prompt is the original's
 system message plus one user turn (context, blank line, question); without, the user text alone. Greedy decoding of
-at most `max_new_tokens`, stopping at EOS and the chat end tokens.
+at most `max_new_tokens`, stopping at EOS and the chat end tokens. `compress_question` (default true, as the
+original test and kvbench so far): the question is part of the compressed prompt; false: the context is prefilled
+and compressed, then the question (with the chat turn's end) is appended uncompressed (kvpress's protocol).
 
 Score per cell: the share of `key_phrases` found in the answer (1.0 = all). Metrics: `accuracy` (mean over the
 cells), `acc_<length>_<depth>` per cell, `acc_len_<length>` and `acc_depth_<depth>` per row and column, and
@@ -21,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
-                               encode, model_context_length, run_generation, stop_token_ids, wants_chat_template)
+from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
+                                       check_chat_template_option, check_positive, encode, kept_stats,
+                                       model_context_length, run_generation, split_prompt, stop_token_ids,
+                                       wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 HEATMAP_FILE = "needle_heatmap.png"
@@ -46,6 +50,7 @@ class NeedleOptions:
     buffer_tokens: int = 0
     chat_template: Any = "auto"
     heatmap: bool = True
+    compress_question: bool = True  # false: the context is compressed, then the question appended uncompressed
 
     def __post_init__(self) -> None:
         from kvbench.data import needle as nd
@@ -79,6 +84,7 @@ class NeedleOptions:
         if self.system_prompt == "default":
             self.system_prompt = nd.SYSTEM_PROMPT
         self.chat_template = check_chat_template_option(self.chat_template)
+        check_bool_option("task.compress_question", self.compress_question)
 
 
 def run_output_dir(task: Any, cfg: Any) -> Optional[str]:
@@ -182,9 +188,13 @@ class Needle(Task):
         for c in cells:
             text = needle_prompt(c.context, c.question)
             prompt = apply_chat(tokenizer, text, opts.system_prompt) if chat else text
+            if opts.compress_question:
+                ids, tail = encode(tokenizer, prompt, chat), 0
+            else:  # the question (and the chat turn's end) is appended after the context was compressed
+                ids, tail = split_prompt(tokenizer, prompt, prompt.rfind(c.question), chat)
             out.append(GenRequest(
                 id=f"needle-{c.context_length}-{_num(c.depth_percent)}", dataset="needle", prompt=prompt,
-                token_ids=encode(tokenizer, prompt, chat), max_new_tokens=opts.max_new_tokens,
+                token_ids=ids, max_new_tokens=opts.max_new_tokens, uncompressed_tail=tail,
                 references=[c.answer], stop_ids=stops,
                 extra={"context_length": c.context_length, "depth_percent": c.depth_percent,
                        "insertion_token": c.insertion_token},
@@ -215,6 +225,7 @@ class Needle(Task):
             metrics[f"acc_depth_{_num(d)}"] = sum(cells[(n, d)] for n in lengths) / len(lengths)
         metrics["heatmap_png"] = None
         out_dir = run_output_dir(self, cfg) if opts.heatmap else None
+        metrics.update(kept_stats(engine))
         if out_dir is not None:
             try:
                 metrics["heatmap_png"] = save_heatmap(os.path.join(out_dir, HEATMAP_FILE), lengths, depths, cells,

@@ -66,6 +66,7 @@ def test_sweep_sizes():
     assert size("kivi_longbench", "paper") == 6 and size("kivi_longbench", "smoke") == 3
     assert size("paged_eviction_longbench", "paper") == 5 * 4 * 3 * 2
     assert size("budget_sweep", "paper") == 11 * 5 * 2 and size("budget_sweep", "smoke") == 11 * 2 * 2
+    assert size("kvpress_leaderboard", "paper") == 5 * 9 and size("kvpress_leaderboard", "smoke") == 5 * 3
 
 
 def _get(cfg, dotted):
@@ -92,7 +93,8 @@ def test_experiment_composes_at_both_scales(name):
             settings = kvconfig.validate(cfg)  # values checked as the app checks them
             build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
             if settings.method_name not in ("kivi", "kvquant", "int8", "fp8"):
-                build_method(settings.method_name, settings.budget, **settings.method_options)
+                build_method(settings.method_name, settings.budget, compression_ratio=settings.compression_ratio,
+                             **settings.method_options)
             configs.append(cfg)
         seen[scale] = configs
         # smoke runs the embedded model offline; the paper scale names a hub model, except kvbench's own table

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 from kvbench.results import CONFIG_FILE, METRICS_FILE, RUNS_FILE, SAMPLES_FILE, read_json, read_jsonl
 
 # Config sections that determine a result (kvbench.config.hashable_config) and keys in them that do not.
-RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "seed")
+RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "compression_ratio", "seed")
 NOT_RESULT_KEYS = {"model": ("cache_dir",), "runtime": ("threads",)}
 
 
@@ -196,7 +196,8 @@ def _result_config(run: dict) -> dict:
             k[len("method_"):]: v for k, v in m.items() if k.startswith("method_")}},
             "quant": {"name": m.get("quant") or "none", **{k[len("quant_"):]: v for k, v in m.items()
                                                           if k.startswith("quant_")}},
-            "task": {"name": m.get("task")}, "budget": m.get("budget"), "seed": m.get("seed"),
+            "task": {"name": m.get("task")}, "budget": m.get("budget"),
+            "compression_ratio": m.get("compression_ratio"), "seed": m.get("seed"),
             "_config_hash": m.get("config_hash")}
     out = json.loads(json.dumps(out, default=str))
     for section, keys in NOT_RESULT_KEYS.items():
@@ -226,7 +227,7 @@ def _normalise_storage(cfg: dict) -> dict:
 
         cls = METHODS.get(method.get("name"))
         if cls is not None and getattr(cls, "evicts", True) is False:
-            cfg["budget"] = None
+            cfg["budget"] = cfg["compression_ratio"] = None
     except Exception:
         pass
     return cfg

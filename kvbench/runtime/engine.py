@@ -149,9 +149,15 @@ class Engine:
             self._held_at_full_peak = c.kv_bytes_in_use() + shared
 
     def forward_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, *, last_chunk: bool = True,
-                      logits_for: str = "last") -> torch.Tensor | None:
+                      logits_for: str = "last", compress: bool = True) -> torch.Tensor | None:
         """Append one chunk of tokens (positions start_pos..) to sequence `slot`: logits [1, V] ("last"),
-        [1, Q, V] ("all") or None. `last_chunk` tells the method the prompt ends here (it may compress)."""
+        [1, Q, V] ("all") or None. `last_chunk` tells the method the prompt ends here (it may compress).
+        compress=False: the method keeps these tokens uncompressed (its `keep_uncompressed` hook: a question
+        appended after its context was compressed)."""
+        if not compress:
+            keep = getattr(self.method, "keep_uncompressed", None)
+            if keep is not None:
+                keep(slot, len(token_ids))
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
         return self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for)

@@ -1,0 +1,200 @@
+"""`task=ruler`: RULER's 13 tasks (NVIDIA/RULER) at `lengths` tokens, as kvpress's leaderboard runs them.
+
+Data (`source`):
+  generate (default)  samples made here, offline and deterministically (`seed`), from RULER's definitions fitted to
+                      each length in the model's tokenizer (kvbench.data.ruler); qa_1 / qa_2 need RULER's squad.json
+                      / hotpotqa.json in `data_dir` and are skipped, with one line saying so, when absent
+  hub                 kvpress's pre-generated dataset (simonjegou/ruler, one subset per length, fitted with
+                      Llama-3.1's tokenizer), from `data_dir` (`<length>.parquet|.jsonl` or a `<length>/` folder
+                      in the hub's layout) or from the hub
+Each sample has a context, a question and an answer prefix. The prompt is built as kvpress's pipeline builds it: with
+a chat template (`chat_template`: auto = when the tokenizer has one) the context is the user turn's start and the
+question is followed by the turn's end, the assistant header and the answer prefix; without one, the question, a
+newline and the answer prefix. `compress_question=false` (default, kvpress's protocol): the context is prefilled and
+compressed, then the question part is appended uncompressed; true: the whole prompt is compressed.
+Greedy decoding of at most the task's RULER tokens to generate (`max_new_tokens` overrides), stopping at EOS.
+
+Scoring (kvbench.metrics.ruler): string_match_all, string_match_part for qa_*; metrics `score_<task>` (100 x mean
+over samples and lengths), `score` (the average over the tasks run), and with several lengths `score_<task>_<length>`
+and `score_<length>`; `kv_tokens_kept_mean` / `kv_kept_fraction`: tokens kept per layer and kv-head after each
+prompt's compression.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from kvbench.errors import UserError
+from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
+                                       check_chat_template_option, check_positive, encode, kept_stats,
+                                       model_context_length, run_generation, split_prompt, stop_token_ids,
+                                       wants_chat_template)
+from kvbench.tasks.base import Task, TaskResult, register_task
+
+SOURCES = ("generate", "hub")
+
+
+def _task_names(value: Any) -> list[str]:
+    from kvbench.data.ruler import TASK_NAMES
+
+    items = [value] if isinstance(value, str) else list(value or [])
+    if not items:
+        raise UserError("task.tasks is empty: name RULER tasks or all")
+    names: list[str] = []
+    for item in items:
+        for name in (TASK_NAMES if str(item) == "all" else (str(item),)):
+            if name not in TASK_NAMES:
+                raise UserError(f"unknown RULER task {name!r} in task.tasks: choices are all, {', '.join(TASK_NAMES)}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+@dataclass
+class RulerOptions:
+    name: str = "ruler"
+    tasks: Union[list, str] = field(default_factory=lambda: ["all"])
+    lengths: list = field(default_factory=lambda: [4096])
+    limit: Optional[int] = None  # samples per task and length (null: all of the data; 500 generated, as RULER)
+    source: str = "generate"
+    data_dir: Optional[str] = None  # hub: kvpress's files; generate: RULER's squad.json / hotpotqa.json
+    seed: int = 42  # RULER's random_seed
+    max_new_tokens: Optional[int] = None  # null: each task's RULER tokens to generate
+    chat_template: Any = "auto"
+    compress_question: bool = False  # kvpress: the question is appended after the context was compressed
+
+    def __post_init__(self) -> None:
+        self.tasks = _task_names(self.tasks)
+        if not self.lengths:
+            raise UserError("task.lengths needs at least one length")
+        for n in self.lengths:
+            check_positive("task.lengths[]", n)
+        self.lengths = list(dict.fromkeys(self.lengths))
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 1):
+            raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 1 or null")
+        if self.source not in SOURCES:
+            raise UserError(f"invalid task.source={self.source!r}: choices are {', '.join(SOURCES)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"invalid task.seed={self.seed!r}: expected an integer >= 0")
+        check_positive("task.max_new_tokens", self.max_new_tokens, allow_none=True)
+        self.chat_template = check_chat_template_option(self.chat_template)
+        check_bool_option("task.compress_question", self.compress_question)
+
+
+def ruler_prompt(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, int]:
+    """The prompt text of a sample and where its question part starts (kvpress's pipeline.preprocess)."""
+    context, question, prefix = sample["context"], sample["question"], sample["answer_prefix"]
+    if chat:
+        separator = "#" * (len(context) + 10)  # a string the text cannot hold, to find the turn's end
+        templated = apply_chat(tokenizer, context + separator)
+        head, suffix = templated.split(separator)
+    else:
+        head, suffix = context, "\n"
+    return head + question + suffix + prefix, len(head)
+
+
+def build_request(tokenizer: Any, sample: dict, length: int, chat: bool, compress_question: bool,
+                  max_new_tokens: Optional[int], stops: tuple[int, ...]) -> GenRequest:
+    prompt, question_start = ruler_prompt(tokenizer, sample, chat)
+    if compress_question:
+        ids, tail = encode(tokenizer, prompt, chat), 0
+    else:
+        ids, tail = split_prompt(tokenizer, prompt, question_start, chat)
+    return GenRequest(
+        id=f"{sample['task']}-{length}-{sample['index']}", dataset=sample["task"], prompt=prompt, token_ids=ids,
+        max_new_tokens=max_new_tokens or int(sample["max_new_tokens"]), references=list(sample["answer"]),
+        stop_ids=stops, uncompressed_tail=tail, extra={"length": length, "answer_prefix": sample["answer_prefix"]})
+
+
+def score_results(samples: list[dict], tasks: list[str], lengths: list[int]) -> dict:
+    """score_<task> (100 x mean over its samples), score (mean over tasks), per length when several."""
+    metrics: dict = {}
+    per_task: dict[str, float] = {}
+    for t in tasks:
+        rows = [s["score"] for s in samples if s["dataset"] == t]
+        if rows:
+            per_task[t] = metrics[f"score_{t}"] = round(100 * sum(rows) / len(rows), 2)
+            metrics[f"num_samples_{t}"] = len(rows)
+    if per_task:
+        metrics["score"] = round(sum(per_task.values()) / len(per_task), 2)
+    if len(lengths) > 1:
+        for n in lengths:
+            by_task = []
+            for t in per_task:
+                rows = [s["score"] for s in samples if s["dataset"] == t and s["length"] == n]
+                if rows:
+                    metrics[f"score_{t}_{n}"] = round(100 * sum(rows) / len(rows), 2)
+                    by_task.append(metrics[f"score_{t}_{n}"])
+            if by_task:
+                metrics[f"score_{n}"] = round(sum(by_task) / len(by_task), 2)
+    return metrics
+
+
+@register_task("ruler")
+class Ruler(Task):
+    Options = RulerOptions
+
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Hub data without task.data_dir while offline: fail now, before the model loads."""
+        if self.options.source == "hub" and not self.options.data_dir:
+            from kvbench.data.hub import require_hub
+
+            require_hub("RULER data (simonjegou/ruler)", "task.data_dir")
+
+    def samples_for(self, tokenizer: Any, length: int) -> dict[str, list[dict]]:
+        """The samples of every task at one length; a QA task without its data is skipped with one line."""
+        from kvbench.data import ruler as rd
+
+        opts = self.options
+        if opts.source == "hub":
+            try:
+                return rd.load_hub_samples(length, opts.tasks, opts.data_dir, opts.limit)
+            except (FileNotFoundError, ValueError) as exc:
+                raise UserError(f"RULER data for length {length}: {exc}") from None
+        out: dict[str, list[dict]] = {}
+        for t in opts.tasks:
+            try:
+                out[t] = rd.generate_samples(t, length, tokenizer, opts.limit or 500, opts.seed, opts.data_dir)
+            except FileNotFoundError as exc:
+                print(f"kvbench: ruler: {t} skipped: it needs RULER's {rd.QA_FILES[rd.QA_TASKS[t]]} in "
+                      f"task.data_dir ({exc})", file=sys.stderr, flush=True)
+            except ImportError as exc:
+                raise UserError(f"task=ruler: {exc}") from None
+            except ValueError as exc:
+                raise UserError(f"task=ruler: {t} at {length} tokens: {exc}") from None
+        return out
+
+    def requests(self, tokenizer: Any, engine: Any = None) -> list[GenRequest]:
+        opts = self.options
+        if engine is not None:
+            limit = model_context_length(engine)
+            too_long = [n for n in opts.lengths if n > limit]
+            if too_long:
+                raise UserError(f"task.lengths {too_long} exceed the model's {limit} positions")
+        chat = wants_chat_template(opts.chat_template, tokenizer)
+        stops = stop_token_ids(tokenizer)
+        out = []
+        for n in opts.lengths:
+            for t, rows in self.samples_for(tokenizer, n).items():
+                out += [build_request(tokenizer, r, n, chat, opts.compress_question, opts.max_new_tokens, stops)
+                        for r in rows]
+        return out
+
+    def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
+        from kvbench.metrics.ruler import metric_for, postprocess
+
+        opts = self.options
+        requests = self.requests(tokenizer, engine)
+        if not requests:
+            raise UserError(f"no RULER samples to run (tasks {', '.join(opts.tasks)})")
+        outputs, perf = run_generation(engine, tokenizer, requests, batch_size=batch_size_of(cfg), progress=progress,
+                                       desc=self.name)
+        samples = []
+        for out in outputs:
+            score = metric_for(out.request.dataset)(postprocess(out.prediction), out.request.references)
+            samples.append(out.record(score=score))
+        metrics = score_results(samples, opts.tasks, opts.lengths)
+        metrics.update(kept_stats(engine))
+        return TaskResult(metrics=metrics, samples=samples, perf=perf)
