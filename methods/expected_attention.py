@@ -17,15 +17,15 @@ RoPE table (exact inverse, attention scaling included).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
 from kvbench.runtime.rope import RotaryTable, rotate_half
+from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import ScoreEvictionMethod, check_bool, check_float, check_int, top_tokens, valid_mask
+from kvbench.methods.eviction import check_bool, check_float, check_int, valid_mask
 
 
 def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,11 +45,9 @@ def averaged_rope(rotary: RotaryTable, start: int, n: int) -> torch.Tensor:
 
 @register_method("expected_attention")
 @dataclass
-class ExpectedAttention(ScoreEvictionMethod):
+class ExpectedAttention(KVPressScorer):
     """Expected attention of future queries (query mean/covariance, averaged RoPE), times ||v||."""
 
-    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
-    decode: str = "none"
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True
@@ -117,13 +115,10 @@ class ExpectedAttention(ScoreEvictionMethod):
         s = torch.nan_to_num(probs, nan=0.0).mean(dim=1)  # [H, T] the group's query heads averaged
         if self.use_vnorm:
             s = (s + self.epsilon) * v.float().norm(dim=-1)
-        return s
+        return s.masked_fill(~scored & valid_mask(lengths, T), float("inf"))  # the sinks are always kept
 
     def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
         super().evict_prefill(ctx, i, slot)
         if ctx.last_chunk:  # the prompt is done: its query statistics are no longer needed
             for key in ("q_sum", "q_outer", "q_count"):
                 self.state(slot, ctx.layer).pop(key, None)
-
-    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, sinks=self.n_sink)

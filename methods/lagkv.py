@@ -16,14 +16,14 @@ by zero (NaN).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
+from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import ScoreEvictionMethod, check_bool, check_int, top_tokens
+from kvbench.methods.eviction import check_bool, check_int
 
 
 def lag_relative_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
@@ -57,11 +57,9 @@ def lagkv_scores(k: torch.Tensor, v: torch.Tensor, n_sink: int, lag: int, cross_
 
 @register_method("lagkv")
 @dataclass
-class LagKV(ScoreEvictionMethod):
+class LagKV(KVPressScorer):
     """Lag-relative min-max normalised K/V spread, ranked within partitions; sinks and the tail kept."""
 
-    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
-    decode: str = "none"
     n_sink: int = 4
     lag_size: int = 128
     cross_scoring: bool = False
@@ -77,6 +75,3 @@ class LagKV(ScoreEvictionMethod):
             raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
         k, v, _ = ctx.cache.gather(ctx.layer, slot)  # [H, T, D]
         return lagkv_scores(k, v, self.n_sink, self.lag_size, self.cross_scoring)
-
-    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        return top_tokens(self.score(ctx, i, slot), self.budget, lengths)  # by score alone, as kvpress

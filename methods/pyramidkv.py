@@ -54,6 +54,9 @@ def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, be
 class PyramidKV(SnapKV):
     """SnapKV's selection with a pyramid of per-layer budgets (average `budget`)."""
 
+    # the layers' tables hold layers x kv_heads x budget together, split unevenly over the layers (no per-table
+    # bound: see layer_budget); read by the methods matrix where EvictionMethod knows budget scopes
+    budget_scope: ClassVar[str] = "sequence"
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     decode: str = "none"
     beta: int = 20

@@ -10,23 +10,21 @@ nothing is protected (no sinks, no recent window).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
+from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import ScoreEvictionMethod, top_tokens
 
 
 @register_method("random")
 @dataclass
-class RandomEviction(ScoreEvictionMethod):
+class RandomEviction(KVPressScorer):
     """Uniform random scores from a generator seeded with `seed` at every call."""
 
-    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
-    decode: str = "none"
     seed: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -39,6 +37,3 @@ class RandomEviction(ScoreEvictionMethod):
         H, T = lengths.shape[0], int(lengths.max())
         gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         return torch.rand(H, T, generator=gen).to(lengths.device)  # [H, T]
-
-    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        return top_tokens(self.score(ctx, i, slot), self.budget, lengths)  # by score alone, as kvpress
