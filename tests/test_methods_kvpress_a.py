@@ -312,3 +312,29 @@ def test_method_yaml_composes_to_the_dataclass_defaults(name):
     s = validate(compose([f"method={name}", "budget=256"]))
     assert s.method_name == name
     assert build_method(s.method_name, s.budget, **s.method_options) == METHODS[name](budget=256)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompt_is_compressed_once_and_generated_tokens_are_appended(hf, ids, name):
+    """decode=none (kvpress's presses): after the prompt's compression nothing leaves; every generated token stays."""
+    budget, steps = 60, 12
+    method = build_method(name, budget, **({"window": 8} if name == "pyramidkv" else {}))
+    assert method.decode == "none"
+    kept, engine = kept_after_prefill(hf, ids, method, 64, block_size=8)
+    at_end = {}
+    inner_end = method.on_sequence_end
+
+    def on_sequence_end(slot):
+        for layer in range(engine.cache.num_layers):
+            lengths = engine.cache.lengths[slot, layer]
+            at_end[layer] = [set(engine.cache.positions[slot, layer, h, : int(lengths[h])].tolist())
+                             for h in range(lengths.shape[0])]
+        inner_end(slot)
+
+    method.on_sequence_end = on_sequence_end
+    kept.clear()
+    engine.generate([ids.tolist()], max_new_tokens=steps + 1)  # the last token is never fed back
+    generated = set(range(T, T + steps))
+    for layer, heads in kept.items():
+        assert all(len(h) <= budget for h in heads)
+        assert at_end[layer] == [h | generated for h in heads]
