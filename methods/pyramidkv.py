@@ -16,6 +16,7 @@ compressed once (decode="none"), as in the paper and kvpress.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -54,9 +55,6 @@ def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, be
 class PyramidKV(SnapKV):
     """SnapKV's selection with a pyramid of per-layer budgets (average `budget`)."""
 
-    # the layers' tables hold layers x kv_heads x budget together, split unevenly over the layers (no per-table
-    # bound: see layer_budget); read by the methods matrix where EvictionMethod knows budget scopes
-    budget_scope: ClassVar[str] = "sequence"
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     decode: str = "none"
     beta: int = 20
@@ -69,6 +67,18 @@ class PyramidKV(SnapKV):
         """Tokens layer `layer` keeps per kv-head once a prompt of n_tokens is compressed."""
         L = self.model_config.num_layers
         return pyramid_budgets(self.budget, n_tokens, L, self.window, self.beta)[layer]
+
+    def table_budget(self, layer: int, head: int) -> int | None:
+        """The most tokens a table of `layer` holds for any prompt length: the uncapped pyramid's value for the layer
+        (rounded up) or `budget`, whichever is larger (capping at T - window flattens the pyramid towards budget)."""
+        if self.budget is None:
+            return None
+        B, L = self.budget, self.model_config.num_layers
+        lo = B / self.beta
+        hi = 2 * B - lo
+        if L == 1 or not hi >= lo >= self.window:
+            return B
+        return max(B, math.ceil(hi - layer * (hi - lo) / (L - 1)))
 
     def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]

@@ -254,6 +254,23 @@ def test_pyramid_budgets_follow_kvpress_and_sum_to_layers_times_budget():
     assert pyramid_budgets(300, 200, 4, 8, 2) == [200] * 4  # the prompt fits: nothing is evicted
 
 
+@pytest.mark.parametrize("L,budget,window,beta", [(4, 100, 8, 2), (30, 512, 16, 20), (7, 333, 16, 5), (2, 45, 8, 2)])
+def test_pyramid_table_budget_bounds_every_prompt_length(L, budget, window, beta):
+    """table_budget (the per-table bound the methods matrix checks) holds whatever the prompt's length."""
+    from types import SimpleNamespace
+
+    m = build_method("pyramidkv", budget, window=window, beta=beta)
+    m.model_config = SimpleNamespace(num_layers=L)
+    bounds = [m.table_budget(layer, 0) for layer in range(L)]
+    assert bounds[0] > budget and bounds[-1] == budget
+    most = [0] * L
+    for n in range(1, 4 * budget, 3):
+        got = pyramid_budgets(budget, n, L, window, beta)
+        assert all(g <= b for g, b in zip(got, bounds)), n
+        most = [max(a, g) for a, g in zip(most, got)]
+    assert all(b - m <= 1 for b, m in zip(bounds, most))  # tight up to rounding
+
+
 @pytest.mark.parametrize("chunk", [T, 64])
 def test_pyramidkv_layers_keep_snapkvs_tokens_at_their_pyramid_budgets(ids, chunk):
     hf = _hf(4)

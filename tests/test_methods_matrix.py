@@ -121,8 +121,9 @@ class Checker:
             n = int(lengths.max())
             self.max_kept = max(self.max_kept, n)
             if self.budget is not None and self.method.name != "full" and due:
-                budget = (self.method.layer_budget(ctx.layer, cache.tokens_seen[slot])  # per-layer budgets
-                          if hasattr(self.method, "layer_budget") else self.budget)
+                # a method with per-layer budgets (pyramidkv) bounds each table by its table_budget
+                budget = (self.method.table_budget(ctx.layer, 0) if hasattr(self.method, "table_budget")
+                          else self.budget)
                 limit = budget + (bs - 1 if self.block_level and ctx.phase == "decode" else 0)
                 assert n <= limit, f"{self.method.name}: {n} tokens > {limit} ({ctx.phase}, layer {ctx.layer})"
             for h in range(lengths.shape[0]):
