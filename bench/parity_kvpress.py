@@ -86,10 +86,13 @@ def kvpress_side(job: dict) -> dict:
             cache = DynamicCache()  # NLL: the prompt but its last token compressed, then one plain chunk
             with press(model):
                 model(torch.tensor([prompt[:-1]]), past_key_values=cache)
-            feed = prompt[-1:] + cont[:-1]
-            pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(feed))[None]
-            lp = torch.log_softmax(model(torch.tensor([feed]), past_key_values=cache, position_ids=pos).logits[0].float(), -1)
-            nll = -float(lp.gather(-1, torch.tensor(cont)[:, None]).mean())
+            # one token per step: a multi-token step gets a causal mask sized from layer 0's cache, which fails when
+            # layers hold different numbers of tokens (pyramidkv)
+            nll = 0.0
+            for j, tok in enumerate(prompt[-1:] + cont[:-1]):
+                pos = torch.tensor([[len(prompt) - 1 + j]])
+                logits = model(torch.tensor([[tok]]), past_key_values=cache, position_ids=pos).logits[0, -1]
+                nll -= float(torch.log_softmax(logits.float(), -1)[cont[j]]) / len(cont)
         out["results"][f"{name}@{ratio}"] = {"kept": layers, "greedy": tokens, "nll": nll}
     return out
 
