@@ -220,9 +220,10 @@ def main() -> None:
         theirs = json.loads(out_path.read_text())
     ours = kvbench_side(job, loaded)
     rows = []
-    print(f"kvpress {theirs['kvpress_version']} (transformers {theirs['transformers_version']}) vs kvbench; model {loaded.name}; prompt {args.tokens} tokens, "
-          f"NLL over {args.continuation}, greedy {args.new_tokens}")
-    print(f"{'method':<20} {'ratio':>5} {'jaccard':>8} {'min':>6} {'greedy':>8} {'nll kvbench':>12} {'nll kvpress':>12}")
+    print(f"kvpress {theirs['kvpress_version']} (transformers {theirs['transformers_version']}) vs kvbench; "
+          f"model {loaded.name}; prompt {args.tokens} tokens, NLL over {args.continuation}, greedy {args.new_tokens}")
+    print(f"{'method':<20} {'ratio':>5} {'jaccard':>8} {'min':>6} {'greedy':>8} {'nll kvbench':>12} "
+          f"{'nll kvpress':>12}")
     for m in args.methods:
         for r in args.ratios:
             a, b = ours[f"{m}@{r}"], theirs["results"][f"{m}@{r}"]

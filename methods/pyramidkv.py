@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 
 from kvbench.runtime.model import LayerContext
 from kvbench.methods.base import register_method
