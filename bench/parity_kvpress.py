@@ -44,7 +44,8 @@ METHODS = {
     "keydiff": ("key_diff", {"prefill_keep_first_block": False, "decode": "none"}, "KeyDiffPress", {}),
 }
 NOTES = {
-    "pyramidkv": "layer budgets: kvbench's sum to layers x budget exactly; kvpress rounds each layer (ties differ)",
+    "pyramidkv": "layer budgets: kvbench's sum to layers x budget exactly (kvpress rounds each layer) and start from "
+                 "the integer budget (kvpress: T * (1 - r), fractional), which can flip the SnapKV fallback",
     "pyramidkv_w16": "as pyramidkv",
     "keydiff": "kvbench key_diff keeps the first block at prefill by default (here off) and evicts blocks "
                "while decoding (here off)",
