@@ -39,6 +39,13 @@ VARIANTS = [
     ("snapkv", {"decode": "rescore", "window": 8}),
     ("snapkv", {"decode": "window", "pooling": "maxpool", "kernel_size": 7}),
     ("key_diff", {}),
+    ("random", {"seed": 0}),
+    ("knorm", {}),
+    ("tova", {}),
+    ("tova", {"decode": "evict", "heads": "per_head"}),
+    ("expected_attention", {}),
+    ("lagkv", {"lag_size": 8}),
+    ("pyramidkv", {"window": 8, "beta": 2}),  # a real pyramid at these budgets (the defaults fall back to SnapKV)
 ]
 
 
@@ -114,7 +121,10 @@ class Checker:
             n = int(lengths.max())
             self.max_kept = max(self.max_kept, n)
             if self.budget is not None and self.method.name != "full" and due:
-                limit = self.budget + (bs - 1 if self.block_level and ctx.phase == "decode" else 0)
+                # a method with per-layer budgets (pyramidkv) bounds each table by its table_budget
+                budget = (self.method.table_budget(ctx.layer, 0) if hasattr(self.method, "table_budget")
+                          else self.budget)
+                limit = budget + (bs - 1 if self.block_level and ctx.phase == "decode" else 0)
                 assert n <= limit, f"{self.method.name}: {n} tokens > {limit} ({ctx.phase}, layer {ctx.layer})"
             for h in range(lengths.shape[0]):
                 pos = cache.positions[slot, ctx.layer, h, : int(lengths[h])]
@@ -158,7 +168,10 @@ def test_budget_and_blocks_hold_after_every_step(model, prompts, variant, mode, 
     assert engine.memory_stats()["peak_kv_bytes"] < engine.memory_stats()["full_kv_bytes"]
     if mode == "paper":
         assert checker.max_before == max(PROMPT_LENGTHS)  # the whole prompt attended, then evicted
-    else:  # streaming: the peak stays within the budget plus one chunk
+    else:  # streaming: the peak stays within the budget (the largest layer budget) plus one chunk
+        method = engine.method
+        if hasattr(method, "layer_budget"):  # layer budgets grow with the tokens seen: the prompt's are the largest
+            budget = max(method.layer_budget(layer, max(PROMPT_LENGTHS)) for layer in range(engine.cache.num_layers))
         assert checker.max_before <= budget + CHUNK
 
 

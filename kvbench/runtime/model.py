@@ -65,6 +65,7 @@ class LayerContext:
     last_chunk: bool  # the final chunk of a prefill (always True in decode)
     q: torch.Tensor  # [S, Hq, Q, D] queries as used for attention
     key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
+    rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
 
 
 class LayerHook(Protocol):
@@ -160,7 +161,7 @@ class LlamaFamilyModel:
         x = self.embed[tokens]  # [S, Q, E]
         if fused is not None:  # whole layers per C call, x updated in place
             after = None if hook is None else lambda li, q, key_scores: hook.after_attention(
-                LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
+                LayerContext(li, cache, plan, phase, last_chunk, q, key_scores, self.rotary))
             fused.run(x.view(S, -1), after)
         for li, lw in enumerate(self.layers if fused is None else ()):
             h = norm(x, lw.ln_attn, eps)
@@ -197,7 +198,7 @@ class LlamaFamilyModel:
                 rotate_keys=rotate_keys, causal=causal,
             )
             if hook is not None:
-                hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores))
+                hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores, self.rotary))
             x = x + lw.o(out.transpose(1, 2).reshape(S, Q, Hq * D))
             h = norm(x, lw.ln_mlp, eps)
             gate, up = lw.gate_up(h).chunk(2, dim=-1)

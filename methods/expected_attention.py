@@ -1,0 +1,124 @@
+"""`expected_attention`: Expected Attention (Devoto et al., 2025, arXiv 2510.00636; kvpress `ExpectedAttentionPress`).
+
+The attention that *future* queries will pay each cached key, estimated from the statistics of the prompt's queries:
+  1. mean mu and covariance Sigma (biased, / N) of the layer's pre-RoPE queries over the prompt, per query head,
+     leaving out the first `n_sink` positions (outliers); accumulated across prefill chunks;
+  2. the RoPE rotation averaged over the next `n_future_positions` positions (T .. T+n-1 for a prompt of T
+     tokens): R = mean_t R_t, and mu <- R mu, Sigma <- R Sigma R^T;
+  3. per query head, logit(k) = mu.k / sqrt(d) + k^T Sigma k / (2d) (use_covariance; mu.k / sqrt(d) alone
+     otherwise), softmax over the cached keys after the sinks, averaged over the query heads of each kv-head;
+  4. with use_vnorm, score = (p + epsilon) * ||v||_2.
+The first `n_sink` tokens are always kept; each kv-head keeps its top `budget` tokens (sinks included), by score
+alone otherwise (no recent window, as kvpress). Keys are scored as cached (post-RoPE), like kvpress. Defaults are
+kvpress's: n_future_positions 512, n_sink 4, use_covariance true, use_vnorm true, epsilon 0. The prompt is
+compressed once after prefill (decode="none"). Pre-RoPE queries are recovered from the rotated ones with the model's
+RoPE table (exact inverse, attention scaling included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.errors import UserError
+from kvbench.runtime.model import LayerContext
+from kvbench.runtime.rope import RotaryTable, rotate_half
+from kvbench.methods._kvpress import KVPressScorer
+from kvbench.methods.base import register_method
+from kvbench.methods.eviction import check_bool, check_float, check_int, valid_mask
+
+
+def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo apply_rotary: q [..., Q, D] rotated by cos/sin [Q, D] (attention scaling s folded into both) -> pre-RoPE.
+    The inverse of x*c + rotate_half(x)*s is (y*c - rotate_half(y)*s) / (c^2 + s^2)."""
+    return (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)
+
+
+def averaged_rope(rotary: RotaryTable, start: int, n: int) -> torch.Tensor:
+    """The RoPE matrix averaged over positions start..start+n-1 -> R [D, D] (float64), R x = mean_t rotate(x, t)."""
+    cos, sin = rotary.lookup(torch.arange(start, start + n, device=rotary.inv_freq.device))  # [n, D]
+    c, s = cos.double().mean(0), sin.double().mean(0)  # [D]
+    D = c.shape[0]
+    P = rotate_half(torch.eye(D, dtype=torch.float64, device=c.device)).T  # P x = rotate_half(x)
+    return torch.diag(c) + s[:, None] * P
+
+
+@register_method("expected_attention")
+@dataclass
+class ExpectedAttention(KVPressScorer):
+    """Expected attention of future queries (query mean/covariance, averaged RoPE), times ||v||."""
+
+    n_future_positions: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(self.name, "n_future_positions", self.n_future_positions, 1)
+        check_int(self.name, "n_sink", self.n_sink, 0)
+        check_bool(self.name, "use_covariance", self.use_covariance)
+        check_bool(self.name, "use_vnorm", self.use_vnorm)
+        check_float(self.name, "epsilon", self.epsilon, 0.0, float("inf"))
+
+    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
+        """Accumulate sums of the pre-RoPE prompt queries (positions >= n_sink) and of their outer products."""
+        if ctx.phase != "prefill":
+            return
+        if ctx.rotary is None:
+            raise RuntimeError(f"{self.name}: the runtime gave no RoPE table (LayerContext.rotary)")
+        pos = ctx.plan.query_positions[i]  # [Q]
+        cos, sin = ctx.rotary.lookup(pos)  # [Q, D]
+        q = unrotate(ctx.q[i].float(), cos.float(), sin.float())  # [Hq, Q, D] pre-RoPE
+        q = q[:, pos >= self.n_sink].double()  # [Hq, N, D]
+        st = self.state(slot, ctx.layer)
+        if "q_sum" not in st:
+            Hq, _, D = q.shape
+            st["q_sum"] = q.new_zeros(Hq, D)
+            st["q_outer"] = q.new_zeros(Hq, D, D) if self.use_covariance else None
+            st["q_count"] = 0
+        st["q_sum"] += q.sum(dim=1)
+        if self.use_covariance:
+            st["q_outer"] += torch.matmul(q.transpose(1, 2), q)  # [Hq, D, D]
+        st["q_count"] += q.shape[1]
+
+    def query_statistics(self, ctx: LayerContext, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """mu [Hq, D] and Sigma [Hq, D, D] (or None) of the future queries, rotated by the averaged RoPE."""
+        st = self.state(slot, ctx.layer)
+        n = max(st.get("q_count", 0), 1)
+        mu = st["q_sum"] / n  # [Hq, D]
+        cov = st["q_outer"] / n - mu[:, :, None] * mu[:, None, :] if self.use_covariance else None
+        R = averaged_rope(ctx.rotary, int(ctx.cache.tokens_seen[slot]), self.n_future_positions)  # [D, D]
+        mu = mu @ R.T
+        if cov is not None:
+            cov = R @ cov @ R.T
+        return mu, cov
+
+    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
+        cache = ctx.cache
+        if cache.store_pre_rope:
+            raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
+        k, v, _ = cache.gather(ctx.layer, slot)  # [H, T, D]
+        lengths = cache.lengths[slot, ctx.layer]  # [H]
+        H, T, D = k.shape
+        mu, cov = self.query_statistics(ctx, slot)
+        G = mu.shape[0] // H
+        kf = k.float()
+        mu = mu.float().view(H, G, D)
+        logits = torch.einsum("hgd,htd->hgt", mu, kf) / D ** 0.5  # [H, G, T]
+        if cov is not None:
+            kc = torch.einsum("htd,hgde->hgte", kf, cov.float().view(H, G, D, D))  # [H, G, T, D]
+            logits = logits + (kc * kf[:, None]).sum(-1) / D / 2
+        scored = valid_mask(lengths, T) & (torch.arange(T, device=k.device) >= self.n_sink)[None, :]  # [H, T]
+        probs = torch.softmax(logits.masked_fill(~scored[:, None], float("-inf")), dim=-1)
+        s = torch.nan_to_num(probs, nan=0.0).mean(dim=1)  # [H, T] the group's query heads averaged
+        if self.use_vnorm:
+            s = (s + self.epsilon) * v.float().norm(dim=-1)
+        return s.masked_fill(~scored & valid_mask(lengths, T), float("inf"))  # the sinks are always kept
+
+    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+        super().evict_prefill(ctx, i, slot)
+        if ctx.last_chunk:  # the prompt is done: its query statistics are no longer needed
+            for key in ("q_sum", "q_outer", "q_count"):
+                self.state(slot, ctx.layer).pop(key, None)

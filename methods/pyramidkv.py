@@ -1,0 +1,87 @@
+"""`pyramidkv`: PyramidKV (Cai et al., 2024, arXiv 2406.02069; official code Zefan-Cai/KVCache-Factory; kvpress
+`PyramidKVPress`): SnapKV's scores with per-layer budgets in a pyramid, more tokens in lower layers.
+
+For a prompt of T tokens and the average budget B (`budget`, tokens per layer and kv-head), kvpress's allocation
+(its `get_layer_budget`, with kvpress's T*(1 - compression_ratio) replaced by B):
+    min = B / beta, max = 2B - min; if max >= T - window: max = T - window, min = 2B - max;
+    if not (T >= max >= min >= window): every layer keeps B (SnapKV);
+    else layer l of L keeps max - l * (max - min) / (L - 1) tokens (the observation window included).
+The layer budgets sum to L * B: each is rounded down and the leftover tokens go to the largest remainders (kvpress
+rounds each layer on its own, which equals this except at exact .5 ties and may then miss L * B by a token or two).
+A prompt of at most B tokens is not compressed. The tokens of each layer are SnapKV's (`snapkv`): the last `window`
+prompt queries' attention, pooled (`kernel_size`, `pooling`), top per kv-head plus the window. Every table of a layer
+is cut to the layer's budget, so upper layers really free their blocks. Defaults are kvpress's: window 64, kernel 5,
+avgpool, beta 20 (with them, budgets below 20 * 64 = 1280 tokens fall back to SnapKV, as in kvpress). The prompt is
+compressed once (decode="none"), as in the paper and kvpress.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+from kvbench.runtime.model import LayerContext
+from kvbench.methods.base import register_method
+from kvbench.methods.eviction import check_int, top_tokens
+from kvbench.methods.snapkv import SnapKV
+
+
+def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, beta: int) -> list[int]:
+    """Tokens kept per layer (index 0 = lowest) for a prompt of n_tokens and an average budget; sums to
+    num_layers * budget (n_tokens per layer when the prompt fits the budget)."""
+    L = num_layers
+    if n_tokens <= budget:
+        return [n_tokens] * L
+    lo = budget / beta
+    hi = 2 * budget - lo
+    if hi >= n_tokens - window:
+        hi = n_tokens - window
+        lo = 2 * budget - hi
+    if L == 1 or not (n_tokens >= hi >= lo >= window):
+        return [budget] * L  # kvpress falls back to SnapKV's uniform budget
+    step = (hi - lo) / (L - 1)
+    raw = [hi - layer * step for layer in range(L)]
+    out = [int(r) for r in raw]  # floor (all positive)
+    by_remainder = sorted(range(L), key=lambda layer: (-(raw[layer] - out[layer]), layer))
+    for layer in by_remainder[: L * budget - sum(out)]:
+        out[layer] += 1
+    return out
+
+
+@register_method("pyramidkv")
+@dataclass
+class PyramidKV(SnapKV):
+    """SnapKV's selection with a pyramid of per-layer budgets (average `budget`)."""
+
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
+    decode: str = "none"
+    beta: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(self.name, "beta", self.beta, 1)
+
+    def layer_budget(self, layer: int, n_tokens: int) -> int:
+        """Tokens layer `layer` keeps per kv-head once a prompt of n_tokens is compressed."""
+        L = self.model_config.num_layers
+        return pyramid_budgets(self.budget, n_tokens, L, self.window, self.beta)[layer]
+
+    def table_budget(self, layer: int, head: int) -> int | None:
+        """The most tokens a table of `layer` holds for any prompt length: the uncapped pyramid's value for the layer
+        (rounded up) or `budget`, whichever is larger (capping at T - window flattens the pyramid towards budget)."""
+        if self.budget is None:
+            return None
+        B, L = self.budget, self.model_config.num_layers
+        lo = B / self.beta
+        hi = 2 * B - lo
+        if L == 1 or not hi >= lo >= self.window:
+            return B
+        return max(B, math.ceil(hi - layer * (hi - lo) / (L - 1)))
+
+    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
+        b = self.layer_budget(ctx.layer, int(ctx.cache.tokens_seen[slot]))
+        if int(lengths.max()) > b:
+            scores = self.score(ctx, i, slot)  # [H, T] SnapKV's, the window's own columns +inf
+            self.keep(ctx, slot, top_tokens(scores, b, lengths, recent=min(self.window, b)))
