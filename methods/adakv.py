@@ -1,6 +1,7 @@
 """`adakv`: Ada-KV (Feng et al., 2024, arXiv:2407.11550), head-adaptive budgets over any scoring method.
 
-`method=adakv method.base=snapkv` (the base's options under `method.base_options`): the base scores every cached
+`method=adakv method.base=snapkv` (the base's options under `method.base_options`, added on the command line
+with `+method.base_options.window=32`): the base scores every cached
 token per kv-head as it would alone; instead of each kv-head keeping its own top `budget`, a layer keeps the
 kv_heads x budget best (kv-head, token) pairs chosen jointly over its kv-heads, so heads that concentrate their
 attention give budget to heads that spread it. Ada-KV's safeguard: each kv-head first keeps its
