@@ -173,14 +173,20 @@ class DuoAttention(EvictionMethod):
         if self.sinks is None:
             self.sinks = int(pattern_sinks) if pattern_sinks is not None else ON_THE_FLY_SINKS
         check_int(self.name, "sinks", self.sinks, 0)
-        if self.budget <= self.sinks:
+        if self.budget is not None and self.budget <= self.sinks:
             raise UserError(f"invalid budget {self.budget} for duo_attention with sinks={self.sinks}: the budget "
                             "must exceed sinks (streaming heads keep budget = sinks + recent window)")
-        self.mask: Optional[torch.Tensor] = None  # [L, H] True = streaming head
+        self.mask: Optional[torch.Tensor] = None  # [L, H] True = streaming head (shape checked at attach)
+        if self.head_scores is not None:
+            self.mask = streaming_mask(self.head_scores, self.head_compression_ratio)
 
     @property
     def window(self) -> int:
         return self.budget - self.sinks
+
+    def min_budget(self) -> int:
+        """The smallest budget a sequence may get (a budget derived from a compression ratio): sinks + 1."""
+        return self.sinks + 1
 
     def attach(self, cache: Any, model_config: Any) -> None:
         super().attach(cache, model_config)
@@ -223,7 +229,7 @@ class DuoAttention(EvictionMethod):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.pop("head_scores", None)
-        d["window"] = self.window
+        d["window"] = self.window if self.budget is not None else None
         if self.mask is not None:
             d["streaming_heads"] = int(self.mask.sum())
         return d

@@ -389,7 +389,9 @@ class ScorerWrapper(HeadAdaptiveEvictionMethod):
                             f"{self.base}'s options")
         from kvbench.methods import build_method
 
-        self.inner = build_method(self.base, self.budget, **dict(self.base_options))
+        ratio = getattr(self, "compression_ratio", None)  # the base gets the same knob as the wrapper
+        knob = {} if ratio is None else {"compression_ratio": ratio}
+        self.inner = build_method(self.base, self.budget, **knob, **dict(self.base_options))
         self.inner._state = self._state  # one per-sequence state for both
         self.needs_key_scores = self.inner.needs_key_scores  # type: ignore[misc]
 

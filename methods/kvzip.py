@@ -97,6 +97,7 @@ class KVzip(EvictionMethod):
         self.engine: Any = None
         self.reconstructing = False  # True while the method's own reconstruction tokens run through the engine
         self._pass: Optional[dict] = None
+        self._held: dict[int, int] = {}  # slot -> tokens of its next chunk kept uncompressed
 
     @property
     def budget_scope(self) -> str:  # type: ignore[override]
@@ -146,14 +147,21 @@ class KVzip(EvictionMethod):
             raise RuntimeError("kvzip: the engine did not call bind_engine")
         key = (slot, SLOT_STATE)
         st = self._state.get(key)
+        held = self._held.pop(slot, 0)
         if start_pos == 0 or st is None:
             start = len(self.prefix_ids) if token_ids[: len(self.prefix_ids)] == self.prefix_ids else 0
             # a chat-template prefix is not reconstructed (kvpress: prefix_length)
-            st = self._state[key] = {"ids": torch.empty(0, dtype=torch.int64), "start": start, "scored": start}
+            st = self._state[key] = {"ids": torch.empty(0, dtype=torch.int64), "start": start, "scored": start,
+                                     "held": []}
         if start_pos != st["ids"].numel():  # tokens appended by decode steps in between: not reconstructed
             st["ids"] = torch.cat([st["ids"], torch.full((start_pos - st["ids"].numel(),), -1, dtype=torch.int64)])
             st["scored"] = start_pos
         st["ids"] = torch.cat([st["ids"], torch.tensor(token_ids, dtype=torch.int64)])
+        if held == len(token_ids):  # kept uncompressed (a question after its context): never reconstructed/evicted
+            st["held"].append((start_pos, start_pos + held))
+            st["scored"] = st["ids"].numel()
+            return
+        ratio = getattr(self, "compression_ratio", None)
         if not (last_chunk or self.prefill_mode == "streaming"):
             return
         ids = st["ids"].tolist()
@@ -166,7 +174,23 @@ class KVzip(EvictionMethod):
                 ask = self.next_ids + ids[max(0, a - self.prev_postfix_size): a]
             self._reconstruct(slot, ask + self.suffix_ids + ids[a:b], a, b, context_len)
         st["scored"] = context_len
-        self._evict(slot, st["start"])
+        if ratio is not None and not last_chunk:
+            return  # a compression ratio is a share of the whole prompt: evict once it is in
+        kept_whole = sum(b - a for a, b in st["held"])
+        budget = self.budget if ratio is None else max(1, int((context_len - kept_whole) * (1.0 - ratio)))
+        self._evict(slot, st["start"], budget + kept_whole, st["held"])
+
+    def on_sequence_end(self, slot: int) -> None:
+        self._held.pop(slot, None)
+        super().on_sequence_end(slot)
+
+    def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
+        """The next chunk of `slot` (num_tokens) stays uncompressed: kvzip neither reconstructs nor evicts it, and
+        it adds to the sequence's budget (the query-agnostic protocol's question)."""
+        self._held[slot] = int(num_tokens)
+        parent = getattr(super(), "keep_uncompressed", None)
+        if parent is not None:
+            parent(slot, num_tokens)
 
     # --- reconstruction and eviction -----------------------------------------------------------
     def _reconstruct(self, slot: int, feed: list[int], start: int, end: int, context_len: int) -> None:
@@ -185,9 +209,10 @@ class KVzip(EvictionMethod):
                 keep = torch.where(n_ctx, torch.arange(pos.shape[1], device=pos.device), torch.full_like(pos, -1))
                 cache.keep_tokens(layer, slot, keep.to(torch.int64))
 
-    def _scores(self, slot: int, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scores(self, slot: int, layer: int, start: int,
+                held: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [H, T] of the layer's cached tokens and lengths [H]: the first n_sink tokens before the
-        reconstructed range score 1.0 (kvpress), tokens never reconstructed 0."""
+        reconstructed range score 1.0 (kvpress), tokens never reconstructed 0, tokens kept uncompressed +inf."""
         cache = self.engine.cache
         lengths = cache.lengths[slot, layer]
         _, _, pos = cache.gather(layer, slot)  # [H, T]
@@ -197,23 +222,26 @@ class KVzip(EvictionMethod):
             torch.nn.functional.pad(s, (0, max(0, T - s.shape[-1])))[:, :T]
         s = s.masked_fill((pos >= 0) & (pos < min(self.n_sink, start)), 1.0)
         self.state(slot, layer)["scores"] = s
+        for a, b in held:
+            s = s.masked_fill((pos >= a) & (pos < b), float("inf"))
         return s, lengths
 
-    def _evict(self, slot: int, start: int) -> None:
+    def _evict(self, slot: int, start: int, budget: int, held: list[tuple[int, int]]) -> None:
+        """Keep the layers x kv_heads x budget best tokens of the sequence (layerwise: kv_heads x budget per layer)."""
         cache = self.engine.cache
         L, H = cache.num_layers, cache.num_kv_heads
-        per_layer = [self._scores(slot, layer, start) for layer in range(L)]
+        per_layer = [self._scores(slot, layer, start, held) for layer in range(L)]
         if self.layerwise:
             for layer, (s, lengths) in enumerate(per_layer):
-                if int(lengths.sum()) > H * self.budget:
-                    self._keep(slot, layer, top_tokens_in_layer(s, H * self.budget, lengths))
+                if int(lengths.sum()) > H * budget:
+                    self._keep(slot, layer, top_tokens_in_layer(s, H * budget, lengths))
             return
         lengths = torch.stack([n for _, n in per_layer])  # [L, H]
-        if int(lengths.sum()) <= L * H * self.budget:
+        if int(lengths.sum()) <= L * H * budget:
             return
         T = max(s.shape[1] for s, _ in per_layer)
         s = torch.stack([torch.nn.functional.pad(x, (0, T - x.shape[1])) for x, _ in per_layer])  # [L, H, T]
-        keep = top_tokens_in_layer(s.view(L * H, T), L * H * self.budget, lengths.view(-1)).view(L, H, -1)
+        keep = top_tokens_in_layer(s.view(L * H, T), L * H * budget, lengths.view(-1)).view(L, H, -1)
         for layer in range(L):
             k = keep[layer]
             self._keep(slot, layer, k[:, : max(1, int((k >= 0).sum(-1).max()))])

@@ -362,6 +362,32 @@ def test_kvzip_budget_and_freed_blocks(model, prompts, opts):
     assert engine.memory_stats()["peak_kv_bytes"] < full_peak(model, prompts)
 
 
+def test_kvzip_keeps_an_uncompressed_question(model, prompts):
+    """keep_uncompressed (the query-agnostic protocol's question): the chunk is neither reconstructed nor evicted,
+    and adds to the budget of every table."""
+    budget, ctx, question = 16, prompts[0][:96], prompts[1][:12]
+    method = build_method("kvzip", budget, layerwise=True)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=1024)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    before = engine.cache.lengths[slot].clone()
+    assert bool((before.sum(-1) == 2 * budget).all())
+    fed = []
+    inner = method._reconstruct
+    method._reconstruct = lambda *a: (fed.append(a), inner(*a))
+    method.keep_uncompressed(slot, len(question))
+    engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
+    assert fed == []  # not reconstructed
+    assert torch.equal(engine.cache.lengths[slot], before + len(question))
+    for layer in range(2):
+        for h in range(2):
+            n = int(engine.cache.lengths[slot, layer, h])
+            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
+                list(range(len(ctx), len(ctx) + len(question)))
+    engine.end_sequence(slot)
+    assert not method._held and not method._state
+
+
 def test_kvzip_needs_a_tokenizer(hf):
     bare = build_from_transformers(hf)
     with pytest.raises(UserError, match="tokenizer"):
