@@ -345,6 +345,65 @@ def test_kvzip_scores_match_the_reconstruction_attention(model, hf, prompts):
     engine.end_sequence(slot)
 
 
+def hf_qk(hf, ids):
+    """Post-RoPE queries [L][Hq, N, D] and keys [L][H, N, D] of a transformers forward over ids."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    qs, ks, hooks = {}, {}, []
+
+    def capture(module, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        shape = (*h.shape[:-1], -1, module.head_dim)
+        q = module.q_proj(h).view(shape).transpose(1, 2)
+        k = module.k_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        qs[module.layer_idx], ks[module.layer_idx] = q[0], k[0]
+
+    for layer in hf.model.layers:
+        hooks.append(layer.self_attn.register_forward_pre_hook(capture, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [qs[i] for i in range(len(qs))], [ks[i] for i in range(len(ks))]
+
+
+def test_kvzip_chunked_scores_match_kvpress(model, hf, prompts):
+    """Three reconstruction chunks (kvpress's prepare / score_kvzip): chunk i is asked with the "part ... starting
+    with" prompt + the previous chunk's last 8 tokens; its queries' softmax covers the first min(4, start) tokens,
+    the chunk and the reconstruction tokens (causal); scores are maxed over queries and the group's heads."""
+    from kvbench.methods.kvzip import NEXT_PROMPT
+
+    ctx, size = prompts[0][:90], 32
+    method = build_method("kvzip", 10_000, chunk_size=size)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=1024)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    tok = ByteTokenizer(VOCAB)
+    n, H, G = len(ctx), 2, 2
+    ref = torch.zeros(2, H, n)
+    for a in range(0, n, size):
+        b = min(n, a + size)
+        ask = tok.encode(FIRST_PROMPT) if a == 0 else tok.encode(NEXT_PROMPT) + ctx[a - 8: a]
+        repeat = ask + tok.encode("\n") + ctx[a:b]
+        qs, ks = hf_qk(hf, ctx + repeat)
+        N = n + len(repeat)
+        pos = torch.arange(N)
+        allowed = (pos < min(4, a)) | ((pos >= a) & (pos < b))
+        for layer in range(2):
+            q = qs[layer][:, n:]  # [Hq, R, D] the reconstruction queries
+            logits = q @ ks[layer].repeat_interleave(G, 0).transpose(-1, -2) / math.sqrt(q.shape[-1])  # [Hq, R, N]
+            seen = allowed[None, :] | ((pos[None, :] >= n) & (pos[None, :] <= pos[n:, None]))  # [R, N]
+            p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)[..., a:b]
+            ref[layer, :, a:b] = p.amax(dim=1).view(H, G, b - a).amax(dim=1)
+    for layer in range(2):
+        torch.testing.assert_close(method.state(slot, layer)["scores"], ref[layer], atol=1e-5, rtol=1e-4)
+    engine.end_sequence(slot)
+
+
 @pytest.mark.parametrize("opts", [{}, {"layerwise": True}, {"chunk_size": 40}, {"prefill_mode": "streaming"}])
 def test_kvzip_budget_and_freed_blocks(model, prompts, opts):
     budget = 24
