@@ -290,7 +290,8 @@ def test_block_methods_reject_budgets_below_two_blocks(model, name):
     Engine(model, build_method(name, 16, protect_first_block=False), block_size=16, num_blocks=NUM_BLOCKS)
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"])
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff",
+                                  "adakv", "criticalkv", "duo_attention", "kvzip"])
 def test_methods_need_a_budget_and_validate_options(name):
     with pytest.raises(UserError, match="needs a budget"):
         build_method(name, None)
@@ -311,6 +312,11 @@ def test_methods_need_a_budget_and_validate_options(name):
     ("h2o", {"decode": "block"}, "h2o.decode"),
     ("snapkv", {"pooling": "median"}, "pooling"),
     ("key_diff", {"protect_first_block": "yes"}, "protect_first_block"),
+    ("adakv", {"base": "kvcrush"}, "adakv.base"),
+    ("criticalkv", {"head_adaptive": "yes"}, "head_adaptive"),
+    ("duo_attention", {"on_the_fly": True, "head_compression_ratio": 1.5}, "head_compression_ratio"),
+    ("kvzip", {"decode": "evict"}, "kvzip.decode"),
+    ("kvzip", {"chunk_size": 0}, "chunk_size"),
 ])
 def test_bad_options_name_the_value(name, opts, match):
     with pytest.raises(UserError, match=match):
