@@ -1,12 +1,13 @@
 """`adakv`: Ada-KV (Feng et al., 2024, arXiv:2407.11550), head-adaptive budgets over any scoring method.
 
 `method=adakv method.base=snapkv` (the base's options under `method.base_options`, added on the command line
-with `+method.base_options.window=32`): the base scores every cached
-token per kv-head as it would alone; instead of each kv-head keeping its own top `budget`, a layer keeps the
+with `+method.base_options.window=32`): the base scores every cached token per kv-head as it would alone; instead of each kv-head keeping its own top `budget`, a layer keeps the
 kv_heads x budget best (kv-head, token) pairs chosen jointly over its kv-heads, so heads that concentrate their
 attention give budget to heads that spread it. Ada-KV's safeguard: each kv-head first keeps its
 int(alpha_safeguard x budget) best tokens (kvpress AdaKVPress, alpha_safeguard 0.20), and the base's recent
 window (SnapKV's observation window, H2O's recent tokens) stays in every head.
+
+The recent window is kept in every head as kvpress keeps SnapKV's (it pads the window with the largest score + 1).
 
 Where kvpress masks the dropped pairs with fake keys (nothing freed), kvbench's per-(layer, kv-head) tables really
 hold different numbers of tokens: a head keeping fewer tokens holds fewer blocks, and the pool gets the rest back.

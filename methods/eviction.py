@@ -30,7 +30,6 @@ from kvbench.methods.base import Method
 
 PREFILL_MODES = ("paper", "streaming")
 HEAD_MODES = ("shared", "per_head")
-BUDGET_SCOPES = ("table", "layer", "sequence")  # what `budget` bounds: see EvictionMethod.budget_scope
 
 
 # ---------------------------------------------------------------------------- validation helpers
@@ -369,8 +368,8 @@ def plain_scorers() -> list[str]:
 @dataclass
 class ScorerWrapper(HeadAdaptiveEvictionMethod):
     """A method over another scoring method: `base` (a registered plain scorer, built with `base_options` and
-    this method's budget) observes every step and scores the tokens; the wrapper re-weights the scores
-    (`rescore`) and selects. The base shares this method's per-sequence state (so it is realigned on eviction
+    this method's budget) observes every step and scores the tokens; the wrapper (re-weights them and)
+    selects. The base shares this method's per-sequence state (so it is realigned on eviction
     and dropped with the sequence). `head_adaptive` chooses the selection: per kv-head top-budget (False) or
     the layer's kv_heads x budget best jointly (True, HeadAdaptiveEvictionMethod)."""
 
@@ -438,11 +437,7 @@ class ScorerWrapper(HeadAdaptiveEvictionMethod):
         return self.inner.recent_window()
 
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        return self.rescore(ctx, slot, self.inner.score(ctx, i, slot))
-
-    def rescore(self, ctx: LayerContext, slot: int, scores: torch.Tensor) -> torch.Tensor:
-        """The base's scores [H, T] -> the scores this method selects by (default: unchanged)."""
-        return scores
+        return self.inner.score(ctx, i, slot)
 
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
         if self.head_adaptive:
