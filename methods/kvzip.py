@@ -124,7 +124,7 @@ class KVzip(EvictionMethod):
                                   sinks=min(self.n_sink, p["start"]), start=p["start"], end=p["end"],
                                   context_len=p["context_len"])
         st = self.state(slot, ctx.layer)
-        n_ctx = int((k_pos < p["context_len"]).sum(-1).max())  # context slots come first (position order)
+        n_ctx = int(((k_pos >= 0) & (k_pos < p["context_len"])).sum(-1).max())  # context slots come first
         old = st.get("scores")
         if old is None:
             old = torch.zeros(s.shape[0], 0, device=s.device)
