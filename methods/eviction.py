@@ -27,7 +27,7 @@ block fills and the cache exceeds the budget.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -102,6 +102,37 @@ def top_tokens(scores: torch.Tensor, k: int, lengths: torch.Tensor, *, recent: i
     return sort_keep(idx, T)
 
 
+def top_tokens_in_layer(scores: torch.Tensor, total: int, lengths: torch.Tensor, *, recent: int = 0,
+                        min_per_head: int = 0) -> torch.Tensor:
+    """Head-adaptive keep set [H, n] (sorted slot indices, -1 pads; n = the most any head keeps) of one layer.
+
+    The `total` best (kv-head, token) pairs of the layer are chosen jointly over all its heads (Ada-KV's budget
+    allocation), so heads keep different numbers of tokens. scores [H, T] (higher = keep); lengths [H] valid
+    slots per head. Each head first keeps its last `recent` slots and its `min_per_head` best tokens (Ada-KV's
+    safeguard); these count towards `total`, which must cover them (H * max(recent, min_per_head) <= total).
+    """
+    H, T = scores.shape
+    valid = valid_mask(lengths, T)
+    total = min(total, int(lengths.sum()))
+    # a score of +inf from the scorer (e.g. SnapKV's window) ranks below the protected slots
+    s = scores.float().clamp(max=torch.finfo(torch.float32).max).masked_fill(~valid, float("-inf"))
+    protect = torch.zeros_like(valid)
+    if recent > 0:
+        protect |= torch.arange(T, device=scores.device)[None, :] >= (lengths[:, None] - recent)
+    if min_per_head > 0:
+        best = s.topk(min(min_per_head, T), dim=-1).indices  # [H, m]
+        protect.scatter_(-1, best, True)
+    s = s.masked_fill(protect & valid, float("inf"))
+    flat = s.reshape(-1).topk(total).indices  # [total] over H*T
+    chosen = torch.zeros(H * T, dtype=torch.bool, device=scores.device)
+    chosen[flat] = True
+    chosen = chosen.view(H, T) & valid
+    n = int(chosen.sum(-1).max()) if total > 0 else 0
+    # the chosen slots of each head, in slot order, padded with -1: sort (not chosen) last, stable
+    order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)[:, :n]  # [H, n]
+    return torch.where(chosen.gather(-1, order), order, torch.full_like(order, -1))
+
+
 def gather_aligned(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Per-slot values [H, T] -> [H, n] following keep [H, n] (-1 pads give 0)."""
     out = values.gather(-1, keep.clamp(min=0))
@@ -150,6 +181,10 @@ class EvictionMethod(Method):
     """
 
     granularity: ClassVar[str] = "token"
+    # What the budget bounds once a method has evicted: "table" (every (layer, kv-head) table holds <= budget),
+    # "layer" (a layer's tables hold <= kv_heads x budget together, split unevenly: head-adaptive budgets) or
+    # "sequence" (all tables of a sequence hold <= layers x kv_heads x budget together).
+    budget_scope: ClassVar[str] = "table"
     evicts: ClassVar[bool] = True
     acts_after_attention: ClassVar[bool] = True
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("evict", "none")
@@ -275,6 +310,11 @@ class EvictionMethod(Method):
         raise NotImplementedError
 
     # --- helpers ---------------------------------------------------------------------------
+    def table_budget(self, layer: int, head: int) -> int | None:
+        """The most tokens table (layer, head) holds once evicted; None where no per-table bound applies (a
+        head-adaptive method bounds the layer's total instead, see budget_scope)."""
+        return self.budget if self.budget_scope == "table" else None
+
     def state(self, slot: int, layer: int) -> dict[str, Any]:
         return self._state.setdefault((slot, layer), {})
 
@@ -360,6 +400,127 @@ class ScoreEvictionMethod(EvictionMethod):
 
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
         self.evict_to_budget(ctx, i, slot)
+
+
+@dataclass
+class HeadAdaptiveEvictionMethod(ScoreEvictionMethod):
+    """Token-level eviction by a score with head-adaptive budgets (Ada-KV's allocation).
+
+    A layer whose tables hold more than kv_heads x budget tokens in all keeps the kv_heads x budget best
+    (kv-head, token) pairs chosen jointly over its heads, so its kv-heads keep different numbers of tokens (and
+    hold different numbers of blocks: the cache frees each table's emptied blocks). Each head keeps its last
+    `recent_window()` tokens and its `min_tokens_per_head()` best ones first.
+    """
+
+    budget_scope: ClassVar[str] = "layer"
+
+    def min_tokens_per_head(self) -> int:
+        return 0
+
+    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
+        recent = min(max(1, self.recent_window()), self.budget)
+        return top_tokens_in_layer(self.score(ctx, i, slot), lengths.shape[0] * self.budget, lengths,
+                                   recent=recent, min_per_head=self.min_tokens_per_head())
+
+    def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
+        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
+        if sum(ctx.plan.table_lengths(i, ctx.layer)) > lengths.shape[0] * self.budget:
+            self.keep(ctx, slot, self.select(ctx, i, slot, lengths))
+
+
+def plain_scorers() -> list[str]:
+    """Registered methods that score tokens and keep the top ones (ScoreEvictionMethod's own selection): the
+    methods a wrapper (adakv, criticalkv) may take as its `base`."""
+    from kvbench.methods.base import METHODS
+
+    return sorted(n for n in METHODS.names()
+                  if issubclass(METHODS[n], ScoreEvictionMethod) and not issubclass(METHODS[n], ScorerWrapper)
+                  and METHODS[n].select in (ScoreEvictionMethod.select, HeadAdaptiveEvictionMethod.select))
+
+
+@dataclass
+class ScorerWrapper(HeadAdaptiveEvictionMethod):
+    """A method over another scoring method: `base` (a registered plain scorer, built with `base_options` and
+    this method's budget) observes every step and scores the tokens; the wrapper (re-weights them and)
+    selects. The base shares this method's per-sequence state (so it is realigned on eviction
+    and dropped with the sequence). `head_adaptive` chooses the selection: per kv-head top-budget (False) or
+    the layer's kv_heads x budget best jointly (True, HeadAdaptiveEvictionMethod)."""
+
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "evict")
+    decode: str = "none"
+    base: str = "snapkv"
+    base_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bases = plain_scorers()
+        if self.base not in bases:
+            raise UserError(f"invalid {self.name}.base={self.base!r}: choose one of {', '.join(bases)}")
+        if not isinstance(self.base_options, dict):
+            raise UserError(f"invalid {self.name}.base_options={self.base_options!r}: expected a mapping of "
+                            f"{self.base}'s options")
+        from kvbench.methods import build_method
+
+        ratio = getattr(self, "compression_ratio", None)  # the base gets the same knob as the wrapper
+        knob = {} if ratio is None else {"compression_ratio": ratio}
+        self.inner = build_method(self.base, self.budget, **knob, **dict(self.base_options))
+        self.inner._state = self._state  # one per-sequence state for both
+        self.needs_key_scores = self.inner.needs_key_scores  # type: ignore[misc]
+
+    @property
+    def head_adaptive(self) -> bool:
+        return True
+
+    @property
+    def budget_scope(self) -> str:  # type: ignore[override]
+        return "layer" if self.head_adaptive else "table"
+
+    @property
+    def store_pre_rope(self) -> bool:
+        return self.inner.store_pre_rope
+
+    @property
+    def rope_mode(self) -> str:
+        return self.inner.rope_mode
+
+    def attach(self, cache: Any, model_config: Any) -> None:
+        super().attach(cache, model_config)
+        self.inner.attach(cache, model_config)
+        self.inner._state = self._state
+
+    def bind_engine(self, engine: Any) -> None:
+        """The engine this method runs in (the hook protocol's optional `bind_engine`): model weights."""
+        self.engine = engine
+        bind = getattr(self.inner, "bind_engine", None)
+        if bind is not None:
+            bind(engine)
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["base_settings"] = {k: v for k, v in self.inner.describe().items() if k != "budget"}
+        return d
+
+    # --- the base observes and scores; the wrapper selects ---------------------------------------
+    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
+        self.inner.budget = self.budget  # a budget set per run (compression_ratio) reaches the base too
+        self.inner.observe(ctx, i, slot)
+
+    def recent_window(self) -> int:
+        self.inner.budget = self.budget
+        return self.inner.recent_window()
+
+    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
+        return self.inner.score(ctx, i, slot)
+
+    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
+        if self.head_adaptive:
+            return super().select(ctx, i, slot, lengths)
+        return ScoreEvictionMethod.select(self, ctx, i, slot, lengths)
+
+    def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
+        if self.head_adaptive:
+            return super().evict_to_budget(ctx, i, slot)
+        return ScoreEvictionMethod.evict_to_budget(self, ctx, i, slot)
 
 
 @dataclass

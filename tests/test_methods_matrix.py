@@ -2,7 +2,11 @@
 
 After every after_attention call (every layer of every prefill chunk and decode step) the test checks:
   * tokens kept per (sequence, layer, kv-head) <= budget once the method is due to have evicted
-    (+ block_size - 1, the filling block, for block-level methods while decoding);
+    (+ block_size - 1, the filling block, for block-level methods while decoding); for a method whose
+    budget_scope is "layer" (head-adaptive) the layer's tables hold <= kv_heads x budget together, for "sequence"
+    all the sequence's tables <= layers x kv_heads x budget; a table with no table_budget (a DuoAttention
+    retrieval head) is unbounded. A method that evicts after the step (after_prefill_chunk: kvzip) is checked
+    there; calls made during the method's own passes (`reconstructing`) are not checked;
   * blocks in use == sum of ceil(len / block_size) over every live table (evicted blocks are freed);
   * each table's positions are strictly increasing (slot order = position order, no duplicates).
 After the run: the pool holds no block and the method holds no per-sequence state. A budget at
@@ -10,10 +14,13 @@ or above the sequence length gives exactly the tokens and log-probabilities of `
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvbench.errors import UserError
+from tests.tiny_models import ByteTokenizer
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
 from kvbench.methods import available_methods, build_method
@@ -24,6 +31,7 @@ PROMPT_LENGTHS = (70, 101)
 BUDGETS = (32, 45)
 BLOCK_SIZES = (8, 16)
 NUM_BLOCKS = 2048  # the default pool (4 GiB) would mean millions of tiny blocks to list
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -46,6 +54,12 @@ VARIANTS = [
     ("expected_attention", {}),
     ("lagkv", {"lag_size": 8}),
     ("pyramidkv", {"window": 8, "beta": 2}),  # a real pyramid at these budgets (the defaults fall back to SnapKV)
+    ("adakv", {"base_options": {"window": 8}}),
+    ("adakv", {"base": "h2o"}),
+    ("criticalkv", {}),
+    ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
+    ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
+    ("kvzip", {"chunk_size": 48}),
 ]
 
 
@@ -59,7 +73,8 @@ def test_every_eviction_method_is_in_the_matrix():
     from kvbench.methods.eviction import EvictionMethod
 
     eviction = {n for n in available_methods() if issubclass(METHODS[n], EvictionMethod)}
-    assert eviction >= {"streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"}
+    assert eviction >= {"streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff", "adakv",
+                        "criticalkv", "duo_attention", "kvzip"}
     assert {name for name, _ in VARIANTS} == eviction | {"full"}
 
 
@@ -79,7 +94,9 @@ def model():
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                       intermediate_size=128, vocab_size=256, max_position_embeddings=512)
-    return build_from_transformers(LlamaForCausalLM(cfg).eval())
+    model = build_from_transformers(LlamaForCausalLM(cfg).eval())
+    model.tokenizer = ByteTokenizer(256)  # kvzip writes its reconstruction prompt with it
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -88,44 +105,92 @@ def prompts():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
+def _over_budget(method, cache, slot: int, layer: int | None, budget: int, extra: int) -> str | None:
+    """Why the tables of `slot` (one layer, or all with layer=None) exceed the method's budget, or None."""
+    scope = getattr(method, "budget_scope", "table")
+    L, H = cache.num_layers, cache.num_kv_heads
+    layers = range(L) if layer is None else [layer]
+    if scope == "sequence":
+        total = int(cache.lengths[slot].sum())
+        return None if total <= L * H * (budget + extra) else f"sequence holds {total} > {L} x {H} x {budget}"
+    for li in layers:
+        lengths = cache.lengths[slot, li].tolist()  # [H]
+        if scope == "layer":
+            if sum(lengths) > H * (budget + extra):
+                return f"layer {li} holds {sum(lengths)} > {H} x {budget}"
+            continue
+        for h, n in enumerate(lengths):
+            tb = method.table_budget(li, h) if hasattr(method, "table_budget") else budget
+            if tb is not None and n > tb + extra:
+                return f"{n} tokens > {tb + extra} (layer {li}, head {h})"
+    return None
+
+
+def _budgeted_size(method, cache, slot: int, layer: int) -> int:
+    """The most tokens per table of what the budget bounds: a table with a budget, a layer's or the sequence's
+    tables on average (head-adaptive methods split them unevenly)."""
+    scope = getattr(method, "budget_scope", "table")
+    lengths = cache.lengths[slot, layer]  # [H]
+    if scope == "sequence":
+        return -(-int(cache.lengths[slot].sum()) // cache.lengths[slot].numel())
+    if scope == "layer":
+        return -(-int(lengths.sum()) // lengths.numel())
+    sizes = [int(n) for h, n in enumerate(lengths)
+             if not hasattr(method, "table_budget") or method.table_budget(layer, h) is not None]
+    return max(sizes, default=0)
+
+
 class Checker:
     """Wraps method.after_attention with the invariants; records the most tokens seen in a table."""
 
     def __init__(self, method, budget: int | None, block_size: int):
         self.method, self.budget, self.bs = method, budget, block_size
         self.block_level = getattr(method, "granularity", "token") == "block"
+        self.after_step = hasattr(method, "after_prefill_chunk")  # evicts after the prefill step (kvzip)
         self.calls = 0
         self.max_kept = 0  # most tokens in a table after the method ran
-        self.max_before = 0  # most tokens in a table when the method was called
+        self.max_before = 0  # most tokens in a budgeted table (see _budgeted_size) when the method was called
         self.final_lengths: list[int] = []
         inner = method.after_attention
 
         def after_attention(ctx):
+            if getattr(method, "reconstructing", False):  # the method's own pass (kvzip's reconstruction)
+                return inner(ctx)
             for slot in ctx.plan.slots.tolist():
-                self.max_before = max(self.max_before, int(ctx.cache.lengths[slot, ctx.layer].max()))
+                self.max_before = max(self.max_before, _budgeted_size(method, ctx.cache, slot, ctx.layer))
             inner(ctx)
             self.check(ctx)
 
         method.after_attention = after_attention
         method.acts_after_attention = True  # call it even for methods that never act (full)
+        if self.after_step:
+            inner_after = method.after_prefill_chunk
+
+            def after_prefill_chunk(slot, token_ids, start_pos, last_chunk):
+                reentrant = getattr(method, "reconstructing", False)
+                inner_after(slot, token_ids, start_pos, last_chunk)
+                due = last_chunk or getattr(method, "prefill_mode", None) == "streaming"
+                if not reentrant and due and self.budget is not None:
+                    why = _over_budget(method, method.engine.cache, slot, None, self.budget, 0)
+                    assert why is None, f"{method.name}: {why} (after the prefill step)"
+
+            method.after_prefill_chunk = after_prefill_chunk
 
     def check(self, ctx) -> None:
         self.calls += 1
         cache, bs = ctx.cache, self.bs
         evicts_in_decode = getattr(self.method, "decode", "none") != "none"
         due = ((ctx.phase == "decode" and evicts_in_decode)
-               or (ctx.phase == "prefill" and (ctx.last_chunk
-                                               or getattr(self.method, "prefill_mode", None) == "streaming")))
+               or (ctx.phase == "prefill" and not self.after_step
+                   and (ctx.last_chunk or getattr(self.method, "prefill_mode", None) == "streaming")))
         for slot in ctx.plan.slots.tolist():
             lengths = cache.lengths[slot, ctx.layer]  # [H]
             n = int(lengths.max())
             self.max_kept = max(self.max_kept, n)
             if self.budget is not None and self.method.name != "full" and due:
-                # a method with per-layer budgets (pyramidkv) bounds each table by its table_budget
-                budget = (self.method.table_budget(ctx.layer, 0) if hasattr(self.method, "table_budget")
-                          else self.budget)
-                limit = budget + (bs - 1 if self.block_level and ctx.phase == "decode" else 0)
-                assert n <= limit, f"{self.method.name}: {n} tokens > {limit} ({ctx.phase}, layer {ctx.layer})"
+                extra = bs - 1 if self.block_level and ctx.phase == "decode" else 0
+                why = _over_budget(self.method, cache, slot, ctx.layer, self.budget, extra)
+                assert why is None, f"{self.method.name}: {why} ({ctx.phase}, layer {ctx.layer})"
             for h in range(lengths.shape[0]):
                 pos = cache.positions[slot, ctx.layer, h, : int(lengths[h])]
                 assert bool((pos[1:] > pos[:-1]).all()), "positions not strictly increasing"
@@ -199,6 +264,12 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
     engine.generate(prompts, max_new_tokens=NEW_TOKENS)
     assert len(seen) == len(prompts)
     for lengths in seen.values():
+        if method.budget_scope != "table":  # head-adaptive: each layer's tables hold the layer's budget together
+            assert bool((lengths.sum(-1) == lengths.shape[-1] * budget).all()), lengths
+            continue
+        budgeted = torch.tensor([[method.table_budget(li, h) is not None for h in range(lengths.shape[1])]
+                                 for li in range(lengths.shape[0])])
+        lengths = lengths[budgeted]  # tables with no per-table bound (retrieval heads) keep every token
         if method.granularity == "block":
             assert int(lengths.min()) > budget - bs and int(lengths.max()) < budget + bs
         else:
@@ -229,7 +300,8 @@ def test_block_methods_reject_budgets_below_two_blocks(model, name):
     Engine(model, build_method(name, 16, protect_first_block=False), block_size=16, num_blocks=NUM_BLOCKS)
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"])
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff",
+                                  "adakv", "criticalkv", "duo_attention", "kvzip"])
 def test_methods_need_a_budget_and_validate_options(name):
     with pytest.raises(UserError, match="needs a budget"):
         build_method(name, None)
@@ -250,13 +322,19 @@ def test_methods_need_a_budget_and_validate_options(name):
     ("h2o", {"decode": "block"}, "h2o.decode"),
     ("snapkv", {"pooling": "median"}, "pooling"),
     ("key_diff", {"protect_first_block": "yes"}, "protect_first_block"),
+    ("adakv", {"base": "kvcrush"}, "adakv.base"),
+    ("criticalkv", {"head_adaptive": "yes"}, "head_adaptive"),
+    ("duo_attention", {"on_the_fly": True, "head_compression_ratio": 1.5}, "head_compression_ratio"),
+    ("kvzip", {"decode": "evict"}, "kvzip.decode"),
+    ("kvzip", {"chunk_size": 0}, "chunk_size"),
 ])
 def test_bad_options_name_the_value(name, opts, match):
     with pytest.raises(UserError, match=match):
         build_method(name, 64, **opts)
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"])
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff",
+                                  "adakv", "criticalkv", "kvzip"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     """conf/method/<name>.yaml through Hydra and config.validate builds the method with its documented defaults,
     and an override on the command line reaches the method."""

@@ -51,3 +51,17 @@ def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
         logits = hf_model(torch.tensor([ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)[:-1]
     return lp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for the tiny models (no chat template): text -> its UTF-8 bytes modulo `vocab`.
+    Methods that tokenize text of their own (kvzip's reconstruction prompt, duo_attention's calibration essays)
+    read `model.tokenizer`; a tiny model has no real one."""
+
+    chat_template = None
+
+    def __init__(self, vocab: int = 256):
+        self.vocab = vocab
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b % self.vocab for b in text.encode("utf-8")]

@@ -87,6 +87,9 @@ class Engine:
         self._held_at_full_peak = 0
         self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
+        bind = getattr(method, "bind_engine", None)
+        if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
+            bind(self)
 
     # ------------------------------------------------------------------ backends
     def _pick_attention(self, backend: str):
@@ -160,7 +163,11 @@ class Engine:
                 keep(slot, len(token_ids))
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
-        return self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for)
+        logits = self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for)
+        after = getattr(self.method, "after_prefill_chunk", None)
+        if after is not None:  # optional: the chunk's token ids, after its step (KVzip's reconstruction pass)
+            after(slot, list(token_ids), start_pos, last_chunk)
+        return logits
 
     def decode_batch(self, slots: list[int], tokens: list[int], positions: list[int], temperature: float = 0.0,
                      top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:

@@ -25,6 +25,12 @@ class CacheHooks(Protocol):
 
     def on_fork(self, parent: int, child: int) -> None: ...
 
+    # optional (looked up with getattr):
+    #   bind_engine(engine)                         once, at the end of Engine.__init__: the engine (its model's
+    #                                               weights, its public API for passes of the method's own)
+    #   after_prefill_chunk(slot, token_ids, start_pos, last_chunk)
+    #                                               after every Engine.forward_chunk step, with the chunk's tokens
+
 
 class NoCompression:
     """Keeps every token: the engine's default when no method is given."""

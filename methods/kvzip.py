@@ -1,0 +1,252 @@
+"""`kvzip`: KVzip (Kim et al., 2025, arXiv:2505.23416), query-agnostic scores from context reconstruction.
+
+After the prompt is prefilled, the model is asked to repeat it: the cache is fed "\\n\\nRepeat the previous context
+exactly." + the chat template's assistant-turn start + the context itself (teacher-forced), and each cached
+context token's score is the largest attention it receives from those reconstruction queries (max over the
+queries and over the query heads of its kv-head). As kvpress's KVzipPress (defaults: chunk_size 2048,
+prev_postfix_size 8, n_sink 4, layerwise false):
+  * a context longer than `chunk_size` tokens is reconstructed chunk by chunk; later chunks are asked with
+    "\\n\\nRepeat the part of the previous context exactly, starting with" + the previous chunk's last
+    `prev_postfix_size` tokens; each chunk's queries attend over the first min(n_sink, chunk start) tokens, the
+    chunk's own keys and the reconstruction tokens (causal), so the softmax sees only those;
+  * the first `n_sink` tokens score 1.0; a chat-template prefix (the tokens before the user's content, found from
+    the tokenizer's template as kvpress does) is not reconstructed and scores 0 beyond the sinks;
+  * layerwise=false: the kept tokens are the layers x kv_heads x budget best over every layer and kv-head of the
+    sequence jointly (budget_scope "sequence": layers and heads keep different counts); layerwise=true: each layer
+    keeps its kv_heads x budget best jointly over its kv-heads ("layer").
+The reconstruction tokens go through the engine's public API (Engine.forward_chunk on the same sequence, positions
+after the context) and the method scores them in its own after_attention hook; afterwards they are dropped with
+the cache's keep_tokens (their blocks return to the pool) and the context is evicted to the budget, so the pool's
+peak includes one reconstruction chunk (as KVzip's own). Tables really shrink per head (kvpress masks instead).
+kvpress also offers `kvzip_plus_normalization` (KVzip+), not implemented here. Timing: after every prompt
+(prefill_mode=paper: once the last prefill chunk is in; streaming: after every chunk, each chunk reconstructed
+as it arrives); decoding appends (decode=none, the paper's and kvpress's). Needs the model's tokenizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from kvbench.errors import UserError
+from kvbench.runtime.model import LayerContext
+from kvbench.methods.base import register_method
+from kvbench.methods.eviction import (EvictionMethod, check_bool, check_int, gather_aligned, top_tokens_in_layer,
+                                      valid_mask)
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+SLOT_STATE = -1  # state key (slot, SLOT_STATE): the sequence's token ids and how far it is scored
+
+
+def template_parts(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(prefix ids, suffix ids) of the chat template around a user message, as kvpress finds them: the tokens
+    before the user's content, and the end of the user turn + the assistant turn's start ("\\n" with no template)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return [], list(tokenizer.encode("\n", add_special_tokens=False))
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                         add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    context, suffix = text.split(separator)
+    prefix = context.split(dummy)[0]
+    return (list(tokenizer.encode(prefix, add_special_tokens=False)),
+            list(tokenizer.encode(suffix, add_special_tokens=False)))
+
+
+def reconstruction_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
+                          lengths: torch.Tensor, scale: float, *, sinks: int, start: int, end: int,
+                          context_len: int) -> torch.Tensor:
+    """KVzip's score of the keys of context chunk [start, end) from reconstruction queries -> [H, T] (0 elsewhere).
+
+    q [Hq, Q, D] reconstruction queries (post-RoPE) at positions q_pos [Q] (>= context_len); k [H, T, D] cached keys
+    at positions k_pos [H, T]; lengths [H]. Each query's softmax runs over the keys at positions < sinks, in
+    [start, end), and the reconstruction keys (positions >= context_len) up to its own; the probabilities of the
+    chunk's keys are maxed over the queries and the query heads of each kv-head."""
+    Hq, Q, D = q.shape
+    H, T, _ = k.shape
+    G = Hq // H
+    logits = torch.matmul(q.reshape(H, G * Q, D).float(), k.float().transpose(-1, -2)) * scale  # [H, G*Q, T]
+    kp = k_pos[:, None, :]  # [H, 1, T]
+    chunk = (kp >= start) & (kp < end)
+    seen = (kp < sinks) | chunk | ((kp >= context_len) & (kp <= q_pos.repeat(G)[None, :, None]))
+    seen &= valid_mask(lengths, T)[:, None, :]
+    probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+    return probs.masked_fill(~chunk, 0.0).amax(dim=1)  # [H, T]
+
+
+@register_method("kvzip")
+@dataclass
+class KVzip(EvictionMethod):
+    """Context-reconstruction attention scores; the budget over all layers and heads (or per layer)."""
+
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
+    decode: str = "none"
+    layerwise: bool = False
+    n_sink: int = 4
+    chunk_size: int = 2048
+    prev_postfix_size: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bool(self.name, "layerwise", self.layerwise)
+        check_int(self.name, "n_sink", self.n_sink, 0)
+        check_int(self.name, "chunk_size", self.chunk_size, 1)
+        check_int(self.name, "prev_postfix_size", self.prev_postfix_size, 0)
+        self.engine: Any = None
+        self.reconstructing = False  # True while the method's own reconstruction tokens run through the engine
+        self._pass: Optional[dict] = None
+        self._held: dict[int, int] = {}  # slot -> tokens of its next chunk kept uncompressed
+
+    @property
+    def budget_scope(self) -> str:  # type: ignore[override]
+        return "layer" if self.layerwise else "sequence"
+
+    def bind_engine(self, engine: Any) -> None:
+        tok = getattr(engine.model, "tokenizer", None)
+        if tok is None:
+            raise UserError("kvzip needs the model's tokenizer (to write its reconstruction prompt)")
+        self.engine = engine
+        self.prefix_ids, self.suffix_ids = template_parts(tok)
+        self.first_ids = list(tok.encode(FIRST_PROMPT, add_special_tokens=False))
+        self.next_ids = list(tok.encode(NEXT_PROMPT, add_special_tokens=False))
+
+    # --- the hook protocol -------------------------------------------------------------------
+    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
+        p = self._pass
+        if not self.reconstructing or p is None or p["slot"] != slot:
+            return
+        cache = ctx.cache
+        k, _, k_pos = cache.gather(ctx.layer, slot)  # [H, T, D], [H, T]
+        lengths = cache.lengths[slot, ctx.layer]
+        s = reconstruction_scores(ctx.q[i], ctx.plan.query_positions[i], k, k_pos, lengths, ctx.q.shape[-1] ** -0.5,
+                                  sinks=min(self.n_sink, p["start"]), start=p["start"], end=p["end"],
+                                  context_len=p["context_len"])
+        st = self.state(slot, ctx.layer)
+        n_ctx = int(((k_pos >= 0) & (k_pos < p["context_len"])).sum(-1).max())  # context slots come first
+        old = st.get("scores")
+        if old is None:
+            old = torch.zeros(s.shape[0], 0, device=s.device)
+        if old.shape[-1] < n_ctx:
+            old = torch.nn.functional.pad(old, (0, n_ctx - old.shape[-1]))
+        st["scores"] = torch.maximum(old[:, :n_ctx], s[:, :n_ctx])
+
+    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+        pass  # after the step: after_prefill_chunk runs the reconstruction, then evicts
+
+    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+        pass  # decode=none: generated tokens are appended
+
+    def after_prefill_chunk(self, slot: int, token_ids: list[int], start_pos: int, last_chunk: bool) -> None:
+        """The engine's optional hook after a prefill chunk: record its tokens; at the prompt's end (or after
+        every chunk when streaming) reconstruct what is not yet scored, then evict to the budget."""
+        if self.reconstructing:
+            return
+        if self.engine is None:
+            raise RuntimeError("kvzip: the engine did not call bind_engine")
+        key = (slot, SLOT_STATE)
+        st = self._state.get(key)
+        held = self._held.pop(slot, 0)
+        if start_pos == 0 or st is None:
+            start = len(self.prefix_ids) if token_ids[: len(self.prefix_ids)] == self.prefix_ids else 0
+            # a chat-template prefix is not reconstructed (kvpress: prefix_length)
+            st = self._state[key] = {"ids": torch.empty(0, dtype=torch.int64), "start": start, "scored": start,
+                                     "held": []}
+        if start_pos != st["ids"].numel():  # tokens appended by decode steps in between: not reconstructed
+            st["ids"] = torch.cat([st["ids"], torch.full((start_pos - st["ids"].numel(),), -1, dtype=torch.int64)])
+            st["scored"] = start_pos
+        st["ids"] = torch.cat([st["ids"], torch.tensor(token_ids, dtype=torch.int64)])
+        if held == len(token_ids):  # kept uncompressed (a question after its context): never reconstructed/evicted
+            st["held"].append((start_pos, start_pos + held))
+            st["scored"] = st["ids"].numel()
+            return
+        ratio = getattr(self, "compression_ratio", None)
+        if not (last_chunk or self.prefill_mode == "streaming"):
+            return
+        ids = st["ids"].tolist()
+        context_len = len(ids)
+        for a in range(st["scored"], context_len, self.chunk_size):
+            b = min(a + self.chunk_size, context_len)
+            if a == st["start"]:
+                ask = self.first_ids
+            else:
+                ask = self.next_ids + ids[max(0, a - self.prev_postfix_size): a]
+            self._reconstruct(slot, ask + self.suffix_ids + ids[a:b], a, b, context_len)
+        st["scored"] = context_len
+        if ratio is not None and not last_chunk:
+            return  # a compression ratio is a share of the whole prompt: evict once it is in
+        kept_whole = sum(b - a for a, b in st["held"])
+        budget = self.budget if ratio is None else max(1, int((context_len - kept_whole) * (1.0 - ratio)))
+        self._evict(slot, st["start"], budget + kept_whole, st["held"])
+
+    def on_sequence_end(self, slot: int) -> None:
+        self._held.pop(slot, None)
+        super().on_sequence_end(slot)
+
+    def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
+        """The next chunk of `slot` (num_tokens) stays uncompressed: kvzip neither reconstructs nor evicts it, and
+        it adds to the sequence's budget (the query-agnostic protocol's question)."""
+        self._held[slot] = int(num_tokens)
+        parent = getattr(super(), "keep_uncompressed", None)
+        if parent is not None:
+            parent(slot, num_tokens)
+
+    # --- reconstruction and eviction -----------------------------------------------------------
+    def _reconstruct(self, slot: int, feed: list[int], start: int, end: int, context_len: int) -> None:
+        """Feed the reconstruction tokens after the context (scored in observe), then drop them."""
+        cache, step = self.engine.cache, self.engine.prefill_chunk_size
+        self.reconstructing, self._pass = True, {"slot": slot, "start": start, "end": end, "context_len": context_len}
+        try:
+            for a in range(0, len(feed), step):
+                self.engine.forward_chunk(slot, feed[a: a + step], context_len + a, last_chunk=False,
+                                          logits_for="none")
+        finally:
+            self.reconstructing, self._pass = False, None
+            for layer in range(cache.num_layers):  # the reconstruction tokens leave; their blocks are freed
+                _, _, pos = cache.gather(layer, slot)  # [H, T]
+                n_ctx = (pos >= 0) & (pos < context_len)
+                keep = torch.where(n_ctx, torch.arange(pos.shape[1], device=pos.device), torch.full_like(pos, -1))
+                cache.keep_tokens(layer, slot, keep.to(torch.int64))
+
+    def _scores(self, slot: int, layer: int, start: int,
+                held: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [H, T] of the layer's cached tokens and lengths [H]: the first n_sink tokens before the
+        reconstructed range score 1.0 (kvpress), tokens never reconstructed 0, tokens kept uncompressed +inf."""
+        cache = self.engine.cache
+        lengths = cache.lengths[slot, layer]
+        _, _, pos = cache.gather(layer, slot)  # [H, T]
+        T = pos.shape[1]
+        s = self.state(slot, layer).get("scores")
+        s = torch.zeros(pos.shape, device=pos.device) if s is None else \
+            torch.nn.functional.pad(s, (0, max(0, T - s.shape[-1])))[:, :T]
+        s = s.masked_fill((pos >= 0) & (pos < min(self.n_sink, start)), 1.0)
+        self.state(slot, layer)["scores"] = s
+        for a, b in held:
+            s = s.masked_fill((pos >= a) & (pos < b), float("inf"))
+        return s, lengths
+
+    def _evict(self, slot: int, start: int, budget: int, held: list[tuple[int, int]]) -> None:
+        """Keep the layers x kv_heads x budget best tokens of the sequence (layerwise: kv_heads x budget per layer)."""
+        cache = self.engine.cache
+        L, H = cache.num_layers, cache.num_kv_heads
+        per_layer = [self._scores(slot, layer, start, held) for layer in range(L)]
+        if self.layerwise:
+            for layer, (s, lengths) in enumerate(per_layer):
+                if int(lengths.sum()) > H * budget:
+                    self._keep(slot, layer, top_tokens_in_layer(s, H * budget, lengths))
+            return
+        lengths = torch.stack([n for _, n in per_layer])  # [L, H]
+        if int(lengths.sum()) <= L * H * budget:
+            return
+        T = max(s.shape[1] for s, _ in per_layer)
+        s = torch.stack([torch.nn.functional.pad(x, (0, T - x.shape[1])) for x, _ in per_layer])  # [L, H, T]
+        keep = top_tokens_in_layer(s.view(L * H, T), L * H * budget, lengths.view(-1)).view(L, H, -1)
+        for layer in range(L):
+            k = keep[layer]
+            self._keep(slot, layer, k[:, : max(1, int((k >= 0).sum(-1).max()))])
+
+    def _keep(self, slot: int, layer: int, keep: torch.Tensor) -> None:
+        self.engine.cache.keep_tokens(layer, slot, keep)
+        st = self.state(slot, layer)
+        st["scores"] = gather_aligned(st["scores"], keep)

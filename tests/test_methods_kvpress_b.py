@@ -1,0 +1,453 @@
+"""adakv, criticalkv, duo_attention and kvzip on the tiny models: budgets, freed blocks, head-adaptive tables, and
+each method's scores against a plain-torch / transformers reference of its definition (kvpress's code)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvbench.errors import UserError
+from kvbench.methods import build_method
+from kvbench.methods.criticalkv import projected_value_norms
+from kvbench.methods.duo_attention import on_the_fly_scores, streaming_mask
+from kvbench.methods.eviction import top_tokens_in_layer
+from kvbench.methods.kvzip import FIRST_PROMPT
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.model import build_from_transformers
+from tests.tiny_models import ByteTokenizer, tiny_hf_model
+
+BS = 8
+CHUNK = 32
+VOCAB = 320  # tiny_models.COMMON
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(hf):
+    m = build_from_transformers(hf)
+    m.tokenizer = ByteTokenizer(VOCAB)
+    return m
+
+
+@pytest.fixture(scope="module")
+def sharp_model():
+    """The tiny model with the query heads of kv-head 0 scaled up in every layer: kv-head 0 concentrates its
+    attention, kv-head 1 spreads it (a random tiny model's heads are all near-uniform and alike)."""
+    hf = tiny_hf_model("llama", seed=3)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            d = layer.self_attn.head_dim
+            layer.self_attn.q_proj.weight[: 2 * d] *= 300.0  # query heads 0, 1 = kv-head 0's group
+    return build_from_transformers(hf)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 121, 97, 133)]
+
+
+def run(model, method, prompts, new_tokens=8):
+    """Generate; returns (engine, lengths [L, H] of every sequence's tables when it ended)."""
+    ended = {}
+    inner = method.on_sequence_end
+
+    def on_sequence_end(slot):
+        ended[slot] = engine.cache.lengths[slot].clone()
+        inner(slot)
+
+    method.on_sequence_end = on_sequence_end
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=4096)
+    engine.generate(prompts, max_new_tokens=new_tokens)
+    assert engine.cache.pool.in_use == 0
+    engine.cache.pool.check_consistency()
+    return engine, list(ended.values())
+
+
+def full_peak(model, prompts, new_tokens=8) -> int:
+    engine = Engine(model, None, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=4096)
+    engine.generate(prompts, max_new_tokens=new_tokens)
+    return engine.memory_stats()["peak_kv_bytes"]
+
+
+def prefill_lengths(model, method, ids):
+    """Tables [L, H] of one prompt right after its prefill (and the method's compression)."""
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=4096)
+    slot = engine.new_sequence()
+    for a in range(0, len(ids), CHUNK):
+        engine.forward_chunk(slot, ids[a: a + CHUNK], a, last_chunk=a + CHUNK >= len(ids), logits_for="none")
+    lengths = engine.cache.lengths[slot].clone()
+    positions = [[engine.cache.positions[slot, li, h, : int(lengths[li, h])].tolist()
+                  for h in range(lengths.shape[1])] for li in range(lengths.shape[0])]
+    blocks = engine.cache.blocks_in_use_now()
+    return engine, slot, lengths, positions, blocks
+
+
+# ---------------------------------------------------------------------------- the joint selection
+def test_top_tokens_in_layer_is_the_joint_top_k_with_protected_slots():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(3, 20, generator=g)
+    scores[0] += 1.0  # head 0 dominates: it takes most of the budget
+    lengths = torch.tensor([20, 17, 12])
+    keep = top_tokens_in_layer(scores, 24, lengths, recent=2, min_per_head=3)
+    kept = [set(r[r >= 0].tolist()) for r in keep]
+    assert sum(len(k) for k in kept) == 24
+    assert len({len(k) for k in kept}) > 1  # the heads keep different counts
+    for h, k in enumerate(kept):
+        n = int(lengths[h])
+        assert all(0 <= t < n for t in k)
+        assert {n - 2, n - 1} <= k  # the recent window
+        best = scores[h, :n].topk(3).indices.tolist()
+        assert set(best) <= k  # the safeguard
+        row = keep[h][keep[h] >= 0]
+        assert bool((row[1:] > row[:-1]).all())  # sorted slots
+    # the rest are the best remaining pairs over all heads jointly
+    forced = {(h, t) for h, k in enumerate(kept) for t in k
+              if t >= int(lengths[h]) - 2 or t in scores[h, : int(lengths[h])].topk(3).indices.tolist()}
+    rest = sorted(((float(scores[h, t]), h, t) for h in range(3) for t in range(int(lengths[h]))
+                   if (h, t) not in forced), reverse=True)[: 24 - len(forced)]
+    assert {(h, t) for _, h, t in rest} | forced == {(h, t) for h, k in enumerate(kept) for t in k}
+
+
+# ---------------------------------------------------------------------------- adakv
+@pytest.mark.parametrize("base,opts", [("snapkv", {"window": 8}), ("h2o", {"recent_ratio": 0.25})])
+def test_adakv_head_adaptive_budgets_free_blocks(sharp_model, prompts, base, opts):
+    model = sharp_model
+    budget = 32
+    method = build_method("adakv", budget, base=base, base_options=opts)
+    _, _, lengths, positions, blocks = prefill_lengths(model, method, prompts[0])
+    L, H = lengths.shape
+    assert bool((lengths.sum(-1) == H * budget).all()), lengths  # every layer holds exactly its total
+    assert any(len(set(row.tolist())) > 1 for row in lengths), "kv-heads of a layer should keep different counts"
+    assert blocks == int(((lengths + BS - 1) // BS).sum())  # the pool holds only the tables' blocks
+    for li in range(L):
+        for h in range(H):
+            assert positions[li][h][-1] == len(prompts[0]) - 1  # the newest token stays
+            assert len(positions[li][h]) >= int(budget * 0.2)  # the safeguard
+    engine, ended = run(model, build_method("adakv", budget, base=base, base_options=opts), prompts)
+    assert engine.memory_stats()["peak_kv_bytes"] < full_peak(model, prompts)
+    assert all(bool((n.sum(-1) == H * budget + H * 7).all()) for n in ended)  # decode=none appends 7 per table
+
+
+def test_adakv_with_full_safeguard_is_its_base(model, prompts):
+    """alpha_safeguard=1: every head keeps its own top budget first, nothing is left to share -> the base's sets."""
+    budget = 40
+    _, _, _, pos_a, _ = prefill_lengths(model, build_method("adakv", budget, alpha_safeguard=1.0,
+                                                            base_options={"window": 8}), prompts[1])
+    _, _, _, pos_s, _ = prefill_lengths(model, build_method("snapkv", budget, window=8), prompts[1])
+    assert pos_a == pos_s
+
+
+def test_wrapper_bases_are_validated():
+    with pytest.raises(UserError, match="adakv.base='key_diff'"):
+        build_method("adakv", 32, base="key_diff")
+    with pytest.raises(UserError, match="window"):
+        build_method("adakv", 32, base_options={"windw": 8})
+    with pytest.raises(UserError, match="alpha_safeguard"):
+        build_method("adakv", 32, alpha_safeguard=1.5)
+    with pytest.raises(UserError, match="first_stage_ratio"):
+        build_method("criticalkv", 32, first_stage_ratio=2)
+
+
+# ---------------------------------------------------------------------------- criticalkv
+def test_projected_value_norms_match_kvpress_vwl1norm():
+    """kvpress CriticalKVPress.vwl1norm: repeat_kv(values), per query head ||v W_o[head]||_1, mean over the group."""
+    g = torch.Generator().manual_seed(1)
+    H, G, T, D, E = 2, 3, 11, 8, 20
+    v = torch.randn(H, T, D, generator=g)
+    w_o = torch.randn(E, H * G * D, generator=g)  # [out, in]
+    Wo = w_o.t().reshape(H * G, D, E)
+    V = v.repeat_interleave(G, dim=0)  # [Hq, T, D]
+    ref = torch.stack([(V[j] @ Wo[j]).abs().sum(-1) for j in range(H * G)]).view(H, G, T).mean(1)
+    torch.testing.assert_close(projected_value_norms(v, w_o), ref)
+
+
+def test_criticalkv_first_stage_only_is_its_base(model, prompts):
+    """first_stage_ratio=1: all of each head's tokens come from the base's scores (stage 2 chooses none)."""
+    _, _, _, pos_c, _ = prefill_lengths(model, build_method("criticalkv", 40, first_stage_ratio=1.0,
+                                                            base_options={"window": 8}), prompts[1])
+    _, _, _, pos_s, _ = prefill_lengths(model, build_method("snapkv", 40, window=8), prompts[1])
+    assert pos_c == pos_s
+
+
+def test_criticalkv_second_stage_uses_value_norms(model, prompts):
+    """first_stage_ratio=0: each head keeps its window + the top (score + eps) x ||W_o v||_1, not the base's top."""
+    budget, window = 40, 8
+    method = build_method("criticalkv", budget, first_stage_ratio=0.0, base_options={"window": window})
+    engine, slot, lengths, positions, _ = prefill_lengths(model, method, prompts[0])
+    ref = build_method("snapkv", budget, window=window)
+    ref_engine = Engine(model, ref, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=4096)
+    captured = {}
+    inner = ref.evict_prefill
+
+    def capture(ctx, i, slot_):  # the base's scores and the values before eviction, from a snapkv run
+        k, v, _ = ctx.cache.gather(ctx.layer, slot_)
+        captured[ctx.layer] = (ref.score(ctx, i, slot_), v.float())
+        inner(ctx, i, slot_)
+
+    ref.evict_prefill = capture
+    s = ref_engine.new_sequence()
+    for a in range(0, len(prompts[0]), CHUNK):
+        ref_engine.forward_chunk(s, prompts[0][a: a + CHUNK], a, last_chunk=a + CHUNK >= len(prompts[0]),
+                                 logits_for="none")
+    n = len(prompts[0])
+    for layer, (base, v) in captured.items():
+        norms = projected_value_norms(v, model.layers[layer].o.dense_weight())
+        s2 = (base[:, : n - window] + 1e-4) * norms[:, : n - window]
+        for h in range(base.shape[0]):
+            want = set(s2[h].topk(budget - window).indices.tolist()) | set(range(n - window, n))
+            assert set(positions[layer][h]) == want
+    assert engine.cache.lengths[slot].max() == budget
+
+
+def test_criticalkv_head_adaptive(model, prompts):
+    budget = 32
+    method = build_method("criticalkv", budget, head_adaptive=True, base_options={"window": 8})
+    _, _, lengths, _, blocks = prefill_lengths(model, method, prompts[0])
+    H = lengths.shape[1]
+    assert bool((lengths.sum(-1) == H * budget).all())
+    assert any(len(set(row.tolist())) > 1 for row in lengths)
+    assert blocks == int(((lengths + BS - 1) // BS).sum())
+    engine, _ = run(model, build_method("criticalkv", budget, head_adaptive=True, base="h2o"), prompts)
+    assert engine.memory_stats()["peak_kv_bytes"] < full_peak(model, prompts)
+
+
+# ---------------------------------------------------------------------------- duo_attention
+def write_pattern(folder, rows, sink_size=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "full_attention_heads.tsv").write_text("\n".join("\t".join(str(x) for x in r) for r in rows) + "\n")
+    if sink_size is not None:
+        (folder / "config.json").write_text(json.dumps({"sink_size": sink_size, "recent_size": 256}))
+    return str(folder)
+
+
+def test_duo_attention_from_a_patterns_file(model, prompts, tmp_path):
+    path = write_pattern(tmp_path / "pattern", [[0.9, 0.05], [1.7, -0.3]], sink_size=6)  # clipped to [0, 1]
+    budget = 30
+    method = build_method("duo_attention", budget, patterns_path=path)  # half the heads stream
+    assert method.sinks == 6  # from the pattern's config.json
+    _, _, lengths, positions, blocks = prefill_lengths(model, method, prompts[0])
+    n = len(prompts[0])
+    streaming = {(0, 1), (1, 1)}  # the two lowest scores
+    for li in range(2):
+        for h in range(2):
+            if (li, h) in streaming:
+                assert positions[li][h] == list(range(6)) + list(range(n - (budget - 6), n))
+            else:
+                assert positions[li][h] == list(range(n))  # a retrieval head keeps every token
+    assert blocks == int(((lengths + BS - 1) // BS).sum())
+    engine, ended = run(model, build_method("duo_attention", budget, patterns_path=path), prompts, new_tokens=20)
+    assert engine.memory_stats()["peak_kv_bytes"] < full_peak(model, prompts, new_tokens=20)
+    for n_ in ended:  # while decoding, streaming heads stay within budget + the filling block
+        assert int(n_[0, 1]) < budget + BS and int(n_[1, 1]) < budget + BS and int(n_[0, 0]) > budget + BS
+
+
+def test_duo_attention_bad_patterns(model, tmp_path):
+    with pytest.raises(UserError, match="no full_attention_heads.tsv"):
+        build_method("duo_attention", 64, patterns_path=str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="one source"):
+        build_method("duo_attention", 64)
+    with pytest.raises(UserError, match="one source"):
+        build_method("duo_attention", 64, on_the_fly=True, patterns_path=str(tmp_path))
+    path = write_pattern(tmp_path / "p3", [[0.1, 0.2, 0.3]] * 2)
+    with pytest.raises(UserError, match=r"\(2, 3\).*\(2, 2\)"):
+        Engine(model, build_method("duo_attention", 64, patterns_path=path, sinks=4), block_size=BS, num_blocks=64)
+    with pytest.raises(UserError, match="must exceed sinks"):
+        build_method("duo_attention", 64, on_the_fly=True)  # kvpress's 128 sinks on the fly
+
+
+def reference_on_the_fly(hf, samples, q_len=500):
+    """kvpress duo_attention_on_the_fly on a transformers model (its code, BookSum replaced by `samples`)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = hf.config
+    H, Hq = cfg.num_key_value_heads, cfg.num_attention_heads
+    G = Hq // H
+    scores = torch.zeros(cfg.num_hidden_layers, H)
+    position_ids = torch.arange(q_len).unsqueeze(0)
+    for ids in samples:
+        with torch.no_grad():
+            hidden = list(hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[:-1])
+            for li, h in enumerate(hidden):
+                layer = hf.model.layers[li]
+                d = layer.self_attn.head_dim
+                h = layer.input_layernorm(h)
+                q = layer.self_attn.q_proj(h).view(1, h.shape[1], -1, d).mean(1, keepdim=True)
+                q = q.repeat(1, q_len, 1, 1).transpose(1, 2)
+                k = layer.self_attn.k_proj(h).view(1, h.shape[1], -1, d).mean(1, keepdim=True)
+                k = k.repeat(1, q_len, 1, 1).transpose(1, 2)
+                cos, sin = hf.model.rotary_emb(h, position_ids)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                k = k.repeat_interleave(G, dim=1)
+                w = (torch.matmul(q[:, :, -1:, :], k.transpose(2, 3)) / d ** 0.5).softmax(-1, dtype=torch.float32)
+                s = torch.cumsum(w.squeeze(), dim=1).mean(1).view(-1, G).mean(1)
+                scores[li] += s / len(samples)
+    return scores
+
+
+def test_duo_attention_on_the_fly_matches_kvpress(model, hf):
+    from kvbench.data.essays import load_essays
+
+    tok = ByteTokenizer(VOCAB)
+    samples = [tok.encode(text)[:200] for _, text in load_essays()[:3]]
+    engine = Engine(model, None, block_size=BS, num_blocks=64)
+    got = on_the_fly_scores(engine, samples)
+    ref = reference_on_the_fly(hf, samples)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    assert engine.cache.pool.peak_in_use == 0  # the calibration ran on its own pool
+    # the method estimates the same scores from the packaged essays with the model's tokenizer
+    method = build_method("duo_attention", 24, on_the_fly=True, sinks=4, on_the_fly_samples=3,
+                          on_the_fly_max_tokens=200)
+    Engine(model, method, block_size=BS, num_blocks=256)
+    torch.testing.assert_close(method.head_scores, ref, atol=1e-5, rtol=1e-4)
+    assert torch.equal(method.mask, streaming_mask(ref, 0.5)) and int(method.mask.sum()) == 2
+
+
+# ---------------------------------------------------------------------------- kvzip
+def test_kvzip_scores_match_the_reconstruction_attention(model, hf, prompts):
+    """One chunk, no template prefix: each context key's score is the max, over the reconstruction queries and the
+    query heads of its kv-head, of the causal attention of the sequence context + prompt + "\\n" + context."""
+    ctx = prompts[2][:60]
+    method = build_method("kvzip", 10_000)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=1024)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    assert engine.cache.lengths[slot].eq(len(ctx)).all()  # the reconstruction tokens are gone
+    assert engine.cache.blocks_in_use_now() == 2 * 2 * math.ceil(len(ctx) / BS)  # and so are their blocks
+    tok = ByteTokenizer(VOCAB)
+    repeat = tok.encode(FIRST_PROMPT) + tok.encode("\n") + ctx
+    before = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            att = hf(torch.tensor([ctx + repeat]), output_attentions=True).attentions  # L x [1, Hq, N, N]
+    finally:
+        hf.set_attn_implementation(before)
+    n, G = len(ctx), 2
+    for layer, a in enumerate(att):
+        ref = a[0, :, n:, :n].amax(dim=1).view(2, G, n).amax(dim=1)  # [H, n]
+        got = method.state(slot, layer)["scores"]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    engine.end_sequence(slot)
+
+
+def hf_qk(hf, ids):
+    """Post-RoPE queries [L][Hq, N, D] and keys [L][H, N, D] of a transformers forward over ids."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    qs, ks, hooks = {}, {}, []
+
+    def capture(module, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        shape = (*h.shape[:-1], -1, module.head_dim)
+        q = module.q_proj(h).view(shape).transpose(1, 2)
+        k = module.k_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        qs[module.layer_idx], ks[module.layer_idx] = q[0], k[0]
+
+    for layer in hf.model.layers:
+        hooks.append(layer.self_attn.register_forward_pre_hook(capture, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [qs[i] for i in range(len(qs))], [ks[i] for i in range(len(ks))]
+
+
+def test_kvzip_chunked_scores_match_kvpress(model, hf, prompts):
+    """Three reconstruction chunks (kvpress's prepare / score_kvzip): chunk i is asked with the "part ... starting
+    with" prompt + the previous chunk's last 8 tokens; its queries' softmax covers the first min(4, start) tokens,
+    the chunk and the reconstruction tokens (causal); scores are maxed over queries and the group's heads."""
+    from kvbench.methods.kvzip import NEXT_PROMPT
+
+    ctx, size = prompts[0][:90], 32
+    method = build_method("kvzip", 10_000, chunk_size=size)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=1024)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    tok = ByteTokenizer(VOCAB)
+    n, H, G = len(ctx), 2, 2
+    ref = torch.zeros(2, H, n)
+    for a in range(0, n, size):
+        b = min(n, a + size)
+        ask = tok.encode(FIRST_PROMPT) if a == 0 else tok.encode(NEXT_PROMPT) + ctx[a - 8: a]
+        repeat = ask + tok.encode("\n") + ctx[a:b]
+        qs, ks = hf_qk(hf, ctx + repeat)
+        N = n + len(repeat)
+        pos = torch.arange(N)
+        allowed = (pos < min(4, a)) | ((pos >= a) & (pos < b))
+        for layer in range(2):
+            q = qs[layer][:, n:]  # [Hq, R, D] the reconstruction queries
+            logits = q @ ks[layer].repeat_interleave(G, 0).transpose(-1, -2) / math.sqrt(q.shape[-1])  # [Hq, R, N]
+            seen = allowed[None, :] | ((pos[None, :] >= n) & (pos[None, :] <= pos[n:, None]))  # [R, N]
+            p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)[..., a:b]
+            ref[layer, :, a:b] = p.amax(dim=1).view(H, G, b - a).amax(dim=1)
+    for layer in range(2):
+        torch.testing.assert_close(method.state(slot, layer)["scores"], ref[layer], atol=1e-5, rtol=1e-4)
+    engine.end_sequence(slot)
+
+
+@pytest.mark.parametrize("opts", [{}, {"layerwise": True}, {"chunk_size": 40}, {"prefill_mode": "streaming"}])
+def test_kvzip_budget_and_freed_blocks(model, prompts, opts):
+    budget = 24
+    method = build_method("kvzip", budget, **opts)
+    engine, slot, lengths, _, blocks = prefill_lengths(model, method, prompts[0])
+    L, H = lengths.shape
+    assert blocks == int(((lengths + BS - 1) // BS).sum())  # reconstruction and evicted tokens' blocks freed
+    if opts.get("layerwise"):
+        assert bool((lengths.sum(-1) == H * budget).all())
+    else:
+        assert int(lengths.sum()) == L * H * budget
+    assert len(set(lengths.flatten().tolist())) > 1  # tables of one sequence hold different counts
+    assert any(len(set(row.tolist())) > 1 for row in lengths)  # ... within a layer too
+    engine, _ = run(model, build_method("kvzip", budget, **opts), prompts)
+    assert engine.memory_stats()["peak_kv_bytes"] < full_peak(model, prompts)
+
+
+def test_kvzip_keeps_an_uncompressed_question(model, prompts):
+    """keep_uncompressed (the query-agnostic protocol's question): the chunk is neither reconstructed nor evicted,
+    and adds to the budget of every table."""
+    budget, ctx, question = 16, prompts[0][:96], prompts[1][:12]
+    method = build_method("kvzip", budget, layerwise=True)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=1024)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    before = engine.cache.lengths[slot].clone()
+    assert bool((before.sum(-1) == 2 * budget).all())
+    fed = []
+    inner = method._reconstruct
+    method._reconstruct = lambda *a: (fed.append(a), inner(*a))
+    method.keep_uncompressed(slot, len(question))
+    engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
+    assert fed == []  # not reconstructed
+    assert torch.equal(engine.cache.lengths[slot], before + len(question))
+    for layer in range(2):
+        for h in range(2):
+            n = int(engine.cache.lengths[slot, layer, h])
+            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
+                list(range(len(ctx), len(ctx) + len(question)))
+    engine.end_sequence(slot)
+    assert not method._held and not method._state
+
+
+def test_kvzip_needs_a_tokenizer(hf):
+    bare = build_from_transformers(hf)
+    with pytest.raises(UserError, match="tokenizer"):
+        Engine(bare, build_method("kvzip", 32), block_size=BS, num_blocks=64)
