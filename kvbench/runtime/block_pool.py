@@ -38,6 +38,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, reserved - 1, -1))  # top of the stack = lowest id
         self._refcount = [0] * num_blocks
         self.peak_in_use = 0
+        self.release_listeners: list = []  # f(ids) called with the blocks each free() returned to the free list
 
     @property
     def capacity(self) -> int:
@@ -73,8 +74,9 @@ class BlockPool:
                 raise ValueError(f"cannot share free block {b}")
             ref[b] += 1
 
-    def free(self, ids: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks whose count reaches zero return to the free list."""
+    def free(self, ids: Iterable[int]) -> list[int]:
+        """Drop one reference to each block; blocks whose count reaches zero return to the free list (and are
+        returned)."""
         ref = self._refcount
         released = []
         for b in ids:
@@ -84,6 +86,10 @@ class BlockPool:
             if ref[b] == 0:
                 released.append(b)
         self._free.extend(reversed(released))  # the first released comes out first again
+        if released:
+            for listener in self.release_listeners:
+                listener(released)
+        return released
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
