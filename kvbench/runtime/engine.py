@@ -191,14 +191,15 @@ class Engine:
         by_shape: dict[tuple, list[int]] = {}  # (phase, length, last_chunk) -> segment indices, first-seen order
         for i, s in enumerate(segments):
             by_shape.setdefault((s.phase, len(s.token_ids), s.last_chunk), []).append(i)
-        groups, order = [], []
+        toks, room, order = [], [], []
         for (phase, n, last), idx in by_shape.items():
-            toks = torch.tensor([segments[i].token_ids for i in idx], dtype=torch.int64, device=dev)  # [S_g, n]
+            toks.append(torch.tensor([segments[i].token_ids for i in idx], dtype=torch.int64, device=dev))  # [S_g, n]
             qpos = torch.tensor([[segments[i].start_pos + j for j in range(n)] for i in idx], dtype=torch.int64,
                                 device=dev)  # [S_g, n]
-            plan = self.cache.prepare_append([segments[i].slot for i in idx], qpos)
-            groups.append(RaggedGroup(toks, plan, phase, last))
+            room.append(([segments[i].slot for i in idx], qpos))
             order += idx
+        plans = self.cache.prepare_appends(room)
+        groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
         out = self.model.forward_ragged(groups, self.cache, attention=self.attention, hook=self._layer_hook,
                                         logits_for="last", rope_mode=self.method.rope_mode)
         self._track_full_bytes()

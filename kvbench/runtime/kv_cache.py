@@ -232,6 +232,11 @@ class PagedKVCache:
             self.tokens_seen[s] += Q
         return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), pos_rows, list(slots))
 
+    def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
+        """prepare_append for each (slots, query_positions [S_g, Q_g]) group of one ragged step, as one step (a
+        codec's cache packs once, before any of them)."""
+        return [PagedKVCache.prepare_append(self, slots, qpos) for slots, qpos in groups]
+
     def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V of one layer. k, v: [S, H, Q, D]."""
         rows = plan.write_index[:, layer].reshape(-1)

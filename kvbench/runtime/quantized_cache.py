@@ -286,6 +286,13 @@ class QuantizedPagedKVCache(PagedKVCache):
             raise AssertionError("new tokens must land in full-precision blocks")
         return plan
 
+    def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
+        """Pack once (what left the window before this step), then allocate every group's room: a block that one
+        group's append pushes out of the window stays in full precision for this step's attention, as it would
+        if each sequence ran its own step."""
+        self.pack_pending()
+        return [PagedKVCache.prepare_append(self, slots, qpos) for slots, qpos in groups]
+
     def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V of one layer (in the full-precision pool). k, v: [S, H, Q, D]."""
         rows = plan.write_index[:, layer].reshape(-1)
