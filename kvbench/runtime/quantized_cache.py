@@ -27,6 +27,10 @@ Reading: `attend` dequantizes the layer's blocks into a dense scratch buffer (to
 Decode steps on CPU with the engine's C attention kernel and a codec it can read (KIVI 2/4/8-bit, int8) skip the
 scratch buffer: `cpu_kernels.codec_decode_attention_cpu` decodes each block into an L1-sized tile as it reads
 it, from both pools in place (tests/test_codec_decode_kernel.py checks it against the dequantize-then-attend path).
+Prefill chunks do the same with `cpu_kernels.codec_prefill_attention_cpu` (causal, many queries, an online softmax
+per query; tests/test_codec_prefill_kernel.py), unless the method asks for per-key attention mass (H2O-style) or
+the keys are stored before RoPE (KVQuant), which keep the dequantize-then-attend path; so does fp8, which the
+kernels cannot read (no block format for e4m3 codes yet), and KVQuant's non-uniform levels and sparse outliers.
 
 Bytes: `kv_bytes_in_use` = full-precision blocks in use x their bytes + packed blocks in use x their row bytes,
 all counted from the pools; `peak_kv_bytes` is the largest such sum seen (updated at every allocation).
@@ -434,6 +438,12 @@ class QuantizedPagedKVCache(PagedKVCache):
             return cpu_kernels.codec_decode_attention_cpu(
                 q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
                 scale, return_key_scores=return_key_scores)
+        if (attention is cpu_kernels.paged_attention_cpu and causal and not return_key_scores
+                and self._kernel_reads(q, rotate_keys, False, prefill=True)):
+            out = cpu_kernels.codec_prefill_attention_cpu(
+                q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
+                self.positions[plan.slots, layer], plan.query_positions, scale)
+            return out, None
         k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
         return attention(
@@ -441,10 +451,10 @@ class QuantizedPagedKVCache(PagedKVCache):
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
-    def _kernel_reads(self, q: torch.Tensor, rotate_keys, causal: bool) -> bool:
-        """Whether this step can run the C codec kernel: one fp32 query per sequence over post-RoPE keys, a
-        readable codec, at most 8 query heads per kv-head."""
-        if causal or rotate_keys is not None or q.shape[2] != 1 or q.dtype != torch.float32:
+    def _kernel_reads(self, q: torch.Tensor, rotate_keys, causal: bool, prefill: bool = False) -> bool:
+        """Whether this step can run a C codec kernel: fp32 queries over post-RoPE keys, a readable codec, at most
+        8 query heads per kv-head; one query per sequence (decode), or a causal chunk with `prefill`."""
+        if causal or rotate_keys is not None or (q.shape[2] != 1) != prefill or q.dtype != torch.float32:
             return False
         if q.device.type != "cpu" or self.dtype != torch.float32 or q.shape[1] // self.num_kv_heads > 8:
             return False

@@ -372,3 +372,125 @@ int codec_decode_attention_f32(
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Prefill (many queries, causal) over a codec cache, read tile by tile: the decode kernel's approach extended to a
+ * chunk of queries. A work item is (sequence, kv-head, tile of up to QT queries); it walks the table's blocks in slot
+ * order, decodes each block's K and V rows into two [bs, D] fp32 tiles (load_rows: full-precision blocks copied,
+ * packed ones decoded from their codes), and folds them into an online softmax (flash attention) for every query
+ * head of the group and query of the tile. Query i sees key t when key_pos[t] <= query_pos[i] and t < length; slots
+ * are in position order, so the walk stops at the first block whose first key lies after the tile's last query.
+ * No dense copy of the layer is made: per thread, two tiles and the tile's accumulators.
+ *
+ * q [S, H*G, Q, D] fp32 contiguous; tables [S, H, MB] int32, lengths [S, H] int64, key_pos [S, H, P] int32 (element
+ * strides); query_pos [S, Q] int64 contiguous; out [S, H*G, Q, D]. Rows that see no key are zeros. */
+#define PREFILL_QT 32  /* queries per work item */
+
+static inline void prefill_item(
+    const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
+    const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table, int64_t tab_sj,
+    int64_t len, const int32_t *kpos, int64_t kpos_sj, const int64_t *qpos, int G, int Q, const int D, int bs,
+    float scale, int i0, int i1, float *out, float *ktile, float *vtile, float *work)
+{
+    const int nq = i1 - i0, rows = G * nq;
+    float *m = work, *l = work + rows, *acc = work + 2 * rows, *p = work + 2 * rows + (int64_t)rows * D;
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * rows * D);
+    int64_t last_q = qpos[i0];
+    for (int i = i0; i < i1; i++) last_q = qpos[i] > last_q ? qpos[i] : last_q;
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        if (kpos[t0 * kpos_sj] > last_q) break;
+        const int n = len - t0 < bs ? (int)(len - t0) : bs;
+        const int64_t id = table[(t0 / bs) * tab_sj];
+        load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, 0, n, ktile);
+        load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, 0, n, vtile);
+        for (int g = 0; g < G; g++) {
+            for (int i = i0; i < i1; i++) {
+                const int r = g * nq + (i - i0);
+                const float *qr = q + ((int64_t)g * Q + i) * D;
+                const int64_t qp = qpos[i];
+                float mx = -INFINITY;
+                for (int j = 0; j < n; j++) {
+                    float s = -INFINITY;
+                    if (kpos[(t0 + j) * kpos_sj] <= qp) {
+                        const float *kr = ktile + (int64_t)j * D;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
+                        s = dot * scale;
+                    }
+                    p[j] = s;
+                    mx = s > mx ? s : mx;
+                }
+                if (mx == -INFINITY) continue;  /* nothing visible in this block */
+                const float m_new = m[r] > mx ? m[r] : mx;
+                const float corr = expf(m[r] - m_new);  /* 0 on the first visible block (m = -inf) */
+                float sum = 0.0f;
+                for (int j = 0; j < n; j++) {
+                    p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m_new);
+                    sum += p[j];
+                }
+                float *a = acc + (int64_t)r * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) a[d] *= corr;
+                for (int j = 0; j < n; j++) {
+                    if (p[j] == 0.0f) continue;
+                    const float pj = p[j];
+                    const float *vr = vtile + (int64_t)j * D;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) a[d] += pj * vr[d];
+                }
+                l[r] = l[r] * corr + sum;
+                m[r] = m_new;
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = i0; i < i1; i++) {
+            const int r = g * nq + (i - i0);
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *o = out + ((int64_t)g * Q + i) * D;
+            const float *a = acc + (int64_t)r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) o[d] = a[d] * inv;
+        }
+}
+
+int codec_prefill_attention_f32(
+    const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
+    const block_format *kf, const block_format *vf, int64_t num_fp,
+    const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
+    const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    const int32_t *key_pos, int64_t kp_ss, int64_t kp_sh, int64_t kp_sj, const int64_t *query_pos,
+    int S, int H, int G, int Q, int D, int bs, float scale, float *out, float *scratch, int64_t scratch_per_thread,
+    int nthreads)
+{
+    if ((D != 64 && D != 128) || G < 1 || bs < 1) return -1;
+    const int n_tiles = (Q + PREFILL_QT - 1) / PREFILL_QT;
+    const int64_t n_items = (int64_t)S * H * n_tiles;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *mine = scratch;
+#ifdef _OPENMP
+        mine += (int64_t)omp_get_thread_num() * scratch_per_thread;
+#endif
+        float *ktile = mine, *vtile = mine + (int64_t)bs * D, *work = mine + 2 * (int64_t)bs * D;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n_items; item++) {
+            const int tile = (int)(item % n_tiles);
+            const int h = (int)((item / n_tiles) % H);
+            const int s = (int)(item / n_tiles / H);
+            const int i0 = tile * PREFILL_QT, i1 = i0 + PREFILL_QT < Q ? i0 + PREFILL_QT : Q;
+            const int64_t len = lengths[s * len_ss + h * len_sh];
+            const float *qh = q + (((int64_t)s * H + h) * G) * Q * D;
+            float *oh = out + (((int64_t)s * H + h) * G) * Q * D;
+            prefill_item(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, tables + s * tab_ss + h * tab_sh,
+                         tab_sj, len, key_pos + s * kp_ss + h * kp_sh, kp_sj, query_pos + (int64_t)s * Q, G, Q, D,
+                         bs, scale, i0, i1, oh, ktile, vtile, work);
+        }
+    }
+    return 0;
+}
