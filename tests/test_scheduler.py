@@ -182,3 +182,52 @@ def test_arrivals_limits_and_timeline(model, schedule):
     kinds = {s.kind for s in out.timeline}
     assert kinds == {"prefill", "decode"} if schedule == "prefill_first" else kinds <= {"prefill", "decode", "mixed"}
     assert [s.t_s for s in out.timeline] == sorted(s.t_s for s in out.timeline)
+
+
+@pytest.mark.parametrize("schedule", ["mixed", "prefill_first"])
+def test_a_compressing_method_shares_a_prefix_then_owns_its_copy(model, schedule, monkeypatch):
+    """prefix_caching=true with PagedEviction: later requests take the first prompt's cached blocks, then compress
+    their own prompt (copy-on-write: the shared blocks they change become private, the donor's stay intact);
+    everyone's tokens equal a run without sharing, and block references stay exact throughout."""
+    prompts = _shared_prefix_prompts([70, 66, 75], 5, 48)
+    solo = Engine(model, build_method("paged_eviction", 32), block_size=BS, num_blocks=4096, prefix_caching=False)
+    want = [solo.generate([p], max_new_tokens=10)[0].token_ids for p in prompts]
+    engine = Engine(model, build_method("paged_eviction", 32), block_size=BS, num_blocks=4096, prefill_chunk_size=16,
+                    schedule=schedule, max_num_batched_tokens=16, prefix_caching=True)
+    copied = []
+    unshare = type(engine.cache)._unshare_table
+
+    def counting_unshare(cache, table, lengths, only=None):
+        free = cache.pool.num_free
+        unshare(cache, table, lengths, only)
+        copied.append(free - cache.pool.num_free)
+
+    monkeypatch.setattr(type(engine.cache), "_unshare_table", counting_unshare)
+    reqs = [Request(p, 10) for p in prompts]
+    out = _checked_serve(engine, reqs)
+    assert out.cached_prompt_tokens > 0 and sum(copied) > 0  # shared, then copied before compaction
+    assert [r.output for r in reqs] == want
+    assert engine.cache.pool.in_use == 0
+
+
+def test_prefix_caching_settings():
+    assert Engine(_tiny_model(), prefix_caching="auto").prefix_cache is not None  # full: on
+    assert Engine(_tiny_model(), build_method("snapkv", 24)).prefix_cache is None  # acts after attention: off
+    assert Engine(_tiny_model(), build_method("snapkv", 24), prefix_caching=True).prefix_cache is not None
+    with pytest.raises(ValueError, match="h2o.*accumulates attention"):
+        Engine(_tiny_model(), build_method("h2o", 24), prefix_caching=True)
+    with pytest.raises(ValueError, match="schedule 'fifo'"):
+        Engine(_tiny_model(), schedule="fifo")
+
+
+def _tiny_model():
+    return build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024))
+
+
+@pytest.mark.parametrize("key,value", [("schedule", "fifo"), ("prefix_caching", "yes")])
+def test_bad_runtime_scheduler_settings_are_one_line_user_errors(key, value):
+    from kvbench.config import RuntimeConfig
+    from kvbench.errors import UserError
+
+    with pytest.raises(UserError, match=f"invalid runtime.{key}={value!r}: choices are"):
+        RuntimeConfig(**{key: value})

@@ -87,6 +87,8 @@ class PrefixCache:
         lengths = c.lengths[slot]  # [L, H]
         if int(lengths.min()) < n * bs:  # a method dropped tokens somewhere: only the blocks before that can match
             n = min(n, int(lengths.min()) // bs)
+            if n <= a:
+                return a
         pos = c.positions[slot, :, :, a * bs:n * bs]  # [L, H, (n-a)*bs]
         want = torch.arange(a * bs, n * bs, dtype=pos.dtype, device=pos.device)
         ok = (pos == want).reshape(-1, n - a, bs).all(-1).all(0).tolist()  # [n-a]: block untouched everywhere
