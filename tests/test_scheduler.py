@@ -205,7 +205,10 @@ def test_a_compressing_method_shares_a_prefix_then_owns_its_copy(model, schedule
     monkeypatch.setattr(type(engine.cache), "_unshare_table", counting_unshare)
     reqs = [Request(p, 10) for p in prompts]
     out = _checked_serve(engine, reqs)
-    assert out.cached_prompt_tokens > 0 and sum(copied) > 0  # shared, then copied before compaction
+    assert out.cached_prompt_tokens > 0
+    if schedule == "mixed":  # the next prompt is admitted while the first still prefills: it shares blocks that
+        assert sum(copied) > 0  # the first has not compacted yet, and copies them before compacting its own
+    # (prefill_first compresses the first prompt before admitting the next: its compacted blocks are never offered)
     assert [r.output for r in reqs] == want
     assert engine.cache.pool.in_use == 0
 
