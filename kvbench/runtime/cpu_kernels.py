@@ -313,7 +313,9 @@ def codec_prefill_attention_cpu(
     out = torch.empty(S, Hq, Q, D, dtype=torch.float32)
     threads = torch.get_num_threads()
     rows = G * min(Q, PREFILL_QT)
-    per_thread = 2 * bs * D + 2 * rows + rows * D + bs  # K and V tiles, m and l, accumulators, probabilities
+    bsp = -(-bs // 16) * 16  # a block's keys rounded up to whole vectors (16 covers both widths)
+    # K and V rows, K transposed, m and l, accumulators, scores of each query head
+    per_thread = 2 * bs * D + D * bsp + 2 * rows + rows * D + G * bsp
     scratch = torch.empty(threads, per_thread, dtype=torch.float32)
     ts, ls, ps = tables.stride(), lengths.stride(), key_positions.stride()
     rc = lib.codec_prefill_attention_f32(
