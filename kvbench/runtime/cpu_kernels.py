@@ -278,7 +278,7 @@ def codec_decode_attention_cpu(
     return b.result()
 
 
-PREFILL_QT = 32  # queries per work item of codec_prefill_attention (PREFILL_QT in csrc/codec_decode.c)
+PREFILL_QT = 64  # queries per work item of codec_prefill_attention (PREFILL_QT in csrc/codec_decode.c)
 
 
 def codec_prefill_attention_cpu(
@@ -313,9 +313,10 @@ def codec_prefill_attention_cpu(
     out = torch.empty(S, Hq, Q, D, dtype=torch.float32)
     threads = torch.get_num_threads()
     rows = G * min(Q, PREFILL_QT)
-    bsp = -(-bs // 16) * 16  # a block's keys rounded up to whole vectors (16 covers both widths)
+    span = bs if bs >= 32 else -(-32 // bs) * bs  # keys per step of a work item (prefill_span in the C source)
+    bsp = -(-span // 16) * 16  # rounded up to whole vectors (16 covers both widths)
     # K and V rows, K transposed, m and l, accumulators, scores of each query head
-    per_thread = 2 * bs * D + D * bsp + 2 * rows + rows * D + G * bsp
+    per_thread = 2 * span * D + D * bsp + 2 * rows + rows * D + G * bsp
     scratch = torch.empty(threads, per_thread, dtype=torch.float32)
     ts, ls, ps = tables.stride(), lengths.stride(), key_positions.stride()
     rc = lib.codec_prefill_attention_f32(

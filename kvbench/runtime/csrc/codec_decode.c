@@ -376,7 +376,7 @@ int codec_decode_attention_f32(
 /* ---------------------------------------------------------------------------------------------------------------
  * Prefill (many queries, causal) over a codec cache, read tile by tile: the decode kernel's approach extended to a
  * chunk of queries. A work item is (sequence, kv-head, tile of up to QT queries); it walks the table's blocks in slot
- * order, decodes each block's K and V rows into two [bs, D] fp32 tiles (load_rows: full-precision blocks copied,
+ * order, decodes each span of blocks' K and V rows (at least 32 keys) into two [span, D] fp32 tiles (load_rows: full-precision blocks copied,
  * packed ones decoded from their codes), and folds them into an online softmax (flash attention) for every query
  * head of the group and query of the tile. Query i sees key t when key_pos[t] <= query_pos[i] and t < length; slots
  * are in position order, so the walk stops at the first block whose first key lies after the tile's last query.
@@ -384,7 +384,10 @@ int codec_decode_attention_f32(
  *
  * q [S, H*G, Q, D] fp32 contiguous; tables [S, H, MB] int32, lengths [S, H] int64, key_pos [S, H, P] int32 (element
  * strides); query_pos [S, Q] int64 contiguous; out [S, H*G, Q, D]. Rows that see no key are zeros. */
-#define PREFILL_QT 32  /* queries per work item */
+#define PREFILL_QT 64  /* queries per work item */
+
+/* keys a prefill work item takes per step: whole blocks, at least 32 */
+static inline int prefill_span(int bs) { return bs >= 32 ? bs : (32 + bs - 1) / bs * bs; }
 
 /* unaligned vector loads and stores (a memcpy through the stack stalls store forwarding at every load) */
 typedef float vn_unaligned __attribute__((vector_size(VN * 4), aligned(4)));
@@ -414,18 +417,20 @@ static inline vn exp_nonpos_vn(vn x) {
     return p * (vn)((ni + 127) << 23);
 }
 
-/* One work item: queries [i0, i1) of one (sequence, kv-head), all G query heads. Per block: K rows decoded into
- * `krows` [bs, D] and transposed into kT [D, bsp] (bsp = bs rounded up to whole vectors, zero-padded), so a query's
- * scores against the block are D broadcast-FMAs per vector of keys; V rows decoded into `vrows` [bs, D] and added
- * to the query's accumulator a vector of channels at a time; exp vectorizable (exp_nonpos). Work buffers: m, l
- * [rows], acc [rows, D], p [bsp]. */
+/* One work item: queries [i0, i1) of one (sequence, kv-head), all G query heads. Per span of whole blocks (at
+ * least 32 keys): K rows decoded into `krows` [span, D] and transposed into kT [D, bsp] (bsp = span rounded up to
+ * whole vectors, zero-padded), so a query's scores against the span are D broadcast-FMAs per vector of keys (four
+ * heads x two key vectors of independent chains); V rows decoded into `vrows` [span, D] and added to the query's
+ * accumulator a vector of channels at a time; exp and max on whole vectors. Work buffers: m, l [rows],
+ * acc [rows, D], p [G, bsp]. */
 static inline __attribute__((always_inline)) void prefill_item(
     const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
     const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table, int64_t tab_sj,
     int64_t len, const int32_t *kpos, int64_t kpos_sj, const int64_t *qpos, int G, int Q, const int D, int bs,
     float scale, int i0, int i1, float *out, float *krows, float *vrows, float *kT, float *work)
 {
-    const int nq = i1 - i0, rows = G * nq, bsp = (bs + VN - 1) / VN * VN;
+    const int span = prefill_span(bs);  /* keys per step: whole blocks, at least 32 (two vectors of FMA chains) */
+    const int nq = i1 - i0, rows = G * nq, bsp = (span + VN - 1) / VN * VN;
     float *m = work, *l = work + rows, *acc = work + 2 * rows, *p = work + 2 * rows + (int64_t)rows * D;
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
@@ -434,14 +439,17 @@ static inline __attribute__((always_inline)) void prefill_item(
     memset(acc, 0, sizeof(float) * rows * D);
     int64_t last_q = qpos[i0];
     for (int i = i0; i < i1; i++) last_q = qpos[i] > last_q ? qpos[i] : last_q;
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
         const int64_t first_pos = kpos[t0 * kpos_sj];
         if (first_pos > last_q) break;  /* slots are in position order: nothing later is visible either */
-        const int n = len - t0 < bs ? (int)(len - t0) : bs;
+        const int n = len - t0 < span ? (int)(len - t0) : span;
         const int64_t last_pos = kpos[(t0 + n - 1) * kpos_sj];
-        const int64_t id = table[(t0 / bs) * tab_sj];
-        load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, 0, n, krows);
-        load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, 0, n, vrows);
+        for (int b0 = 0; b0 < n; b0 += bs) {
+            const int64_t id = table[((t0 + b0) / bs) * tab_sj];
+            const int nb = n - b0 < bs ? n - b0 : bs;
+            load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, 0, nb, krows + (int64_t)b0 * D);
+            load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, 0, nb, vrows + (int64_t)b0 * D);
+        }
         for (int d = 0; d < D; d++) {
             float *row = kT + (int64_t)d * bsp;
             for (int j = 0; j < n; j++) row[j] = krows[(int64_t)j * D + d];
@@ -548,8 +556,8 @@ int codec_prefill_attention_f32(
 #ifdef _OPENMP
         mine += (int64_t)omp_get_thread_num() * scratch_per_thread;
 #endif
-        const int bsp = (bs + VN - 1) / VN * VN;
-        float *krows = mine, *vrows = mine + (int64_t)bs * D, *kT = mine + 2 * (int64_t)bs * D;
+        const int span = prefill_span(bs), bsp = (span + VN - 1) / VN * VN;
+        float *krows = mine, *vrows = mine + (int64_t)span * D, *kT = mine + 2 * (int64_t)span * D;
         float *work = kT + (int64_t)D * bsp;
 #if defined(__SSE__)
         /* flush denormals to zero in this region (restored below): a running max that jumps makes acc * corr and
