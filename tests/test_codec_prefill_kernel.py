@@ -87,8 +87,10 @@ def test_unreadable_codecs_and_key_scores_keep_the_dequantizing_path():
     assert not kivi._kernel_reads(torch.zeros(1, 4, 1, 64), None, False, prefill=True)  # one query: decode kernel
 
 
-def test_engine_prefill_logits_with_and_without_the_kernel():
-    """A whole model: prompt logits through the prefill kernel equal the dequantizing torch path's."""
+@pytest.mark.parametrize("codec", ["kivi2", None])
+def test_engine_prefill_logits_with_and_without_the_kernel(codec):
+    """A whole model: prompt logits through the prefill kernel (over a KIVI-2 cache, or the full-precision pool)
+    equal the torch path's (dequantize-then-attend / gather-then-attend)."""
     import transformers as tf
 
     from kvbench.runtime.engine import Engine
@@ -101,7 +103,38 @@ def test_engine_prefill_logits_with_and_without_the_kernel():
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(4)).tolist()
     runs = {}
     for backend in ("cpu", "torch"):
-        engine = Engine(model, attention_backend=backend, codec=KiviCodec(2, group_size=32, residual=32),
-                        kv_memory_bytes=2**24, prefill_chunk_size=96)
+        engine = Engine(model, attention_backend=backend, kv_memory_bytes=2**24, prefill_chunk_size=96,
+                        codec=KiviCodec(2, group_size=32, residual=32) if codec else None)
         runs[backend] = engine.score(ids)  # chunks after the first attend over packed blocks
     torch.testing.assert_close(runs["cpu"], runs["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group,lengths", [(1, [700]), (3, [300, 1000, 65]), (8, [129, 40])])
+def test_full_precision_later_chunks_take_the_prefill_kernel(group, lengths):
+    """paged_attention_cpu sends a causal chunk over keys cached before it (a later prefill chunk) to the same
+    kernel over the plain fp32 pool, heads of different lengths included; results equal the torch reference."""
+    from kvbench.runtime.kv_cache import PagedKVCache
+
+    H, D, Q = 2, 64, 37
+    cache = PagedKVCache(num_layers=1, num_kv_heads=H, head_dim=D, block_size=16, num_blocks=600, max_seqs=4)
+    gen = torch.Generator().manual_seed(0)
+    slots = [cache.add_sequence() for _ in lengths]
+    for s, n in zip(slots, lengths):
+        plan = cache.prepare_append([s], torch.arange(n)[None])
+        cache.write(0, plan, torch.randn(1, H, n, D, generator=gen) * 2, torch.randn(1, H, n, D, generator=gen))
+    cache.keep_tokens(0, slots[0], torch.tensor([[t for t in range(lengths[0]) if t % 5] +
+                                                 [-1] * (lengths[0] // 5 + (lengths[0] % 5 > 0)),
+                                                 list(range(lengths[0]))])[:, :lengths[0]])
+    idx = torch.tensor(slots)
+    tables, lens, kpos = cache.tables[idx, 0], cache.lengths[idx, 0], cache.positions[idx, 0]
+    qpos = torch.tensor([n - Q for n in lengths])[:, None] + torch.arange(Q)  # the last Q positions
+    q = torch.randn(len(slots), H * group, Q, D, generator=gen)
+    ref, _ = paged_attention_torch(q, cache.k_pool, cache.v_pool, tables, lens, kpos, qpos, 0.125, causal=True)
+    out, ks = cpu_kernels.paged_attention_cpu(q, cache.k_pool, cache.v_pool, tables, lens, kpos, qpos, 0.125,
+                                              causal=True)
+    direct = cpu_kernels.codec_prefill_attention_cpu(q, cache.k_pool, cache.v_pool, cpu_kernels._NO_PACKED,
+                                                     cpu_kernels._NO_PACKED, cpu_kernels._FP_ONLY, tables, lens, kpos,
+                                                     qpos, 0.125)
+    torch.testing.assert_close(out, direct, atol=0, rtol=0)  # the kernel path was taken
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert ks is None
