@@ -156,7 +156,8 @@ def run_trace(trace_name: str, loaded, stream: list[int], names: list[str], cli)
     print(f"\n== trace {trace_name}: {loaded.name}, {model.dtype}, {torch.get_num_threads()} threads; "
           f"{len(trace)} requests, input {args.input_tokens}, output {args.output_tokens} (EOS ignored), "
           f"shared prefix {args.shared_prefix_tokens}, rate {args.request_rate}, seed {args.seed}; budget "
-          f"{args.budget}; schedule {args.schedule}, prefix caching {args.prefix_caching}; KV pool "
+          f"{args.budget}; schedule {args.schedule}, max_num_batched_tokens {args.max_num_batched_tokens}, chunk "
+          f"{args.chunk}, prefix caching {args.prefix_caching}; KV pool "
           f"{args.kv_memory_bytes / 2**20:.0f} MiB = {args.kv_memory_bytes / bytes_per_token:.0f} full-precision "
           f"tokens (full: max concurrency {args.kv_memory_bytes / bytes_per_token / longest:.1f} for the longest "
           f"request, {longest} tokens)", flush=True)
