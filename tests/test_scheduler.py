@@ -104,15 +104,16 @@ def test_full_cache_outputs_equal_batch_one_generate_even_when_preempted(model, 
     assert all(r.status == "finished" for r in reqs)
 
 
-@pytest.mark.parametrize("schedule", ["mixed", "prefill_first"])
-def test_full_cache_with_prefix_caching_shares_and_equals_generate(model, schedule):
+@pytest.mark.parametrize("schedule,budget", [("mixed", 16), ("mixed", 2048), ("prefill_first", 16)])
+def test_full_cache_with_prefix_caching_shares_and_equals_generate(model, schedule, budget):
     """A roomy pool: every request runs at once, the prompts share 40 tokens (5 blocks), and the shared blocks
-    are taken from the cache instead of prefilled; outputs equal batch-1 generate."""
+    are taken from the cache instead of prefilled (with a budget that would admit every prompt in the first step,
+    the later ones wait for the blocks the first is computing); outputs equal batch-1 generate."""
     prompts = _shared_prefix_prompts([60, 52, 70, 45], 11, 40)
     ref = Engine(model, block_size=BS, num_blocks=4096, prefix_caching=False)
     want = [ref.generate([p], max_new_tokens=12)[0].token_ids for p in prompts]
     engine = Engine(model, block_size=BS, num_blocks=4096, prefill_chunk_size=16, schedule=schedule,
-                    max_num_batched_tokens=16)  # one chunk a step: the first prompt's blocks are cached first
+                    max_num_batched_tokens=budget)
     assert engine.prefix_cache is not None  # auto: on for full
     reqs = [Request(p, 12) for p in prompts]
     out = _checked_serve(engine, reqs)

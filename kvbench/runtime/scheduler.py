@@ -194,6 +194,7 @@ class Scheduler:
                                            if decodes else 0)
         blocked = False
         debt = 0  # blocks the prompts admitted so far still need after this step (admission leaves them room)
+        inflight: set = set()  # prefix-cache keys of the blocks this step's prefill chunks complete
         for r in [r for r in self.admitted if r.status == "prefilling"]:
             if budget <= 0:
                 break
@@ -209,8 +210,9 @@ class Scheduler:
             free -= need
             budget -= n
             debt += self.cache.blocks_for_append([r.slot], len(r.tokens) - r.fed) - need
+            self._note_inflight(r, n, inflight)
         while budget > 0 and not blocked:
-            seg = self._admit(budget, free - debt, whole_prompt=True)
+            seg = self._admit(budget, free - debt, whole_prompt=True, inflight=inflight)
             if seg is None:
                 break
             out.append(seg)
@@ -219,19 +221,36 @@ class Scheduler:
             free -= need
             budget -= seg.n
             debt += self.cache.blocks_for_append([r.slot], len(r.tokens) - r.fed) - need
+            self._note_inflight(r, seg.n, inflight)
         if not out and self.admitted:  # only prefilling sequences that cannot get blocks
             self._preempt_newest()
         return out
 
-    def _admit(self, budget: int, free: int, whole_prompt: bool = False) -> Optional[Scheduled]:
+    def _note_inflight(self, r: Request, n: int, inflight: set) -> None:
+        """Add the prefix-cache keys of the full blocks that r's chunk of n tokens completes to `inflight`."""
+        if self.prefix_cache is None:
+            return
+        bs = self.cache.block_size
+        first, last = r.fed // bs, (r.fed + n) // bs
+        if last > first:
+            inflight.update(self.prefix_cache.block_keys(r.tokens, last)[first:])
+
+    def _admit(self, budget: int, free: int, whole_prompt: bool = False,
+               inflight: Optional[set] = None) -> Optional[Scheduled]:
         """Admit the waiting head for its first chunk (<= budget tokens) if it fits in `free` blocks with the
         reserve (whole_prompt: its whole uncached prompt must fit, so admitted prompts never push each other
-        out mid-prefill); None otherwise."""
+        out mid-prefill); None otherwise. With a prefix cache, a head whose next uncached block is one that this
+        step computes for another request (`inflight` keys) waits a step and takes it from the cache then."""
         if not self.waiting or len(self.admitted) >= self.max_num_seqs:
             return None
         req = self.waiting[0]
-        cached = (len(self.prefix_cache.lookup(req.tokens)) * self.cache.block_size
-                  if self.prefix_cache is not None else 0)
+        cached = 0
+        if self.prefix_cache is not None:
+            n_cached = len(self.prefix_cache.lookup(req.tokens))
+            cached = n_cached * self.cache.block_size
+            if inflight and (n_cached + 1) * self.cache.block_size < len(req.tokens):
+                if self.prefix_cache.block_keys(req.tokens, n_cached + 1)[-1] in inflight:
+                    return None
         n = min(self.chunk, budget, len(req.tokens) - cached)
         first = self.cache.blocks_for_append([None], n)
         if first > self.cache.capacity_blocks():  # not even an empty pool holds its first chunk
