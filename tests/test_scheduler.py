@@ -235,3 +235,33 @@ def test_bad_runtime_scheduler_settings_are_one_line_user_errors(key, value):
 
     with pytest.raises(UserError, match=f"invalid runtime.{key}={value!r}: choices are"):
         RuntimeConfig(**{key: value})
+
+
+def test_a_codec_cache_shares_prefix_blocks_packed_once(model):
+    """KIVI under prefix caching (auto: on): later prompts take the first one's cached blocks, which are packed once
+    and stay shared (one packed block, several tables); references stay exact at every token and the pool empties."""
+    from kvbench.quant.codecs import KiviCodec
+
+    prompts = _shared_prefix_prompts([90, 84, 96], 7, 64)
+    engine = Engine(model, codec=KiviCodec(2, group_size=8, residual=16), block_size=BS, num_blocks=4096,
+                    prefill_chunk_size=16, max_num_batched_tokens=2048)
+    assert engine.prefix_cache is not None
+    cache = engine.cache
+    shared_packed = []
+
+    def check(_req):
+        check_block_references(cache)
+        ids = []
+        for s in cache.live:
+            nb = ((cache.lengths[s] + cache.block_size - 1) // cache.block_size).tolist()  # [L][H] in use
+            rows = cache.tables[s].tolist()
+            ids += [b for li, row_l in enumerate(rows) for h, row in enumerate(row_l) for b in row[: nb[li][h]]
+                    if b >= cache.num_fp_blocks]
+        shared_packed.append(sum(1 for b in set(ids) if cache.pool.refcount(b) > 1))
+
+    reqs = [Request(p, 12) for p in prompts]
+    out = engine.serve(reqs, on_token=check)
+    assert all(r.status == "finished" and len(r.output) == 12 for r in reqs)
+    assert out.cached_prompt_tokens == 2 * 64
+    assert max(shared_packed) > 0
+    assert cache.pool.in_use == 0 and len(engine.prefix_cache) == 0
