@@ -52,7 +52,8 @@ def test_serving_metrics_and_timeline(tmp_path):
     assert 1 <= m["mean_running_seqs"] <= m["max_running_seqs"] <= 6
     assert m["kv_pool_bytes"] == engine.cache.pool_bytes()
     rows = list(csv.DictReader(open(tmp_path / "timeline.csv")))
-    assert len(rows) == m["steps"] and {"prefill", "decode"} <= {r["kind"] for r in rows} <= {"prefill", "decode", "mixed"}
+    kinds = {r["kind"] for r in rows}
+    assert len(rows) == m["steps"] and {"prefill", "decode"} <= kinds <= {"prefill", "decode", "mixed"}
     assert max(int(r["blocks_in_use"]) for r in rows) <= int(rows[0]["pool_blocks"])
     if m.get("timeline_png"):
         assert (tmp_path / "timeline.png").stat().st_size > 1000

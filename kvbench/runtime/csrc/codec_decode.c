@@ -375,12 +375,14 @@ int codec_decode_attention_f32(
 
 /* ---------------------------------------------------------------------------------------------------------------
  * Prefill (many queries, causal) over a codec cache, read tile by tile: the decode kernel's approach extended to a
- * chunk of queries. A work item is (sequence, kv-head, tile of up to QT queries); it walks the table's blocks in slot
- * order, decodes each span of blocks' K and V rows (at least 32 keys) into two [span, D] fp32 tiles (load_rows: full-precision blocks copied,
- * packed ones decoded from their codes), and folds them into an online softmax (flash attention) for every query
- * head of the group and query of the tile. Query i sees key t when key_pos[t] <= query_pos[i] and t < length; slots
- * are in position order, so the walk stops at the first block whose first key lies after the tile's last query.
- * No dense copy of the layer is made: per thread, two tiles and the tile's accumulators.
+ * chunk of queries. A work item is (sequence, kv-head, up to PREFILL_QT queries); it walks the table's blocks in slot
+ * order, decodes each span of blocks' K and V rows (at least 32 keys) into two [span, D] fp32 tiles (load_rows:
+ * full-precision blocks copied, packed ones decoded from their codes), and folds them into an online softmax
+ * (flash attention) for every query head of the group and query of the tile. Query i sees key t when
+ * key_pos[t] <= query_pos[i] and t < length; slots are in position order, so the walk stops at the first block
+ * whose first key lies after the tile's last query. No dense copy of the layer is made: per thread, the tiles (K
+ * also transposed) and the tile's accumulators. A full-precision cache (PagedKVCache) is read the same way: every
+ * block id is below num_fp. Also used for fp32 later prefill chunks of a plain cache (cpu_kernels.paged_attention_cpu).
  *
  * q [S, H*G, Q, D] fp32 contiguous; tables [S, H, MB] int32, lengths [S, H] int64, key_pos [S, H, P] int32 (element
  * strides); query_pos [S, Q] int64 contiguous; out [S, H*G, Q, D]. Rows that see no key are zeros. */
