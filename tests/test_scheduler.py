@@ -265,3 +265,20 @@ def test_a_codec_cache_shares_prefix_blocks_packed_once(model):
     assert out.cached_prompt_tokens == 2 * 64
     assert max(shared_packed) > 0
     assert cache.pool.in_use == 0 and len(engine.prefix_cache) == 0
+
+
+@pytest.mark.parametrize("schedule", ["mixed", "prefill_first"])
+def test_prefix_caching_with_preemption_equals_generate(model, schedule):
+    """Shared prompt blocks and preemption together (full, greedy): sequences that took cached blocks are preempted
+    and recomputed (taking the cache again where it still holds), and every output equals batch-1 generate."""
+    prompts = _shared_prefix_prompts([24, 22, 23, 24], 9, 16)
+    new = 60
+    need = -(-(24 + new) // BS) * 2 * 2
+    engine = Engine(model, block_size=BS, num_blocks=need + 16, prefill_chunk_size=16, admission_watermark=0,
+                    schedule=schedule)
+    reqs = [Request(p, new) for p in prompts]
+    out = _checked_serve(engine, reqs)
+    ref = Engine(model, block_size=BS, num_blocks=4096, prefix_caching=False)
+    assert out.preemptions > 0 and out.cached_prompt_tokens > 0
+    assert [r.output for r in reqs] == [ref.generate([p], max_new_tokens=new)[0].token_ids for p in prompts]
+    assert engine.cache.pool.in_use == 0
