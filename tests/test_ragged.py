@@ -186,3 +186,18 @@ def test_ragged_forward_with_the_triton_kernel(dtype):
         outs.append(torch.cat(model.forward_ragged(groups, cache, **kw)))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("codec", [None, "kivi2", "int8"])
+def test_ragged_step_with_the_c_kernels_at_head_dim_64(codec):
+    """Head dim 64, so the C kernels run inside the ragged step (decode kernel for the decode group, prefill kernel
+    for later chunks, codec kernels over packed blocks): still equal to one by one."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
+                         intermediate_size=256, vocab_size=256, head_dim=64)
+    model64 = build_from_transformers(tf.AutoModelForCausalLM.from_config(cfg).eval())
+    spec = [(70, 3, ("decode",)), (40, 0, ("prefill", 29, True)), (90, 2, ("decode",)), (33, 0, ("prefill", 29, False)),
+            (1, 0, ("prefill", 12, True))]
+    _check_ragged_equals_one_by_one(model64, ("full", None, {}), CODECS[codec] if codec else None, spec, "cpu")
