@@ -116,8 +116,14 @@ class RuntimeConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     admission_watermark: float = 0.01
+    schedule: str = "mixed"  # mixed (vLLM v1: decodes first, prefill chunks fill the token budget) | prefill_first
+    prefix_caching: Any = "auto"  # auto (on for methods that allow it) | true | false
 
     def __post_init__(self) -> None:
+        if self.schedule not in ("mixed", "prefill_first"):
+            raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are mixed, prefill_first")
+        if self.prefix_caching not in ("auto", True, False):
+            raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
         _check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
         _check_positive("runtime.num_blocks", self.num_blocks, allow_none=True, minimum=2)
         _check_positive("runtime.kv_memory_bytes", self.kv_memory_bytes, allow_none=True)

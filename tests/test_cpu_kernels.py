@@ -200,7 +200,8 @@ def test_kernel_tests_pass_at_the_other_vector_width():
     other = "16" if native == 8 else "8"
     tests = Path(__file__).parent
     env = {**os.environ, "KVBENCH_CPU_KERNEL_VECTOR": other}
-    files = [str(tests / f) for f in ("test_cpu_kernels.py", "test_codec_decode_kernel.py", "test_fused_decode.py")]
+    files = [str(tests / f) for f in ("test_cpu_kernels.py", "test_codec_decode_kernel.py",
+                                      "test_codec_prefill_kernel.py", "test_fused_decode.py")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files,
                            "-k", "not vector_width"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

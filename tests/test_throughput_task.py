@@ -52,7 +52,8 @@ def test_serving_metrics_and_timeline(tmp_path):
     assert 1 <= m["mean_running_seqs"] <= m["max_running_seqs"] <= 6
     assert m["kv_pool_bytes"] == engine.cache.pool_bytes()
     rows = list(csv.DictReader(open(tmp_path / "timeline.csv")))
-    assert len(rows) == m["steps"] and {r["kind"] for r in rows} == {"prefill", "decode"}
+    kinds = {r["kind"] for r in rows}
+    assert len(rows) == m["steps"] and {"prefill", "decode"} <= kinds <= {"prefill", "decode", "mixed"}
     assert max(int(r["blocks_in_use"]) for r in rows) <= int(rows[0]["pool_blocks"])
     if m.get("timeline_png"):
         assert (tmp_path / "timeline.png").stat().st_size > 1000
@@ -87,3 +88,18 @@ def test_preflight_refuses_lengths_beyond_the_model():
         task.preflight(SimpleNamespace(seed=0), SimpleNamespace(max_positions=8192))
     task.preflight(SimpleNamespace(seed=0), None)  # unknown shape: checked again at run time
     assert math.isinf(build_task("throughput", {"request_rate": ".inf"}).options.request_rate)
+
+
+def test_shared_prefix_tokens_put_the_same_head_on_every_request():
+    from kvbench.errors import UserError
+    from kvbench.tasks.throughput import ThroughputOptions, build_trace
+
+    stream = list(range(5000))
+    opts = ThroughputOptions(num_requests=5, input_tokens=[300, 400], output_tokens=4, shared_prefix_tokens=128)
+    trace = build_trace(stream, opts, seed=3)
+    plain = build_trace(stream, ThroughputOptions(num_requests=5, input_tokens=[300, 400], output_tokens=4), seed=3)
+    assert all(t.prompt_ids[:128] == stream[:128] for t in trace)
+    assert [len(t.prompt_ids) for t in trace] == [len(t.prompt_ids) for t in plain]  # lengths as drawn
+    for bad in (-1, 300, True, "x"):
+        with pytest.raises(UserError, match="task.shared_prefix_tokens"):
+            ThroughputOptions(input_tokens=[300, 400], shared_prefix_tokens=bad)

@@ -41,6 +41,7 @@ class BlockPool:
         # references beyond a block's first, over all blocks: what forked sequences share (each holder of a
         # shared block counts it once; the pool holds it once). Tables reference in_use + shared_refs blocks.
         self.shared_refs = 0
+        self.release_listeners: list = []  # f(ids) called with the blocks each free() returned to the free list
 
     @property
     def capacity(self) -> int:
@@ -77,8 +78,9 @@ class BlockPool:
             ref[b] += 1
             self.shared_refs += 1
 
-    def free(self, ids: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks whose count reaches zero return to the free list."""
+    def free(self, ids: Iterable[int]) -> list[int]:
+        """Drop one reference to each block; blocks whose count reaches zero return to the free list (and are
+        returned)."""
         ref = self._refcount
         released = []
         for b in ids:
@@ -90,6 +92,10 @@ class BlockPool:
             else:
                 self.shared_refs -= 1
         self._free.extend(reversed(released))  # the first released comes out first again
+        if released:
+            for listener in self.release_listeners:
+                listener(released)
+        return released
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]

@@ -20,10 +20,23 @@ from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.caches import build_cache, full_block_bytes
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.model import LlamaFamilyModel
-from kvbench.runtime.scheduler import Outcome, Request, Scheduler
+from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
+from kvbench.runtime.prefix_cache import PrefixCache
+from kvbench.runtime.scheduler import SCHEDULES, Outcome, Request, Scheduler
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a ragged step: `token_ids` appended to sequence `slot` at positions start_pos..
+    (a prefill chunk, or one decode token with phase "decode")."""
+
+    slot: int
+    token_ids: list[int]
+    start_pos: int
+    phase: str = "prefill"  # "prefill" | "decode"
+    last_chunk: bool = True  # the prompt ends with this chunk (the method may compress); True for decode
 
 
 @dataclass
@@ -58,6 +71,8 @@ class Engine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         admission_watermark: float = 0.01,
+        schedule: str = "mixed",
+        prefix_caching: bool | str = "auto",
     ):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -67,6 +82,9 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.admission_watermark = admission_watermark
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        self.schedule = schedule
         if kv_memory_bytes is None:
             kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, cfg.head_dim, model.dtype)
                                if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
@@ -87,9 +105,23 @@ class Engine:
         self._held_at_full_peak = 0
         self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
+        self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
         bind = getattr(method, "bind_engine", None)
         if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
             bind(self)
+
+    def _prefix_caching_on(self, setting: bool | str) -> bool:
+        """auto: on for methods that never act after attention (full precision, storage codecs), whose result does
+        not depend on which forward computed a shared block; true: on for any method except those that accumulate
+        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip."""
+        if setting not in ("auto", True, False):
+            raise ValueError(f"prefix_caching must be auto, true or false, got {setting!r}")
+        if setting == "auto":
+            return not getattr(self.method, "acts_after_attention", True)
+        if setting and getattr(self.method, "needs_key_scores", False):
+            raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} accumulates "
+                             "attention over every prompt query, which a shared prefix skips; use false or auto")
+        return bool(setting)
 
     # ------------------------------------------------------------------ backends
     def _pick_attention(self, backend: str):
@@ -150,6 +182,53 @@ class Engine:
         if full > self._peak_full_bytes:
             self._peak_full_bytes = full
             self._held_at_full_peak = c.kv_bytes_in_use() + shared
+
+    @torch.no_grad()
+    def step(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """One ragged step: every segment's tokens in one forward (vLLM v1's flattened batch); returns the logits
+        [V] of each segment's last token. A pure-decode step is the plain decode step (the fused CPU path);
+        otherwise the segments are grouped by length (all decode tokens together, each prefill chunk length
+        together) and `LlamaFamilyModel.forward_ragged` runs the groups' tokens as one flat batch.
+        Blocks are allocated group by group: the caller makes sure they fit (an OutOfBlocksError part-way leaves
+        the earlier groups' sequences appended but not computed: the scheduler preempts them all)."""
+        if not segments:
+            return []
+        dev = self.model.device
+        if all(s.phase == "decode" and len(s.token_ids) == 1 for s in segments):
+            toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
+            qpos = torch.tensor([[s.start_pos] for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
+            logits = self._step([s.slot for s in segments], toks, qpos, phase="decode", last_chunk=True,
+                                logits_for="last")
+            return list(logits)
+        by_shape: dict[tuple, list[int]] = {}  # (phase, length, last_chunk) -> segment indices, first-seen order
+        for i, s in enumerate(segments):
+            by_shape.setdefault((s.phase, len(s.token_ids), s.last_chunk), []).append(i)
+        toks, room, order = [], [], []
+        for (phase, n, last), idx in by_shape.items():
+            toks.append(torch.tensor([segments[i].token_ids for i in idx], dtype=torch.int64, device=dev))  # [S_g, n]
+            qpos = torch.tensor([[segments[i].start_pos + j for j in range(n)] for i in idx], dtype=torch.int64,
+                                device=dev)  # [S_g, n]
+            room.append(([segments[i].slot for i in idx], qpos))
+            order += idx
+        plans = self.cache.prepare_appends(room)
+        groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
+        out = self.model.forward_ragged(groups, self.cache, attention=self.attention, hook=self._layer_hook,
+                                        logits_for="last", rope_mode=self.method.rope_mode)
+        self._track_full_bytes()
+        rows = torch.cat(out)  # [len(segments), V] in group order
+        result: list[torch.Tensor] = [None] * len(segments)  # type: ignore[list-item]
+        for r, i in enumerate(order):
+            result[i] = rows[r]
+        self._after_prefill_chunks(segments)
+        return result
+
+    def _after_prefill_chunks(self, segments: list[Segment]) -> None:
+        """The method's optional `after_prefill_chunk` hook for each prefill segment of a step (as forward_chunk)."""
+        after = getattr(self.method, "after_prefill_chunk", None)
+        if after is not None:
+            for s in segments:
+                if s.phase == "prefill":
+                    after(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)
 
     def forward_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, *, last_chunk: bool = True,
                       logits_for: str = "last", compress: bool = True) -> torch.Tensor | None:
@@ -324,6 +403,7 @@ class Engine:
         on_token(request) is called after every generated token (progress)."""
         sched = Scheduler(self, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                           admission_watermark=self.admission_watermark, chunk_size=chunk_size,
+                          schedule=self.schedule, prefix_cache=self.prefix_cache,
                           stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
                           should_stop=should_stop, on_token=on_token)
         return sched.run(requests)

@@ -82,6 +82,7 @@ class PagedKVCache:
         self.live: set[int] = set()
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
         self._shared = False  # set once any fork happened: enables copy-on-write checks
+        self.block_listeners: list = []  # objects with modified(ids) / replace(old, new) (the prefix cache)
 
     def _make_storage(self, num_blocks: int) -> None:
         """The block pool and the bytes: allocated once; pages are touched only as blocks are written.
@@ -161,6 +162,29 @@ class PagedKVCache:
         self._shared = True
         return child
 
+    def share_blocks(self, slot: int, blocks: torch.Tensor) -> None:
+        """Give the empty sequence `slot` the full blocks `blocks` [L, H, nb] (another sequence's first nb blocks of
+        every table, holding positions 0..nb*bs-1): one more reference each, copy-on-write before any in-place
+        change (the prefix cache's attach)."""
+        self._check_live(slot)
+        if int(self.lengths[slot].max()) != 0:
+            raise ValueError(f"share_blocks: sequence {slot} is not empty")
+        nb = blocks.shape[-1]
+        n = nb * self.block_size
+        if nb > self.max_blocks:
+            self._grow_blocks(nb)
+        self.pool.share(blocks.flatten().tolist())
+        self.tables[slot, :, :, :nb] = blocks.to(device=self.device, dtype=torch.int32)
+        self.lengths[slot] = n
+        self.positions[slot, :, :, :n] = torch.arange(n, dtype=torch.int32, device=self.device)
+        self.tokens_seen[slot] = n
+        self._shared = True
+
+    def _modifying(self, ids: list[int]) -> None:
+        """Blocks about to be written in place (not appended to): listeners drop what they knew of them."""
+        for listener in self.block_listeners:
+            listener.modified(ids)
+
     # ------------------------------------------------------------------ appending
     def prepare_append(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
         """Allocate room for Q new tokens in every layer/head table of each sequence.
@@ -213,6 +237,11 @@ class PagedKVCache:
             self.tokens_seen[s] += Q
         return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), pos_rows, list(slots))
 
+    def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
+        """prepare_append for each (slots, query_positions [S_g, Q_g]) group of one ragged step, as one step (a
+        codec's cache packs once, before any of them)."""
+        return [PagedKVCache.prepare_append(self, slots, qpos) for slots, qpos in groups]
+
     def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V of one layer. k, v: [S, H, Q, D]."""
         rows = plan.write_index[:, layer].reshape(-1)
@@ -259,15 +288,21 @@ class PagedKVCache:
         old_len = self.lengths[slot, layer].clone()  # [H]
         new_len = (keep >= 0).sum(-1)  # [H]
         table = self.tables[slot, layer]  # [H, MB] view
-        if self._shared:
-            self._unshare_table(table, old_len)
         k_src = keep.clamp(min=0)
-        src_rows = table.gather(-1, (k_src // bs).to(torch.int64)).to(torch.int64) * bs + k_src % bs  # [H, n]
         n = keep.shape[-1]
         dst_slot = torch.arange(n, device=self.device).expand(H, n)
-        dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
         valid = keep >= 0
         moved = valid & (keep != dst_slot)  # tokens already at their slot stay where they are
+        if bool(moved.any()):
+            written = torch.zeros(table.shape, dtype=torch.int64, device=self.device)  # [H, MB]
+            written = written.scatter_add_(-1, (dst_slot // bs).to(torch.int64), moved.to(torch.int64)) > 0
+            # written: the columns that receive a moved token
+            if self._shared:  # copy-on-write: private copies of the shared blocks about to be written
+                self._unshare_table(table, old_len, written)
+            if self.block_listeners:
+                self._modifying(table[written].tolist())
+        src_rows = table.gather(-1, (k_src // bs).to(torch.int64)).to(torch.int64) * bs + k_src % bs  # [H, n]
+        dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
         if bool(moved.any()):
             src_rows, dst_rows = src_rows[moved], dst_rows[moved]
             kf, vf = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
@@ -347,6 +382,8 @@ class PagedKVCache:
             return
         dst = table[:, a].to(torch.int64)  # the block shared by the kept head and the dropped tail
         src = table[:, a + 1].to(torch.int64)  # its first r slots are the rest of the dropped range
+        if self.block_listeners:
+            self._modifying(dst.tolist())
         self.k_pool[dst, r:] = self.k_pool[src, r:]
         self.v_pool[dst, r:] = self.v_pool[src, r:]
         pos = self.positions[slot, layer]  # [H, MB*bs]
@@ -422,11 +459,14 @@ class PagedKVCache:
         flat[rows, cols] = new.to(torch.int32)
         self.pool.free(old.tolist())
 
-    def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Give a (layer) table private copies of every shared block before moving data in it."""
+    def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor, only: torch.Tensor | None = None) -> None:
+        """Give a (layer) table private copies of its shared blocks (those where `only` [H, MB] is True, or all)
+        before moving data in it."""
         nb = self._num_blocks(lengths)
         for h in range(table.shape[0]):
             for c in range(int(nb[h])):
+                if only is not None and not bool(only[h, c]):
+                    continue
                 b = int(table[h, c])
                 if self.pool.refcount(b) > 1:
                     (nid,) = self.pool.allocate(1)

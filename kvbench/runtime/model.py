@@ -68,6 +68,17 @@ class LayerContext:
     rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
 
 
+@dataclass
+class RaggedGroup:
+    """Sequences of one ragged step that take the same number of new tokens (all the step's decode tokens, or one
+    prefill chunk): a rectangular [S, Q] slice of the step's flat token list, with its cache slots."""
+
+    tokens: torch.Tensor  # [S, Q] int64
+    plan: AppendPlan  # from cache.prepare_append(slots, positions [S, Q])
+    phase: str = "prefill"  # "prefill" or "decode"
+    last_chunk: bool = True  # the final chunk of a prompt (always True in decode)
+
+
 class LayerHook(Protocol):
     needs_key_scores: bool
 
@@ -115,100 +126,136 @@ class LlamaFamilyModel:
                     n += t.nbytes
         return n
 
-    def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        """One step (see `_forward`); on CPU a decode-sized step runs with the thread count that `StepThreads`
-        finds fastest (1 or all: it differs on a machine shared with other processes)."""
+    def forward(self, tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan, *,
+                attention: AttentionFn = paged_attention_torch, hook: LayerHook | None = None,
+                phase: str = "prefill", last_chunk: bool = True, logits_for: str = "last",
+                rope_mode: str = "original") -> torch.Tensor | None:
+        """One rectangular step: tokens [S, Q] of S sequences, Q new tokens each (their cache slots in `plan`).
+        Returns logits [S, V] ("last"), [S, Q, V] ("all") or None. rope_mode "original" | "cache" (positions
+        re-indexed inside the cache)."""
+        group = RaggedGroup(tokens, plan, phase, last_chunk)
+        return self.forward_ragged([group], cache, attention=attention, hook=hook, logits_for=logits_for,
+                                   rope_mode=rope_mode)[0]
+
+    def forward_ragged(self, groups: list[RaggedGroup], cache: PagedKVCache, *,
+                       attention: AttentionFn = paged_attention_torch, hook: LayerHook | None = None,
+                       logits_for: str = "last", rope_mode: str = "original") -> list[torch.Tensor | None]:
+        """One ragged step over the flat list of every group's tokens (vLLM v1's batch: prefill chunks and decode
+        tokens of many sequences, each with its own length, positions and cache slots). Per group: logits
+        [S_g, V] ("last"), [S_g, Q_g, V] ("all") or None. On CPU a decode-sized step runs with the thread count
+        that `StepThreads` finds fastest (1 or all: it differs on a machine shared with other processes)."""
         st = self.step_threads
         if st is None or torch.is_grad_enabled():
-            return self._forward(tokens, *args, **kwargs)
-        st.begin(tokens.numel())
+            return self._forward(groups, cache, attention, hook, logits_for, rope_mode)
+        st.begin(sum(g.tokens.numel() for g in groups))
         try:
-            return self._forward(tokens, *args, **kwargs)
+            return self._forward(groups, cache, attention, hook, logits_for, rope_mode)
         finally:
             st.end()
 
-    def _forward(
-        self,
-        tokens: torch.Tensor,  # [S, Q] int64
-        cache: PagedKVCache,
-        plan: AppendPlan,
-        *,
-        attention: AttentionFn = paged_attention_torch,
-        hook: LayerHook | None = None,
-        phase: str = "prefill",
-        last_chunk: bool = True,
-        logits_for: str = "last",  # "last" | "all" | "none"
-        rope_mode: str = "original",  # "original" | "cache" (positions re-indexed inside the cache)
-    ) -> torch.Tensor | None:
-        """Run one step; returns logits [S, V] ("last"), [S, Q, V] ("all") or None."""
+    def _forward(self, groups: list[RaggedGroup], cache: PagedKVCache, attention: AttentionFn,
+                 hook: LayerHook | None, logits_for: str, rope_mode: str) -> list[torch.Tensor | None]:
+        """The dense ops (norms, projections, RoPE, MLP, head) run once over the flat token list x [N, E]; the
+        attention (cache write, paged attention, the method's hook) runs per group, so a hook sees exactly the
+        rectangular [S_g, Hq, Q_g, D] inputs of a step of that group alone."""
         cfg = self.config
-        S, Q = tokens.shape
         Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        G = Hq // H
         eps = cfg.rms_norm_eps
-        scale = D ** -0.5
         pre_rope = cache.store_pre_rope
-        qpos = plan.query_positions  # [S, Q]
-        cos, sin = self.rotary.lookup(qpos)  # [S, Q, D]
-        cos_q, sin_q = cos[:, None], sin[:, None]  # [S, 1, Q, D]
-        cos_qk, sin_qk = cos[:, :, None], sin[:, :, None]  # [S, Q, 1, D]
         need_scores = bool(hook is not None and hook.needs_key_scores)
-        causal = Q > 1
         fast = self.use_cpu_kernels and not torch.is_grad_enabled()  # the C kernels have no backward
         norm = cpu_kernels.rms_norm if fast else rms_norm
-        fused = fused_decode_step(self, tokens, cache, plan, attention, rope_mode, cos, sin, need_scores) \
-            if fast else None
-        x = self.embed[tokens]  # [S, Q, E]
+        sizes = [g.tokens.numel() for g in groups]
+        offsets = [sum(sizes[:i]) for i in range(len(groups))]
+        N = sum(sizes)
+        qpos = torch.cat([g.plan.query_positions.reshape(-1) for g in groups])  # [N]
+        cos, sin = self.rotary.lookup(qpos)  # [N, D]
+        x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
+        fused = None
+        if fast and len(groups) == 1:
+            g = groups[0]
+            fused = fused_decode_step(self, g.tokens, cache, g.plan, attention, rope_mode, cos, sin, need_scores)
         if fused is not None:  # whole layers per C call, x updated in place
+            g = groups[0]
             after = None if hook is None else lambda li, q, key_scores: hook.after_attention(
-                LayerContext(li, cache, plan, phase, last_chunk, q, key_scores, self.rotary))
-            fused.run(x.view(S, -1), after)
+                LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
+            fused.run(x, after)
         for li, lw in enumerate(self.layers if fused is None else ()):
             h = norm(x, lw.ln_attn, eps)
-            qkv = lw.qkv(h)  # [S, Q, (Hq + 2H) D]
+            qkv = lw.qkv(h)  # [N, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
-            q = q.view(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
-            k = k.view(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
-            v = v.view(S, Q, H, D).transpose(1, 2)
-            if cfg.qk_norm:
-                q = rms_norm(q, lw.q_norm, eps)
-                k = rms_norm(k, lw.k_norm, eps)
-            rotate_keys = None
-            if fast and not pre_rope and not cfg.qk_norm:  # q and k rotated in place in qkv (q, k are views)
-                cpu_kernels.rotary_(qkv.view(S * Q, -1), Hq + H, D, cos.view(S * Q, D), sin.view(S * Q, D))
-            elif not pre_rope and not cfg.qk_norm:  # q and k rotated together: one pass, before the split
-                qk = apply_rotary(qkv[..., : (Hq + H) * D].view(S, Q, Hq + H, D), cos_qk, sin_qk)
-                q = qk[:, :, :Hq].transpose(1, 2)  # [S, Hq, Q, D]
-                k = qk[:, :, Hq:].transpose(1, 2)  # [S, H, Q, D]
-            elif not pre_rope:
-                q = apply_rotary(q, cos_q, sin_q)
-                k = apply_rotary(k, cos_q, sin_q)
-            elif rope_mode == "original":
-                q = apply_rotary(q, cos_q, sin_q)
-                rotate_keys = self._rotate_at
-            else:  # re-indexed: query at its slot in the cache, keys at their slot index
-                lens = plan.lengths[:, li]  # [S, H]
-                qslot = lens.unsqueeze(-1) - Q + torch.arange(Q, device=lens.device)  # [S, H, Q]
-                cq, sq = self.rotary.lookup(qslot)  # [S, H, Q, D]
-                q = apply_rotary(q.view(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
-                rotate_keys = self._rotate_at_slot
-            cache.write(li, plan, k, v)
-            out, key_scores = cache.attend(
-                li, q, plan, scale, attention=attention, return_key_scores=need_scores,
-                rotate_keys=rotate_keys, causal=causal,
-            )
-            if hook is not None:
-                hook.after_attention(LayerContext(li, cache, plan, phase, last_chunk, q, key_scores, self.rotary))
-            x = x + lw.o(out.transpose(1, 2).reshape(S, Q, Hq * D))
+            q, k, v = q.view(N, Hq, D), k.view(N, H, D), v.view(N, H, D)  # views of qkv
+            rotated = not pre_rope and not cfg.qk_norm  # q and k rotated here, once for every group
+            if rotated and fast:  # in place in qkv (q and k are views)
+                cpu_kernels.rotary_(qkv, Hq + H, D, cos, sin)
+            elif rotated:  # q and k together: one pass
+                qk = apply_rotary(qkv[:, : (Hq + H) * D].view(N, Hq + H, D), cos[:, None], sin[:, None])
+                q, k = qk[:, :Hq], qk[:, Hq:]
+            out = torch.empty(N, Hq * D, dtype=x.dtype, device=x.device)  # attention output
+            for g, off, n in zip(groups, offsets, sizes):
+                S, Q = g.tokens.shape
+                rows = slice(off, off + n)
+                o = self._attend_group(li, lw, g, q[rows], k[rows], v[rows], cos[rows].view(S, Q, D),
+                                       sin[rows].view(S, Q, D), rotated, cache, attention, hook, need_scores,
+                                       rope_mode)  # [S, Hq, Q, D]
+                out[rows] = o.transpose(1, 2).reshape(n, Hq * D)
+            x = x + lw.o(out)
             h = norm(x, lw.ln_mlp, eps)
             gate, up = lw.gate_up(h).chunk(2, dim=-1)
             x = x + lw.down(F.silu(gate) * up)
         if logits_for == "none":
-            return None
+            return [None] * len(groups)
+        if logits_for == "last":  # the last token of every sequence
+            last = [off + (i + 1) * g.tokens.shape[1] - 1 for g, off in zip(groups, offsets)
+                    for i in range(g.tokens.shape[0])]
+            x = x[torch.tensor(last, dtype=torch.int64, device=x.device)] if N != len(last) else x
+        logits = self.lm_head(norm(x.contiguous(), self.final_norm, eps))  # [rows, V]
         if logits_for == "last":
-            x = x[:, -1]
-        x = norm(x.contiguous(), self.final_norm, eps)
-        return self.lm_head(x)
+            return list(logits.split([g.tokens.shape[0] for g in groups]))
+        return [part.view(*g.tokens.shape, -1) for g, part in zip(groups, logits.split(sizes))]
+
+    def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
+                      attention: AttentionFn, hook: LayerHook | None, need_scores: bool,
+                      rope_mode: str) -> torch.Tensor:
+        """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
+        applied when `rotated`), cos / sin [S, Q, D]; writes its K/V, attends, calls the hook; returns out
+        [S, Hq, Q, D]."""
+        cfg = self.config
+        Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        G = Hq // H
+        S, Q = g.tokens.shape
+        plan = g.plan
+        q = q.reshape(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
+        k = k.reshape(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
+        v = v.reshape(S, Q, H, D).transpose(1, 2)
+        if cfg.qk_norm:
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        cos_q, sin_q = cos[:, None], sin[:, None]  # [S, 1, Q, D]
+        rotate_keys = None
+        if rotated:
+            pass
+        elif not cache.store_pre_rope:  # after q/k norm (Qwen3)
+            q = apply_rotary(q, cos_q, sin_q)
+            k = apply_rotary(k, cos_q, sin_q)
+        elif rope_mode == "original":
+            q = apply_rotary(q, cos_q, sin_q)
+            rotate_keys = self._rotate_at
+        else:  # re-indexed: query at its slot in the cache, keys at their slot index
+            lens = plan.lengths[:, li]  # [S, H]
+            qslot = lens.unsqueeze(-1) - Q + torch.arange(Q, device=lens.device)  # [S, H, Q]
+            cq, sq = self.rotary.lookup(qslot)  # [S, H, Q, D]
+            q = apply_rotary(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
+            rotate_keys = self._rotate_at_slot
+        cache.write(li, plan, k, v)
+        out, key_scores = cache.attend(
+            li, q, plan, cfg.head_dim ** -0.5, attention=attention, return_key_scores=need_scores,
+            rotate_keys=rotate_keys, causal=Q > 1,
+        )
+        if hook is not None:
+            hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
+        return out
 
     def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T]."""

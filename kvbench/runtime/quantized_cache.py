@@ -27,6 +27,10 @@ Reading: `attend` dequantizes the layer's blocks into a dense scratch buffer (to
 Decode steps on CPU with the engine's C attention kernel and a codec it can read (KIVI 2/4/8-bit, int8) skip the
 scratch buffer: `cpu_kernels.codec_decode_attention_cpu` decodes each block into an L1-sized tile as it reads
 it, from both pools in place (tests/test_codec_decode_kernel.py checks it against the dequantize-then-attend path).
+Prefill chunks do the same with `cpu_kernels.codec_prefill_attention_cpu` (causal, many queries, an online softmax
+per query; tests/test_codec_prefill_kernel.py), unless the method asks for per-key attention mass (H2O-style) or
+the keys are stored before RoPE (KVQuant), which keep the dequantize-then-attend path; so does fp8, which the
+kernels cannot read (no block format for e4m3 codes yet), and KVQuant's non-uniform levels and sparse outliers.
 
 Bytes: `kv_bytes_in_use` = full-precision blocks in use x their bytes + packed blocks in use x their row bytes,
 all counted from the pools; `peak_kv_bytes` is the largest such sum seen (updated at every allocation).
@@ -43,8 +47,8 @@ Eviction composes:
   block are decoded and encoded again (a second rounding), so per-step token-level eviction over an old packed
   region (H2O style) costs re-encoding and some accuracy; prefill-time selection over the newest chunk moves
   full-precision data only.
-- fork shares packed and full-precision blocks alike; a shared full-precision block is packed once per table that
-  holds it (the copies are not merged).
+- fork (and the prefix cache) shares packed and full-precision blocks alike; a shared full-precision block is packed
+  once and the packed block stays shared by every table that held it.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class RoutedBlockPool:
         self.fp_block_bytes, self.packed_block_bytes = fp_block_bytes, packed_block_bytes
         self.peak_bytes = 0
         self.peak_in_use = 0
+        self.release_listeners: list = []  # f(ids) with the ids (shared id space) each free() released
 
     # ---- BlockPool interface
     @property
@@ -112,10 +117,13 @@ class RoutedBlockPool:
         self._track()
         return [self.offset + i for i in ids]
 
-    def free(self, ids) -> None:
+    def free(self, ids) -> list[int]:
         fp, packed = self._split(ids)
-        self.fp.free(fp)
-        self.packed.free(packed)
+        released = self.fp.free(fp) + [self.offset + b for b in self.packed.free(packed)]
+        if released:
+            for listener in self.release_listeners:
+                listener(released)
+        return released
 
     def share(self, ids) -> None:
         fp, packed = self._split(ids)
@@ -289,6 +297,13 @@ class QuantizedPagedKVCache(PagedKVCache):
             raise AssertionError("new tokens must land in full-precision blocks")
         return plan
 
+    def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
+        """Pack once (what left the window before this step), then allocate every group's room: a block that one
+        group's append pushes out of the window stays in full precision for this step's attention, as it would
+        if each sequence ran its own step."""
+        self.pack_pending()
+        return [PagedKVCache.prepare_append(self, slots, qpos) for slots, qpos in groups]
+
     def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V of one layer (in the full-precision pool). k, v: [S, H, Q, D]."""
         rows = plan.write_index[:, layer].reshape(-1)
@@ -317,26 +332,49 @@ class QuantizedPagedKVCache(PagedKVCache):
         if not bool(mask.any()):
             return 0
         s_i, l_i, h_i, c_i = mask.nonzero(as_tuple=True)
-        fp_ids = tables[s_i, l_i, h_i, c_i].to(torch.int64)
-        self._check_room(0, fp_ids.numel(), fp_ids.tolist())
+        all_ids = tables[s_i, l_i, h_i, c_i].to(torch.int64)
+        # a block several tables share (fork, prefix cache) is packed once and stays shared
+        fp_ids, inverse = torch.unique(all_ids, return_inverse=True)
+        first = torch.full((fp_ids.numel(),), all_ids.numel(), dtype=torch.int64, device=self.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(all_ids.numel(), device=self.device), "amin")
+        l_u, h_u = l_i[first], h_i[first]  # the (layer, head) of each distinct block
+        self._check_room(0, fp_ids.numel(), all_ids.tolist())
         if self.codec.layer_independent:  # KIVI, int8, fp8: every layer's blocks in one call
             k_rows = self.codec.encode_keys(self.k_pool[fp_ids].float())
             v_rows = self.codec.encode_values(self.v_pool[fp_ids].float())
         else:  # per-layer levels / ranges (KVQuant)
             k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
             v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
-            for layer in torch.unique(l_i).tolist():
-                sel = torch.nonzero(l_i == layer).squeeze(1)
-                ids, heads = fp_ids[sel], h_i[sel]
+            for layer in torch.unique(l_u).tolist():
+                sel = torch.nonzero(l_u == layer).squeeze(1)
+                ids, heads = fp_ids[sel], h_u[sel]
                 k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
                 v_rows[sel] = self.codec.encode_values(self.v_pool[ids].float(), layer, heads)
-        self.pool.free(fp_ids.tolist())
-        new_ids = torch.tensor(self._allocate_packed(fp_ids.numel()), dtype=torch.int64, device=self.device)
+        new_ids = torch.tensor(self._allocate_packed_for(fp_ids, all_ids.tolist()), dtype=torch.int64,
+                               device=self.device)
+        extra = torch.bincount(inverse, minlength=fp_ids.numel()) - 1  # more tables holding the same block
+        if bool((extra > 0).any()):
+            self.pool.share(torch.repeat_interleave(new_ids, extra).tolist())
         pid = new_ids - self.num_fp_blocks
         self.kq_pool[pid] = k_rows
         self.vq_pool[pid] = v_rows
-        self.tables[st[s_i], l_i, h_i, c_i] = new_ids.to(torch.int32)
+        self.tables[st[s_i], l_i, h_i, c_i] = new_ids[inverse].to(torch.int32)
         return int(fp_ids.numel())
+
+    def _allocate_packed_for(self, fp_ids: torch.Tensor, table_refs: list[int]) -> list[int]:
+        """Packed blocks for the distinct full-precision blocks fp_ids: every table reference to them is dropped
+        first (freeing them, so packing never raises the bytes in use), then the packed blocks are allocated and
+        block listeners (the prefix cache) follow the tokens from the old ids to the new ones."""
+        old = fp_ids.tolist()
+        listeners, self.pool.release_listeners = self.pool.release_listeners, []  # not forgotten: moved
+        try:
+            self.pool.free(table_refs)
+        finally:
+            self.pool.release_listeners = listeners
+        new = self._allocate_packed(len(old))
+        for listener in self.block_listeners:
+            listener.replace(old, new)
+        return new
 
     def _allocate_packed(self, n: int) -> list[int]:
         return self.pool.allocate_packed(n)
@@ -407,6 +445,12 @@ class QuantizedPagedKVCache(PagedKVCache):
             return cpu_kernels.codec_decode_attention_cpu(
                 q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
                 scale, return_key_scores=return_key_scores)
+        if (attention is cpu_kernels.paged_attention_cpu and causal and not return_key_scores
+                and self._kernel_reads(q, rotate_keys, False, prefill=True)):
+            out = cpu_kernels.codec_prefill_attention_cpu(
+                q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
+                self.positions[plan.slots, layer], plan.query_positions, scale)
+            return out, None
         k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
         return attention(
@@ -414,10 +458,10 @@ class QuantizedPagedKVCache(PagedKVCache):
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
-    def _kernel_reads(self, q: torch.Tensor, rotate_keys, causal: bool) -> bool:
-        """Whether this step can run the C codec kernel: one fp32 query per sequence over post-RoPE keys, a
-        readable codec, at most 8 query heads per kv-head."""
-        if causal or rotate_keys is not None or q.shape[2] != 1 or q.dtype != torch.float32:
+    def _kernel_reads(self, q: torch.Tensor, rotate_keys, causal: bool, prefill: bool = False) -> bool:
+        """Whether this step can run a C codec kernel: fp32 queries over post-RoPE keys, a readable codec, at most
+        8 query heads per kv-head; one query per sequence (decode), or a causal chunk with `prefill`."""
+        if causal or rotate_keys is not None or (q.shape[2] != 1) != prefill or q.dtype != torch.float32:
             return False
         if q.device.type != "cpu" or self.dtype != torch.float32 or q.shape[1] // self.num_kv_heads > 8:
             return False

@@ -1,24 +1,29 @@
-"""Continuous batching over one paged pool (the manner of nano-vllm and vLLM), with preemption by recompute.
+"""Continuous batching over one paged pool (the manner of nano-vllm and vLLM v1), with preemption by recompute.
 
     sched = Scheduler(engine, max_num_seqs=256, max_num_batched_tokens=2048, admission_watermark=0.01)
     outcome = sched.run([Request(prompt_ids, max_new_tokens=128), ...])
 
+Each step is schedule -> run -> postprocess: `schedule()` returns what to run (a list of `Scheduled` segments: a
+prefill chunk or one decode token of a sequence), `Engine.step` runs them as one ragged forward, `postprocess`
+samples, emits tokens, finishes and records.
+
 Queues: `waiting` (arrived, not admitted, FIFO; a preempted request goes back to its head) and `admitted` (in
-admission order: sequences still prefilling and sequences decoding). Each step is one forward over a rectangular
-batch, so a step is either
-  - a prefill step: one chunk (<= prefill_chunk_size and max_num_batched_tokens tokens) of the oldest admitted
-    sequence that is still prefilling, or of the waiting head, which is admitted when the pool has free blocks
-    for that chunk plus a reserve (admission_watermark x the pool) and fewer than max_num_seqs are admitted; or
-  - a decode step: one token for every decoding sequence (at most max_num_batched_tokens of them).
-Prefill steps come first when one can run (nano-vllm's order): the model's forward takes a rectangular
-[S, Q] batch, so mixing prefill chunks and decode tokens in one step (vLLM v1's ragged batch) would pad every
-decode row to the chunk's length.
-When a decode step cannot get its blocks, the most recently admitted sequence is preempted by recompute: its
-blocks go back to the pool at once, the method forgets it (on_sequence_end), and its prompt plus the tokens it
-generated return to the head of the waiting queue; re-admitted, it is prefilled again (the method compresses it
-as any prompt) and goes on from its last token. A preempted request is re-admitted only once the pool has room for
-the blocks it held (no thrashing). A sequence that cannot get blocks while it is the only one admitted can never
-fit: it fails alone with a message naming its size and the pool's, and the others go on.
+admission order: sequences still prefilling and sequences decoding). Two policies (`schedule`):
+  - "mixed" (default; vLLM v1's): every step first takes one decode token of each running decoding sequence, then
+    prefill chunks (<= prefill_chunk_size tokens each) of admitted sequences still prefilling, then of newly
+    admitted requests, until max_num_batched_tokens tokens are in the step. Decodes never wait for a prompt.
+  - "prefill_first" (nano-vllm's; kvbench's earlier policy, kept to reproduce its figures): a step is either one
+    prefill chunk (of the oldest prefilling sequence, else of the waiting head) or, when none can run, one decode
+    token for every decoding sequence.
+A request is admitted when the pool has free blocks for its first chunk plus a reserve (admission_watermark x the
+pool) and fewer than max_num_seqs are admitted. With a prefix cache (`prefix_cache.PrefixCache`), a newly admitted
+request first takes the cached blocks of its prompt's longest cached prefix and prefills only the rest.
+When the decode tokens of a step cannot get their blocks, the most recently admitted sequence is preempted by
+recompute: its blocks go back to the pool at once, the method forgets it (on_sequence_end), and its prompt plus the
+tokens it generated return to the head of the waiting queue; re-admitted, it is prefilled again (the method
+compresses it as any prompt) and goes on from its last token. A preempted request is re-admitted only once the pool
+has room for the blocks it held (no thrashing). A sequence that cannot get blocks while it is the only one admitted
+can never fit: it fails alone with a message naming its size and the pool's, and the others go on.
 Methods evict inside the engine's steps as they always do, and the blocks they free are reused at once.
 """
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from kvbench.runtime.block_pool import OutOfBlocksError
+
+SCHEDULES = ("mixed", "prefill_first")
 
 
 @dataclass
@@ -58,6 +65,8 @@ class Request:
     slot: Optional[int] = None
     fed: int = 0  # tokens of prompt + output already in the cache
     resume_blocks: int = 0  # blocks held when last preempted (needed free before re-admission)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
+    registered_blocks: int = 0  # leading full blocks offered to the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -69,7 +78,7 @@ class StepRecord:
     """One scheduler step, for the timeline."""
 
     t_s: float
-    kind: str  # prefill | decode
+    kind: str  # prefill | decode | mixed
     running: int  # admitted sequences after the step
     waiting: int  # arrived, not admitted
     blocks_in_use: int
@@ -83,6 +92,16 @@ class Outcome:
     preemptions: int
     wall_s: float
     max_running: int
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+
+
+@dataclass
+class Scheduled:
+    """One request's share of a step: n tokens from req.fed on (a prefill chunk, or its decode token)."""
+
+    req: Request
+    n: int
+    kind: str  # prefill | decode
 
 
 class Scheduler:
@@ -94,10 +113,14 @@ class Scheduler:
                  seed: Optional[int] = None,
                  should_stop: Optional[Callable[[int, list[int]], bool]] = None,
                  on_token: Optional[Callable[[Request], None]] = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 schedule: str = "mixed", prefix_cache: Any = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or not 0 <= admission_watermark < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, admission_watermark in [0, 1)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         self.engine, self.cache = engine, engine.cache
+        self.schedule_policy, self.prefix_cache = schedule, prefix_cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunk = min(chunk_size or engine.prefill_chunk_size, max_num_batched_tokens)
         self.reserve = int(admission_watermark * self.cache.capacity_blocks())
@@ -111,6 +134,7 @@ class Scheduler:
         self.admitted: list[Request] = []  # admission order
         self.timeline: list[StepRecord] = []
         self.preemptions = 0
+        self.cached_prompt_tokens = 0
         self._decode_start = 0
 
     # ------------------------------------------------------------------ driver
@@ -138,104 +162,215 @@ class Scheduler:
                     if pending:  # idle until the next arrival
                         time.sleep(max(0.0, pending[0].arrival_s - self.now()))
                     continue
-                if not self._prefill_step():
-                    self._decode_step()
+                batch = self.schedule()
+                if batch:
+                    self.execute(batch)
         except BaseException:
             for r in list(self.admitted):
                 self._release(r)
             raise
-        return Outcome(requests, self.timeline, self.preemptions, self.now(), self.max_running)
+        return Outcome(requests, self.timeline, self.preemptions, self.now(), self.max_running,
+                       self.cached_prompt_tokens)
 
     def now(self) -> float:
         return self.clock() - self.t0
 
-    # ------------------------------------------------------------------ prefill
-    def _prefill_step(self) -> bool:
-        """Run one prefill chunk if one can run now; False if none can."""
-        req = next((r for r in self.admitted if r.status == "prefilling"), None)
-        if req is not None:
-            n = min(self.chunk, len(req.tokens) - req.fed)
-            if self.cache.blocks_for_append([req.slot], n) > self.cache.free_blocks():
-                if len(self.admitted) == 1:
-                    self._fail_too_large(req)
-                    return True
-                return False  # decode steps free blocks (sequences finish) or preempt
-        else:
-            if not self.waiting or len(self.admitted) >= self.max_num_seqs:
-                return False
-            req = self.waiting[0]
-            n = min(self.chunk, len(req.tokens))
-            first = self.cache.blocks_for_append([None], n)
-            if first > self.cache.capacity_blocks():  # not even an empty pool holds its first chunk
-                self.waiting.popleft()
-                self._fail_too_large(req)
-                return True
-            # with nothing admitted, nothing else could free the reserve: admit if the chunk fits
-            need = first if not self.admitted else max(first, req.resume_blocks) + self.reserve
-            if need > self.cache.free_blocks():
-                return False
-            self.waiting.popleft()
-            req.slot = self.cache.add_sequence()
-            req.status = "prefilling"
-            req.fed = 0
-            self.admitted.append(req)
-            self.max_running = max(self.max_running, len(self.admitted))
-        ids = req.tokens
-        a, b = req.fed, req.fed + n
-        last = b == len(ids)
-        t0 = self.clock()
-        try:
-            logits = self.engine.forward_chunk(req.slot, ids[a:b], a, last_chunk=last,
-                                               logits_for="last" if last else "none")
-        except OutOfBlocksError:
-            self._preempt(req)
-            return True
-        req.fed = b
-        req.prefill_tokens += n
-        if last:
-            tok = self.engine.sample(logits, self.temperature, self.top_p, self.gen)[0]
-            _sync(self.engine)
-            req.prefill_s += self.clock() - t0
-            req.status = "decoding"
-            self._emit(req, tok)
-        else:
-            _sync(self.engine)
-            req.prefill_s += self.clock() - t0
-        self._record("prefill", n)
-        return True
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> list[Scheduled]:
+        """What the next step runs (may be empty when this call only preempted or failed requests)."""
+        if self.schedule_policy == "prefill_first":
+            return self._schedule_prefill_first()
+        return self._schedule_mixed()
 
-    # ------------------------------------------------------------------ decode
-    def _decode_step(self) -> None:
+    def _schedule_mixed(self) -> list[Scheduled]:
+        """Decodes first, then prefill chunks of admitted and newly admitted requests within the token budget."""
+        budget = self.max_num_batched_tokens
+        decodes = self._decode_batch(budget)
+        if decodes is None:
+            return []
+        out = [Scheduled(r, 1, "decode") for r in decodes]
+        budget -= len(out)
+        free = self.cache.free_blocks() - (self.cache.blocks_for_append([r.slot for r in decodes], 1)
+                                           if decodes else 0)
+        blocked = False
+        debt = 0  # blocks the prompts admitted so far still need after this step (admission leaves them room)
+        inflight: set = set()  # prefix-cache keys of the blocks this step's prefill chunks complete
+        for r in [r for r in self.admitted if r.status == "prefilling"]:
+            if budget <= 0:
+                break
+            n = min(self.chunk, budget, len(r.tokens) - r.fed)
+            need = self.cache.blocks_for_append([r.slot], n)
+            if need > free:
+                if len(self.admitted) == 1:
+                    self._fail_too_large(r)
+                    return []
+                blocked = True  # in order: a later prompt does not overtake an earlier one
+                break
+            out.append(Scheduled(r, n, "prefill"))
+            free -= need
+            budget -= n
+            debt += self.cache.blocks_for_append([r.slot], len(r.tokens) - r.fed) - need
+            self._note_inflight(r, n, inflight)
+        while budget > 0 and not blocked:
+            seg = self._admit(budget, free - debt, whole_prompt=True, inflight=inflight)
+            if seg is None:
+                break
+            out.append(seg)
+            r = seg.req
+            need = self.cache.blocks_for_append([r.slot], seg.n)
+            free -= need
+            budget -= seg.n
+            debt += self.cache.blocks_for_append([r.slot], len(r.tokens) - r.fed) - need
+            self._note_inflight(r, seg.n, inflight)
+        if not out and self.admitted:  # only prefilling sequences that cannot get blocks
+            self._preempt_newest()
+        return out
+
+    def _note_inflight(self, r: Request, n: int, inflight: set) -> None:
+        """Add the prefix-cache keys of the full blocks that r's chunk of n tokens completes to `inflight`."""
+        if self.prefix_cache is None:
+            return
+        bs = self.cache.block_size
+        first, last = r.fed // bs, (r.fed + n) // bs
+        if last > first:
+            inflight.update(self.prefix_cache.block_keys(r.tokens, last)[first:])
+
+    def _admit(self, budget: int, free: int, whole_prompt: bool = False,
+               inflight: Optional[set] = None) -> Optional[Scheduled]:
+        """Admit the waiting head for its first chunk (<= budget tokens) if it fits in `free` blocks with the
+        reserve (whole_prompt: its whole uncached prompt must fit, so admitted prompts never push each other
+        out mid-prefill); None otherwise. With a prefix cache, a head whose next uncached block is one that this
+        step computes for another request (`inflight` keys) waits a step and takes it from the cache then."""
+        if not self.waiting or len(self.admitted) >= self.max_num_seqs:
+            return None
+        req = self.waiting[0]
+        cached = 0
+        if self.prefix_cache is not None:
+            n_cached = len(self.prefix_cache.lookup(req.tokens))
+            cached = n_cached * self.cache.block_size
+            if inflight and (n_cached + 1) * self.cache.block_size < len(req.tokens):
+                if self.prefix_cache.block_keys(req.tokens, n_cached + 1)[-1] in inflight:
+                    return None
+        n = min(self.chunk, budget, len(req.tokens) - cached)
+        first = self.cache.blocks_for_append([None], n)
+        if first > self.cache.capacity_blocks():  # not even an empty pool holds its first chunk
+            self.waiting.popleft()
+            self._fail_too_large(req)
+            return None
+        # with nothing admitted, nothing else could free the reserve: admit if the chunk fits
+        want = self.cache.blocks_for_append([None], len(req.tokens) - cached) if whole_prompt else first
+        need = first if not self.admitted else max(want, req.resume_blocks) + self.reserve
+        if need > free:
+            return None
+        self.waiting.popleft()
+        req.slot = self.cache.add_sequence()
+        req.status = "prefilling"
+        req.fed = req.registered_blocks = req.cached_tokens = 0
+        if self.prefix_cache is not None:
+            req.cached_tokens = self.prefix_cache.attach(req.slot, req.tokens)
+            req.fed = req.cached_tokens
+            req.registered_blocks = req.cached_tokens // self.cache.block_size
+            self.cached_prompt_tokens += req.cached_tokens
+            n = min(n, len(req.tokens) - req.fed)
+        self.admitted.append(req)
+        self.max_running = max(self.max_running, len(self.admitted))
+        return Scheduled(req, n, "prefill")
+
+    def _decode_batch(self, budget: int) -> Optional[list[Request]]:
+        """One decode token for each decoding sequence (rotated when more than `budget`), preempting the newest
+        admitted sequences until their blocks fit; None when that left nothing to schedule this step."""
         while True:
             batch = [r for r in self.admitted if r.status == "decoding"]
             if not batch:
-                if self.admitted:  # only a prefilling sequence that cannot get blocks
-                    self._preempt_newest()
-                return
-            if len(batch) > self.max_num_batched_tokens:  # rotate so every sequence advances
+                return batch
+            if len(batch) > budget:  # rotate so every sequence advances
                 k = self._decode_start % len(batch)
-                batch = (batch[k:] + batch[:k])[: self.max_num_batched_tokens]
-                self._decode_start += self.max_num_batched_tokens
+                batch = (batch[k:] + batch[:k])[:budget]
+                self._decode_start += budget
             need = self.cache.blocks_for_append([r.slot for r in batch], 1)
             if need <= self.cache.free_blocks():
-                break
+                return batch
+            if len(self.admitted) == 1:
+                self._fail_too_large(self.admitted[0])
+                return None
             self._preempt_newest()
+
+    def _schedule_prefill_first(self) -> list[Scheduled]:
+        """One prefill chunk if one can run (the oldest prefilling sequence, else the waiting head); else every
+        decoding sequence's next token."""
+        req = next((r for r in self.admitted if r.status == "prefilling"), None)
+        if req is not None:
+            n = min(self.chunk, len(req.tokens) - req.fed)
+            if self.cache.blocks_for_append([req.slot], n) <= self.cache.free_blocks():
+                return [Scheduled(req, n, "prefill")]
+            if len(self.admitted) == 1:
+                self._fail_too_large(req)
+                return []
+        else:
+            seg = self._admit(self.max_num_batched_tokens, self.cache.free_blocks())
+            if seg is not None:
+                return [seg]
+        batch = self._decode_batch(self.max_num_batched_tokens)
+        if batch is None:
+            return []
+        if not batch:
+            if self.admitted:  # only a prefilling sequence that cannot get blocks
+                self._preempt_newest()
+            return []
+        return [Scheduled(r, 1, "decode") for r in batch]
+
+    # ------------------------------------------------------------------ run + postprocess
+    def execute(self, batch: list[Scheduled]) -> None:
+        """Run one scheduled step (one ragged forward) and postprocess it."""
+        from kvbench.runtime.engine import Segment
+
+        segs = []
+        for sc in batch:
+            r = sc.req
+            ids = r.tokens[r.fed:r.fed + sc.n]
+            last = r.fed + sc.n == len(r.tokens)
+            segs.append(Segment(r.slot, ids, r.fed, "decode" if sc.kind == "decode" else "prefill", last))
         t0 = self.clock()
         try:
-            new = self.engine.decode_batch([r.slot for r in batch], [r.output[-1] for r in batch],
-                                           [len(r.tokens) - 1 for r in batch], self.temperature, self.top_p,
-                                           self.gen)
+            logits = self.engine.step(segs)
         except OutOfBlocksError:
-            self._preempt_newest()
+            # part of the step may have appended: every sequence in it starts over (recompute), newest first
+            for sc in sorted(batch, key=lambda sc: -self.admitted.index(sc.req)):
+                if len(self.admitted) == 1:
+                    self._fail_too_large(sc.req)
+                else:
+                    self._preempt(sc.req)
             return
+        emit = [i for i, sc in enumerate(batch) if sc.req.fed + sc.n == len(sc.req.tokens)]
+        toks = (self.engine.sample(torch.stack([logits[i] for i in emit]), self.temperature, self.top_p, self.gen)
+                if emit else [])
         _sync(self.engine)
         dt = self.clock() - t0
-        for r, tok in zip(batch, new):
-            r.fed += 1
-            r.decode_s += dt
-            r.decode_tokens += 1
-            self._emit(r, tok)
-        self._record("decode", len(batch))
+        self.postprocess(batch, dict(zip(emit, toks)), dt)
+
+    def postprocess(self, batch: list[Scheduled], sampled: dict[int, int], dt: float) -> None:
+        """Advance each request by its scheduled tokens, emit the sampled ones, offer newly full blocks to the
+        prefix cache, record the step. A prefill chunk is charged its share of the step's time by tokens (so the
+        prefill time of a trace sums to the time its prompt tokens took); a decode token the whole step (the
+        latency its sequence saw)."""
+        total = sum(sc.n for sc in batch)
+        kinds = {sc.kind for sc in batch}
+        for i, sc in enumerate(batch):
+            r = sc.req
+            r.fed += sc.n
+            if sc.kind == "decode":
+                r.decode_s += dt
+                r.decode_tokens += 1
+            else:
+                r.prefill_tokens += sc.n
+                r.prefill_s += dt * sc.n / total
+            if self.prefix_cache is not None and r.slot is not None:
+                r.registered_blocks = self.prefix_cache.register(r.slot, r.tokens, r.fed, r.registered_blocks)
+            if i in sampled:
+                if r.status == "prefilling":
+                    r.status = "decoding"
+                self._emit(r, sampled[i])
+        self._record(kinds.pop() if len(kinds) == 1 else "mixed", total)
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, r: Request, tok: int) -> None:

@@ -372,3 +372,222 @@ int codec_decode_attention_f32(
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Prefill (many queries, causal) over a codec cache, read tile by tile: the decode kernel's approach extended to a
+ * chunk of queries. A work item is (sequence, kv-head, up to PREFILL_QT queries); it walks the table's blocks in slot
+ * order, decodes each span of blocks' K and V rows (at least 32 keys) into two [span, D] fp32 tiles (load_rows:
+ * full-precision blocks copied, packed ones decoded from their codes), and folds them into an online softmax
+ * (flash attention) for every query head of the group and query of the tile. Query i sees key t when
+ * key_pos[t] <= query_pos[i] and t < length; slots are in position order, so the walk stops at the first block
+ * whose first key lies after the tile's last query. No dense copy of the layer is made: per thread, the tiles (K
+ * also transposed) and the tile's accumulators. A full-precision cache (PagedKVCache) is read the same way: every
+ * block id is below num_fp. Also used for fp32 later prefill chunks of a plain cache (cpu_kernels.paged_attention_cpu).
+ *
+ * q [S, H*G, Q, D] fp32 contiguous; tables [S, H, MB] int32, lengths [S, H] int64, key_pos [S, H, P] int32 (element
+ * strides); query_pos [S, Q] int64 contiguous; out [S, H*G, Q, D]. Rows that see no key are zeros. */
+#define PREFILL_QT 64  /* queries per work item */
+
+/* keys a prefill work item takes per step: whole blocks, at least 32 */
+static inline int prefill_span(int bs) { return bs >= 32 ? bs : (32 + bs - 1) / bs * bs; }
+
+/* unaligned vector loads and stores (a memcpy through the stack stalls store forwarding at every load) */
+typedef float vn_unaligned __attribute__((vector_size(VN * 4), aligned(4)));
+static inline vn load_vn(const float *p) { return *(const vn_unaligned *)p; }
+static inline void store_vn(float *p, vn x) { *(vn_unaligned *)p = x; }
+
+typedef int32_t vni __attribute__((vector_size(VN * 4)));  /* lanes of int32, for masks and exponents */
+static inline vn select_vn(vni mask, vn a, vn b) { return (vn)(((vni)a & mask) | ((vni)b & ~mask)); }
+
+/* exp_nonpos (decode_common.h: Cephes' expf polynomial for x <= 0) on a whole vector: GCC does not vectorize the
+ * scalar one inside these loops */
+static inline vn exp_nonpos_vn(vn x) {
+    const vn lo = (vn){0} - 87.0f;
+    x = select_vn(x < lo, lo, x);
+    const vn t = x * 1.44269504088896341f + 0.5f;
+    vni ni = __builtin_convertvector(t, vni);  /* toward zero: one less where that rounded up (t < 0) */
+    ni += (vni)(__builtin_convertvector(ni, vn) > t);
+    const vn n = __builtin_convertvector(ni, vn);
+    const vn r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vn p = (vn){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vn)((ni + 127) << 23);
+}
+
+/* One work item: queries [i0, i1) of one (sequence, kv-head), all G query heads. Per span of whole blocks (at
+ * least 32 keys): K rows decoded into `krows` [span, D] and transposed into kT [D, bsp] (bsp = span rounded up to
+ * whole vectors, zero-padded), so a query's scores against the span are D broadcast-FMAs per vector of keys (four
+ * heads x two key vectors of independent chains); V rows decoded into `vrows` [span, D] and added to the query's
+ * accumulator a vector of channels at a time; exp and max on whole vectors. Work buffers: m, l [rows],
+ * acc [rows, D], p [G, bsp]. */
+static inline __attribute__((always_inline)) void prefill_item(
+    const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
+    const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table, int64_t tab_sj,
+    int64_t len, const int32_t *kpos, int64_t kpos_sj, const int64_t *qpos, int G, int Q, const int D, int bs,
+    float scale, int i0, int i1, float *out, float *krows, float *vrows, float *kT, float *work)
+{
+    const int span = prefill_span(bs);  /* keys per step: whole blocks, at least 32 (two vectors of FMA chains) */
+    const int nq = i1 - i0, rows = G * nq, bsp = (span + VN - 1) / VN * VN;
+    float *m = work, *l = work + rows, *acc = work + 2 * rows, *p = work + 2 * rows + (int64_t)rows * D;
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * rows * D);
+    int64_t last_q = qpos[i0];
+    for (int i = i0; i < i1; i++) last_q = qpos[i] > last_q ? qpos[i] : last_q;
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
+        const int64_t first_pos = kpos[t0 * kpos_sj];
+        if (first_pos > last_q) break;  /* slots are in position order: nothing later is visible either */
+        const int n = len - t0 < span ? (int)(len - t0) : span;
+        const int64_t last_pos = kpos[(t0 + n - 1) * kpos_sj];
+        for (int b0 = 0; b0 < n; b0 += bs) {
+            const int64_t id = table[((t0 + b0) / bs) * tab_sj];
+            const int nb = n - b0 < bs ? n - b0 : bs;
+            load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, 0, nb, krows + (int64_t)b0 * D);
+            load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, 0, nb, vrows + (int64_t)b0 * D);
+        }
+        for (int d = 0; d < D; d++) {
+            float *row = kT + (int64_t)d * bsp;
+            for (int j = 0; j < n; j++) row[j] = krows[(int64_t)j * D + d];
+            for (int j = n; j < bsp; j++) row[j] = 0.0f;
+        }
+        for (int i = i0; i < i1; i++) {
+            const int64_t qp = qpos[i];
+            if (first_pos > qp) continue;
+            int nvis = n;  /* the visible keys of the block are a prefix of it (position order) */
+            if (last_pos > qp) {
+                nvis = 0;
+                while (nvis < n && kpos[(t0 + nvis) * kpos_sj] <= qp) nvis++;
+            }
+            const int nv = (nvis + VN - 1) / VN;  /* vectors of keys */
+            /* scores p[g, j] = scale * q_g . k_j: four heads x two key vectors of independent FMA chains */
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int gn = G - g0 < 4 ? G - g0 : 4;
+                const float *q0 = q + ((int64_t)g0 * Q + i) * D;
+                const int64_t qs = (int64_t)Q * D;  /* from one head's query to the next */
+                for (int c = 0; c < nv; c += 2) {
+                    const int two = c + 1 < nv;
+                    vn a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, e0 = {0}, e1 = {0};
+                    for (int d = 0; d < D; d++) {
+                        const vn k0 = load_vn(kT + (int64_t)d * bsp + c * VN);
+                        const vn k1 = two ? load_vn(kT + (int64_t)d * bsp + (c + 1) * VN) : (vn){0};
+                        const float x0 = q0[d], x1 = gn > 1 ? q0[qs + d] : 0.0f;
+                        const float x2 = gn > 2 ? q0[2 * qs + d] : 0.0f, x3 = gn > 3 ? q0[3 * qs + d] : 0.0f;
+                        a0 += x0 * k0; a1 += x0 * k1;
+                        b0 += x1 * k0; b1 += x1 * k1;
+                        c0 += x2 * k0; c1 += x2 * k1;
+                        e0 += x3 * k0; e1 += x3 * k1;
+                    }
+                    const vn r0[4] = {a0, b0, c0, e0}, r1[4] = {a1, b1, c1, e1};
+                    for (int u = 0; u < gn; u++) {
+                        store_vn(p + (int64_t)(g0 + u) * bsp + c * VN, r0[u] * scale);
+                        if (two) store_vn(p + (int64_t)(g0 + u) * bsp + (c + 1) * VN, r1[u] * scale);
+                    }
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                const int r = g * nq + (i - i0);
+                float *restrict pr = p + (int64_t)g * bsp;
+                vni lane;
+                for (int k = 0; k < VN; k++) lane[k] = k;
+                const vn neg_inf = (vn){0} - INFINITY;
+                vn vmax = neg_inf;
+                for (int c = 0; c < nv; c++) {  /* scores past nvis are -inf from here on */
+                    const vn sc = select_vn(lane + c * VN < nvis, load_vn(pr + c * VN), neg_inf);
+                    store_vn(pr + c * VN, sc);
+                    vmax = select_vn(sc > vmax, sc, vmax);
+                }
+                float mx = -INFINITY;
+                for (int k = 0; k < VN; k++) mx = vmax[k] > mx ? vmax[k] : mx;
+                const float m_new = m[r] > mx ? m[r] : mx;
+                const float corr = exp_nonpos(m[r] - m_new);  /* ~0 on the first visible block: acc, l are 0 */
+                vn vsum = {0};
+                for (int c = 0; c < nv; c++) {  /* exp(-inf - m) clamps to e^-87, masked back to 0 */
+                    const vn e = select_vn(lane + c * VN < nvis, exp_nonpos_vn(load_vn(pr + c * VN) - m_new),
+                                           (vn){0});
+                    store_vn(pr + c * VN, e);
+                    vsum += e;
+                }
+                float sum = 0.0f;
+                for (int k = 0; k < VN; k++) sum += vsum[k];
+                float *a = acc + (int64_t)r * D;
+                vn x[128 / VN];
+                for (int c = 0; c < D / VN; c++) x[c] = load_vn(a + c * VN) * corr;
+                for (int j = 0; j < nvis; j++) {
+                    const float pj = pr[j];
+                    const float *vr = vrows + (int64_t)j * D;
+                    for (int c = 0; c < D / VN; c++) x[c] += pj * load_vn(vr + c * VN);
+                }
+                for (int c = 0; c < D / VN; c++) store_vn(a + c * VN, x[c]);
+                l[r] = l[r] * corr + sum;
+                m[r] = m_new;
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = i0; i < i1; i++) {
+            const int r = g * nq + (i - i0);
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *o = out + ((int64_t)g * Q + i) * D;
+            const float *a = acc + (int64_t)r * D;
+            for (int d = 0; d < D; d++) o[d] = a[d] * inv;
+        }
+}
+
+int codec_prefill_attention_f32(
+    const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
+    const block_format *kf, const block_format *vf, int64_t num_fp,
+    const int32_t *tables, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
+    const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    const int32_t *key_pos, int64_t kp_ss, int64_t kp_sh, int64_t kp_sj, const int64_t *query_pos,
+    int S, int H, int G, int Q, int D, int bs, float scale, float *out, float *scratch, int64_t scratch_per_thread,
+    int nthreads)
+{
+    if ((D != 64 && D != 128) || G < 1 || bs < 1) return -1;
+    const int n_tiles = (Q + PREFILL_QT - 1) / PREFILL_QT;
+    const int64_t n_items = (int64_t)S * H * n_tiles;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *mine = scratch;
+#ifdef _OPENMP
+        mine += (int64_t)omp_get_thread_num() * scratch_per_thread;
+#endif
+        const int span = prefill_span(bs), bsp = (span + VN - 1) / VN * VN;
+        float *krows = mine, *vrows = mine + (int64_t)span * D, *kT = mine + 2 * (int64_t)span * D;
+        float *work = kT + (int64_t)D * bsp;
+#if defined(__SSE__)
+        /* flush denormals to zero in this region (restored below): a running max that jumps makes acc * corr and
+         * tiny weights denormal, which x86 computes many times slower, for no change to an fp32 result */
+        const unsigned int csr = __builtin_ia32_stmxcsr();
+        __builtin_ia32_ldmxcsr(csr | 0x8040);
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n_items; item++) {
+            const int tile = (int)(item % n_tiles);
+            const int h = (int)((item / n_tiles) % H);
+            const int s = (int)(item / n_tiles / H);
+            const int i0 = tile * PREFILL_QT, i1 = i0 + PREFILL_QT < Q ? i0 + PREFILL_QT : Q;
+            const int64_t len = lengths[s * len_ss + h * len_sh];
+            const float *qh = q + (((int64_t)s * H + h) * G) * Q * D;
+            float *oh = out + (((int64_t)s * H + h) * G) * Q * D;
+            if (D == 64)
+                prefill_item(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, tables + s * tab_ss + h * tab_sh,
+                             tab_sj, len, key_pos + s * kp_ss + h * kp_sh, kp_sj, query_pos + (int64_t)s * Q, G, Q,
+                             64, bs, scale, i0, i1, oh, krows, vrows, kT, work);
+            else
+                prefill_item(qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, tables + s * tab_ss + h * tab_sh,
+                             tab_sj, len, key_pos + s * kp_ss + h * kp_sh, kp_sj, query_pos + (int64_t)s * Q, G, Q,
+                             128, bs, scale, i0, i1, oh, krows, vrows, kT, work);
+        }
+#if defined(__SSE__)
+        __builtin_ia32_ldmxcsr(csr);
+#endif
+    }
+    return 0;
+}
