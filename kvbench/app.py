@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import inspect
+import logging
 import os
 import random
 import subprocess
@@ -204,9 +205,22 @@ def _discard_unstarted(run_dir: str) -> None:
     try:
         names = set(os.listdir(run_dir))
         if names <= {".hydra", "kvbench.log"}:
+            _close_log_handlers_in(run_dir)  # Hydra's kvbench.log handler would reopen the file in a removed folder
             shutil.rmtree(run_dir, ignore_errors=True)
     except OSError:
         pass
+
+
+def _close_log_handlers_in(folder: str) -> None:
+    """Close and detach every logging file handler that writes into `folder`."""
+    folder = os.path.realpath(folder)
+    for name in [None, *logging.Logger.manager.loggerDict]:
+        logger = logging.getLogger(name)
+        for handler in list(getattr(logger, "handlers", [])):
+            path = getattr(handler, "baseFilename", None)
+            if path and os.path.realpath(path).startswith(folder + os.sep):
+                logger.removeHandler(handler)
+                handler.close()
 
 
 def _git_commit() -> Optional[str]:
