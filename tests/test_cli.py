@@ -154,7 +154,9 @@ def test_python_m_kvbench_from_the_folder_that_holds_a_checkout_named_kvbench(tm
     py = str(venv / "bin" / "python")
     site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
                           text=True, check=True).stdout.strip()
-    deps = [p for p in sys.path if p.endswith("site-packages") and not p.startswith(REPO)]
+    # this interpreter's site-packages (pip among them), also when its venv sits inside the checkout (.venv of a
+    # fresh clone); a directory added by a .pth has its own .pth files ignored, so its editable kvbench is not seen
+    deps = [p for p in sys.path if p.endswith("site-packages")]
     with open(os.path.join(site, "zz_kvbench_test_deps.pth"), "w") as f:  # this interpreter's packages, last
         f.write("\n".join(deps) + "\n")
     install = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
