@@ -13,7 +13,7 @@ from tests import results_fixtures as fx
 
 pytest.importorskip("pandas")
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results.md")
 
 
 def readme_recipe() -> str:
