@@ -181,7 +181,8 @@ def test_installed_package_ships_every_kernel_source():
     pyproject = root / "pyproject.toml"
     if not pyproject.exists():
         pytest.skip("not a checkout")
-    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["kvbench.runtime.backends.cpu"]
+    package_data = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]
+    patterns = package_data["kvbench.runtime.backends.cpu"]
     package_dir = Path(cpu_kernels.__file__).parent
     for path in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
         rel = path.relative_to(package_dir).as_posix()

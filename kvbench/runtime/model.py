@@ -112,7 +112,7 @@ class LlamaFamilyModel:
         # backend
         self.use_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         self.step_threads = StepThreads() if self.device.type == "cpu" else None
-        self.fuse_decode_layers = True  # the backend's fused decode step where it has one (backends/cpu/fused_decode.py)
+        self.fuse_decode_layers = True  # the backend's fused decode step where it has one (backends/cpu)
 
     @property
     def weight_bytes(self) -> int:

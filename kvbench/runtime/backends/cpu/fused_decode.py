@@ -9,9 +9,9 @@ It applies to decode steps (one token per sequence, at most `kernels.GEMV_MAX_RO
 CPU with the C kernels, a cache with plain pools (`PagedKVCache.plain_pools`; codec caches read their own layout),
 keys cached after RoPE at their original positions, no q/k norm (Qwen3), under the CPU backend
 (`CpuBackend.fused_decode`). Anything else, or `model.fuse_decode_layers = False`, takes the op-by-op path; both
-give the same numbers (tests/test_fused_decode.py). The hook gets the same LayerContext as on the op-by-op path, but after the layer's
-MLP instead of before its output projection, which changes nothing: hooks read q and the attention scores and edit
-the cache, which that layer no longer reads.
+give the same numbers (tests/test_fused_decode.py). The hook gets the same LayerContext as on the op-by-op path,
+but after the layer's MLP instead of before its output projection, which changes nothing: hooks read q and the
+attention scores and edit the cache, which that layer no longer reads.
 """
 from __future__ import annotations
 

@@ -82,11 +82,12 @@ class StepThreads:
     """Chooses the thread count of decode-sized forward steps (at most `max_tokens` tokens) by timing them.
 
     With one competing CPU-bound process on 2 cores, two threads that meet at every parallel region run at a
-    fraction of their idle speed while one thread keeps most of it; idle, two threads are as fast or faster. So each step size runs mostly with the faster count known so
-    far and, every `explore_every` steps, once with the other; the faster one (exponential average of step times)
-    is kept. An exploration that loses doubles the wait before the next (up to 64 steps); a switch resets it.
-    Larger steps (prefill) always use every thread. After each step the previous count is restored, so code between
-    steps (and other libraries in the process) sees the configured threads."""
+    fraction of their idle speed while one thread keeps most of it; idle, two threads are as fast or faster. So
+    each step size runs mostly with the faster count known so far and, every `explore_every` steps, once with the
+    other; the faster one (exponential average of step times) is kept. An exploration that loses doubles the wait
+    before the next (up to 64 steps); a switch resets it. Larger steps (prefill) always use every thread. After each
+    step the previous count is restored, so code between steps (and other libraries in the process) sees the
+    configured threads."""
 
     def __init__(self, max_tokens: int = 4, explore_every: int = 8, max_explore_every: int = 64,
                  margin: float = 0.95, clock: Callable[[], float] = time.perf_counter,
