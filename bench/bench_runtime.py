@@ -208,11 +208,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.plain_hf_decode:
         return plain_hf_decode(args)
-    from kvbench.runtime.threads import configure_threads, policy_in_effect
+    from kvbench.runtime.backends.cpu.threads import configure_threads, policy_in_effect
 
     args.threads = configure_threads(args.threads)
 
-    from kvbench.runtime import cpu_kernels
+    from kvbench.runtime.backends.cpu import kernels as cpu_kernels
     from kvbench.runtime.engine import Engine
     from kvbench.runtime.loading import load_model
 

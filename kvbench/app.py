@@ -425,7 +425,7 @@ def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
 
 
 def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict):
-    from kvbench.runtime.threads import configure_threads
+    from kvbench.runtime.backends.cpu.threads import configure_threads
 
     s = plan.settings
     configure_threads(s.runtime.threads)

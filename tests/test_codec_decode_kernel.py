@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
-from kvbench.runtime import cpu_kernels
-from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.cpu.backend import CPU
+from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -63,13 +64,12 @@ def both(cache, slots, layer, group, *, seed=1):
 
     plan = Plan()
     plan.tables, plan.lengths, plan.slots, plan.query_positions = cache.tables[idx], cache.lengths[idx], idx, qpos
-    assert cache._kernel_reads(q, None, False)
-    ref = cache.attend(layer, q, plan, 0.125, attention=paged_attention_torch, return_key_scores=True, causal=False)
+    assert CPU.packed_kernel(cache, q, causal=False, return_key_scores=True) == "decode"
+    ref = cache.attend(layer, q, plan, 0.125, backend=TORCH, return_key_scores=True, causal=False)
     fast = cpu_kernels.codec_decode_attention_cpu(
-        q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, cache._kernel_formats, tables, lengths, 0.125,
-        return_key_scores=True)
-    via_attend = cache.attend(layer, q, plan, 0.125, attention=cpu_kernels.paged_attention_cpu,
-                              return_key_scores=True, causal=False)
+        q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, CPU.block_formats(cache), tables, lengths,
+        0.125, return_key_scores=True)
+    via_attend = cache.attend(layer, q, plan, 0.125, backend=CPU, return_key_scores=True, causal=False)
     torch.testing.assert_close(via_attend[0], fast[0], atol=0, rtol=0)  # attend takes the kernel path
     return ref, fast
 
@@ -78,7 +78,7 @@ def both(cache, slots, layer, group, *, seed=1):
 @pytest.mark.parametrize("lengths,group", [([40], 1), ([300], 3), ([5, 513, 256, 1000], 2), ([97, 64], 8)])
 def test_kernel_matches_dequantized_attention(name, lengths, group):
     cache, slots = filled(CODECS[name](), lengths)
-    assert cache._kernel_reads(torch.zeros(1, 2 * group, 1, 64), None, False)
+    assert CPU.packed_kernel(cache, torch.zeros(1, 2 * group, 1, 64), causal=False) == "decode"
     packed = sum(int((cache.tables[s] >= cache.num_fp_blocks).sum()) for s in slots)
     assert packed > 0 or max(lengths) < 128  # the long tables hold packed blocks: both pools are read
     for layer in range(L):
@@ -103,12 +103,13 @@ def test_heads_of_different_lengths_after_eviction(head_dim):
 
 def test_unreadable_codecs_use_the_dequantizing_path():
     cache, _ = filled(Fp8Codec(), [100])
-    assert not cache._kernel_reads(torch.zeros(1, 4, 1, 64), None, False)
+    assert CPU.packed_kernel(cache, torch.zeros(1, 4, 1, 64), causal=False) is None
     kvq = KVQuantCodec(bits=3, levels="uniform")
     assert cpu_kernels.codec_block_format(kvq, "key", 32, 64) is None
     kivi, _ = filled(KiviCodec(2, group_size=32, residual=64), [100])
-    assert not kivi._kernel_reads(torch.zeros(1, 4, 2, 64), None, True)  # a prefill chunk
-    assert not kivi._kernel_reads(torch.zeros(1, 4, 1, 64), lambda k, p: k, False)  # keys rotated at read time
+    assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 2, 64), causal=True) != "decode"  # a prefill chunk
+    assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 1, 64), rotate_keys=lambda k, p: k,
+                             causal=False) is None  # keys rotated at read time
 
 
 def test_engine_decodes_the_same_tokens_with_and_without_the_kernel():

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from kvbench.quant.codecs import Fp8Codec, KiviCodec
-from kvbench.runtime import cpu_kernels
-from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.cpu.backend import CPU
+from kvbench.runtime.backends.torch.attention import paged_attention_torch
+from kvbench.runtime.backends.torch.backend import TORCH
 from tests.test_codec_decode_kernel import CODECS, L, filled
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -32,11 +34,11 @@ def _chunk_both(cache, slots, layer, group, Q, seed=1):
     top = cache.positions[idx, layer].amax(dim=(1, 2))  # [S] newest position
     qpos = top[:, None].to(torch.int64) - Q + 1 + torch.arange(Q)  # [S, Q]
     plan = _Plan(cache, idx, qpos)
-    assert cache._kernel_reads(q, None, False, prefill=True)
-    ref, _ = cache.attend(layer, q, plan, 0.125, attention=paged_attention_torch, causal=True)
-    via_attend, ks = cache.attend(layer, q, plan, 0.125, attention=cpu_kernels.paged_attention_cpu, causal=True)
+    assert CPU.packed_kernel(cache, q, causal=True) == "prefill"
+    ref, _ = cache.attend(layer, q, plan, 0.125, backend=TORCH, causal=True)
+    via_attend, ks = cache.attend(layer, q, plan, 0.125, backend=CPU, causal=True)
     fast = cpu_kernels.codec_prefill_attention_cpu(
-        q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, cache._kernel_formats, plan.tables[:, layer],
+        q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, CPU.block_formats(cache), plan.tables[:, layer],
         plan.lengths[:, layer], cache.positions[idx, layer], qpos, 0.125)
     torch.testing.assert_close(via_attend, fast, atol=0, rtol=0)  # attend takes the kernel path
     assert ks is None
@@ -74,17 +76,20 @@ def test_prefill_kernel_fails_when_the_mask_is_wrong():
     q = torch.randn(1, 4, 16, 64, generator=torch.Generator().manual_seed(1))
     qpos = 199 - 15 + torch.arange(16)[None] + 1  # one position later
     wrong = cpu_kernels.codec_prefill_attention_cpu(
-        q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, cache._kernel_formats, cache.tables[idx, 0],
+        q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, CPU.block_formats(cache), cache.tables[idx, 0],
         cache.lengths[idx, 0], cache.positions[idx, 0], qpos, 0.125)
     assert not torch.allclose(wrong, ref, atol=2e-5, rtol=1e-5)
 
 
 def test_unreadable_codecs_and_key_scores_keep_the_dequantizing_path():
     cache, _ = filled(Fp8Codec(), [100])
-    assert not cache._kernel_reads(torch.zeros(1, 4, 8, 64), None, False, prefill=True)
+    assert CPU.packed_kernel(cache, torch.zeros(1, 4, 8, 64), causal=True) is None
     kivi, _ = filled(KiviCodec(2, group_size=32, residual=64), [100])
-    assert not kivi._kernel_reads(torch.zeros(1, 4, 8, 64), lambda k, p: k, False, prefill=True)  # pre-RoPE keys
-    assert not kivi._kernel_reads(torch.zeros(1, 4, 1, 64), None, False, prefill=True)  # one query: decode kernel
+    assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 8, 64), rotate_keys=lambda k, p: k,
+                             causal=True) is None  # pre-RoPE keys
+    assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 8, 64), causal=True,
+                             return_key_scores=True) is None  # per-key mass
+    assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 1, 64), causal=True) is None  # one query: not a chunk
 
 
 @pytest.mark.parametrize("codec", ["kivi2", None])

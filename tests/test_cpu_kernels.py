@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from kvbench.runtime import cpu_kernels
-from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.torch.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import PagedKVCache
 
 # a machine with a C compiler must build the kernels: a build error fails here instead of skipping
@@ -152,7 +152,7 @@ def test_kernel_specialisations_match_reference(group, head_dim):
 
 @pytest.mark.parametrize("rows,bias", [(1, False), (3, True), (4, False), (5, True)])
 def test_decode_projection_gemv_matches_torch(rows, bias):
-    from kvbench.runtime.linear import Linear
+    from kvbench.runtime.backends.cpu.linear import Linear
 
     torch.manual_seed(rows)
     w = torch.randn(300, 96)
@@ -177,14 +177,15 @@ def test_installed_package_ships_every_kernel_source():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    root = Path(cpu_kernels.__file__).resolve().parents[2]
+    root = Path(cpu_kernels.__file__).resolve().parents[4]
     pyproject = root / "pyproject.toml"
     if not pyproject.exists():
         pytest.skip("not a checkout")
-    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["kvbench.runtime"]
-    runtime_dir = Path(cpu_kernels.__file__).parent
+    package_data = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]
+    patterns = package_data["kvbench.runtime.backends.cpu"]
+    package_dir = Path(cpu_kernels.__file__).parent
     for path in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
-        rel = path.relative_to(runtime_dir).as_posix()
+        rel = path.relative_to(package_dir).as_posix()
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), f"{rel} is not in package-data {patterns}"
 
 
@@ -206,7 +207,7 @@ def test_kernel_tests_pass_at_the_other_vector_width():
                            "-k", "not vector_width"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.strip().splitlines()[-1]
-    check = subprocess.run([sys.executable, "-c", "from kvbench.runtime import cpu_kernels as c; "
+    check = subprocess.run([sys.executable, "-c", "from kvbench.runtime.backends.cpu import kernels as c; "
                             "print(c.vector_width())"], env=env, capture_output=True, text=True, timeout=300)
     assert check.stdout.strip() == other, check.stderr[-2000:]
 

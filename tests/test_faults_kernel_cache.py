@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from kvbench.runtime import cpu_kernels
+from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 
 OTHER_UID = 4242
 

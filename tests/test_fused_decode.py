@@ -1,5 +1,5 @@
 """The fused CPU decode layer (one C call per layer) gives the numbers of the op-by-op path, and runs exactly when
-it may (kvbench/runtime/fused_decode.py)."""
+it may (kvbench/runtime/backends/cpu/fused_decode.py)."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from kvbench.runtime import cpu_kernels
-from kvbench.runtime.fused_decode import fused_decode_step
+from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.cpu.backend import CPU
+from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import build_from_transformers
 from tests.tiny_models import tiny_hf_model
@@ -40,23 +41,21 @@ def run(model, prompts, steps, *, fused, hook=None, block_size=4):
     cache = PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=block_size, num_blocks=800)
     slots = [cache.add_sequence() for _ in prompts]
-    attention = cpu_kernels.paged_attention_cpu
     nxt = []
     with torch.inference_mode():
         for s, p in zip(slots, prompts):
             plan = cache.prepare_append([s], torch.arange(len(p)).unsqueeze(0))
-            logits = model.forward(torch.tensor([p]), cache, plan, attention=attention, hook=hook)
+            logits = model.forward(torch.tensor([p]), cache, plan, backend=CPU, hook=hook)
             nxt.append(int(logits[0].argmax()))
         pos = [len(p) for p in prompts]
         out = []
         for _ in range(steps):
             plan = cache.prepare_append(slots, torch.tensor(pos).unsqueeze(1))
-            used = fused_decode_step(model, torch.tensor([nxt]).T, cache, plan, attention, "original",
-                                     *model.rotary.lookup(plan.query_positions), hook is not None
-                                     and hook.needs_key_scores) is not None
+            used = CPU.fused_decode(model, torch.tensor([nxt]).T, cache, plan, "original",
+                                    *model.rotary.lookup(plan.query_positions), hook is not None
+                                    and hook.needs_key_scores) is not None
             assert used == (fused and model.config.model_type != "qwen3")
-            logits = model.forward(torch.tensor([nxt]).T, cache, plan, attention=attention, hook=hook,
-                                   phase="decode")
+            logits = model.forward(torch.tensor([nxt]).T, cache, plan, backend=CPU, hook=hook, phase="decode")
             out.append(logits)
             nxt = logits.argmax(-1).tolist()
             pos = [x + 1 for x in pos]
@@ -110,21 +109,19 @@ def test_not_fused_where_it_does_not_apply():
     slots = [cache.add_sequence() for _ in range(n)]
     plan = cache.prepare_append(slots, torch.zeros(n, 1, dtype=torch.int64))
     cos, sin = model.rotary.lookup(plan.query_positions)
-    cpu = cpu_kernels.paged_attention_cpu
     with torch.inference_mode():
-        assert fused_decode_step(model, torch.zeros(4, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
-                                 False) is not None
-        assert fused_decode_step(model, torch.zeros(n, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
-                                 False) is None
-        assert fused_decode_step(model, torch.zeros(1, 2, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
-                                 False) is None
-        from kvbench.runtime.attention import paged_attention_torch
-        assert fused_decode_step(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, paged_attention_torch,
-                                 "original", cos, sin, False) is None
+        assert CPU.fused_decode(model, torch.zeros(4, 1, dtype=torch.long), cache, plan, "original", cos, sin,
+                                False) is not None
+        assert CPU.fused_decode(model, torch.zeros(n, 1, dtype=torch.long), cache, plan, "original", cos, sin,
+                                False) is None
+        assert CPU.fused_decode(model, torch.zeros(1, 2, dtype=torch.long), cache, plan, "original", cos, sin,
+                                False) is None
+        assert TORCH.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
+                                  False) is None
         cache.store_pre_rope = True
-        assert fused_decode_step(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
-                                 False) is None
+        assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
+                                False) is None
     with torch.enable_grad():
         cache.store_pre_rope = False
-        assert fused_decode_step(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cpu, "original", cos, sin,
-                                 False) is None
+        assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
+                                False) is None

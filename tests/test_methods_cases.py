@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import LayerContext
 from kvbench.methods import build_method
@@ -23,7 +23,7 @@ def step(method, cache, slot, k, v, start, phase, *, q=None, last_chunk=True, ke
     if q is None:
         q = torch.zeros(1, H, Q, D)
     if method.needs_key_scores and key_scores is None:
-        _, key_scores = cache.attend(0, q, plan, D ** -0.5, attention=paged_attention_torch,
+        _, key_scores = cache.attend(0, q, plan, D ** -0.5, backend=TORCH,
                                      return_key_scores=True, causal=Q > 1)
     method.after_attention(LayerContext(0, cache, plan, phase, last_chunk, q, key_scores))
     return plan
@@ -209,7 +209,7 @@ def test_h2o_keeps_the_keys_that_received_most_attention():
     slot = cache.add_sequence()
     plan = cache.prepare_append([slot], torch.arange(T)[None])
     cache.write(0, plan, k[None], v[None])
-    _, ks = cache.attend(0, q, plan, D ** -0.5, attention=paged_attention_torch, return_key_scores=True)
+    _, ks = cache.attend(0, q, plan, D ** -0.5, backend=TORCH, return_key_scores=True)
     acc = ks[0].clone()  # [H, T] prompt attention mass per key
     assert set(acc[0, :13].topk(3).indices.tolist()) == set(heavy)
     m.after_attention(LayerContext(0, cache, plan, "prefill", True, q, ks))

@@ -212,7 +212,7 @@ def triton_dequant():
     import os
     import sys
 
-    name = "kvbench.quant.triton_dequant"
+    name = "kvbench.runtime.backends.triton.dequant"
     if name in sys.modules:
         return sys.modules[name]
     old = os.environ.get("TRITON_INTERPRET")
@@ -238,7 +238,7 @@ def test_triton_kivi_dequant_matches_torch(triton_dequant, bits, key_axis, geom)
     for kind in ("key", "value"):
         blocks = (c.encode_keys if kind == "key" else c.encode_values)(x)
         ref = (c.decode_keys if kind == "key" else c.decode_values)(blocks, b, d)
-        out = triton_dequant.kivi_dequantize(c, blocks.to(device), kind, b, d)
+        out = triton_dequant.dequantize_rows(c, blocks.to(device), kind, b, d)
         assert out.shape == (3, b, d) and out.dtype == torch.float32
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
         assert (out.cpu() - x).abs().max() > 0  # it really is quantized data

@@ -185,12 +185,11 @@ def test_new_tokens_attend_to_packed_and_window(tiny):
     plan = quant.prepare_append([s], torch.tensor([[150]]))  # packs, then room for one token
     kn, vn = torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen)
     q = torch.randn(1, 2 * H, 1, D, generator=gen)
-    from kvbench.runtime.attention import paged_attention_torch
+    from kvbench.runtime.backends.torch.backend import TORCH
 
     for layer in range(L):
         quant.write(layer, plan, kn, vn)
-        out, scores = quant.attend(layer, q, plan, 0.25, attention=paged_attention_torch, return_key_scores=True,
-                                   causal=False)
+        out, scores = quant.attend(layer, q, plan, 0.25, backend=TORCH, return_key_scores=True, causal=False)
         k, v, _ = quant.gather(layer, s)  # [H, T, D]
         ref_p = torch.softmax(torch.einsum("hgd,htd->hgt", q[0].view(H, 2, D), k) * 0.25, -1)
         ref = torch.einsum("hgt,htd->hgd", ref_p, v).reshape(2 * H, D)
@@ -393,13 +392,13 @@ def test_eviction_method_composes_with_codec(tiny):
 # ---------------------------------------------------------------------------------------------------- triton
 @pytest.fixture(scope="module")
 def triton_dequant():
-    """kvbench.quant.triton_dequant imported with TRITON_INTERPRET=1 on a machine without a GPU."""
+    """kvbench.runtime.backends.triton.dequant imported with TRITON_INTERPRET=1 on a machine without a GPU."""
     pytest.importorskip("triton")
     import importlib
     import os
     import sys
 
-    name = "kvbench.quant.triton_dequant"
+    name = "kvbench.runtime.backends.triton.dequant"
     if name not in sys.modules:
         old = os.environ.get("TRITON_INTERPRET")
         if not torch.cuda.is_available():

@@ -163,18 +163,12 @@ def test_ragged_forward_with_the_triton_kernel(dtype):
     pytest.importorskip("triton")
     from kvbench.runtime.kv_cache import PagedKVCache
     from kvbench.runtime.model import RaggedGroup
-    from kvbench.runtime.triton_attention import paged_attention_triton
-
-    def triton_attention(q, k_pool, v_pool, tables, lengths, key_pos, qpos, scale, *, return_key_scores=False,
-                         rotate_keys=None, causal=True):
-        res = paged_attention_triton(q, k_pool, v_pool, tables, lengths.to(torch.int32), key_pos,
-                                     qpos.to(torch.int32), scale, return_key_scores=return_key_scores)
-        return res if return_key_scores else (res, None)
+    from kvbench.runtime.backends.triton.backend import TritonBackend
 
     model = build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024), dtype=dtype)
     cfg = model.config
     outs = []
-    for attn in (None, triton_attention):
+    for backend in (None, TritonBackend()):
         cache = PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                              block_size=BS, num_blocks=256, dtype=dtype)
         slots = [cache.add_sequence() for _ in range(3)]
@@ -182,7 +176,7 @@ def test_ragged_forward_with_the_triton_kernel(dtype):
         for s, (n, start) in zip(slots, [(13, 0), (1, 0), (6, 0)]):
             toks = torch.tensor([_tokens(n, s)])
             groups.append(RaggedGroup(toks, cache.prepare_append([s], torch.arange(start, start + n)[None])))
-        kw = {} if attn is None else {"attention": attn}
+        kw = {} if backend is None else {"backend": backend}
         outs.append(torch.cat(model.forward_ragged(groups, cache, **kw)))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)

@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import build_from_transformers
-from kvbench.runtime.scheduler import Request
+from kvbench.runtime.scheduler import Request, Scheduler
 from kvbench.methods import build_method
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.fixtures.task_fixtures import tiny_hf_model
@@ -282,3 +283,24 @@ def test_prefix_caching_with_preemption_equals_generate(model, schedule):
     assert out.preemptions > 0 and out.cached_prompt_tokens > 0
     assert [r.output for r in reqs] == [ref.generate([p], max_new_tokens=new)[0].token_ids for p in prompts]
     assert engine.cache.pool.in_use == 0
+
+
+def test_the_scheduler_only_plans_steps():
+    """Driven by hand, with no model and no engine (schedule -> run -> postprocess with the run left out): prompts
+    are admitted in chunks, decode tokens come first once a prompt is in, and the sampled tokens it is given finish
+    each request, whose sequence it ends through the callback."""
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=64, max_seqs=4)
+    ended = []
+    sched = Scheduler(cache, lambda slot: (ended.append(slot), cache.free_sequence(slot)), chunk_size=3,
+                      max_num_batched_tokens=8)
+    reqs = [Request([1, 2, 3, 4, 5], 2), Request([6, 7], 3)]
+    sched.add(reqs)
+    steps = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        steps.append([(sc.req.index, sc.kind, sc.n, sc.emits) for sc in batch])
+        sched.postprocess(batch, {i: 9 for i, sc in enumerate(batch) if sc.emits}, 0.0)
+    assert steps[:2] == [[(0, "prefill", 3, False), (1, "prefill", 2, True)],
+                         [(1, "decode", 1, True), (0, "prefill", 2, True)]]
+    assert [r.output for r in reqs] == [[9, 9], [9, 9, 9]] and [r.finish_reason for r in reqs] == ["length"] * 2
+    assert sorted(ended) == [0, 1] and not cache.live and len(sched.outcome().timeline) == len(steps)

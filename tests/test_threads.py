@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from kvbench.runtime import threads
+from kvbench.runtime.backends.cpu import threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = ("import json, os, sys; {first}; from kvbench.runtime import threads; import torch; "
+PROBE = ("import json, os, sys; {first}; from kvbench.runtime.backends.cpu import threads; import torch; "
          "n = threads.configure_threads(2); "
          "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), threads.policy_in_effect(), n, "
          "torch.get_num_threads()]))")

@@ -22,14 +22,15 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvbench.runtime import triton_attention as ta  # noqa: E402
-from kvbench.runtime.triton_attention import paged_attention_triton  # noqa: E402
+from kvbench.runtime.backends.triton import attention as ta  # noqa: E402
+from kvbench.runtime.backends.triton.attention import paged_attention_triton  # noqa: E402
 
 if ON_GPU and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("KVBENCH_TEST_GPU=1 needs a CUDA GPU", allow_module_level=True)
-if not ON_GPU and type(ta._paged_attention_kernel).__name__ != "InterpretedFunction":  # pragma: no cover
+if not ON_GPU and not ta._interpreting():  # pragma: no cover
     pytest.skip(
-        "kvbench.runtime.triton_attention was imported before TRITON_INTERPRET=1 was set; run this file alone",
+        "kvbench.runtime.backends.triton.attention was imported before TRITON_INTERPRET=1 was set; run this file "
+        "alone",
         allow_module_level=True,
     )
 

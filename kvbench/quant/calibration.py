@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kvbench.errors import UserError
 from kvbench.results import warn
-from kvbench.runtime.linear import Linear, keep_dense_weights
+from kvbench.runtime.backends.cpu.linear import Linear, keep_dense_weights
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class _CaptureCache:
             k, v = k + self.zk[layer], v + self.zv[layer]
         self.k[layer], self.v[layer] = k, v
 
-    def attend(self, layer: int, q: torch.Tensor, plan, scale: float, *, attention=None,
+    def attend(self, layer: int, q: torch.Tensor, plan, scale: float, *, backend=None,
                return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
         k, v = self.k[layer], self.v[layer]
         if rotate_keys is not None:

@@ -14,6 +14,11 @@ pool's byte count is the real footprint; `bits_per_element` is computed from tha
 Tokens the codec keeps in full precision (KIVI's newest `residual` tokens, KVQuant's first token) are the pool's
 business: `packed_block_range(num_tokens, block_size)` says which blocks of a table are stored packed and
 `fp_block_dtype` is the dtype the codec's full-precision blocks are meant to use (fp16, as in the papers).
+
+Kernels: a codec lists in `kernels` the runtime kernels that may read its packed rows in place, through the
+`affine_rows` description, instead of calling decode_keys / decode_values; the runtime never matches codecs by name.
+    "cpu_attention"   the C attention over a codec cache (kvbench/runtime/backends/cpu: decode and prefill)
+    "triton_dequant"  the Triton dequantizer (kvbench/runtime/backends/triton/dequant.py: unsigned codes, with mn)
 """
 from __future__ import annotations
 
@@ -30,6 +35,26 @@ from kvbench.quant.uniform import (dequantize_asym, dequantize_fp8, dequantize_i
 Kind = Literal["key", "value"]
 
 
+@dataclass(frozen=True)
+class AffineRows:
+    """How a kernel reads a packed K or V row of uniform codes: element (t, d) of the [block_size, head_dim] tile is
+    mn + code * scale (unsigned codes) or code * scale (signed codes, no mn: mn_offset -1).
+
+    The codes are a little-endian stream of `bits`-bit codes, element t * head_dim + d, from byte `codes_offset`;
+    mn and scale are fp16 arrays from byte `mn_offset` / `scale_offset`, indexed by the element's group:
+    (t // group, d) with `per_channel` (row-major over [block_size / group, head_dim]), else (t, d // group)
+    (row-major over [block_size, ceil(head_dim / group)])."""
+
+    row_bytes: int
+    codes_offset: int
+    mn_offset: int
+    scale_offset: int
+    bits: int
+    signed: bool
+    per_channel: bool
+    group: int
+
+
 class KVCodec:
     """Base class of the storage codecs. Subclasses define `_fields`, `_encode` and `_decode` for one kind."""
 
@@ -41,6 +66,7 @@ class KVCodec:
     fp_block_dtype: torch.dtype | None = None  # dtype meant for the full-precision blocks (None: the model's)
     pre_rope_keys: bool = False  # keys are stored (and quantized) before RoPE, rotated after decoding
     layer_independent: bool = False  # encoding ignores layer and head (blocks of all layers encode in one call)
+    kernels: frozenset[str] = frozenset()  # runtime kernels that read the packed rows in place (module docstring)
 
     # ---- subclass hooks
     def _fields(self, kind: Kind, block_size: int, head_dim: int) -> list[tuple[str, torch.dtype, int]]:
@@ -90,6 +116,10 @@ class KVCodec:
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """uint8 [n, nbytes] -> [n, block_size, head_dim] of `dtype`."""
         return self._decode_kind(blocks, "value", block_size, head_dim, layer, head, dtype)
+
+    def affine_rows(self, kind: Kind, block_size: int, head_dim: int) -> AffineRows | None:
+        """How the kernels in `kernels` read a packed `kind` row; None for a codec that lists none."""
+        return None
 
     def packed_block_range(self, num_tokens: int, block_size: int) -> range:
         """Indices of the blocks of a (layer, head) table of `num_tokens` tokens that are stored packed.
@@ -203,6 +233,17 @@ class KiviCodec(KVCodec):
         if self._axis(kind) == 1:
             return block_size // self.group_size * head_dim
         return block_size * -(-head_dim // self.group_size)
+
+    @property
+    def kernels(self) -> frozenset[str]:
+        """The C attention reads 2, 4 and 8 bits; the Triton dequantizer 2 and 4."""
+        return frozenset({"cpu_attention", "triton_dequant"} if self.bits in (2, 4) else {"cpu_attention"})
+
+    def affine_rows(self, kind, block_size, head_dim):
+        lay = self.layout(kind, block_size, head_dim)
+        f = lay.fields
+        return AffineRows(lay.nbytes, f["codes"].offset, f["mn"].offset, f["scale"].offset, self.bits, False,
+                          self._axis(kind) == 1, self.group_size)
 
     def _fields(self, kind, block_size, head_dim):
         s = self._stats_numel(kind, block_size, head_dim)
@@ -346,6 +387,12 @@ class Int8Codec(KVCodec):
 
     bits: int = field(default=8, init=False)
     name: str = field(default="int8", init=False)
+    kernels = frozenset({"cpu_attention"})
+
+    def affine_rows(self, kind, block_size, head_dim):
+        lay = self.layout(kind, block_size, head_dim)
+        return AffineRows(lay.nbytes, lay.fields["codes"].offset, -1, lay.fields["scale"].offset, 8, True, False,
+                          head_dim)
 
     def _fields(self, kind, block_size, head_dim):
         return [("codes", torch.int8, block_size * head_dim), ("scale", torch.float16, block_size)]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
 
 
 def codec_block_size(codec: Any, block_size: int) -> int:
@@ -39,8 +40,6 @@ def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, 
         num_blocks = max(2, kv_memory_bytes // full_block_bytes(block_size, head_dim, dtype) + 1)  # + scratch
         return PagedKVCache(block_size=block_size, num_blocks=int(num_blocks), store_pre_rope=store_pre_rope,
                             **common)
-    from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
-
     pre_rope = store_pre_rope or bool(getattr(codec, "pre_rope_keys", False))
     return QuantizedPagedKVCache(codec=codec, block_size=codec_block_size(codec, block_size),
                                  max_bytes=int(kv_memory_bytes), store_pre_rope=pre_rope, **common)

@@ -7,6 +7,10 @@
 
 `method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
 methods. `codec` is a storage codec or None (full precision); kvbench.runtime.caches builds the matching cache.
+`attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
+
+Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
+`step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests.
 """
 from __future__ import annotations
 
@@ -16,10 +20,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.backends.selection import select_backend
+from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.caches import build_cache, full_block_bytes
 from kvbench.runtime.hooks import NoCompression
-from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
 from kvbench.runtime.scheduler import SCHEDULES, Outcome, Request, Scheduler
@@ -95,7 +99,8 @@ class Engine:
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
         )
         method.attach(self.cache, cfg)
-        self.attention = self._pick_attention(attention_backend)
+        self.backend = select_backend(attention_backend, model.device, self.cache)
+        self.attention_backend = self.backend.name
         # methods that never act after attention (full, pure codecs) are not called once per layer
         self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
         self._peak_full_bytes = 0
@@ -123,50 +128,13 @@ class Engine:
                              "attention over every prompt query, which a shared prefix skips; use false or auto")
         return bool(setting)
 
-    # ------------------------------------------------------------------ backends
-    def _pick_attention(self, backend: str):
-        """auto: Triton on CUDA (post-RoPE keys, full-precision pool), the C decode kernel on CPU,
-        the torch reference otherwise."""
-        choices = ("auto", "torch", "cpu", "triton")
-        if backend not in choices:
-            raise ValueError(f"unknown attention_backend {backend!r}; choose one of: {', '.join(choices)}")
-        on_cuda = self.model.device.type == "cuda"
-        usable_triton = on_cuda and not self.cache.store_pre_rope and type(self.cache) is PagedKVCache
-        if backend == "triton" and not usable_triton:
-            raise ValueError("attention_backend=triton needs a CUDA device and post-RoPE keys")
-        if backend == "cpu" and on_cuda:
-            raise ValueError("attention_backend=cpu needs the model on the CPU")
-        if backend == "triton" or (backend == "auto" and usable_triton):
-            from kvbench.runtime.triton_attention import paged_attention_triton
-
-            def triton_attention(q, k_pool, v_pool, tables, lengths, key_pos, qpos, scale, *,
-                                 return_key_scores=False, rotate_keys=None, causal=True):
-                res = paged_attention_triton(q, k_pool, v_pool, tables, lengths.to(torch.int32), key_pos,
-                                             qpos.to(torch.int32), scale, return_key_scores=return_key_scores)
-                return res if return_key_scores else (res, None)
-
-            self.attention_backend = "triton"
-            return triton_attention
-        if backend == "cpu" or (backend == "auto" and not on_cuda):
-            from kvbench.runtime.cpu_kernels import load_kernel, paged_attention_cpu
-
-            if load_kernel() is not None:
-                self.attention_backend = "cpu"
-                return paged_attention_cpu
-            if backend == "cpu":
-                from kvbench.runtime.cpu_kernels import kernel_error
-
-                raise ValueError(f"attention_backend=cpu: the C kernel could not be built ({kernel_error()})")
-        self.attention_backend = "torch"
-        return paged_attention_torch
-
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def _step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, *, phase: str,
               last_chunk: bool, logits_for: str) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
         logits = self.model.forward(
-            tokens, self.cache, plan, attention=self.attention, hook=self._layer_hook, phase=phase,
+            tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
             last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
         )
         self._track_full_bytes()
@@ -212,7 +180,7 @@ class Engine:
             order += idx
         plans = self.cache.prepare_appends(room)
         groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
-        out = self.model.forward_ragged(groups, self.cache, attention=self.attention, hook=self._layer_hook,
+        out = self.model.forward_ragged(groups, self.cache, backend=self.backend, hook=self._layer_hook,
                                         logits_for="last", rope_mode=self.method.rope_mode)
         self._track_full_bytes()
         rows = torch.cat(out)  # [len(segments), V] in group order
@@ -400,13 +368,51 @@ class Engine:
               should_stop: Callable[[int, list[int]], bool] | None = None,
               on_token: Callable[[Request], None] | None = None) -> Outcome:
         """Run requests (with arrival times) through the scheduler; each request gets its output and timings.
-        on_token(request) is called after every generated token (progress)."""
-        sched = Scheduler(self, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                          admission_watermark=self.admission_watermark, chunk_size=chunk_size,
-                          schedule=self.schedule, prefix_cache=self.prefix_cache,
-                          stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
-                          should_stop=should_stop, on_token=on_token)
-        return sched.run(requests)
+        on_token(request) is called after every generated token (progress). Each step is schedule -> run ->
+        postprocess; a step that runs out of blocks part-way is undone by the scheduler (its sequences start over)."""
+        sched = Scheduler(self.cache, self.end_sequence, max_num_seqs=self.max_num_seqs,
+                          max_num_batched_tokens=self.max_num_batched_tokens,
+                          admission_watermark=self.admission_watermark,
+                          chunk_size=chunk_size or self.prefill_chunk_size, schedule=self.schedule,
+                          prefix_cache=self.prefix_cache, stop_token_ids=stop_token_ids, should_stop=should_stop,
+                          on_token=on_token)
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(seed)
+        sched.add(requests)
+        try:
+            while sched.has_unfinished():
+                batch = sched.schedule()
+                if not batch:
+                    continue
+                segments = [Segment(sc.req.slot, sc.req.tokens[sc.req.fed:sc.req.fed + sc.n], sc.req.fed,
+                                    "decode" if sc.kind == "decode" else "prefill", sc.emits) for sc in batch]
+                t0 = sched.clock()
+                try:
+                    sampled = self._run(segments, temperature, top_p, gen)
+                except OutOfBlocksError:
+                    sched.undo_step(batch)
+                    continue
+                sched.postprocess(batch, sampled, sched.clock() - t0)
+        except BaseException:
+            sched.release_all()
+            raise
+        return sched.outcome()
+
+    def _run(self, segments: list[Segment], temperature: float, top_p: float, gen: torch.Generator) -> dict[int, int]:
+        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment that ends its
+        sequence's known tokens (last_chunk: a prompt's last chunk, a decode token). Waits for the device."""
+        logits = self.step(segments)
+        emit = [i for i, s in enumerate(segments) if s.last_chunk]
+        toks = self.sample(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
+        self._synchronize()
+        return dict(zip(emit, toks))
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA), so step times are real."""
+        dev = self.model.device
+        if getattr(dev, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(dev)
 
     def memory_stats(self) -> dict:
         """Figures measured from the pool: peak bytes held (peak_kv_bytes, of kv_pool_bytes), the most bytes an

@@ -49,6 +49,11 @@ class AppendPlan:
 class PagedKVCache:
     """Block tables over a preallocated K/V pool for a set of live sequences."""
 
+    # Every block of every table is a [block_size, head_dim] row block of k_pool / v_pool in the cache dtype, written
+    # by `write` and read by `attend` as here: kernels (the Triton attention, the fused CPU decode step) and
+    # drop_slots may read, write and move those rows directly. A codec's cache, with its own block layout, sets False.
+    plain_pools = True
+
     def __init__(
         self,
         *,
@@ -250,12 +255,13 @@ class PagedKVCache:
         self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
 
     # ------------------------------------------------------------------ reading
-    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, attention,
+    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, backend,
                return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
-        """Attention of q [S, Hq, Q, D] over this layer's cached tokens (after this step's write).
+        """Attention of q [S, Hq, Q, D] over this layer's cached tokens (after this step's write), computed by
+        `backend` (a kvbench.runtime.backends.base.AttentionBackend).
 
         A storage codec's cache overrides this to read (dequantize) its own block layout."""
-        return attention(
+        return backend.attend(
             q, self.k_pool, self.v_pool, plan.tables[:, layer], plan.lengths[:, layer],
             plan.positions[:, layer], plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
@@ -374,7 +380,7 @@ class PagedKVCache:
             self.evict_head_blocks(layer, slot, [[a]] * self.num_kv_heads)
             return
         table = self.tables[slot, layer]  # [H, MB]
-        can_shift = (stop - start == bs and n >= (a + 2) * bs and self._moves_raw_rows
+        can_shift = (stop - start == bs and n >= (a + 2) * bs and self.plain_pools
                      and not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist()))
         if not can_shift:
             keep = torch.cat([torch.arange(start), torch.arange(stop, n)]).to(self.device)
@@ -391,8 +397,6 @@ class PagedKVCache:
         self.evict_head_blocks(layer, slot, [[a + 1]] * self.num_kv_heads)
 
     # ------------------------------------------------------------------ pool accounting (for the scheduler)
-    _moves_raw_rows = True  # a codec's cache with its own block layout sets False
-
     def free_blocks(self) -> int:
         """New blocks an append could get now."""
         return self.pool.num_free

@@ -7,18 +7,18 @@ our own so every token's K/V goes through the paged cache and the method hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.runtime import cpu_kernels
-from kvbench.runtime.attention import paged_attention_torch
-from kvbench.runtime.fused_decode import fused_decode_step
+from kvbench.runtime.backends.base import AttentionBackend
+from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.cpu.linear import Linear
+from kvbench.runtime.backends.cpu.threads import StepThreads
+from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
-from kvbench.runtime.linear import Linear
 from kvbench.runtime.rope import RotaryTable, apply_rotary
-from kvbench.runtime.threads import StepThreads
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -85,9 +85,6 @@ class LayerHook(Protocol):
     def after_attention(self, ctx: LayerContext) -> None: ...
 
 
-AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
     dtype = x.dtype
@@ -111,10 +108,11 @@ class LlamaFamilyModel:
         self.rotary = rotary
         self.dtype = embed.dtype
         self.device = embed.device
-        # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths)
+        # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths), whatever the attention
+        # backend
         self.use_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         self.step_threads = StepThreads() if self.device.type == "cpu" else None
-        self.fuse_decode_layers = True  # decode steps one C call per layer where they may (runtime/fused_decode.py)
+        self.fuse_decode_layers = True  # the backend's fused decode step where it has one (backends/cpu)
 
     @property
     def weight_bytes(self) -> int:
@@ -127,18 +125,18 @@ class LlamaFamilyModel:
         return n
 
     def forward(self, tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan, *,
-                attention: AttentionFn = paged_attention_torch, hook: LayerHook | None = None,
+                backend: AttentionBackend = TORCH, hook: LayerHook | None = None,
                 phase: str = "prefill", last_chunk: bool = True, logits_for: str = "last",
                 rope_mode: str = "original") -> torch.Tensor | None:
         """One rectangular step: tokens [S, Q] of S sequences, Q new tokens each (their cache slots in `plan`).
         Returns logits [S, V] ("last"), [S, Q, V] ("all") or None. rope_mode "original" | "cache" (positions
         re-indexed inside the cache)."""
         group = RaggedGroup(tokens, plan, phase, last_chunk)
-        return self.forward_ragged([group], cache, attention=attention, hook=hook, logits_for=logits_for,
+        return self.forward_ragged([group], cache, backend=backend, hook=hook, logits_for=logits_for,
                                    rope_mode=rope_mode)[0]
 
     def forward_ragged(self, groups: list[RaggedGroup], cache: PagedKVCache, *,
-                       attention: AttentionFn = paged_attention_torch, hook: LayerHook | None = None,
+                       backend: AttentionBackend = TORCH, hook: LayerHook | None = None,
                        logits_for: str = "last", rope_mode: str = "original") -> list[torch.Tensor | None]:
         """One ragged step over the flat list of every group's tokens (vLLM v1's batch: prefill chunks and decode
         tokens of many sequences, each with its own length, positions and cache slots). Per group: logits
@@ -146,18 +144,19 @@ class LlamaFamilyModel:
         that `StepThreads` finds fastest (1 or all: it differs on a machine shared with other processes)."""
         st = self.step_threads
         if st is None or torch.is_grad_enabled():
-            return self._forward(groups, cache, attention, hook, logits_for, rope_mode)
+            return self._forward(groups, cache, backend, hook, logits_for, rope_mode)
         st.begin(sum(g.tokens.numel() for g in groups))
         try:
-            return self._forward(groups, cache, attention, hook, logits_for, rope_mode)
+            return self._forward(groups, cache, backend, hook, logits_for, rope_mode)
         finally:
             st.end()
 
-    def _forward(self, groups: list[RaggedGroup], cache: PagedKVCache, attention: AttentionFn,
+    def _forward(self, groups: list[RaggedGroup], cache: PagedKVCache, backend: AttentionBackend,
                  hook: LayerHook | None, logits_for: str, rope_mode: str) -> list[torch.Tensor | None]:
         """The dense ops (norms, projections, RoPE, MLP, head) run once over the flat token list x [N, E]; the
         attention (cache write, paged attention, the method's hook) runs per group, so a hook sees exactly the
-        rectangular [S_g, Hq, Q_g, D] inputs of a step of that group alone."""
+        rectangular [S_g, Hq, Q_g, D] inputs of a step of that group alone. A single group may run fused instead
+        (the backend's `fused_decode`: whole layers per kernel call)."""
         cfg = self.config
         Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
@@ -174,7 +173,7 @@ class LlamaFamilyModel:
         fused = None
         if fast and len(groups) == 1:
             g = groups[0]
-            fused = fused_decode_step(self, g.tokens, cache, g.plan, attention, rope_mode, cos, sin, need_scores)
+            fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores)
         if fused is not None:  # whole layers per C call, x updated in place
             g = groups[0]
             after = None if hook is None else lambda li, q, key_scores: hook.after_attention(
@@ -196,7 +195,7 @@ class LlamaFamilyModel:
                 S, Q = g.tokens.shape
                 rows = slice(off, off + n)
                 o = self._attend_group(li, lw, g, q[rows], k[rows], v[rows], cos[rows].view(S, Q, D),
-                                       sin[rows].view(S, Q, D), rotated, cache, attention, hook, need_scores,
+                                       sin[rows].view(S, Q, D), rotated, cache, backend, hook, need_scores,
                                        rope_mode)  # [S, Hq, Q, D]
                 out[rows] = o.transpose(1, 2).reshape(n, Hq * D)
             x = x + lw.o(out)
@@ -216,7 +215,7 @@ class LlamaFamilyModel:
 
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
-                      attention: AttentionFn, hook: LayerHook | None, need_scores: bool,
+                      backend: AttentionBackend, hook: LayerHook | None, need_scores: bool,
                       rope_mode: str) -> torch.Tensor:
         """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
         applied when `rotated`), cos / sin [S, Q, D]; writes its K/V, attends, calls the hook; returns out
@@ -250,7 +249,7 @@ class LlamaFamilyModel:
             rotate_keys = self._rotate_at_slot
         cache.write(li, plan, k, v)
         out, key_scores = cache.attend(
-            li, q, plan, cfg.head_dim ** -0.5, attention=attention, return_key_scores=need_scores,
+            li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
             rotate_keys=rotate_keys, causal=Q > 1,
         )
         if hook is not None:

@@ -21,16 +21,14 @@ in full precision (as KIVI's prefill does), and each decode step sees the newest
 tokens in full precision and everything older dequantized. `pack_pending()` packs without appending.
 (Granularity is the block: KVQuant's "first token in fp16" keeps the whole first block, 32 tokens, in fp16.)
 
-Reading: `attend` dequantizes the layer's blocks into a dense scratch buffer (torch on CPU; the Triton
-`kivi_dequantize` kernel for 2/4-bit KIVI on CUDA) and runs the engine's attention function on it, unchanged
-(pre-RoPE keys, as KVQuant stores them, are rotated by the model's `rotate_keys` after dequantization).
-Decode steps on CPU with the engine's C attention kernel and a codec it can read (KIVI 2/4/8-bit, int8) skip the
-scratch buffer: `cpu_kernels.codec_decode_attention_cpu` decodes each block into an L1-sized tile as it reads
-it, from both pools in place (tests/test_codec_decode_kernel.py checks it against the dequantize-then-attend path).
-Prefill chunks do the same with `cpu_kernels.codec_prefill_attention_cpu` (causal, many queries, an online softmax
-per query; tests/test_codec_prefill_kernel.py), unless the method asks for per-key attention mass (H2O-style) or
-the keys are stored before RoPE (KVQuant), which keep the dequantize-then-attend path; so does fp8, which the
-kernels cannot read (no block format for e4m3 codes yet), and KVQuant's non-uniform levels and sparse outliers.
+Reading: `attend` first offers the layer to the engine's backend (`backend.attend_packed`), which reads both pools
+in place where it has a kernel for the codec (the codec lists it in `codec.kernels`): the CPU backend's C codec
+kernels decode each block into an L1-sized tile as they reach it, for decode steps and for causal prefill chunks
+(tests/test_codec_decode_kernel.py, tests/test_codec_prefill_kernel.py), unless the method asks for per-key
+attention mass in prefill (H2O-style) or the keys are stored before RoPE (KVQuant). Otherwise the layer's blocks
+are dequantized into a dense scratch buffer (the codec's own decode, or the Triton dequantizer on CUDA for a codec
+that lists "triton_dequant") and `backend.attend` runs on it, unchanged (pre-RoPE keys, as KVQuant stores them, are
+rotated by the model's `rotate_keys` after dequantization).
 
 Bytes: `kv_bytes_in_use` = full-precision blocks in use x their bytes + packed blocks in use x their row bytes,
 all counted from the pools; `peak_kv_bytes` is the largest such sum seen (updated at every allocation).
@@ -54,9 +52,8 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.runtime import cpu_kernels
+from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
-from kvbench.runtime.caches import codec_block_size  # noqa: F401  (re-exported)
 from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 
 
@@ -170,7 +167,7 @@ class RoutedBlockPool:
 class QuantizedPagedKVCache(PagedKVCache):
     """PagedKVCache whose blocks are packed by a storage codec once they leave the full-precision window."""
 
-    _moves_raw_rows = False  # packed rows have the codec's layout: drop_slots falls back to keep_tokens
+    plain_pools = False  # packed rows have the codec's layout: drop_slots falls back to keep_tokens
 
     def __init__(self, *, codec, block_size: int, max_bytes: int, dequant: str = "auto", **kwargs):
         """block_size must already suit the codec (see `codec_block_size`); max_bytes bounds the bytes of both
@@ -185,7 +182,6 @@ class QuantizedPagedKVCache(PagedKVCache):
             kwargs["store_pre_rope"] = bool(getattr(codec, "pre_rope_keys", False))
         super().__init__(block_size=block_size, num_blocks=0, **kwargs)
         self.dequant = self._pick_dequant(dequant)
-        self._kernel_formats: tuple | None | bool = False  # (key, value) BlockFormat, None (unreadable); lazy
 
     def _make_storage(self, num_blocks: int) -> None:
         """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
@@ -220,18 +216,14 @@ class QuantizedPagedKVCache(PagedKVCache):
         return -(-self.pool.bytes_in_use() // self.pool.fp_block_bytes)
 
     def _pick_dequant(self, dequant: str) -> str:
-        c = self.codec
-        triton_ok = (self.device.type == "cuda" and getattr(c, "name", "") == "kivi" and c.bits in (2, 4))
+        """auto: the Triton dequantizer on CUDA for a codec it reads (codec.kernels), when triton is installed."""
+        readable = "triton_dequant" in getattr(self.codec, "kernels", ())
         if dequant == "triton":
-            if getattr(c, "name", "") != "kivi" or c.bits not in (2, 4):
+            if not readable:
                 raise ValueError("dequant=triton supports 2- and 4-bit KIVI blocks only")
             return "triton"
-        if dequant == "auto" and triton_ok:
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                return "torch"
-            return "triton"
+        if dequant == "auto" and readable and self.device.type == "cuda":
+            return "triton" if triton_backend.installed() else "torch"
         return "torch"
 
     # ------------------------------------------------------------------ sizes and bytes
@@ -429,48 +421,28 @@ class QuantizedPagedKVCache(PagedKVCache):
     def _decode(self, kind: str, rows: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
         bs, D = self.block_size, self.head_dim
         if self.dequant == "triton":
-            from kvbench.quant.triton_dequant import kivi_dequantize
-
-            return kivi_dequantize(self.codec, rows.contiguous(), kind, bs, D).to(self.dtype)
+            dequantize_rows = triton_backend.load("dequant").dequantize_rows
+            return dequantize_rows(self.codec, rows.contiguous(), kind, bs, D).to(self.dtype)
         if kind == "key":
             return self.codec.decode_keys(rows, bs, D, layer, heads, dtype=self.dtype)
         return self.codec.decode_values(rows, bs, D, layer, heads, dtype=self.dtype)
 
-    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, attention,
+    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, backend,
                return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
-        """Dequantize this layer's blocks and run `attention` over them, as PagedKVCache.attend does."""
+        """Attention over this layer's blocks: read in place by the backend where it can (`attend_packed`), else
+        dequantized and attended by `backend.attend`, as PagedKVCache.attend does."""
+        res = backend.attend_packed(self, layer, q, plan, scale, return_key_scores=return_key_scores,
+                                    rotate_keys=rotate_keys, causal=causal)
+        if res is not None:
+            return res
         tables, lengths = plan.tables[:, layer], plan.lengths[:, layer]
         S, H = tables.shape[:2]
-        if attention is cpu_kernels.paged_attention_cpu and self._kernel_reads(q, rotate_keys, causal):
-            return cpu_kernels.codec_decode_attention_cpu(
-                q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
-                scale, return_key_scores=return_key_scores)
-        if (attention is cpu_kernels.paged_attention_cpu and causal and not return_key_scores
-                and self._kernel_reads(q, rotate_keys, False, prefill=True)):
-            out = cpu_kernels.codec_prefill_attention_cpu(
-                q, self.k_pool, self.v_pool, self.kq_pool, self.vq_pool, self._kernel_formats, tables, lengths,
-                self.positions[plan.slots, layer], plan.query_positions, scale)
-            return out, None
         k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
-        return attention(
+        return backend.attend(
             q, k, v, dense_tables, lengths, self.positions[plan.slots, layer], plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
-
-    def _kernel_reads(self, q: torch.Tensor, rotate_keys, causal: bool, prefill: bool = False) -> bool:
-        """Whether this step can run a C codec kernel: fp32 queries over post-RoPE keys, a readable codec, at most
-        8 query heads per kv-head; one query per sequence (decode), or a causal chunk with `prefill`."""
-        if causal or rotate_keys is not None or (q.shape[2] != 1) != prefill or q.dtype != torch.float32:
-            return False
-        if q.device.type != "cpu" or self.dtype != torch.float32 or q.shape[1] // self.num_kv_heads > 8:
-            return False
-        if self._kernel_formats is False:
-            formats = (cpu_kernels.codec_block_format(self.codec, "key", self.block_size, self.head_dim),
-                       cpu_kernels.codec_block_format(self.codec, "value", self.block_size, self.head_dim))
-            ok = None not in formats and self.fp_dtype in (torch.float16, torch.float32) and cpu_kernels.available()
-            self._kernel_formats = formats if ok else None
-        return self._kernel_formats is not None
 
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense (dequantized) K, V [H, T, D] and positions [H, T] of one sequence's layer (pad = -1)."""

@@ -1,11 +1,17 @@
 """Continuous batching over one paged pool (the manner of nano-vllm and vLLM v1), with preemption by recompute.
 
-    sched = Scheduler(engine, max_num_seqs=256, max_num_batched_tokens=2048, admission_watermark=0.01)
-    outcome = sched.run([Request(prompt_ids, max_new_tokens=128), ...])
+    sched = Scheduler(cache, engine.end_sequence, chunk_size=512, max_num_seqs=256, max_num_batched_tokens=2048)
+    sched.add([Request(prompt_ids, max_new_tokens=128), ...])
+    while sched.has_unfinished():
+        batch = sched.schedule()                  # what to run: [Scheduled(request, n tokens, kind), ...]
+        ...                                       # the engine runs it (Engine.serve) and samples
+        sched.postprocess(batch, sampled, dt)     # {index in batch: token}: emit, finish, record
+    outcome = sched.outcome()
 
 Each step is schedule -> run -> postprocess: `schedule()` returns what to run (a list of `Scheduled` segments: a
-prefill chunk or one decode token of a sequence), `Engine.step` runs them as one ragged forward, `postprocess`
-samples, emits tokens, finishes and records.
+prefill chunk or one decode token of a sequence), the engine runs them as one ragged forward (`Engine.step`) and
+samples, and `postprocess` advances the requests, emits the tokens, finishes and records. The scheduler never runs
+the model: it sees the cache (blocks and sequences) and a callback that ends a sequence.
 
 Queues: `waiting` (arrived, not admitted, FIFO; a preempted request goes back to its head) and `admitted` (in
 admission order: sequences still prefilling and sequences decoding). Two policies (`schedule`):
@@ -32,10 +38,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
-
-import torch
-
-from kvbench.runtime.block_pool import OutOfBlocksError
 
 SCHEDULES = ("mixed", "prefill_first")
 
@@ -103,14 +105,19 @@ class Scheduled:
     n: int
     kind: str  # prefill | decode
 
+    @property
+    def emits(self) -> bool:
+        """Whether the step's logits for it give the request's next token (its last prompt chunk, a decode)."""
+        return self.req.fed + self.n == len(self.req.tokens)
+
 
 class Scheduler:
-    """Runs requests to completion over the engine's pool; see the module docstring."""
+    """Queues, admission and preemption over one cache's pool; see the module docstring. `end_sequence(slot)` ends
+    a sequence (the engine's: the method forgets it, its blocks go back to the pool)."""
 
-    def __init__(self, engine: Any, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 admission_watermark: float = 0.01, chunk_size: Optional[int] = None,
-                 stop_token_ids: Iterable[int] = (), temperature: float = 0.0, top_p: float = 1.0,
-                 seed: Optional[int] = None,
+    def __init__(self, cache: Any, end_sequence: Callable[[int], None], *, chunk_size: int,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, admission_watermark: float = 0.01,
+                 stop_token_ids: Iterable[int] = (),
                  should_stop: Optional[Callable[[int, list[int]], bool]] = None,
                  on_token: Optional[Callable[[Request], None]] = None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -119,65 +126,78 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, admission_watermark in [0, 1)")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
-        self.engine, self.cache = engine, engine.cache
+        self.cache, self.end_sequence = cache, end_sequence
         self.schedule_policy, self.prefix_cache = schedule, prefix_cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.chunk = min(chunk_size or engine.prefill_chunk_size, max_num_batched_tokens)
+        self.chunk = min(chunk_size, max_num_batched_tokens)
         self.reserve = int(admission_watermark * self.cache.capacity_blocks())
         self.stops = {int(t) for t in stop_token_ids}
-        self.temperature, self.top_p, self.should_stop, self.on_token = temperature, top_p, should_stop, on_token
-        self.gen = torch.Generator(device="cpu")
-        if seed is not None:
-            self.gen.manual_seed(seed)
+        self.should_stop, self.on_token = should_stop, on_token
         self.clock = clock
+        self.requests: list[Request] = []
+        self.pending: deque[Request] = deque()  # submitted, not arrived yet (arrival order)
         self.waiting: deque[Request] = deque()
         self.admitted: list[Request] = []  # admission order
         self.timeline: list[StepRecord] = []
         self.preemptions = 0
         self.cached_prompt_tokens = 0
+        self.max_running = 0
         self._decode_start = 0
+        self.t0 = self.clock()
 
     # ------------------------------------------------------------------ driver
-    def run(self, requests: list[Request]) -> Outcome:
-        """Run every request to completion (or failure); returns them with their timings and the timeline."""
+    def add(self, requests: list[Request]) -> None:
+        """Submit the requests (all at once; each is admitted once it has arrived); the clock starts now."""
         for i, r in enumerate(requests):
             r.index = i
             if not r.prompt:
                 raise ValueError("empty prompt")
             if r.max_new_tokens < 0:
                 raise ValueError(f"max_new_tokens must be >= 0, got {r.max_new_tokens}")
-        pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
+        self.requests = requests
+        self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
         self.t0 = self.clock()
         self.max_running = 0
-        try:
-            while pending or self.waiting or self.admitted:
-                now = self.now()
-                while pending and pending[0].arrival_s <= now:
-                    r = pending.popleft()
-                    if r.max_new_tokens == 0:
-                        self._finish(r, "length")
-                    else:
-                        self.waiting.append(r)
-                if not self.waiting and not self.admitted:
-                    if pending:  # idle until the next arrival
-                        time.sleep(max(0.0, pending[0].arrival_s - self.now()))
-                    continue
-                batch = self.schedule()
-                if batch:
-                    self.execute(batch)
-        except BaseException:
-            for r in list(self.admitted):
-                self._release(r)
-            raise
-        return Outcome(requests, self.timeline, self.preemptions, self.now(), self.max_running,
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still to arrive, waiting or admitted."""
+        return bool(self.pending or self.waiting or self.admitted)
+
+    def outcome(self) -> Outcome:
+        """The requests with their outputs and timings, and the timeline."""
+        return Outcome(self.requests, self.timeline, self.preemptions, self.now(), self.max_running,
                        self.cached_prompt_tokens)
+
+    def release_all(self) -> None:
+        """End every admitted sequence (the run stopped on an error)."""
+        for r in list(self.admitted):
+            self._release(r)
 
     def now(self) -> float:
         return self.clock() - self.t0
 
+    def _arrive(self) -> bool:
+        """Move the requests that have arrived to the waiting queue (finishing those that want no tokens); when
+        nothing is waiting or admitted, sleep until the next arrival. Whether there is anything to schedule."""
+        now = self.now()
+        while self.pending and self.pending[0].arrival_s <= now:
+            r = self.pending.popleft()
+            if r.max_new_tokens == 0:
+                self._finish(r, "length")
+            else:
+                self.waiting.append(r)
+        if not self.waiting and not self.admitted:
+            if self.pending:  # idle until the next arrival
+                time.sleep(max(0.0, self.pending[0].arrival_s - self.now()))
+            return False
+        return True
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> list[Scheduled]:
-        """What the next step runs (may be empty when this call only preempted or failed requests)."""
+        """What the next step runs, after taking in the requests that arrived (empty when nothing can run now: this
+        call only waited for an arrival, or preempted or failed requests)."""
+        if not self._arrive():
+            return []
         if self.schedule_policy == "prefill_first":
             return self._schedule_prefill_first()
         return self._schedule_mixed()
@@ -319,37 +339,19 @@ class Scheduler:
             return []
         return [Scheduled(r, 1, "decode") for r in batch]
 
-    # ------------------------------------------------------------------ run + postprocess
-    def execute(self, batch: list[Scheduled]) -> None:
-        """Run one scheduled step (one ragged forward) and postprocess it."""
-        from kvbench.runtime.engine import Segment
-
-        segs = []
-        for sc in batch:
-            r = sc.req
-            ids = r.tokens[r.fed:r.fed + sc.n]
-            last = r.fed + sc.n == len(r.tokens)
-            segs.append(Segment(r.slot, ids, r.fed, "decode" if sc.kind == "decode" else "prefill", last))
-        t0 = self.clock()
-        try:
-            logits = self.engine.step(segs)
-        except OutOfBlocksError:
-            # part of the step may have appended: every sequence in it starts over (recompute), newest first
-            for sc in sorted(batch, key=lambda sc: -self.admitted.index(sc.req)):
-                if len(self.admitted) == 1:
-                    self._fail_too_large(sc.req)
-                else:
-                    self._preempt(sc.req)
-            return
-        emit = [i for i, sc in enumerate(batch) if sc.req.fed + sc.n == len(sc.req.tokens)]
-        toks = (self.engine.sample(torch.stack([logits[i] for i in emit]), self.temperature, self.top_p, self.gen)
-                if emit else [])
-        _sync(self.engine)
-        dt = self.clock() - t0
-        self.postprocess(batch, dict(zip(emit, toks)), dt)
+    # ------------------------------------------------------------------ postprocess
+    def undo_step(self, batch: list[Scheduled]) -> None:
+        """The engine ran out of blocks part-way through this step (some of its sequences may have appended):
+        every sequence in it starts over (recompute), newest first; one alone that cannot fit fails."""
+        for sc in sorted(batch, key=lambda sc: -self.admitted.index(sc.req)):
+            if len(self.admitted) == 1:
+                self._fail_too_large(sc.req)
+            else:
+                self._preempt(sc.req)
 
     def postprocess(self, batch: list[Scheduled], sampled: dict[int, int], dt: float) -> None:
-        """Advance each request by its scheduled tokens, emit the sampled ones, offer newly full blocks to the
+        """After the engine ran `batch` in dt seconds and sampled {index in batch: token} for the segments that emit:
+        advance each request by its scheduled tokens, emit the sampled ones, offer newly full blocks to the
         prefix cache, record the step. A prefill chunk is charged its share of the step's time by tokens (so the
         prefill time of a trace sums to the time its prompt tokens took); a decode token the whole step (the
         latency its sequence saw)."""
@@ -393,7 +395,7 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         if r.slot is not None:
-            self.engine.end_sequence(r.slot)
+            self.end_sequence(r.slot)
             r.slot = None
         if r in self.admitted:
             self.admitted.remove(r)
@@ -425,9 +427,3 @@ class Scheduler:
     def _record(self, kind: str, tokens: int) -> None:
         self.timeline.append(StepRecord(self.now(), kind, len(self.admitted), len(self.waiting),
                                         self.cache.blocks_in_use_now(), tokens))
-
-
-def _sync(engine: Any) -> None:
-    dev = engine.model.device
-    if getattr(dev, "type", "cpu") == "cuda":
-        torch.cuda.synchronize(dev)

@@ -1,18 +1,17 @@
 """Decode steps on CPU in one C call for all layers (csrc/decode_layer.c) instead of about ten calls per layer.
 
-Why: a batch-1 decode step of SmolLM2-135M reads ~540 MB of fp32 weights, which the C GEMVs stream in ~9-12 ms on
-the 2-core dev machine, yet the step took 16-20 ms: the rest was per-op overhead (Python, torch dispatch, and one
-OpenMP parallel region per op whose sleeping worker thread must be woken each time). The fused path runs norms,
-projections, RoPE, the K/V write, paged attention and the MLP of every layer in one parallel region; with a
-method's hook it makes one call per layer and calls the hook after each.
+Why: a small model's batch-1 decode step spends much of its time outside the weight GEMVs, in per-op overhead
+(Python, torch dispatch, and one OpenMP parallel region per op whose sleeping worker thread must be woken each
+time). The fused path runs norms, projections, RoPE, the K/V write, paged attention and the MLP of every layer in
+one parallel region; with a method's hook it makes one call per layer and calls the hook after each.
 
-It applies to decode steps (one token per sequence, at most `cpu_kernels.GEMV_MAX_ROWS` sequences) of an fp32
-model on CPU with the C kernels, a plain `PagedKVCache` (codec caches read their own layout), keys cached after
-RoPE at their original positions, no q/k norm (Qwen3), and the C attention kernel. Anything else, or
-`model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers
-(tests/test_fused_decode.py). The hook gets the same LayerContext as on the op-by-op path, but after the layer's
-MLP instead of before its output projection, which changes nothing: hooks read q and the attention scores and edit
-the cache, which that layer no longer reads.
+It applies to decode steps (one token per sequence, at most `kernels.GEMV_MAX_ROWS` sequences) of an fp32 model on
+CPU with the C kernels, a cache with plain pools (`PagedKVCache.plain_pools`; codec caches read their own layout),
+keys cached after RoPE at their original positions, no q/k norm (Qwen3), under the CPU backend
+(`CpuBackend.fused_decode`). Anything else, or `model.fuse_decode_layers = False`, takes the op-by-op path; both
+give the same numbers (tests/test_fused_decode.py). The hook gets the same LayerContext as on the op-by-op path,
+but after the layer's MLP instead of before its output projection, which changes nothing: hooks read q and the
+attention scores and edit the cache, which that layer no longer reads.
 """
 from __future__ import annotations
 
@@ -21,7 +20,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvbench.runtime import cpu_kernels
+from kvbench.runtime.backends.base import FusedDecode
+from kvbench.runtime.backends.cpu import kernels
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 
 if TYPE_CHECKING:
@@ -40,15 +40,15 @@ def layer_weights(model: "LlamaFamilyModel") -> ctypes.Array | None:
         if any(lin._plain is None for lin in lins):
             model._fused_weights = []
             return None
-        weights.append(cpu_kernels.DecodeLayerWeights.of(
+        weights.append(kernels.DecodeLayerWeights.of(
             ln_attn=lw.ln_attn, ln_mlp=lw.ln_mlp, w_qkv=lw.qkv._plain, b_qkv=lw.qkv.bias, w_o=lw.o._plain,
             b_o=lw.o.bias, w_gu=lw.gate_up._plain, b_gu=lw.gate_up.bias, w_down=lw.down._plain,
             b_down=lw.down.bias))
-    model._fused_weights = (cpu_kernels.DecodeLayerWeights * len(weights))(*weights)
+    model._fused_weights = (kernels.DecodeLayerWeights * len(weights))(*weights)
     return model._fused_weights
 
 
-class FusedDecodeStep:
+class FusedDecodeStep(FusedDecode):
     """One decode step's shared state for `decode_layers`: RoPE rows, write rows, scratch buffers sized for the
     step's longest table."""
 
@@ -60,14 +60,14 @@ class FusedDecodeStep:
         self.model, self.weights, self.cache, self.plan = model, weights, cache, plan
         self.cos, self.sin = cos.reshape(S, D).contiguous(), sin.reshape(S, D).contiguous()  # [S, D]
         self.write_rows = plan.write_index[..., 0].transpose(0, 1).contiguous()  # [L, S, H]
-        self.buffers = cpu_kernels._DecodeBuffers(S, H, cfg.num_heads // H, D, int(plan.lengths.max()), 16, False)
+        self.buffers = kernels._DecodeBuffers(S, H, cfg.num_heads // H, D, int(plan.lengths.max()), 16, False)
         self.scratch = (torch.empty(S, cfg.hidden_size), torch.empty(S, cfg.intermediate_size))
         self.need_scores = need_scores
         self.scale = D ** -0.5
 
     def _layers(self, x: torch.Tensor, first: int, n: int) -> torch.Tensor:
         cfg, plan = self.model.config, self.plan
-        return cpu_kernels.decode_layers(
+        return kernels.decode_layers(
             x, self.weights, first, n, cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin,
             self.cache.k_pool, self.cache.v_pool, self.write_rows, plan.tables, plan.lengths, cfg.num_heads,
             self.scale, self.buffers, self.scratch)
@@ -91,18 +91,18 @@ class FusedDecodeStep:
                 key_scores = b.key_scores[:, :, :t_layer]
             after_layer(li, q, key_scores)
 
+
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
-                      attention, rope_mode: str, cos: torch.Tensor, sin: torch.Tensor,
+                      rope_mode: str, cos: torch.Tensor, sin: torch.Tensor,
                       need_scores: bool) -> FusedDecodeStep | None:
     """A FusedDecodeStep when this step can run fused (see the module docstring), else None."""
     S, Q = tokens.shape
     cfg = model.config
-    if not (model.fuse_decode_layers and model.use_cpu_kernels and Q == 1 and S <= cpu_kernels.GEMV_MAX_ROWS
-            and not torch.is_grad_enabled() and attention is cpu_kernels.paged_attention_cpu
+    if not (model.fuse_decode_layers and model.use_cpu_kernels and Q == 1 and S <= kernels.GEMV_MAX_ROWS
+            and not torch.is_grad_enabled()
             and not cache.store_pre_rope and not cfg.qk_norm and rope_mode == "original"
-            and type(cache).write is PagedKVCache.write and type(cache).attend is PagedKVCache.attend
-            and cache.k_pool.dtype == torch.float32 and cache.k_pool.is_contiguous()
-            and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= cpu_kernels._MAX_GROUP):
+            and cache.plain_pools and cache.k_pool.dtype == torch.float32 and cache.k_pool.is_contiguous()
+            and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= kernels._MAX_GROUP):
         return None
     weights = layer_weights(model)
     if weights is None:

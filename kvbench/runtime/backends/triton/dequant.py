@@ -1,9 +1,9 @@
-"""Triton dequantization of KIVI-packed blocks (2 or 4 bits), checked against `KiviCodec.decode_*`.
+"""Triton dequantization of packed blocks of unsigned uniform codes (KIVI 2 / 4 bits), checked against the codec's
+own `decode_keys` / `decode_values` (tests/test_quant_codecs.py).
 
-Input: the pool rows of one kind, uint8 [n, nbytes] as laid out by `KiviCodec.layout(kind, B, D)`:
-    mn    fp16 [S] at byte 0, scale fp16 [S] after it, codes uint8 [B*D*bits/8] after that,
-    with S = (B / G) * D for per-channel keys (stat (t // G, d)) or B * ceil(D / G) for per-token groups
-    (stat (t, d // G)); element (t, d) is code number t * D + d of the little-endian bit stream.
+Input: the pool rows of one kind, uint8 [n, nbytes], read as the codec's `affine_rows(kind, B, D)` describes them
+(a codec that lists "triton_dequant" in its `kernels`): element (t, d) is code number t * D + d of the
+little-endian bit stream; mn and scale are fp16, one per group: (t // G, d) per channel, (t, d // G) per token.
 Output: fp32 [n, B, D] = mn + code * scale. One program per block.
 
 triton is imported lazily: importing this module without triton works, calling the kernel raises ImportError.
@@ -27,7 +27,7 @@ except ImportError as _err:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _kivi_dequant_kernel(
+    def _dequant_kernel(
         BYTES, HALVES, OUT,
         row_bytes,  # bytes per packed block (even)
         mn_off, scale_off,  # fp16 element offsets inside a row
@@ -54,29 +54,28 @@ if triton is not None:
         tl.store(OUT + row * (BLOCK_SIZE * HEAD_DIM) + e, out, mask=mask)
 
 
-def kivi_dequantize(codec, blocks: torch.Tensor, kind: str, block_size: int, head_dim: int) -> torch.Tensor:
-    """Dequantize KIVI blocks with Triton. blocks: uint8 [n, nbytes] -> fp32 [n, block_size, head_dim]."""
+def dequantize_rows(codec, blocks: torch.Tensor, kind: str, block_size: int, head_dim: int) -> torch.Tensor:
+    """Dequantize a codec's packed rows with Triton. blocks: uint8 [n, nbytes] -> fp32 [n, block_size, head_dim]."""
     if triton is None:
-        raise ImportError("kivi_dequantize needs triton") from _TRITON_IMPORT_ERROR
-    if codec.name != "kivi" or codec.bits not in (2, 4):
-        raise ValueError(f"only 2- and 4-bit KIVI blocks, got {codec.name} {codec.bits}")
-    lay = codec.layout(kind, block_size, head_dim)
-    f = lay.fields
-    assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == lay.nbytes
+        raise ImportError("dequantize_rows needs triton") from _TRITON_IMPORT_ERROR
+    if "triton_dequant" not in getattr(codec, "kernels", ()):
+        raise ValueError(f"the Triton dequantizer cannot read {getattr(codec, 'name', codec)!r} blocks "
+                         "(2- and 4-bit KIVI only)")
+    rows = codec.affine_rows(kind, block_size, head_dim)
+    assert not rows.signed and rows.mn_offset >= 0, "unsigned codes with a minimum"
+    assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == rows.row_bytes
     assert blocks.is_contiguous(), "pass contiguous rows (gather the pool rows first)"
-    assert lay.nbytes % 2 == 0 and f["mn"].offset % 2 == 0 and f["scale"].offset % 2 == 0
-    assert f["mn"].dtype == f["scale"].dtype == torch.float16
+    assert rows.row_bytes % 2 == 0 and rows.mn_offset % 2 == 0 and rows.scale_offset % 2 == 0
     n = blocks.shape[0]
     out = torch.empty(n, block_size, head_dim, dtype=torch.float32, device=blocks.device)
     if n == 0:
         return out
-    per_channel = kind == "key" and codec.key_axis == "channel"
-    _kivi_dequant_kernel[(n,)](
+    _dequant_kernel[(n,)](
         blocks, blocks.view(torch.float16), out,
-        lay.nbytes, f["mn"].offset // 2, f["scale"].offset // 2, f["codes"].offset,
-        -(-head_dim // codec.group_size),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BITS=codec.bits, GROUP=codec.group_size,
-        PER_CHANNEL=per_channel, BLOCK_T=triton.next_power_of_2(block_size),
+        rows.row_bytes, rows.mn_offset // 2, rows.scale_offset // 2, rows.codes_offset,
+        -(-head_dim // rows.group),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BITS=rows.bits, GROUP=rows.group,
+        PER_CHANNEL=rows.per_channel, BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out

@@ -1,17 +1,13 @@
 """Projection weights in the layout the device multiplies fastest.
 
 On CPU (fp32, bf16) the weight is reordered once into oneDNN's blocked layout and multiplied with
-oneDNN's linear (the path torch.compile's CPU backend emits). Measured on this 2-core machine for
-SmolLM2's projections (medians of five alternating runs): one decode token 26 ms per step vs 31 ms
-for ``x @ W_t`` through MKL, and 16 tokens 34 ms vs 86 ms (MKL is slow at small M). Elsewhere (CUDA,
-fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored transposed and
-multiplied as ``x @ W_t``.
+oneDNN's linear (the path torch.compile's CPU backend emits), faster than ``x @ W_t`` through MKL, which is slow
+at small M. Elsewhere (CUDA, fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored
+transposed and multiplied as ``x @ W_t``.
 
 fp32 on CPU with kvbench's C kernels: inputs of at most 4 rows (a decode step of up to 4 sequences) go through a
-plain C GEMV over a second, [out, in] copy of the weight (kvbench/runtime/csrc/decode_ops.c). Measured in one
-process on the (shared, loaded) dev machine: all of SmolLM2's projections for one token 50-52 ms vs 70-74 ms
-through oneDNN (42.8 vs 49.7 ms in a quieter moment), and whole decode steps interleaved one for one 20.8 vs
-18.5 tok/s at context 512, 11.8 vs 11.1 at 4096, the same greedy tokens. With more rows oneDNN's packed layout wins.
+plain C GEMV over a second, [out, in] copy of the weight (csrc/decode_ops.c), faster than oneDNN there, with the
+same greedy tokens. With more rows oneDNN's packed layout wins. (Measured figures: the benchmarks page in docs/.)
 """
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from kvbench.runtime import cpu_kernels
+from kvbench.runtime.backends.cpu import kernels
 
 ONEDNN_BATCH_HINT = 16  # rows the packed layout is tuned for; any number of rows works
 
@@ -40,9 +36,7 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 def _use_gemv(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
-    from kvbench.runtime import cpu_kernels
-
-    return cpu_kernels.available()
+    return kernels.available()
 
 
 class Linear:
@@ -59,8 +53,8 @@ class Linear:
         self._w_t = weight.t().contiguous() if self._packed is None else None
         self._dense: torch.Tensor | None = None  # kept only inside `keep_dense_weights` (autograd passes)
         # fp32 on CPU with the C kernels: decode-sized inputs (<= GEMV_MAX_ROWS rows) stream this [out, in] copy
-        # through cpu_kernels.gemv; the packed copy serves prefill and larger batches. Costs one more copy of the
-        # weights in memory (SmolLM2-135M: +538 MB) for ~1.1x decode steps (see the module docstring).
+        # through kernels.gemv; the packed copy serves prefill and larger batches. Costs one more copy of the
+        # weights in memory for faster decode steps (see the module docstring).
         self._plain = weight.contiguous() if self._packed is not None and _use_gemv(weight) else None
 
     @property
@@ -78,8 +72,8 @@ class Linear:
             if x.requires_grad and torch.is_grad_enabled():  # oneDNN's op has no backward (KVQuant's Fisher pass)
                 w = self._dense if self._dense is not None else self.dense_weight()
                 return F.linear(x, w, self.bias)
-            if self._plain is not None and x.numel() <= cpu_kernels.GEMV_MAX_ROWS * self.in_features:
-                return cpu_kernels.gemv(x, self._plain, self.bias)
+            if self._plain is not None and x.numel() <= kernels.GEMV_MAX_ROWS * self.in_features:
+                return kernels.gemv(x, self._plain, self.bias)
             return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
         return y + self.bias if self.bias is not None else y

@@ -1,6 +1,6 @@
 """Paged attention as a Triton kernel (decode, chunked prefill and multi-token scoring share it).
 
-Layout (one layer; the torch reference in ``kvbench.runtime.attention`` has the same semantics):
+Layout (one layer; the torch reference in ``kvbench.runtime.backends.torch.attention`` has the same semantics):
     q               [B, H_q, Q, D]                 fp32 / fp16 / bf16, H_q = H_kv * group
     k_pool, v_pool  [num_blocks, block_size, D]    same dtype as q; one block = block_size consecutive slots
                                                    of ONE (sequence, kv-head) table
@@ -33,11 +33,13 @@ import torch
 try:  # triton is an optional dependency
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
     _TRITON_IMPORT_ERROR: ImportError | None = None
 except ImportError as _err:  # pragma: no cover - exercised by a test that hides triton
     triton = None
     tl = None
+    InterpretedFunction = None
     _TRITON_IMPORT_ERROR = _err
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -155,7 +157,7 @@ if triton is not None:
 
 def _interpreting() -> bool:
     """Whether the kernel was built for the Triton interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+    return isinstance(_paged_attention_kernel, InterpretedFunction)
 
 
 def _check_inputs(q, k_pool, v_pool, block_tables, lengths, key_positions, query_positions) -> None:
@@ -205,8 +207,8 @@ def _check_inputs(q, k_pool, v_pool, block_tables, lengths, key_positions, query
     if dev.type == "cpu" and not _interpreting():
         raise RuntimeError(
             "paged_attention_triton got CPU tensors: Triton kernels need a GPU. On CPU set TRITON_INTERPRET=1 "
-            "before importing kvbench.runtime.triton_attention (slow, for tests; fp32/fp16 only), or use the torch "
-            "reference in kvbench.runtime.attention."
+            "before importing kvbench.runtime.backends.triton.attention (slow, for tests; fp32/fp16 only), or use "
+            "the torch reference in kvbench.runtime.backends.torch.attention."
         )
 
 
@@ -235,7 +237,7 @@ def paged_attention_triton(
     if _TRITON_IMPORT_ERROR is not None:
         raise ImportError(
             "paged_attention_triton needs triton (pip install triton); use the torch reference "
-            "kvbench.runtime.attention instead"
+            "kvbench.runtime.backends.torch.attention instead"
         ) from _TRITON_IMPORT_ERROR
     _check_inputs(q, k_pool, v_pool, block_tables, lengths, key_positions, query_positions)
 

@@ -13,11 +13,12 @@
 - ``rms_norm`` and ``rotary_``: row-wise ops where torch's dispatch of several small kernels per
   token costs more than the arithmetic once the weight GEMVs have flushed the caches.
 - ``decode_layers``: whole decoder layers of a decode step (norms, projections, RoPE, the K/V write, attention,
-  MLP) in one OpenMP parallel region (csrc/decode_layer.c); kvbench/runtime/fused_decode.py decides when it applies.
+  MLP) in one OpenMP parallel region (csrc/decode_layer.c); fused_decode.py decides when it applies.
 
 The torch reference (``paged_attention_torch``) gathers a sequence's blocks before attending; at
 decode time on CPU that copy and MKL's small-matrix products cost more than the attention itself.
-Every kernel is checked against its torch counterpart in tests/test_cpu_kernels.py.
+Every kernel is checked against its torch counterpart in tests/test_cpu_kernels.py. `backend.CpuBackend` is what
+the model and the caches call; this module is the ctypes layer under it.
 
 The library is compiled on first use with the system C compiler (``$CC`` or ``cc``, with OpenMP)
 into ``$KVBENCH_CACHE_DIR/ext`` (default ``~/.cache/kvbench/ext``), keyed by the sources, flags and
@@ -43,7 +44,7 @@ import torch
 
 from kvbench.errors import say
 from kvbench.results import warn
-from kvbench.runtime.attention import paged_attention_torch
+from kvbench.runtime.backends.torch.attention import paged_attention_torch
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,7 @@ _SOURCES = [_CSRC / name for name in ("paged_decode.c", "codec_decode.c", "decod
 _HEADERS = [_CSRC / name for name in ("decode_common.h", "decode_ops.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 ITEMS_PER_THREAD = 2  # work items (sequence, kv-head, chunk of keys) per thread: fewer chunks run faster,
-# but a batch of one needs its heads split for every core to have work (measured: T=4096, batch 1,
-# 2 threads: 9.4 ms per 30 layers with 256-key chunks, 6.9 ms with 2048)
+# but a batch of one needs its heads split for every core to have work
 _MAX_GROUP = 64  # MAX_G in the C source
 _lib = None
 _kernel_error: str | None = None
@@ -287,19 +287,13 @@ class BlockFormat(ctypes.Structure):
 
 def codec_block_format(codec, kind: str, block_size: int, head_dim: int) -> BlockFormat | None:
     """The kernel's reading of a codec's packed `kind` ("key" / "value") rows, or None when the kernel cannot
-    read them (KVQuant's non-uniform levels and outliers, fp8, a head dim other than 64 / 128)."""
-    if head_dim not in (64, 128):
+    read them: the codec does not list "cpu_attention" in its `kernels` (KVQuant's non-uniform levels and
+    outliers, fp8), or a head dim other than 64 / 128."""
+    if head_dim not in (64, 128) or "cpu_attention" not in getattr(codec, "kernels", ()):
         return None
-    lay = codec.layout(kind, block_size, head_dim)
-    f = lay.fields
-    name = getattr(codec, "name", "")
-    if name == "kivi" and codec.bits in (2, 4, 8):
-        per_channel = kind == "key" and codec.key_axis == "channel"
-        return BlockFormat(lay.nbytes, f["codes"].offset, f["mn"].offset, f["scale"].offset, codec.bits, 0,
-                           int(per_channel), codec.group_size)
-    if name == "int8":
-        return BlockFormat(lay.nbytes, f["codes"].offset, -1, f["scale"].offset, 8, 1, 0, head_dim)
-    return None
+    rows = codec.affine_rows(kind, block_size, head_dim)
+    return BlockFormat(rows.row_bytes, rows.codes_offset, rows.mn_offset, rows.scale_offset, rows.bits,
+                       int(rows.signed), int(rows.per_channel), rows.group)
 
 
 def codec_decode_attention_cpu(
@@ -395,9 +389,8 @@ def paged_attention_cpu(q, k_pool, v_pool, tables, lengths, key_positions, query
                         causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``paged_attention_torch``'s signature; decode steps (one query, no causal mask, keys after RoPE,
     fp32) run the C decode kernel, causal chunks over keys cached before them (chunked prefill's later chunks, fp32,
-    no per-key mass) the C prefill kernel, which reads blocks in place instead of gathering the layer (about 1.2x
-    here at 3,072 keys); everything else, a sequence's first chunk included (SDPA's causal path), the torch
-    reference."""
+    no per-key mass) the C prefill kernel, which reads blocks in place instead of gathering the layer; everything
+    else, a sequence's first chunk included (SDPA's causal path), the torch reference."""
     if (causal and not return_key_scores and rotate_keys is None and q.shape[2] > 1 and q.shape[-1] in (64, 128)
             and q.dtype == torch.float32 and k_pool.dtype == torch.float32 and k_pool.device.type == "cpu"
             and k_pool.is_contiguous() and v_pool.is_contiguous() and tables.dtype == torch.int32

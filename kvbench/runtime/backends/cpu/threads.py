@@ -4,9 +4,8 @@ Why: torch, oneDNN and kvbench's C kernels share one OpenMP runtime (torch's lib
 hundreds of short parallel regions (about ten per layer), and by default a libgomp thread that reaches the end of
 a region spins for about 300,000 pause loops (milliseconds) waiting for its partner before it sleeps. When another
 process competes for the cores, the partner thread is often not running, and the spinning thread burns the very
-core the partner needs, at every region. Measured on the 2-core dev machine (decode batch 1, context 512, one
-busy-looping Python process as the other load): 2 threads idle 43 tok/s, loaded 9-14 tok/s; 1 thread 42 / 40; with
-OMP_WAIT_POLICY=PASSIVE 2 threads 35 / 38 (see `make bench` for the figures of the current machine).
+core the partner needs, at every region: two threads then run several times slower than one (the benchmarks page
+in docs/ has the figures; `make bench` measures the current machine).
 
 The policy (applied by `apply_wait_policy`, called from kvbench/__init__.py before torch is imported):
 - threads that finish a region spin only briefly (GOMP_SPINCOUNT=SPIN_COUNT), then sleep, so a thread that was
@@ -82,13 +81,13 @@ def configure_threads(requested: int | None = None) -> int:
 class StepThreads:
     """Chooses the thread count of decode-sized forward steps (at most `max_tokens` tokens) by timing them.
 
-    With one competing CPU-bound process on 2 cores, two threads that meet at every parallel region run at a third
-    of their idle speed while one thread keeps most of it (measured: 18 vs 48 tok/s for 2 threads, about 40 vs 42
-    for 1); idle, two threads are as fast or faster. So each step size runs mostly with the faster count known so
-    far and, every `explore_every` steps, once with the other; the faster one (exponential average of step times)
-    is kept. An exploration that loses doubles the wait before the next (up to 64 steps); a switch resets it.
-    Larger steps (prefill) always use every thread. After each step the previous count is restored, so code between
-    steps (and other libraries in the process) sees the configured threads."""
+    With one competing CPU-bound process on 2 cores, two threads that meet at every parallel region run at a
+    fraction of their idle speed while one thread keeps most of it; idle, two threads are as fast or faster. So
+    each step size runs mostly with the faster count known so far and, every `explore_every` steps, once with the
+    other; the faster one (exponential average of step times) is kept. An exploration that loses doubles the wait
+    before the next (up to 64 steps); a switch resets it. Larger steps (prefill) always use every thread. After each
+    step the previous count is restored, so code between steps (and other libraries in the process) sees the
+    configured threads."""
 
     def __init__(self, max_tokens: int = 4, explore_every: int = 8, max_explore_every: int = 64,
                  margin: float = 0.95, clock: Callable[[], float] = time.perf_counter,
