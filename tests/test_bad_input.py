@@ -1,6 +1,6 @@
 """Bad input, as typed on the command line: exit code 2, exactly one stderr line naming the bad value, nothing left in
-results_dir, and no model loaded. Most cases run the real CLI entry (Hydra included) in this process; a few run as
-real subprocesses."""
+results_dir, and no model loaded. The one table of such cases (CASES) runs the real CLI entry (Hydra included) in this
+process; a few more (SUBPROCESS_CASES, one per kind of error) run `python -m kvbench` as real subprocesses."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ import pytest
 
 from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
 from tests.test_cli import assert_usage_error, kvbench
+from tests.test_config import _choices as group_choices
 from kvbench.errors import run_cli
 
 CUDA = False
@@ -22,40 +23,43 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
-# (command line, text the one stderr line must contain). {empty}, {textfile}, {gguf} are paths made per test.
+# (command line, text the one stderr line must contain, or a tuple of such texts). {empty}, {textfile}, {gguf}, ...
+# are paths made per test (the paths fixture).
 CASES = [
     # groups
-    (["method=nope"], "unknown method 'nope'"),
-    (["task=nope"], "unknown task 'nope'"),
-    (["model=nope"], "unknown model 'nope'"),
+    (["method=nope"], ("unknown method 'nope': choices are ", *group_choices("method"))),
+    (["task=nope"], ("unknown task 'nope': choices are ", *group_choices("task"))),
+    (["model=nope"], ("unknown model 'nope': choices are ", *group_choices("model"))),
     (["quant=nope"], "unknown quant 'nope'"),
     (["runtime=nope"], "unknown runtime 'nope'"),
     (["logger=nope"], "unknown logger 'nope'"),
     # top-level knobs
-    (["budget=abc"], "budget='abc'"),
-    (["budget=-5"], "budget=-5"),
-    (["budget=0"], "budget=0"),
+    (["budget=abc"], "invalid budget='abc'"),
+    (["budget=-5"], "invalid budget=-5"),
+    (["budget=0"], "invalid budget=0"),
     (["method=h2o", "budget=1.5"], "budget=1.5"),
-    (["seed=-1"], "seed=-1"),
-    (["seed=18446744073709551616"], "seed=18446744073709551616"),
+    (["seed=-1"], "invalid seed=-1"),
+    (["seed=18446744073709551616"], "invalid seed=18446744073709551616: expected an integer from 0 to 4294967295"),
     (["seed=abc"], "seed='abc'"),
     (["rerun=maybe"], "rerun='maybe'"),
-    (["+bugdet=128"], "bugdet"),
-    (["nope=1"], "nope"),
+    (["+bugdet=128"], ("unknown option bugdet: valid top-level options are", "did you mean budget?")),
+    (["nope=1"], "unknown option nope: valid options are budget"),
     # runtime
-    (["runtime.block_size=0"], "runtime.block_size=0"),
-    (["runtime.block_size=1000000000"], "runtime.block_size=1000000000"),
-    (["runtime.num_blocks=1"], "runtime.num_blocks=1"),
+    (["runtime.block_size=0"], "invalid runtime.block_size=0"),
+    (["runtime.block_size=x"], "invalid runtime.block_size='x': expected an integer"),
+    (["runtime.block_size=1000000000"], "invalid runtime.block_size=1000000000"),
+    (["runtime.num_blocks=1"], "invalid runtime.num_blocks=1"),
     (["runtime.num_blocks=10"], "runtime.num_blocks=10"),
     (["runtime.kv_memory_bytes=1000"], "runtime.kv_memory_bytes=1000"),
     (["runtime.prefill_chunk_size=0"], "runtime.prefill_chunk_size=0"),
     (["runtime.batch_size=0"], "runtime.batch_size=0"),
     (["runtime.threads=0"], "runtime.threads=0"),
-    (["runtime.attention_backend=fast"], "runtime.attention_backend='fast'"),
+    (["runtime.attention_backend=fast"], "invalid runtime.attention_backend='fast': choices are auto, torch"),
     (["+runtime.blocks=3"], "runtime.blocks"),
+    (["+runtime.threds=2"], "unknown option runtime.threds"),
     # model
-    (["model.dtype=int3"], "model.dtype='int3'"),
-    (["model.device=tpu"], "model.device='tpu'"),
+    (["model.dtype=int3"], "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
+    (["model.device=tpu"], "invalid model.device='tpu'"),
     (["model=hf"], "model.path"),
     (["model=hf", "model.path=/no/such/model"], "/no/such/model"),
     (["model.path={empty}"], "empty folder"),
@@ -63,11 +67,11 @@ CASES = [
     (["model.path={gguf}"], "broken.gguf"),
     (["+model.nme=x"], "model.nme"),
     # logger
-    (["logger.mode=sometimes"], "logger.mode='sometimes'"),
-    (["logger.wandb=maybe"], "logger.wandb='maybe'"),
-    (["logger.init_timeout_s=0"], "logger.init_timeout_s=0"),
+    (["logger.mode=sometimes"], "invalid logger.mode='sometimes'"),
+    (["logger.wandb=maybe"], ("logger.wandb='maybe'", "expected true or false")),
+    (["logger.init_timeout_s=0"], "invalid logger.init_timeout_s=0"),
     # storage codecs
-    (["method=kivi", "quant=int8"], "quant=int8"),
+    (["method=kivi", "quant=int8"], ("quant=int8", "both choose a storage codec")),
     (["quant=kivi", "quant.bits=5"], "bits"),
     (["method=kivi", "method.bits=5"], "bits"),
     (["quant=kivi", "quant.key_axis=diagonal"], "diagonal"),
@@ -86,7 +90,7 @@ CASES = [
     # tasks and their options
     (["task.max_tokens=lots"], "task.max_tokens='lots'"),
     (["task.max_tokens=1"], "task.max_tokens=1"),
-    (["task.nope=1"], "task.nope"),
+    (["task.nope=1"], "unknown option task.nope: valid options are"),
     (["task.corpus=books"], "task.corpus='books'"),
     (["task.text_file=/no/such/file.txt"], "/no/such/file.txt"),
     (["task=needle", "+task.nope=1"], "task.nope"),
@@ -150,7 +154,7 @@ CASES = [
     (["method=kvcrush", "budget=64", "method.seed=100000000000000000000"], "method.seed=100000000000000000000"),
     (["task=throughput", "task.request_rate=1e-300"], "task.request_rate=1e-300"),
     (["task=throughput", "task.request_rate=0.001"], "task.request_rate=0.001"),
-    (["budget=${{oc.env:NOPE}}"], "budget='${{oc.env:NOPE}}'"),  # {{ }}: the table's str.format escapes
+    (["budget=${{oc.env:NOPE}}"], "cannot resolve budget='${{oc.env:NOPE}}'"),  # {{ }}: the table's str.format escapes
     (["task.max_tokens=${{nope}}"], "task.max_tokens='${{nope}}'"),
     (["results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "Environment variable 'KVBENCH_NO_SUCH_VAR' not found"),
     (["-m", "results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "KVBENCH_NO_SUCH_VAR"),
@@ -205,13 +209,13 @@ def test_the_table_is_big_enough():
     assert len(CASES) >= 110
 
 
-# A case is (command line, needle) or (command line, needle, setup): setup["env"] sets environment variables,
+# A case is (command line, needles) or (command line, needles, setup): setup["env"] sets environment variables,
 # setup["hide"] makes modules unimportable (as if not installed).
-TABLE = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in CASES]
+TABLE = [(c[0], (c[1],) if isinstance(c[1], str) else c[1], c[2] if len(c) > 2 else {}) for c in CASES]
 
 
-@pytest.mark.parametrize("args,needle,setup", TABLE, ids=[" ".join(a) for a, _, _ in TABLE])
-def test_bad_command_line(cli, paths, tmp_path, args, needle, setup, monkeypatch):
+@pytest.mark.parametrize("args,needles,setup", TABLE, ids=[" ".join(a) for a, _, _ in TABLE])
+def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatch):
     import kvbench.app as app
 
     def no_loading(*a, **k):
@@ -231,22 +235,34 @@ def test_bad_command_line(cli, paths, tmp_path, args, needle, setup, monkeypatch
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (code, out, err)
     assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
-    assert needle.format(**paths) in lines[0], lines[0]
+    for needle in needles:
+        assert needle.format(**paths) in lines[0], (needle, lines[0])
     assert "Traceback" not in out + err
     left = sorted(os.listdir(results)) if results.exists() else []
     assert left in ([], ["multirun.yaml"]), left  # no run folder, no runs.jsonl
     assert set(os.listdir(tmp_path)) - before <= {"r"}
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["+bugdet=128"], "did you mean budget?"),
-])
-def test_bad_input_as_a_real_subprocess(tmp_path, args, needle):
+# (command line, texts the one stderr line must contain); results_dir is tmp_path/r unless the case names it
+SUBPROCESS_CASES = [
+    (["+bugdet=128"], ["did you mean budget?"]),
+    (["method=nope"], ["unknown method 'nope'", "choices are", "full"]),
+    (["budget=abc"], ["invalid budget='abc'", "positive integer", "null"]),
+    (["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"]),
+    (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
+    (["experiment=h2o"], ["experiment is not in the default config", "+experiment=h2o"]),
+    (["model=hf", "model.path=/no/such/model", "results_dir=r"], ["model.path='/no/such/model' does not exist"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", SUBPROCESS_CASES, ids=[" ".join(a) for a, _ in SUBPROCESS_CASES])
+def test_bad_input_as_a_real_subprocess(tmp_path, args, needles):
     has_results_dir = any(a.startswith("results_dir=") for a in args)
     proc = kvbench(*args, "logger.wandb=false", *([] if has_results_dir else [f"results_dir={tmp_path / 'r'}"]),
                    cwd=tmp_path)
-    assert_usage_error(proc, needle)
-    assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+    assert_usage_error(proc, *needles)
+    left = sorted(os.listdir(tmp_path / "r")) if (tmp_path / "r").exists() else []
+    assert left in (([], ["multirun.yaml"]) if "-m" in args else ([],)), left  # a sweep saves its config
 
 
 def _hub_cache_with(root, repo_id, config):

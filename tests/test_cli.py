@@ -1,14 +1,12 @@
-"""`python -m kvbench` as typed: help, one-line errors with exit 2, runs, reruns and sweeps from any directory."""
+"""`python -m kvbench` as typed: help, runs, reruns and sweeps from any directory (bad input, one line and exit 2:
+tests/test_bad_input.py)."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
-
-import pytest
 
 from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR for the subprocesses)
 from kvbench import results
@@ -52,21 +50,6 @@ def test_help_lists_each_group(tmp_path):
     assert not list(tmp_path.iterdir())  # --help writes nothing
 
 
-# A handful as real subprocesses (one per kind of error); tests/test_bad_input.py runs the full table in-process.
-@pytest.mark.parametrize("args,needles", [
-    (["method=nope"], ["unknown method 'nope'", "choices are", "full"]),
-    (["budget=abc"], ["invalid budget='abc'", "positive integer", "null"]),
-    (["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"]),
-    (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
-    (["experiment=h2o"], ["experiment is not in the default config", "+experiment=h2o"]),
-])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
-    proc = kvbench(*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
-    assert_usage_error(proc, *needles)
-    left = [os.path.basename(p) for p in glob.glob(str(tmp_path / "r" / "*"))]
-    assert left in ([], ["multirun.yaml"])  # no result and no leftover run folder (a sweep saves its config)
-
-
 def test_run_rerun_and_sweep_from_another_directory(tmp_path):
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
@@ -93,12 +76,6 @@ def test_run_rerun_and_sweep_from_another_directory(tmp_path):
     runs = results.read_jsonl(str(out / "runs.jsonl"))
     assert [r["budget"] for r in runs] == [32, 16]  # budget=32 was finished already: skipped
     assert len([p for p in out.iterdir() if p.is_dir()]) == 2
-
-
-def test_repeat_prints_the_stored_summary_and_a_missing_model_is_refused_before_loading(tmp_path):
-    proc = kvbench("model=hf", "model.path=/no/such/model", "logger.wandb=false", "results_dir=r", cwd=tmp_path)
-    assert_usage_error(proc, "model.path='/no/such/model' does not exist")
-    assert not glob.glob(str(tmp_path / "r" / "*"))  # refused before anything was written
 
 
 def test_a_sweep_ends_with_one_table_of_its_runs(tmp_path):

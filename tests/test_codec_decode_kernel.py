@@ -14,6 +14,7 @@ from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
+from tests.tiny_models import HEAD_DIM_64, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
@@ -113,15 +114,9 @@ def test_unreadable_codecs_use_the_dequantizing_path():
 
 
 def test_engine_decodes_the_same_tokens_with_and_without_the_kernel():
-    import transformers as tf
-
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.model import build_from_transformers
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=256, vocab_size=300, head_dim=64)
-    model = build_from_transformers(tf.AutoModelForCausalLM.from_config(cfg).eval())
+    model = tiny_model(vocab=300, **HEAD_DIM_64)
     prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 90)]
     runs = {}
     for backend in ("cpu", "torch"):

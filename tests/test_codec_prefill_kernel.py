@@ -17,6 +17,7 @@ from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.attention import paged_attention_torch
 from kvbench.runtime.backends.torch.backend import TORCH
 from tests.test_codec_decode_kernel import CODECS, L, filled
+from tests.tiny_models import HEAD_DIM_64, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
@@ -96,15 +97,9 @@ def test_unreadable_codecs_and_key_scores_keep_the_dequantizing_path():
 def test_engine_prefill_logits_with_and_without_the_kernel(codec):
     """A whole model: prompt logits through the prefill kernel (over a KIVI-2 cache, or the full-precision pool)
     equal the torch path's (dequantize-then-attend / gather-then-attend)."""
-    import transformers as tf
-
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.model import build_from_transformers
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=256, vocab_size=300, head_dim=64)
-    model = build_from_transformers(tf.AutoModelForCausalLM.from_config(cfg).eval())
+    model = tiny_model(vocab=300, **HEAD_DIM_64)
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(4)).tolist()
     runs = {}
     for backend in ("cpu", "torch"):

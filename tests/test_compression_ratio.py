@@ -15,9 +15,9 @@ from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.runtime.engine import Engine
-from kvbench.runtime.model import build_from_transformers
 from tests.harness_fakes import compose
-from tests.tiny_models import ByteTokenizer
+from tests.fixtures.task_fixtures import one_thread as _one_thread
+from tests.tiny_models import ByteTokenizer, tiny_model
 from tests.test_methods_matrix import VARIANTS, _over_budget
 
 CHUNK = 64
@@ -44,24 +44,12 @@ def _id(v):
     return name + "".join(f"-{k}={x}" for k, x in opts.items())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
-    model = build_from_transformers(LlamaForCausalLM(cfg).eval())
-    model.tokenizer = ByteTokenizer(256)  # kvzip writes its reconstruction prompt with it
-    return model
+    return tiny_model(vocab=256, tokenizer=ByteTokenizer(256))  # kvzip writes its reconstruction prompt with it
 
 
 def _ids(n: int, seed: int = 1) -> list[int]:

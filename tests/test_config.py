@@ -1,16 +1,16 @@
-"""Config composition through Hydra's compose API, schemas, validation and run ids."""
+"""Config composition through Hydra's compose API, schemas, validation and run ids (bad values, one line and exit 2:
+tests/test_bad_input.py)."""
 from __future__ import annotations
 
 import glob
 import os
 
 import pytest
-from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 import kvbench.config as kconfig
 from tests.harness_fakes import CONF_DIR, compose
-from kvbench.errors import UserError, describe_hydra_error
+from kvbench.errors import UserError
 from kvbench.results import run_id_for
 
 
@@ -39,9 +39,7 @@ def test_overrides_and_types():
     assert cfg.budget == 1024 and cfg.seed == 3 and cfg.runtime.block_size == 32 and cfg.task.max_tokens == 64
 
 
-def test_hf_model_needs_path_and_names_itself():
-    with pytest.raises(UserError, match="model.path"):
-        kconfig.validate(compose(["model=hf"]))
+def test_hf_model_names_itself():
     s = kconfig.validate(compose(["model=hf", "model.path=/some/where/My-Model"]))
     assert s.model.name == "My-Model" and s.model.path == "/some/where/My-Model"
 
@@ -65,45 +63,6 @@ def test_schemas_are_not_choices():
     assert "kvbench_schema.yaml" in repo
     for group in ("model", "method", "task", "runtime", "logger"):
         assert group not in repo, f"a schema stored in group {group!r} would show up as a choice"
-
-
-@pytest.mark.parametrize("override,expected", [
-    ("budget=abc", "invalid budget='abc'"),
-    ("runtime.block_size=x", "invalid runtime.block_size='x': expected an integer"),
-    ("task.nope=1", "unknown option task.nope: valid options are"),
-    ("nope=1", "unknown option nope: valid options are budget"),
-    ("logger.wandb=maybe", "expected true or false"),
-])
-def test_composition_errors_become_one_line(override, expected):
-    with pytest.raises(ConfigCompositionException) as info:
-        compose([override])
-    msg = describe_hydra_error(info.value)
-    assert msg is not None and expected in msg and "\n" not in msg
-
-
-@pytest.mark.parametrize("group", ["method", "task", "model"])
-def test_unknown_group_option_names_choices(group):
-    with pytest.raises(MissingConfigException) as info:
-        compose([f"{group}=no_such_thing"])
-    msg = describe_hydra_error(info.value)
-    assert msg.startswith(f"unknown {group} 'no_such_thing': choices are ")
-    for option in _choices(group):
-        assert option in msg
-
-
-@pytest.mark.parametrize("override,expected", [
-    ("budget=-5", "invalid budget=-5"),
-    ("budget=0", "invalid budget=0"),
-    ("seed=-1", "invalid seed=-1"),
-    ("runtime.block_size=0", "invalid runtime.block_size=0"),
-    ("model.dtype=int3", "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
-    ("model.device=tpu", "invalid model.device='tpu'"),
-    ("logger.mode=sometimes", "invalid logger.mode='sometimes'"),
-])
-def test_value_validation(override, expected):
-    with pytest.raises(UserError) as info:
-        kconfig.validate(compose([override]))
-    assert expected in str(info.value)
 
 
 def test_run_id_is_stable_and_ignores_output_settings():
@@ -154,24 +113,6 @@ def test_task_options_are_checked_by_the_task_not_a_schema():
     s = kconfig.validate(compose(["task.max_tokens=many"]))
     with pytest.raises(UserError, match="invalid task.max_tokens='many'"):
         build_task(s.task_name, s.task_options)
-
-
-@pytest.mark.parametrize("overrides,expected", [
-    (["+bugdet=128"], "unknown option bugdet: valid top-level options are"),
-    (["seed=18446744073709551616"], "invalid seed=18446744073709551616: expected an integer from 0 to 4294967295"),
-    (["runtime.block_size=1000000000"], "invalid runtime.block_size=1000000000"),
-    (["runtime.attention_backend=fast"], "invalid runtime.attention_backend='fast': choices are auto, torch"),
-    (["runtime.num_blocks=1"], "invalid runtime.num_blocks=1"),
-    (["method=kivi", "quant=int8"], "both choose a storage codec"),
-    (["logger.init_timeout_s=0"], "invalid logger.init_timeout_s=0"),
-    (["+runtime.threds=2"], "unknown option runtime.threds"),
-])
-def test_more_value_validation(overrides, expected):
-    with pytest.raises(UserError) as info:
-        kconfig.validate(compose(overrides))
-    assert expected in str(info.value)
-    if overrides[0].startswith("+bugdet"):
-        assert "did you mean budget?" in str(info.value)
 
 
 def test_codec_shorthand_budget_null_and_threads_share_one_run_id():
@@ -231,14 +172,9 @@ def test_bits_3_0_builds_the_codec_it_names():
     assert codec.bits == 3 and type(codec.bits) is int
 
 
-def test_unresolvable_interpolation_is_one_line():
+def test_an_unresolvable_interpolation_still_names_a_run_folder():
     cfg = compose(["budget=${oc.env:KVBENCH_NO_SUCH_VAR}"])
     kconfig.hashable_config(cfg)  # never raises (names the run folder Hydra makes before validate refuses it)
-    with pytest.raises(UserError) as info:
-        kconfig.validate(cfg)
-    msg = str(info.value)
-    assert msg.startswith("cannot resolve budget='${oc.env:KVBENCH_NO_SUCH_VAR}'") and "\n" not in msg
-    assert "KVBENCH_NO_SUCH_VAR" in msg
 
 
 def test_results_dir_tilde_is_expanded_once_for_every_consumer(tmp_path, monkeypatch):

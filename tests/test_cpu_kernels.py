@@ -10,6 +10,7 @@ import torch
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.torch.attention import paged_attention_torch
 from kvbench.runtime.kv_cache import PagedKVCache
+from tests.tiny_models import tiny_model
 
 # a machine with a C compiler must build the kernels: a build error fails here instead of skipping
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -92,10 +93,8 @@ def test_other_calls_fall_back_to_the_reference():
 
 def test_engine_uses_the_kernel_on_cpu_and_generates_like_the_reference():
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.model import build_from_transformers
-    from tests.tiny_models import tiny_hf_model
 
-    model = build_from_transformers(tiny_hf_model("llama", seed=3))
+    model = tiny_model("llama", seed=3)
     prompts = [[5, 9, 3] * 20, [7, 1] * 70]
     fast = Engine(model, block_size=4, num_blocks=3000)
     ref = Engine(model, block_size=4, num_blocks=3000, attention_backend="torch")
@@ -127,10 +126,8 @@ def test_rms_norm_and_rotary_match_torch():
 def test_model_with_and_without_kernels(family):
     """The same model through the C kernels and through plain torch ops gives the same log-probs."""
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.model import build_from_transformers
-    from tests.tiny_models import tiny_hf_model
 
-    model = build_from_transformers(tiny_hf_model(family, seed=4))
+    model = tiny_model(family, seed=4)
     assert model.use_cpu_kernels
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     fast = Engine(model, block_size=8, num_blocks=2000).score(ids, chunk_size=64)

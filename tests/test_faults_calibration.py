@@ -11,22 +11,14 @@ import torch
 from kvbench.quant import calibration
 from kvbench.quant.calibration import CalibrationSettings, calibrate
 from tests.test_quant_methods import ByteTokenizer
+from tests.tiny_models import tiny_model
 
 SETTINGS = CalibrationSettings(num_sequences=2, seq_len=96)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    import transformers as tf
-
-    from kvbench.runtime.model import build_from_transformers
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=128, vocab_size=256)
-    model = build_from_transformers(tf.AutoModelForCausalLM.from_config(cfg).eval())
-    model.tokenizer = ByteTokenizer()
-    return model
+    return tiny_model(vocab=256, max_positions=2048, tokenizer=ByteTokenizer())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])

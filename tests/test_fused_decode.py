@@ -12,8 +12,7 @@ from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.model import build_from_transformers
-from tests.tiny_models import tiny_hf_model
+from tests.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
@@ -66,7 +65,7 @@ def run(model, prompts, steps, *, fused, hook=None, block_size=4):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_matches_the_op_by_op_path(family, batch):
     """Logits of every decode step and every cached K/V row agree (qwen3's q/k norms keep it unfused)."""
-    model = build_from_transformers(tiny_hf_model(family, seed=7))
+    model = tiny_model(family, seed=7)
     prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]
     fused, cache_f = run(model, prompts, 12, fused=True)
     ref, cache_r = run(model, prompts, 12, fused=False)
@@ -83,7 +82,7 @@ def test_fused_decode_matches_the_op_by_op_path(family, batch):
 def test_hooks_see_the_same_queries_and_key_scores(evict):
     """A method's hook gets q and the per-key attention mass of every layer as before, also when an earlier step's
     eviction left the heads of a layer with different lengths."""
-    model = build_from_transformers(tiny_hf_model("llama", seed=8))
+    model = tiny_model("llama", seed=8)
     prompts = [list(range(5, 45)), list(range(60, 83))]
     hooks = {f: RecordingHook(needs_key_scores=True, evict=evict) for f in (True, False)}
     logits = {f: run(model, prompts, 10, fused=f, hook=hooks[f])[0] for f in (True, False)}
@@ -101,7 +100,7 @@ def test_hooks_see_the_same_queries_and_key_scores(evict):
 
 def test_not_fused_where_it_does_not_apply():
     """Prefill chunks, more sequences than the GEMV takes, the torch attention and pre-RoPE caches run op by op."""
-    model = build_from_transformers(tiny_hf_model("llama", seed=9))
+    model = tiny_model("llama", seed=9)
     cfg = model.config
     cache = PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          block_size=4, num_blocks=200)

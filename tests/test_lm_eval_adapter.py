@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("lm_eval")
 
 from kvbench.methods import available_methods, build_method  # noqa: E402
-from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer, tiny_engine,  # noqa: E402
-                                          tiny_hf_model, tiny_loader, write_jsonl)
+from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer,  # noqa: E402
+                                          smollm2_vocab_hf_model, tiny_engine, tiny_loader, write_jsonl)
 
 single_thread = pytest.fixture(one_thread, autouse=True)
 BUDGET = 32
@@ -117,7 +117,7 @@ def _evaluate(lm, task_dir, tasks, limit=3):
 
 def test_score_continuation_full_matches_transformers():
     tok = smollm2_tokenizer()
-    hf = tiny_hf_model(len(tok), seed=0)
+    hf = smollm2_vocab_hf_model(seed=0)
     ctx = tok.encode(DOCS[0]["context"], add_special_tokens=False)
     cont = tok.encode(" river stone light", add_special_tokens=False)
     engine = tiny_engine(None, prefill_chunk_size=16)
@@ -214,7 +214,7 @@ def test_registered_model_from_model_args(task_dir, tmp_path):
 
     tok = smollm2_tokenizer()
     folder = tmp_path / "tiny-model"
-    tiny_hf_model(len(tok), seed=0).save_pretrained(folder)
+    smollm2_vocab_hf_model(seed=0).save_pretrained(folder)
     tok.save_pretrained(folder)
     assert get_model("kvbench") is KVBenchLM and get_model("hf").__name__ == "HFLM"
     args = f"pretrained={folder},method={BUDGET_METHOD},budget={BUDGET},sinks=2,prefill_chunk_size=16"

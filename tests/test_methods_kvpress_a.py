@@ -14,33 +14,19 @@ from kvbench.methods import METHODS, build_method
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
+from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.test_snapkv_official import official_keep
+from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model
 
 T, BUDGET = 230, 120
 NAMES = ["random", "knorm", "tova", "expected_attention", "lagkv", "pyramidkv"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 
 def _hf(num_layers: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=num_layers,
-                         intermediate_size=128, vocab_size=256, max_position_embeddings=2048)
-    cfg._attn_implementation = "eager"
-    model = tf.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper attention than the random init: distinct scores, no near-ties
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-    return model
+    return tiny_hf_model(layers=num_layers, vocab=256, max_positions=2048, eager=True, **DISTINCT_SCORES)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,15 @@ from kvbench.methods.eviction import top_tokens_in_layer
 from kvbench.methods.kvzip import FIRST_PROMPT
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
+from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_hf_model
 
 BS = 8
 CHUNK = 32
-VOCAB = 320  # tiny_models.COMMON
+VOCAB = 320  # tiny_models.tiny_config's default
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from kvbench.errors import UserError
-from tests.tiny_models import ByteTokenizer
+from tests.fixtures.task_fixtures import one_thread as _one_thread
+from tests.tiny_models import ByteTokenizer, tiny_model
 from kvbench.runtime.engine import Engine
-from kvbench.runtime.model import build_from_transformers
 from kvbench.methods import available_methods, build_method
 
 CHUNK = 32
@@ -78,25 +78,13 @@ def test_every_eviction_method_is_in_the_matrix():
     assert {name for name, _ in VARIANTS} == eviction | {"full"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model runs fastest on one thread, and the machine is shared: no oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256, max_position_embeddings=512)
-    model = build_from_transformers(LlamaForCausalLM(cfg).eval())
-    model.tokenizer = ByteTokenizer(256)  # kvzip writes its reconstruction prompt with it
-    return model
+    # kvzip writes its reconstruction prompt with the tokenizer
+    return tiny_model(vocab=256, max_positions=512, tokenizer=ByteTokenizer(256))
 
 
 @pytest.fixture(scope="module")

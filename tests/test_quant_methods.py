@@ -14,6 +14,7 @@ from kvbench.quant.registry import CODEC_NAMES, OPTIONS, build_codec
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
 from kvbench.methods import build_method
+from tests.tiny_models import SHARP_LOGITS, tiny_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CAL = dict(calibration_sequences=2, calibration_tokens=96)  # a small calibration for the tiny model
@@ -28,23 +29,8 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny():
-    import transformers as tf
-
-    from kvbench.runtime.model import build_from_transformers
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=128, vocab_size=256)
-    hf = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # sharper attention and logits than the random init
-        for layer in hf.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
-            layer.self_attn.v_proj.weight.mul_(4)
-        hf.lm_head.weight.mul_(10)
-    model = build_from_transformers(hf)
-    model.tokenizer = ByteTokenizer()  # what kvquant calibration tokenizes its text with
-    return model
+    # the tokenizer: what kvquant calibration tokenizes its text with
+    return tiny_model(vocab=256, max_positions=2048, tokenizer=ByteTokenizer(), **SHARP_LOGITS)
 
 
 @pytest.fixture(autouse=True)

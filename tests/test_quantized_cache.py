@@ -11,27 +11,14 @@ from kvbench.runtime.engine import Engine
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
+from tests.tiny_models import SHARP_LOGITS, tiny_model
 
 L, H, D = 2, 2, 16
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    import transformers as tf
-
-    from kvbench.runtime.model import build_from_transformers
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=128, vocab_size=256)
-    hf = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # sharper attention and logits than the random init: KV errors show in the logprobs
-        for layer in hf.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
-            layer.self_attn.v_proj.weight.mul_(4)
-        hf.lm_head.weight.mul_(10)
-    return build_from_transformers(hf)
+    return tiny_model(vocab=256, max_positions=2048, **SHARP_LOGITS)
 
 
 def _ids(n, seed=0):

@@ -15,9 +15,8 @@ from kvbench.methods import build_method
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.engine import Engine, Segment
-from kvbench.runtime.model import build_from_transformers
 from tests.fixtures.task_fixtures import one_thread as _one_thread
-from tests.fixtures.task_fixtures import tiny_hf_model
+from tests.tiny_models import HEAD_DIM_64, SMOLLM2_TOKEN_IDS, tiny_model
 
 BS = 8
 METHODS = [("full", None, {}), ("paged_eviction", 32, {}), ("streaming_llm", 24, {}), ("h2o", 24, {}),
@@ -35,7 +34,7 @@ one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
 @pytest.fixture(scope="module")
 def model():
-    return build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024))
+    return tiny_model(vocab=256, max_positions=1024, **SMOLLM2_TOKEN_IDS)
 
 
 def _engine(model, method, codec, backend="auto"):
@@ -165,7 +164,7 @@ def test_ragged_forward_with_the_triton_kernel(dtype):
     from kvbench.runtime.model import RaggedGroup
     from kvbench.runtime.backends.triton.backend import TritonBackend
 
-    model = build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024), dtype=dtype)
+    model = tiny_model(vocab=256, max_positions=1024, dtype=dtype, **SMOLLM2_TOKEN_IDS)
     cfg = model.config
     outs = []
     for backend in (None, TritonBackend()):
@@ -186,12 +185,7 @@ def test_ragged_forward_with_the_triton_kernel(dtype):
 def test_ragged_step_with_the_c_kernels_at_head_dim_64(codec):
     """Head dim 64, so the C kernels run inside the ragged step (decode kernel for the decode group, prefill kernel
     for later chunks, codec kernels over packed blocks): still equal to one by one."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=256, vocab_size=256, head_dim=64)
-    model64 = build_from_transformers(tf.AutoModelForCausalLM.from_config(cfg).eval())
+    model64 = tiny_model(vocab=256, **HEAD_DIM_64)
     spec = [(70, 3, ("decode",)), (40, 0, ("prefill", 29, True)), (90, 2, ("decode",)), (33, 0, ("prefill", 29, False)),
             (1, 0, ("prefill", 12, True))]
     _check_ragged_equals_one_by_one(model64, ("full", None, {}), CODECS[codec] if codec else None, spec, "cpu")

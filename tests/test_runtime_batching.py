@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from kvbench.runtime.engine import Engine
-from kvbench.runtime.model import build_from_transformers
-from tests.tiny_models import tiny_hf_model
+from tests.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build_from_transformers(tiny_hf_model("qwen2", seed=5))
+    return tiny_model("qwen2", seed=5)
 
 
 def _prompts(n, lengths, seed=0):

@@ -8,11 +8,10 @@ from hypothesis import strategies as st
 
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.model import build_from_transformers
 from kvbench.runtime.scheduler import Request, Scheduler
 from kvbench.methods import build_method
 from tests.fixtures.task_fixtures import one_thread as _one_thread
-from tests.fixtures.task_fixtures import tiny_hf_model
+from tests.tiny_models import SMOLLM2_TOKEN_IDS, tiny_model
 
 BS = 8
 METHODS = [("full", None, {}), ("paged_eviction", 32, {}), ("streaming_llm", 24, {}), ("h2o", 24, {}),
@@ -26,7 +25,7 @@ one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 @pytest.fixture(scope="module")
 def model():
     """A 2-layer random Llama over 256 tokens (2 kv-heads of 4 query heads)."""
-    return build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024))
+    return _tiny_model()
 
 
 def _prompts(lengths, seed):
@@ -226,7 +225,7 @@ def test_prefix_caching_settings():
 
 
 def _tiny_model():
-    return build_from_transformers(tiny_hf_model(256, seed=0, max_positions=1024))
+    return tiny_model(vocab=256, max_positions=1024, **SMOLLM2_TOKEN_IDS)
 
 
 @pytest.mark.parametrize("key,value", [("schedule", "fifo"), ("prefix_caching", "yes")])

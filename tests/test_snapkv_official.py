@@ -12,24 +12,14 @@ import torch.nn.functional as F
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
 from kvbench.methods import build_method
+from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model
 
 T, BUDGET = 230, 120
 
 
 @pytest.fixture(scope="module")
 def hf():
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
-    cfg._attn_implementation = "eager"
-    model = tf.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper attention than the random init: distinct scores, no near-ties
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-    return model
+    return tiny_hf_model(vocab=256, eager=True, **DISTINCT_SCORES)
 
 
 def official_keep(probs: torch.Tensor, num_kv_heads: int, window: int, kernel: int, budget: int) -> list[set]:

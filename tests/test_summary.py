@@ -9,14 +9,12 @@ from kvbench.runtime.engine import Engine
 from kvbench.runtime.scheduler import Request
 from kvbench.summary import format_summary, saved_fraction
 from kvbench.methods import build_method
-from tests.tiny_models import tiny_hf_model
+from tests.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    from kvbench.runtime.model import build_from_transformers
-
-    return build_from_transformers(tiny_hf_model("llama"))
+    return tiny_model("llama")
 
 
 def _record(engine: Engine, method: str, **extra) -> dict:

@@ -1,48 +1,98 @@
-"""Tiny random transformers models of every supported family, for reference tests."""
+"""The one place tests build a model: tiny random transformers models of every supported family, and the same
+models in the kvbench runtime.
+
+    tiny_hf_model("qwen2", seed=5)                                   # a family's model, default sizes
+    tiny_hf_model(vocab=256, eager=True, **DISTINCT_SCORES)          # a sharpened Llama for reference tests
+    tiny_model(vocab=256, hidden=384, heads=6, head_dim=64, intermediate=256, max_positions=2048)  # kvbench's
+"""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import transformers as tf
 
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024)
+from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
+
+FAMILIES = ["llama", "llama3", "tied", "mistral", "qwen2", "qwen3"]
+
+# family -> (transformers config class, the family's own config settings)
+_FAMILY_CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama": (tf.LlamaConfig, {}),
+    "llama3": (tf.LlamaConfig, {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "tied": (tf.LlamaConfig, {"tie_word_embeddings": True}),
+    "mistral": (tf.MistralConfig, {"sliding_window": None}),
+    "qwen2": (tf.Qwen2Config, {}),
+    "qwen3": (tf.Qwen3Config, {"head_dim": 16}),
+}
+
+# Presets to spread into tiny_hf_model / tiny_model (**PRESET).
+# Weight scales, for tests that need more than a random init's near-uniform heads:
+DISTINCT_SCORES = {"qk_scale": 4}  # sharper attention: distinct scores, no near-ties
+SHARP_LOGITS = {"qk_scale": 6, "v_scale": 4, "lm_head_scale": 10}  # sharper attention and logits: KV errors show in
+# the log-probabilities
+# The C kernels' head dim, 64 (6 query heads over the 2 kv-heads):
+HEAD_DIM_64 = {"hidden": 384, "heads": 6, "intermediate": 256, "head_dim": 64, "max_positions": 2048}
+# SmolLM2's special token ids, for a model given SmolLM2's tokenizer:
+SMOLLM2_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
-def tiny_hf_model(family: str, seed: int = 0):
-    """A small randomly initialised causal LM of `family` (llama, llama3, mistral, qwen2, qwen3, tied)."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    if family == "llama":
-        cfg = tf.LlamaConfig(**COMMON)
-    elif family == "llama3":
-        cfg = tf.LlamaConfig(**COMMON, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    elif family == "tied":
-        cfg = tf.LlamaConfig(**COMMON, tie_word_embeddings=True)
-    elif family == "mistral":
-        cfg = tf.MistralConfig(**COMMON, sliding_window=None)
-    elif family == "qwen2":
-        cfg = tf.Qwen2Config(**COMMON)
-    elif family == "qwen3":
-        cfg = tf.Qwen3Config(**COMMON, head_dim=16)
-    else:
+def tiny_config(family: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                intermediate: int = 128, vocab: int = 320, max_positions: int = 1024, head_dim: int | None = None,
+                eager: bool = False, **extra: Any) -> tf.PretrainedConfig:
+    """The transformers config of a tiny `family` model (one of FAMILIES); `extra` are further config fields
+    (bos_token_id, ...). head_dim=None keeps the family's (hidden // heads unless the family sets one);
+    eager=True selects transformers' eager attention (it returns attention probabilities)."""
+    if family not in _FAMILY_CONFIGS:
         raise ValueError(family)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    if family == "qwen2":  # random biases so the qkv-bias path is exercised
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    config_class, family_settings = _FAMILY_CONFIGS[family]
+    settings = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                    max_position_embeddings=max_positions, **family_settings)
+    if head_dim is not None:
+        settings["head_dim"] = head_dim
+    cfg = config_class(**settings, **extra)
+    if eager:
+        cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_hf_model(family: str = "llama", seed: int = 0, *, qk_scale: float | None = None,
+                  v_scale: float | None = None, lm_head_scale: float | None = None, **config: Any) -> Any:
+    """A small randomly initialised causal LM of `family` (torch seeded with `seed`), in eval mode; `config` goes to
+    tiny_config. qwen2 gets random qkv biases and qwen3 random q/k norms, so those paths are exercised. The scales
+    multiply every layer's q and k projections (qk_scale), v projections (v_scale) and the lm head."""
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, **config)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if family == "qwen2":
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if family == "qwen3":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.normal_(1, 0.3)
-                layer.self_attn.k_norm.weight.normal_(1, 0.3)
+            if family == "qwen3":
+                attn.q_norm.weight.normal_(1, 0.3)
+                attn.k_norm.weight.normal_(1, 0.3)
+            if qk_scale is not None:
+                attn.q_proj.weight.mul_(qk_scale)
+                attn.k_proj.weight.mul_(qk_scale)
+            if v_scale is not None:
+                attn.v_proj.weight.mul_(v_scale)
+        if lm_head_scale is not None:
+            model.lm_head.weight.mul_(lm_head_scale)
     return model
 
 
-FAMILIES = ["llama", "llama3", "tied", "mistral", "qwen2", "qwen3"]
+def tiny_model(family: str = "llama", seed: int = 0, *, tokenizer: Any = None, dtype: torch.dtype | None = None,
+               **hf_settings: Any) -> LlamaFamilyModel:
+    """tiny_hf_model(family, seed, **hf_settings) in the kvbench runtime (weights cast to `dtype` if given), with
+    `tokenizer` attached as model.tokenizer for methods that tokenize text of their own."""
+    model = build_from_transformers(tiny_hf_model(family, seed, **hf_settings), dtype=dtype)
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
+    return model
 
 
 def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
