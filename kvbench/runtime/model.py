@@ -7,7 +7,7 @@ our own so every token's K/V goes through the paged cache and the method hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvbench.runtime import cpu_kernels
 from kvbench.runtime.attention import paged_attention_torch
 from kvbench.runtime.fused_decode import fused_decode_step
+from kvbench.runtime.hooks import CacheHooks
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.linear import Linear
 from kvbench.runtime.rope import RotaryTable, apply_rotary
@@ -79,12 +80,6 @@ class RaggedGroup:
     last_chunk: bool = True  # the final chunk of a prompt (always True in decode)
 
 
-class LayerHook(Protocol):
-    needs_key_scores: bool
-
-    def after_attention(self, ctx: LayerContext) -> None: ...
-
-
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
@@ -127,7 +122,7 @@ class LlamaFamilyModel:
         return n
 
     def forward(self, tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan, *,
-                attention: AttentionFn = paged_attention_torch, hook: LayerHook | None = None,
+                attention: AttentionFn = paged_attention_torch, hook: CacheHooks | None = None,
                 phase: str = "prefill", last_chunk: bool = True, logits_for: str = "last",
                 rope_mode: str = "original") -> torch.Tensor | None:
         """One rectangular step: tokens [S, Q] of S sequences, Q new tokens each (their cache slots in `plan`).
@@ -138,7 +133,7 @@ class LlamaFamilyModel:
                                    rope_mode=rope_mode)[0]
 
     def forward_ragged(self, groups: list[RaggedGroup], cache: PagedKVCache, *,
-                       attention: AttentionFn = paged_attention_torch, hook: LayerHook | None = None,
+                       attention: AttentionFn = paged_attention_torch, hook: CacheHooks | None = None,
                        logits_for: str = "last", rope_mode: str = "original") -> list[torch.Tensor | None]:
         """One ragged step over the flat list of every group's tokens (vLLM v1's batch: prefill chunks and decode
         tokens of many sequences, each with its own length, positions and cache slots). Per group: logits
@@ -154,7 +149,7 @@ class LlamaFamilyModel:
             st.end()
 
     def _forward(self, groups: list[RaggedGroup], cache: PagedKVCache, attention: AttentionFn,
-                 hook: LayerHook | None, logits_for: str, rope_mode: str) -> list[torch.Tensor | None]:
+                 hook: CacheHooks | None, logits_for: str, rope_mode: str) -> list[torch.Tensor | None]:
         """The dense ops (norms, projections, RoPE, MLP, head) run once over the flat token list x [N, E]; the
         attention (cache write, paged attention, the method's hook) runs per group, so a hook sees exactly the
         rectangular [S_g, Hq, Q_g, D] inputs of a step of that group alone."""
@@ -216,7 +211,7 @@ class LlamaFamilyModel:
 
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
-                      attention: AttentionFn, hook: LayerHook | None, need_scores: bool,
+                      attention: AttentionFn, hook: CacheHooks | None, need_scores: bool,
                       rope_mode: str) -> torch.Tensor:
         """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
         applied when `rotated`), cos / sin [S, Q, D]; writes its K/V, attends, calls the hook; returns out
