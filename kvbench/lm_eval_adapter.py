@@ -43,7 +43,7 @@ from lm_eval.api.registry import register_model
 from kvbench.methods import build_method
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.loading import load_model
-from kvbench.tasks._lm_eval_lm import EngineLM, _int_or_none
+from kvbench.tasks._lm_eval_lm import EngineLM, int_option
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,11 @@ class KVBenchLM(EngineLM):
                         "using cpu", device)
             device = "cpu"
         loaded = load_model(pretrained or None, gguf_file=gguf_file or None, dtype=dtype, device=device)
-        m = build_method(str(method), _int_or_none(budget, "budget"), **method_options)
-        engine = Engine(loaded.model, m, block_size=_int_or_none(block_size, "block_size") or 16,
-                        num_blocks=_int_or_none(num_blocks, "num_blocks"),
-                        kv_memory_bytes=_int_or_none(kv_memory_bytes, "kv_memory_bytes"),
-                        prefill_chunk_size=_int_or_none(prefill_chunk_size, "prefill_chunk_size") or 512,
+        m = build_method(str(method), int_option(budget, "budget"), **method_options)
+        engine = Engine(loaded.model, m, block_size=int_option(block_size, "block_size") or 16,
+                        num_blocks=int_option(num_blocks, "num_blocks"),
+                        kv_memory_bytes=int_option(kv_memory_bytes, "kv_memory_bytes"),
+                        prefill_chunk_size=int_option(prefill_chunk_size, "prefill_chunk_size") or 512,
                         attention_backend=str(attention_backend))
         return engine, loaded.tokenizer
 

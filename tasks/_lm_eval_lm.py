@@ -17,7 +17,8 @@ from tqdm import tqdm
 from kvbench.tasks._generation import PerfMeter, decode, stop_token_ids
 
 
-def _int_or_none(value: Any, name: str) -> Optional[int]:
+def int_option(value: Any, name: str) -> Optional[int]:
+    """An integer model_arg (lm-eval passes strings), None when empty; ValueError naming it otherwise."""
     if value is None or value == "":
         return None
     try:
@@ -44,12 +45,12 @@ class EngineLM(TemplateLM):
         self.engine, self.tokenizer = engine, tokenizer
         self._device = str(getattr(engine.model, "device", "cpu"))
         auto = str(batch_size).startswith("auto")  # lm-eval's batch-size search: one sequence at a time here
-        self.batch_size = 1 if auto else max(1, _int_or_none(batch_size, "batch_size") or 1)
+        self.batch_size = 1 if auto else max(1, int_option(batch_size, "batch_size") or 1)
         cfg = getattr(engine.model, "config", None)
-        self.max_length = _int_or_none(max_length, "max_length") or int(getattr(cfg, "max_position_embeddings", 0)
+        self.max_length = int_option(max_length, "max_length") or int(getattr(cfg, "max_position_embeddings", 0)
                                                                          or 2048)
-        self.max_gen_toks = _int_or_none(max_gen_toks, "max_gen_toks") or 256
-        self.seed = _int_or_none(seed, "seed")
+        self.max_gen_toks = int_option(max_gen_toks, "max_gen_toks") or 256
+        self.seed = int_option(seed, "seed")
         self.stop_ids = stop_token_ids(tokenizer)
         self.meter = PerfMeter()
 

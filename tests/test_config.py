@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 import kvbench.config as kconfig
 from tests.harness_fakes import CONF_DIR, compose
-from kvbench.errors import UserError, describe_hydra_error
+from kvbench.cli import describe_hydra_error
+from kvbench.errors import UserError
 from kvbench.results import run_id_for
 
 
