@@ -2,15 +2,15 @@
 import hydra
 from omegaconf import DictConfig
 
+from kvbench import app, cli
 import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
-from kvbench import app
-from kvbench.errors import run_app_cli
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    cli.install_sigterm_handler()  # also in launcher workers (joblib), where run_app_cli did not run
     app.main(cfg)
 
 
 if __name__ == "__main__":
-    run_app_cli(main)
+    cli.run_app_cli(main)

@@ -28,14 +28,21 @@ import traceback
 import uuid
 from typing import Any, Callable, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import config as _config
-from kvbench.errors import RUN_LOG, Terminated, UserError, install_sigterm_handler, report, say
+from kvbench.console import RUN_LOG, report, say, warn
+from kvbench.errors import Terminated, UserError
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
-from kvbench.results import METRICS_FILE, RunFolder, config_hash, experiment_key, read_json, repair_index, warn
+from kvbench.quant.registry import build_codec
+from kvbench.results import METRICS_FILE, RunFolder, config_hash, experiment_key, read_json, repair_index
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.loading import load_model
+from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.summary import format_summary, format_sweep_table
+from kvbench.tasks import make_progress
 from kvbench.wandb_logger import WandbLogger
 
 _exit_code = 0
@@ -163,12 +170,10 @@ def _note_exit(code: int, run_dir: Optional[str] = None) -> None:
 def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
     """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on.
 
-    run_kwargs go to run() (tests pass their fake loader, engine and method builder)."""
-    install_sigterm_handler()  # also in launcher workers (joblib), where run_cli did not run
+    run_kwargs go to run() (tests pass their fake loader, engine and method builder). SIGTERM is turned into
+    Terminated by the caller (kvbench.cli.install_sigterm_handler: `python -m kvbench` and its launcher workers)."""
     run_dir = None
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         if HydraConfig.initialized():
             run_dir = HydraConfig.get().runtime.output_dir
     except Exception:  # pragma: no cover
@@ -404,8 +409,6 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
         return load_model_fn(m.path, **args)
     key = (m.path, tuple(sorted(args.items())))
     if key not in _loaded_model:
-        from kvbench.runtime.loading import load_model
-
         _loaded_model.clear()  # at most one model in memory
         _loaded_model[key] = load_model(m.path, **args)
     return _loaded_model[key]
@@ -425,8 +428,6 @@ def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
 
 
 def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict):
-    from kvbench.runtime.backends.cpu.threads import configure_threads
-
     s = plan.settings
     configure_threads(s.runtime.threads)
     _seed_everything(s.seed)
@@ -438,12 +439,10 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
             pass
     record["loaded_from"] = getattr(loaded, "name", None)
     if engine_cls is None:
-        from kvbench.runtime.engine import Engine as engine_cls  # type: ignore[no-redef]
+        engine_cls = Engine
     rt = s.runtime
     codec = None
     if s.quant_name not in ("none", "full"):
-        from kvbench.quant.registry import build_codec
-
         quant_options = dict(s.quant_options)
         if s.quant_name == "kvquant" and quant_options.get("tokenizer") is None:
             quant_options["tokenizer"] = loaded.tokenizer
@@ -464,8 +463,6 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
 
 # =========================================================================== 4. execute
 def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record: dict) -> list:
-    from kvbench.tasks import make_progress
-
     _test_hook()
     task = plan.task
     task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)

@@ -40,7 +40,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvbench.errors import UserError, exit_with
+from kvbench.console import exit_with
+from kvbench.errors import UserError
 from kvbench.reporting import stats
 from kvbench.reporting.runs import (corrupt_runs, describe, load_runs, pair_key, result_keys, samples_of,
                                     setting_of, varying_keys)

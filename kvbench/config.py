@@ -6,78 +6,31 @@ Task options have no Hydra schema: each task validates its own (tasks.build_task
 
 Hydra checks types when it composes (budget=abc is refused there); `validate()` checks values (budget=-5, unknown
 top-level keys added with `+`), resolves the storage codec (`method=kivi` = `method=full quant=kivi`) and turns a
-DictConfig into these dataclasses, raising UserError with the bad value and what is allowed. `hashable_config()` is
-the resolved form that names a run: two spellings of one setting give one run id.
+DictConfig into these dataclasses, raising UserError with the bad value and what is allowed. What the values mean
+(storage resolution, budget and compression_ratio, the hashed config that names a run) is kvbench.spec's.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.errors import UserError
+from kvbench.registry import did_you_mean
+from kvbench.results import model_label, run_id_for
+from kvbench.spec import (SEED_MAX, check_budget, check_compression, check_positive, hashable_config, kept_budget,
+                          normalise_numbers, raw_value, resolve_storage, results_path)
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-SEED_MAX = 2**32 - 1  # numpy's limit (torch takes more; one range for every library)
 BLOCK_SIZE_MAX = 4096  # tokens per KV block
-# Storage codecs that are also accepted as a method name (`method=kivi` = `method=full quant=kivi`).
-CODEC_METHODS = ("kivi", "kvquant", "int8", "fp8")
-NON_EVICTING = ("full",) + CODEC_METHODS  # used only until methods declare `evicts`
-
-
-def _check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1,
-                    maximum: Optional[int] = None) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
-            or (maximum is not None and value > maximum):
-        allowed = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
-        allowed += " or null" if allow_none else ""
-        raise UserError(f"invalid {where}={value!r}: expected {allowed}")
-
-
-def results_path(value: Any) -> str:
-    """results_dir as an absolute path, `~` expanded: the one spelling used for run folders, Hydra's sweep folder
-    and runs.jsonl alike."""
-    return os.path.abspath(os.path.expanduser(str(value)))
-
-
-EXACT_FLOAT_INT = 2**53  # integral floats up to this are exact integers
-
-
-def normalise_numbers(values: Any, defaults: Optional[dict] = None) -> Any:
-    """Integral floats as ints (`group_size=32.0` is `group_size=32`: one setting, one run id), in dicts and lists.
-    With `defaults` (an option's declared default), an option whose default is a float keeps a float (`0` -> `0.0`).
-    Floats beyond 2**53 are left as written (refused where an integer is expected)."""
-    if isinstance(values, dict):
-        out = {}
-        for key, value in values.items():
-            default = (defaults or {}).get(key)
-            if isinstance(default, float) and not isinstance(value, bool) and isinstance(value, int):
-                out[key] = float(value)
-            elif isinstance(default, float):
-                out[key] = value
-            else:
-                out[key] = normalise_numbers(value)
-        return out
-    if isinstance(values, list):
-        return [normalise_numbers(v) for v in values]
-    if isinstance(values, float) and values.is_integer() and abs(values) <= EXACT_FLOAT_INT:
-        return int(values)
-    return values
-
-
-def did_you_mean(word: str, choices: Any) -> str:
-    """ " (did you mean X?)" for the closest choice, or ""."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @dataclass
@@ -99,8 +52,6 @@ class ModelConfig:
             raise UserError("model=hf needs model.path=<hub id or local folder>")
         if self.path is not None and not str(self.path).strip():
             raise UserError("invalid model.path='': expected a hub id or a local folder")
-        from kvbench.results import model_label
-
         self.name = model_label(dataclasses.asdict(self)) if (self.path or self.name) else "unnamed"
 
 
@@ -124,14 +75,14 @@ class RuntimeConfig:
             raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are mixed, prefill_first")
         if self.prefix_caching not in ("auto", True, False):
             raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
-        _check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
-        _check_positive("runtime.num_blocks", self.num_blocks, allow_none=True, minimum=2)
-        _check_positive("runtime.kv_memory_bytes", self.kv_memory_bytes, allow_none=True)
-        _check_positive("runtime.prefill_chunk_size", self.prefill_chunk_size)
-        _check_positive("runtime.batch_size", self.batch_size)
-        _check_positive("runtime.threads", self.threads, allow_none=True, maximum=max(1024, os.cpu_count() or 1))
-        _check_positive("runtime.max_num_batched_tokens", self.max_num_batched_tokens)
-        _check_positive("runtime.max_num_seqs", self.max_num_seqs)
+        check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
+        check_positive("runtime.num_blocks", self.num_blocks, allow_none=True, minimum=2)
+        check_positive("runtime.kv_memory_bytes", self.kv_memory_bytes, allow_none=True)
+        check_positive("runtime.prefill_chunk_size", self.prefill_chunk_size)
+        check_positive("runtime.batch_size", self.batch_size)
+        check_positive("runtime.threads", self.threads, allow_none=True, maximum=max(1024, os.cpu_count() or 1))
+        check_positive("runtime.max_num_batched_tokens", self.max_num_batched_tokens)
+        check_positive("runtime.max_num_seqs", self.max_num_seqs)
         w = self.admission_watermark
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
             raise UserError(f"invalid runtime.admission_watermark={w!r}: expected a number in [0, 1)")
@@ -208,8 +159,6 @@ class Settings:
     @property
     def method(self) -> Any:
         """The method as the raw config spelled it: .name and its options (for titles and labels)."""
-        from types import SimpleNamespace
-
         return SimpleNamespace(name=self.method_name, **self.method_options)
 
 
@@ -231,37 +180,6 @@ def _build(cls: type, where: str, values: dict) -> Any:
     return cls(**values)
 
 
-def method_evicts(name: str) -> bool:
-    """Whether the method drops tokens (its `evicts` class attribute; methods without one: by name)."""
-    try:
-        from kvbench.methods import METHODS, available_methods
-
-        available_methods()
-        flag = getattr(METHODS.get(name), "evicts", None)
-    except Exception:  # pragma: no cover - an unknown method is refused later
-        flag = None
-    return (name not in NON_EVICTING) if flag is None else bool(flag)
-
-
-def resolve_storage(method_name: str, method_options: dict, quant_name: str,
-                    quant_options: dict) -> tuple[str, dict, str, dict]:
-    """`method=<codec>` -> `method=full quant=<codec>` (kvbench.quant.registry.resolve_storage where it exists),
-    with integral floats as ints (a codec's float options kept floats: normalise_numbers)."""
-    from kvbench.quant import registry
-
-    fn = getattr(registry, "resolve_storage", None)
-    if fn is not None:
-        m_name, m_opts, q_name, q_opts = fn(method_name, dict(method_options), quant_name, dict(quant_options))
-        return (m_name, normalise_numbers(m_opts), q_name,
-                normalise_numbers(q_opts, getattr(registry, "OPTIONS", {}).get(q_name)))
-    if method_name in CODEC_METHODS:  # fallback until the registry has resolve_storage
-        if quant_name not in (None, "none", "full"):
-            raise UserError(f"method={method_name} and quant={quant_name} both choose a storage codec: keep one "
-                            f"(method=<eviction method> quant={quant_name}, or method={method_name} quant=none)")
-        return "full", {}, method_name, dict(method_options)
-    return method_name, dict(method_options), quant_name or "none", dict(quant_options)
-
-
 def _check_root_keys(cfg: Any) -> None:
     try:
         keys = [str(k) for k in cfg.keys()]
@@ -273,23 +191,10 @@ def _check_root_keys(cfg: Any) -> None:
                             f"{did_you_mean(key, ROOT_KEYS)}")
 
 
-def _raw_value(cfg: Any, full_key: str) -> Any:
-    """The value at `full_key` (a.b[0].c) as written, interpolations unresolved; None when not found."""
-    node: Any = OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg
-    for part in full_key.replace("]", "").replace("[", ".").split("."):
-        try:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        except (KeyError, IndexError, ValueError, TypeError):
-            return None
-    return node
-
-
 def check_resolvable(cfg: Any) -> None:
     """UserError (one line) naming the first value whose interpolation (${...}) cannot be resolved."""
     if not OmegaConf.is_config(cfg):
         return
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         for key in cfg.keys():
             if key != "hydra":  # Hydra's own node (present in composed test configs) resolves only in a job
@@ -299,23 +204,7 @@ def check_resolvable(cfg: Any) -> None:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
-        raise UserError(f"cannot resolve {key}={_raw_value(cfg, key)!r}: {msg}") from None
-
-
-def check_compression(budget: Any, compression_ratio: Any) -> Optional[float]:
-    """`compression_ratio`: the fraction of each prompt's KV removed at prefill (kvpress's meaning; 0.0 = keep
-    all), a number in [0, 1), exclusive with `budget`; each eviction method turns it into a per-sequence budget
-    (methods/eviction.py). Returns it as a float (or None); UserError on a bad value or both knobs set."""
-    r = compression_ratio
-    if r is None:
-        return None
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
-        raise UserError(f"invalid compression_ratio={r!r}: expected a number in [0, 1) (the fraction of each "
-                        "prompt's KV removed) or null")
-    if budget is not None:
-        raise UserError(f"budget={budget} and compression_ratio={r} are both set: choose one (budget = KV tokens "
-                        "kept per sequence, layer and kv-head; compression_ratio = fraction of each prompt removed)")
-    return float(r)
+        raise UserError(f"cannot resolve {key}={raw_value(cfg, key)!r}: {msg}") from None
 
 
 def validate(cfg: Any) -> Settings:
@@ -329,11 +218,10 @@ def validate(cfg: Any) -> Settings:
         raise UserError("method.name is missing: every method YAML needs `name:` (see conf/method/)")
     if not task.get("name"):
         raise UserError("task.name is missing: every task YAML needs `name:` (see conf/task/)")
-    budget = cfg.get("budget")
-    _check_positive("budget", budget, allow_none=True)
+    budget = check_budget(cfg.get("budget"))
     compression_ratio = check_compression(budget, cfg.get("compression_ratio"))
     seed = cfg.get("seed", 0)
-    _check_positive("seed", seed, minimum=0, maximum=SEED_MAX)
+    check_positive("seed", seed, minimum=0, maximum=SEED_MAX)
     model = _section(cfg, "model")
     quant = _section(cfg, "quant") or {"name": "none"}
     experiment = cfg.get("experiment")
@@ -341,8 +229,7 @@ def validate(cfg: Any) -> Settings:
         raise UserError(f"invalid experiment={experiment!r}: expected a name")
     method_name, method_options, quant_name, quant_options = resolve_storage(
         str(method.pop("name")), method, str(quant.pop("name", "none")), quant)
-    if not method_evicts(method_name):
-        budget = compression_ratio = None  # nothing is evicted: every budget (or ratio) is the same run
+    budget, compression_ratio = kept_budget(method_name, budget, compression_ratio)
     results_dir = results_path(cfg.get("results_dir", "results"))
     return Settings(
         model=_build(ModelConfig, "model", model),
@@ -364,49 +251,7 @@ def validate(cfg: Any) -> Settings:
     )
 
 
-def _raw_hashable(root: Any) -> dict:
-    """The hashed sections, resolved (as written where an interpolation cannot be resolved: validate refuses it)."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    out = {}
-    for k in ("model", "method", "quant", "task", "runtime", "budget", "seed"):
-        if k not in root:
-            continue
-        try:
-            out[k] = OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k]
-        except OmegaConfBaseException:
-            out[k] = _raw_value(root, k)
-    if root.get("compression_ratio") is not None:  # absent when null: runs without it keep their ids
-        out["compression_ratio"] = root["compression_ratio"]
-    return out
-
-
-def hashable_config(root: Any) -> dict:
-    """The parts of a config that determine the result, in resolved form (storage codec moved to `quant`, budget
-    null for a method that evicts nothing), so two spellings of one run hash alike. Never raises: a config that
-    does not validate hashes as written (and is refused by validate)."""
-    data = _raw_hashable(root)
-    try:
-        method = dict(data.get("method") or {})
-        quant = dict(data.get("quant") or {"name": "none"})
-        m_name, m_opts, q_name, q_opts = resolve_storage(str(method.pop("name", "")), method,
-                                                         str(quant.pop("name", "none")), quant)
-        data["method"] = {"name": m_name, **m_opts}
-        data["quant"] = {"name": q_name, **q_opts}
-        if isinstance(data.get("task"), dict):
-            data["task"] = normalise_numbers(data["task"])
-        if not method_evicts(m_name):
-            if data.get("budget") is not None:
-                data["budget"] = None
-            data.pop("compression_ratio", None)
-    except Exception:
-        pass
-    return data
-
-
 def _resolve_run_id(*, _root_: DictConfig) -> str:
-    from kvbench.results import run_id_for
-
     return run_id_for(hashable_config(_root_))
 
 

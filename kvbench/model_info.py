@@ -3,6 +3,7 @@
     check_model_path(model_cfg)  -> UserError (one line) for a missing path, an empty folder, a file that is not
                                     a model, a GGUF file that is not GGUF
     model_shape(model_cfg)       -> ModelShape(num_layers, num_kv_heads, head_dim, max_positions) or None
+    kv_pool_tokens(settings, shape) -> tokens one sequence can keep in the KV pool the engine will size
 
 Both read at most a config.json or a GGUF header (never the weights), so bad input is refused in milliseconds.
 A hub id must be in the local Hugging Face cache or on a reachable hub (its config.json is fetched); its shape is
@@ -17,7 +18,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Optional
 
+from kvbench.data import hub
 from kvbench.errors import UserError
+from kvbench.runtime.engine import DEFAULT_KV_MEMORY_BYTES
+from kvbench.spec import FULL_PRECISION
 
 GGUF_MAGIC = b"GGUF"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -92,9 +96,7 @@ def _check_hub_model(repo_id: str) -> None:
     fetched now: a few kB, which the loader would fetch first anyway)."""
     if _cached_hub_config(repo_id) is not None:
         return
-    from kvbench.data.hub import hub_unreachable_reason
-
-    reason = hub_unreachable_reason()
+    reason = hub.hub_unreachable_reason()
     if reason is not None:
         raise UserError(f"model.path={repo_id!r} is not in the local Hugging Face cache and the hub is "
                         f"unreachable ({reason}): download it first, or give a local model folder or .gguf file")
@@ -220,3 +222,32 @@ def _read_gguf_header(path: str, where: str) -> dict:
     if "general.architecture" not in meta:
         raise UserError(f"{where}: {path!r} is a GGUF file without general.architecture")
     return meta
+
+
+# --------------------------------------------------------------------------- the KV pool
+def elem_bytes(dtype: str) -> int:
+    """Bytes per element of the model dtype (float32: 4; bfloat16, float16: 2)."""
+    return 4 if dtype == "float32" else 2
+
+
+def kv_pool_bytes(rt: Any, shape: Any, dtype: str) -> Optional[int]:
+    """Bytes of the KV pool as the engine sizes it (runtime.kv_memory_bytes, else num_blocks - 1 full-precision
+    blocks, else the engine's default); None when num_blocks is set and the model's shape is unknown."""
+    if rt.kv_memory_bytes is not None:
+        return rt.kv_memory_bytes
+    if rt.num_blocks is not None:
+        if shape is None:
+            return None
+        return max(1, rt.num_blocks - 1) * 2 * rt.block_size * shape.head_dim * elem_bytes(dtype)
+    return DEFAULT_KV_MEMORY_BYTES
+
+
+def kv_pool_tokens(settings: Any, shape: Any) -> Optional[int]:
+    """Tokens one sequence can keep in the full-precision KV pool (every layer and kv-head; quant=none), or None
+    when unknown (model shape unknown, or a storage codec packs the blocks)."""
+    rt = settings.runtime
+    pool = kv_pool_bytes(rt, shape, settings.model.dtype) if shape is not None else None
+    if pool is None or settings.quant_name not in FULL_PRECISION:
+        return None
+    blocks = pool // (2 * rt.block_size * shape.head_dim * elem_bytes(settings.model.dtype))
+    return max(0, (blocks - 1) // (shape.num_layers * shape.num_kv_heads)) * rt.block_size

@@ -21,12 +21,18 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from kvbench import config as _config
 from kvbench.errors import UserError
+from kvbench.methods import build_method
+from kvbench.model_info import check_model_path, elem_bytes, kv_pool_bytes, model_shape
+from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.results import run_id_for
+from kvbench.spec import SEED_MAX, check_positive, hashable_config
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
+from kvbench.tasks import build_task
 
 
 def _scalar(v: Any) -> Any:
@@ -62,8 +68,6 @@ class RunPlan:
 
 
 def _resolve_device(device: str) -> str:
-    import torch
-
     if device == "auto":
         if torch.cuda.is_available():
             return "cuda"
@@ -81,43 +85,12 @@ def machine_memory_bytes(device: str) -> Optional[int]:
     """Total memory of the device the KV pool lives on (RAM for cpu, the GPU's for cuda), or None if unknown."""
     try:
         if device.startswith("cuda"):
-            import torch
-
             return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
         if device == "cpu":
             return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, RuntimeError, AttributeError):  # pragma: no cover
         return None
     return None
-
-
-def _elem_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
-
-
-def kv_pool_bytes(rt: _config.RuntimeConfig, shape: Any, dtype: str) -> Optional[int]:
-    """Bytes of the KV pool as the engine sizes it (runtime.kv_memory_bytes, else num_blocks - 1 full-precision
-    blocks, else the engine's default); None when num_blocks is set and the model's shape is unknown."""
-    if rt.kv_memory_bytes is not None:
-        return rt.kv_memory_bytes
-    if rt.num_blocks is not None:
-        if shape is None:
-            return None
-        return max(1, rt.num_blocks - 1) * 2 * rt.block_size * shape.head_dim * _elem_bytes(dtype)
-    from kvbench.runtime.engine import DEFAULT_KV_MEMORY_BYTES
-
-    return DEFAULT_KV_MEMORY_BYTES
-
-
-def kv_pool_tokens(settings: _config.Settings, shape: Any) -> Optional[int]:
-    """Tokens one sequence can keep in the full-precision KV pool (every layer and kv-head; quant=none), or None
-    when unknown (model shape unknown, or a storage codec packs the blocks)."""
-    rt = settings.runtime
-    pool = kv_pool_bytes(rt, shape, settings.model.dtype) if shape is not None else None
-    if pool is None or settings.quant_name not in ("none", "full"):
-        return None
-    blocks = pool // (2 * rt.block_size * shape.head_dim * _elem_bytes(settings.model.dtype))
-    return max(0, (blocks - 1) // (shape.num_layers * shape.num_kv_heads)) * rt.block_size
 
 
 def _check_memory(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: str) -> None:
@@ -141,14 +114,12 @@ def _check_codec_blocks(rt: _config.RuntimeConfig, shape: Any, dtype: str, quant
                         quant_options: dict) -> None:
     """A codec whose groups need longer blocks (KIVI: a multiple of group_size) must still fit one block per
     layer and kv-head in the pool."""
-    from kvbench.quant.registry import storage_geometry
-
     hint, fp_dtype = storage_geometry(quant_name, quant_options)
     tokens = rt.block_size * hint // math.gcd(rt.block_size, hint)  # kvbench.runtime.caches.codec_block_size
     pool = kv_pool_bytes(rt, shape, dtype)
     if tokens == rt.block_size or pool is None:
         return
-    elem = _elem_bytes(dtype) if fp_dtype is None else fp_dtype.itemsize
+    elem = elem_bytes(dtype) if fp_dtype is None else fp_dtype.itemsize
     block_bytes = 2 * tokens * shape.head_dim * elem
     need = shape.num_layers * shape.num_kv_heads * rt.batch_size + 1
     if pool // block_bytes < need:
@@ -174,7 +145,7 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
         raise UserError(f"invalid runtime.num_blocks={rt.num_blocks}: this model needs at least {need} "
                         f"({shape.num_layers} layers x {shape.num_kv_heads} kv-heads x batch {rt.batch_size} + 1)")
     if rt.num_blocks is None and rt.kv_memory_bytes is not None:
-        elem = 4 if dtype == "float32" else 2
+        elem = elem_bytes(dtype)
         block_bytes = 2 * rt.block_size * shape.head_dim * elem
         if rt.kv_memory_bytes // block_bytes < need:
             raise UserError(f"invalid runtime.kv_memory_bytes={rt.kv_memory_bytes}: holds "
@@ -182,22 +153,10 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
                             f"least {need} ({need * block_bytes} bytes)")
 
 
-def _check_quant(name: str, options: dict, shape: Any = None) -> None:
-    """Codec name and options, checked without the model (kvquant's calibration needs it: only its settings,
-    its calibration length against the model's positions)."""
-    from kvbench.quant import registry
-
-    names = registry.available_codecs()
-    if name not in names:
-        raise UserError(f"unknown quant {name!r}: choices are {', '.join(names)}{_config.did_you_mean(name, names)}")
-    registry.check_codec(name, dict(options), shape)
-
-
 def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
     """The method, given the top-level seed (a method's own `method.seed`, when set, wins)."""
     options = dict(settings.method_options)
-    _config._check_positive("method.seed", options.get("seed"), allow_none=True, minimum=0,
-                            maximum=_config.SEED_MAX)
+    check_positive("method.seed", options.get("seed"), allow_none=True, minimum=0, maximum=SEED_MAX)
     try:
         accepts_seed = "seed" in inspect.signature(build_method_fn).parameters
     except (TypeError, ValueError):  # pragma: no cover
@@ -230,29 +189,27 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     """Step 1: validate every setting that needs no model and build method and task; UserError on bad input."""
     settings = _config.validate(cfg)
     device = _resolve_device(settings.model.device)
-    from kvbench.model_info import check_model_path, model_shape
-
     check_model_path(settings.model)
     shape = model_shape(settings.model)
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
-    _check_quant(settings.quant_name, settings.quant_options, shape)
+    # the codec's options (its name was resolved by validate), without the model: kvquant's calibration needs it,
+    # so only its settings and its calibration length against the model's positions
+    check_codec(settings.quant_name, dict(settings.quant_options), shape)
     if shape is not None:
         _check_codec_blocks(settings.runtime, shape, settings.model.dtype, settings.quant_name,
                             settings.quant_options)
     if build_method_fn is None:
-        from kvbench.methods import build_method as build_method_fn  # type: ignore[no-redef]
+        build_method_fn = build_method
     method = _build_method(build_method_fn, settings)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):
         method_preflight(settings, shape)
-    from kvbench.tasks import build_task
-
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
     preflight = getattr(task, "preflight", None)
     if callable(preflight):
         preflight(settings, shape)
     _check_results_dir(settings.results_dir)
-    hashable = _config.hashable_config(cfg)
+    hashable = hashable_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # what runs, in resolved form: method=kivi is recorded as method=full quant=kivi; no budget without eviction
     resolved.update(method={"name": settings.method_name, **settings.method_options},

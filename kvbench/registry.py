@@ -1,29 +1,33 @@
 """One registry helper for everything chosen by name: methods, tasks and storage codecs.
 
-    METHODS = Registry("method", base=Method, package="kvbench.methods")
-    @METHODS.register("my_method")
-    class MyMethod(Method): ...
-    METHODS.get("my_methd")   -> UserError: unknown method 'my_methd'; did you mean 'my_method'? choices are ...
+    TASKS = Registry("task", base=Task, package="kvbench.tasks")
+    @TASKS.register("my_task")
+    class MyTask(Task): ...
+    TASKS.get("my_tsk")   -> UserError: unknown task 'my_tsk' (did you mean my_task?); choices are ...
 
-`package` names a package whose modules are imported on first lookup (each registers itself on import), so a new
-method is one file: nothing else lists it.
+`package` names a package whose modules are imported on first lookup (each registers itself on import), or one
+module that registers them all, so a new method is one file: nothing else lists it.
+
+The method and codec registries are created here, at the bottom of the layers, so that the rulebook
+(kvbench.spec) can ask whether a method evicts and which codecs exist without importing either: they are loaded
+by name when first looked up. kvbench.methods.base sets the methods' base class.
 """
 from __future__ import annotations
 
 import difflib
 import importlib
 import pkgutil
-from typing import Callable, Generic, Iterator, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 from kvbench.errors import UserError
 
 T = TypeVar("T")
 
 
-def did_you_mean(value: object, choices: list[str]) -> str:
-    """"; did you mean 'x'" for the closest choice, or "" when none is close."""
-    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}" if close else ""
+def did_you_mean(value: object, choices: Iterable[object]) -> str:
+    """" (did you mean x?)" for the closest choice, or "" when none is close."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def unknown_choice(kind: str, value: object, choices: list[str]) -> UserError:
@@ -38,6 +42,10 @@ class Registry(Generic[T]):
         self.kind, self.base, self.package = kind, base, package
         self._items: dict[str, T] = {}
         self._loaded = package is None
+
+    def set_base(self, base: type) -> None:
+        """Every entry registered from now on must be a subclass of `base`."""
+        self.base = base
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: make the class reachable as `<kind>=<name>` (its `name` attribute is set)."""
@@ -61,7 +69,7 @@ class Registry(Generic[T]):
             return
         self._loaded = True
         pkg = importlib.import_module(self.package)
-        for info in pkgutil.iter_modules(pkg.__path__):
+        for info in pkgutil.iter_modules(getattr(pkg, "__path__", [])):  # a module registers its entries itself
             if not info.name.startswith("_") and info.name != "base":
                 importlib.import_module(f"{self.package}.{info.name}")
 
@@ -85,3 +93,9 @@ class Registry(Generic[T]):
         if not isinstance(name, str) or name not in self._items:
             raise unknown_choice(self.kind, name, self.names())
         return self._items[name]
+
+
+# Compression methods (kvbench/methods/, one module each; kvbench.methods.base sets the base class Method).
+METHODS: Registry[Any] = Registry("method", package="kvbench.methods")
+# Storage codecs (kvbench.quant.registry registers each: its option defaults and its builder).
+CODECS: Registry[Any] = Registry("quant", package="kvbench.quant.registry")

@@ -25,7 +25,8 @@ import json
 import os
 from typing import Any, Optional
 
-from kvbench.errors import UserError, exit_with
+from kvbench.console import exit_with
+from kvbench.errors import UserError
 from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
 from kvbench.reporting.runs import (corrupt_runs, describe, fmt as _fmt, load_runs, pair_key, runs_frame,

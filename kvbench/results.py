@@ -31,7 +31,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import logging
 import math
 import os
 import re
@@ -41,7 +40,7 @@ import threading
 import time
 from typing import Any, Iterable, Optional
 
-from kvbench.errors import say
+from kvbench.console import say, warn
 
 METRICS_FILE = "metrics.json"
 CONFIG_FILE = "config.yaml"
@@ -71,11 +70,6 @@ PACKAGED_MODEL_NAME = "smollm2-135m"
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 CLAIM_HEARTBEAT_S = 30.0
 CLAIM_STALE_S = float(os.environ.get("KVBENCH_CLAIM_STALE_S", "600"))
-
-
-def warn(message: str) -> None:
-    """One warning line on stderr (and in the run's kvbench.log)."""
-    say("kvbench: warning: " + " ".join(str(message).split()), level=logging.WARNING)
 
 
 # --------------------------------------------------------------------------- run ids

@@ -19,8 +19,7 @@ import os
 import shutil
 from typing import Any, Optional
 
-from kvbench.errors import say
-from kvbench.results import warn
+from kvbench.console import say, warn
 
 MAX_TABLE_ROWS = 1000
 

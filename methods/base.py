@@ -1,17 +1,18 @@
-"""The interface every compression method implements, and the registry of methods by name."""
+"""The interface every compression method implements, and the registry of methods by name
+(kvbench.registry.METHODS, whose base class is set here)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvbench.errors import UserError
-from kvbench.registry import Registry
+from kvbench.registry import METHODS
+from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LayerContext
 
 
 @dataclass
-class Method:
+class Method(NoCompression):
     """A KV-cache compression method: which tokens stay (storage codecs are chosen with `quant=`).
 
     The engine calls (the hook protocol; the runtime knows nothing else of methods):
@@ -24,7 +25,10 @@ class Method:
     `budget` is the most KV tokens kept per sequence, per layer, per kv-head (None = unlimited).
     `compression_ratio` (exclusive with `budget`) is kvpress's knob: the fraction of each prompt's KV removed at
     prefill (0.0 = keep all); eviction methods turn it into a per-sequence budget (methods.eviction).
-    `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null).
+    `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null;
+    kvbench.spec reads it through the registry). `budget` and `compression_ratio` are checked once, by
+    kvbench.spec (config.validate and build_method); a method checks only its own relations (sinks < budget).
+    The no-op hooks are kvbench.runtime.hooks.NoCompression's.
     """
 
     name: ClassVar[str] = "base"
@@ -35,17 +39,7 @@ class Method:
     compression_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
-                raise UserError(f"invalid budget {self.budget!r}: expected a positive integer or null")
-        r = self.compression_ratio
-        if r is not None:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
-                raise UserError(f"invalid compression_ratio={r!r}: expected a number in [0, 1) or null")
-            if self.budget is not None:
-                raise UserError(f"budget={self.budget} and compression_ratio={r} both set how much KV is kept: "
-                                "set one of them")
-            self.compression_ratio = float(r)
+        pass
 
     # --- runtime points -------------------------------------------------------------
     @property
@@ -58,19 +52,6 @@ class Method:
         """"original" (keys keep their token positions) or "cache" (re-indexed inside the cache)."""
         return "original"
 
-    def attach(self, cache: Any, model_config: Any) -> None:
-        self.cache = cache
-        self.model_config = model_config
-
-    def after_attention(self, ctx: LayerContext) -> None:
-        pass
-
-    def on_sequence_end(self, slot: int) -> None:
-        pass
-
-    def on_fork(self, parent: int, child: int) -> None:
-        pass
-
     def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
         """The next `num_tokens` appended to `slot` (one forward step) stay uncompressed: a question appended
         after its context was compressed (kvpress's query-agnostic protocol). Nothing to do for a method that
@@ -81,5 +62,5 @@ class Method:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-METHODS: Registry[type[Method]] = Registry("method", base=Method, package="kvbench.methods")
+METHODS.set_base(Method)
 register_method = METHODS.register

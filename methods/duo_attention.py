@@ -33,11 +33,13 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from kvbench.data.essays import load_essays
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
-from kvbench.runtime.rope import apply_rotary
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionMethod, check_bool, check_float, check_int
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.model import LayerContext
+from kvbench.runtime.rope import apply_rotary
 
 PATTERN_FILE = "full_attention_heads.tsv"
 ON_THE_FLY_SINKS = 128  # kvpress: sink_size, recent_size = 128, 256 for duo_attention_on_the_fly
@@ -111,8 +113,6 @@ _ON_THE_FLY_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDicti
 def on_the_fly_scores(engine: Any, samples: list[list[int]]) -> torch.Tensor:
     """kvpress's duo_attention_on_the_fly over token sequences, through a calibration engine on the same model
     (its own small pool: the run's pool and peak are untouched) -> head scores [L, H]."""
-    from kvbench.runtime.engine import Engine
-
     model = engine.model
     cfg = model.config
     L, H, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -204,8 +204,6 @@ class DuoAttention(EvictionMethod):
         self._set_scores(per_model[key], engine.model.config)
 
     def _calibration_samples(self, model: Any) -> list[list[int]]:
-        from kvbench.data.essays import load_essays
-
         tok = getattr(model, "tokenizer", None)
         if tok is None:
             raise UserError("duo_attention on_the_fly needs the model's tokenizer (to read the calibration "

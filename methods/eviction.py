@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
+from kvbench.methods import build_method
 from kvbench.methods.base import Method
+from kvbench.methods.base import METHODS
+from kvbench.runtime.model import LayerContext
 
 PREFILL_MODES = ("paper", "streaming")
 HEAD_MODES = ("shared", "per_head")
@@ -431,8 +433,6 @@ class HeadAdaptiveEvictionMethod(ScoreEvictionMethod):
 def plain_scorers() -> list[str]:
     """Registered methods that score tokens and keep the top ones (ScoreEvictionMethod's own selection): the
     methods a wrapper (adakv, criticalkv) may take as its `base`."""
-    from kvbench.methods.base import METHODS
-
     return sorted(n for n in METHODS.names()
                   if issubclass(METHODS[n], ScoreEvictionMethod) and not issubclass(METHODS[n], ScorerWrapper)
                   and METHODS[n].select in (ScoreEvictionMethod.select, HeadAdaptiveEvictionMethod.select))
@@ -459,8 +459,6 @@ class ScorerWrapper(HeadAdaptiveEvictionMethod):
         if not isinstance(self.base_options, dict):
             raise UserError(f"invalid {self.name}.base_options={self.base_options!r}: expected a mapping of "
                             f"{self.base}'s options")
-        from kvbench.methods import build_method
-
         ratio = getattr(self, "compression_ratio", None)  # the base gets the same knob as the wrapper
         knob = {} if ratio is None else {"compression_ratio": ratio}
         self.inner = build_method(self.base, self.budget, **knob, **dict(self.base_options))

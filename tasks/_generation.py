@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from kvbench.errors import UserError
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.engine import Generation
+from kvbench.spec import check_positive
 
 # End-of-turn / end-of-text tokens of the common chat formats; those the tokenizer knows stop generation.
 CHAT_END_TOKENS: tuple[str, ...] = (
@@ -112,13 +113,6 @@ def model_context_length(engine: Any, default: int = 4096) -> int:
 def check_bool_option(where: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise UserError(f"invalid {where}={value!r}: expected true or false")
-
-
-def check_positive(where: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"invalid {where}={value!r}: expected an integer >= 1" + (" or null" if allow_none else ""))
 
 
 def batch_size_of(cfg: Any) -> int:

@@ -17,8 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvbench.data.govreport import GOVREPORT_SPLITS, check_data_dir as check_govreport_dir, load_govreport_full, load_govreport_longbench
+from kvbench.data.hub import require_hub
+from kvbench.data.longbench import check_data_dir, prompt_template
 from kvbench.errors import UserError
-from kvbench.tasks._generation import check_chat_template_option, check_positive, wants_chat_template
+from kvbench.spec import check_positive
+from kvbench.tasks._generation import check_chat_template_option, wants_chat_template
 from kvbench.tasks.base import Task, TaskResult, register_task
 from kvbench.tasks.summarization import check_limit, check_max_length, run_summarization, summarization_requests
 
@@ -37,8 +41,6 @@ class GovReportOptions:
     chat_template: Any = "auto"
 
     def __post_init__(self) -> None:
-        from kvbench.data.govreport import GOVREPORT_SPLITS
-
         if self.source not in SOURCES:
             raise UserError(f"invalid task.source={self.source!r}: choices are {', '.join(SOURCES)}")
         if self.split not in GOVREPORT_SPLITS:
@@ -59,22 +61,13 @@ class GovReport(Task):
         """Before the model loads: task.data_dir holds the data, or (null) the hub is reachable."""
         opts = self.options
         if opts.data_dir is None:
-            from kvbench.data.hub import require_hub
-
             require_hub(f"GovReport ({opts.source})", "task.data_dir")
         elif opts.source == "longbench":
-            from kvbench.data.longbench import check_data_dir
-
             check_data_dir(opts.data_dir, ["gov_report"])
         else:
-            from kvbench.data.govreport import check_data_dir as check_govreport_dir
-
             check_govreport_dir(opts.data_dir, opts.split)
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
-        from kvbench.data.govreport import load_govreport_full, load_govreport_longbench
-        from kvbench.data.longbench import prompt_template
-
         opts = self.options
         try:
             if opts.source == "longbench":

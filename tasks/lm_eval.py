@@ -1,4 +1,4 @@
-"""`task=lm_eval`: lm-eval-harness tasks run through kvbench's adapter (kvbench.lm_eval_adapter.KVBenchLM) on the
+"""`task=lm_eval`: lm-eval-harness tasks run through kvbench's lm-eval model (kvbench.tasks._lm_eval_lm.EngineLM) on the
 run's engine, so the method and budget apply to both log-likelihood scoring and generation.
 
     python -m kvbench task=lm_eval task.tasks=[arc_easy,hellaswag] task.limit=100 method=... budget=...
@@ -255,12 +255,12 @@ class LmEval(Task):
             import lm_eval
             from lm_eval.tasks import TaskManager
 
-            from kvbench.lm_eval_adapter import KVBenchLM
+            from kvbench.tasks._lm_eval_lm import EngineLM
         except ImportError as exc:
             raise UserError(f"task=lm_eval needs lm-eval ({INSTALL_HINT}): {exc}") from None
         seed = seed_of(cfg)
-        lm = KVBenchLM(engine=engine, tokenizer=tokenizer, batch_size=batch_size_of(cfg),
-                       max_gen_toks=opts.max_gen_toks, seed=seed, progress=progress)
+        lm = EngineLM(engine, tokenizer, batch_size=batch_size_of(cfg),
+                      max_gen_toks=opts.max_gen_toks, seed=seed, progress=progress)
         with quiet_lm_eval():  # lm-eval's logs and bars stay out of kvbench's output
             manager = TaskManager(include_path=[*(opts.include_path or []), str(BUNDLED_TASKS)],
                                   include_defaults=opts.include_defaults)

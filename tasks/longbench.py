@@ -28,9 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from kvbench.data import longbench as lb
+from kvbench.data.hub import require_hub
+from kvbench.data.longbench import LONGBENCH_E_DATASETS, check_data_dir, language, load_longbench
 from kvbench.errors import UserError
+from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket, score_sample
+from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
-                                       check_chat_template_option, check_positive, encode, kept_stats,
+                                       check_chat_template_option, encode, kept_stats,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
@@ -40,8 +45,6 @@ DATASET_GROUPS = ("all", "en", "zh", "e")
 
 
 def _dataset_names(value: Any) -> list[str]:
-    from kvbench.data import longbench as lb
-
     groups = {"all": lb.LONGBENCH_DATASETS, "en": lb.LONGBENCH_EN, "zh": lb.LONGBENCH_ZH,
               "e": lb.LONGBENCH_E_DATASETS}
     if isinstance(value, str):
@@ -85,8 +88,6 @@ class LongBenchOptions:
 
 def question_part(dataset: str, record: dict) -> str:
     """What the dataset's template puts after the context (the question and the answer cue), filled in."""
-    from kvbench.data import longbench as lb
-
     after = lb.prompt_template(dataset).split("{context}", 1)[1]
     return after.format(input=record.get("input", ""))
 
@@ -96,8 +97,6 @@ def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, c
     """One LongBench sample as pred.py prepares it (see the module docstring). compress_question=False: the
     part after the context (the question, the answer cue and the chat turn's end) is appended uncompressed; when
     the middle truncation cut into it, the whole prompt is compressed (`question_compressed` in the sample)."""
-    from kvbench.data import longbench as lb
-
     full = lb.build_prompt(dataset, record)
     prompt = lb.truncate_prompt_middle(tokenizer, full, max_length)
     truncated = prompt != full
@@ -127,9 +126,6 @@ def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, c
 def score_results(samples: list[dict], datasets: list[str]) -> dict:
     """Per-dataset scores, their averages and the LongBench-E buckets, from samples that carry `score`."""
     import math
-
-    from kvbench.data.longbench import LONGBENCH_E_DATASETS, language
-    from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket
 
     metrics: dict = {}
     per_dataset: dict[str, float] = {}
@@ -168,18 +164,11 @@ class LongBench(Task):
     def preflight(self, settings: Any, model_shape: Any) -> None:
         """Before the model loads: task.data_dir holds every dataset's file, or (null) the hub is reachable."""
         if self.options.data_dir is not None:
-            from kvbench.data.longbench import check_data_dir
-
             check_data_dir(self.options.data_dir, self.options.datasets)
         else:
-            from kvbench.data.hub import require_hub
-
             require_hub("LongBench data", "task.data_dir")
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
-        from kvbench.data.longbench import load_longbench
-        from kvbench.metrics.longbench import score_sample
-
         opts = self.options
         max_length = opts.max_length or max(2, model_context_length(engine) - RESERVED_TOKENS)
         chat = wants_chat_template(opts.chat_template, tokenizer)

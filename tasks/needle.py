@@ -22,9 +22,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvbench.data import needle as nd
+from kvbench.data.needle import needle_grid, needle_prompt, needle_score
 from kvbench.errors import UserError
+from kvbench.results import run_id_for
+from kvbench.spec import check_positive
+from kvbench.spec import hashable_config, results_path
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
-                                       check_chat_template_option, check_positive, encode, kept_stats,
+                                       check_chat_template_option, encode, kept_stats,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
@@ -53,8 +58,6 @@ class NeedleOptions:
     compress_question: bool = True  # false: the context is compressed, then the question appended uncompressed
 
     def __post_init__(self) -> None:
-        from kvbench.data import needle as nd
-
         if not self.lengths or not self.depths:
             raise UserError("task.lengths and task.depths need at least one value each")
         for n in self.lengths:
@@ -97,9 +100,6 @@ def run_output_dir(task: Any, cfg: Any) -> Optional[str]:
         return None
     try:
         from omegaconf import OmegaConf
-
-        from kvbench.config import hashable_config, results_path
-        from kvbench.results import run_id_for
 
         if not OmegaConf.is_config(cfg):
             cfg = OmegaConf.create(cfg)
@@ -165,8 +165,6 @@ class Needle(Task):
                             f"{limit - opts.max_new_tokens}")
 
     def requests(self, tokenizer: Any, engine: Any = None) -> list[GenRequest]:
-        from kvbench.data.needle import needle_grid, needle_prompt
-
         opts = self.options
         if engine is not None:
             limit = model_context_length(engine)
@@ -202,8 +200,6 @@ class Needle(Task):
         return out
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
-        from kvbench.data.needle import needle_score
-
         opts = self.options
         requests = self.requests(tokenizer, engine)
         outputs, perf = run_generation(engine, tokenizer, requests, batch_size=batch_size_of(cfg), progress=progress,

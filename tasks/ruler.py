@@ -25,9 +25,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from kvbench.data import ruler as rd
+from kvbench.data.hub import require_hub
+from kvbench.data.ruler import TASK_NAMES
 from kvbench.errors import UserError
+from kvbench.metrics.ruler import metric_for, postprocess
+from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
-                                       check_chat_template_option, check_positive, encode, kept_stats,
+                                       check_chat_template_option, encode, kept_stats,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
@@ -36,8 +41,6 @@ SOURCES = ("generate", "hub")
 
 
 def _task_names(value: Any) -> list[str]:
-    from kvbench.data.ruler import TASK_NAMES
-
     items = [value] if isinstance(value, str) else list(value or [])
     if not items:
         raise UserError("task.tasks is empty: name RULER tasks or all")
@@ -139,14 +142,10 @@ class Ruler(Task):
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         """Hub data without task.data_dir while offline: fail now, before the model loads."""
         if self.options.source == "hub" and not self.options.data_dir:
-            from kvbench.data.hub import require_hub
-
             require_hub("RULER data (simonjegou/ruler)", "task.data_dir")
 
     def samples_for(self, tokenizer: Any, length: int) -> dict[str, list[dict]]:
         """The samples of every task at one length; a QA task without its data is skipped with one line."""
-        from kvbench.data import ruler as rd
-
         opts = self.options
         if opts.source == "hub":
             try:
@@ -183,8 +182,6 @@ class Ruler(Task):
         return out
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
-        from kvbench.metrics.ruler import metric_for, postprocess
-
         opts = self.options
         requests = self.requests(tokenizer, engine)
         if not requests:

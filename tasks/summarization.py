@@ -18,8 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvbench.data.aclsum import REFERENCE_CHOICES, SPLITS, load_aclsum
+from kvbench.data.longbench import truncate_prompt_middle
 from kvbench.errors import UserError
-from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option, check_positive,
+from kvbench.metrics.rouge import mean_scores, summarization_scores
+from kvbench.spec import check_positive
+from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option,
                                encode, run_generation, stop_token_ids, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
@@ -45,8 +49,6 @@ def check_max_length(value: Any) -> None:
 def summarization_requests(tokenizer: Any, docs: list[dict], template: str, max_length: int, max_new_tokens: int,
                            chat: bool, dataset: str) -> list[GenRequest]:
     """One request per document record ({id, document, references, title?}); see the module docstring."""
-    from kvbench.data.longbench import truncate_prompt_middle
-
     stops = stop_token_ids(tokenizer)
     out = []
     for doc in docs:
@@ -66,8 +68,6 @@ def summarization_requests(tokenizer: Any, docs: list[dict], template: str, max_
 def run_summarization(engine: Any, tokenizer: Any, cfg: Any, progress: Any, requests: list[GenRequest],
                       desc: str) -> TaskResult:
     """Generate for every request and score it with the ROUGE set (per sample in [0, 1], metrics x100)."""
-    from kvbench.metrics.rouge import mean_scores, summarization_scores
-
     if not requests:
         raise UserError(f"no documents to summarize for task {desc!r}")
     outputs, perf = run_generation(engine, tokenizer, requests, batch_size=batch_size_of(cfg), progress=progress,
@@ -95,8 +95,6 @@ class SummarizationOptions:
     chat_template: Any = "auto"
 
     def __post_init__(self) -> None:
-        from kvbench.data.aclsum import REFERENCE_CHOICES, SPLITS
-
         if self.split not in SPLITS:
             raise UserError(f"invalid task.split={self.split!r}: choices are {', '.join(SPLITS)}")
         if self.reference not in REFERENCE_CHOICES:
@@ -118,8 +116,6 @@ class Summarization(Task):
     Options = SummarizationOptions
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
-        from kvbench.data.aclsum import load_aclsum
-
         opts = self.options
         try:
             docs = load_aclsum(opts.split, limit=opts.limit, reference=opts.reference)

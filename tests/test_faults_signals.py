@@ -30,7 +30,8 @@ def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
 
 SECOND_SIGTERM = """
 import os, signal, time
-from kvbench.errors import Terminated, install_sigterm_handler
+from kvbench.cli import install_sigterm_handler
+from kvbench.errors import Terminated
 install_sigterm_handler()
 try:
     os.kill(os.getpid(), signal.SIGTERM)

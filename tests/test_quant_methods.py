@@ -10,7 +10,8 @@ import yaml
 
 from kvbench.errors import UserError
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
-from kvbench.quant.registry import CODEC_NAMES, OPTIONS, build_codec
+from kvbench.quant.registry import OPTIONS, build_codec
+from kvbench.spec import codec_names, resolve_storage
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
 from kvbench.methods import build_method
@@ -54,7 +55,7 @@ def test_build_codec_by_name():
 
 
 @pytest.mark.parametrize("name,options,words", [
-    ("zstd", {}, ["'zstd'"] + list(CODEC_NAMES)),
+    ("zstd", {}, ["'zstd'"] + codec_names()),
     ("kivi", {"bitz": 2}, ["bitz", "bits", "group_size", "residual", "key_axis"]),
     ("int8", {"bits": 8}, ["bits", "int8"]),
     ("kivi", {"bits": 3}, ["kivi", "bits=3"]),
@@ -83,8 +84,6 @@ def test_kvquant_nuq_needs_a_model_or_a_tokenizer(tiny):
 # ---------------------------------------------------------------------------------------------------- methods
 def test_codec_methods_are_shorthands_for_quant():
     """method=<codec> is method=full quant=<codec>; the method's options are the codec's."""
-    from kvbench.quant.registry import resolve_storage
-
     route = resolve_storage("kivi", dict(bits=4, group_size=16, residual=64, key_axis="token"), "none", {})
     assert route == ("full", {}, "kivi", dict(bits=4, group_size=16, residual=64, key_axis="token"))
     c = build_codec(route[2], None, **route[3])
@@ -99,8 +98,6 @@ def test_codec_methods_are_shorthands_for_quant():
 
 @pytest.mark.parametrize("method,quant", [("kivi", "int8"), ("int8", "kivi"), ("kvquant", "kivi"), ("fp8", "fp8")])
 def test_a_method_and_a_quant_both_naming_a_codec_is_an_error(method, quant):
-    from kvbench.quant.registry import resolve_storage
-
     with pytest.raises(UserError, match=f"method={method} and quant={quant} both choose a storage codec"):
         resolve_storage(method, {}, quant, {})
 
@@ -213,7 +210,6 @@ def test_codec_method_configs_compose_to_full_plus_quant(name):
     """conf/method/<codec>.yaml pulls the quant group's options: method=<codec> method.<opt>=x runs as
     method=full quant=<codec> quant.<opt>=x (the same run)."""
     from kvbench.config import validate
-    from kvbench.quant.registry import resolve_storage
     from tests.harness_fakes import compose
 
     def route(overrides):

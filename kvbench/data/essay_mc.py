@@ -11,6 +11,7 @@ import json
 import random
 import re
 from pathlib import Path
+from kvbench.data.essays import load_essays
 
 TASK_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks" / "kvbench_essays"
 DATA_FILE = TASK_DIR / "essays_next_sentence.jsonl"
@@ -25,8 +26,6 @@ def _sentences(text: str) -> list[str]:
 def build_docs(num_docs: int = 40, context_sentences: int = 4, seed: int = 0) -> list[dict]:
     """Documents {id, essay, context, choices[4], label}: `context` is `context_sentences` consecutive sentences
     of an essay, choices[label] the sentence after them."""
-    from kvbench.data.essays import load_essays
-
     essays = [(name, _sentences(text)) for name, text in load_essays()]
     essays = [(n, s) for n, s in essays if len(s) > context_sentences + 1]
     rng = random.Random(seed)

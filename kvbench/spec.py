@@ -1,0 +1,207 @@
+"""The rulebook: what a run's config means, in one place that the config, the plan, the lm-eval adapter, the
+tasks and the results store import.
+
+- storage: `method=<codec>` is shorthand for `method=full quant=<codec>`; a method and a quant that both name a
+  codec is an error, never a silent winner (`resolve_storage`). Codec names and each codec's option defaults are
+  read from the codec registry (kvbench.registry.CODECS), never from a hand-written list.
+- eviction: whether a method drops tokens is declared by its class (`Method.evicts`), read through the method
+  registry (`method_evicts`); a method that evicts nothing has no budget (recorded as null), whatever was set.
+- budget and compression_ratio: `budget` a positive integer or null, `compression_ratio` a number in [0, 1) or
+  null, never both (`check_budget`, `check_compression`, checked here once; methods check only their own
+  relations, such as sinks < budget).
+- numbers: integral floats are ints (`group_size=32.0` is `group_size=32`: one setting, one run id).
+- the hashed config (`hashable_config`): the sections in HASHED_SECTIONS, resolved as above, so two spellings of
+  one run get one run id.
+
+This module imports only kvbench.errors and kvbench.registry: the registries load methods and codecs by name when
+first asked, so the store and the reporting can import the rules without importing any method or codec.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvbench.errors import UserError
+from kvbench.registry import CODECS, METHODS, unknown_choice
+
+SEED_MAX = 2**32 - 1  # numpy's limit (torch takes more; one range for every library)
+EXACT_FLOAT_INT = 2**53  # integral floats up to this are exact integers
+FULL_PRECISION = ("none", "full")  # the quant names that store KV in full precision
+# The config sections that determine a result, hashed into the run id (compression_ratio too, when set).
+HASHED_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "seed")
+
+
+def check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1,
+                   maximum: Optional[int] = None) -> None:
+    """UserError "invalid where=value: expected an integer >= minimum" unless value is such an integer (or None
+    with allow_none)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or (maximum is not None and value > maximum):
+        allowed = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+        allowed += " or null" if allow_none else ""
+        raise UserError(f"invalid {where}={value!r}: expected {allowed}")
+
+
+def results_path(value: Any) -> str:
+    """results_dir as an absolute path, `~` expanded: the one spelling used for run folders, Hydra's sweep folder
+    and runs.jsonl alike."""
+    return os.path.abspath(os.path.expanduser(str(value)))
+
+
+def normalise_numbers(values: Any, defaults: Optional[dict] = None) -> Any:
+    """Integral floats as ints (`group_size=32.0` is `group_size=32`: one setting, one run id), in dicts and lists.
+    With `defaults` (an option's declared default), an option whose default is a float keeps a float (`0` -> `0.0`).
+    Floats beyond 2**53 are left as written (refused where an integer is expected)."""
+    if isinstance(values, dict):
+        out = {}
+        for key, value in values.items():
+            default = (defaults or {}).get(key)
+            if isinstance(default, float) and not isinstance(value, bool) and isinstance(value, int):
+                out[key] = float(value)
+            elif isinstance(default, float):
+                out[key] = value
+            else:
+                out[key] = normalise_numbers(value)
+        return out
+    if isinstance(values, list):
+        return [normalise_numbers(v) for v in values]
+    if isinstance(values, float) and values.is_integer() and abs(values) <= EXACT_FLOAT_INT:
+        return int(values)
+    return values
+
+
+# --------------------------------------------------------------------------- storage codecs
+def codec_names() -> list[str]:
+    """Every storage codec's name, from the codec registry (none and full: full precision)."""
+    return CODECS.names()
+
+
+def codec_defaults(name: str) -> dict[str, Any]:
+    """The options codec `name` takes, with their defaults (declared once, with the codec's builder)."""
+    return dict(CODECS.get(name).defaults)
+
+
+def check_codec_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The codec's options with null ones at their defaults; UserError naming an option the codec does not take."""
+    defaults = codec_defaults(name)
+    bad = sorted(set(options) - set(defaults))
+    if bad:
+        valid = ", ".join(sorted(defaults)) or "(none)"
+        raise UserError(f"unknown option quant.{bad[0]} for codec {name!r}; valid options are {valid}")
+    return {k: (defaults[k] if options.get(k) is None else options[k]) for k in defaults}
+
+
+def resolve_storage(method_name: str, method_options: dict[str, Any], quant_name: Any,
+                    quant_options: dict[str, Any]) -> tuple[str, dict[str, Any], str, dict[str, Any]]:
+    """The one route to a codec: `method=<codec>` becomes `method=full quant=<codec>` (the method's options are
+    the codec's); quant=full is quant=none. A method and a quant that both name a codec is an error, never a
+    silent winner; unknown codecs and codec options raise UserError. Returns (method_name, method_options,
+    quant_name, quant_options), integral floats as ints (a codec's float options kept floats)."""
+    names = codec_names()
+    quant_name = "none" if quant_name in (None, "full") else quant_name
+    if not isinstance(quant_name, str) or quant_name not in names:
+        raise unknown_choice("quant", quant_name, [c for c in names if c != "full"])
+    method_options, quant_options = dict(method_options), dict(quant_options)
+    if method_name in names and method_name not in FULL_PRECISION:
+        if quant_name != "none":
+            raise UserError(f"method={method_name} and quant={quant_name} both choose a storage codec: use "
+                            f"method=full quant={quant_name}, or method=<eviction method> quant={quant_name}")
+        method_name, quant_name, quant_options, method_options = "full", method_name, method_options, {}
+    check_codec_options(quant_name, quant_options)
+    return (method_name, normalise_numbers(method_options), quant_name,
+            normalise_numbers(quant_options, codec_defaults(quant_name)))
+
+
+# --------------------------------------------------------------------------- eviction, budget, ratio
+def method_evicts(name: str) -> bool:
+    """Whether method `name` ever drops tokens: its class's `evicts` (read through the method registry). An
+    unknown name counts as evicting (its budget is kept; the method is refused when it is built)."""
+    if name not in METHODS:
+        return True
+    return bool(METHODS.get(name).evicts)
+
+
+def check_budget(budget: Any) -> Optional[int]:
+    """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
+    check_positive("budget", budget, allow_none=True)
+    return budget
+
+
+def check_compression(budget: Any, compression_ratio: Any) -> Optional[float]:
+    """`compression_ratio`: the fraction of each prompt's KV removed at prefill (kvpress's meaning; 0.0 = keep
+    all), a number in [0, 1), exclusive with `budget`; each eviction method turns it into a per-sequence budget
+    (methods/eviction.py). Returns it as a float (or None); UserError on a bad value or both knobs set."""
+    r = compression_ratio
+    if r is None:
+        return None
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+        raise UserError(f"invalid compression_ratio={r!r}: expected a number in [0, 1) (the fraction of each "
+                        "prompt's KV removed) or null")
+    if budget is not None:
+        raise UserError(f"budget={budget} and compression_ratio={r} are both set: choose one (budget = KV tokens "
+                        "kept per sequence, layer and kv-head; compression_ratio = fraction of each prompt removed)")
+    return float(r)
+
+
+def kept_budget(method_name: str, budget: Optional[int],
+                compression_ratio: Optional[float]) -> tuple[Optional[int], Optional[float]]:
+    """(budget, compression_ratio) as a run of `method_name` keeps them (checked before: check_budget,
+    check_compression): both None for a method that evicts nothing (every budget of it is the same run)."""
+    if not method_evicts(method_name):
+        return None, None
+    return budget, compression_ratio
+
+
+# --------------------------------------------------------------------------- the hashed config
+def raw_value(cfg: Any, full_key: str) -> Any:
+    """The value at `full_key` (a.b[0].c) as written, interpolations unresolved; None when not found."""
+    node: Any = OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg
+    for part in full_key.replace("]", "").replace("[", ".").split("."):
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return None
+    return node
+
+
+def _raw_hashable(root: Any) -> dict:
+    """The hashed sections, resolved (as written where an interpolation cannot be resolved: validate refuses it)."""
+    out = {}
+    for k in HASHED_SECTIONS:
+        if k not in root:
+            continue
+        try:
+            out[k] = OmegaConf.to_container(root[k], resolve=True) if OmegaConf.is_config(root[k]) else root[k]
+        except OmegaConfBaseException:
+            out[k] = raw_value(root, k)
+    if root.get("compression_ratio") is not None:  # absent when null: runs without it keep their ids
+        out["compression_ratio"] = root["compression_ratio"]
+    return out
+
+
+def hashable_config(root: Any) -> dict:
+    """The parts of a config that determine the result, in resolved form (storage codec moved to `quant`, budget
+    null for a method that evicts nothing), so two spellings of one run hash alike. Never raises: a config that
+    does not validate hashes as written (and is refused by config.validate)."""
+    data = _raw_hashable(root)
+    try:
+        method = dict(data.get("method") or {})
+        quant = dict(data.get("quant") or {"name": "none"})
+        m_name, m_opts, q_name, q_opts = resolve_storage(str(method.pop("name", "")), method,
+                                                         str(quant.pop("name", "none")), quant)
+        data["method"] = {"name": m_name, **m_opts}
+        data["quant"] = {"name": q_name, **q_opts}
+        if isinstance(data.get("task"), dict):
+            data["task"] = normalise_numbers(data["task"])
+        if not method_evicts(m_name):
+            if data.get("budget") is not None:
+                data["budget"] = None
+            data.pop("compression_ratio", None)
+    except Exception:
+        pass
+    return data
