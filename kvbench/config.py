@@ -99,7 +99,7 @@ class ModelConfig:
             raise UserError("model=hf needs model.path=<hub id or local folder>")
         if self.path is not None and not str(self.path).strip():
             raise UserError("invalid model.path='': expected a hub id or a local folder")
-        from kvbench.results import model_label
+        from kvbench.store.naming import model_label
 
         self.name = model_label(dataclasses.asdict(self)) if (self.path or self.name) else "unnamed"
 
@@ -405,7 +405,7 @@ def hashable_config(root: Any) -> dict:
 
 
 def _resolve_run_id(*, _root_: DictConfig) -> str:
-    from kvbench.results import run_id_for
+    from kvbench.store.naming import run_id_for
 
     return run_id_for(hashable_config(_root_))
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from kvbench import config as _config
 from kvbench.errors import UserError
-from kvbench.results import run_id_for
+from kvbench.store.naming import run_id_for
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 
 

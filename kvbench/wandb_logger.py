@@ -20,7 +20,7 @@ import shutil
 from typing import Any, Optional
 
 from kvbench.errors import say
-from kvbench.results import warn
+from kvbench.store.files import warn
 
 MAX_TABLE_ROWS = 1000
 

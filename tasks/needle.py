@@ -99,7 +99,7 @@ def run_output_dir(task: Any, cfg: Any) -> Optional[str]:
         from omegaconf import OmegaConf
 
         from kvbench.config import hashable_config, results_path
-        from kvbench.results import run_id_for
+        from kvbench.store.naming import run_id_for
 
         if not OmegaConf.is_config(cfg):
             cfg = OmegaConf.create(cfg)

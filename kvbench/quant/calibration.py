@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
-from kvbench.results import warn
+from kvbench.store.files import warn
 from kvbench.runtime.linear import Linear, keep_dense_weights
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from kvbench.errors import say
-from kvbench.results import warn
+from kvbench.store.files import warn
 from kvbench.runtime.attention import paged_attention_torch
 
 log = logging.getLogger(__name__)
