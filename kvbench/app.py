@@ -37,10 +37,14 @@ from kvbench.console import RUN_LOG, report, say, warn
 from kvbench.errors import Terminated, UserError
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.quant.registry import build_codec
-from kvbench.results import METRICS_FILE, RunFolder, config_hash, experiment_key, read_json, repair_index
+from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.loading import load_model
-from kvbench.runtime.backends.cpu.threads import configure_threads
+from kvbench.spec import method_evicts
+from kvbench.store import faults
+from kvbench.store.files import read_json
+from kvbench.store.folder import METRICS_FILE, RunFolder, repair_index
+from kvbench.store.naming import config_hash, experiment_key
 from kvbench.summary import format_summary, format_sweep_table
 from kvbench.tasks import make_progress
 from kvbench.wandb_logger import WandbLogger
@@ -325,7 +329,8 @@ def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
     record: dict = {
         "run_id": folder.run_id, "attempt_id": uuid.uuid4().hex, "status": "failed", "error": None,
         "model": s.model.name, "method": s.method_name, "budget": s.budget,
-        "compression_ratio": s.compression_ratio, "task": s.task_name,
+        "compression_ratio": s.compression_ratio, "evicts": method_evicts(s.method_name),
+        "task": s.task_name,
         "seed": s.seed, "experiment": s.experiment, "device": plan.device, "dtype": s.model.dtype,
         "num_samples": 0, "config_hash": config_hash(plan.hashable),
         "experiment_key": experiment_key(plan.hashable), "run_dir": folder.path, "started_at": _now(),
@@ -463,7 +468,7 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
 
 # =========================================================================== 4. execute
 def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record: dict) -> list:
-    _test_hook()
+    faults.reach("before_task")
     task = plan.task
     task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)
     result = task.run(engine, loaded.tokenizer, plan.settings, make_progress(plan.settings.progress))
@@ -486,18 +491,6 @@ def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record:
     return samples
 
 
-def _test_hook() -> None:
-    """TEST-ONLY: KVBENCH_TEST_SLEEP_S=<s> sleeps inside the run (after the model loaded, before the task), so the
-    fault tests can kill a run mid-way cheaply. Never set it otherwise."""
-    delay = os.environ.get("KVBENCH_TEST_SLEEP_S")
-    if delay:
-        marker = os.environ.get("KVBENCH_TEST_MARKER")
-        if marker:
-            with open(marker, "a") as f:
-                f.write(f"{os.getpid()}\n")
-        time.sleep(float(delay))
-
-
 # =========================================================================== 5. record
 def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger, t0: float,
             print_summary: bool) -> dict:
@@ -507,9 +500,6 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     record["finished_at"] = _now()
     try:
         folder.write_samples(samples)
-        if os.environ.get("KVBENCH_TEST_CRASH_BEFORE_INDEX"):  # TEST-ONLY: die between metrics and index
-            folder.write_metrics(record)
-            os._exit(9)
         record = folder.finish(record)
     except OSError as exc:
         record["status"] = "failed"

@@ -20,9 +20,8 @@ has a number for is compared:
   percentiles) is shown with its change in % and NOT gated by default: a loss of more than --max-slowdown of the
   speed prints a warning line. With --gate-speed it is a regression. The loss is one scale for rates and latencies
   (0.5 = half the tokens per second, or twice the latency). The default --max-slowdown is 0.5 because single-shot
-  timings on a shared machine move that far on their own: two runs of one commit on a shared 2-core machine
-  differed by 18% (194.6 vs 160.0 prefill tok/s), and one competing busy process can take one of the two cores (a
-  2x swing on a run using both); only a slowdown beyond that is a signal there. On a dedicated machine use
+  timings on a shared machine move that far on their own (one competing busy process can take a core from a run
+  that uses two: a 2x swing); only a slowdown beyond that is a signal there. On a dedicated machine use
   --gate-speed --max-slowdown 0.1.
 - peak_kv_bytes regresses when it grows (a warning only for throughput traces with timed arrivals, whose batches
   depend on the clock); failed_requests regresses when it grows.
@@ -43,8 +42,9 @@ from typing import Any, Optional
 from kvbench.console import exit_with
 from kvbench.errors import UserError
 from kvbench.reporting import stats
-from kvbench.reporting.runs import (corrupt_runs, describe, load_runs, pair_key, result_keys, samples_of,
-                                    setting_of, varying_keys)
+from kvbench.reporting.runs import describe, pair_key, result_keys, setting_of, varying_keys
+from kvbench.store.files import write_json
+from kvbench.store.runs import corrupt_runs, load_runs, samples_of
 
 DEFAULT_REL_TOL = 1e-4
 DEFAULT_MAX_SLOWDOWN = 0.5
@@ -65,12 +65,13 @@ def select_runs(folder: str, commit: Optional[str] = None, skip: frozenset = fro
     if not os.path.isdir(folder):
         raise UserError(f"no results folder {folder!r}")
     if commit is None:
-        runs = load_runs(folder)
+        runs = load_runs(folder, repair=False, warn_corrupt=False)
     else:
-        runs = [r for r in load_runs(folder, history=True)
+        runs = [r for r in load_runs(folder, history=True, repair=False)
                 if str(r["metrics"].get("git_commit") or "").startswith(commit)]
         if not runs:
-            commits = sorted({str(r["metrics"].get("git_commit"))[:10] for r in load_runs(folder, history=True)})
+            logged = load_runs(folder, history=True, repair=False)
+            commits = sorted({str(r["metrics"].get("git_commit"))[:10] for r in logged})
             raise UserError(f"no runs of commit {commit!r} in {folder}: commits there are {', '.join(commits) or '(none)'}")
     out: dict[str, dict] = {}
     for run in runs:  # a later attempt of the same setting replaces an earlier one
@@ -420,8 +421,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     label = (lambda folder, commit: folder + (f"@{commit}" if commit else ""))
     print(to_markdown(verdict, label(args.base, args.base_commit), label(new_folder, args.new_commit)), end="")
     if args.json:
-        from kvbench.results import write_json
-
         write_json(args.json, verdict)
     return 0 if verdict["ok"] else 1
 

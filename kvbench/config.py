@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean
-from kvbench.results import model_label, run_id_for
+from kvbench.store.naming import model_label, run_id_for
 from kvbench.spec import (SEED_MAX, check_budget, check_compression, check_positive, hashable_config, kept_budget,
                           normalise_numbers, raw_value, resolve_storage, results_path)
 

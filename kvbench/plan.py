@@ -29,7 +29,7 @@ from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.model_info import check_model_path, elem_bytes, kv_pool_bytes, model_shape
 from kvbench.quant.registry import check_codec, storage_geometry
-from kvbench.results import run_id_for
+from kvbench.store.naming import run_id_for
 from kvbench.spec import SEED_MAX, check_positive, hashable_config
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task

@@ -29,8 +29,10 @@ from kvbench.console import exit_with
 from kvbench.errors import UserError
 from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
-from kvbench.reporting.runs import (corrupt_runs, describe, fmt as _fmt, load_runs, pair_key, runs_frame,
-                                   setting_of, varying_keys)
+from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, varying_keys
+from kvbench.store.files import atomic_write_text
+from kvbench.store.runs import corrupt_runs, load_runs
+from kvbench.store.table import runs_frame
 
 NO_EXPERIMENT = "(runs without an experiment)"
 def _mib(value: Any) -> str:
@@ -255,7 +257,7 @@ def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str]
     experiment's paper block is checked here, before anything is written."""
     if not os.path.isdir(results_dir):
         raise UserError(f"no results folder {results_dir!r}")
-    runs = load_runs(results_dir)
+    runs = load_runs(results_dir, repair=False, warn_corrupt=False)
     if not runs:
         raise UserError(f"no runs in {results_dir!r} (run folders with a metrics.json)")
     names = sorted({r["experiment"] or NO_EXPERIMENT for r in runs})
@@ -263,7 +265,7 @@ def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str]
         if experiment not in names:
             raise UserError(f"unknown experiment {experiment!r} in {results_dir}: choices are {', '.join(names)}")
         names = [experiment]
-    history = load_runs(results_dir, history=True)
+    history = load_runs(results_dir, history=True, repair=False)
     groups = [(name, [r for r in runs if (r["experiment"] or NO_EXPERIMENT) == name], history) for name in names]
     for name, mine, _ in groups:
         paper_of(name, mine)
@@ -330,7 +332,7 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
     check_out_paths(out_dir, json_path)
     names, groups = build(results_dir, experiment)
     os.makedirs(out_dir, exist_ok=True)
-    everything = load_runs(results_dir)
+    everything = load_runs(results_dir, repair=False, warn_corrupt=False)
     sections = []
     for name, runs, history in groups:
         mine = {r["run_dir"] for r in runs}
@@ -345,13 +347,11 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
     if judged:
         intro.append("Verdicts: " + "; ".join(judged) + ".")
     title = "kvbench report" + (f": {experiment}" if experiment else "")
-    from kvbench.results import atomic_write_text
-
     md_path, html_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     atomic_write_text(md_path, to_markdown(title, intro, sections, out_dir))
     atomic_write_text(html_path, to_html(title, intro, sections))
     csv_path = os.path.join(out_dir, "runs.csv")  # every run of the report as one flat pandas table
-    frame = runs_frame([r for _, runs, _ in groups for r in runs])
+    frame = runs_frame([r for _, runs, _ in groups for r in runs], config_columns=True)
     atomic_write_text(csv_path, frame.to_csv(index=False))
     if json_path is not None:
         atomic_write_text(json_path, json.dumps(verdicts_json(sections), indent=2) + "\n")

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from kvbench.data import needle as nd
 from kvbench.data.needle import needle_grid, needle_prompt, needle_score
 from kvbench.errors import UserError
-from kvbench.results import run_id_for
+from kvbench.store.naming import run_id_for
 from kvbench.spec import check_positive
 from kvbench.spec import hashable_config, results_path
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,

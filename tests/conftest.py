@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbench.store import faults
+
 os.environ.setdefault("KVBENCH_CACHE_DIR", str(Path.home() / ".cache" / "kvbench"))
 os.environ.setdefault("WANDB_MODE", "disabled")
 # one thread: tests are small, and two OpenMP threads on a busy 2-core machine can run 40x slower
@@ -27,3 +29,11 @@ def smollm2():
     from kvbench.runtime.loading import load_model
 
     return load_model(keep_hf=True)
+
+
+@pytest.fixture
+def fault_points():
+    """kvbench.store.faults for this test: install callbacks at its named points; all are removed afterwards."""
+    faults.clear()
+    yield faults
+    faults.clear()

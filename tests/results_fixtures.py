@@ -9,7 +9,9 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from kvbench.results import RunFolder, config_hash, run_id_for
+from kvbench.config import method_evicts
+from kvbench.store.folder import RunFolder
+from kvbench.store.naming import config_hash, run_id_for
 
 STREAMING_PAPER = {
     "source": "StreamingLLM, Table 2", "model": "meta-llama/Llama-2-7b-hf", "dataset": "PG19", "metric": "ppl",
@@ -76,7 +78,7 @@ def write_run(results_dir: str, cfg: dict, metrics: dict, samples: list[dict], *
     record: dict[str, Any] = {
         "run_id": run_id, "status": status, "error": None if status == "ok" else "RuntimeError: boom",
         "model": cfg["model"]["name"] or os.path.basename(cfg["model"]["path"]), "method": cfg["method"]["name"],
-        "budget": cfg["budget"], "quant": cfg["quant"]["name"], "task": cfg["task"]["name"], "seed": cfg["seed"],
+        "budget": cfg["budget"], "evicts": method_evicts(cfg["method"]["name"]), "quant": cfg["quant"]["name"], "task": cfg["task"]["name"], "seed": cfg["seed"],
         "device": "cpu", "dtype": "float32", "num_samples": len(samples), "config_hash": config_hash(hashable),
         "run_dir": folder.path, "experiment": cfg.get("experiment"),
         "kvbench": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0", "git_commit": commit,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR for the subprocesses)
-from kvbench import results
+from kvbench.store.files import read_jsonl
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,11 +69,11 @@ def test_run_rerun_and_sweep_from_another_directory(tmp_path):
     again = kvbench("method=streaming_llm", "budget=32", *common, cwd=cwd)
     assert again.returncode == 0 and "skipping" in again.stdout
     assert "kvbench run OK" in again.stdout and "ppl" in again.stdout  # the stored summary, printed again
-    assert len(results.read_jsonl(str(out / "runs.jsonl"))) == 1
+    assert len(read_jsonl(str(out / "runs.jsonl"))) == 1
 
     sweep = kvbench("-m", "method=streaming_llm", "budget=16,32", *common, cwd=cwd)
     assert sweep.returncode == 0, sweep.stderr
-    runs = results.read_jsonl(str(out / "runs.jsonl"))
+    runs = read_jsonl(str(out / "runs.jsonl"))
     assert [r["budget"] for r in runs] == [32, 16]  # budget=32 was finished already: skipped
     assert len([p for p in out.iterdir() if p.is_dir()]) == 2
 
@@ -144,7 +144,7 @@ def test_python_m_kvbench_from_the_folder_that_holds_a_checkout_named_kvbench(tm
         proc = subprocess.run([py, "-m", "kvbench", "--help"], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0 and "Usage: python -m kvbench" in proc.stdout, (cwd, proc.stderr[-2000:])
-    where = subprocess.run([py, "-c", "import kvbench.methods, kvbench.results as r; r.model_label; "
+    where = subprocess.run([py, "-c", "import kvbench.methods, kvbench.store.naming as r; r.model_label; "
                             "print(kvbench.methods.__file__)"], cwd=parent, env=env, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr[-2000:]
     assert os.path.realpath(where.stdout.strip()) == str(checkout / "methods" / "__init__.py")

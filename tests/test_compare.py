@@ -23,7 +23,7 @@ from kvbench import compare
 from kvbench.compare import Limits
 from kvbench.console import exit_with
 from kvbench.reporting import stats
-from kvbench.reporting.runs import corrupt_runs
+from kvbench.store.runs import corrupt_runs
 from tests import results_fixtures as fx
 
 PPL_NLLS = [3.1, 3.3, 2.9, 3.4, 3.0, 3.2, 3.5, 2.8]

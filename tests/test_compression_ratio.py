@@ -85,7 +85,7 @@ def test_config_accepts_a_ratio_and_refuses_both_knobs():
 
 
 def test_ratio_changes_the_run_id_and_null_keeps_old_ids():
-    from kvbench.results import run_id_for
+    from kvbench.store.naming import run_id_for
 
     base = kconfig.hashable_config(compose(["method=snapkv"]))
     assert "compression_ratio" not in base  # runs without a ratio keep the ids they had
@@ -263,13 +263,14 @@ def test_split_generation_equals_the_scheduler_without_eviction():
 
 def test_compare_pairs_runs_by_ratio(tmp_path):
     """kvbench-compare's pairing key holds the ratio: two ratios never pair; `full` ignores it."""
-    from kvbench.reporting.runs import make_run, pair_key
+    from kvbench.reporting.runs import pair_key
+    from kvbench.store.runs import make_run
 
     def run(method, ratio, with_config=True):
         config = {"model": {"name": "m"}, "method": {"name": method}, "quant": {"name": "none"},
                   "task": {"name": "ruler"}, "runtime": {}, "budget": None, "compression_ratio": ratio, "seed": 0}
         metrics = {"run_id": f"{method}-{ratio}", "model": "m", "method": method, "task": "ruler", "budget": None,
-                   "compression_ratio": ratio, "seed": 0}
+                   "compression_ratio": ratio, "seed": 0, "evicts": method != "full"}  # as kvbench.app records it
         return make_run(str(tmp_path), metrics, config if with_config else {})
 
     assert pair_key(run("snapkv", 0.25)) != pair_key(run("snapkv", 0.5))

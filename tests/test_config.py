@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import kvbench.config as kconfig
 from tests.harness_fakes import CONF_DIR, compose
 from kvbench.errors import UserError
-from kvbench.results import run_id_for
+from kvbench.store.naming import run_id_for
 
 
 def _choices(group: str) -> list[str]:

@@ -10,12 +10,14 @@ import subprocess
 import pytest
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader, run_fake_cli
-from kvbench import app, results
+from kvbench import app
+from kvbench.store.files import append_jsonl, read_jsonl
+from kvbench.store.folder import RunFolder, finished_metrics
 
 
 def test_short_write_is_taken_back_and_raised(tmp_path, monkeypatch):
     path = str(tmp_path / "runs.jsonl")
-    results.append_jsonl(path, {"run_id": "a"})
+    append_jsonl(path, {"run_id": "a"})
     before = open(path, "rb").read()
     real_write = os.write
     calls = []
@@ -26,22 +28,22 @@ def test_short_write_is_taken_back_and_raised(tmp_path, monkeypatch):
             return real_write(fd, bytes(data[:10]))  # a short write (what a nearly full disk does)...
         raise OSError(errno.ENOSPC, "No space left on device")  # ...then no space at all
 
-    monkeypatch.setattr(results.os, "write", short_then_full)
+    monkeypatch.setattr(os, "write", short_then_full)
     with pytest.raises(OSError, match="No space left"):
-        results.append_jsonl(path, {"run_id": "b", "text": "é" * 100})
+        append_jsonl(path, {"run_id": "b", "text": "é" * 100})
     monkeypatch.undo()
     assert open(path, "rb").read() == before  # the partial record was taken back out
-    results.append_jsonl(path, {"run_id": "c"})
-    assert [r["run_id"] for r in results.read_jsonl(path)] == ["a", "c"]
+    append_jsonl(path, {"run_id": "c"})
+    assert [r["run_id"] for r in read_jsonl(path)] == ["a", "c"]
 
 
 def test_short_writes_are_completed(tmp_path, monkeypatch):
     path = str(tmp_path / "runs.jsonl")
     real_write = os.write
-    monkeypatch.setattr(results.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
-    results.append_jsonl(path, {"run_id": "a", "x": list(range(50))})
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    append_jsonl(path, {"run_id": "a", "x": list(range(50))})
     monkeypatch.undo()
-    assert results.read_jsonl(path)[0]["x"] == list(range(50))
+    assert read_jsonl(path)[0]["x"] == list(range(50))
 
 
 def test_io_error_in_a_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
@@ -53,12 +55,12 @@ def test_io_error_in_a_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypat
     fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
     base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "method=h2o"]
     with monkeypatch.context() as m:
-        m.setattr(results.RunFolder, "write_samples", full_disk)
+        m.setattr(RunFolder, "write_samples", full_disk)
         first = app.main(compose([*base, "budget=8"]), **fakes)
     assert first["status"] == "failed" and "No space left" in first["error"]
     second = app.main(compose([*base, "budget=16"]), **fakes)  # the sweep goes on
     assert second["status"] == "ok" and app.exit_code() == 1
-    statuses = sorted((r["budget"], r["status"]) for r in results.read_jsonl(str(tmp_path / "runs.jsonl")))
+    statuses = sorted((r["budget"], r["status"]) for r in read_jsonl(str(tmp_path / "runs.jsonl")))
     assert statuses == [(8, "failed"), (16, "ok")]
     assert "No space left" in capsys.readouterr().err
 
@@ -92,14 +94,14 @@ def test_full_filesystem_never_leaves_a_short_record(tiny_tmpfs, tmp_path):
         metrics = json.loads((out / rec["run_id"] / "metrics.json").read_text())
         assert metrics["attempt_id"] == rec["attempt_id"]
     # every OK summary printed is a run whose folder holds status ok
-    ok_folders = [p for p in out.iterdir() if p.is_dir() and results.finished_metrics(str(p))]
+    ok_folders = [p for p in out.iterdir() if p.is_dir() and finished_metrics(str(p))]
     assert len(ok_folders) >= proc.stdout.count("kvbench run OK")
     # a disk that has room again: the next run repairs whatever the index missed
     big = tmp_path / "big"
     subprocess.run(["mount", "-o", "remount,size=1m", str(tiny_tmpfs)], check=True)
     again = run_fake_cli("budget=8", f"results_dir={out}", cwd=big.parent)
     assert again.returncode == 0, again.stderr
-    runs = results.read_jsonl(str(out / "runs.jsonl"))
+    runs = read_jsonl(str(out / "runs.jsonl"))
     assert {r["run_id"] for r in runs} >= {p.name for p in ok_folders}
     assert len({r["attempt_id"] for r in runs}) == len(runs)  # none twice
 

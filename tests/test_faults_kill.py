@@ -9,18 +9,25 @@ import subprocess
 import sys
 import tempfile
 
-from tests.harness_fakes import run_fake_cli, start_fake, wait_for_lines
-from kvbench import app, results
+import pytest
+
+from tests import fault_cli
+from tests.harness_fakes import run_fake_cli, wait_for_lines
+from kvbench import app
+from kvbench.store.files import read_jsonl
+from kvbench.store.folder import RunFolder, repair_index
+from kvbench.store.runs import load_runs
+from kvbench.store.table import runs_frame
 
 
 def _index(out):
-    return results.read_jsonl(str(out / "runs.jsonl"))
+    return read_jsonl(str(out / "runs.jsonl"))
 
 
 def test_kill_9_mid_run_then_rerun(tmp_path):
     out, marker = tmp_path / "r", tmp_path / "marker"
     sweep = ["-m", "budget=8,16", f"results_dir={out}"]
-    proc = start_fake(*sweep, cwd=tmp_path, KVBENCH_TEST_SLEEP_S="60", KVBENCH_TEST_MARKER=str(marker))
+    proc = fault_cli.start(*sweep, cwd=tmp_path, sleep_before_task=60, marker=marker)
     wait_for_lines(marker, 1, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
@@ -38,7 +45,7 @@ def test_kill_9_mid_run_then_rerun(tmp_path):
 
 def test_kill_between_metrics_and_index_is_repaired(tmp_path):
     out = tmp_path / "r"
-    crashed = run_fake_cli("budget=8", f"results_dir={out}", cwd=tmp_path, KVBENCH_TEST_CRASH_BEFORE_INDEX="1")
+    crashed = fault_cli.run("budget=8", f"results_dir={out}", cwd=tmp_path, exit_before_index=9)
     assert crashed.returncode == 9
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "ok"
@@ -52,15 +59,31 @@ def test_kill_between_metrics_and_index_is_repaired(tmp_path):
 
 
 def test_load_runs_repairs_the_index_too(tmp_path):
-    folder = results.RunFolder(str(tmp_path), "r1")
+    folder = RunFolder(str(tmp_path), "r1")
     folder.start("a: 1\n")
     folder.write_metrics({"run_id": "r1", "status": "ok", "attempt_id": "x1"})  # killed before the index line
     assert _index(tmp_path) == []
-    df = results.load_runs(str(tmp_path))
+    df = runs_frame(load_runs(str(tmp_path)))
     assert list(df["run_id"]) == ["r1"]
     assert [r["attempt_id"] for r in _index(tmp_path)] == ["x1"]
-    results.load_runs(str(tmp_path))
+    load_runs(str(tmp_path))
     assert len(_index(tmp_path)) == 1  # repair never duplicates
+
+
+def test_a_fault_between_metrics_and_index_leaves_the_folder_finished(tmp_path, fault_points):
+    """The same cut in-process, through the `fault_points` fixture: metrics.json is written, the line is not."""
+    folder = RunFolder(str(tmp_path), "r1")
+    folder.start("a: 1\n")
+
+    def cut():
+        raise KeyboardInterrupt
+
+    fault_points.install("before_index", cut)
+    with pytest.raises(KeyboardInterrupt):
+        folder.finish({"run_id": "r1", "status": "ok", "attempt_id": "x1"})
+    assert folder.finished() and _index(tmp_path) == []
+    fault_points.clear()
+    assert repair_index(str(tmp_path)) == 1 and [r["attempt_id"] for r in _index(tmp_path)] == ["x1"]
 
 
 def test_kill_9_leaves_no_exit_channel_file(tmp_path):
@@ -68,8 +91,8 @@ def test_kill_9_leaves_no_exit_channel_file(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out, marker = tmp_path / "r", tmp_path / "marker"
-    proc = start_fake("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, TMPDIR=str(tmp),
-                      KVBENCH_TEST_SLEEP_S="60", KVBENCH_TEST_MARKER=str(marker))
+    proc = fault_cli.start("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, TMPDIR=str(tmp),
+                           sleep_before_task=60, marker=marker)
     wait_for_lines(marker, 1, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)

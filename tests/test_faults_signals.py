@@ -7,15 +7,16 @@ import signal
 
 import pytest
 
-from tests.harness_fakes import start_fake, wait_for_lines
-from kvbench import results
+from tests import fault_cli
+from tests.harness_fakes import wait_for_lines
+from kvbench.store.files import read_jsonl
 
 
 @pytest.mark.parametrize("sig,error,code", [(signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "terminated", 143)])
 def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
     out, marker = tmp_path / "r", tmp_path / "marker"
-    proc = start_fake("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, KVBENCH_TEST_SLEEP_S="60",
-                      KVBENCH_TEST_MARKER=str(marker))
+    proc = fault_cli.start("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, sleep_before_task=60,
+                           marker=marker)
     wait_for_lines(marker, 1, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -24,7 +25,7 @@ def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]  # the sweep stopped: the second run never started
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "failed" and metrics["error"] == error and metrics["wall_s"] > 0
-    (line,) = results.read_jsonl(str(out / "runs.jsonl"))
+    (line,) = read_jsonl(str(out / "runs.jsonl"))
     assert line["error"] == error and line["attempt_id"] == metrics["attempt_id"]
 
 
@@ -57,8 +58,7 @@ def test_two_sigterms_mid_run_print_no_traceback(tmp_path, gap_s):
     import time
 
     out, marker = tmp_path / "r", tmp_path / "marker"
-    proc = start_fake("budget=8", f"results_dir={out}", cwd=tmp_path, KVBENCH_TEST_SLEEP_S="60",
-                      KVBENCH_TEST_MARKER=str(marker))
+    proc = fault_cli.start("budget=8", f"results_dir={out}", cwd=tmp_path, sleep_before_task=60, marker=marker)
     wait_for_lines(marker, 1, proc)
     proc.send_signal(signal.SIGTERM)
     time.sleep(gap_s)

@@ -19,7 +19,7 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def readme_recipe() -> str:
     """The python block that follows "In pandas:" in README.md."""
     text = open(README, encoding="utf-8").read()
-    start = text.index("In pandas: `kvbench.results.load_runs")
+    start = text.index("In pandas: `runs_frame(load_runs(")
     block = re.search(r"```python\n(.*?)```", text[start:], re.S)
     assert block, "no python block after 'In pandas:' in README.md"
     return block.group(1)

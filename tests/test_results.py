@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader
-from kvbench import app, results
+from kvbench import app
+from kvbench.store.files import append_jsonl, atomic_write_text, read_jsonl, write_json
+from kvbench.store.folder import REQUIRED_FIELDS, RunFolder, complete_record, finished_metrics
+from kvbench.store.naming import config_hash
+from kvbench.store.runs import load_runs
+from kvbench.store.table import group_columns, runs_frame
 from kvbench.errors import UserError
 
 
@@ -22,30 +27,30 @@ def run_fake(tmp_path, overrides=(), fail=None, **kw):
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     target = tmp_path / "metrics.json"
-    results.write_json(str(target), {"a": 1})
+    write_json(str(target), {"a": 1})
 
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(results.os, "replace", boom)
+    monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        results.write_json(str(target), {"a": 2})
+        write_json(str(target), {"a": 2})
     assert json.loads(target.read_text()) == {"a": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]  # no temp file left
 
 
 def test_atomic_files_are_readable_by_others(tmp_path):
-    results.atomic_write_text(str(tmp_path / "x.txt"), "hi")
+    atomic_write_text(str(tmp_path / "x.txt"), "hi")
     assert (tmp_path / "x.txt").stat().st_mode & 0o044 == 0o044
 
 
 def test_jsonl_append_and_torn_lines(tmp_path):
     path = str(tmp_path / "runs.jsonl")
-    results.append_jsonl(path, {"run_id": "a", "x": float("nan")})
+    append_jsonl(path, {"run_id": "a", "x": float("nan")})
     with open(path, "a") as f:
         f.write('{"run_id": "torn')  # an interrupted writer
-    results.append_jsonl(path, {"run_id": "b"})
-    recs = results.read_jsonl(path)
+    append_jsonl(path, {"run_id": "b"})
+    recs = read_jsonl(path)
     assert [r["run_id"] for r in recs] == ["a", "b"]
     assert recs[0]["x"] is None  # NaN is written as null
 
@@ -55,14 +60,14 @@ def test_jsonl_append_and_torn_lines(tmp_path):
                        st.one_of(st.integers(), st.text(max_size=5),
                                  st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)), max_size=6))
 def test_config_hash_ignores_key_order(d):
-    assert results.config_hash(d) == results.config_hash(dict(reversed(list(d.items()))))
+    assert config_hash(d) == config_hash(dict(reversed(list(d.items()))))
 
 
 def test_complete_record_has_every_field():
-    rec = results.complete_record({"ppl": 3.0, "run_id": "r"})
-    for key in results.REQUIRED_FIELDS:
+    rec = complete_record({"ppl": 3.0, "run_id": "r"})
+    for key in REQUIRED_FIELDS:
         assert key in rec
-    assert list(rec)[: len(results.REQUIRED_FIELDS)] == list(results.REQUIRED_FIELDS)
+    assert list(rec)[: len(REQUIRED_FIELDS)] == list(REQUIRED_FIELDS)
     assert rec["ppl"] == 3.0
 
 
@@ -70,7 +75,7 @@ def test_successful_run_writes_the_contract(tmp_path):
     rec = run_fake(tmp_path, ["budget=32", "method.name=fake", "+method.window=3"])
     run_dir = tmp_path / rec["run_id"]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    for key in results.REQUIRED_FIELDS:
+    for key in REQUIRED_FIELDS:
         assert key in metrics, key
     assert metrics["status"] == "ok" and metrics["error"] is None
     assert metrics["method"] == "fake" and metrics["budget"] == 32 and metrics["task"] == "perplexity"
@@ -84,9 +89,9 @@ def test_successful_run_writes_the_contract(tmp_path):
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 1 and {"id", "dataset", "prompt", "prediction", "references", "ppl"} <= set(samples[0])
     assert "budget: 32" in (run_dir / "config.yaml").read_text()
-    runs = results.read_jsonl(str(tmp_path / "runs.jsonl"))
+    runs = read_jsonl(str(tmp_path / "runs.jsonl"))
     assert len(runs) == 1 and runs[0]["run_id"] == rec["run_id"]
-    df = results.load_runs(str(tmp_path))
+    df = runs_frame(load_runs(str(tmp_path)))
     assert list(df["budget"]) == [32]
 
 
@@ -98,7 +103,7 @@ def test_finished_run_is_skipped_unless_rerun(tmp_path, capsys):
     assert "skipping" in capsys.readouterr().out
     third = run_fake(tmp_path, ["budget=32", "rerun=true"])
     assert third["run_id"] == first["run_id"] and len(FakeEngine.instances) == 2
-    assert len(results.read_jsonl(str(tmp_path / "runs.jsonl"))) == 2
+    assert len(read_jsonl(str(tmp_path / "runs.jsonl"))) == 2
 
 
 def test_failed_run_is_recorded_and_retried(tmp_path):
@@ -107,10 +112,10 @@ def test_failed_run_is_recorded_and_retried(tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "failed" and "RuntimeError: out of blocks" in metrics["error"]
     assert "Traceback" in (run_dir / "error.txt").read_text()
-    assert results.finished_metrics(str(run_dir)) is None
+    assert finished_metrics(str(run_dir)) is None
     ok = run_fake(tmp_path, ["budget=16"])  # a failed run is not skipped
     assert ok["status"] == "ok" and not (run_dir / "error.txt").exists()
-    statuses = [r["status"] for r in results.read_jsonl(str(tmp_path / "runs.jsonl"))]
+    statuses = [r["status"] for r in read_jsonl(str(tmp_path / "runs.jsonl"))]
     assert statuses == ["failed", "ok"]
 
 
@@ -119,12 +124,12 @@ def test_interrupted_run_is_not_a_result(tmp_path):
         run_fake(tmp_path, ["budget=8"], fail=KeyboardInterrupt())
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert json.loads((run_dir / "metrics.json").read_text())["error"] == "interrupted"
-    assert results.finished_metrics(str(run_dir)) is None
+    assert finished_metrics(str(run_dir)) is None
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_rerun_start_drops_the_old_marker(tmp_path):
-    folder = results.RunFolder(str(tmp_path), "r1")
+    folder = RunFolder(str(tmp_path), "r1")
     folder.start("a: 1\n")
     folder.finish({"run_id": "r1", "status": "ok"})
     assert folder.finished()
@@ -178,11 +183,11 @@ def test_every_setting_is_a_column_and_experiments_group(tmp_path):
     for tokens in (40, 48):
         for budget in (8, 16):
             run_fake(tmp_path, [f"task.max_tokens={tokens}", f"budget={budget}", "method=h2o"])
-    df = results.load_runs(str(tmp_path))
+    df = runs_frame(load_runs(str(tmp_path)))
     assert sorted(df["task_max_tokens"]) == [40, 40, 48, 48]
     assert set(df["runtime_block_size"]) == {16} and "runtime_threads" not in df.columns  # threads: speed only
     assert set(df["task_corpus"]) == {"pg_essays"} and set(df["quant"]) == {"none"}
-    cols = results.group_columns(df)
+    cols = group_columns(df)
     assert "task_max_tokens" in cols and "runtime_block_size" in cols
     assert not {"method", "budget", "quant", "method_window"} & set(cols)
     groups = df.groupby(cols, dropna=False)
@@ -209,7 +214,7 @@ def test_wall_s_counts_loading_too(tmp_path):
 def test_codec_summary_is_one_storage_line():
     from kvbench.summary import format_summary
 
-    rec = results.complete_record({
+    rec = complete_record({
         "run_id": "r", "status": "ok", "method": "full", "quant": "kivi", "task": "perplexity", "ppl": 12.5,
         "peak_kv_bytes": 300, "full_kv_bytes": 1000, "held_kv_bytes": 300, "kv_bytes_per_token": 40.0,
         "storage_codec": "kivi",

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from tests.harness_fakes import run_fake_cli
-from kvbench import results
+from kvbench.store.files import read_jsonl
 
 needs_joblib = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
                                   reason="hydra-joblib-launcher is not installed (pip install '.[launchers]')")
@@ -17,7 +17,7 @@ needs_submitit = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydr
 
 
 def _check_layout(out, budgets):
-    runs = results.read_jsonl(str(out / "runs.jsonl"))
+    runs = read_jsonl(str(out / "runs.jsonl"))
     assert sorted(r["budget"] for r in runs if r["status"] == "ok") == sorted(budgets)
     assert len({r["run_id"] for r in runs}) == len(runs)  # each run once
     for r in runs:  # each run in results_dir/<run_id>, with Hydra's files inside it
@@ -49,6 +49,6 @@ def test_budget_sweep_over_a_method_that_keeps_every_token_runs_once(tmp_path):
     out = tmp_path / "r"
     proc = run_fake_cli("-m", "method=full", "budget=8,16,null", f"results_dir={out}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    (run,) = results.read_jsonl(str(out / "runs.jsonl"))
+    (run,) = read_jsonl(str(out / "runs.jsonl"))
     assert run["budget"] is None and "_bnone_" in run["run_id"]
     assert proc.stdout.count("already finished") == 2

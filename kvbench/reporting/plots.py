@@ -42,7 +42,7 @@ def method_key(run: dict) -> str:
     quant = cfg.get("quant.name") or run["metrics"].get("quant") or "none"
     if quant not in ("none", "full"):
         bits = cfg.get("quant.bits")
-        return f"{quant}{bits if isinstance(bits, int) and quant in ('kivi', 'kvquant') else ''}"
+        return f"{quant}{bits if isinstance(bits, int) and not isinstance(bits, bool) else ''}"
     return str(cfg.get("method.name") or run["metrics"].get("method"))
 
 
@@ -179,18 +179,12 @@ def metric_vs_budget(runs: Sequence[dict], metric: str, x_key: str = "budget") -
 
 
 def _flat(runs: Sequence[dict]) -> bool:
-    """Runs of a method that does not evict (full or a codec): its budget does not change its result."""
-    r = runs[0]
-    name = r["cfg"].get("method.name") or r["metrics"].get("method")
-    try:
-        from kvbench.methods import METHODS
-
-        evicts = getattr(METHODS.get(name), "evicts", None)
-        if evicts is not None:
-            return not evicts
-    except Exception:
-        pass
-    return name in ("full", "kivi", "kvquant", "int8", "fp8")
+    """Runs of a method that does not evict (full or a codec): its budget does not change its result. The record
+    says so (`evicts`); a record from before that field: flat when none of the runs has a budget."""
+    evicts = runs[0]["metrics"].get("evicts")
+    if isinstance(evicts, bool):
+        return not evicts
+    return all(r["metrics"].get("budget") is None for r in runs)
 
 
 def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:

@@ -1,188 +1,25 @@
-"""Runs of a results folder as plain records (metrics.json + the flattened config.yaml), and the key that pairs the
-same configuration across code versions.
+"""The settings of run records (kvbench.store.runs.load_runs): the key that pairs the same configuration across
+code versions, and the short names of settings that report tables and compare verdicts show.
 
-    runs = load_runs(results_dir)                  # latest attempt of every run folder
-    runs = load_runs(results_dir, history=True)    # every line of runs.jsonl (all attempts, all commits)
-    run["cfg"]["method.sinks"], run["metrics"]["ppl"], run["run_dir"], pair_key(run)
+    pair_key(run), result_keys(run), describe(run), varying_keys(runs), setting_of(run, keys), fmt(value)
 
-A results folder is the truth (DESIGN.md): metrics.json of each run folder, config.yaml beside it, runs.jsonl the
-log of every finished attempt. The pair key hashes the parts of the config that change a result (model, method,
-quant, task, runtime, budget, seed), without anything that names the code version, so the same setting run at two
-commits (or in two folders) gets the same key.
+The pair key hashes the parts of the config that change a result (model, method, quant, task, runtime, budget,
+seed), without anything that names the code version, so the same setting run at two commits (or in two folders)
+gets the same key. It reads only the record: config.yaml is written resolved (a storage codec under `quant`) and
+metrics.json says whether the method evicts (`evicts`: false makes the budget and ratio irrelevant); a record
+from before `evicts` was written is paired as it was recorded.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-from kvbench.results import CONFIG_FILE, METRICS_FILE, RUNS_FILE, SAMPLES_FILE, read_json, read_jsonl
+from kvbench.store.runs import flatten
 
 # Config sections that determine a result (kvbench.config.hashable_config) and keys in them that do not.
 RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "compression_ratio", "seed")
 NOT_RESULT_KEYS = {"model": ("cache_dir",), "runtime": ("threads",)}
-
-
-def read_config(run_dir: str) -> dict:
-    """The run's resolved config.yaml as a dict ({} when missing or unreadable)."""
-    path = os.path.join(run_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        return cfg if isinstance(cfg, dict) else {}
-    except Exception:
-        return {}
-
-
-def _metrics_problem(path: str) -> Optional[str]:
-    """Why a metrics.json cannot be read as a run's record, or None when it can."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        return f"metrics.json cannot be read: {exc.strerror or exc}"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "metrics.json is not valid UTF-8"
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return f"metrics.json is not valid JSON (truncated?): {exc}"
-    if not isinstance(data, dict):
-        return f"metrics.json holds a {type(data).__name__}, not a mapping"
-    if not data.get("run_id"):
-        return "metrics.json has no run_id"
-    return None
-
-
-def _config_problem(path: str) -> Optional[str]:
-    """Why a config.yaml cannot be read as a run's config, or None when it can."""
-    if not os.path.isfile(path):
-        return "config.yaml is missing"
-    try:
-        with open(path, "rb") as f:
-            f.read().decode("utf-8")
-    except OSError as exc:
-        return f"config.yaml cannot be read: {exc.strerror or exc}"
-    except UnicodeDecodeError:
-        return "config.yaml is not valid UTF-8"
-    try:
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception as exc:
-        return f"config.yaml is not valid YAML: {' '.join(str(exc).split())[:120]}"
-    if not isinstance(cfg, dict):
-        return f"config.yaml holds a {type(cfg).__name__}, not a mapping"
-    return None
-
-
-def corrupt_runs(results_dir: str) -> list[tuple[str, str]]:
-    """(folder name, one-line reason) of every run folder of results_dir whose metrics.json or config.yaml cannot
-    be read: not UTF-8, not JSON/YAML (e.g. truncated), not a mapping, metrics without a run_id, config missing.
-    Only folders with a metrics.json count (a folder without one holds a run that has not finished)."""
-    out = []
-    try:
-        names = sorted(os.listdir(results_dir))
-    except OSError:
-        return []
-    for name in names:
-        folder = os.path.join(results_dir, name)
-        if name.startswith(".") or not os.path.isfile(os.path.join(folder, METRICS_FILE)):
-            continue
-        reason = _metrics_problem(os.path.join(folder, METRICS_FILE)) or \
-            _config_problem(os.path.join(folder, CONFIG_FILE))
-        if reason is not None:
-            out.append((name, reason))
-    return out
-
-
-def flatten(data: Any, prefix: str = "") -> dict:
-    """{"method": {"sinks": 4}} -> {"method.sinks": 4}; lists are kept as values."""
-    out: dict = {}
-    if isinstance(data, dict):
-        for key, value in data.items():
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if isinstance(value, dict) and value:
-                out.update(flatten(value, name))
-            else:
-                out[name] = value
-    return out
-
-
-def _run_dir(results_dir: str, metrics: dict) -> str:
-    """A record's run folder: its run_id under results_dir (the folder may have moved since run_dir was written)."""
-    run_id = metrics.get("run_id")
-    if run_id and os.path.isdir(os.path.join(results_dir, run_id)):
-        return os.path.join(results_dir, run_id)
-    return metrics.get("run_dir") or os.path.join(results_dir, str(run_id))
-
-
-def make_run(results_dir: str, metrics: dict, config: Optional[dict] = None) -> dict:
-    """One run record: metrics, config (nested) and cfg (flattened), its folder, experiment and paper block."""
-    run_dir = _run_dir(results_dir, metrics)
-    config = read_config(run_dir) if config is None else config
-    experiment = metrics.get("experiment") or config.get("experiment")
-    return {"metrics": metrics, "config": config, "cfg": flatten(config), "run_dir": os.path.abspath(run_dir),
-            "run_id": metrics.get("run_id"), "experiment": experiment, "paper": config.get("paper")}
-
-
-def load_runs(results_dir: str, *, history: bool = False, include_failed: bool = True) -> list[dict]:
-    """Runs of a results folder: the latest attempt of each run folder, or (history=True) every finished attempt
-    logged in runs.jsonl (one per run and commit; superseded attempts keep their metrics, not their samples)."""
-    results_dir = os.path.abspath(results_dir)
-    records: Iterable[dict]
-    if history:
-        records = read_jsonl(os.path.join(results_dir, RUNS_FILE))
-    else:
-        records = []
-        for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
-            rec = read_json(os.path.join(results_dir, name, METRICS_FILE))
-            if rec is not None and rec.get("run_id"):
-                records.append(rec)
-    configs: dict = {}
-    out = []
-    for rec in records:
-        if not include_failed and rec.get("status") != "ok":
-            continue
-        run_dir = _run_dir(results_dir, rec)
-        if run_dir not in configs:
-            configs[run_dir] = read_config(run_dir)
-        out.append(make_run(results_dir, rec, configs[run_dir]))
-    return out
-
-
-def runs_frame(runs: list[dict]) -> "Any":
-    """A pandas DataFrame with one row per run: the metrics.json fields, then the config as `cfg.<dotted key>`
-    columns (the paper block left out), then run_dir and experiment."""
-    import pandas as pd
-
-    rows = []
-    for run in runs:
-        row = dict(run["metrics"])
-        row.update({f"cfg.{k}": (v if not isinstance(v, (list, dict)) else str(v))
-                    for k, v in run["cfg"].items() if not k.startswith("paper.")})
-        row["run_dir"], row["experiment"] = run["run_dir"], run["experiment"]
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def samples_of(run: dict) -> Optional[list[dict]]:
-    """The run's samples.jsonl, or None when the folder's samples belong to another attempt (or are missing)."""
-    current = read_json(os.path.join(run["run_dir"], METRICS_FILE)) or {}
-    mine = run["metrics"]
-    for key in ("finished_at", "started_at", "git_commit"):
-        if mine.get(key) is not None and current.get(key) != mine.get(key):
-            return None
-    path = os.path.join(run["run_dir"], SAMPLES_FILE)
-    if not os.path.isfile(path):
-        return None
-    return read_jsonl(path)
 
 
 def _result_config(run: dict) -> dict:
@@ -204,33 +41,13 @@ def _result_config(run: dict) -> dict:
         if isinstance(out.get(section), dict):
             for key in keys:
                 out[section].pop(key, None)
-    return _normalise_storage(out)
-
-
-def _normalise_storage(cfg: dict) -> dict:
-    """method=kivi and method=full quant=kivi are the same run; a budget does not matter to a method that does not
-    evict. Uses the lead's kvbench.quant.registry.resolve_storage and Method.evicts where they exist."""
-    method = dict(cfg.get("method") or {})
-    quant = dict(cfg.get("quant") or {"name": "none"})
-    try:
-        from kvbench import spec
-
-        resolve = spec.resolve_storage
-        if resolve is not None and method.get("name"):
-            m_name, m_opts, q_name, q_opts = resolve(method.pop("name"), method, quant.pop("name", "none"), quant)
-            method, quant = {"name": m_name, **(m_opts or {})}, {"name": q_name, **(q_opts or {})}
-    except Exception:
-        method, quant = dict(cfg.get("method") or {}), dict(cfg.get("quant") or {"name": "none"})
-    cfg = dict(cfg, method=method, quant=quant)
-    try:
-        from kvbench.methods import METHODS
-
-        cls = METHODS.get(method.get("name"))
-        if cls is not None and getattr(cls, "evicts", True) is False:
-            cfg["budget"] = cfg["compression_ratio"] = None
-    except Exception:
-        pass
-    return cfg
+    out["method"] = dict(out.get("method") or {})
+    out["quant"] = dict(out.get("quant") or {"name": "none"})
+    if out["quant"].get("name") in (None, "full"):  # the two spellings of "no codec"
+        out["quant"]["name"] = "none"
+    if run["metrics"].get("evicts") is False:  # nothing is evicted: every budget (or ratio) is the same run
+        out["budget"] = out["compression_ratio"] = None
+    return out
 
 
 def pair_key(run: dict, only: Optional[set] = None) -> str:

@@ -1,0 +1,70 @@
+"""Names in the results store: the run id of a config, the model's label in it, and the hashes that tell runs and
+experiments apart.
+
+The run id is derived from the result-determining config (`hashable_config` of kvbench.config: model, method,
+quant, task, runtime, budget, seed), so running the same config again finds the finished run and skips it unless
+rerun=true.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+# Keys that do not change what a run computes, so they are left out of the config hash.
+UNHASHED_KEYS = {"model": ("cache_dir",), "runtime": ("threads",)}
+# The packaged model's config name: with model.path set, the folder is named after the path instead.
+PACKAGED_MODEL_NAME = "smollm2-135m"
+
+
+def config_hash(hashable: dict) -> str:
+    """A short stable hash of the parts of a config that determine the result."""
+    data = copy.deepcopy(hashable)
+    for section, keys in UNHASHED_KEYS.items():
+        if isinstance(data.get(section), dict):
+            for key in keys:
+                data[section].pop(key, None)
+    text = json.dumps(data, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def slug(value: Any) -> str:
+    """The value as a file-name-safe word (runs of other characters become one `-`)."""
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", str(value)).strip("-") or "x"
+
+
+def model_label(model: dict) -> str:
+    """The model's name in run ids: model.name, or the basename of model.path when a path replaces the
+    packaged model (model.path=/x/Llama-3.2-1B under the default model config names the run Llama-3.2-1B)."""
+    name, path = model.get("name"), model.get("path")
+    if path and (not name or name == PACKAGED_MODEL_NAME):
+        base = os.path.basename(os.path.normpath(str(path)))
+        if model.get("gguf_file"):
+            base = os.path.splitext(str(model["gguf_file"]))[0]
+        return base or "model"
+    return str(name or "model")
+
+
+def run_id_for(hashable: dict) -> str:
+    """`<model>_<task>_<method>_b<budget>_s<seed>_<hash>`: readable, and the same for the same config."""
+    model = hashable.get("model") or {}
+    task = (hashable.get("task") or {}).get("name", "task")
+    method = (hashable.get("method") or {}).get("name", "method")
+    quant = (hashable.get("quant") or {}).get("name", "none")
+    if quant not in ("none", "full", None):
+        method = f"{method}+{quant}"
+    budget = hashable.get("budget")
+    parts = [slug(model_label(model)), slug(task), slug(method),
+             "b" + ("none" if budget is None else slug(budget)), "s" + slug(hashable.get("seed", 0)),
+             config_hash(hashable)]
+    return "_".join(parts)
+
+
+def experiment_key(hashable: dict) -> str:
+    """A hash of everything that changes a result except the compression axes (method, quant, budget): the runs
+    of one experiment share it, so a pivot over method and budget never mixes task, model or runtime settings."""
+    rest = {k: v for k, v in hashable.items() if k not in ("method", "quant", "budget")}
+    return config_hash(rest)
