@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from kvbench.config import method_evicts
+from kvbench.spec import method_evicts
 from kvbench.store.folder import RunFolder
 from kvbench.store.naming import config_hash, run_id_for
 
