@@ -15,6 +15,8 @@ import os
 import tempfile
 from typing import Any, Iterable, Optional
 
+from kvbench.console import warn
+
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
