@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import signal
-import sys
 import threading
 from typing import Any, Callable, NoReturn, Optional
 

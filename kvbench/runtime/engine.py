@@ -14,7 +14,6 @@ Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
