@@ -104,6 +104,69 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
     return Table(title, columns, rows, numeric=(4, 5, 7, 8)), matched
 
 
+def _series_of(runs: list[dict]) -> list[dict]:
+    """The runs with their line's name: the method, plus the settings that vary among runs of one method (not the
+    budget or ratio, the x axis)."""
+    keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
+    if keys == ["method.name"]:
+        return [dict(r, series=plots.method_key(r)) for r in runs]
+    return [dict(r, series=setting_of(r, keys) if keys else plots.method_key(r)) for r in runs]
+
+
+def leaderboard_table(runs: list[dict], metric: str, title: str) -> Optional[Table]:
+    """kvpress's leaderboard as a table: one row per method (line of the figure), one column per compression
+    ratio, each cell `score (peak KV MiB)`; methods that do not evict (full, codecs) in the ratio-0 column; rows
+    by their mean over the ratios, best first. None when no run has a ratio. Pass comparable ok runs."""
+    series = _series_of(runs)
+    cells: dict[str, dict[float, tuple]] = {}
+    for r in series:
+        value = r["metrics"].get(metric)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        ratio = plots.ratio_of(r)
+        if ratio is None and not plots._flat([r]):
+            continue  # an evicting run with a budget: not a point of the leaderboard
+        cells.setdefault(r["series"], {})[0.0 if ratio is None else ratio] = (value, r["metrics"].get("peak_kv_bytes"))
+    if not any(plots.ratio_of(r) is not None for r in series):
+        return None
+    ratios = sorted({x for row in cells.values() for x in row})
+    low = stats.lower_is_better(metric)
+
+    def mean(row: dict) -> float:
+        vals = [v for v, _ in row.values()]
+        return sum(vals) / len(vals)
+
+    order = sorted(cells, key=lambda name: (0.0 not in cells[name] or any(x > 0 for x in cells[name]),
+                                            mean(cells[name]) if low else -mean(cells[name]), name))
+    columns = ["method"] + [f"ratio {x:g}" + (" (no eviction)" if x == 0 else "") for x in ratios] + ["mean"]
+    rows = []
+    for name in order:
+        row = cells[name]
+        rows.append([name] + [f"{_fmt(row[x][0])} ({_mib(row[x][1]) or '-'})" if x in row else "" for x in ratios]
+                    + [_fmt(round(mean(row), 2)) if any(x > 0 for x in row) else ""])
+    return Table(title, columns, rows, numeric=tuple(range(1, len(columns))))
+
+
+def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple[list[Table], list[tuple]]:
+    """The leaderboard table and figure of one task's ok runs, per comparable group, where runs have a
+    compression_ratio (kvpress's protocol: task=ruler)."""
+    tables, figures = [], []
+    if not metric or not any(plots.ratio_of(r) is not None for r in ok):
+        return tables, figures
+    for group, runs in comparable_groups(ok):
+        if not any(plots.ratio_of(r) is not None for r in runs):
+            continue
+        name = f"{task}: leaderboard, {metric} (peak KV MiB) per method and compression ratio"
+        table = leaderboard_table(runs, metric, _titled(name, group))
+        if table is not None:
+            tables.append(table)
+        png = plots.leaderboard(_series_of(runs), metric)
+        if png:
+            figures.append((_titled(f"{task}: leaderboard, {metric} vs compression ratio (peak KV MiB beside each "
+                                    "point)", group), png))
+    return tables, figures
+
+
 def claims_table(verdicts: list[claims.Verdict]) -> Table:
     rows = [[v.claim, v.metric, v.expected, v.ours, v.paper, v.verdict, v.why] for v in verdicts]
     return Table("claims of the paper, judged on these runs", ["claim", "metric", "relation", "ours", "paper",
@@ -242,6 +305,9 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
         metric = next((metric_for(r, paper) for r in ok if metric_for(r, paper)), None)
         if metric:
             headline.append(metric)
+        board_tables, board_plots = leaderboard_parts(task, ok, metric)
+        sec.tables += board_tables
+        sec.plots += board_plots
         sec.plots += task_plots(task, ok, metric, matched)
     all_keys = varying_keys(runs)
     labels = {pair_key(r): setting_of(r, all_keys) for r in runs}

@@ -266,9 +266,14 @@ class EvictionMethod(Method):
 
     def _record_kept(self, ctx: LayerContext, slot: int) -> None:
         """After a prompt's compression of one layer: its prompt tokens and the tokens kept per kv-head."""
+        self.record_kept(ctx.cache, slot, ctx.layer)
+
+    def record_kept(self, cache: Any, slot: int, layer: int) -> None:
+        """prefill_stats' figures for one layer of `slot` once its prompt is compressed (a method that compresses
+        after the step, as KVzip does, calls this itself and overrides _record_kept)."""
         seq = self._sequences.get(slot, {})
-        prompt = int(ctx.cache.tokens_seen[slot]) - int(seq.get("extra", 0))
-        kept = float(ctx.cache.lengths[slot, ctx.layer].float().mean())  # mean over kv-heads
+        prompt = int(cache.tokens_seen[slot]) - int(seq.get("extra", 0))
+        kept = float(cache.lengths[slot, layer].float().mean())  # mean over kv-heads
         self._kept[0] += kept
         self._kept[1] += prompt
         self._kept[2] += 1

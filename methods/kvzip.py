@@ -15,9 +15,10 @@ prev_postfix_size 8, n_sink 4, layerwise false):
     sequence jointly (budget_scope "sequence": layers and heads keep different counts); layerwise=true: each layer
     keeps its kv_heads x budget best jointly over its kv-heads ("layer").
 The reconstruction tokens go through the engine's public API (Engine.forward_chunk on the same sequence, positions
-after the context) and the method scores them in its own after_attention hook; afterwards they are dropped with
-the cache's keep_tokens (their blocks return to the pool) and the context is evicted to the budget, so the pool's
-peak includes one reconstruction chunk (as KVzip's own). Tables really shrink per head (kvpress masks instead).
+after the context, scratch=True: not counted as the sequence's tokens, so the prompt's length, full_kv_bytes and
+prefill_stats are the context's alone) and the method scores them in its own after_attention hook; afterwards they
+are dropped with the cache's keep_tokens (their blocks return to the pool) and the context is evicted to the
+budget, so the pool's peak includes one reconstruction chunk (as KVzip's own). Tables really shrink per head (kvpress masks instead).
 kvpress also offers `kvzip_plus_normalization` (KVzip+), not implemented here. Timing: after every prompt
 (prefill_mode=paper: once the last prefill chunk is in; streaming: after every chunk, each chunk reconstructed
 as it arrives); decoding appends (decode=none, the paper's and kvpress's). Needs the model's tokenizer.
@@ -179,6 +180,12 @@ class KVzip(EvictionMethod):
         kept_whole = sum(b - a for a, b in st["held"])
         budget = self.budget if ratio is None else max(1, int((context_len - kept_whole) * (1.0 - ratio)))
         self._evict(slot, st["start"], budget + kept_whole, st["held"])
+        if last_chunk:  # prefill_stats: what the prompt kept once evicted (the base would record before this)
+            for layer in range(self.engine.cache.num_layers):
+                self.record_kept(self.engine.cache, slot, layer)
+
+    def _record_kept(self, ctx: LayerContext, slot: int) -> None:
+        pass  # the layer's step ends before the reconstruction and eviction: recorded in after_prefill_chunk
 
     def on_sequence_end(self, slot: int) -> None:
         self._held.pop(slot, None)
@@ -200,7 +207,7 @@ class KVzip(EvictionMethod):
         try:
             for a in range(0, len(feed), step):
                 self.engine.forward_chunk(slot, feed[a: a + step], context_len + a, last_chunk=False,
-                                          logits_for="none")
+                                          logits_for="none", scratch=True)  # not the sequence's tokens
         finally:
             self.reconstructing, self._pass = False, None
             for layer in range(cache.num_layers):  # the reconstruction tokens leave; their blocks are freed

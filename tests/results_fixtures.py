@@ -24,7 +24,7 @@ STREAMING_PAPER = {
 def config(*, method: str = "full", budget: Optional[int] = None, task: str = "perplexity",
            method_options: Optional[dict] = None, quant: Optional[dict] = None, task_options: Optional[dict] = None,
            experiment: Optional[str] = None, paper: Optional[dict] = None, model_path: Optional[str] = None,
-           block_size: int = 16, seed: int = 0) -> dict:
+           block_size: int = 16, seed: int = 0, compression_ratio: Optional[float] = None) -> dict:
     return {
         "model": {"name": "smollm2-135m" if model_path is None else None, "path": model_path, "gguf_file": None,
                   "dtype": "float32", "device": "cpu", "cache_dir": None},
@@ -33,7 +33,8 @@ def config(*, method: str = "full", budget: Optional[int] = None, task: str = "p
         "task": {"name": task, **(task_options or {})},
         "runtime": {"block_size": block_size, "num_blocks": None, "kv_memory_bytes": None,
                     "prefill_chunk_size": 512, "batch_size": 1, "attention_backend": "auto", "threads": None},
-        "logger": {"wandb": False}, "budget": budget, "seed": seed, "results_dir": "results", "rerun": False,
+        "logger": {"wandb": False}, "budget": budget, "compression_ratio": compression_ratio, "seed": seed,
+        "results_dir": "results", "rerun": False,
         "progress": False, "experiment": experiment, "paper": paper,
     }
 
@@ -68,6 +69,8 @@ def write_run(results_dir: str, cfg: dict, metrics: dict, samples: list[dict], *
               extra_files: Optional[dict[str, bytes]] = None) -> dict:
     """Write one run folder (and its runs.jsonl line) as app.run does; returns the metrics record."""
     hashable = {k: copy.deepcopy(cfg[k]) for k in ("model", "method", "quant", "task", "runtime", "budget", "seed")}
+    if cfg.get("compression_ratio") is not None:  # as kvbench.config.hashable_config: only a set ratio is hashed
+        hashable["compression_ratio"] = cfg["compression_ratio"]
     run_id = run_id_for(hashable)
     folder = RunFolder(results_dir, run_id)
     folder.start(OmegaConf.to_yaml(OmegaConf.create(cfg)))
@@ -78,7 +81,9 @@ def write_run(results_dir: str, cfg: dict, metrics: dict, samples: list[dict], *
     record: dict[str, Any] = {
         "run_id": run_id, "status": status, "error": None if status == "ok" else "RuntimeError: boom",
         "model": cfg["model"]["name"] or os.path.basename(cfg["model"]["path"]), "method": cfg["method"]["name"],
-        "budget": cfg["budget"], "evicts": method_evicts(cfg["method"]["name"]), "quant": cfg["quant"]["name"], "task": cfg["task"]["name"], "seed": cfg["seed"],
+        "budget": cfg["budget"], "compression_ratio": cfg.get("compression_ratio"),
+        "evicts": method_evicts(cfg["method"]["name"]), "quant": cfg["quant"]["name"], "task": cfg["task"]["name"],
+        "seed": cfg["seed"],
         "device": "cpu", "dtype": "float32", "num_samples": len(samples), "config_hash": config_hash(hashable),
         "run_dir": folder.path, "experiment": cfg.get("experiment"),
         "kvbench": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0", "git_commit": commit,

@@ -66,7 +66,23 @@ def test_sweep_sizes():
     assert size("kivi_longbench", "paper") == 6 and size("kivi_longbench", "smoke") == 3
     assert size("paged_eviction_longbench", "paper") == 5 * 4 * 3 * 2
     assert size("budget_sweep", "paper") == 11 * 5 * 2 and size("budget_sweep", "smoke") == 11 * 2 * 2
-    assert size("kvpress_leaderboard", "paper") == 5 * 9 and size("kvpress_leaderboard", "smoke") == 5 * 3
+    # 15 rows (full and every board method kvbench has) x 9 ratios; smoke: 3 ratios (full runs once: 43 runs)
+    assert size("kvpress_leaderboard", "paper") == 15 * 9 and size("kvpress_leaderboard", "smoke") == 15 * 3
+
+
+SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores
+
+
+def test_kvpress_leaderboard_has_every_board_method():
+    """Every method of kvpress's board that kvbench implements is a row of the sweep, at both scales."""
+    board = {"random", "knorm", "snapkv", "expected_attention", "streaming_llm", "tova", "pyramidkv", "lagkv",
+             "key_diff", "adakv", "criticalkv", "duo_attention", "kvzip", "h2o", "full"}
+    for scale in ("paper", "smoke"):
+        methods = {_compose(p).method.name for p in sweep_points("kvpress_leaderboard", scale)}
+        assert methods == board, (scale, board ^ methods)
+    duo = [c for c in (_compose(p) for p in sweep_points("kvpress_leaderboard", "smoke"))
+           if c.method.name == "duo_attention"]
+    assert duo and all(c.method.on_the_fly and c.method.on_the_fly_samples <= 4 for c in duo)
 
 
 def _get(cfg, dotted):
@@ -108,8 +124,8 @@ def test_experiment_composes_at_both_scales(name):
             assert None not in paths and all("/" in p for p in paths), paths
     # the same grid at both scales: the rows (method / quant settings) of the smoke sweep are a subset of the paper's
     def rows(configs):  # the method and codec settings (a smaller calibration is allowed at smoke scale)
-        return {OmegaConf.to_yaml(c.method) + str({k: v for k, v in c.quant.items() if "calibration_" not in k})
-                for c in configs}
+        return {str({k: v for k, v in c.method.items() if not k.startswith(SMOKE_CALIBRATION)})
+                + str({k: v for k, v in c.quant.items() if "calibration_" not in k}) for c in configs}
     assert rows(seen["smoke"]) <= rows(seen["paper"]) and len(rows(seen["smoke"])) >= 2
 
 

@@ -463,3 +463,72 @@ def test_a_row_recorded_by_another_experiment_is_used_only_when_comparable(tmp_p
     _, claim = judged()
     assert claim["verdict"] == "reproduced" and claim["ours"] == "25 < 27"
     assert "identical run recorded under other" in claim["why"]
+
+
+# ---------------------------------------------------------------- the kvpress leaderboard figure (task=ruler)
+BOARD = {  # method -> {ratio: score}; full at ratio 0 (its ratio is recorded as null)
+    "snapkv": {0.25: 40.0, 0.5: 20.0, 0.75: 6.67},
+    "knorm": {0.25: 50.0, 0.5: 33.33, 0.75: 10.0},
+    "duo_attention": {0.25: 57.33, 0.5: 57.33},
+}
+FULL_SCORE, FULL_BYTES = 57.33, 176.5 * 2**20
+
+
+def board_bytes(method: str, ratio: float) -> float:
+    """A peak per point that tells methods and ratios apart (duo keeps its retrieval heads whole)."""
+    kept = 1 - (ratio / 2 if method == "duo_attention" else ratio)
+    return round(FULL_BYTES * (0.2 + 0.8 * kept))
+
+
+def ruler_board_folder(path, experiment="kvpress_leaderboard"):
+    opts = {"lengths": [1024], "tasks": ["niah_single_1", "vt"], "compress_question": False}
+    cfg = fx.config(method="full", task="ruler", task_options=opts, experiment=experiment)
+    fx.write_run(str(path), cfg, {"score": FULL_SCORE, "peak_kv_bytes": FULL_BYTES}, fx.score_samples([1, 0], "vt"))
+    for method, points in BOARD.items():
+        for ratio, score in points.items():
+            cfg = fx.config(method=method, task="ruler", task_options=opts, experiment=experiment,
+                            compression_ratio=ratio, method_options={"decode": "none"})
+            fx.write_run(str(path), cfg, {"score": score, "peak_kv_bytes": board_bytes(method, ratio),
+                                          "kv_kept_fraction": 1 - ratio}, fx.score_samples([0, 1], "vt"))
+    # a budget run of the same task is not a point of the leaderboard
+    cfg = fx.config(method="snapkv", budget=128, task="ruler", task_options=opts, experiment=experiment)
+    fx.write_run(str(path), cfg, {"score": 1.0, "peak_kv_bytes": 2**20}, fx.score_samples([0], "vt"))
+
+
+def test_leaderboard_table_and_figure(tmp_path):
+    ruler_board_folder(tmp_path)
+    sec = section(tmp_path, "kvpress_leaderboard")
+    (board,) = [t for t in sec.tables if "leaderboard" in t.title]
+    assert board.columns == ["method", "ratio 0 (no eviction)", "ratio 0.25", "ratio 0.5", "ratio 0.75", "mean"]
+    rows = {r[0]: r[1:] for r in board.rows}
+    assert list(rows) == ["full", "duo_attention", "knorm", "snapkv"]  # reference first, then by mean, best first
+    assert rows["full"] == ["57.33 (176.50)", "", "", "", ""]
+    for method, points in BOARD.items():
+        cells = dict(zip((0.25, 0.5, 0.75), rows[method][1:4]))
+        for ratio, cell in cells.items():
+            if ratio in points:
+                assert cell == f"{report._fmt(points[ratio])} ({board_bytes(method, ratio) / 2**20:.2f})", cell
+            else:
+                assert cell == ""
+        assert rows[method][4] == report._fmt(round(sum(points.values()) / len(points), 2))
+    titles = [t for t, _ in sec.plots]
+    figure = "ruler: leaderboard, score vs compression ratio (peak KV MiB beside each point)"
+    assert figure in titles
+    png = dict(sec.plots)[figure]
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # written as a file beside report.md, linked from it, embedded in report.html
+    paths = report.write_report(str(tmp_path), str(tmp_path / "out"))
+    md = open(paths["markdown"]).read()
+    html = open(paths["html"]).read()
+    link = re.search(r"\]\((plots/[^)]*leaderboard_score_vs_compression_ratio[^)]*\.png)\)", md).group(1)
+    assert (tmp_path / "out" / link).read_bytes() == png
+    assert "| full | 57.33 (176.50) |" in md and "<th>ratio 0.25</th>" in html
+    assert base64.b64encode(png).decode() in html
+
+
+def test_leaderboard_needs_ratio_runs(tmp_path):
+    """Budget runs only (no compression_ratio): no leaderboard table or figure."""
+    sweep_folder(tmp_path)
+    sec = section(tmp_path, "budget_sweep")
+    assert not any("leaderboard" in t.title for t in sec.tables)
+    assert not any("leaderboard" in t for t, _ in sec.plots)

@@ -10,6 +10,9 @@ comparable runs (same model, task and runtime settings: kvbench.report groups th
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
     throughput(runs)                  output tokens/s against the KV pool size (task=throughput runs)
     history(runs, metric)             a metric per commit, one line per setting (an asv-style regression dashboard)
+    leaderboard(runs, "score")        kvpress's leaderboard figure: the metric against compression_ratio, one line per
+                                      method, no-eviction runs (full) as reference lines from ratio 0, each point's
+                                      peak KV MiB (measured from the pool) written beside it
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any, Optional, Sequence
 from kvbench.reporting.stats import lower_is_better
 
 MAX_SERIES = 12
+MAX_BOARD_SERIES = 24  # the leaderboard figure draws every method of the board (kvpress's has 16)
 
 # One colour per method in every plot (codecs by name and bits: KIVI-2 and KIVI-4 are told apart); settings other
 # than the method (block size, sinks, ...) are told apart by line style and marker, never by colour.
@@ -28,6 +32,9 @@ METHOD_COLORS = {
     "snapkv": "#d62728", "key_diff": "#9467bd", "kvcrush": "#8c564b",
     "kivi": "#e377c2", "kivi2": "#e377c2", "kivi4": "#f7b6d2", "kvquant": "#17becf", "kvquant2": "#9edae5",
     "kvquant3": "#17becf", "kvquant4": "#0e7c8a", "int8": "#7f7f7f", "fp8": "#bcbd22",
+    "random": "#9e9e9e", "knorm": "#006d2c", "tova": "#e6ab02", "expected_attention": "#0b3d91",
+    "pyramidkv": "#f08080", "lagkv": "#66c2a5", "adakv": "#e7298a", "criticalkv": "#6a3d9a",
+    "duo_attention": "#00ced1", "kvzip": "#a0522d",
 }
 _SPARE = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
 STYLES = ("-", "--", ":", "-.")
@@ -83,11 +90,11 @@ def _plt():
     return plt
 
 
-def _png(fig: Any) -> bytes:
+def _png(fig: Any, dpi: int = 80) -> bytes:
     plt = _plt()
     buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
 
@@ -346,3 +353,109 @@ def history(points: dict[str, list[tuple[str, float]]], commits: Sequence[str], 
     ax.grid(alpha=0.3)
     _legend(ax)
     return _png(fig)
+
+
+def ratio_of(run: dict) -> Optional[float]:
+    """The run's compression_ratio (config, else metrics.json), None when it has none."""
+    value = run["cfg"].get("compression_ratio", run["metrics"].get("compression_ratio"))
+    return _num(value)
+
+
+def _mib(run: dict) -> Optional[float]:
+    value = _num(run["metrics"].get("peak_kv_bytes"))
+    return None if value is None else value / 2**20
+
+
+def spread_labels(wanted: Sequence[float], step: float) -> list[float]:
+    """Label positions as near as possible to `wanted` (ascending) and at least `step` apart: least squares under
+    the spacing constraints (pool-adjacent-violators on wanted[i] - i * step)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for i, w in enumerate(wanted):
+        blocks.append([w - i * step, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    out: list[float] = []
+    for mean, count in blocks:
+        out += [mean + (len(out) + j) * step for j in range(int(count))]
+    return out
+
+
+def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
+    """The metric against the compression ratio (kvpress's leaderboard figure): one line per series (method) over
+    the runs with a ratio; runs of methods that do not evict (full, codecs) as dashed reference lines from ratio 0.
+    Beside each point its peak KV MiB, in the series' colour: the labels of one ratio stand in a column to the
+    right of its points, as near their points as the spacing allows (leader lines back to them); the points of one
+    ratio are spread a little sideways (and every line has its own marker) so that equal scores stay visible. Pass
+    comparable runs only. None without a ratio run."""
+    lines: dict[str, list[tuple[float, float, Optional[float]]]] = {}
+    refs: list[tuple[str, float, Optional[float], dict]] = []
+    firsts: dict[str, dict] = {}
+    by_series: dict[str, list[dict]] = {}
+    for run in runs:
+        by_series.setdefault(series_label(run), []).append(run)
+    for label, rs in list(by_series.items())[:MAX_BOARD_SERIES]:
+        for r in rs:
+            y, x = _num(r["metrics"].get(metric)), ratio_of(r)
+            if y is None:
+                continue
+            if x is not None:
+                lines.setdefault(label, []).append((x, y, _mib(r)))
+                firsts.setdefault(label, r)
+            elif _flat([r]):
+                refs.append((label, y, _mib(r), r))
+    if not lines:
+        return None
+    xs = sorted({p[0] for pts in lines.values() for p in pts})
+    gap = min([b - a for a, b in zip([0.0] + xs, xs) if b > a] or [0.25])
+    n = len(lines)
+    spread = 0.12 * gap  # the sideways spread of one ratio's points
+    dodge = {label: (i - (n - 1) / 2) * spread / max(1, n - 1) for i, label in enumerate(lines)}
+    plt = _plt()
+    height = max(4.8, 2.2 + 0.2 * (n + len(refs)))
+    fig, ax = plt.subplots(figsize=(max(11.0, 5.0 + 1.2 * len(xs)), height))
+    ys = [p[1] for pts in lines.values() for p in pts] + [r[1] for r in refs]
+    lo, hi = min(ys + [0.0]), max(ys + [1.0])
+    pad = 0.06 * (hi - lo or 1.0)
+    label_pts: dict[float, list] = {}  # column x -> [(y, text, colour, point)]
+    for i, (label, pts) in enumerate(lines.items()):
+        pts = sorted(pts)
+        color = method_color(method_key(firsts[label]))
+        px = [x + dodge[label] for x, _, _ in pts]
+        ax.plot(px, [y for _, y, _ in pts], label=label, color=color, marker=MARKERS[i % len(MARKERS)],
+                linestyle=STYLES[(i // len(MARKERS)) % len(STYLES)], markersize=5, linewidth=1.3)
+        for (x, y, mib), x_shown in zip(pts, px):
+            if mib is not None:
+                label_pts.setdefault(x, []).append((y, f"{mib:.1f}", color, (x_shown, y)))
+    for label, y, mib, r in refs:
+        color = method_color(method_key(r))
+        ax.axhline(y, linestyle="--", linewidth=1, color=color,
+                   label=f"{label} (no eviction)" + (f", {mib:.1f} MiB" if mib is not None else ""))
+        ax.plot([0.0], [y], marker="o", color=color, markersize=6)
+        if mib is not None:
+            label_pts.setdefault(0.0, []).append((y, f"{mib:.1f}", color, (0.0, y)))
+    # one column of labels per ratio, at least `step` apart (y data units for about 9 points: 6.5 pt text)
+    span = hi - lo + 2 * pad
+    step = 9.0 * span / (72 * height * 0.7)  # the axes take about 70% of the height
+    bottom, top = lo - pad, hi + pad
+    for x, items in label_pts.items():
+        items.sort(key=lambda t: (t[0], t[3][0]))
+        placed = spread_labels([t[0] for t in items], step)
+        tx = x + spread / 2 + 0.06 * gap
+        for (y, text, color, point), ty in zip(items, placed):
+            ax.annotate(text, xy=point, xytext=(tx, ty), textcoords="data", fontsize=6.5, color=color,
+                        va="center", arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.4, "alpha": 0.5},
+                        bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none",
+                              "alpha": 0.75})
+        bottom, top = min(bottom, placed[0] - step), max(top, placed[-1] + step)
+    ax.set_ylim(bottom, top)
+    ticks = [0.0] + xs if xs[0] > 0 else xs
+    ax.set_xlim(-0.5 * spread - 0.05 * gap, xs[-1] + spread / 2 + 0.4 * gap)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{x:g}" for x in ticks])
+    ax.set_xlabel("compression ratio (share of each context's KV removed at prefill; 0 = full cache)")
+    ax.set_ylabel(metric + (" (lower is better)" if lower_is_better(metric) else ""))
+    ax.set_title(f"{metric} vs compression ratio; beside each point its peak KV MiB (measured from the pool)")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return _png(fig, dpi=100)  # small labels: a finer raster

@@ -130,12 +130,15 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def _step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, *, phase: str,
-              last_chunk: bool, logits_for: str) -> torch.Tensor | None:
+              last_chunk: bool, logits_for: str, scratch: bool = False) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
         logits = self.model.forward(
             tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
             last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
         )
+        if scratch:  # a method's own pass: its tokens are not the sequence's (nor in the uncompressed figure)
+            for s in slots:
+                self.cache.tokens_seen[s] -= tokens.shape[1]
         self._track_full_bytes()
         return logits
 
@@ -198,19 +201,22 @@ class Engine:
                     after(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)
 
     def forward_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, *, last_chunk: bool = True,
-                      logits_for: str = "last", compress: bool = True) -> torch.Tensor | None:
+                      logits_for: str = "last", compress: bool = True, scratch: bool = False) -> torch.Tensor | None:
         """Append one chunk of tokens (positions start_pos..) to sequence `slot`: logits [1, V] ("last"),
         [1, Q, V] ("all") or None. `last_chunk` tells the method the prompt ends here (it may compress).
         compress=False: the method keeps these tokens uncompressed (its `keep_uncompressed` hook: a question
-        appended after its context was compressed)."""
+        appended after its context was compressed). scratch=True: a method's own pass over the sequence (KVzip's
+        reconstruction), whose tokens the method drops afterwards: not counted as the sequence's tokens
+        (cache.tokens_seen: the prompt's length, full_kv_bytes), and no after_prefill_chunk call."""
         if not compress:
             keep = getattr(self.method, "keep_uncompressed", None)
             if keep is not None:
                 keep(slot, len(token_ids))
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
-        logits = self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for)
-        after = getattr(self.method, "after_prefill_chunk", None)
+        logits = self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for,
+                            scratch=scratch)
+        after = None if scratch else getattr(self.method, "after_prefill_chunk", None)
         if after is not None:  # optional: the chunk's token ids, after its step (KVzip's reconstruction pass)
             after(slot, list(token_ids), start_pos, last_chunk)
         return logits
