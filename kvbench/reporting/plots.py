@@ -204,7 +204,7 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4))
     style = _Styler()
-    for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_SERIES]:
+    for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_BOARD_SERIES]:  # every point of the front is shown
         mine = [p for p in pts if p[2] == label]
         st = style(mine[0][3])
         ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=28, color=st["color"],
@@ -232,7 +232,8 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
 DATASET_KEY = re.compile(r"^score_(?!.*_(0-4k|4-8k|8k\+)$)(.+)$")
 
 
-def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = ()) -> Optional[bytes]:
+def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = (),
+                   title: str = "LongBench per dataset") -> Optional[bytes]:
     """Grouped bars: one group per dataset, one bar per run; the paper's per-dataset value of the run's row as a
     black tick."""
     runs = [r for r in runs if any(DATASET_KEY.match(k) and _num(v) is not None for k, v in r["metrics"].items())]
@@ -259,7 +260,7 @@ def longbench_bars(runs: Sequence[dict], paper_rows: Sequence[Optional[dict]] = 
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))])
     ax.set_xticklabels(datasets, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("score (x100)")
-    ax.set_title("LongBench per dataset")
+    ax.set_title(title)
     _legend(ax)
     return _png(fig)
 

@@ -33,6 +33,7 @@ class CacheHooks(Protocol):
     #                                               weights, its public API for passes of the method's own)
     #   after_prefill_chunk(slot, token_ids, start_pos, last_chunk)
     #                                               after every Engine.forward_chunk step, with the chunk's tokens
+    #                                               (not after a scratch=True chunk: the method's own pass)
     #   keep_uncompressed(slot, num_tokens)         the next num_tokens appended to slot stay uncompressed
 
 
