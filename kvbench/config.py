@@ -24,12 +24,10 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean
 from kvbench.store.naming import model_label, run_id_for
-from kvbench.spec import (SEED_MAX, check_budget, check_compression, check_positive, hashable_config, kept_budget,
-                          normalise_numbers, raw_value, resolve_storage, results_path)
+from kvbench.spec import (ATTENTION_BACKENDS, SCHEDULES, SEED_MAX, check_budget, check_compression, check_positive, dtype_name, hashable_config,
+                          kept_budget, normalise_numbers, raw_value, resolve_storage, results_path)
 
-DTYPES = ("float32", "bfloat16", "float16")
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 BLOCK_SIZE_MAX = 4096  # tokens per KV block
 
 
@@ -43,8 +41,7 @@ class ModelConfig:
     cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise UserError(f"invalid model.dtype={self.dtype!r}: choices are {', '.join(DTYPES)}")
+        dtype_name(self.dtype)
         dev = str(self.device)
         if not (dev in ("cpu", "cuda", "mps", "auto") or dev.startswith("cuda:")):
             raise UserError(f"invalid model.device={dev!r}: choices are cpu, cuda, cuda:N, mps, auto")
@@ -71,8 +68,8 @@ class RuntimeConfig:
     prefix_caching: Any = "auto"  # auto (on for methods that allow it) | true | false
 
     def __post_init__(self) -> None:
-        if self.schedule not in ("mixed", "prefill_first"):
-            raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are mixed, prefill_first")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are {', '.join(SCHEDULES)}")
         if self.prefix_caching not in ("auto", True, False):
             raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
         check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)

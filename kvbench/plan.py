@@ -27,7 +27,8 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.methods import build_method
-from kvbench.model_info import check_model_path, elem_bytes, kv_pool_bytes, model_shape
+from kvbench.model_info import elem_bytes, kv_pool_bytes, model_shape
+from kvbench.runtime.model_files import check_model_path
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
 from kvbench.spec import SEED_MAX, check_positive, hashable_config
@@ -189,7 +190,8 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     """Step 1: validate every setting that needs no model and build method and task; UserError on bad input."""
     settings = _config.validate(cfg)
     device = _resolve_device(settings.model.device)
-    check_model_path(settings.model)
+    if settings.model.path is not None:  # None: the packaged model
+        check_model_path(settings.model.path, settings.model.gguf_file, hub=True)
     shape = model_shape(settings.model)
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
     # the codec's options (its name was resolved by validate), without the model: kvquant's calibration needs it,

@@ -32,6 +32,10 @@ EXACT_FLOAT_INT = 2**53  # integral floats up to this are exact integers
 FULL_PRECISION = ("none", "full")  # the quant names that store KV in full precision
 # The config sections that determine a result, hashed into the run id (compression_ratio too, when set).
 HASHED_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "seed")
+DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: the names torch gives these dtypes
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # also taken by the Python API
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # runtime.attention_backend (runtime.backends.selection)
+SCHEDULES = ("mixed", "prefill_first")  # runtime.schedule (runtime.scheduler)
 
 
 def check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1,
@@ -45,6 +49,17 @@ def check_positive(where: str, value: Any, *, allow_none: bool = False, minimum:
         allowed = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
         allowed += " or null" if allow_none else ""
         raise UserError(f"invalid {where}={value!r}: expected {allowed}")
+
+
+def dtype_name(value: Any, where: str = "model.dtype", *, aliases: bool = False) -> str:
+    """The dtype's name in DTYPES; with aliases=True also fp32 / bf16 / fp16. UserError naming the choices otherwise.
+
+    The config takes the names only (its raw value names the run, so two spellings would be two run ids)."""
+    name = DTYPE_ALIASES.get(value, value) if aliases and isinstance(value, str) else value
+    if name not in DTYPES:
+        allowed = ", ".join(DTYPES) + (f" (or {', '.join(DTYPE_ALIASES)})" if aliases else "")
+        raise UserError(f"invalid {where}={value!r}: choices are {allowed}")
+    return name
 
 
 def results_path(value: Any) -> str:

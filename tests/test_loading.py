@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -60,14 +61,19 @@ def test_digest_is_remembered_by_path_size_and_mtime(tmp_path, conversions, monk
 
 @pytest.mark.parametrize("make,gguf,needle", [
     (lambda d: d / "missing", None, "does not exist"),
-    (lambda d: (d / "empty").mkdir() or d / "empty", None, "is empty"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", None, "is an empty folder"),
     (lambda d: (d / "notmodel").mkdir() or (d / "notmodel" / "x.txt").write_text("x") and d / "notmodel", None,
-     "no config.json"),
+     "without config.json"),
     (lambda d: (d / "cfg").mkdir() or (d / "cfg" / "config.json").write_text("{}") and d / "cfg", None,
      "no weights"),
     (lambda d: (d / "w").mkdir() or (d / "w" / "config.json").write_text("{}") and
      (d / "w" / "model.safetensors").write_bytes(b"x") and d / "w", None, "no tokenizer"),
     (lambda d: (d / "bad.gguf").write_bytes(b"not a gguf at all") and d, "bad.gguf", "not a GGUF file"),
+    (lambda d: (d / "trunc.gguf").write_bytes(b"GGUF" + bytes(8)) and d, "trunc.gguf", "corrupt or unsupported GGUF"),
+    (lambda d: (d / "c").mkdir() or (d / "c" / "config.json").write_text("{}") and
+     (d / "c" / "model.safetensors").write_bytes(b"x") and (d / "c" / "tokenizer.json").write_text("{}") and d / "c",
+     None, "does not describe a decoder model"),
+    (lambda d: Path("/dev/null"), None, "not a regular file or folder"),
     (lambda d: d, "absent.gguf", "does not exist"),
 ])
 def test_bad_model_paths_are_one_line_user_errors(tmp_path, make, gguf, needle):
@@ -89,5 +95,13 @@ def test_corrupt_gguf_with_magic_fails_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
     d = _fake_gguf(tmp_path / "m")  # right magic, garbage after it
     with pytest.raises(UserError) as info:
-        loading.load_hf(str(d), gguf_file="m.gguf")
-    assert "cannot read GGUF file" in str(info.value) and "\n" not in str(info.value)
+        loading.load_hf(str(d), gguf_file="m.gguf")  # refused by the path check, before any conversion
+    assert "corrupt or unsupported GGUF file" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_one_model_path_rule_set_for_the_app_and_the_loader():
+    from kvbench import plan
+    from kvbench.runtime import model_files
+
+    assert loading.check_model_path is model_files.check_model_path
+    assert plan.check_model_path is model_files.check_model_path

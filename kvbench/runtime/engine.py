@@ -25,7 +25,8 @@ from kvbench.runtime.caches import build_cache, full_block_bytes
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
-from kvbench.runtime.scheduler import SCHEDULES, Outcome, Request, Scheduler
+from kvbench.runtime.scheduler import Outcome, Request, Scheduler
+from kvbench.spec import SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
 

@@ -3,7 +3,7 @@
 transformers reads weights, config and tokenizer; `build_from_transformers` copies the weights into
 kvbench's own forward. A GGUF checkpoint is de-quantized once and cached as a normal
 safetensors folder, keyed by the file's content, so later loads (from any checkout) take seconds.
-`check_model_path` refuses a path that cannot be a model with one line before anything loads.
+`load_hf` first refuses a path that cannot be a model with one line (`runtime.model_files.check_model_path`).
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ import torch
 from kvbench.console import say
 from kvbench.errors import UserError
 from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
+from kvbench.runtime.model_files import check_model_path
+from kvbench.spec import dtype_name
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 @dataclass
@@ -61,50 +60,10 @@ def packaged_smollm2() -> tuple[str, str]:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from one of kvbench.spec.DTYPES or its short alias (fp32, bf16, fp16); UserError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def check_model_path(path: str, gguf_file: str | None = None) -> None:
-    """Cheap checks of a model location before anything loads; UserError (one line) when it cannot be a model.
-
-    `path` is a hub id ("org/name"), a local folder or a .gguf file; with `gguf_file`, the GGUF file inside the
-    folder `path`. Checks: the file or folder exists, a folder is not empty and has a config.json, weights and a
-    tokenizer, a GGUF starts with the GGUF magic bytes. A hub id is left to the hub.
-    """
-    if gguf_file is not None or str(path).endswith(".gguf"):
-        src = Path(path).expanduser() / gguf_file if gguf_file is not None else Path(path).expanduser()
-        if not src.is_file():
-            raise UserError(f"GGUF file {str(src)!r} does not exist")
-        with open(src, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise UserError(f"{str(src)!r} is not a GGUF file (it does not start with the GGUF magic bytes)")
-        return
-    p = Path(path).expanduser()
-    if p.is_file():
-        raise UserError(f"model path {path!r} is a file; give a model folder, a hub id or a .gguf file")
-    if p.is_dir():
-        if not any(p.iterdir()):
-            raise UserError(f"model folder {path!r} is empty")
-        if not (p / "config.json").is_file():
-            raise UserError(f"model folder {path!r} has no config.json: it is not a transformers model folder")
-        names = {c.name for c in p.iterdir()}
-        if not any(n.endswith((".safetensors", ".bin", ".pt", ".pth")) for n in names):
-            raise UserError(f"model folder {path!r} has no weights (*.safetensors or *.bin)")
-        if not names & set(TOKENIZER_FILES):
-            raise UserError(f"model folder {path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
-        return
-    if _looks_local(str(path)):
-        raise UserError(f"model path {path!r} does not exist")
-
-
-def _looks_local(path: str) -> bool:
-    """True for a path that cannot be a hub id ("name" or "org/name")."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    return getattr(torch, dtype_name(dtype, "dtype", aliases=True))
 
 
 def load_hf(path: str, *, gguf_file: str | None = None, cache_dir: str | os.PathLike | None = None):

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
-SCHEDULES = ("mixed", "prefill_first")
+from kvbench.spec import SCHEDULES
 
 
 @dataclass

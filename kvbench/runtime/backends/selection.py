@@ -11,15 +11,15 @@ from kvbench.runtime.backends.base import AttentionBackend
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
+from kvbench.spec import ATTENTION_BACKENDS
 
-BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
 
 
 def select_backend(name: str, device: torch.device, cache) -> AttentionBackend:
     """auto: Triton on CUDA (keys cached after RoPE in a cache with plain pools), the C kernels on CPU (when they
     build), the torch reference otherwise. An explicit choice that cannot run raises ValueError."""
-    if name not in BACKEND_CHOICES:
-        raise ValueError(f"unknown attention_backend {name!r}; choose one of: {', '.join(BACKEND_CHOICES)}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
     on_cuda = device.type == "cuda"
     usable_triton = on_cuda and not cache.store_pre_rope and cache.plain_pools
     if name == "triton" and not usable_triton:
