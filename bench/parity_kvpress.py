@@ -8,7 +8,8 @@ essays) is compressed by each side; the table prints
             against its own compressed prompt (kvbench's Engine.score_continuation, and the same in kvpress: the
             prompt but its last token compressed, then one uncompressed chunk).
 kvpress pins its own transformers, so its side runs in its own environment (`--kvpress-python`, default
-/work/wt/kvpress_env/bin/python, set up with `python3 -m venv ... && pip install kvpress torch==<kvbench's torch>`):
+$KVPRESS_PYTHON or a kvpress_env/bin/python in the checkout or a folder above it, set up with
+`python3 -m venv kvpress_env && kvpress_env/bin/pip install kvpress torch==<kvbench's torch>`):
 this script (in kvbench's environment) writes a job file, runs itself there with `--side kvpress`, and compares.
 The compression ratio r becomes kvbench's budget int(T * (1 - r)) per table (kvpress's n_kept), so a run needs no
 ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbench with the torch attention backend.
@@ -16,10 +17,17 @@ ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbenc
     .venv/bin/python bench/parity_kvpress.py [--tokens 1024] [--ratios 0.25 0.5 0.75] [--methods knorm tova ...]
 
 Where the definitions differ on purpose, the row says so (NOTES); everything else is expected at Jaccard 1.000.
-Shared methods not compared here yet: kvzip (kvpress scores and masks after the forward, outside the compress
-hook this script reads, and takes the chat template's prefix length off every context; this prompt is raw text)
-and duo_attention (kvpress's on-the-fly scores read BookSum from the hub, kvbench's the packaged essays; and the
-board's ratio is its share of streaming heads, see conf/experiment/rows/kvpress_leaderboard/duo_attention.yaml).
+Shared methods not compared here yet (2026-12-01):
+  kvzip: KVzipPress scores after the prompt's forward, when its context manager exits (a reconstruction pass over
+    the cache, then masks: module.masked_key_indices per layer, readable after the `with`), but it takes the chat
+    template's prefix length (SmolLM2-Instruct has a template) off every context unscored, assuming the prompt
+    starts with that prefix; this prompt is raw text, and kvbench's kvzip only skips a prefix that is present.
+    Comparing needs the templated prompt on both sides (not done yet). Defaults agree: layerwise false, chunk 2048,
+    n_sink 4, 8-token postfix.
+  duo_attention: kvpress's duo_attention_on_the_fly(model, num_samples, q_len) calls load_dataset("kmfoda/booksum")
+    itself (no text argument; feeding local text means patching that module's load_dataset), kvbench's reads the
+    packaged essays; and the board's ratio is its share of streaming heads (see
+    conf/experiment/rows/kvpress_leaderboard/duo_attention.yaml).
 """
 from __future__ import annotations
 
@@ -60,7 +68,19 @@ NOTES = {
                "while decoding (here off)",
     "streaming_llm": "kvbench's default evicts after every chunk and while decoding (here paper / none)",
 }
-DEFAULT_KVPRESS_PYTHON = "/work/wt/kvpress_env/bin/python"
+
+
+def default_kvpress_python() -> str:
+    """$KVPRESS_PYTHON, else the first kvpress_env/bin/python found in the checkout or a folder above it (a venv
+    beside the worktrees); "" if none."""
+    env = os.environ.get("KVPRESS_PYTHON")
+    if env:
+        return env
+    for folder in Path(__file__).resolve().parents[1:]:
+        candidate = folder / "kvpress_env" / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return ""
 
 
 # ------------------------------------------------------------------------------------------------ kvpress side
@@ -217,7 +237,9 @@ def main() -> None:
     ap.add_argument("--side", choices=["driver", "kvpress"], default="driver", help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", DEFAULT_KVPRESS_PYTHON))
+    ap.add_argument("--kvpress-python", default=default_kvpress_python(),
+                    help="kvpress's environment's python (default: $KVPRESS_PYTHON, else kvpress_env/bin/python in "
+                         "the checkout or a folder above it)")
     ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens (the packaged essays)")
     ap.add_argument("--continuation", type=int, default=64, help="text tokens scored for the NLL")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared")
@@ -233,8 +255,9 @@ def main() -> None:
     from kvbench.data.essays import essay_corpus_text
     from kvbench.runtime.loading import load_model
 
-    if not Path(args.kvpress_python).exists():
-        sys.exit(f"kvpress environment not found: {args.kvpress_python} (see the docstring: --kvpress-python)")
+    if not args.kvpress_python or not Path(args.kvpress_python).exists():
+        sys.exit(f"kvpress environment not found{': ' + args.kvpress_python if args.kvpress_python else ''}: "
+                 "pass --kvpress-python (or set KVPRESS_PYTHON)")
     loaded = load_model(keep_hf=True)  # the packaged SmolLM2-135M-Instruct, float32, CPU
     ids = loaded.tokenizer(essay_corpus_text(), add_special_tokens=False)["input_ids"]
     job = {"model_dir": str(loaded.hf_dir), "prompt": ids[: args.tokens],

@@ -6,6 +6,9 @@ score by the projected value norm ||W_o v||_1 (the L1 norm of the token's value 
 each query head, averaged over the query heads of its kv-head) in two stages, as kvpress's CriticalKVPress:
   stage 1: each kv-head keeps its int(first_stage_ratio x n) best tokens by the base's score alone;
   stage 2: the rest of its n tokens by (score + epsilon) x ||W_o v||_1.
+epsilon is added on kvpress's scale of the base's scores (the base's `score_scale`: snapkv sums its window's
+attention over the window and the GQA group, kvpress's SnapKVPress averages both, so its scores are divided by
+window x group first); on the summed scale epsilon would count window x group times less.
 head_adaptive=false (default; kvpress `critical_snapkv`, CriticalKVPress): n = budget for every kv-head.
 head_adaptive=true (kvpress `critical_adakv_snapkv`, CriticalAdaKVPress; the paper's main setting): the layer's
 kv_heads x budget tokens are first allocated across its kv-heads jointly by the base's scores (each head keeping
@@ -78,7 +81,8 @@ class CriticalKV(ScorerWrapper):
 
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
         cache, layer = ctx.cache, ctx.layer
-        base = self.inner.score(ctx, i, slot).float()  # [H, T]
+        # on kvpress's scale (SnapKV: means over the window, not sums), which epsilon is relative to
+        base = self.inner.score(ctx, i, slot).float() * self.inner.score_scale(ctx, slot)  # [H, T]
         lengths = cache.lengths[slot, layer]  # [H]
         H, T = base.shape
         valid = valid_mask(lengths, T)
@@ -96,7 +100,9 @@ class CriticalKV(ScorerWrapper):
             n_head = torch.clamp(lengths, max=self.budget)
         _, v, _ = cache.gather(layer, slot)  # [H, T, D]
         norms = projected_value_norms(v, self._w_o(layer))  # [H, T]
-        first = (n_head.float() * self.first_stage_ratio).long()  # kvpress: int(n * first_stage_ratio)
+        first = (n_head.float() * self.first_stage_ratio).long()  # kvpress: int(n * first_stage_ratio),
+        if self.first_stage_ratio > 0:  # at least 1 (CriticalKVPress) where a head keeps any
+            first = torch.where(n_head > 0, first.clamp(min=1), first)
         invalid = torch.full_like(base, float("-inf"))
         s1 = torch.where(valid, base, invalid)
         stage1 = _first_ranked(s1, protect.long(), first)  # stage 1: the base's order, recent window first

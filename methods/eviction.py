@@ -391,6 +391,11 @@ class ScoreEvictionMethod(EvictionMethod):
     def recent_window(self) -> int:
         return 0
 
+    def score_scale(self, ctx: LayerContext, slot: int) -> float:
+        """The factor that puts score()'s values on kvpress's scale (its press's score()). The selection only ranks,
+        so it never needs it; a wrapper that adds a constant to the scores does (criticalkv's epsilon)."""
+        return 1.0
+
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
         """Keep set [H, budget] (sorted slots) for a table over budget. The newest token always stays (a
         recent window of 0 would otherwise evict each generated token right after its own step)."""

@@ -56,6 +56,13 @@ class SnapKV(ScoreEvictionMethod):
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
         return self.snapkv_scores(ctx, slot, self.window, self.kernel_size, self.pooling)
 
+    def score_scale(self, ctx: LayerContext, slot: int) -> float:
+        """score() sums over the W window queries and the G query heads of a kv-head; kvpress's SnapKVPress
+        averages both (the same ranking): 1 / (W x G)."""
+        cfg = self.model_config
+        W = self.state(slot, ctx.layer)["q"].shape[1]  # the window queries held: [Hq, W, D]
+        return 1.0 / (W * (cfg.num_heads // cfg.num_kv_heads))
+
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
         if self.decode == "rescore":
             return self.evict_to_budget(ctx, i, slot)

@@ -203,11 +203,68 @@ def test_criticalkv_second_stage_uses_value_norms(model, prompts):
     n = len(prompts[0])
     for layer, (base, v) in captured.items():
         norms = projected_value_norms(v, model.layers[layer].o.dense_weight())
-        s2 = (base[:, : n - window] + 1e-4) * norms[:, : n - window]
+        G = model.config.num_heads // model.config.num_kv_heads  # epsilon is added on kvpress's scale (means)
+        s2 = (base[:, : n - window] / (window * G) + 1e-4) * norms[:, : n - window]
         for h in range(base.shape[0]):
             want = set(s2[h].topk(budget - window).indices.tolist()) | set(range(n - window, n))
             assert set(positions[layer][h]) == want
     assert engine.cache.lengths[slot].max() == budget
+
+
+def kvpress_critical_snapkv(q, k, v, w_o, n_kept, window, kernel=5, epsilon=1e-4, first_stage_ratio=0.5,
+                            mean=True):
+    """Plain torch of kvpress's CriticalKVPress(SnapKVPress) for one prompt: kept token set per kv-head.
+    q [Hq, W, D] the last W prompt queries, k/v [H, T, D] post-RoPE keys and values, w_o [E, Hq * D].
+    SnapKVPress: softmax attention (causal) of the window, its keys before the window, MEAN over the window,
+    avg_pool1d, MEAN over the GQA group, the window padded with max + 1. CriticalKVPress: stage 1 the top
+    int(n_kept * ratio) (>= 1) by that score; stage 2 (score + epsilon) x ||W_o v||_1; top n_kept.
+    mean=False sums instead (kvbench's scale before the fix) to show epsilon's scale matters."""
+    Hq, W, D = q.shape
+    H, T, _ = k.shape
+    G = Hq // H
+    K = k.repeat_interleave(G, dim=0)  # repeat_kv
+    logits = q @ K.transpose(-1, -2) / math.sqrt(D)  # [Hq, W, T]
+    logits = logits + torch.triu(torch.full((W, T), float("-inf")), diagonal=T - W + 1)
+    attn = torch.softmax(logits, dim=-1)[..., : T - W]
+    s = attn.mean(1) if mean else attn.sum(1)
+    s = torch.nn.functional.avg_pool1d(s[:, None], kernel_size=kernel, padding=kernel // 2, stride=1)[:, 0]
+    s = s.view(H, G, T - W).mean(1) if mean else s.view(H, G, T - W).sum(1)
+    s = torch.nn.functional.pad(s, (0, W), value=s.max().item() + 1)
+    first = max(1, int(n_kept * first_stage_ratio))
+    stage1 = s.topk(first, dim=-1).indices
+    Wo = w_o.t().reshape(Hq, D, -1)
+    V = v.repeat_interleave(G, dim=0)
+    norms = torch.stack([(V[j] @ Wo[j]).abs().sum(-1) for j in range(Hq)]).view(H, G, T).mean(1)
+    s2 = ((s + epsilon) * norms).scatter(-1, stage1, torch.finfo(s.dtype).max)
+    return [set(row.tolist()) for row in s2.topk(n_kept, dim=-1).indices]
+
+
+@pytest.mark.parametrize("epsilon", [1e-4, 3e-3])
+def test_criticalkv_matches_kvpress_rule(model, prompts, epsilon):
+    """criticalkv over snapkv keeps kvpress's CriticalKVPress(SnapKVPress) set: epsilon is added to the base's
+    scores on kvpress's scale (SnapKV means over the window and group, where kvbench's snapkv sums)."""
+    budget, window = 48, 8
+    method = build_method("criticalkv", budget, epsilon=epsilon, base_options={"window": window})
+    captured = {}
+    inner = method.evict_prefill
+
+    def capture(ctx, i, slot_):  # the window queries, keys and values right before the eviction
+        k, v, _ = ctx.cache.gather(ctx.layer, slot_)
+        captured[ctx.layer] = (method.state(slot_, ctx.layer)["q"].float().clone(), k.float(), v.float())
+        inner(ctx, i, slot_)
+
+    method.evict_prefill = capture
+    _, _, lengths, positions, _ = prefill_lengths(model, method, prompts[0])
+    assert len(captured) == len(positions) and bool((lengths == budget).all())
+    differs = False
+    for layer, (q, k, v) in captured.items():
+        w_o = model.layers[layer].o.dense_weight().float()
+        want = kvpress_critical_snapkv(q, k, v, w_o, budget, window, epsilon=epsilon)
+        assert [set(p) for p in positions[layer]] == want
+        differs |= want != kvpress_critical_snapkv(q, k, v, w_o, budget, window, epsilon=epsilon, mean=False)
+    # the summed scale (the old behaviour) keeps other tokens where epsilon is not negligible against the means
+    # (the tiny model's near-uniform attention: means ~ 1 / T, so 3e-3 is; 1e-4 is not)
+    assert differs == (epsilon > 1e-3)
 
 
 def test_criticalkv_head_adaptive(model, prompts):
