@@ -191,7 +191,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     settings = _config.validate(cfg)
     device = _resolve_device(settings.model.device)
     if settings.model.path is not None:  # None: the packaged model
-        check_model_path(settings.model.path, settings.model.gguf_file, hub=True)
+        check_model_path(settings.model.path, settings.model.gguf_file, check_hub=True)
     shape = model_shape(settings.model)
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
     # the codec's options (its name was resolved by validate), without the model: kvquant's calibration needs it,

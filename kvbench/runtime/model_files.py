@@ -1,9 +1,9 @@
 """Is a model location a model at all: one rule set, checked before anything loads.
 
-    check_model_path(path, gguf_file=None, hub=False) -> UserError (one line naming the value) when `path` cannot
+    check_model_path(path, gguf_file=None, check_hub=False) -> UserError (one line naming the value) when `path` cannot
         be a model: a missing path, a special file, a file that is not a .gguf, an empty folder, a folder without
         config.json, weights or a tokenizer, a config.json that is not a decoder's, a GGUF that is not GGUF or is
-        corrupt. A hub id ("org/name") is left to the hub, or with hub=True (the app's preflight) must be in the
+        corrupt. A hub id ("org/name") is left to the hub, or with check_hub=True (the app's preflight) must be in the
         local Hugging Face cache or on a reachable hub.
     read_gguf_header(path, where) -> a GGUF file's metadata (never its tensors)
     cached_hub_config(repo_id)    -> the path of a hub model's config.json in the local cache, or None
@@ -17,7 +17,6 @@ import json
 import os
 import re
 import struct
-from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 from kvbench.data import hub
@@ -34,13 +33,13 @@ def is_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path)) and not path.startswith((".", "/", "~"))
 
 
-def check_model_path(path: Any, gguf_file: Optional[str] = None, *, hub: bool = False) -> None:
+def check_model_path(path: Any, gguf_file: Optional[str] = None, *, check_hub: bool = False) -> None:
     """Refuse a model location (model.path, and model.gguf_file inside it) that cannot be a model, in one line."""
     label = f"model.path={str(path)!r}"
     local = os.path.expanduser(str(path))
     if not os.path.exists(local):
         if is_hub_id(str(path)) and gguf_file is None:
-            if hub:
+            if check_hub:
                 _check_hub_model(str(path))  # the loader fetches it; refused now if it cannot be had
             return
         raise UserError(f"{label} does not exist (a local folder, a .gguf file or a hub id "
