@@ -147,7 +147,7 @@ def test_kernel_specialisations_match_reference(group, head_dim):
     torch.testing.assert_close(ks, ref_ks, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,bias", [(1, False), (3, True), (4, False), (5, True)])
+@pytest.mark.parametrize("rows,bias", [(1, False), (3, True), (4, False), (5, True), (16, True), (17, False)])
 def test_decode_projection_gemv_matches_torch(rows, bias):
     from kvbench.runtime.backends.cpu.linear import Linear
 

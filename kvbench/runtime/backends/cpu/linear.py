@@ -5,9 +5,10 @@ oneDNN's linear (the path torch.compile's CPU backend emits), faster than ``x @ 
 at small M. Elsewhere (CUDA, fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored
 transposed and multiplied as ``x @ W_t``.
 
-fp32 on CPU with kvbench's C kernels: inputs of at most 4 rows (a decode step of up to 4 sequences) go through a
-plain C GEMV over a second, [out, in] copy of the weight (csrc/decode_ops.c), faster than oneDNN there, with the
-same greedy tokens. With more rows oneDNN's packed layout wins. (Measured figures: the benchmarks page in docs/.)
+fp32 on CPU with kvbench's C kernels: inputs of at most `kernels.GEMV_MAX_ROWS` rows (a decode step of up to
+16 sequences) go through a C GEMV over a second, [out, in] copy of the weight (csrc/decode_ops.c; a 4 x 2 register
+tile of weight rows by input rows), as fast as oneDNN there or faster, and the fused decode step needs it. With more
+rows oneDNN's packed layout wins. (Measured figures: the benchmarks page in docs/.)
 """
 from __future__ import annotations
 

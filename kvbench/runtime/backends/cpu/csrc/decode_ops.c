@@ -40,8 +40,25 @@ void rotary_f32(float *x, int64_t rows, int64_t row_stride, int64_t n_heads, int
 
 void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, float *y, int64_t y_ss, int64_t O,
                int64_t I, int64_t M, int accumulate) {
+    const int64_t tiled = I % VN == 0 ? O / 4 * 4 : 0;  /* output rows done 4 at a time by dots_4xn */
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < O; o++) {
+    for (int64_t o = 0; o < tiled; o += 4) {
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int nx = M - m0 < 2 ? 1 : 2;
+            const float *rows[4] = {W + o * I, W + (o + 1) * I, W + (o + 2) * I, W + (o + 3) * I};
+            float d[4][2];
+            dots_4xn_rows(rows, x + m0 * x_ss, x_ss, I, nx, d);
+            for (int m = 0; m < nx; m++) {
+                float *ym = y + (m0 + m) * y_ss + o;
+                for (int r = 0; r < 4; r++) {
+                    const float acc = d[r][m] + (b ? b[o + r] : 0.0f);
+                    ym[r] = accumulate ? ym[r] + acc : acc;
+                }
+            }
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t o = tiled; o < O; o++) {
         const float *w = W + o * I;
         for (int64_t m = 0; m < M; m++) {
             float *ym = y + m * y_ss + o;
@@ -63,8 +80,25 @@ void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t 
 
 void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x_ss, float *act, int64_t I,
                        int64_t E, int64_t M) {
+    const int64_t tiled = E % VN == 0 ? I / 2 * 2 : 0;  /* pairs of outputs: gate rows o, o+1 and up rows o, o+1 */
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < I; o++) {
+    for (int64_t o = 0; o < tiled; o += 2) {
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int nx = M - m0 < 2 ? 1 : 2;
+            const float *rows[4] = {W + o * E, W + (o + 1) * E, W + (I + o) * E, W + (I + o + 1) * E};
+            float d[4][2];  /* d[0..1]: gates o, o+1; d[2..3]: ups o, o+1 */
+            dots_4xn_rows(rows, x + m0 * x_ss, x_ss, E, nx, d);
+            for (int m = 0; m < nx; m++) {
+                for (int r = 0; r < 2; r++) {
+                    const float g = d[r][m] + (b ? b[o + r] : 0.0f);
+                    const float u = d[2 + r][m] + (b ? b[I + o + r] : 0.0f);
+                    act[(m0 + m) * I + o + r] = g / (1.0f + expf(-g)) * u;
+                }
+            }
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t o = tiled; o < I; o++) {
         const float *wg = W + o * E, *wu = W + (I + o) * E;
         for (int64_t m = 0; m < M; m++) {
             const float *xm = x + m * x_ss;
