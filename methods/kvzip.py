@@ -20,6 +20,9 @@ after the context, scratch=True: not counted as the sequence's tokens, so the pr
 prefill_stats are the context's alone) and the method scores them in its own after_attention hook; afterwards they
 are dropped with the cache's keep_tokens (their blocks return to the pool) and the context is evicted to the
 budget, so the pool's peak includes one reconstruction chunk (as KVzip's own). Tables really shrink per head (kvpress masks instead).
+The template prefix follows kvpress, not KVzip's own code (snu-mllab/KVzip attention/kvcache.py, score.py): there
+the whole prefix (the system prompt) is kept outside the budget and is every chunk's softmax sink; kvpress and
+kvbench keep its first n_sink tokens, score the rest 0 (evicted first) and count it in the budget.
 kvpress also offers `kvzip_plus_normalization` (KVzip+), not implemented here. Timing: after every prompt
 (prefill_mode=paper: once the last prefill chunk is in; streaming: after every chunk, each chunk reconstructed
 as it arrives); decoding appends (decode=none, the paper's and kvpress's). Needs the model's tokenizer.
