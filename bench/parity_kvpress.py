@@ -17,17 +17,28 @@ ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbenc
     .venv/bin/python bench/parity_kvpress.py [--tokens 1024] [--ratios 0.25 0.5 0.75] [--methods knorm tova ...]
 
 Where the definitions differ on purpose, the row says so (NOTES); everything else is expected at Jaccard 1.000.
-Shared methods not compared here yet (2026-12-01):
-  kvzip: KVzipPress scores after the prompt's forward, when its context manager exits (a reconstruction pass over
-    the cache, then masks: module.masked_key_indices per layer, readable after the `with`), but it takes the chat
-    template's prefix length (SmolLM2-Instruct has a template) off every context unscored, assuming the prompt
-    starts with that prefix; this prompt is raw text, and kvbench's kvzip only skips a prefix that is present.
-    Comparing needs the templated prompt on both sides (not done yet). Defaults agree: layerwise false, chunk 2048,
-    n_sink 4, 8-token postfix.
-  duo_attention: kvpress's duo_attention_on_the_fly(model, num_samples, q_len) calls load_dataset("kmfoda/booksum")
-    itself (no text argument; feeding local text means patching that module's load_dataset), kvbench's reads the
-    packaged essays; and the board's ratio is its share of streaming heads (see
-    conf/experiment/rows/kvpress_leaderboard/duo_attention.yaml).
+Two rows need more than a ratio (2026-12-02):
+  kvzip: KVzipPress takes the chat template's prefix length (the tokens before a user message's content; 24 for
+    SmolLM2-Instruct) off every context unscored, assuming the context starts with it, as its pipeline's does. Its
+    prompt here is that prefix + the text (--tokens in all; PROMPTS; chat_prompt checks it against the pipeline's
+    preprocess), so both skip the same prefix (kvbench's kvzip skips one that is present); both keep the
+    first n_sink = 4 tokens. KVzipPress scores when its context manager exits and masks: its kept sets are read
+    from module.masked_key_indices after the `with`, kvbench's after its after_prefill_chunk eviction. kvpress prunes
+    int(L x H x T x r) over the sequence, kvbench keeps L x H x int(T x (1 - r)): the same at --tokens 1024 (a
+    multiple of 4), up to L x H - 1 tokens apart otherwise (the NLL's prompt, T - 1 = 1023: kvpress keeps 23 / 45 /
+    68 tokens more at 0.25 / 0.5 / 0.75, of 92k; at --tokens 1025 the NLLs agree to 4 decimals and the kept sets,
+    rounded apart, are at Jaccard 0.998-0.999).
+  duo_attention: the ratio is the share of streaming kv-heads on both sides (kvpress's leaderboard sets
+    DuoAttentionPress.head_compression_ratio to it; kvbench's head_compression_ratio, RATIO_OPTION), and the
+    streaming heads keep kvpress's on-the-fly 128 sinks + 256 recent tokens (kvbench budget 384, FIXED_BUDGET;
+    prefill_mode paper, decode none). Head scores: kvpress's duo_attention_on_the_fly calls
+    load_dataset("kmfoda/booksum") itself, so its module's load_dataset is replaced (feed_booksum) by kvbench's own
+    calibration samples (the first 50 packaged essays by file name, 49 exist, as text that re-tokenizes to the same
+    ids); kvpress divides the sum by num_samples = 50, kvbench by the 49 it has (one factor for every head).
+    kvpress tokenizes each text whole; kvbench cuts it at on_the_fly_max_tokens (default 4,096), here 8,192, the
+    most it allows (the model's positions), so only the 2 essays longer than that (9,863 and 18,145 tokens) are
+    cut, on both sides. Printed below the table: the streaming heads of both sides and the largest head-score
+    difference. `--duo-samples N` uses the first N essays on both sides (quicker; the first 8: 24k tokens, none cut).
 """
 from __future__ import annotations
 
@@ -59,7 +70,23 @@ METHODS = {
     "adakv": ("adakv", {"base": "expected_attention"}, "AdaKVPress", {"press": ["ExpectedAttentionPress", {}]}),
     "criticalkv": ("criticalkv", {"base": "snapkv"}, "CriticalKVPress",
                    {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}]}),
+    # scores when kvpress's context manager exits (kept sets from module.masked_key_indices after the `with`); the
+    # prompt is the chat template's prefix + text (PROMPTS), as kvpress's pipeline feeds a context
+    "kvzip": ("kvzip", {}, "KVzipPress", {}),
+    # the ratio is the share of streaming kv-heads on both sides (RATIO_OPTION), which keep 128 sinks + 256 recent
+    # tokens (FIXED_BUDGET); head scores from the on-the-fly estimate over the packaged essays on both sides
+    "duo_attention": ("duo_attention", {"on_the_fly": True, "sinks": 128, "prefill_mode": "paper", "decode": "none",
+                                        "on_the_fly_samples": 50, "on_the_fly_max_tokens": 8192},
+                      "DuoAttentionPress", {"on_the_fly_scoring": True}),
 }
+# rows whose prompt is not the raw text: "chat" = the chat template's tokens before a user message's content, then
+# the text (kvpress's pipeline: apply_chat_template on the context, cut where the content ends; KVzipPress skips
+# exactly that prefix's length unscored, kvbench's kvzip skips it when the prompt starts with it)
+PROMPTS = {"kvzip": "chat"}
+# rows where the ratio is not the share of each table removed: (kvbench option, kvpress option) it sets instead
+RATIO_OPTION = {"duo_attention": ("head_compression_ratio", "head_compression_ratio")}
+# rows with a budget per table that does not follow the ratio (kvpress's duo_attention_on_the_fly: 128 + 256)
+FIXED_BUDGET = {"duo_attention": 128 + 256}
 NOTES = {
     "pyramidkv": "layer budgets: kvbench's sum to layers x budget exactly (kvpress rounds each layer) and start from "
                  "the integer budget (kvpress: T * (1 - r), fractional), which can flip the SnapKV fallback",
@@ -67,6 +94,10 @@ NOTES = {
     "keydiff": "kvbench key_diff keeps the first block at prefill by default (here off) and evicts blocks "
                "while decoding (here off)",
     "streaming_llm": "kvbench's default evicts after every chunk and while decoding (here paper / none)",
+    "kvzip": "prompt = chat-template prefix (unscored but 4 sinks) + text on both sides; kvpress rounds the pruned "
+             "count over the sequence (NLL's T - 1 keeps up to L x H - 1 more)",
+    "duo_attention": "ratio = share of streaming kv-heads (128 sinks + 256 recent), not of the KV removed; "
+                     "calibration: kvbench's essays fed to kvpress's estimate",
 }
 
 
@@ -96,16 +127,27 @@ def kvpress_side(job: dict) -> dict:
     hf_logging.disable_progress_bar()
     torch.set_num_threads(job["threads"])
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
-    prompt, cont = job["prompt"], job["continuation"]
     out = {"kvpress_version": version("kvpress"), "transformers_version": version("transformers"), "results": {}}
+    if job.get("duo_samples") is not None:
+        feed_booksum(job["model_dir"], job["duo_samples"])
     for name, ratio in job["runs"]:
         _, _, cls, opts = METHODS[name]
-        press = build_press(kvpress, cls, opts, ratio)
+        text = job["texts"][PROMPTS.get(name, "raw")]
+        prompt, cont = text["prompt"], text["continuation"]
+        press = build_press(kvpress, cls, opts, ratio, RATIO_OPTION.get(name, (None, None))[1])
         kept = record_kept(press)
+        extra = {}
         with torch.no_grad():
             cache = DynamicCache()
             with press(model):  # compress the prompt, then greedy decoding with the compressed cache
                 logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+            if not kept:  # presses that score when their context manager exits (KVzipPress) and mask
+                kept.update(kept_from_masks(model, len(prompt)))
+            if cls == "DuoAttentionPress":  # its head choice, and the on-the-fly scores it came from (cached)
+                from kvpress.presses.duo_attention_press import duo_attention_on_the_fly
+
+                extra = {"streaming": press.streaming_mask.cpu().tolist(),
+                         "head_scores": duo_attention_on_the_fly(model).tolist()}
             tokens = [int(logits.argmax())]
             for i in range(job["new_tokens"] - 1):
                 pos = torch.tensor([[len(prompt) + i]])
@@ -123,17 +165,73 @@ def kvpress_side(job: dict) -> dict:
                 pos = torch.tensor([[len(prompt) - 1 + j]])
                 logits = model(torch.tensor([[tok]]), past_key_values=cache, position_ids=pos).logits[0, -1]
                 nll -= float(torch.log_softmax(logits.float(), -1)[cont[j]]) / len(cont)
-        out["results"][f"{name}@{ratio}"] = {"kept": layers, "greedy": tokens, "nll": nll}
+        out["results"][f"{name}@{ratio}"] = {"kept": layers, "greedy": tokens, "nll": nll, **extra}
     return out
 
 
-def build_press(kvpress, cls: str, opts: dict, ratio: float):
+def feed_booksum(model_dir: str, samples: list[dict]) -> None:
+    """kvpress's duo_attention_on_the_fly reads `load_dataset("kmfoda/booksum", split="train").to_pandas()
+    .sample(num_samples, random_state=42)["chapter"].tolist()` and tokenizes each text with `tokenizer(text)`:
+    its module's load_dataset is replaced by one whose rows are kvbench's calibration samples (the essays, cut to
+    kvbench's token limit, as text), in kvbench's order; `sample(n)` takes the first n (all of them when n is
+    larger: kvpress still divides by its num_samples, 50, a factor common to every head). Checks that kvpress's
+    tokenization of each text gives kvbench's token ids."""
+    from transformers import AutoTokenizer
+    import kvpress.presses.duo_attention_press as duo
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for i, sample in enumerate(samples):
+        assert tokenizer(sample["text"])["input_ids"] == sample["ids"], f"calibration text {i} re-tokenizes otherwise"
+
+    class Rows:
+        def __init__(self, texts: list[str]):
+            self.texts = texts
+
+        def to_pandas(self) -> "Rows":
+            return self
+
+        def sample(self, n: int, random_state=None) -> "Rows":
+            return Rows(self.texts[:n])
+
+        def __getitem__(self, column: str) -> "Rows":
+            assert column == "chapter", column
+            return self
+
+        def tolist(self) -> list[str]:
+            return list(self.texts)
+
+    def load_dataset(path: str, split: str | None = None, **kwargs):
+        assert path == "kmfoda/booksum" and split == "train", (path, split)
+        return Rows([s["text"] for s in samples])
+
+    duo.load_dataset = load_dataset
+
+
+def kept_from_masks(model, n: int) -> dict:
+    """Kept positions from each attention module's masked_key_indices (batch, head, position), for presses that
+    set them outside compress (KVzipPress, when its context manager exits) -> {layer: [[pos] per head]}."""
+    import torch
+
+    heads = model.config.num_key_value_heads
+    kept = {}
+    for layer in model.model.layers:
+        module = layer.self_attn
+        drop = torch.zeros(heads, n, dtype=torch.bool)
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            b, h, t = (x.cpu() for x in masked)
+            drop[h[b == 0], t[b == 0]] = True
+        kept[int(module.layer_idx)] = [(~drop[i]).nonzero().flatten().tolist() for i in range(heads)]
+    return kept
+
+
+def build_press(kvpress, cls: str, opts: dict, ratio: float, ratio_option: str | None = None):
     """The press of METHODS[...]: a wrapper gets its inner press ("press": [class, options]) and the ratio through
-    its compression_ratio property."""
+    its compression_ratio property; ratio_option names the option the ratio sets instead of compression_ratio."""
     opts = dict(opts)
     inner = opts.pop("press", None)
     if inner is None:
-        return getattr(kvpress, cls)(compression_ratio=ratio, **opts)
+        return getattr(kvpress, cls)(**{ratio_option or "compression_ratio": ratio}, **opts)
     press = getattr(kvpress, cls)(press=getattr(kvpress, inner[0])(**inner[1]), **opts)
     press.compression_ratio = ratio
     return press
@@ -181,29 +279,48 @@ def kvbench_side(job: dict, loaded) -> dict:
     from kvbench.runtime.engine import Engine
 
     torch.set_num_threads(job["threads"])
-    prompt, cont = job["prompt"], job["continuation"]
     cfg = loaded.model.config  # a pool for one uncompressed sequence (plus a partly filled block per table)
-    tokens = len(prompt) + len(cont) + job["new_tokens"] + 16 * 2
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * tokens * 2
     out = {}
     for name, ratio in job["runs"]:
         method_name, opts, _, _ = METHODS[name]
+        text = job["texts"][PROMPTS.get(name, "raw")]
+        prompt, cont = text["prompt"], text["continuation"]
+        tokens = len(prompt) + len(cont) + job["new_tokens"] + 16 * 2
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * tokens * 2
+        opts = dict(opts)
+        if name in RATIO_OPTION:
+            opts[RATIO_OPTION[name][0]] = ratio
         kept: dict[str, list[list[int]]] = {}
+        built = []
 
-        def engine_for(n_prompt: int, record: bool):
-            method = build_method(method_name, max(1, int(n_prompt * (1 - ratio))), **opts)
-            if record:
+        def record(cache, slot: int) -> None:
+            for layer in range(cache.num_layers):
+                lengths = cache.lengths[slot, layer]
+                kept[str(layer)] = [sorted(cache.positions[slot, layer, h, : int(lengths[h])].tolist())
+                                    for h in range(lengths.shape[0])]
+
+        def engine_for(n_prompt: int, record_kept: bool):
+            budget = FIXED_BUDGET.get(name, max(1, int(n_prompt * (1 - ratio))))
+            method = build_method(method_name, budget, **opts)
+            built.append(method)
+            if record_kept:
                 inner = method.after_attention
 
                 def after_attention(ctx):
                     inner(ctx)
                     if ctx.phase == "prefill" and ctx.last_chunk:
-                        lengths = ctx.cache.lengths[ctx.plan.slot_list[0], ctx.layer]
-                        kept[str(ctx.layer)] = [sorted(ctx.cache.positions[ctx.plan.slot_list[0], ctx.layer, h,
-                                                                           : int(lengths[h])].tolist())
-                                                for h in range(lengths.shape[0])]
+                        record(ctx.cache, ctx.plan.slot_list[0])
 
                 method.after_attention = after_attention
+                after_chunk = getattr(method, "after_prefill_chunk", None)
+                if after_chunk is not None:  # kvzip: reconstructs and evicts after the prompt's last chunk
+
+                    def after_prefill_chunk(slot, token_ids, start_pos, last_chunk):
+                        after_chunk(slot, token_ids, start_pos, last_chunk)
+                        if last_chunk:
+                            record(method.engine.cache, slot)
+
+                    method.after_prefill_chunk = after_prefill_chunk
             return Engine(loaded.model, method, prefill_chunk_size=len(prompt) + len(cont),
                           attention_backend="torch", kv_memory_bytes=kv_bytes)
 
@@ -211,7 +328,39 @@ def kvbench_side(job: dict, loaded) -> dict:
             gen = engine_for(len(prompt), True).generate([prompt], max_new_tokens=job["new_tokens"])[0]
             lps, _ = engine_for(len(prompt) - 1, False).score_continuation(prompt, cont)
         out[f"{name}@{ratio}"] = {"kept": kept, "greedy": list(gen.token_ids), "nll": -sum(lps) / len(lps)}
+        mask = getattr(built[0], "mask", None)
+        if name == "duo_attention" and mask is not None:
+            out[f"{name}@{ratio}"].update(streaming=mask.tolist(), head_scores=built[0].head_scores.tolist())
     return out
+
+
+def duo_samples(loaded, opts: dict) -> list[dict]:
+    """kvbench's on-the-fly calibration samples for these duo_attention options (its own _calibration_samples), as
+    token ids and as the text kvpress re-tokenizes."""
+    from kvbench.methods import build_method
+
+    method = build_method("duo_attention", opts["sinks"] + 1, **opts)
+    return [{"ids": ids, "text": loaded.tokenizer.decode(ids)} for ids in method._calibration_samples(loaded.model)]
+
+
+def chat_prompt(tokenizer, ids: list[int], n: int, n_cont: int) -> dict:
+    """kvpress's pipeline context for the text, n tokens: the chat template's tokens before a user message's content
+    (kvbench's kvzip.template_parts, KVzipPress's prefix_length), then the text's first tokens; and the text's next
+    n_cont tokens. Checks it against the pipeline's preprocess (apply_chat_template on context + separator, cut at
+    the separator, tokenized whole): the same prefix tokens and the same text (its tokens may differ at the cut,
+    e.g. a trailing " " + "\n" that the whole-string tokenization merges)."""
+    from kvbench.methods.kvzip import template_parts
+
+    prefix = template_parts(tokenizer)[0]
+    body = ids[: n - len(prefix)]
+    text = tokenizer.decode(body)
+    separator = "#" * (len(text) + 10)
+    context = tokenizer.apply_chat_template([{"role": "user", "content": text + separator}],
+                                            add_generation_prompt=True, tokenize=False).split(separator)[0]
+    piped = tokenizer.encode(context, add_special_tokens=False)
+    assert piped[: len(prefix)] == prefix and tokenizer.decode(piped) == tokenizer.decode(prefix + body), \
+        "kvpress's pipeline context differs"
+    return {"prompt": prefix + body, "continuation": ids[len(body): len(body) + n_cont], "prefix": len(prefix)}
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -223,6 +372,19 @@ def jaccard(a: dict, b: dict) -> tuple[float, float]:
             sa, sb = set(ha), set(hb)
             vals.append(len(sa & sb) / max(1, len(sa | sb)))
     return sum(vals) / len(vals), min(vals)
+
+
+def duo_heads(a: dict, b: dict, n_samples: int) -> dict:
+    """duo_attention's head choice on both sides: streaming kv-heads, and the on-the-fly head scores (kvpress
+    divides its sum over the texts by num_samples = 50 whatever their number; kvbench by their number n)."""
+    import torch
+
+    sa, sb = torch.tensor(a["streaming"]), torch.tensor(b["streaming"])
+    ha, hb = torch.tensor(a["head_scores"]), torch.tensor(b["head_scores"]) * 50 / n_samples
+    return {"kv_heads": sa.numel(), "streaming_heads_kvbench": int(sa.sum()), "streaming_heads_kvpress": int(sb.sum()),
+            "streaming_same": bool(torch.equal(sa, sb)), "head_scores_max_abs_diff": float((ha - hb).abs().max()),
+            "head_scores_min": float(ha.min()), "head_scores_max": float(ha.max()),
+            "head_order_same": bool(torch.equal(ha.flatten().argsort(stable=True), hb.flatten().argsort(stable=True)))}
 
 
 def first_difference(x: list[int], y: list[int]) -> int | None:
@@ -246,6 +408,8 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--duo-samples", type=int, help="duo_attention's on-the-fly samples on both sides (default 50, "
+                    "kvpress's num_samples; the packaged essays are 49): fewer for a quick run")
     ap.add_argument("--json", help="also write every figure here")
     args = ap.parse_args()
     if args.side == "kvpress":
@@ -259,10 +423,17 @@ def main() -> None:
         sys.exit(f"kvpress environment not found{': ' + args.kvpress_python if args.kvpress_python else ''}: "
                  "pass --kvpress-python (or set KVPRESS_PYTHON)")
     loaded = load_model(keep_hf=True)  # the packaged SmolLM2-135M-Instruct, float32, CPU
+    loaded.model.tokenizer = loaded.tokenizer  # kvzip writes its reconstruction prompt, duo_attention calibrates
     ids = loaded.tokenizer(essay_corpus_text(), add_special_tokens=False)["input_ids"]
-    job = {"model_dir": str(loaded.hf_dir), "prompt": ids[: args.tokens],
-           "continuation": ids[args.tokens: args.tokens + args.continuation], "new_tokens": args.new_tokens,
-           "threads": args.threads, "runs": [(m, r) for m in args.methods for r in args.ratios]}
+    texts = {"raw": {"prompt": ids[: args.tokens], "continuation": ids[args.tokens: args.tokens + args.continuation]}}
+    if any(PROMPTS.get(m) == "chat" for m in args.methods):
+        texts["chat"] = chat_prompt(loaded.tokenizer, ids, args.tokens, args.continuation)
+    if "duo_attention" in args.methods and args.duo_samples is not None:
+        METHODS["duo_attention"][1]["on_the_fly_samples"] = args.duo_samples
+    job = {"model_dir": str(loaded.hf_dir), "texts": texts, "new_tokens": args.new_tokens,
+           "threads": args.threads, "runs": [(m, r) for m in args.methods for r in args.ratios],
+           "duo_samples": duo_samples(loaded, METHODS["duo_attention"][1]) if "duo_attention" in args.methods
+           else None}
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "kvpress.json"
         job_path.write_text(json.dumps(job))
@@ -270,7 +441,7 @@ def main() -> None:
                         "--out", str(out_path)], check=True)
         theirs = json.loads(out_path.read_text())
     ours = kvbench_side(job, loaded)
-    rows = []
+    rows, extras = [], []
     print(f"kvpress {theirs['kvpress_version']} (transformers {theirs['transformers_version']}) vs kvbench; "
           f"model {loaded.name}; prompt {args.tokens} tokens, NLL over {args.continuation}, greedy {args.new_tokens}")
     print(f"{'method':<20} {'ratio':>5} {'jaccard':>8} {'min':>6} {'greedy':>8} {'nll kvbench':>12} "
@@ -288,6 +459,15 @@ def main() -> None:
             print(f"{m:<20} {r:>5.2f} {mean_j:>8.3f} {min_j:>6.3f} {greedy:>8} {a['nll']:>12.4f} {b['nll']:>12.4f}"
                   + (f"  ({row['note']})" if row["note"] else ""))
             assert math.isfinite(a["nll"]) and math.isfinite(b["nll"])
+            if "streaming" in a and "streaming" in b:
+                row.update(duo_heads(a, b, len(job["duo_samples"])))
+                extras.append(f"  {m} @ {r:.2f}: {row['streaming_heads_kvbench']} streaming kv-heads of "
+                              f"{row['kv_heads']} (kvpress {row['streaming_heads_kvpress']}), same heads: "
+                              f"{row['streaming_same']}; head scores max |kvbench - kvpress x 50/n| "
+                              f"{row['head_scores_max_abs_diff']:.2e} (scores {row['head_scores_min']:.4f}.."
+                              f"{row['head_scores_max']:.4f}), same order: {row['head_order_same']}")
+    for line in extras:
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -9,8 +9,9 @@ prev_postfix_size 8, n_sink 4, layerwise false):
     "\\n\\nRepeat the part of the previous context exactly, starting with" + the previous chunk's last
     `prev_postfix_size` tokens; each chunk's queries attend over the first min(n_sink, chunk start) tokens, the
     chunk's own keys and the reconstruction tokens (causal), so the softmax sees only those;
-  * the first `n_sink` tokens score 1.0; a chat-template prefix (the tokens before the user's content, found from
-    the tokenizer's template as kvpress does) is not reconstructed and scores 0 beyond the sinks;
+  * the first `n_sink` tokens are always kept (they score above any attention probability, as kvpress's
+    max + 1, with or without a template prefix); a chat-template prefix (the tokens before the user's content,
+    found from the tokenizer's template as kvpress does) is not reconstructed and scores 0 beyond the sinks;
   * layerwise=false: the kept tokens are the layers x kv_heads x budget best over every layer and kv-head of the
     sequence jointly (budget_scope "sequence": layers and heads keep different counts); layerwise=true: each layer
     keeps its kv_heads x budget best jointly over its kv-heads ("layer").
@@ -19,6 +20,9 @@ after the context, scratch=True: not counted as the sequence's tokens, so the pr
 prefill_stats are the context's alone) and the method scores them in its own after_attention hook; afterwards they
 are dropped with the cache's keep_tokens (their blocks return to the pool) and the context is evicted to the
 budget, so the pool's peak includes one reconstruction chunk (as KVzip's own). Tables really shrink per head (kvpress masks instead).
+The template prefix follows kvpress, not KVzip's own code (snu-mllab/KVzip attention/kvcache.py, score.py): there
+the whole prefix (the system prompt) is kept outside the budget and is every chunk's softmax sink; kvpress and
+kvbench keep its first n_sink tokens, score the rest 0 (evicted first) and count it in the budget.
 kvpress also offers `kvzip_plus_normalization` (KVzip+), not implemented here. Timing: after every prompt
 (prefill_mode=paper: once the last prefill chunk is in; streaming: after every chunk, each chunk reconstructed
 as it arrives); decoding appends (decode=none, the paper's and kvpress's). Needs the model's tokenizer.
@@ -179,7 +183,7 @@ class KVzip(EvictionMethod):
             return  # a compression ratio is a share of the whole prompt: evict once it is in
         kept_whole = sum(b - a for a, b in st["held"])
         budget = self.budget if ratio is None else max(1, int((context_len - kept_whole) * (1.0 - ratio)))
-        self._evict(slot, st["start"], budget + kept_whole, st["held"])
+        self._evict(slot, budget + kept_whole, st["held"])
         if last_chunk:  # prefill_stats: what the prompt kept once evicted (the base would record before this)
             for layer in range(self.engine.cache.num_layers):
                 self.record_kept(self.engine.cache, slot, layer)
@@ -216,10 +220,10 @@ class KVzip(EvictionMethod):
                 keep = torch.where(n_ctx, torch.arange(pos.shape[1], device=pos.device), torch.full_like(pos, -1))
                 cache.keep_tokens(layer, slot, keep.to(torch.int64))
 
-    def _scores(self, slot: int, layer: int, start: int,
-                held: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores [H, T] of the layer's cached tokens and lengths [H]: the first n_sink tokens before the
-        reconstructed range score 1.0 (kvpress), tokens never reconstructed 0, tokens kept uncompressed +inf."""
+    def _scores(self, slot: int, layer: int, held: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [H, T] of the layer's cached tokens and lengths [H]: the first n_sink tokens score 2.0, above any
+        attention probability, whether or not a template prefix comes first (kvpress: score_val[..., :n_sink] =
+        max + 1), tokens never reconstructed 0, tokens kept uncompressed +inf."""
         cache = self.engine.cache
         lengths = cache.lengths[slot, layer]
         _, _, pos = cache.gather(layer, slot)  # [H, T]
@@ -227,17 +231,17 @@ class KVzip(EvictionMethod):
         s = self.state(slot, layer).get("scores")
         s = torch.zeros(pos.shape, device=pos.device) if s is None else \
             torch.nn.functional.pad(s, (0, max(0, T - s.shape[-1])))[:, :T]
-        s = s.masked_fill((pos >= 0) & (pos < min(self.n_sink, start)), 1.0)
+        s = s.masked_fill((pos >= 0) & (pos < self.n_sink), 2.0)
         self.state(slot, layer)["scores"] = s
         for a, b in held:
             s = s.masked_fill((pos >= a) & (pos < b), float("inf"))
         return s, lengths
 
-    def _evict(self, slot: int, start: int, budget: int, held: list[tuple[int, int]]) -> None:
+    def _evict(self, slot: int, budget: int, held: list[tuple[int, int]]) -> None:
         """Keep the layers x kv_heads x budget best tokens of the sequence (layerwise: kv_heads x budget per layer)."""
         cache = self.engine.cache
         L, H = cache.num_layers, cache.num_kv_heads
-        per_layer = [self._scores(slot, layer, start, held) for layer in range(L)]
+        per_layer = [self._scores(slot, layer, held) for layer in range(L)]
         if self.layerwise:
             for layer, (s, lengths) in enumerate(per_layer):
                 if int(lengths.sum()) > H * budget:

@@ -381,6 +381,17 @@ def test_kvzip_scores_match_the_reconstruction_attention(model, hf, prompts):
     engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
     assert engine.cache.lengths[slot].eq(len(ctx)).all()  # the reconstruction tokens are gone
     assert engine.cache.blocks_in_use_now() == 2 * 2 * math.ceil(len(ctx) / BS)  # and so are their blocks
+    ref = reconstruction_reference(hf, ctx)
+    ref[..., :4] = 2.0  # the first n_sink = 4 score above any probability (kvpress: max + 1), with no prefix too
+    for layer in range(ref.shape[0]):
+        got = method.state(slot, layer)["scores"]
+        torch.testing.assert_close(got, ref[layer], atol=1e-5, rtol=1e-4)
+    engine.end_sequence(slot)
+
+
+def reconstruction_reference(hf, ctx):
+    """KVzip's one-chunk scores [L, H, n] of a context with no template prefix: the max, over the reconstruction
+    queries and the query heads of each kv-head, of the causal attention of context + prompt + "\\n" + context."""
     tok = ByteTokenizer(VOCAB)
     repeat = tok.encode(FIRST_PROMPT) + tok.encode("\n") + ctx
     before = hf.config._attn_implementation
@@ -390,11 +401,34 @@ def test_kvzip_scores_match_the_reconstruction_attention(model, hf, prompts):
             att = hf(torch.tensor([ctx + repeat]), output_attentions=True).attentions  # L x [1, Hq, N, N]
     finally:
         hf.set_attn_implementation(before)
-    n, G = len(ctx), 2
-    for layer, a in enumerate(att):
-        ref = a[0, :, n:, :n].amax(dim=1).view(2, G, n).amax(dim=1)  # [H, n]
-        got = method.state(slot, layer)["scores"]
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    n, H = len(ctx), hf.config.num_key_value_heads
+    G = hf.config.num_attention_heads // H
+    return torch.stack([a[0, :, n:, :n].amax(dim=1).view(H, G, n).amax(dim=1) for a in att])
+
+
+def kvpress_kvzip_kept(scores, n_sink, n_kept):
+    """kvpress KVzipPress.compress_post (layerwise=False) on scores [L, H, T]: the first n_sink positions get the
+    largest score + 1 (whatever the prefix), then the L x H x T - n_kept lowest (layer, head, position) are
+    pruned jointly -> kept [L, H, T] bool."""
+    s = scores.clone()
+    s[..., :n_sink] = s.amax() + 1.0
+    keep = torch.ones(s.numel(), dtype=torch.bool)
+    keep[torch.topk(-s.reshape(-1), s.numel() - n_kept).indices] = False
+    return keep.view(s.shape)
+
+
+def test_kvzip_keeps_its_sinks_without_a_template_prefix(model, hf, prompts):
+    """No chat-template prefix (the byte tokenizer has no template): kvpress still keeps the first n_sink = 4
+    tokens in every table (score_val[..., :n_sink] = max + 1), and the kept sets are its joint selection."""
+    ctx, budget = prompts[2][:60], 6
+    method = build_method("kvzip", budget)
+    engine, slot, lengths, positions, _ = prefill_lengths(model, method, ctx)
+    L, H = lengths.shape
+    want = kvpress_kvzip_kept(reconstruction_reference(hf, ctx), 4, L * H * budget)
+    for layer in range(L):
+        for h in range(H):
+            assert set(range(4)) <= set(positions[layer][h]), (layer, h)
+            assert sorted(positions[layer][h]) == want[layer, h].nonzero().flatten().tolist(), (layer, h)
     engine.end_sequence(slot)
 
 
@@ -452,6 +486,7 @@ def test_kvzip_chunked_scores_match_kvpress(model, hf, prompts):
             seen = allowed[None, :] | ((pos[None, :] >= n) & (pos[None, :] <= pos[n:, None]))  # [R, N]
             p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)[..., a:b]
             ref[layer, :, a:b] = p.amax(dim=1).view(H, G, b - a).amax(dim=1)
+    ref[..., :4] = 2.0  # the sinks (kvpress: max + 1)
     for layer in range(2):
         torch.testing.assert_close(method.state(slot, layer)["scores"], ref[layer], atol=1e-5, rtol=1e-4)
     engine.end_sequence(slot)
