@@ -40,7 +40,8 @@ void rotary_f32(float *x, int64_t rows, int64_t row_stride, int64_t n_heads, int
 
 void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, float *y, int64_t y_ss, int64_t O,
                int64_t I, int64_t M, int accumulate) {
-    const int64_t tiled = I % VN == 0 ? O / 4 * 4 : 0;  /* output rows done 4 at a time by dots_4xn */
+    /* output rows done 4 at a time by dots_4xn; one input row (batch-1 decode) streams faster through dot_f32 */
+    const int64_t tiled = I % VN == 0 && M > 1 ? O / 4 * 4 : 0;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < tiled; o += 4) {
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
@@ -80,7 +81,8 @@ void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t 
 
 void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x_ss, float *act, int64_t I,
                        int64_t E, int64_t M) {
-    const int64_t tiled = E % VN == 0 ? I / 2 * 2 : 0;  /* pairs of outputs: gate rows o, o+1 and up rows o, o+1 */
+    /* pairs of outputs (gate rows o, o+1 and up rows o, o+1) by dots_4xn; one input row: dot_f32 */
+    const int64_t tiled = E % VN == 0 && M > 1 ? I / 2 * 2 : 0;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < tiled; o += 2) {
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
