@@ -5,9 +5,10 @@ oneDNN's linear (the path torch.compile's CPU backend emits), faster than ``x @ 
 at small M. Elsewhere (CUDA, fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored
 transposed and multiplied as ``x @ W_t``.
 
-fp32 on CPU with kvbench's C kernels: inputs of at most `kernels.GEMV_MAX_ROWS` rows (a decode step of up to
-16 sequences) go through a C GEMV over a second, [out, in] copy of the weight (csrc/decode_ops.c; a 4 x 2 register
-tile of weight rows by input rows), as fast as oneDNN there or faster, and the fused decode step needs it. With more
+fp32 on CPU with kvbench's C kernels: inputs of at most `kernels.LINEAR_GEMV_MAX_ROWS` (4) rows go through a
+C GEMV over a second, [out, in] copy of the weight (csrc/decode_ops.c; a 4 x 2 register tile of weight rows by
+input rows), faster than oneDNN there; the fused decode step (up to `kernels.GEMV_MAX_ROWS`, 16 sequences) reads
+the same copy. With more
 rows oneDNN's packed layout wins. (Measured figures: the benchmarks page in docs/.)
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Linear:
         # fallback layout [in, out]: x @ W_t streams rows of W_t, ~2x faster than F.linear in a CPU GEMV
         self._w_t = weight.t().contiguous() if self._packed is None else None
         self._dense: torch.Tensor | None = None  # kept only inside `keep_dense_weights` (autograd passes)
-        # fp32 on CPU with the C kernels: decode-sized inputs (<= GEMV_MAX_ROWS rows) stream this [out, in] copy
+        # fp32 on CPU with the C kernels: decode-sized inputs (<= LINEAR_GEMV_MAX_ROWS rows) stream this [out, in] copy
         # through kernels.gemv; the packed copy serves prefill and larger batches. Costs one more copy of the
         # weights in memory for faster decode steps (see the module docstring).
         self._plain = weight.contiguous() if self._packed is not None and _use_gemv(weight) else None
@@ -73,7 +74,7 @@ class Linear:
             if x.requires_grad and torch.is_grad_enabled():  # oneDNN's op has no backward (KVQuant's Fisher pass)
                 w = self._dense if self._dense is not None else self.dense_weight()
                 return F.linear(x, w, self.bias)
-            if self._plain is not None and x.numel() <= kernels.GEMV_MAX_ROWS * self.in_features:
+            if self._plain is not None and x.numel() <= kernels.LINEAR_GEMV_MAX_ROWS * self.in_features:
                 return kernels.gemv(x, self._plain, self.bias)
             return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
