@@ -44,9 +44,9 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
     const int64_t tiled = I % VN == 0 && M > 1 ? O / 4 * 4 : 0;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < tiled; o += 4) {
+        const float *rows[4] = {W + o * I, W + (o + 1) * I, W + (o + 2) * I, W + (o + 3) * I};
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
             const int nx = M - m0 < 2 ? 1 : 2;
-            const float *rows[4] = {W + o * I, W + (o + 1) * I, W + (o + 2) * I, W + (o + 3) * I};
             float d[4][2];
             dots_4xn_rows(rows, x + m0 * x_ss, x_ss, I, nx, d);
             for (int m = 0; m < nx; m++) {
@@ -85,9 +85,9 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
     const int64_t tiled = E % VN == 0 && M > 1 ? I / 2 * 2 : 0;
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < tiled; o += 2) {
+        const float *rows[4] = {W + o * E, W + (o + 1) * E, W + (I + o) * E, W + (I + o + 1) * E};
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
             const int nx = M - m0 < 2 ? 1 : 2;
-            const float *rows[4] = {W + o * E, W + (o + 1) * E, W + (I + o) * E, W + (I + o + 1) * E};
             float d[4][2];  /* d[0..1]: gates o, o+1; d[2..3]: ups o, o+1 */
             dots_4xn_rows(rows, x + m0 * x_ss, x_ss, E, nx, d);
             for (int m = 0; m < nx; m++) {
