@@ -166,6 +166,32 @@ def test_decode_projection_gemv_matches_torch(rows, bias):
                                    atol=1e-4)
 
 
+def test_a_decode_step_takes_the_gemv_up_to_sixteen_rows_and_a_chunk_keeps_onednn(monkeypatch):
+    """Linear(x, gemv_rows=GEMV_MAX_ROWS) (the model's pure decode steps) runs the C GEMV for 12 rows; without it
+    (prefill chunks, ragged steps) 12 rows take oneDNN, so a chunk alone and inside a ragged step agree."""
+    from kvbench.runtime.backends.cpu.linear import Linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 96), torch.randn(300)
+    lin = Linear(w, b)
+    if lin._plain is None:
+        pytest.skip("no oneDNN / C kernels here")
+    calls = []
+    real = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        chunk = lin(x)
+        assert calls == []  # more than LINEAR_GEMV_MAX_ROWS rows: oneDNN
+        decode = lin(x, cpu_kernels.GEMV_MAX_ROWS)
+        assert calls == [(12, 96)]
+        lin(torch.randn(cpu_kernels.GEMV_MAX_ROWS + 1, 96), cpu_kernels.GEMV_MAX_ROWS)
+        assert len(calls) == 1  # above GEMV_MAX_ROWS: oneDNN again
+    ref = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(decode, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(chunk, ref, rtol=1e-5, atol=1e-4)
+
+
 def test_installed_package_ships_every_kernel_source():
     """pyproject's package-data must carry every file the kernel build reads (a wheel without decode_common.h
     compiles nothing and falls back to the slow path)."""

@@ -176,9 +176,12 @@ class LlamaFamilyModel:
             after = None if hook is None else lambda li, q, key_scores: hook.after_attention(
                 LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
             fused.run(x, after)
+        # a pure decode step (one token per sequence) may take the C GEMV up to GEMV_MAX_ROWS rows (linear.Linear)
+        gemv_rows = cpu_kernels.GEMV_MAX_ROWS if (len(groups) == 1 and groups[0].phase == "decode"
+                                                  and groups[0].tokens.shape[1] == 1) else None
         for li, lw in enumerate(self.layers if fused is None else ()):
             h = norm(x, lw.ln_attn, eps)
-            qkv = lw.qkv(h)  # [N, (Hq + 2H) D]
+            qkv = lw.qkv(h, gemv_rows)  # [N, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
             q, k, v = q.view(N, Hq, D), k.view(N, H, D), v.view(N, H, D)  # views of qkv
             rotated = not pre_rope and not cfg.qk_norm  # q and k rotated here, once for every group
@@ -195,10 +198,10 @@ class LlamaFamilyModel:
                                        sin[rows].view(S, Q, D), rotated, cache, backend, hook, need_scores,
                                        rope_mode)  # [S, Hq, Q, D]
                 out[rows] = o.transpose(1, 2).reshape(n, Hq * D)
-            x = x + lw.o(out)
+            x = x + lw.o(out, gemv_rows)
             h = norm(x, lw.ln_mlp, eps)
-            gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up)
+            gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
+            x = x + lw.down(F.silu(gate) * up, gemv_rows)
         if logits_for == "none":
             return [None] * len(groups)
         if logits_for == "last":  # the last token of every sequence

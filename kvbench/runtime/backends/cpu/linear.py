@@ -5,11 +5,12 @@ oneDNN's linear (the path torch.compile's CPU backend emits), faster than ``x @ 
 at small M. Elsewhere (CUDA, fp16 on CPUs without fp16 units, torch builds without oneDNN) the weight is stored
 transposed and multiplied as ``x @ W_t``.
 
-fp32 on CPU with kvbench's C kernels: inputs of at most `kernels.LINEAR_GEMV_MAX_ROWS` (4) rows go through a
-C GEMV over a second, [out, in] copy of the weight (csrc/decode_ops.c; a 4 x 2 register tile of weight rows by
-input rows), faster than oneDNN there; the fused decode step (up to `kernels.GEMV_MAX_ROWS`, 16 sequences) reads
-the same copy. With more
-rows oneDNN's packed layout wins. (Measured figures: the benchmarks page in docs/.)
+fp32 on CPU with kvbench's C kernels: inputs of at most `kernels.LINEAR_GEMV_MAX_ROWS` (4) rows, and the
+projections of a pure decode step of up to `kernels.GEMV_MAX_ROWS` (16) sequences, go through a C GEMV over a
+second, [out, in] copy of the weight (csrc/decode_ops.c; a 4 x 2 register tile of weight rows by input rows),
+faster than oneDNN there; the fused decode step reads the same copy. With more rows oneDNN's packed layout wins.
+A prefill chunk of more than 4 tokens always takes oneDNN, alone or inside a ragged step, so both give the same
+numbers (a 2-bit codec turns a last-bit difference into a flipped code). (Measured figures: the benchmarks page in docs/.)
 """
 from __future__ import annotations
 
@@ -69,12 +70,15 @@ class Linear:
             return self._plain
         return self._packed.to_dense() if self._packed is not None else self._w_t.t()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, gemv_rows: int | None = None) -> torch.Tensor:
+        """y for x [..., in]; inputs of at most `gemv_rows` rows (default `kernels.LINEAR_GEMV_MAX_ROWS`; the model
+        passes `kernels.GEMV_MAX_ROWS` for a pure decode step) take the C GEMV where it applies."""
         if self._packed is not None:
             if x.requires_grad and torch.is_grad_enabled():  # oneDNN's op has no backward (KVQuant's Fisher pass)
                 w = self._dense if self._dense is not None else self.dense_weight()
                 return F.linear(x, w, self.bias)
-            if self._plain is not None and x.numel() <= kernels.LINEAR_GEMV_MAX_ROWS * self.in_features:
+            rows = kernels.LINEAR_GEMV_MAX_ROWS if gemv_rows is None else min(gemv_rows, kernels.GEMV_MAX_ROWS)
+            if self._plain is not None and x.numel() <= rows * self.in_features:
                 return kernels.gemv(x, self._plain, self.bias)
             return self._onednn_linear(x, self._packed, self.bias, "none", [None], "")
         y = x @ self._w_t
