@@ -210,3 +210,26 @@ def test_evict_head_blocks_equals_one_head_at_a_time():
     with pytest.raises(ValueError, match="not a full block"):
         a.evict_head_blocks(0, s, [[6], []])
     assert_tables_consistent(a)
+
+
+def test_evict_the_same_blocks_in_every_head_equals_one_head_at_a_time():
+    """heads="shared" eviction (every kv-head drops the same blocks, tables equally long) takes one set of tensor ops
+    for all heads; it leaves the same tables, positions, lengths and pool as evict_blocks head by head."""
+    bs = 4
+    a, b = make_cache(bs), make_cache(bs)
+    for cache in (a, b):
+        s = cache.add_sequence()
+        append(cache, s, 26, 0)
+    a.evict_head_blocks(1, s, [[4, 1], [4, 1]])
+    for h in range(2):
+        b.evict_blocks(1, s, h, [1, 4])
+    assert a.lengths[s, 1].tolist() == [18, 18]
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.positions, b.positions)
+    assert torch.equal(a.tables[s, 1, :, :5], b.tables[s, 1, :, :5])  # the live columns
+    assert a.pool.in_use == b.pool.in_use and sorted(a.pool._free) == sorted(b.pool._free)
+    k, _, pos = a.gather(1, s)
+    assert pos[1, :18].tolist() == [p for p in range(26) if p // bs not in (1, 4)]
+    assert torch.equal(k[1, :18, 0], pos[1, :18].float() + 1000 + 100)  # the data stayed with its position
+    with pytest.raises(ValueError, match="not a full block"):
+        a.evict_head_blocks(1, s, [[4], [4]])  # now the part-filled last block
+    assert_tables_consistent(a)

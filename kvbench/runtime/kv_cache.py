@@ -336,6 +336,9 @@ class PagedKVCache:
             return
         bs = self.block_size
         lengths = self.lengths[slot, layer].tolist()  # [H]
+        if all(b == blocks[0] for b in blocks) and all(n == lengths[0] for n in lengths):
+            self._evict_same_blocks_every_head(layer, slot, lengths[0], blocks[0])
+            return
         width = max(-(-n // bs) for n in lengths)
         rows = self.tables[slot, layer, :, :width].tolist()  # [H][width] physical block ids
         freed: list[int] = []
@@ -362,6 +365,28 @@ class PagedKVCache:
             new_n = n - len(drop) * bs
             pos[new_n:] = -1
             self.lengths[slot, layer, h] = new_n
+        self.pool.free(freed)
+
+    def _evict_same_blocks_every_head(self, layer: int, slot: int, n: int, block_indices: list[int]) -> None:
+        """evict_head_blocks when every kv-head of the layer is n tokens long and drops the same logical blocks
+        (heads="shared" eviction): one set of tensor ops over all heads instead of a set per head."""
+        bs = self.block_size
+        nb = -(-n // bs)
+        drop = sorted(set(block_indices))
+        for b in drop:
+            if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
+                raise ValueError(f"block {b} of a {n}-token table is not a full block")
+        dropped = set(drop)
+        keep_cols = torch.tensor([b for b in range(nb) if b not in dropped], dtype=torch.int64, device=self.device)
+        table = self.tables[slot, layer]  # [H, MB] view
+        freed = table[:, drop].reshape(-1).tolist()
+        table[:, : keep_cols.numel()] = table[:, keep_cols]  # the right side is gathered first
+        pos = self.positions[slot, layer]  # [H, MB * bs] view
+        slot_idx = (keep_cols[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+        pos[:, : slot_idx.numel()] = pos[:, slot_idx]
+        new_n = n - len(drop) * bs
+        pos[:, new_n:] = -1
+        self.lengths[slot, layer] = new_n
         self.pool.free(freed)
 
     def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None:
