@@ -346,13 +346,7 @@ class PagedKVCache:
             if not block_indices:
                 continue
             n = lengths[h]
-            nb = -(-n // bs)
-            drop = sorted(set(block_indices))
-            for b in drop:
-                if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
-                    raise ValueError(f"block {b} of a {n}-token table is not a full block")
-            dropped = set(drop)
-            keep_cols = [b for b in range(nb) if b not in dropped]
+            drop, keep_cols = self._split_full_blocks(n, block_indices)
             freed += [rows[h][b] for b in drop]
             table = self.tables[slot, layer, h]
             table[: len(keep_cols)] = torch.tensor([rows[h][b] for b in keep_cols], dtype=table.dtype,
@@ -367,9 +361,8 @@ class PagedKVCache:
             self.lengths[slot, layer, h] = new_n
         self.pool.free(freed)
 
-    def _evict_same_blocks_every_head(self, layer: int, slot: int, n: int, block_indices: list[int]) -> None:
-        """evict_head_blocks when every kv-head of the layer is n tokens long and drops the same logical blocks
-        (heads="shared" eviction): one set of tensor ops over all heads instead of a set per head."""
+    def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
+        """(blocks to drop, sorted; blocks kept, in order) of an n-token table; only full blocks may be dropped."""
         bs = self.block_size
         nb = -(-n // bs)
         drop = sorted(set(block_indices))
@@ -377,7 +370,14 @@ class PagedKVCache:
             if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
                 raise ValueError(f"block {b} of a {n}-token table is not a full block")
         dropped = set(drop)
-        keep_cols = torch.tensor([b for b in range(nb) if b not in dropped], dtype=torch.int64, device=self.device)
+        return drop, [b for b in range(nb) if b not in dropped]
+
+    def _evict_same_blocks_every_head(self, layer: int, slot: int, n: int, block_indices: list[int]) -> None:
+        """evict_head_blocks when every kv-head of the layer is n tokens long and drops the same logical blocks
+        (heads="shared" eviction): one set of tensor ops over all heads instead of a set per head."""
+        bs = self.block_size
+        drop, keep = self._split_full_blocks(n, block_indices)
+        keep_cols = torch.tensor(keep, dtype=torch.int64, device=self.device)
         table = self.tables[slot, layer]  # [H, MB] view
         freed = table[:, drop].reshape(-1).tolist()
         table[:, : keep_cols.numel()] = table[:, keep_cols]  # the right side is gathered first
