@@ -147,7 +147,8 @@ def test_kernel_specialisations_match_reference(group, head_dim):
     torch.testing.assert_close(ks, ref_ks, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,bias", [(1, False), (3, True), (4, False), (5, True), (16, True), (17, False)])
+@pytest.mark.parametrize("rows,bias", [(1, False), (2, True), (3, True), (4, False), (5, True), (7, False), (12, True),
+                                       (16, True), (17, False)])
 def test_decode_projection_gemv_matches_torch(rows, bias):
     from kvbench.runtime.backends.cpu.linear import Linear
 
@@ -164,6 +165,21 @@ def test_decode_projection_gemv_matches_torch(rows, bias):
     if lin._plain is not None and rows <= cpu_kernels.GEMV_MAX_ROWS:  # the C kernel alone gives the same numbers
         torch.testing.assert_close(cpu_kernels.gemv(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5,
                                    atol=1e-4)
+
+
+def test_gemv_rows_do_not_depend_on_the_batch_they_are_in():
+    """From two rows up, a row's GEMV result is bit for bit the same in any batch: the register tile (4 x 2 on
+    AVX2, 8 x 3 on AVX-512) gives every output the same FMA order, and rows past the tile (300 = 37 x 8 + 4 outputs)
+    take the same one-row loop. So a sequence decodes alike in a batch of 2 or of 16."""
+    if not cpu_kernels.available():
+        pytest.skip("no C kernels here")
+    torch.manual_seed(1)
+    w, b = torch.randn(300, 96), torch.randn(300)
+    x = torch.randn(16, 96)
+    full = cpu_kernels.gemv(x, w, b)
+    for m in (2, 3, 5, 8, 11, 13):
+        assert torch.equal(cpu_kernels.gemv(x[:m], w, b), full[:m]), m
+    assert torch.equal(cpu_kernels.gemv(x[5:7], w, b), full[5:7])
 
 
 def test_a_decode_step_takes_the_gemv_up_to_sixteen_rows_and_a_chunk_keeps_onednn(monkeypatch):

@@ -426,8 +426,8 @@ def rotary_(x: torch.Tensor, n_heads: int, head_dim: int, cos: torch.Tensor, sin
 
 
 # sequences up to which a decode step runs fused (its projections through `gemv`); larger batches: op by op. The
-# GEMV's 4 x 2 register tile keeps up with oneDNN to about 12 rows, and the fused step saves ~10 calls per layer
-# (figures: docs/serving.md)
+# GEMV's register tile (4 x 2 on AVX2, 8 x 3 on AVX-512) keeps up with oneDNN to about 12-16 rows, and the fused step
+# saves ~10 calls per layer (figures: docs/serving.md; `python bench/bench_gemv.py`)
 GEMV_MAX_ROWS = 16
 # rows up to which a Linear called op by op (codec caches, methods' unfused steps, small prefill chunks) uses `gemv`:
 # above it oneDNN, as before, so a small chunk and the same rows inside a larger ragged step share oneDNN's

@@ -7,7 +7,7 @@ transposed and multiplied as ``x @ W_t``.
 
 fp32 on CPU with kvbench's C kernels: inputs of at most `kernels.LINEAR_GEMV_MAX_ROWS` (4) rows, and the
 projections of a pure decode step of up to `kernels.GEMV_MAX_ROWS` (16) sequences, go through a C GEMV over a
-second, [out, in] copy of the weight (csrc/decode_ops.c; a 4 x 2 register tile of weight rows by input rows),
+second, [out, in] copy of the weight (csrc/decode_ops.c; a register tile of weight rows by input rows, 4 x 2 on AVX2 and 8 x 3 on AVX-512),
 faster than oneDNN there; the fused decode step reads the same copy. With more rows oneDNN's packed layout wins.
 A prefill chunk of more than 4 tokens always takes oneDNN, alone or inside a ragged step, so both give the same
 numbers (a 2-bit codec turns a last-bit difference into a flipped code). (Measured figures: the benchmarks page in docs/.)

@@ -40,18 +40,20 @@ void rotary_f32(float *x, int64_t rows, int64_t row_stride, int64_t n_heads, int
 
 void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, float *y, int64_t y_ss, int64_t O,
                int64_t I, int64_t M, int accumulate) {
-    /* output rows done 4 at a time by dots_4xn; one input row (batch-1 decode) streams faster through dot_f32 */
-    const int64_t tiled = I % VN == 0 && M > 1 ? O / 4 * 4 : 0;
+    /* output rows done TILE_ROWS at a time by dots_tile; one input row (batch-1 decode) streams faster through
+     * dot_f32 */
+    const int64_t tiled = I % VN == 0 && M > 1 ? O / TILE_ROWS * TILE_ROWS : 0;
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < tiled; o += 4) {
-        const float *rows[4] = {W + o * I, W + (o + 1) * I, W + (o + 2) * I, W + (o + 3) * I};
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const int nx = M - m0 < 2 ? 1 : 2;
-            float d[4][2];
-            dots_4xn_rows(rows, x + m0 * x_ss, x_ss, I, nx, d);
+    for (int64_t o = 0; o < tiled; o += TILE_ROWS) {
+        const float *rows[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) rows[r] = W + (o + r) * I;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_X) {
+            const int nx = M - m0 < TILE_X ? (int)(M - m0) : TILE_X;
+            float d[TILE_ROWS][TILE_X];
+            dots_tile_rows(rows, x + m0 * x_ss, x_ss, I, nx, d);
             for (int m = 0; m < nx; m++) {
                 float *ym = y + (m0 + m) * y_ss + o;
-                for (int r = 0; r < 4; r++) {
+                for (int r = 0; r < TILE_ROWS; r++) {
                     const float acc = d[r][m] + (b ? b[o + r] : 0.0f);
                     ym[r] = accumulate ? ym[r] + acc : acc;
                 }
@@ -71,7 +73,7 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
 
 /* y[m, o] = dot(W[o, :], x[m, :]) (+ b[o]) for a few rows m < M of x [M, I] against W [O, I] (row-major, the
  * transformers layout): a decode step's projection. Each weight row is streamed once and dotted with every row of
- * x (x stays in L1), output rows split statically over the threads. oneDNN's GEMV read the same weights ~1.1-1.4x
+ * x (x stays in L1), output rows split statically over the threads (the register tile: decode_ops.h). oneDNN's GEMV read the same weights ~1.1-1.4x
  * slower in an A/B on the dev machine (kvbench/runtime/linear.py). */
 void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t O, int64_t I, int64_t M,
               int nthreads) {
@@ -81,19 +83,24 @@ void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t 
 
 void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x_ss, float *act, int64_t I,
                        int64_t E, int64_t M) {
-    /* pairs of outputs (gate rows o, o+1 and up rows o, o+1) by dots_4xn; one input row: dot_f32 */
-    const int64_t tiled = E % VN == 0 && M > 1 ? I / 2 * 2 : 0;
+    /* TILE_ROWS / 2 outputs at a time by dots_tile (their gate rows, then their up rows); one input row: dot_f32 */
+    enum { P = TILE_ROWS / 2 };
+    const int64_t tiled = E % VN == 0 && M > 1 ? I / P * P : 0;
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < tiled; o += 2) {
-        const float *rows[4] = {W + o * E, W + (o + 1) * E, W + (I + o) * E, W + (I + o + 1) * E};
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const int nx = M - m0 < 2 ? 1 : 2;
-            float d[4][2];  /* d[0..1]: gates o, o+1; d[2..3]: ups o, o+1 */
-            dots_4xn_rows(rows, x + m0 * x_ss, x_ss, E, nx, d);
+    for (int64_t o = 0; o < tiled; o += P) {
+        const float *rows[TILE_ROWS];
+        for (int r = 0; r < P; r++) {
+            rows[r] = W + (o + r) * E;
+            rows[P + r] = W + (I + o + r) * E;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_X) {
+            const int nx = M - m0 < TILE_X ? (int)(M - m0) : TILE_X;
+            float d[TILE_ROWS][TILE_X];  /* d[0 .. P-1]: gates o .. o+P-1; d[P ..]: their ups */
+            dots_tile_rows(rows, x + m0 * x_ss, x_ss, E, nx, d);
             for (int m = 0; m < nx; m++) {
-                for (int r = 0; r < 2; r++) {
+                for (int r = 0; r < P; r++) {
                     const float g = d[r][m] + (b ? b[o + r] : 0.0f);
-                    const float u = d[2 + r][m] + (b ? b[I + o + r] : 0.0f);
+                    const float u = d[P + r][m] + (b ? b[I + o + r] : 0.0f);
                     act[(m0 + m) * I + o + r] = g / (1.0f + expf(-g)) * u;
                 }
             }
