@@ -73,8 +73,8 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
 
 /* y[m, o] = dot(W[o, :], x[m, :]) (+ b[o]) for a few rows m < M of x [M, I] against W [O, I] (row-major, the
  * transformers layout): a decode step's projection. Each weight row is streamed once and dotted with every row of
- * x (x stays in L1), output rows split statically over the threads (the register tile: decode_ops.h). oneDNN's GEMV read the same weights ~1.1-1.4x
- * slower in an A/B on the dev machine (kvbench/runtime/linear.py). */
+ * x (x stays in L1), output rows split statically over the threads (the register tile: decode_ops.h). oneDNN's
+ * GEMV read the same weights ~1.1-1.4x slower in an A/B on the dev machine (kvbench/runtime/linear.py). */
 void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t O, int64_t I, int64_t M,
               int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (O * I >= 65536)
