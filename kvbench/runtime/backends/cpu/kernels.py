@@ -331,7 +331,7 @@ def codec_decode_attention_cpu(
 
 _NO_PACKED = torch.zeros(1, 1, dtype=torch.uint8)  # a full-precision pool has no packed rows: never read
 _FP_ONLY = (BlockFormat(), BlockFormat())  # nor their formats (every block id is below the pool's size)
-PREFILL_QT = 64  # queries per work item of codec_prefill_attention (PREFILL_QT in csrc/codec_decode.c)
+PREFILL_QT = 128  # queries per work item of codec_prefill_attention (PREFILL_QT in csrc/codec_decode.c)
 
 
 def codec_prefill_attention_cpu(
@@ -368,8 +368,8 @@ def codec_prefill_attention_cpu(
     rows = G * min(Q, PREFILL_QT)
     span = bs if bs >= 32 else -(-32 // bs) * bs  # keys per step of a work item (prefill_span in the C source)
     bsp = -(-span // 16) * 16  # rounded up to whole vectors (16 covers both widths)
-    # K and V rows, K transposed, m and l, accumulators, scores of each query head
-    per_thread = 2 * span * D + D * bsp + 2 * rows + rows * D + G * bsp
+    # K and V rows, K transposed, m and l, accumulators, the scores of a register tile of queries
+    per_thread = 2 * span * D + D * bsp + 2 * rows + rows * D + 8 * bsp  # p: PF_QR (<= 8) rows of scores
     scratch = torch.empty(threads, per_thread, dtype=torch.float32)
     ts, ls, ps = tables.stride(), lengths.stride(), key_positions.stride()
     rc = lib.codec_prefill_attention_f32(

@@ -386,7 +386,7 @@ int codec_decode_attention_f32(
  *
  * q [S, H*G, Q, D] fp32 contiguous; tables [S, H, MB] int32, lengths [S, H] int64, key_pos [S, H, P] int32 (element
  * strides); query_pos [S, Q] int64 contiguous; out [S, H*G, Q, D]. Rows that see no key are zeros. */
-#define PREFILL_QT 64  /* queries per work item */
+#define PREFILL_QT 128  /* queries per work item */
 
 /* keys a prefill work item takes per step: whole blocks, at least 32 */
 static inline int prefill_span(int bs) { return bs >= 32 ? bs : (32 + bs - 1) / bs * bs; }
@@ -398,6 +398,35 @@ static inline void store_vn(float *p, vn x) { *(vn_unaligned *)p = x; }
 
 typedef int32_t vni __attribute__((vector_size(VN * 4)));  /* lanes of int32, for masks and exponents */
 static inline vn select_vn(vni mask, vn a, vn b) { return (vn)(((vni)a & mask) | ((vni)b & ~mask)); }
+
+/* the largest lane and the sum of the lanes, by halving shuffles: log2(VN) dependent steps instead of VN */
+static inline vn max_vn(vn a, vn b) { return select_vn(a > b, a, b); }
+static inline float max_lanes(vn x) {
+#if VN == 16
+    x = max_vn(x, SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = max_vn(x, SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = max_vn(x, SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = max_vn(x, SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+    x = max_vn(x, SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+    x = max_vn(x, SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
+    x = max_vn(x, SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+    return x[0];
+}
+static inline float sum_lanes(vn x) {
+#if VN == 16
+    x += SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
+    return x[0];
+}
 
 /* exp_nonpos (decode_common.h: Cephes' expf polynomial for x <= 0) on a whole vector: GCC does not vectorize the
  * scalar one inside these loops */
@@ -419,12 +448,71 @@ static inline vn exp_nonpos_vn(vn x) {
     return p * (vn)((ni + 127) << 23);
 }
 
+/* The register tiles of a prefill work item's two products, per span of keys:
+ *   scores  PF_QR queries of one head x two vectors of keys: one accumulator each, so each loaded vector of
+ *           transposed keys serves PF_QR queries (AVX-512: 8 x 2 = 16 accumulators; AVX2: 4 x 2 = 8);
+ *   values  PF_PV_ACC accumulators over PF_PV_ACC / (D / VN) query rows x the D channels, so each loaded value row
+ *           serves that many query rows (AVX-512, D 64: 4 rows; AVX2, D 64: 1 row).
+ * A row's result is the same sequence of FMAs whatever rows share its tile (a value row past a query's visible
+ * keys adds 0 * v), so the tiles change no bit of the result and a query's output does not depend on the chunk. */
+#if VN == 16
+#define PF_QR 8
+#define PF_PV_ACC 16
+#else
+#define PF_QR 4
+#define PF_PV_ACC 8
+#endif
+
+/* p[u * bsp + j] = scale * q_u . k_j for the NR (<= PF_QR) queries q_u = q0 + u * D and the keys of vectors
+ * c, c + 1 of kT [D, bsp] (two: whether c + 1 exists); inlined with NR and D constant */
+static inline __attribute__((always_inline)) void score_tile(const float *restrict q0, const float *restrict kT,
+                                                             int bsp, int c, int two, const int NR, const int D,
+                                                             float scale, float *restrict p)
+{
+    vn a[PF_QR][2];
+    for (int u = 0; u < NR; u++) a[u][0] = a[u][1] = (vn){0};
+    for (int d = 0; d < D; d++) {
+        const vn k0 = load_vn(kT + (int64_t)d * bsp + c * VN);
+        const vn k1 = two ? load_vn(kT + (int64_t)d * bsp + (c + 1) * VN) : (vn){0};
+        for (int u = 0; u < NR; u++) {
+            const float x = q0[(int64_t)u * D + d];
+            a[u][0] += x * k0;
+            a[u][1] += x * k1;
+        }
+    }
+    for (int u = 0; u < NR; u++) {
+        store_vn(p + (int64_t)u * bsp + c * VN, a[u][0] * scale);
+        if (two) store_vn(p + (int64_t)u * bsp + (c + 1) * VN, a[u][1] * scale);
+    }
+}
+
+/* acc rows a_u = acc + u * D (u < NR): a_u = a_u * corr[u] + sum_{j < nj} p[u * bsp + j] * vrows[j]; inlined with NR
+ * and D constant */
+static inline __attribute__((always_inline)) void value_tile(float *restrict acc, const float *restrict p, int bsp,
+                                                             const float *restrict corr, const float *restrict vrows,
+                                                             int nj, const int NR, const int D)
+{
+    vn x[PF_PV_ACC > 128 / VN ? PF_PV_ACC : 128 / VN];  /* x[u * (D / VN) + c] */
+    for (int u = 0; u < NR; u++)
+        for (int c = 0; c < D / VN; c++) x[u * (D / VN) + c] = load_vn(acc + (int64_t)u * D + c * VN) * corr[u];
+    for (int j = 0; j < nj; j++) {
+        vn v[128 / VN];
+        for (int c = 0; c < D / VN; c++) v[c] = load_vn(vrows + (int64_t)j * D + c * VN);
+        for (int u = 0; u < NR; u++) {
+            const float pj = p[(int64_t)u * bsp + j];
+            for (int c = 0; c < D / VN; c++) x[u * (D / VN) + c] += pj * v[c];
+        }
+    }
+    for (int u = 0; u < NR; u++)
+        for (int c = 0; c < D / VN; c++) store_vn(acc + (int64_t)u * D + c * VN, x[u * (D / VN) + c]);
+}
+
 /* One work item: queries [i0, i1) of one (sequence, kv-head), all G query heads. Per span of whole blocks (at
  * least 32 keys): K rows decoded into `krows` [span, D] and transposed into kT [D, bsp] (bsp = span rounded up to
- * whole vectors, zero-padded), so a query's scores against the span are D broadcast-FMAs per vector of keys (four
- * heads x two key vectors of independent chains); V rows decoded into `vrows` [span, D] and added to the query's
- * accumulator a vector of channels at a time; exp and max on whole vectors. Work buffers: m, l [rows],
- * acc [rows, D], p [G, bsp]. */
+ * whole vectors, zero-padded), so the scores of PF_QR queries against two vectors of keys are D rounds of two
+ * vector loads and 2 x PF_QR broadcast-FMAs (score_tile); V rows decoded into `vrows` [span, D] and added to the
+ * accumulators of several query rows per loaded row (value_tile); exp and max on whole vectors. A row (g, i) is
+ * r = g * nq + (i - i0). Work buffers: m, l [rows], acc [rows, D], p [PF_QR, bsp]. */
 static inline __attribute__((always_inline)) void prefill_item(
     const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
     const block_format *kf, const block_format *vf, int64_t num_fp, const int32_t *table, int64_t tab_sj,
@@ -432,7 +520,8 @@ static inline __attribute__((always_inline)) void prefill_item(
     float scale, int i0, int i1, float *out, float *krows, float *vrows, float *kT, float *work)
 {
     const int span = prefill_span(bs);  /* keys per step: whole blocks, at least 32 (two vectors of FMA chains) */
-    const int nq = i1 - i0, rows = G * nq, bsp = (span + VN - 1) / VN * VN;
+    const int nq = i1 - i0, rows = G * nq, bsp = (span + VN - 1) / VN * VN, nvs = bsp / VN;
+    const int pv_rows = PF_PV_ACC / (D / VN) > 0 ? PF_PV_ACC / (D / VN) : 1;  /* query rows per value tile */
     float *m = work, *l = work + rows, *acc = work + 2 * rows, *p = work + 2 * rows + (int64_t)rows * D;
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
@@ -441,6 +530,9 @@ static inline __attribute__((always_inline)) void prefill_item(
     memset(acc, 0, sizeof(float) * rows * D);
     int64_t last_q = qpos[i0];
     for (int i = i0; i < i1; i++) last_q = qpos[i] > last_q ? qpos[i] : last_q;
+    vni lane;
+    for (int k = 0; k < VN; k++) lane[k] = k;
+    const vn neg_inf = (vn){0} - INFINITY;
     for (int64_t t0 = 0; t0 < len; t0 += span) {
         const int64_t first_pos = kpos[t0 * kpos_sj];
         if (first_pos > last_q) break;  /* slots are in position order: nothing later is visible either */
@@ -457,78 +549,66 @@ static inline __attribute__((always_inline)) void prefill_item(
             for (int j = 0; j < n; j++) row[j] = krows[(int64_t)j * D + d];
             for (int j = n; j < bsp; j++) row[j] = 0.0f;
         }
-        for (int i = i0; i < i1; i++) {
-            const int64_t qp = qpos[i];
-            if (first_pos > qp) continue;
-            int nvis = n;  /* the visible keys of the block are a prefix of it (position order) */
-            if (last_pos > qp) {
-                nvis = 0;
-                while (nvis < n && kpos[(t0 + nvis) * kpos_sj] <= qp) nvis++;
-            }
-            const int nv = (nvis + VN - 1) / VN;  /* vectors of keys */
-            /* scores p[g, j] = scale * q_g . k_j: four heads x two key vectors of independent FMA chains */
-            for (int g0 = 0; g0 < G; g0 += 4) {
-                const int gn = G - g0 < 4 ? G - g0 : 4;
-                const float *q0 = q + ((int64_t)g0 * Q + i) * D;
-                const int64_t qs = (int64_t)Q * D;  /* from one head's query to the next */
-                for (int c = 0; c < nv; c += 2) {
-                    const int two = c + 1 < nv;
-                    vn a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, e0 = {0}, e1 = {0};
-                    for (int d = 0; d < D; d++) {
-                        const vn k0 = load_vn(kT + (int64_t)d * bsp + c * VN);
-                        const vn k1 = two ? load_vn(kT + (int64_t)d * bsp + (c + 1) * VN) : (vn){0};
-                        const float x0 = q0[d], x1 = gn > 1 ? q0[qs + d] : 0.0f;
-                        const float x2 = gn > 2 ? q0[2 * qs + d] : 0.0f, x3 = gn > 3 ? q0[3 * qs + d] : 0.0f;
-                        a0 += x0 * k0; a1 += x0 * k1;
-                        b0 += x1 * k0; b1 += x1 * k1;
-                        c0 += x2 * k0; c1 += x2 * k1;
-                        e0 += x3 * k0; e1 += x3 * k1;
+        for (int g = 0; g < G; g++)
+            for (int u0 = i0; u0 < i1; u0 += PF_QR) {  /* a tile of queries [u0, u0 + nr) of head g */
+                const int nr = i1 - u0 < PF_QR ? i1 - u0 : PF_QR;
+                int64_t tile_last = qpos[u0];
+                for (int u = 1; u < nr; u++) tile_last = qpos[u0 + u] > tile_last ? qpos[u0 + u] : tile_last;
+                if (first_pos > tile_last) continue;  /* no query of the tile sees the span */
+                const float *q0 = q + ((int64_t)g * Q + u0) * D;
+                for (int c = 0; c < nvs; c += 2) {
+                    if (nr == PF_QR)
+                        score_tile(q0, kT, bsp, c, c + 1 < nvs, PF_QR, D, scale, p);
+                    else
+                        for (int u = 0; u < nr; u++)
+                            score_tile(q0 + (int64_t)u * D, kT, bsp, c, c + 1 < nvs, 1, D, scale,
+                                       p + (int64_t)u * bsp);
+                }
+                float corr[PF_QR];
+                int nj = 0;  /* value rows the tile reads: the most keys a query of it sees */
+                for (int u = 0; u < nr; u++) {
+                    const int i = u0 + u, r = g * nq + (i - i0);
+                    const int64_t qp = qpos[i];
+                    float *restrict pr = p + (int64_t)u * bsp;
+                    int nvis = n;  /* the visible keys of the span are a prefix of it (position order) */
+                    if (last_pos > qp) {
+                        nvis = 0;
+                        while (nvis < n && kpos[(t0 + nvis) * kpos_sj] <= qp) nvis++;
                     }
-                    const vn r0[4] = {a0, b0, c0, e0}, r1[4] = {a1, b1, c1, e1};
-                    for (int u = 0; u < gn; u++) {
-                        store_vn(p + (int64_t)(g0 + u) * bsp + c * VN, r0[u] * scale);
-                        if (two) store_vn(p + (int64_t)(g0 + u) * bsp + (c + 1) * VN, r1[u] * scale);
+                    if (nvis == 0) {  /* sees nothing here: unchanged (weights 0, correction 1) */
+                        for (int c = 0; c < nvs; c++) store_vn(pr + c * VN, (vn){0});
+                        corr[u] = 1.0f;
+                        continue;
                     }
+                    nj = nvis > nj ? nvis : nj;
+                    vn vmax = neg_inf;
+                    for (int c = 0; c < nvs; c++) {  /* scores past nvis are -inf from here on */
+                        const vn sc = select_vn(lane + c * VN < nvis, load_vn(pr + c * VN), neg_inf);
+                        store_vn(pr + c * VN, sc);
+                        vmax = max_vn(sc, vmax);
+                    }
+                    const float mx = max_lanes(vmax);
+                    const float m_new = m[r] > mx ? m[r] : mx;
+                    corr[u] = exp_nonpos(m[r] - m_new);  /* ~0 on the first visible span: acc, l are 0 */
+                    vn vsum = {0};
+                    for (int c = 0; c < nvs; c++) {  /* exp(-inf - m) clamps to e^-87, masked back to 0 */
+                        const vn e = select_vn(lane + c * VN < nvis, exp_nonpos_vn(load_vn(pr + c * VN) - m_new),
+                                               (vn){0});
+                        store_vn(pr + c * VN, e);
+                        vsum += e;
+                    }
+                    l[r] = l[r] * corr[u] + sum_lanes(vsum);
+                    m[r] = m_new;
                 }
+                if (nj == 0) continue;
+                float *a0 = acc + ((int64_t)g * nq + (u0 - i0)) * D;
+                int u = 0;
+                if (pv_rows > 1)
+                    for (; u + pv_rows <= nr; u += pv_rows)
+                        value_tile(a0 + (int64_t)u * D, p + (int64_t)u * bsp, bsp, corr + u, vrows, nj, pv_rows, D);
+                for (; u < nr; u++)
+                    value_tile(a0 + (int64_t)u * D, p + (int64_t)u * bsp, bsp, corr + u, vrows, nj, 1, D);
             }
-            for (int g = 0; g < G; g++) {
-                const int r = g * nq + (i - i0);
-                float *restrict pr = p + (int64_t)g * bsp;
-                vni lane;
-                for (int k = 0; k < VN; k++) lane[k] = k;
-                const vn neg_inf = (vn){0} - INFINITY;
-                vn vmax = neg_inf;
-                for (int c = 0; c < nv; c++) {  /* scores past nvis are -inf from here on */
-                    const vn sc = select_vn(lane + c * VN < nvis, load_vn(pr + c * VN), neg_inf);
-                    store_vn(pr + c * VN, sc);
-                    vmax = select_vn(sc > vmax, sc, vmax);
-                }
-                float mx = -INFINITY;
-                for (int k = 0; k < VN; k++) mx = vmax[k] > mx ? vmax[k] : mx;
-                const float m_new = m[r] > mx ? m[r] : mx;
-                const float corr = exp_nonpos(m[r] - m_new);  /* ~0 on the first visible block: acc, l are 0 */
-                vn vsum = {0};
-                for (int c = 0; c < nv; c++) {  /* exp(-inf - m) clamps to e^-87, masked back to 0 */
-                    const vn e = select_vn(lane + c * VN < nvis, exp_nonpos_vn(load_vn(pr + c * VN) - m_new),
-                                           (vn){0});
-                    store_vn(pr + c * VN, e);
-                    vsum += e;
-                }
-                float sum = 0.0f;
-                for (int k = 0; k < VN; k++) sum += vsum[k];
-                float *a = acc + (int64_t)r * D;
-                vn x[128 / VN];
-                for (int c = 0; c < D / VN; c++) x[c] = load_vn(a + c * VN) * corr;
-                for (int j = 0; j < nvis; j++) {
-                    const float pj = pr[j];
-                    const float *vr = vrows + (int64_t)j * D;
-                    for (int c = 0; c < D / VN; c++) x[c] += pj * load_vn(vr + c * VN);
-                }
-                for (int c = 0; c < D / VN; c++) store_vn(a + c * VN, x[c]);
-                l[r] = l[r] * corr + sum;
-                m[r] = m_new;
-            }
-        }
     }
     for (int g = 0; g < G; g++)
         for (int i = i0; i < i1; i++) {
