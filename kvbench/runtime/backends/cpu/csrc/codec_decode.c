@@ -216,6 +216,9 @@ static inline __attribute__((always_inline)) void accumulate_packed_values(
     const uint8_t *codes = row + f->codes_off;
     const int64_t rb = (int64_t)D * bits / 8;
     const int group = f->group, ng = D / group;
+    vn a[GROUP_MAX][128 / VN];  /* acc in registers for the block (G and D constant) */
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / VN; c++) a[g][c] = acc[g][c];
     for (int j0 = 0; j0 < n; j0 += 32) {  /* the stats of 32 rows at a time, converted in one vector loop */
         const int jn = n - j0 < 32 ? n - j0 : 32;
         float sv[32 * 8], mv[32 * 8];  /* [row, channel group] (ng <= 8) */
@@ -226,20 +229,23 @@ static inline __attribute__((always_inline)) void accumulate_packed_values(
         }
         for (int j = 0; j < jn; j++) {
             const uint8_t *src = codes + (j0 + j) * rb;
-            for (int q = 0; q < ng; q++) {
-                float ps[GROUP_MAX];
-                for (int g = 0; g < G; g++) {
-                    const float p = sc_t[g * T + j0 + j];
-                    ps[g] = p * sv[j * ng + q];
+            float ps[GROUP_MAX][8];  /* p * scale per query head and channel group */
+            for (int g = 0; g < G; g++) {
+                const float p = sc_t[g * T + j0 + j];
+                for (int q = 0; q < ng; q++) {
+                    ps[g][q] = p * sv[j * ng + q];
                     msum[g][q] += p * mv[j * ng + q];
                 }
-                for (int c = q * group; c < (q + 1) * group; c += VN) {
-                    const vn code = codesn(src + c * bits / 8, bits);
-                    for (int g = 0; g < G; g++) acc[g][c / VN] += ps[g] * code;
-                }
+            }
+            for (int c = 0; c < D / VN; c++) {  /* D and G constant: the accumulators stay in registers */
+                const vn code = codesn(src + c * VN * bits / 8, bits);
+                const int q = c * VN / group;
+                for (int g = 0; g < G; g++) a[g][c] += ps[g][q] * code;
             }
         }
     }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D / VN; c++) acc[g][c] = a[g][c];
 }
 
 /* bring a packed row towards the cache before its block is read (blocks sit anywhere in the pool) */
@@ -361,12 +367,25 @@ int codec_decode_attention_f32(
             if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, (int64_t)H * G * D, tables, tab_ss, tab_sh,
                               lengths, len_ss, len_sh, scores, partials, &w))
                 continue;
-            if (D == 64)
-                attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, G, 64,
-                                   scale, w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values);
-            else
-                attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, G, 128,
-                                   scale, w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values);
+            /* inlined with the head dim and the common group sizes constant (registers for the accumulators) */
+#define ATTEND_CODEC(GC, DC)                                                                                    \
+    attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, GC, DC, scale, \
+                       w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values)
+#define ATTEND_CODEC_G(DC)                     \
+    switch (G) {                               \
+        case 1: ATTEND_CODEC(1, DC); break;    \
+        case 2: ATTEND_CODEC(2, DC); break;    \
+        case 3: ATTEND_CODEC(3, DC); break;    \
+        case 4: ATTEND_CODEC(4, DC); break;    \
+        default: ATTEND_CODEC(G, DC); break;   \
+    }
+            if (D == 64) {
+                ATTEND_CODEC_G(64)
+            } else {
+                ATTEND_CODEC_G(128)
+            }
+#undef ATTEND_CODEC_G
+#undef ATTEND_CODEC
         }
         merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
     }
@@ -390,63 +409,6 @@ int codec_decode_attention_f32(
 
 /* keys a prefill work item takes per step: whole blocks, at least 32 */
 static inline int prefill_span(int bs) { return bs >= 32 ? bs : (32 + bs - 1) / bs * bs; }
-
-/* unaligned vector loads and stores (a memcpy through the stack stalls store forwarding at every load) */
-typedef float vn_unaligned __attribute__((vector_size(VN * 4), aligned(4)));
-static inline vn load_vn(const float *p) { return *(const vn_unaligned *)p; }
-static inline void store_vn(float *p, vn x) { *(vn_unaligned *)p = x; }
-
-typedef int32_t vni __attribute__((vector_size(VN * 4)));  /* lanes of int32, for masks and exponents */
-static inline vn select_vn(vni mask, vn a, vn b) { return (vn)(((vni)a & mask) | ((vni)b & ~mask)); }
-
-/* the largest lane and the sum of the lanes, by halving shuffles: log2(VN) dependent steps instead of VN */
-static inline vn max_vn(vn a, vn b) { return select_vn(a > b, a, b); }
-static inline float max_lanes(vn x) {
-#if VN == 16
-    x = max_vn(x, SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    x = max_vn(x, SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    x = max_vn(x, SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    x = max_vn(x, SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-#else
-    x = max_vn(x, SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
-    x = max_vn(x, SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
-    x = max_vn(x, SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
-#endif
-    return x[0];
-}
-static inline float sum_lanes(vn x) {
-#if VN == 16
-    x += SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-#else
-    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
-    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
-    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
-#endif
-    return x[0];
-}
-
-/* exp_nonpos (decode_common.h: Cephes' expf polynomial for x <= 0) on a whole vector: GCC does not vectorize the
- * scalar one inside these loops */
-static inline vn exp_nonpos_vn(vn x) {
-    const vn lo = (vn){0} - 87.0f;
-    x = select_vn(x < lo, lo, x);
-    const vn t = x * 1.44269504088896341f + 0.5f;
-    vni ni = __builtin_convertvector(t, vni);  /* toward zero: one less where that rounded up (t < 0) */
-    ni += (vni)(__builtin_convertvector(ni, vn) > t);
-    const vn n = __builtin_convertvector(ni, vn);
-    const vn r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vn p = (vn){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vn)((ni + 127) << 23);
-}
 
 /* The register tiles of a prefill work item's two products, per span of keys:
  *   scores  PF_QR queries of one head x two vectors of keys: one accumulator each, so each loaded vector of

@@ -82,23 +82,89 @@ static inline float exp_nonpos(float x) {
     return p * two_n.f;
 }
 
+/* unaligned vector loads and stores (a memcpy through the stack stalls store forwarding at every load) */
+typedef float vn_unaligned __attribute__((vector_size(VN * 4), aligned(4)));
+static inline vn load_vn(const float *p) { return *(const vn_unaligned *)p; }
+static inline void store_vn(float *p, vn x) { *(vn_unaligned *)p = x; }
+
+static inline vn select_vn(vni mask, vn a, vn b) { return (vn)(((vni)a & mask) | ((vni)b & ~mask)); }
+
+/* the largest lane and the sum of the lanes, by halving shuffles: log2(VN) dependent steps instead of VN */
+static inline vn max_vn(vn a, vn b) { return select_vn(a > b, a, b); }
+static inline float max_lanes(vn x) {
+#if VN == 16
+    x = max_vn(x, SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = max_vn(x, SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = max_vn(x, SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = max_vn(x, SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+    x = max_vn(x, SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+    x = max_vn(x, SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
+    x = max_vn(x, SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+    return x[0];
+}
+static inline float sum_lanes(vn x) {
+#if VN == 16
+    x += SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
+    return x[0];
+}
+
+/* exp_nonpos (decode_common.h: Cephes' expf polynomial for x <= 0) on a whole vector: GCC does not vectorize the
+ * scalar one inside these loops */
+static inline vn exp_nonpos_vn(vn x) {
+    const vn lo = (vn){0} - 87.0f;
+    x = select_vn(x < lo, lo, x);
+    const vn t = x * 1.44269504088896341f + 0.5f;
+    vni ni = __builtin_convertvector(t, vni);  /* toward zero: one less where that rounded up (t < 0) */
+    ni += (vni)(__builtin_convertvector(ni, vn) > t);
+    const vn n = __builtin_convertvector(ni, vn);
+    const vn r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vn p = (vn){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vn)((ni + 127) << 23);
+}
+
 /* Scores of keys [t0, t1) for each of G query heads (rows of sc, stride T) become exp(score - m[g])
- * in place; their max and sum go to part's (max, sum) slots after each head's D accumulators. */
+ * in place; their max and sum go to part's (max, sum) slots after each head's D accumulators. Whole vectors
+ * (exp_nonpos_vn; the last partial one through a padded copy, so every score takes the same arithmetic). */
 static inline void exp_and_sum(float *restrict sc, int64_t T, int G, int D, int64_t t0, int64_t t1,
                                const float *m, float *restrict part)
 {
     for (int g = 0; g < G; g++) {
         float *row = sc + g * T;
         const float mg = m[g];
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = t0; t < t1; t++) {
-            const float e = exp_nonpos(row[t] - mg);
-            row[t] = e;
-            l += e;
+        vn acc = {0};
+        int64_t t = t0;
+        for (; t + VN <= t1; t += VN) {
+            const vn e = exp_nonpos_vn(load_vn(row + t) - mg);
+            store_vn(row + t, e);
+            acc += e;
+        }
+        if (t < t1) {
+            float tail[VN];
+            const int n = (int)(t1 - t);
+            for (int k = 0; k < VN; k++) tail[k] = k < n ? row[t + k] - mg : -INFINITY;
+            vn e = exp_nonpos_vn(load_vn(tail));
+            for (int k = n; k < VN; k++) e[k] = 0.0f;  /* exp_nonpos_vn clamps -inf to e^-87 */
+            for (int k = 0; k < n; k++) row[t + k] = e[k];
+            acc += e;
         }
         part[g * (D + 2) + D] = mg;
-        part[g * (D + 2) + D + 1] = l;
+        part[g * (D + 2) + D + 1] = sum_lanes(acc);
     }
 }
 
