@@ -103,6 +103,6 @@ def test_a_fresh_build_says_so_first_and_is_private(cache, capsys, monkeypatch):
     finally:
         os.umask(old)
     assert private is None and path.parent == root / "ext"
-    assert len(said) == 1 and "kvbench: compiling the CPU kernels into" in said[0] and "about 20 s" in said[0]
+    assert len(said) == 1 and "kvbench: compiling the CPU kernels into" in said[0] and "under a minute" in said[0]
     assert cpu_kernels.untrusted(path) is None and cpu_kernels.untrusted(path.parent) is None
     assert cpu_kernels._compile() == (path, None) and len(builds) == 1  # trusted next time: built once

@@ -139,7 +139,7 @@ def _build(out: Path) -> Path:
     a half-written library); a file no one else may write."""
     cc = os.environ.get("CC", "cc")
     say(f"kvbench: compiling the CPU kernels into {out.parent} (once per machine and kernel version; "
-        "about 20 s)")
+        "under a minute)")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
