@@ -2,17 +2,24 @@
 it may (kvbench/runtime/backends/cpu/fused_decode.py)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvbench.quant.codecs import Int8Codec, KiviCodec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
+from kvbench.runtime.caches import build_cache
 from kvbench.runtime.kv_cache import PagedKVCache
-from tests.tiny_models import tiny_model
+from tests.tiny_models import HEAD_DIM_64, tiny_model
+
+CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
@@ -33,12 +40,29 @@ class RecordingHook:
                     ctx.cache.evict_blocks(ctx.layer, slot, 0, [1])
 
 
-def run(model, prompts, steps, *, fused, hook=None, block_size=4):
-    """Prefill each prompt, then `steps` greedy decode steps of the whole batch: (logits per step, the cache)."""
+# codec caches the fused step reads through the C codec decode kernel (new tokens land in fp16 full-precision
+# blocks for KIVI, fp32 for int8); small residual windows, so blocks are packed during the decode steps too
+CODECS = {
+    "kivi2": lambda: KiviCodec(2, group_size=32, residual=32),
+    "kivi4": lambda: KiviCodec(4, group_size=32, residual=64),
+    "int8": lambda: Int8Codec(),
+}
+
+
+def new_cache(model, codec=None, block_size=4):
     cfg = model.config
+    if codec is None:
+        return PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                            block_size=block_size, num_blocks=800)
+    return build_cache(codec=CODECS[codec](), kv_memory_bytes=2**23, num_layers=cfg.num_layers,
+                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=16, dtype=torch.float32,
+                       device="cpu")
+
+
+def run(model, prompts, steps, *, fused, hook=None, block_size=4, codec=None):
+    """Prefill each prompt, then `steps` greedy decode steps of the whole batch: (logits per step, the cache)."""
     model.fuse_decode_layers = fused
-    cache = PagedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         block_size=block_size, num_blocks=800)
+    cache = new_cache(model, codec, block_size)
     slots = [cache.add_sequence() for _ in prompts]
     nxt = []
     with torch.inference_mode():
@@ -76,6 +100,50 @@ def test_fused_decode_matches_the_op_by_op_path(family, batch):
         for layer in range(model.config.num_layers):
             for a, b in zip(cache_f.gather(layer, slot), cache_r.gather(layer, slot)):  # K, V, positions
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fused_decode_over_a_codec_cache_matches_the_op_by_op_path(codec, batch):
+    """Over a codec cache the fused step reads packed and full-precision blocks with the codec decode kernel, as the
+    op-by-op path does: the same logits and cached K/V while blocks leave the window and are packed. Layer 0's K/V
+    (the same inputs on both paths) agree bit for bit: the fused fp16 write rounds as torch's cast and packs to the
+    same codes. Later layers see last-bit differences of the MLP (C silu against torch's): up to an fp16 ulp, and a
+    code that sat on a rounding boundary may flip (at most one element in 10,000 beyond an fp16 ulp)."""
+    model = tiny_model(vocab=300, seed=3, **HEAD_DIM_64)
+    prompts = [[(11 * i + 5 * j) % 300 for j in range(40 + 37 * i)] for i in range(batch)]
+    fused, cache_f = run(model, prompts, 70, fused=True, codec=codec)
+    ref, cache_r = run(model, prompts, 70, fused=False, codec=codec)
+    assert cache_f.block_counts()["packed"] > 0 and cache_f.block_counts() == cache_r.block_counts()
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    for layer in range(model.config.num_layers):
+        off = total = 0
+        for slot in cache_f.live:
+            for a, b in zip(cache_f.gather(layer, slot), cache_r.gather(layer, slot)):  # K, V, positions
+                assert a.shape == b.shape
+                if layer == 0:
+                    assert torch.equal(a, b)
+                off += int(((a.float() - b.float()).abs() > 2e-3 + 1e-3 * b.float().abs()).sum())
+                total += a.numel()
+        assert off <= total // 10_000, (layer, off, total)
+
+
+def test_not_fused_over_a_codec_cache_the_kernels_do_not_read():
+    """fp8 blocks (no "cpu_attention" kernel) and a head dim the codec kernel lacks run op by op."""
+    from kvbench.quant.codecs import Fp8Codec
+
+    for model, codec in ((tiny_model(vocab=300, seed=3, **HEAD_DIM_64), Fp8Codec()),
+                         (tiny_model("llama", seed=3), KiviCodec(2, group_size=32, residual=32))):
+        cfg = model.config
+        cache = build_cache(codec=codec, kv_memory_bytes=2**22, num_layers=cfg.num_layers,
+                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=16,
+                            dtype=torch.float32, device="cpu")
+        slot = cache.add_sequence()
+        plan = cache.prepare_append([slot], torch.zeros(1, 1, dtype=torch.int64))
+        with torch.inference_mode():
+            assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original",
+                                    *model.rotary.lookup(plan.query_positions), False) is None
 
 
 @pytest.mark.parametrize("evict", [False, True])
@@ -124,3 +192,31 @@ def test_not_fused_where_it_does_not_apply():
         cache.store_pre_rope = False
         assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
                                 False) is None
+
+
+@pytest.mark.parametrize("f16c", [True, False])
+def test_float_to_half_rounds_as_torch(tmp_path, f16c):
+    """The fused write's fp32 -> fp16 conversion (csrc/decode_ops.h: F16C, or the software fallback of a build
+    without it) gives torch's bits: normals, ties, subnormals, overflow to inf, inf and nan."""
+    src = tmp_path / "to_half.c"
+    src.write_text('#include "decode_ops.h"\nvoid to_half(const float *x, uint16_t *y, long n) {\n'
+                   '    for (long i = 0; i < n; i++) y[i] = float_to_half(x[i]);\n}\n')
+    lib_path = tmp_path / "to_half.so"
+    flags = ["-O2", "-march=native", "-mf16c" if f16c else "-mno-f16c", "-shared", "-fPIC"]
+    subprocess.run([os.environ.get("CC", "cc"), *flags, f"-I{CSRC}", str(src), "-o", str(lib_path), "-lm"],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(1 << 16, generator=gen) * 1e-5,  # fp16 subnormals
+                   (torch.arange(1 << 16, dtype=torch.int32) << 13).view(torch.float32),  # every fp16 value
+                   ((torch.arange(1 << 16, dtype=torch.int32) << 13) + (1 << 12)).view(torch.float32),  # ties
+                   torch.tensor([65504.0, 65520.0, 65519.99, 1e9, -1e9, float("inf"), -float("inf"), 0.0, -0.0,
+                                 2.0 ** -25, 2.0 ** -24, 2.0 ** -26])])
+    x = torch.where(x.isnan(), torch.full_like(x, float("nan")), x)  # one nan payload: torch keeps its own
+    y = torch.empty(x.numel(), dtype=torch.int16)
+    lib.to_half(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_long(x.numel()))
+    ref = x.to(torch.float16).view(torch.int16)
+    finite = ~x.isnan()
+    assert torch.equal(y[finite], ref[finite])
+    assert y.view(torch.float16)[~finite].isnan().all()

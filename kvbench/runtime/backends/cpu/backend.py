@@ -73,7 +73,13 @@ class CpuBackend(AttentionBackend):
         return self._formats[cache]
 
     def fused_decode(self, model, tokens, cache, plan, rope_mode, cos, sin, need_scores):
-        return fused_decode_step(model, tokens, cache, plan, rope_mode, cos, sin, need_scores)
+        formats = None
+        if not cache.plain_pools:  # a codec cache: fused where the codec decode kernel reads it (as attend_packed)
+            G = model.config.num_heads // cache.num_kv_heads
+            if cache.dtype != torch.float32 or G > MAX_PACKED_GROUP or self.block_formats(cache) is None:
+                return None
+            formats = self.block_formats(cache)
+        return fused_decode_step(model, tokens, cache, plan, rope_mode, cos, sin, need_scores, formats)
 
 
 CPU = CpuBackend()

@@ -6,8 +6,9 @@ time). The fused path runs norms, projections, RoPE, the K/V write, paged attent
 one parallel region; with a method's hook it makes one call per layer and calls the hook after each.
 
 It applies to decode steps (one token per sequence, at most `kernels.GEMV_MAX_ROWS` sequences) of an fp32 model on
-CPU with the C kernels, a cache with plain pools (`PagedKVCache.plain_pools`; codec caches read their own layout),
-keys cached after RoPE at their original positions, no q/k norm (Qwen3), under the CPU backend
+CPU with the C kernels, a cache with plain pools (`PagedKVCache.plain_pools`) or a codec cache whose packed blocks
+the C codec decode kernel reads (`CpuBackend.block_formats`: KIVI, int8; new tokens land in its full-precision
+pools, fp16 or fp32, and packing happens before the step, in `prepare_append`), keys cached after RoPE at their original positions, no q/k norm (Qwen3), under the CPU backend
 (`CpuBackend.fused_decode`). Anything else, or `model.fuse_decode_layers = False`, takes the op-by-op path; both
 give the same numbers (tests/test_fused_decode.py). The hook gets the same LayerContext as on the op-by-op path,
 but after the layer's MLP instead of before its output projection, which changes nothing: hooks read q and the
@@ -53,14 +54,17 @@ class FusedDecodeStep(FusedDecode):
     step's longest table."""
 
     def __init__(self, model: "LlamaFamilyModel", weights: ctypes.Array, cache: PagedKVCache, plan: AppendPlan,
-                 cos: torch.Tensor, sin: torch.Tensor, need_scores: bool):
+                 cos: torch.Tensor, sin: torch.Tensor, need_scores: bool, formats: tuple | None = None):
         cfg = model.config
         S = plan.lengths.shape[0]
         H, D = cfg.num_kv_heads, cfg.head_dim
         self.model, self.weights, self.cache, self.plan = model, weights, cache, plan
         self.cos, self.sin = cos.reshape(S, D).contiguous(), sin.reshape(S, D).contiguous()  # [S, D]
         self.write_rows = plan.write_index[..., 0].transpose(0, 1).contiguous()  # [L, S, H]
-        self.buffers = kernels._DecodeBuffers(S, H, cfg.num_heads // H, D, int(plan.lengths.max()), 16, False)
+        # work items in whole blocks over a codec cache, as codec_decode_attention_cpu splits them (same partials)
+        min_chunk = 16 if formats is None else cache.block_size
+        self.buffers = kernels._DecodeBuffers(S, H, cfg.num_heads // H, D, int(plan.lengths.max()), min_chunk, False)
+        self.codec = None if formats is None else kernels.CodecPools.of(cache, formats, self.buffers.threads)
         self.scratch = (torch.empty(S, cfg.hidden_size), torch.empty(S, cfg.intermediate_size))
         self.need_scores = need_scores
         self.scale = D ** -0.5
@@ -70,7 +74,7 @@ class FusedDecodeStep(FusedDecode):
         return kernels.decode_layers(
             x, self.weights, first, n, cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin,
             self.cache.k_pool, self.cache.v_pool, self.write_rows, plan.tables, plan.lengths, cfg.num_heads,
-            self.scale, self.buffers, self.scratch)
+            self.scale, self.buffers, self.scratch, self.codec)
 
     def run(self, x: torch.Tensor, after_layer: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None
             ) -> None:
@@ -93,18 +97,23 @@ class FusedDecodeStep(FusedDecode):
 
 
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
-                      rope_mode: str, cos: torch.Tensor, sin: torch.Tensor,
-                      need_scores: bool) -> FusedDecodeStep | None:
-    """A FusedDecodeStep when this step can run fused (see the module docstring), else None."""
+                      rope_mode: str, cos: torch.Tensor, sin: torch.Tensor, need_scores: bool,
+                      formats: tuple | None = None) -> FusedDecodeStep | None:
+    """A FusedDecodeStep when this step can run fused (see the module docstring), else None. `formats`: the (key,
+    value) kernels.BlockFormat of a codec cache's packed rows (None: a plain cache, or one the kernels cannot
+    read)."""
     S, Q = tokens.shape
     cfg = model.config
     if not (model.fuse_decode_layers and model.use_cpu_kernels and Q == 1 and S <= kernels.GEMV_MAX_ROWS
             and not torch.is_grad_enabled()
             and not cache.store_pre_rope and not cfg.qk_norm and rope_mode == "original"
-            and cache.plain_pools and cache.k_pool.dtype == torch.float32 and cache.k_pool.is_contiguous()
+            and (cache.plain_pools or formats is not None)
+            and (cache.k_pool.dtype == torch.float32 or (formats is not None and cache.k_pool.dtype == torch.float16))
+            and cache.v_pool.dtype == cache.k_pool.dtype and cache.k_pool.is_contiguous()
             and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= kernels._MAX_GROUP):
         return None
     weights = layer_weights(model)
     if weights is None:
         return None
-    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores)
+    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores,
+                           None if cache.plain_pools else formats)

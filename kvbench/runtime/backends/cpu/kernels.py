@@ -185,7 +185,7 @@ def load_kernel():
         fn.restype = None
     lib.decode_layers_f32.argtypes = [p, i64, i64, i64, p, i32, f32, p, p, p, p, p, i64,
                                       p, i64, i64, i64, i64, p, i64, i64, i64, i32, i32, i32, i32, f32, i64, i32,
-                                      p, p, p, p, p, p, p, i32]
+                                      p, p, p, p, p, p, p, p, i32]
     lib.decode_layers_f32.restype = None
     fmt = ctypes.POINTER(BlockFormat)
     lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
@@ -277,11 +277,33 @@ def paged_decode_attention_cpu(
 
 
 class BlockFormat(ctypes.Structure):
-    """How the C kernel reads one packed K or V row (`block_format` in csrc/codec_decode.c)."""
+    """How the C kernel reads one packed K or V row (`block_format` in csrc/decode_ops.h)."""
 
     _fields_ = [("row_bytes", ctypes.c_int64), ("codes_off", ctypes.c_int64), ("mn_off", ctypes.c_int64),
                 ("scale_off", ctypes.c_int64), ("bits", ctypes.c_int32), ("is_signed", ctypes.c_int32),
                 ("per_channel", ctypes.c_int32), ("group", ctypes.c_int32)]
+
+
+class CodecPools(ctypes.Structure):
+    """A codec cache's pools as the fused decode step's codec attention reads them (`codec_pools` in
+    csrc/decode_ops.h). `of` keeps the tensors and formats it points to alive on the instance."""
+
+    _fields_ = [("k_fp", ctypes.c_void_p), ("v_fp", ctypes.c_void_p), ("fp_is_half", ctypes.c_int32),
+                ("kq", ctypes.c_void_p), ("vq", ctypes.c_void_p), ("kf", ctypes.POINTER(BlockFormat)),
+                ("vf", ctypes.POINTER(BlockFormat)), ("num_fp", ctypes.c_int64), ("tiles", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, cache, formats: tuple[BlockFormat, BlockFormat], threads: int) -> "CodecPools":
+        """The pools of a codec cache (fp16 or fp32 full-precision blocks, contiguous pools) and `threads` scratch
+        tiles."""
+        k_fp, v_fp, kq, vq = cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool
+        assert k_fp.dtype == v_fp.dtype in (torch.float16, torch.float32) and kq.dtype == vq.dtype == torch.uint8
+        assert all(t.is_contiguous() for t in (k_fp, v_fp, kq, vq))
+        tiles = torch.empty(threads, k_fp.shape[1], k_fp.shape[2], dtype=torch.float32)
+        pools = cls(k_fp.data_ptr(), v_fp.data_ptr(), int(k_fp.dtype == torch.float16), kq.data_ptr(), vq.data_ptr(), ctypes.pointer(formats[0]),
+                    ctypes.pointer(formats[1]), k_fp.shape[0], tiles.data_ptr())
+        pools._keep = (k_fp, v_fp, kq, vq, formats, tiles)
+        return pools
 
 
 def codec_block_format(codec, kind: str, block_size: int, head_dim: int) -> BlockFormat | None:
@@ -469,7 +491,7 @@ def decode_layers(
     eps: float,
     cos: torch.Tensor,  # [M, D] contiguous
     sin: torch.Tensor,
-    k_pool: torch.Tensor,  # [N, bs, D] fp32 contiguous (same for v_pool)
+    k_pool: torch.Tensor,  # [N, bs, D] fp32 contiguous (same for v_pool; fp16 for a codec's full-precision pools)
     v_pool: torch.Tensor,
     write_rows: torch.Tensor,  # [L, M, H] int64 contiguous: flat pool row of each layer's new K/V
     tables: torch.Tensor,  # [M, L, H, MB] int32
@@ -478,11 +500,13 @@ def decode_layers(
     scale: float,
     buffers: "_DecodeBuffers",  # sized for the longest table; its `out` holds the attention output
     scratch: tuple[torch.Tensor, torch.Tensor],  # h [M, E], act [M, I]
+    codec: CodecPools | None = None,  # a codec cache: its pools (k_pool / v_pool are its full-precision pools)
 ) -> torch.Tensor:
     """Decoder layers first..first+n-1 of a decode step in one call (csrc/decode_layer.c): x += each layer's output
     in turn, the new K/V written at write_rows, per-key attention mass into buffers.key_scores when it is set
-    (n == 1 then). Returns q [M, Hq, 1, D] of the last layer after RoPE (a fresh tensor: a method's hook may keep
-    it)."""
+    (n == 1 then); with `codec`, the attention reads a codec cache as codec_decode_attention_cpu does (buffers
+    then in whole blocks, as that function sizes them). Returns q [M, Hq, 1, D] of the last layer after RoPE (a
+    fresh tensor: a method's hook may keep it)."""
     M, E = x.shape
     H, D, bs = tables.shape[2], k_pool.shape[2], k_pool.shape[1]
     G = num_heads // H
@@ -496,6 +520,7 @@ def decode_layers(
         x.data_ptr(), M, E, intermediate, ctypes.addressof(weights) + first * size, n, eps, cos.data_ptr(),
         sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), write_rows[first].data_ptr(), ws[0],
         tables[:, first].data_ptr(), ts[1], ts[0], ts[2], ts[3], lengths[:, first].data_ptr(), ls[1], ls[0], ls[2],
-        H, G, D, bs, scale, b.Tp, b.chunk, h.data_ptr(), qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(),
-        b.key_scores_ptr(), b.scores.data_ptr(), b.partials.data_ptr(), b.threads)
+        H, G, D, bs, scale, b.Tp, b.chunk, None if codec is None else ctypes.addressof(codec), h.data_ptr(),
+        qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(), b.key_scores_ptr(), b.scores.data_ptr(),
+        b.partials.data_ptr(), b.threads)
     return qkv[:, : num_heads * D].view(M, num_heads, 1, D)

@@ -16,19 +16,10 @@
  *   (one per channel for each group of `group` tokens: [bs / group, D]) or per token (one per group of `group`
  *   channels of a token: [bs, ceil(D / group)]).
  */
-#include "decode_common.h"
+#include "decode_ops.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-typedef struct {
-    int64_t row_bytes;  /* bytes of one packed row */
-    int64_t codes_off, mn_off, scale_off;  /* byte offsets in a row; mn_off < 0: symmetric (no minimum) */
-    int32_t bits;  /* 2, 4 or 8 */
-    int32_t is_signed;  /* 8-bit codes are int8 */
-    int32_t per_channel;  /* stats per channel over `group` tokens, else per token over `group` channels */
-    int32_t group;
-} block_format;
 
 /* fp16 bits -> fp32 (normals, subnormals, inf and nan), branch-light so loops over it vectorize */
 static inline float half_to_float(uint16_t h) {
@@ -339,9 +330,53 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
         for (int c = 0; c < D / VN; c++) memcpy(part + g * (D + 2) + c * VN, &acc[g][c], sizeof(vn));
 }
 
+void codec_decode_attention_team(
+    const float *q, int64_t q_ss, const codec_pools *cp, const int32_t *tables, int64_t tab_ss, int64_t tab_sh,
+    int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
+    float *out, float *key_scores, float *scores, float *partials)
+{
+    const int64_t n_chunks = T / chunk_slots;
+    const int64_t n_items = (int64_t)S * H * n_chunks;
+    const block_format *kf = cp->kf, *vf = cp->vf;
+    const int fast_keys = direct_keys(kf, bs), fast_values = direct_values(vf, D);
+    float *tile = cp->tiles;
+#ifdef _OPENMP
+    tile += (int64_t)omp_get_thread_num() * bs * D;
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; item++) {
+        work_item w;
+        if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, q_ss, tables, tab_ss, tab_sh, lengths, len_ss,
+                          len_sh, scores, partials, &w))
+            continue;
+        /* inlined with the head dim and the common group sizes constant (registers for the accumulators) */
+#define ATTEND_CODEC(GC, DC)                                                                                    \
+    attend_chunk_codec(w.qh, cp->k_fp, cp->v_fp, cp->fp_is_half, cp->kq, cp->vq, kf, vf, cp->num_fp, w.table,  \
+                       tab_sj, bs, GC, DC, scale, w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values)
+#define ATTEND_CODEC_G(DC)                     \
+    switch (G) {                               \
+        case 1: ATTEND_CODEC(1, DC); break;    \
+        case 2: ATTEND_CODEC(2, DC); break;    \
+        case 3: ATTEND_CODEC(3, DC); break;    \
+        case 4: ATTEND_CODEC(4, DC); break;    \
+        default: ATTEND_CODEC(G, DC); break;   \
+    }
+        if (D == 64) {
+            ATTEND_CODEC_G(64)
+        } else {
+            ATTEND_CODEC_G(128)
+        }
+#undef ATTEND_CODEC_G
+#undef ATTEND_CODEC
+    }
+    merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
+}
+
 /* q [S, H*G, D] fp32; tables [S, H, MB] int32 and lengths [S, H] int64 with element strides; D 64 or 128,
  * G <= 8; scores, partials, out, key_scores as in paged_decode_attention_f32; tiles: nthreads x bs x D floats.
- * Returns 0, or -1 when the shape is not supported (nothing written). */
+ * One parallel region: the chunks, then their merge. Returns 0, or -1 when the shape is not supported (nothing
+ * written). */
 int codec_decode_attention_f32(
     const float *q, const void *k_fp, const void *v_fp, int fp_is_half, const uint8_t *kq, const uint8_t *vq,
     const block_format *kf, const block_format *vf, int64_t num_fp,
@@ -351,44 +386,10 @@ int codec_decode_attention_f32(
     float *out, float *key_scores, float *scores, float *partials, float *tiles, int nthreads)
 {
     if ((D != 64 && D != 128) || G < 1 || G > GROUP_MAX) return -1;
-    const int64_t n_chunks = T / chunk_slots;
-    const int64_t n_items = (int64_t)S * H * n_chunks;
-    const int fast_keys = direct_keys(kf, bs), fast_values = direct_values(vf, D);
-
+    const codec_pools cp = {k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, tiles};
 #pragma omp parallel num_threads(nthreads)
-    {
-        float *tile = tiles;
-#ifdef _OPENMP
-        tile += (int64_t)omp_get_thread_num() * bs * D;
-#endif
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n_items; item++) {
-            work_item w;
-            if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, (int64_t)H * G * D, tables, tab_ss, tab_sh,
-                              lengths, len_ss, len_sh, scores, partials, &w))
-                continue;
-            /* inlined with the head dim and the common group sizes constant (registers for the accumulators) */
-#define ATTEND_CODEC(GC, DC)                                                                                    \
-    attend_chunk_codec(w.qh, k_fp, v_fp, fp_is_half, kq, vq, kf, vf, num_fp, w.table, tab_sj, bs, GC, DC, scale, \
-                       w.t0, w.t1, T, w.sc, w.part, tile, fast_keys, fast_values)
-#define ATTEND_CODEC_G(DC)                     \
-    switch (G) {                               \
-        case 1: ATTEND_CODEC(1, DC); break;    \
-        case 2: ATTEND_CODEC(2, DC); break;    \
-        case 3: ATTEND_CODEC(3, DC); break;    \
-        case 4: ATTEND_CODEC(4, DC); break;    \
-        default: ATTEND_CODEC(G, DC); break;   \
-    }
-            if (D == 64) {
-                ATTEND_CODEC_G(64)
-            } else {
-                ATTEND_CODEC_G(128)
-            }
-#undef ATTEND_CODEC_G
-#undef ATTEND_CODEC
-        }
-        merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
-    }
+    codec_decode_attention_team(q, (int64_t)H * G * D, &cp, tables, tab_ss, tab_sh, tab_sj, lengths, len_ss, len_sh,
+                                S, H, G, D, bs, scale, T, chunk_slots, out, key_scores, scores, partials);
     return 0;
 }
 

@@ -8,6 +8,9 @@
  *   h = RMSNorm(x) * ln_attn;  qkv = h @ W_qkv^T (+ b_qkv)            qkv [M, (Hq + 2H) * D]
  *   rotate q and k heads in place (RoPE, cos / sin rows [M, D]); write k, v rows to the pools at write_rows [M, H]
  *   attn = paged decode attention of q over the layer's tables (after this write)     attn [M, Hq * D]
+ *          (over a codec cache, `codec` non-NULL: the codec decode kernel reads its packed and full-precision
+ *          blocks; k_pool / v_pool are then its full-precision pools, where new tokens land, fp16 when
+ *          codec->fp_is_half)
  *   x += attn @ W_o^T;  h = RMSNorm(x) * ln_mlp;  act = silu(h @ W_gate^T) * (h @ W_up^T);  x += act @ W_down^T
  *
  * Same arithmetic, op for op, as the unfused path with the C kernels (tests/test_fused_decode.py compares the two).
@@ -31,9 +34,11 @@ void decode_layers_f32(
     const int32_t *tables, int64_t tab_sl, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
     const int64_t *lengths, int64_t len_sl, int64_t len_ss, int64_t len_sh,
     int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
-    float *h, float *qkv, float *attn, float *act, float *key_scores, float *scores, float *partials, int nthreads)
+    const codec_pools *codec, float *h, float *qkv, float *attn, float *act, float *key_scores, float *scores,
+    float *partials, int nthreads)
 {
     const int64_t Hq = (int64_t)H * G, O_qkv = (Hq + 2 * H) * D, n_rot = Hq + H;
+    const int half_pools = codec != NULL && codec->fp_is_half;  /* k_pool / v_pool hold fp16 bits */
 #pragma omp parallel num_threads(nthreads)
     for (int l = 0; l < n_layers; l++) {
         const layer_weights *w = lw + l;
@@ -47,13 +52,26 @@ void decode_layers_f32(
             rotate_half_head(row + j * D, cos_t + m * D, sin_t + m * D, D);
             if (j >= Hq) {  /* a k head, now rotated: store it and its v head */
                 const int64_t kh = j - Hq, dst = rows[m * H + kh] * D;
-                memcpy(k_pool + dst, row + j * D, sizeof(float) * D);
-                memcpy(v_pool + dst, row + (Hq + H + kh) * D, sizeof(float) * D);
+                const float *kr = row + j * D, *vr = row + (Hq + H + kh) * D;
+                if (half_pools) {  /* a codec cache's fp16 full-precision blocks */
+                    for (int d = 0; d < D; d++) {
+                        ((uint16_t *)k_pool)[dst + d] = float_to_half(kr[d]);
+                        ((uint16_t *)v_pool)[dst + d] = float_to_half(vr[d]);
+                    }
+                } else {
+                    memcpy(k_pool + dst, kr, sizeof(float) * D);
+                    memcpy(v_pool + dst, vr, sizeof(float) * D);
+                }
             }
         }
-        paged_decode_attention_team(qkv, O_qkv, k_pool, v_pool, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
-                                    lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T, chunk_slots,
-                                    attn, key_scores, scores, partials);
+        if (codec)
+            codec_decode_attention_team(qkv, O_qkv, codec, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
+                                        lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T,
+                                        chunk_slots, attn, key_scores, scores, partials);
+        else
+            paged_decode_attention_team(qkv, O_qkv, k_pool, v_pool, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
+                                        lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T,
+                                        chunk_slots, attn, key_scores, scores, partials);
         gemv_team(w->w_o, attn, Hq * D, w->b_o, x, E, E, Hq * D, M, 1);
         rms_norm_team(x, w->ln_mlp, h, M, E, eps);
         gate_up_silu_team(w->w_gu, w->b_gu, h, E, act, I, E, M);

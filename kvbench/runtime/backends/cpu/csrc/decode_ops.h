@@ -5,6 +5,52 @@
 #define KVBENCH_DECODE_OPS_H
 #include "decode_common.h"
 
+/* fp32 -> fp16 bits, rounded to nearest even (as torch's .to(torch.float16)): F16C where the build has it, else
+ * the bit-exact software conversion of c10's fp16_ieee_from_fp32_value */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline uint16_t float_to_half(float f) { return (uint16_t)_cvtss_sh(f, 0); }
+#else
+static inline uint16_t float_to_half(float f) {
+    uint32_t w;
+    memcpy(&w, &f, 4);
+    volatile float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;  /* volatile: no FMA contraction below */
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    float b;
+    const uint32_t bb = (bias >> 1) + 0x07800000u;
+    memcpy(&b, &bb, 4);
+    const float r = b + base;
+    uint32_t bits;
+    memcpy(&bits, &r, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+#endif
+
+/* How the codec kernels read one packed K or V row (kvbench/quant/packing.ByteLayout; kernels.BlockFormat) */
+typedef struct {
+    int64_t row_bytes;  /* bytes of one packed row */
+    int64_t codes_off, mn_off, scale_off;  /* byte offsets in a row; mn_off < 0: symmetric (no minimum) */
+    int32_t bits;  /* 2, 4 or 8 */
+    int32_t is_signed;  /* 8-bit codes are int8 */
+    int32_t per_channel;  /* stats per channel over `group` tokens, else per token over `group` channels */
+    int32_t group;
+} block_format;
+
+/* A codec cache's two pools as the codec decode kernel reads them (codec_decode.c): block id < num_fp is a
+ * full-precision block of k_fp / v_fp [num_fp, bs, D], else row (id - num_fp) of kq / vq; tiles: per thread, bs x D
+ * floats of scratch */
+typedef struct {
+    const void *k_fp, *v_fp;
+    int32_t fp_is_half;
+    const uint8_t *kq, *vq;
+    const block_format *kf, *vf;
+    int64_t num_fp;
+    float *tiles;
+} codec_pools;
+
 /* dot(w, x) over n floats; four native-vector accumulators (independent FMA chains) when n is a multiple of 4 VN */
 static inline float dot_f32(const float *restrict w, const float *restrict x, int64_t n) {
     if (n % (4 * VN) == 0) {
@@ -39,6 +85,13 @@ static inline float dot_f32(const float *restrict w, const float *restrict x, in
 #else
 #define TILE_ROWS 4
 #define TILE_X 2
+/* decode attention of q (rows q_ss floats apart, [S, H * G, D]) over a codec cache, as codec_decode_attention_f32
+ * (codec_decode.c; D 64 or 128, G <= GROUP_MAX, checked by the caller) */
+void codec_decode_attention_team(
+    const float *q, int64_t q_ss, const codec_pools *cp, const int32_t *tables, int64_t tab_ss, int64_t tab_sh,
+    int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
+    float *out, float *key_scores, float *scores, float *partials);
 #endif
 
 /* d[r][m] = dot(w[r], x + m * x_ss) over n floats for the TILE_ROWS weight rows w[r] and the first NX (<= TILE_X)
@@ -96,4 +149,11 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
 /* act[m, o] = silu(gate_o . x_m) * (up_o . x_m) for o < I, W [2I, E] = gate rows then up rows (b [2I] or NULL) */
 void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x_ss, float *act, int64_t I,
                        int64_t E, int64_t M);
+/* decode attention of q (rows q_ss floats apart, [S, H * G, D]) over a codec cache, as codec_decode_attention_f32
+ * (codec_decode.c; D 64 or 128, G <= GROUP_MAX, checked by the caller) */
+void codec_decode_attention_team(
+    const float *q, int64_t q_ss, const codec_pools *cp, const int32_t *tables, int64_t tab_ss, int64_t tab_sh,
+    int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
+    float *out, float *key_scores, float *scores, float *partials);
 #endif
