@@ -19,7 +19,9 @@ class Method(NoCompression):
       attach(cache, model_config)   once, before any sequence
       after_attention(ctx)          after every layer's attention of every forward step (prefill chunks and
                                     decode steps) when `acts_after_attention`; evict here through the cache's
-                                    named operations (keep_tokens, evict_blocks, drop_slots)
+                                    named operations (keep_tokens, evict_blocks, drop_slots); a method whose
+                                    decode-step hook reads only the cache sets `decode_reads_attention = False`
+                                    (ctx.q is then None in decode steps, and the call may come after the step)
       on_sequence_end(slot)         when a sequence's blocks are freed (finished or preempted)
       on_fork(parent, child)        when a sequence is forked (shared blocks): copy per-sequence state
     `budget` is the most KV tokens kept per sequence, per layer, per kv-head (None = unlimited).
@@ -35,6 +37,7 @@ class Method(NoCompression):
     needs_key_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = False
     acts_after_attention: ClassVar[bool] = False
+    decode_reads_attention: ClassVar[bool] = True
     budget: int | None = None
     compression_ratio: float | None = None
 

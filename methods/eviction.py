@@ -546,6 +546,7 @@ class BlockScoreEvictionMethod(EvictionMethod):
 
     granularity: ClassVar[str] = "block"
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("block", "none")
+    decode_reads_attention: ClassVar[bool] = False  # token_scores read the cached K/V only
     decode: str = "block"
     heads: str = "shared"
     protect_first_block: bool = True
@@ -560,6 +561,23 @@ class BlockScoreEvictionMethod(EvictionMethod):
     def attach(self, cache: Any, model_config: Any) -> None:
         super().attach(cache, model_config)
         self._check_budget(cache.block_size)
+
+    def after_attention(self, ctx: LayerContext) -> None:
+        if ctx.phase == "decode" and self.compression_ratio is None and not self._may_evict_in_decode(ctx):
+            return  # most decode steps: no table of this layer reached a block boundary above the budget
+        super().after_attention(ctx)
+
+    def _may_evict_in_decode(self, ctx: LayerContext) -> bool:
+        """Whether EvictionMethod.after_attention could act on this layer in this decode step: for some sequence, a
+        first step, or a table above the configured budget (a sequence's budget is never less) whose newest block
+        has just filled, whose heads differ in length, or that runs a block over (evict_decode's cases)."""
+        bs, lo, seen = ctx.cache.block_size, self._configured_budget, ctx.cache.tokens_seen
+        for i, slot in enumerate(ctx.plan.slot_list):
+            lengths = ctx.plan.table_lengths(i, ctx.layer)
+            n = max(lengths)
+            if seen[slot] == 1 or (n > lo and (n % bs == 0 or min(lengths) != n or n >= lo + bs)):
+                return True
+        return False
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         """Before the model loads: the budget must hold the blocks decoding never evicts."""

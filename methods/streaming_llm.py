@@ -34,6 +34,7 @@ class StreamingLLM(EvictionMethod):
 
     granularity: ClassVar[str] = "block"
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("window", "none")
+    decode_reads_attention: ClassVar[bool] = False  # evicts by position
     decode: str = "window"
     prefill_mode: str = "streaming"
     sinks: int = 4

@@ -32,7 +32,7 @@ class RecordingHook:
 
     def after_attention(self, ctx) -> None:
         ks = None if ctx.key_scores is None else ctx.key_scores.clone()
-        self.seen.append((ctx.layer, ctx.phase, ctx.q.clone(), ks))
+        self.seen.append((ctx.layer, ctx.phase, None if ctx.q is None else ctx.q.clone(), ks))
         if self.evict and ctx.phase == "decode" and ctx.layer == 1:
             for i, slot in enumerate(ctx.plan.slot_list):
                 lengths = ctx.plan.table_lengths(i, ctx.layer)
@@ -164,6 +164,38 @@ def test_hooks_see_the_same_queries_and_key_scores(evict):
         assert qf.shape == qr.shape and kf.shape == kr.shape
         torch.testing.assert_close(qf, qr, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kf, kr, atol=1e-6, rtol=1e-5)
+
+
+class CacheOnlyHook(RecordingHook):
+    """A decode hook that reads only the cache (decode_reads_attention = False): evicts as RecordingHook does."""
+
+    decode_reads_attention = False
+    acts_after_attention = True
+
+
+def test_a_cache_only_hook_runs_after_the_one_call_step(monkeypatch):
+    """With decode_reads_attention = False the fused step runs every layer in one C call and then calls the hook
+    for each layer (ctx.q None): the same logits and cache as the per-layer calls and the op-by-op path."""
+    model = tiny_model("llama", seed=8)
+    prompts = [list(range(5, 45)), list(range(60, 83))]
+    calls = []
+    real = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    after_step = CacheOnlyHook(needs_key_scores=False, evict=True)
+    logits, cache = run(model, prompts, 10, fused=True, hook=after_step)
+    assert calls == [model.config.num_layers] * 10  # one call of every layer per decode step
+    decode = [s for s in after_step.seen if s[1] == "decode"]
+    assert [s[0] for s in decode] == list(range(model.config.num_layers)) * 10 and all(s[2] is None for s in decode)
+    for fused in (True, False):
+        per_layer = RecordingHook(needs_key_scores=False, evict=True)
+        ref, ref_cache = run(model, prompts, 10, fused=fused, hook=per_layer)
+        for a, b in zip(logits, ref):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+        assert torch.equal(cache.lengths, ref_cache.lengths)
+        for slot in cache.live:
+            for layer in range(model.config.num_layers):
+                for a, b in zip(cache.gather(layer, slot), ref_cache.gather(layer, slot)):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_not_fused_where_it_does_not_apply():

@@ -17,6 +17,10 @@ class CacheHooks(Protocol):
 
     needs_key_scores: bool  # the attention must return per-key attention mass (ctx.key_scores)
     acts_after_attention: bool  # call after_attention after every layer (False: never called)
+    # in a decode step, after_attention reads ctx.q (False: only the cache and plan; ctx.q is then None, and the
+    # fused CPU decode step may run every layer in one call and call it for each layer after the step: a layer's
+    # cache is not read again in its step, so the result is the same)
+    decode_reads_attention: bool
     store_pre_rope: bool  # cache keys before RoPE
     rope_mode: str  # "original" | "cache"
 
@@ -44,6 +48,7 @@ class NoCompression:
     name = "full"
     needs_key_scores = False
     acts_after_attention = False
+    decode_reads_attention = True
     store_pre_rope = False
     rope_mode = "original"
 

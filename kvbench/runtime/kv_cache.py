@@ -472,7 +472,9 @@ class PagedKVCache:
         col = (old_len // self.block_size).flatten()
         flat = tables.view(-1, tables.shape[-1])
         rows = torch.nonzero(partial.flatten()).flatten()
-        shared = [int(r) for r in rows if self.pool.refcount(int(flat[r, col[r]])) > 1]
+        ids = flat[rows, col[rows]].tolist()  # one host copy, not one per (sequence, layer, head) row
+        refcount = self.pool.refcount
+        shared = [r for r, b in zip(rows.tolist(), ids) if refcount(b) > 1]
         if not shared:
             return None
         r = torch.tensor(shared, dtype=torch.int64, device=self.device)

@@ -64,7 +64,7 @@ class LayerContext:
     plan: AppendPlan
     phase: str  # "prefill" or "decode"
     last_chunk: bool  # the final chunk of a prefill (always True in decode)
-    q: torch.Tensor  # [S, Hq, Q, D] queries as used for attention
+    q: torch.Tensor | None  # [S, Hq, Q, D] queries as used for attention (None: see hooks.decode_reads_attention)
     key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
     rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
 
@@ -173,9 +173,14 @@ class LlamaFamilyModel:
             fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores)
         if fused is not None:  # whole layers per C call, x updated in place
             g = groups[0]
-            after = None if hook is None else lambda li, q, key_scores: hook.after_attention(
+            # a hook that reads only the cache in decode steps runs after the step, for each layer (one C call)
+            after_step = (hook is not None and g.phase == "decode" and not need_scores
+                          and not getattr(hook, "decode_reads_attention", True))
+            after = None if hook is None or after_step else lambda li, q, key_scores: hook.after_attention(
                 LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
             fused.run(x, after)
+            for li in range(cfg.num_layers if after_step else 0):
+                hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, None, None, self.rotary))
         # a pure decode step (one token per sequence) may take the C GEMV up to GEMV_MAX_ROWS rows (linear.Linear)
         gemv_rows = cpu_kernels.GEMV_MAX_ROWS if (len(groups) == 1 and groups[0].phase == "decode"
                                                   and groups[0].tokens.shape[1] == 1) else None
