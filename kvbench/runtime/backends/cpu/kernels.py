@@ -300,8 +300,8 @@ class CodecPools(ctypes.Structure):
         assert k_fp.dtype == v_fp.dtype in (torch.float16, torch.float32) and kq.dtype == vq.dtype == torch.uint8
         assert all(t.is_contiguous() for t in (k_fp, v_fp, kq, vq))
         tiles = torch.empty(threads, k_fp.shape[1], k_fp.shape[2], dtype=torch.float32)
-        pools = cls(k_fp.data_ptr(), v_fp.data_ptr(), int(k_fp.dtype == torch.float16), kq.data_ptr(), vq.data_ptr(), ctypes.pointer(formats[0]),
-                    ctypes.pointer(formats[1]), k_fp.shape[0], tiles.data_ptr())
+        pools = cls(k_fp.data_ptr(), v_fp.data_ptr(), int(k_fp.dtype == torch.float16), kq.data_ptr(), vq.data_ptr(),
+                    ctypes.pointer(formats[0]), ctypes.pointer(formats[1]), k_fp.shape[0], tiles.data_ptr())
         pools._keep = (k_fp, v_fp, kq, vq, formats, tiles)
         return pools
 
