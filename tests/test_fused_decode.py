@@ -45,6 +45,7 @@ class RecordingHook:
 CODECS = {
     "kivi2": lambda: KiviCodec(2, group_size=32, residual=32),
     "kivi4": lambda: KiviCodec(4, group_size=32, residual=64),
+    "kivi8": lambda: KiviCodec(8, group_size=16, residual=32),
     "int8": lambda: Int8Codec(),
 }
 
