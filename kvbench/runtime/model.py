@@ -179,8 +179,10 @@ class LlamaFamilyModel:
             after = None if hook is None or after_step else lambda li, q, key_scores: hook.after_attention(
                 LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
             fused.run(x, after)
-            for li in range(cfg.num_layers if after_step else 0):
-                hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, None, None, self.rotary))
+            if after_step:
+                for li in range(cfg.num_layers):
+                    hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, None, None,
+                                                      self.rotary))
         # a pure decode step (one token per sequence) may take the C GEMV up to GEMV_MAX_ROWS rows (linear.Linear)
         gemv_rows = cpu_kernels.GEMV_MAX_ROWS if (len(groups) == 1 and groups[0].phase == "decode"
                                                   and groups[0].tokens.shape[1] == 1) else None

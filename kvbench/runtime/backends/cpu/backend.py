@@ -55,11 +55,16 @@ class CpuBackend(AttentionBackend):
         Q = q.shape[2]
         kind = "decode" if not causal and Q == 1 else "prefill" if causal and Q != 1 and not return_key_scores \
             else None
-        if kind is None or q.device.type != "cpu" or cache.dtype != torch.float32:
-            return None
-        if q.shape[1] // cache.num_kv_heads > MAX_PACKED_GROUP or self.block_formats(cache) is None:
+        if kind is None or q.device.type != "cpu" or self.codec_formats(cache, q.shape[1]) is None:
             return None
         return kind
+
+    def codec_formats(self, cache, num_heads: int) -> tuple | None:
+        """`block_formats` of a codec cache that the C codec kernels read for a model of `num_heads` query heads
+        (an fp32 cache, at most MAX_PACKED_GROUP query heads per kv-head), else None."""
+        if cache.dtype != torch.float32 or num_heads // cache.num_kv_heads > MAX_PACKED_GROUP:
+            return None
+        return self.block_formats(cache)
 
     def block_formats(self, cache) -> tuple | None:
         """(key, value) `kernels.BlockFormat` of a codec cache's packed rows, or None when the kernels cannot read
@@ -75,10 +80,9 @@ class CpuBackend(AttentionBackend):
     def fused_decode(self, model, tokens, cache, plan, rope_mode, cos, sin, need_scores):
         formats = None
         if not cache.plain_pools:  # a codec cache: fused where the codec decode kernel reads it (as attend_packed)
-            G = model.config.num_heads // cache.num_kv_heads
-            if cache.dtype != torch.float32 or G > MAX_PACKED_GROUP or self.block_formats(cache) is None:
+            formats = self.codec_formats(cache, model.config.num_heads)
+            if formats is None:
                 return None
-            formats = self.block_formats(cache)
         return fused_decode_step(model, tokens, cache, plan, rope_mode, cos, sin, need_scores, formats)
 
 

@@ -117,5 +117,4 @@ def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: Pa
     weights = layer_weights(model)
     if weights is None:
         return None
-    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores,
-                           None if cache.plain_pools else formats)
+    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores, formats)

@@ -85,13 +85,6 @@ static inline float dot_f32(const float *restrict w, const float *restrict x, in
 #else
 #define TILE_ROWS 4
 #define TILE_X 2
-/* decode attention of q (rows q_ss floats apart, [S, H * G, D]) over a codec cache, as codec_decode_attention_f32
- * (codec_decode.c; D 64 or 128, G <= GROUP_MAX, checked by the caller) */
-void codec_decode_attention_team(
-    const float *q, int64_t q_ss, const codec_pools *cp, const int32_t *tables, int64_t tab_ss, int64_t tab_sh,
-    int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
-    int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
-    float *out, float *key_scores, float *scores, float *partials);
 #endif
 
 /* d[r][m] = dot(w[r], x + m * x_ss) over n floats for the TILE_ROWS weight rows w[r] and the first NX (<= TILE_X)
