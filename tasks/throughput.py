@@ -11,7 +11,9 @@ lengths, offsets and arrivals, so every method of a sweep serves the same trace.
 
 Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s, total_tokens_per_s (prompt + output
 over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
-output token after the first), e2e_s_p50/_p99, mean_running_seqs (time-weighted over steps), max_running_seqs,
+output token after the first), decode_prefill_share_p50 (the median request's share of its decode life spent in
+steps that carried prompt tokens: the part of its TPOT that other prompts' prefill put there), e2e_s_p50/_p99,
+mean_running_seqs (time-weighted over steps), max_running_seqs,
 preemptions, failed_requests, peak_kv_bytes and kv_pool_bytes (measured from the pool). The run folder gets
 timeline.csv (one row per step) and timeline.png (running sequences and pool use over time). A trace in which
 every request failed measured nothing: the run fails (status "failed") with the first request's error.
@@ -113,6 +115,26 @@ def _percentile(values: list[float], q: float) -> Optional[float]:
     return vals[f] + (vals[c] - vals[f]) * (k - f)
 
 
+def decode_prefill_shares(requests: list, steps: list) -> list[float]:
+    """For each request with more than one output token, the share of its decode life (the steps that started after
+    its first token and before it finished) that went to steps carrying prompt tokens (kind prefill or mixed): how
+    much of its TPOT other requests' prefills put there. Steps are the timeline's (t_s = when a step ended)."""
+    starts = [steps[i - 1].t_s if i else 0.0 for i in range(len(steps))]
+    shares = []
+    for r in requests:
+        if len(r.output) < 2 or r.first_token_s is None or r.finish_s is None:
+            continue
+        total = with_prompt = 0.0
+        for s, t0 in zip(steps, starts):
+            if r.first_token_s < t0 < r.finish_s:
+                total += s.t_s - t0
+                if s.kind != "decode":
+                    with_prompt += s.t_s - t0
+        if total > 0:
+            shares.append(with_prompt / total)
+    return shares
+
+
 def serving_metrics(outcome: Any) -> dict:
     """The trace's figures from the scheduler's outcome (requests with timings, the step timeline)."""
     reqs, wall = outcome.requests, max(outcome.wall_s, 1e-9)
@@ -123,6 +145,7 @@ def serving_metrics(outcome: Any) -> dict:
     tpot = [(r.finish_s - r.first_token_s) / (len(r.output) - 1) for r in done if len(r.output) > 1]
     e2e = [r.finish_s - r.arrival_s for r in done]
     steps = outcome.timeline
+    stall = decode_prefill_shares(done, steps)
     weighted = sum(s.running * (s.t_s - (steps[i - 1].t_s if i else 0.0)) for i, s in enumerate(steps))
     m = {
         "output_tokens_per_s": out_tokens / wall,
@@ -139,7 +162,8 @@ def serving_metrics(outcome: Any) -> dict:
         "cached_prompt_tokens": getattr(outcome, "cached_prompt_tokens", 0),
         "steps": len(steps),
     }
-    for name, vals, qs in (("ttft_s", ttft, (50, 90, 99)), ("tpot_s", tpot, (50, 90, 99)), ("e2e_s", e2e, (50, 99))):
+    for name, vals, qs in (("ttft_s", ttft, (50, 90, 99)), ("tpot_s", tpot, (50, 90, 99)), ("e2e_s", e2e, (50, 99)),
+                           ("decode_prefill_share", stall, (50,))):
         for q in qs:
             m[f"{name}_p{q}"] = _percentile(vals, q)
     return m

@@ -103,3 +103,21 @@ def test_shared_prefix_tokens_put_the_same_head_on_every_request():
     for bad in (-1, 300, True, "x"):
         with pytest.raises(UserError, match="task.shared_prefix_tokens"):
             ThroughputOptions(input_tokens=[300, 400], shared_prefix_tokens=bad)
+
+
+def test_decode_prefill_share_counts_the_steps_with_prompt_tokens_in_each_decode_life():
+    from kvbench.runtime.scheduler import StepRecord
+    from kvbench.tasks.throughput import decode_prefill_shares
+
+    def step(t, kind):
+        return StepRecord(t, kind, running=2, waiting=0, blocks_in_use=1, tokens=1)
+
+    # steps end at 1, 2, 4, 5, 8: [0,1) prefill, [1,2) decode, [2,4) mixed, [4,5) decode, [5,8) prefill
+    steps = [step(1, "prefill"), step(2, "decode"), step(4, "mixed"), step(5, "decode"), step(8, "prefill")]
+    a = SimpleNamespace(output=[1, 2, 3, 4], first_token_s=0.9, finish_s=4.9)  # steps from 1, 2 and 4: 1 + 2 + 1 s
+    b = SimpleNamespace(output=[1, 2], first_token_s=1.5, finish_s=4.5)  # steps from 2 and 4: 2 of 3 s mixed
+    quiet = SimpleNamespace(output=[1, 2], first_token_s=0.9, finish_s=1.9)  # the decode step from 1 only
+    single = SimpleNamespace(output=[1], first_token_s=0.9, finish_s=0.9)  # no decode life: left out
+    shares = decode_prefill_shares([a, b, quiet, single], steps)
+    assert shares == pytest.approx([2 / 4, 2 / 3, 0.0])
+    assert decode_prefill_shares([single], steps) == []
