@@ -180,9 +180,10 @@ def run_trace(trace_name: str, loaded, stream: list[int], names: list[str], cli)
         tr = r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None
         rr = r["max_running_seqs"] / base["max_running_seqs"] if base else None
         tp = (r["tpot_s_p50"] / base["tpot_s_p50"] if base and base["tpot_s_p50"] and r["tpot_s_p50"] else None)
+        share = r["decode_prefill_share_p50"]
         print(f"{name:22s} {r['output_tokens_per_s']:10.2f} {tr or float('nan'):7.2f} {r['max_running_seqs']:8d} "
               f"{rr or float('nan'):7.2f} {r['preemptions']:8d} {r['ttft_s_p50']:9.2f} {r['tpot_s_p50'] or 0:9.3f} "
-              f"{tp or float('nan'):7.2f} {r['decode_prefill_share_p50'] or 0:10.0%} "
+              f"{tp or float('nan'):7.2f} {float('nan') if share is None else share:10.0%} "
               f"{r['prefill_tokens_per_s'] or 0:14.0f} {r['cached_prompt_tokens']:7d}")
         summary[name] = {"throughput_ratio_vs_full": tr, "max_running_seqs": r["max_running_seqs"],
                          "max_running_ratio_vs_full": rr, "preemptions": r["preemptions"],

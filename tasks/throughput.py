@@ -115,11 +115,16 @@ def _percentile(values: list[float], q: float) -> Optional[float]:
     return vals[f] + (vals[c] - vals[f]) * (k - f)
 
 
+def _step_starts(steps: list) -> list[float]:
+    """When each timeline step began (the previous step's end; the first at 0)."""
+    return [steps[i - 1].t_s if i else 0.0 for i in range(len(steps))]
+
+
 def decode_prefill_shares(requests: list, steps: list) -> list[float]:
     """For each request with more than one output token, the share of its decode life (the steps that started after
     its first token and before it finished) that went to steps carrying prompt tokens (kind prefill or mixed): how
     much of its TPOT other requests' prefills put there. Steps are the timeline's (t_s = when a step ended)."""
-    starts = [steps[i - 1].t_s if i else 0.0 for i in range(len(steps))]
+    starts = _step_starts(steps)
     shares = []
     for r in requests:
         if len(r.output) < 2 or r.first_token_s is None or r.finish_s is None:
@@ -146,7 +151,7 @@ def serving_metrics(outcome: Any) -> dict:
     e2e = [r.finish_s - r.arrival_s for r in done]
     steps = outcome.timeline
     stall = decode_prefill_shares(done, steps)
-    weighted = sum(s.running * (s.t_s - (steps[i - 1].t_s if i else 0.0)) for i, s in enumerate(steps))
+    weighted = sum(s.running * (s.t_s - t0) for s, t0 in zip(steps, _step_starts(steps)))
     m = {
         "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + in_tokens) / wall,
