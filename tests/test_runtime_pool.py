@@ -233,3 +233,43 @@ def test_evict_the_same_blocks_in_every_head_equals_one_head_at_a_time():
     with pytest.raises(ValueError, match="not a full block"):
         a.evict_head_blocks(1, s, [[4], [4]])  # now the part-filled last block
     assert_tables_consistent(a)
+
+
+def test_cached_free_blocks_are_taken_last_oldest_first_tail_first_and_can_be_taken_back():
+    """A prefix cache's view of the pool (vLLM's evictable cached blocks): freed blocks it names stay cached and
+    count as free; an allocation takes plain free blocks first, then evicts cached ones least recently freed first
+    and, among blocks freed together, the deepest first, telling the listeners; `share` takes a cached block back."""
+    pool = BlockPool(12, reserved=1)  # 11 usable
+    depth = {}  # block -> depth in a cached prompt (the prefix cache's answer)
+    evicted = []
+    pool.retain_rank = depth.get
+    pool.evict_listeners.append(evicted.extend)
+    a = pool.allocate(3)
+    b = pool.allocate(3)
+    depth.update({a[0]: 0, a[1]: 1, a[2]: 2, b[0]: 0, b[1]: 1})  # b[2] is not cached
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free == 11 and pool.in_use == 0 and pool.num_cached_free == 5
+    assert pool.count_cached_free(torch.tensor([a, b], dtype=torch.int32)) == 5
+    pool.check_consistency()
+    got = pool.allocate(6)  # the 5 never-cached plain blocks and b[2] first: nothing evicted
+    assert b[2] in got and not evicted and pool.num_cached_free == 5
+    pool.allocate(2)  # now a's deepest blocks go first (a was freed before b)
+    assert evicted == [a[2], a[1]]
+    pool.share([b[0], b[1]])  # a hit on b's cached blocks takes them back
+    assert pool.refcount(b[0]) == pool.refcount(b[1]) == 1 and pool.shared_refs == 0
+    assert pool.num_cached_free == 1 and pool.in_use == 10
+    pool.uncache([a[0]])  # the cache dropped what a[0] held: a plain free block now
+    assert pool.num_cached_free == 0 and pool.num_free == 1
+    with pytest.raises(ValueError):
+        pool.share([a[0]])  # a plain free block cannot be shared
+    assert pool.allocate(1) == [a[0]]
+    pool.check_consistency()
+
+
+def test_without_a_prefix_cache_the_pool_keeps_no_cached_blocks():
+    pool = BlockPool(6, reserved=1)
+    ids = pool.allocate(5)
+    pool.free(ids)
+    assert pool.num_cached_free == 0 and pool.num_free == 5
+    assert pool.allocate(5) == ids  # the stack order as before: the first released comes out first again

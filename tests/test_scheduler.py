@@ -120,7 +120,41 @@ def test_full_cache_with_prefix_caching_shares_and_equals_generate(model, schedu
     assert [r.output for r in reqs] == want
     assert out.cached_prompt_tokens == 3 * 40  # the three later requests each take the 5 shared blocks
     assert sum(r.prefill_tokens for r in reqs) == sum(map(len, prompts)) - 3 * 40
-    assert engine.cache.pool.in_use == 0 and len(engine.prefix_cache) == 0  # entries die with their blocks
+    assert engine.cache.pool.in_use == 0
+    assert_only_cached_free_blocks_are_named(engine)
+
+
+def assert_only_cached_free_blocks_are_named(engine):
+    """After a trace: every prefix-cache entry left names blocks that sit free and cached in the pool, and every
+    cached free block is named by an entry (none is lost to the free count)."""
+    pool, pc = engine.cache.pool, engine.prefix_cache
+    named = {b for ids in pc._entries.values() for b in ids.flatten().tolist()}
+    assert all(pool.is_cached_free(b) for b in named)
+    assert pool.num_cached_free == len(named)
+
+
+def test_a_finished_prompt_stays_cached_for_a_later_request(model):
+    """vLLM's cached free blocks: a request's prompt blocks outlive it, so the same prompt served later is taken
+    from the cache (all but its last block's worth), with outputs equal to batch-1 generate; the cached blocks count
+    as free, and a trace that needs the room evicts them."""
+    prompt = _prompts([45], 4)[0]
+    ref = Engine(model, block_size=BS, num_blocks=4096, prefix_caching=False)
+    want = ref.generate([prompt], max_new_tokens=6)[0].token_ids
+    engine = Engine(model, block_size=BS, num_blocks=200, prefill_chunk_size=16)
+    first = [Request(prompt, 6)]
+    _checked_serve(engine, first)
+    assert engine.cache.pool.in_use == 0 and engine.cache.pool.num_cached_free > 0
+    again = [Request(prompt, 6)]
+    out = _checked_serve(engine, again)
+    assert out.cached_prompt_tokens == (len(prompt) - 1) // BS * BS  # every full block but the last token's
+    assert first[0].output == again[0].output == want
+    assert_only_cached_free_blocks_are_named(engine)
+    # prompts that fill the pool evict the cached blocks and still equal generate
+    big = _prompts([90, 85], 6)
+    reqs = [Request(p, 4) for p in big]
+    _checked_serve(engine, reqs)
+    assert [r.output for r in reqs] == [ref.generate([p], max_new_tokens=4)[0].token_ids for p in big]
+    assert_only_cached_free_blocks_are_named(engine)
 
 
 _PREEMPTING = {  # (prompt lengths, new tokens): prompts fit together, their growth does not
@@ -282,6 +316,31 @@ def test_prefix_caching_with_preemption_equals_generate(model, schedule):
     assert out.preemptions > 0 and out.cached_prompt_tokens > 0
     assert [r.output for r in reqs] == [ref.generate([p], max_new_tokens=new)[0].token_ids for p in prompts]
     assert engine.cache.pool.in_use == 0
+    assert_only_cached_free_blocks_are_named(engine)
+
+
+def test_a_preempted_request_takes_its_own_cached_blocks_back(model):
+    """Preemption by recompute with prefix caching: the victim's computed blocks stay cached in the pool, so on
+    re-admission it takes the ones not evicted meanwhile instead of prefilling its prompt again; outputs equal
+    batch-1 generate. Without the cache the same trace recomputes every preempted prompt in full."""
+    lengths, new = [16, 14, 15, 16], 60
+    prompts = _prompts(lengths, 3)
+    need = -(-(max(lengths) + new) // BS) * 2 * 2
+    runs = {}
+    for caching in (False, True):
+        engine = Engine(model, block_size=BS, num_blocks=need + 12, prefill_chunk_size=16, admission_watermark=0,
+                        prefix_caching=caching)
+        reqs = [Request(p, new) for p in prompts]
+        out = _checked_serve(engine, reqs)
+        runs[caching] = (out, reqs)
+    ref = Engine(model, block_size=BS, num_blocks=4096, prefix_caching=False)
+    want = [ref.generate([p], max_new_tokens=new)[0].token_ids for p in prompts]
+    for out, reqs in runs.values():
+        assert out.preemptions > 0 and [r.output for r in reqs] == want
+    (off, off_reqs), (on, on_reqs) = runs[False], runs[True]
+    assert off.cached_prompt_tokens == 0
+    assert on.cached_prompt_tokens > 0  # the prompts share nothing: these are victims' own blocks
+    assert sum(r.prefill_tokens for r in on_reqs) < sum(r.prefill_tokens for r in off_reqs)
 
 
 def test_the_scheduler_only_plans_steps():

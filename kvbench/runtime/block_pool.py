@@ -6,10 +6,19 @@ storage tensors of `kvbench.runtime.kv_cache`. Allocation and free are O(1) per 
 The free list is a stack: the blocks freed last are handed out first, so a new sequence reuses memory
 that is already mapped and warm instead of touching fresh pages of the (mostly virtual) pool; each
 allocation comes out in ascending id order, so a table's blocks tend to sit next to each other.
+
+With a prefix cache (`retain_rank` set), a freed block that the cache still names keeps its contents as a cached
+free block (vLLM's evictable cached blocks): it counts as free, but an allocation takes the plain free blocks
+first and evicts cached ones only when those run out, least recently freed first and, among blocks freed together,
+the deepest in their prompt first (so a cached prefix loses its tail before its head). Evicting tells
+`evict_listeners`, which forget what the block held; a request that finds the block cached takes it back (`share`).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from itertools import islice
+from typing import Callable, Iterable
+
+import torch
 
 
 class OutOfBlocksError(RuntimeError):
@@ -42,6 +51,11 @@ class BlockPool:
         # shared block counts it once; the pool holds it once). Tables reference in_use + shared_refs blocks.
         self.shared_refs = 0
         self.release_listeners: list = []  # f(ids) called with the blocks each free() returned to the free list
+        # cached free blocks (refcount 0, contents kept for a prefix cache), least recently freed first
+        self._evictable: dict[int, None] = {}
+        self._cached_flags = bytearray(num_blocks)  # 1 for the blocks in _evictable (counted in bulk by a view)
+        self.retain_rank: Callable[[int], int | None] | None = None  # a freed block's depth in a cached prompt
+        self.evict_listeners: list = []  # f(ids) called with the cached free blocks an allocation takes back
 
     @property
     def capacity(self) -> int:
@@ -49,17 +63,33 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: plain free blocks and cached free ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._evictable)
 
     @property
     def in_use(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.num_free
+
+    def is_cached_free(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def count_cached_free(self, ids) -> int:
+        """How many of the block ids (an integer tensor, any shape) are cached free blocks."""
+        flags = torch.frombuffer(self._cached_flags, dtype=torch.uint8)
+        return int(flags[ids.flatten().long()].sum())
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (refcount 1 each); all or nothing."""
-        if n > len(self._free):
-            raise OutOfBlocksError(n, len(self._free), self.capacity)
+        """Take `n` free blocks (refcount 1 each), plain free blocks first, then cached ones (evicted, least
+        recently freed first); all or nothing."""
+        if n > self.num_free:
+            raise OutOfBlocksError(n, self.num_free, self.capacity)
         free, ref = self._free, self._refcount
+        if n > len(free):
+            self._evict(n - len(free))
         ids = free[len(free) - n:][::-1]
         del free[len(free) - n:]
         for b in ids:
@@ -69,28 +99,65 @@ class BlockPool:
             self.peak_in_use = in_use
         return ids
 
+    def _evict(self, n: int) -> None:
+        """Move n cached free blocks (the least recently freed) to the plain free list; listeners forget them."""
+        ids = list(islice(self._evictable, n))
+        for b in ids:
+            del self._evictable[b]
+            self._cached_flags[b] = 0
+        self._free.extend(reversed(ids))
+        for listener in self.evict_listeners:
+            listener(ids)
+
+    def uncache(self, ids: Iterable[int]) -> None:
+        """Cached free blocks whose contents no one will look up again: plain free blocks now (taken first)."""
+        for b in ids:
+            if b in self._evictable:
+                del self._evictable[b]
+                self._cached_flags[b] = 0
+                self._free.append(b)
+
     def share(self, ids: Iterable[int]) -> None:
-        """Add one reference to each block (a forked sequence now also holds it)."""
+        """Add one reference to each block (a forked sequence now also holds it); a cached free block is taken
+        back from the free list (a prefix-cache hit on a block no sequence held)."""
         ref = self._refcount
+        revived = False
         for b in ids:
             if ref[b] <= 0:
-                raise ValueError(f"cannot share free block {b}")
+                if b not in self._evictable:
+                    raise ValueError(f"cannot share free block {b}")
+                del self._evictable[b]
+                self._cached_flags[b] = 0
+                ref[b] = 1
+                revived = True
+                continue
             ref[b] += 1
             self.shared_refs += 1
+        if revived and self.in_use > self.peak_in_use:
+            self.peak_in_use = self.in_use
 
     def free(self, ids: Iterable[int]) -> list[int]:
         """Drop one reference to each block; blocks whose count reaches zero return to the free list (and are
-        returned)."""
+        returned), or, when a prefix cache names them (`retain_rank`), become cached free blocks."""
         ref = self._refcount
         released = []
+        cached: list[tuple[int, int]] = []  # (depth in its cached prompt, block) of freed blocks a cache names
+        rank = self.retain_rank
         for b in ids:
             if ref[b] <= 0:
                 raise ValueError(f"double free of block {b}")
             ref[b] -= 1
             if ref[b] == 0:
-                released.append(b)
+                depth = rank(b) if rank is not None else None
+                if depth is None:
+                    released.append(b)
+                else:
+                    cached.append((depth, b))
             else:
                 self.shared_refs -= 1
+        for _, b in sorted(cached, key=lambda t: -t[0]):  # evicted in this order: a prompt's tail first
+            self._evictable[b] = None
+            self._cached_flags[b] = 1
         self._free.extend(reversed(released))  # the first released comes out first again
         if released:
             for listener in self.release_listeners:
@@ -107,6 +174,9 @@ class BlockPool:
         """Assert the free list and the reference counts agree (used by tests)."""
         free = set(self._free)
         assert len(free) == len(self._free), "block on the free list twice"
+        assert not free & set(self._evictable), "block both plain free and cached free"
+        assert {b for b, f in enumerate(self._cached_flags) if f} == set(self._evictable), "cached flags out of step"
+        free |= set(self._evictable)
         for b in range(self.reserved, self.num_blocks):
             if b in free:
                 assert self._refcount[b] == 0, f"free block {b} has refcount {self._refcount[b]}"

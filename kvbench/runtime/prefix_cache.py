@@ -17,6 +17,13 @@ retargets the entry to the packed copy (`replace`).
 Only blocks whose every table is untouched by the method (slot j of the block holds position j, in every layer and
 head) are registered, so a method that compresses a prompt never offers its compressed blocks; a sequence holding
 shared blocks that its method then compresses gets its own copies first (copy-on-write in PagedKVCache).
+
+On a plain pool (`BlockPool`), an entry also outlives its last holder, as vLLM's cached free blocks do: blocks
+freed while an entry names them stay cached in the pool (free, but handed out only after the plain free blocks,
+least recently freed first, a prompt's tail before its head), so a request preempted by recompute, or a later
+request with the same prompt, finds them; the entry is dropped when one of its blocks is handed out again (or
+changed in place), and its other blocks become plain free blocks. A codec's pool keeps the first rule: an entry
+lives while a sequence holds its blocks.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from kvbench.runtime.block_pool import BlockPool
 from kvbench.runtime.kv_cache import PagedKVCache
 
 
@@ -33,10 +41,16 @@ class PrefixCache:
     def __init__(self, cache: PagedKVCache):
         self.cache = cache
         self._entries: dict[tuple, torch.Tensor] = {}  # (parent key, tokens) -> ids [L, H] int32
+        self._depth: dict[tuple, int] = {}  # key -> its block's index in the prompt
         self._by_block: dict[int, set[tuple]] = {}  # physical id -> keys of the entries naming it
         self.hits = 0  # blocks attached
         self.queries = 0  # full prompt blocks looked up
-        cache.pool.release_listeners.append(self._forget)
+        pool = cache.pool
+        pool.release_listeners.append(self._forget)
+        self.retains_freed = isinstance(pool, BlockPool)  # a plain pool keeps freed cached blocks (module doc)
+        if self.retains_freed:
+            pool.retain_rank = self._rank
+            pool.evict_listeners.append(self._forget)
         cache.block_listeners.append(self)
 
     # ------------------------------------------------------------------ keys
@@ -62,6 +76,13 @@ class PrefixCache:
                 break
             found.append(ids)
         return found
+
+    def cached_free_blocks(self, blocks: list[torch.Tensor]) -> int:
+        """How many of the physical blocks of `blocks` (a lookup's result) sit in the pool as cached free blocks:
+        attaching them takes them from the free count."""
+        if not blocks or not self.retains_freed or not self.cache.pool.num_cached_free:
+            return 0
+        return self.cache.pool.count_cached_free(torch.stack(blocks))
 
     def attach(self, slot: int, token_ids: Sequence[int]) -> int:
         """Give the new (empty) sequence `slot` the cached blocks of its longest cached prefix; returns the number
@@ -102,20 +123,29 @@ class PrefixCache:
                 continue  # another sequence's copy is already shared
             ids = c.tables[slot, :, :, b].clone()  # [L, H]
             self._entries[key] = ids
+            self._depth[key] = b
             for bid in ids.flatten().tolist():
                 self._by_block.setdefault(bid, set()).add(key)
         return n
 
     # ------------------------------------------------------------------ invalidation (called by the cache)
+    def _rank(self, block_id: int) -> int | None:
+        """The pool's question for a block being freed: its depth in a cached prompt, None when no entry names it."""
+        keys = self._by_block.get(block_id)
+        return max(self._depth[k] for k in keys) if keys else None
+
     def _forget(self, ids) -> None:
-        """Blocks released or about to change in place: drop every entry naming one of them."""
+        """Blocks released, handed out again or about to change in place: drop every entry naming one of them;
+        the entries' other blocks that sat cached in the pool become plain free blocks."""
         by_block = self._by_block
         if not by_block:
             return
+        orphans = []
         for b in ids:
             keys = by_block.pop(int(b), None)
             for key in keys or ():
                 entry = self._entries.pop(key, None)
+                self._depth.pop(key, None)
                 if entry is not None:
                     for other in entry.flatten().tolist():
                         s = by_block.get(other)
@@ -123,6 +153,9 @@ class PrefixCache:
                             s.discard(key)
                             if not s:
                                 del by_block[other]
+                                orphans.append(other)
+        if orphans and self.retains_freed:
+            self.cache.pool.uncache(orphans)
 
     def modified(self, ids) -> None:
         """Blocks about to be written in place (token-level eviction): their entries are no longer true."""

@@ -104,6 +104,7 @@ class Scheduled:
     req: Request
     n: int
     kind: str  # prefill | decode
+    revived: int = 0  # cached free blocks its admission took back from the pool (prefix cache)
 
     @property
     def emits(self) -> bool:
@@ -238,7 +239,7 @@ class Scheduler:
             out.append(seg)
             r = seg.req
             need = self.cache.blocks_for_append([r.slot], seg.n)
-            free -= need
+            free -= need + seg.revived
             budget -= seg.n
             debt += self.cache.blocks_for_append([r.slot], len(r.tokens) - r.fed) - need
             self._note_inflight(r, seg.n, inflight)
@@ -264,10 +265,13 @@ class Scheduler:
         if not self.waiting or len(self.admitted) >= self.max_num_seqs:
             return None
         req = self.waiting[0]
-        cached = 0
+        cached = revived = 0
         if self.prefix_cache is not None:
-            n_cached = len(self.prefix_cache.lookup(req.tokens))
+            found = self.prefix_cache.lookup(req.tokens)
+            n_cached = len(found)
             cached = n_cached * self.cache.block_size
+            revived = self.prefix_cache.cached_free_blocks(found)  # cached blocks no sequence holds: they count
+            # as free now and stop counting once attached
             if inflight and (n_cached + 1) * self.cache.block_size < len(req.tokens):
                 if self.prefix_cache.block_keys(req.tokens, n_cached + 1)[-1] in inflight:
                     return None
@@ -279,7 +283,8 @@ class Scheduler:
             return None
         # with nothing admitted, nothing else could free the reserve: admit if the chunk fits
         want = self.cache.blocks_for_append([None], len(req.tokens) - cached) if whole_prompt else first
-        need = first if not self.admitted else max(want, req.resume_blocks) + self.reserve
+        # a preempted request waits for room for the blocks it held (no thrashing); its own cached blocks count
+        need = first + revived if not self.admitted else max(want + revived, req.resume_blocks) + self.reserve
         if need > free:
             return None
         self.waiting.popleft()
@@ -294,7 +299,7 @@ class Scheduler:
             n = min(n, len(req.tokens) - req.fed)
         self.admitted.append(req)
         self.max_running = max(self.max_running, len(self.admitted))
-        return Scheduled(req, n, "prefill")
+        return Scheduled(req, n, "prefill", revived)
 
     def _decode_batch(self, budget: int) -> Optional[list[Request]]:
         """One decode token for each decoding sequence (rotated when more than `budget`), preempting the newest
