@@ -99,12 +99,16 @@ class BlockPool:
             self.peak_in_use = in_use
         return ids
 
+    def _take_cached(self, b: int) -> None:
+        """Block b is no longer a cached free block (evicted, uncached or taken back)."""
+        del self._evictable[b]
+        self._cached_flags[b] = 0
+
     def _evict(self, n: int) -> None:
         """Move n cached free blocks (the least recently freed) to the plain free list; listeners forget them."""
         ids = list(islice(self._evictable, n))
         for b in ids:
-            del self._evictable[b]
-            self._cached_flags[b] = 0
+            self._take_cached(b)
         self._free.extend(reversed(ids))
         for listener in self.evict_listeners:
             listener(ids)
@@ -113,8 +117,7 @@ class BlockPool:
         """Cached free blocks whose contents no one will look up again: plain free blocks now (taken first)."""
         for b in ids:
             if b in self._evictable:
-                del self._evictable[b]
-                self._cached_flags[b] = 0
+                self._take_cached(b)
                 self._free.append(b)
 
     def share(self, ids: Iterable[int]) -> None:
@@ -126,8 +129,7 @@ class BlockPool:
             if ref[b] <= 0:
                 if b not in self._evictable:
                     raise ValueError(f"cannot share free block {b}")
-                del self._evictable[b]
-                self._cached_flags[b] = 0
+                self._take_cached(b)
                 ref[b] = 1
                 revived = True
                 continue
