@@ -30,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from computed import require_computed  # noqa: E402  (bench/computed.py: a speed is work done, not a cache hit)
+
 RESULTS: dict[str, dict] = {}
 JSON_PATH: list[Path] = []  # --json: rewritten after every section, so a run cut short keeps what it measured
 
@@ -198,9 +200,11 @@ def speed(device: str, quick: bool) -> dict:
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     def kv_generate(engine, prompts, n):
-        engine.generate(prompts, max_new_tokens=n)
+        gens = engine.generate(prompts, max_new_tokens=n)
+        require_computed(sum(g.prefill_tokens for g in gens), sum(map(len, prompts)), "speed_vs_transformers")
 
-    engine = Engine(model, kv_memory_bytes=2 * 2**30, prefill_chunk_size=2048)
+    # prefix caching off: each timed repeat of a prompt computes it (bench/computed.py refuses a cache hit)
+    engine = Engine(model, kv_memory_bytes=2 * 2**30, prefill_chunk_size=2048, prefix_caching=False)
     res["attention_backend"] = engine.attention_backend
     # prefill 2048 tokens (one new token: the time of the prefill and one sampling)
     p = rand(2048)
