@@ -7,8 +7,10 @@ no network), DIR/runs.csv (every run as one row of a pandas table: metrics, then
 
 For each experiment (the `experiment` key of the runs; runs without one are grouped apart):
 - the verdict on the paper's claims (the `paper:` block of conf/experiment/NAME.yaml, saved in each run's
-  config.yaml; kvbench.reporting.claims): per claim our figure beside the paper's and reproduced / not reproduced /
-  not run, and for the experiment reproduced only when every claim is;
+  config.yaml; kvbench.reporting.claims): per claim our figure, its 95% bootstrap interval and the items resampled
+  beside the paper's figure, and reproduced / not reproduced / inconclusive / not run; for the experiment not
+  reproduced when any claim is refuted, reproduced only when every claim is, else inconclusive, with the scale
+  (model) and the samples per run beside it;
 - per task, a table with one row per run: the setting, the paper row it matches, the model and dtype, our value
   and, only on the paper's model and data and in its metric, the published one and the difference; KV memory and
   speed, a link to the run folder, the versions and the git commit (columns empty for every run are left out);
@@ -168,9 +170,39 @@ def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple
 
 
 def claims_table(verdicts: list[claims.Verdict]) -> Table:
-    rows = [[v.claim, v.metric, v.expected, v.ours, v.paper, v.verdict, v.why] for v in verdicts]
-    return Table("claims of the paper, judged on these runs", ["claim", "metric", "relation", "ours", "paper",
-                                                               "verdict", "why"], rows, keep=tuple(range(6)))
+    rows = [[v.claim, v.metric, v.expected, v.ours, v.interval, v.items, v.paper, v.verdict, v.why] for v in verdicts]
+    return Table("claims of the paper, judged on these runs (95% bootstrap intervals)",
+                 ["claim", "metric", "relation", "ours", "95% interval", "items", "paper", "verdict", "why"], rows,
+                 keep=tuple(range(8)))
+
+
+def scale_text(runs: list[dict], paper: dict) -> str:
+    """The scale a verdict was reached at: the models (the paper's or not) and how many samples (and perplexity
+    windows) each run scored, so that a one-sample smoke verdict reads as what it is."""
+    from kvbench.store.runs import samples_of
+
+    paper_models = {m.strip() for m in str(paper.get("model") or "").split(",") if m.strip()}
+    models = sorted({str(r["metrics"].get("model") or r["cfg"].get("model.path")) for r in runs})
+    on_paper = bool(runs) and all(r["cfg"].get("model.path") in paper_models for r in runs)
+    scale = "scale: the paper's model" if on_paper else \
+        f"scale: {', '.join(models)}, not the paper's model ({paper.get('model')})"
+    ok = [r for r in runs if r["metrics"].get("status") == "ok"]
+    counts = [r["metrics"].get("num_samples") for r in ok if isinstance(r["metrics"].get("num_samples"), int)]
+    units = []
+    for r in ok:
+        metric = metric_for(r, paper)
+        samples = samples_of(r) or []
+        if metric and samples and stats.sample_unit(metric, samples) == "windows":
+            units.append(stats.sample_count(metric, samples))
+
+    def span(xs: list[int]) -> str:
+        return str(xs[0]) if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
+    if not counts:
+        return scale
+    per = f"{span(sorted(counts))} sample" + ("s" if max(counts) != 1 else "")
+    if units:
+        per += f" ({span(sorted(units))} perplexity windows)"
+    return f"{scale}; {len(ok)} runs of {per} each"
 
 
 def history_plots(history: list[dict], metrics: list[str], labels: dict[str, str],
@@ -285,7 +317,7 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
     sec.verdicts = verdicts
     if paper:
         verdict, summary = claims.experiment_verdict(verdicts)
-        sec.verdict = (verdict, summary)
+        sec.verdict = (verdict, f"{summary}; {scale_text(runs, paper)}")
         sec.lines.append(f"Paper: {paper.get('source')}")
         sec.lines.append(f"Paper's model: {paper.get('model')}; data: {paper.get('dataset')}; metric: "
                          f"`{paper.get('metric')}` ({'lower' if paper.get('lower_is_better') else 'higher'} is better)"
@@ -385,7 +417,8 @@ def verdict_lines(sections: list[Section]) -> list[str]:
             continue
         lines.append(f"{sec.title}: {sec.verdict[0]} ({sec.verdict[1]})")
         for v in sec.verdicts:
-            figure = f"ours {v.ours or '-'} | paper {v.paper}"
+            interval = f" 95% {v.interval} ({v.items})" if v.interval else ""
+            figure = f"ours {v.ours or '-'}{interval} | paper {v.paper}"
             lines.append(f"  [{v.verdict}] {v.claim} ({v.metric}; {v.expected}): {figure}"
                          + (f" -- {v.why}" if v.why else ""))
     return lines
@@ -408,8 +441,10 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
                                            [r for r in everything if r["run_dir"] not in mine]))
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     intro = [f"Results folder: `{results_dir}`; {sum(len(g[1]) for g in groups)} runs; generated {now}.",
-             "Verdicts judge the paper's claims (relations between its rows) on our rows: reproduced, not reproduced, "
-             "or not run (a row has no run). Each table row links its run folder (config.yaml, metrics.json, "
+             "Verdicts judge the paper's claims (relations between its rows) on our rows, on 95% bootstrap "
+             "intervals (paired over the items the rows share): reproduced (the whole interval on the claim's "
+             "side), not reproduced (wholly on the other side), inconclusive (the data cannot tell), or not run (a "
+             "row has no run). Each table row links its run folder (config.yaml, metrics.json, "
              "samples.jsonl); `diff` = ours - paper, on the paper's model and data only."]
     judged = [f"{sec.title}: {sec.verdict[0]}" for sec in sections if sec.verdict]
     if judged:

@@ -215,7 +215,9 @@ def test_claims_not_run_when_rows_are_missing(tmp_path):
     assert by["window only > 10x 4 sinks"].verdict == "not run"
     assert "no run of 0 sinks" in by["window only > 10x 4 sinks"].why
     assert by["1 sink within 25% of 4 sinks"].verdict == "reproduced"
-    assert verdict == "not run"  # never "reproduced" with a claim unjudged
+    assert verdict == "inconclusive"  # never "reproduced" with a claim unjudged
+    claim_folder(tmp_path / "none", {1: 30.0})
+    assert verdicts(tmp_path / "none")[0] == "not run"  # no claim judged at all
 
 
 @pytest.mark.parametrize("bad", [float("nan"), None, float("inf")])
@@ -284,17 +286,26 @@ def test_verdicts_in_terminal_markdown_html_and_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(out),
                            "--json", str(js)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "sinks_claims: not reproduced (2 reproduced, 1 not reproduced (of 3 claims))" in proc.stdout
-    assert "[not reproduced] window only > 10x 4 sinks" in proc.stdout
+    scale = "scale: smollm2-135m, not the paper's model (meta-llama/Llama-2-7b-hf); 3 runs of 1 sample each"
+    assert f"sinks_claims: not reproduced (2 reproduced, 1 not reproduced (of 3 claims); {scale})" in proc.stdout
+    # beside each claim: the interval and what it resampled (one document without windows: no interval)
+    assert "[not reproduced] window only > 10x 4 sinks (ppl; ratio >= 10): ours x1.63 95% x[1.63, 1.63] (unpaired, " \
+           "1 sample per run; no interval for s0, s4 (fewer than 2 samples, or no samples.jsonl)) | paper x350.4" \
+           in proc.stdout, proc.stdout
     import json
 
     data = json.loads(js.read_text())["sinks_claims"]
-    assert data["verdict"] == "not reproduced"
+    assert data["verdict"] == "not reproduced" and scale in data["summary"]
     assert [c["verdict"] for c in data["claims"]] == ["not reproduced", "reproduced", "reproduced"]
+    assert data["claims"][0]["interval"] == "x[1.63, 1.63]" and data["claims"][0]["settings"][0]["bounds"]
+    assert data["claims"][2]["interval"] == "s1-s4 [+3, +3]; s0-s1 [+14, +14]"
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "Verdicts: sinks\\_claims: not reproduced." in md
-    assert "**Verdict: not reproduced**" in md and "window only &gt; 10x 4 sinks" in md  # escaped as in HTML
+    assert "**Verdict: not reproduced** (2 reproduced, 1 not reproduced (of 3 claims); scale: smollm2-135m" in md
+    assert "window only &gt; 10x 4 sinks" in md  # escaped as in HTML
+    assert "| 95% interval | items |" in md and "s1-s4 \\[+3, +3\\]" in md
     assert 'class="verdict bad"' in html and '<td class="good">reproduced</td>' in html
+    assert "<th>95% interval</th>" in html and "x[1.63, 1.63]" in html
 
 
 BAD_PAPERS = [

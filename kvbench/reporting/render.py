@@ -48,7 +48,8 @@ class Section:
 
 
 # Cells whose whole text is a verdict are coloured in the HTML.
-VERDICT_CLASS = {"reproduced": "good", "not reproduced": "bad", "not run": "none", "no claims": "none"}
+VERDICT_CLASS = {"reproduced": "good", "not reproduced": "bad", "inconclusive": "unsure", "not run": "none",
+                 "no claims": "none"}
 
 
 def _slug(text: str) -> str:
@@ -121,7 +122,8 @@ tr:nth-child(even) td { background: #fafafa; }
 .plots figure { margin: 0; } figcaption { font-size: 12px; color: #555; }
 p { font-size: 13px; margin: 4px 0; } code { background: #f3f3f3; padding: 0 3px; }
 td.good, p.verdict.good { background: #d9f2d9 !important; } td.bad, p.verdict.bad { background: #f8d7d7 !important; }
-td.none, p.verdict.none { background: #eeeeee !important; } p.verdict { padding: 4px 8px; display: inline-block; }
+td.none, p.verdict.none { background: #eeeeee !important; }
+td.unsure, p.verdict.unsure { background: #fbeec2 !important; } p.verdict { padding: 4px 8px; display: inline-block; }
 """
 
 

@@ -209,3 +209,65 @@ def sample_unit(name: str, samples: Sequence[dict]) -> str:
     if name in ("ppl", "nll") and samples and all(_windows(s) is not None for s in samples):
         return "windows"
     return "samples"
+
+
+def _usable(name: str, samples: Optional[Sequence[dict]], recorded: float) -> Optional[Callable]:
+    """statistic(name, samples) when it recomputes the recorded value from at least two units, else None (no
+    samples, one unit, or samples that do not give the recorded value: their noise would not be this run's)."""
+    if not samples:
+        return None
+    fn = statistic(name, samples, recorded)
+    n = sample_count(name, samples)
+    if fn is None or n < 2:
+        return None
+    value = fn(np.arange(n))
+    if not math.isfinite(value) or abs(value - recorded) > 1e-6 * max(1.0, abs(recorded)):
+        return None
+    return fn
+
+
+def row_draws(name: str, rows: Sequence[Sequence[tuple[float, Optional[Sequence[dict]]]]], *, iters: int = 1000,
+              seed: int = 0) -> tuple[np.ndarray, dict]:
+    """Bootstrap draws of each row's value, for judging a relation between rows on an interval.
+
+    rows: per row, its runs as (recorded value, samples or None); a row's value is the mean of its runs'. Paired
+    when every row has one run and all of them scored the same items (`aligned`): one resampling of the items
+    serves every row, so the items' own difficulty cancels in a ratio or a difference. Else each run is resampled
+    on its own. A run whose samples cannot recompute its value (none, one unit, or a mismatch) stays at its
+    recorded value in every draw: no noise is known for it.
+    Returns draws [rows, iters] and what was resampled: {"paired", "unit", "items" (units per run, row by row),
+    "exact" (indices of rows with a run held at its value)}."""
+    fns = [[(_usable(name, s, v), v, s) for v, s in runs] for runs in rows]
+    unit = next((sample_unit(name, s) for runs in fns for fn, _, s in runs if fn is not None), "samples")
+    items = [[sample_count(name, s) if s else 0 for _, _, s in runs] for runs in fns]
+    exact = [i for i, runs in enumerate(fns) if any(fn is None for fn, _, _ in runs)]
+    rng = np.random.default_rng(seed)
+    draws = np.empty((len(rows), iters))
+    singles = [runs[0] for runs in fns if len(runs) == 1]
+    paired = (len(singles) == len(rows) >= 2 and all(fn is not None for fn, _, _ in singles)
+              and all(aligned(name, singles[0][2], s) for _, _, s in singles[1:]))
+    if paired:
+        n = sample_count(name, singles[0][2])
+        for i in range(iters):
+            idx = rng.integers(0, n, size=n)
+            for r, (fn, _, _) in enumerate(singles):
+                draws[r, i] = fn(idx)
+    else:
+        for r, runs in enumerate(fns):
+            per_run = np.empty((len(runs), iters))
+            for j, (fn, value, samples) in enumerate(runs):
+                if fn is None:
+                    per_run[j] = value
+                    continue
+                n = sample_count(name, samples)
+                per_run[j] = [fn(rng.integers(0, n, size=n)) for _ in range(iters)]
+            draws[r] = per_run.mean(axis=0)
+    return draws, {"paired": paired, "unit": unit, "items": items, "exact": exact}
+
+
+def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of bootstrap draws (inf allowed: no interpolation across it)."""
+    q = [(1 - level) / 2, 1 - (1 - level) / 2]
+    finite = np.isfinite(draws).all()
+    lo, hi = np.quantile(draws, q) if finite else np.quantile(draws, q, method="inverted_cdf")
+    return float(lo), float(hi)
