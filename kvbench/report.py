@@ -12,8 +12,11 @@ For each experiment (the `experiment` key of the runs; runs without one are grou
   reproduced when any claim is refuted, reproduced only when every claim is, else inconclusive, with the scale
   (model) and the samples per run beside it;
 - per task, a table with one row per run: the setting, the paper row it matches, the model and dtype, our value
-  and, only on the paper's model and data and in its metric, the published one and the difference; KV memory and
-  speed, a link to the run folder, the versions and the git commit (columns empty for every run are left out);
+  and its change against the `full` run of the same model, task and runtime settings, and, only on the paper's
+  model and data and in its metric, the published one and the difference; peak KV memory and its change against
+  `full`, speed, a link to the run folder (only to folders inside the results folder, by relative path), the
+  versions and the git commit (columns empty for every run are left out);
+Run folders without a readable config.yaml are left out of the sections, counted and named.
 - plots, each over comparable runs only (same model, task and runtime settings; one colour per method): the metric
   against the budget per method, against peak KV bytes with its Pareto front, against another swept number (sinks,
   block size), LongBench per-dataset bars, needle heatmaps, throughput against KV memory (task=throughput runs),
@@ -68,16 +71,49 @@ def metric_for(run: dict, paper: Optional[dict]) -> Optional[str]:
     return stats.primary_metric(run["cfg"].get("task.name") or m.get("task"), m)
 
 
-def _rel(path: str, out_dir: str) -> str:
-    return os.path.relpath(path, out_dir).replace(os.sep, "/") + "/"
+def run_link(run: dict, out_dir: str) -> Optional[str]:
+    """The relative link from the report to the run's folder, only when that folder is a folder inside the results
+    folder the run was read from (a planted run_dir such as `javascript:...` or `/etc` gets no link); always a path
+    (`./name/` or `../name/`), never something a browser could read as a scheme."""
+    results = os.path.realpath(run.get("results_dir") or "")
+    folder = os.path.realpath(run["run_dir"])
+    if not run.get("results_dir") or not os.path.isdir(folder) or folder == results or \
+            os.path.commonpath([results, folder]) != results:
+        return None
+    rel = os.path.relpath(folder, out_dir).replace(os.sep, "/") + "/"
+    return rel if rel.startswith("../") else "./" + rel
+
+
+def _change(value: Any, base: Any, percent_only: bool = False) -> str:
+    """value against base: "+1.23 (+4.5%)", or the percentage alone; "" without two numbers."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for v in (value, base)):
+        return ""
+    pct = f"{(value - base) / abs(base) * 100:+.1f}%" if base else ""
+    if percent_only:
+        return pct
+    return f"{value - base:+.4g}" + (f" ({pct})" if pct else "")
+
+
+def full_run_of(run: dict, runs: list[dict]) -> Optional[dict]:
+    """The `full` run (no eviction, no codec, finished well) with the run's model, task, runtime settings and seed:
+    the baseline its change is measured against; None for a full run itself or when there is none."""
+    if _is_full(run):
+        return None
+    mine = claims.signature(run)
+    return next((r for r in runs if _is_full(r) and r["metrics"].get("status") == "ok"
+                 and claims.signature(r) == mine), None)
+
+
+def _is_full(run: dict) -> bool:
+    return run["cfg"].get("method.name") == "full" and run["cfg"].get("quant.name") in (None, "none", "full")
 
 
 def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str) -> tuple[Table, list]:
     """One row per run: its setting, the paper row it matches, our value and, only on the paper's model and data
     and in the paper's metric, the published value and the difference. Empty columns are left out when rendered."""
     keys = [k for k in varying_keys(runs) if k != "task.name"]
-    columns = ["setting", "paper row", "model (dtype)", "metric", "ours", "paper", "diff", "peak KV MiB",
-               "decode tok/s", "status", "run", "versions", "commit"]
+    columns = ["setting", "paper row", "model (dtype)", "metric", "ours", "vs full", "paper", "diff", "peak KV MiB",
+               "peak KV vs full", "decode tok/s", "status", "run", "versions", "commit"]
     rows, matched = [], []
     paper_metric = (paper or {}).get("metric")
     for run in sorted(runs, key=lambda r: setting_of(r, keys)):
@@ -99,11 +135,14 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
         versions = " ".join(f"{k} {m[k]}" for k in ("kvbench", "torch", "transformers") if m.get(k))
         commit = str(m.get("git_commit") or "")[:10]
         model = str(m.get("model") or "") + (f" ({m['dtype']})" if m.get("dtype") else "")
+        full = full_run_of(run, runs)
+        fm = full["metrics"] if full else {}
         rows.append([setting_of(run, keys), row.get("label", "") if row else "", model,
-                     metric or "", _fmt(ours), shown, diff, _mib(m.get("peak_kv_bytes")),
+                     metric or "", _fmt(ours), _change(ours, fm.get(metric)) if metric else "", shown, diff,
+                     _mib(m.get("peak_kv_bytes")), _change(m.get("peak_kv_bytes"), fm.get("peak_kv_bytes"), True),
                      _fmt(m.get("decode_tokens_per_s"), 3), str(m.get("status")),
-                     (m.get("run_id") or "run", _rel(run["run_dir"], out_dir)), versions, commit])
-    return Table(title, columns, rows, numeric=(4, 5, 7, 8)), matched
+                     (m.get("run_id") or "run", run_link(run, out_dir)), versions, commit])
+    return Table(title, columns, rows, numeric=(4, 5, 8, 9, 10)), matched
 
 
 def _series_of(runs: list[dict]) -> list[dict]:
@@ -357,9 +396,11 @@ def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str]
     experiment's paper block is checked here, before anything is written."""
     if not os.path.isdir(results_dir):
         raise UserError(f"no results folder {results_dir!r}")
-    runs = load_runs(results_dir, repair=False, warn_corrupt=False)
+    loaded = load_runs(results_dir, repair=False, warn_corrupt=False)
+    runs = [r for r in loaded if r["config"]]
     if not runs:
-        raise UserError(f"no runs in {results_dir!r} (run folders with a metrics.json)")
+        raise UserError(f"no runs in {results_dir!r} (run folders with a metrics.json"
+                        + (f" and a readable config.yaml: {len(loaded)} without one)" if loaded else ")"))
     names = sorted({r["experiment"] or NO_EXPERIMENT for r in runs})
     if experiment is not None:
         if experiment not in names:
@@ -446,6 +487,10 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
              "side), not reproduced (wholly on the other side), inconclusive (the data cannot tell), or not run (a "
              "row has no run). Each table row links its run folder (config.yaml, metrics.json, "
              "samples.jsonl); `diff` = ours - paper, on the paper's model and data only."]
+    unconfigured = sorted(os.path.basename(r["run_dir"]) for r in everything if not r["config"])
+    if unconfigured:
+        intro.append(f"{len(unconfigured)} run folder(s) without a readable config.yaml, left out: "
+                     + ", ".join(unconfigured[:10]) + (" ..." if len(unconfigured) > 10 else ""))
     judged = [f"{sec.title}: {sec.verdict[0]}" for sec in sections if sec.verdict]
     if judged:
         intro.append("Verdicts: " + "; ".join(judged) + ".")
@@ -480,9 +525,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           + (f" and {paths['json']}" if paths["json"] else "")
           + f" ({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})")
     corrupt = corrupt_runs(args.results_dir)
-    if corrupt:  # unreadable metrics.json: left out; unreadable config.yaml: shown without its settings
+    if corrupt:  # unreadable metrics.json or config.yaml: left out of the report
         print(f"kvbench-report: {len(corrupt)} corrupt run folder(s): " + "; ".join(
-            f"{name} ({why}: {'left out' if why.startswith('metrics.json') else 'shown without its config'})"
+            f"{name} ({why}: left out)"
             for name, why in corrupt))
     return 0
 

@@ -592,4 +592,4 @@ def test_report_counts_and_names_corrupt_runs(tmp_path):
     line = proc.stdout.splitlines()[-1]
     assert line.startswith("kvbench-report: 2 corrupt run folder(s): ")
     assert f"{bad['run_id']} (metrics.json is not valid JSON (truncated?)" in line and "left out" in line
-    assert "copied_run (config.yaml is not valid UTF-8: shown without its config)" in line
+    assert "copied_run (config.yaml is not valid UTF-8: left out)" in line

@@ -4,6 +4,7 @@ when) its runs exist."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -546,3 +547,85 @@ def test_leaderboard_needs_ratio_runs(tmp_path):
     sec = section(tmp_path, "budget_sweep")
     assert not any("leaderboard" in t.title for t in sec.tables)
     assert not any("leaderboard" in t for t, _ in sec.plots)
+
+
+# ---------------------------------------------------------------- run folders that are not what they say
+def test_a_run_folder_without_config_is_counted_named_and_left_out(tmp_path):
+    """It crashed kvbench-report ("File name too long": a plot name built from every setting, since the folder's
+    missing settings made every key vary); now it is left out, counted and named, and plot names are bounded."""
+    res = tmp_path / "res"
+    for method, budget in (("full", None), ("streaming_llm", 64), ("streaming_llm", 128), ("h2o", 64)):
+        rec = fx.write_run(str(res), fx.config(method=method, budget=budget), {"ppl": 30.0 + (budget or 0) / 100,
+                           "peak_kv_bytes": (budget or 256) * 46080}, fx.ppl_samples([3.0]))
+    os.unlink(os.path.join(rec["run_dir"], "config.yaml"))
+    name = os.path.basename(rec["run_dir"])
+    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(res), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"kvbench-report: 1 corrupt run folder(s): {name} (config.yaml is " \
+                                           "missing: left out)"
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert f"1 run folder(s) without a readable config.yaml, left out: {name.replace('_', chr(92) + '_')}" in md
+    assert "h2o" not in md.split("## ")[2]  # not in the section's tables
+    plots = os.listdir(tmp_path / "o" / "plots")
+    assert plots and all(len(p) <= 100 for p in plots)
+    from kvbench.reporting.render import plot_file
+
+    long = plot_file("exp", "ppl vs budget [" + ", ".join(f"task.key{i}=value{i}" for i in range(40)) + "]")
+    assert len(long) <= 100 and long != plot_file("exp", "ppl vs budget [" + "x" * 400 + "]")
+
+
+def test_a_planted_run_dir_never_becomes_a_link(tmp_path):
+    """metrics.json naming run_dir `javascript:alert(document.domain)` (with a run_id that is no folder) became
+    <a href="javascript:..."> when the report was written into the folder it was run from. Links go only to folders
+    inside the results folder, by a relative path that no browser reads as a scheme."""
+    res = tmp_path / "res"
+    good = fx.write_run(str(res), fx.config(), {"ppl": 30.0}, fx.ppl_samples([3.0]))
+    evil = fx.write_run(str(res), fx.config(method="h2o", budget=64), {"ppl": 31.0}, fx.ppl_samples([3.0]))
+    path = os.path.join(evil["run_dir"], "metrics.json")
+    metrics = json.loads(open(path).read())
+    metrics.update(run_id="javascript:alert(document.domain)", run_dir="javascript:alert(document.domain)")
+    open(path, "w").write(json.dumps(metrics))
+    # a folder inside the results folder whose very name looks like a scheme
+    named = fx.write_run(str(res), fx.config(method="snapkv", budget=64), {"ppl": 32.0}, fx.ppl_samples([3.0]))
+    os.rename(named["run_dir"], res / "javascript:alert(1)")
+    for out in (res, tmp_path / "o"):  # --out the results folder itself, run from there: the case that linked
+        proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(res), "--out", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=str(out if out == res else tmp_path),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.returncode == 0, proc.stderr
+        html = (out / "report.html").read_text()
+        md = (out / "report.md").read_text()
+        hrefs = re.findall(r'href="([^"#]+)"', html)
+        assert len(hrefs) == 3 and not any("javascript:alert(document" in h for h in hrefs), hrefs
+        assert all(h.startswith(("./", "../")) for h in hrefs), hrefs
+        for href in hrefs:  # every link is a run folder inside the results folder
+            target = os.path.realpath(os.path.join(out, href))
+            assert os.path.isdir(target) and os.path.dirname(target) == str(res), href
+        assert re.search(r"\]\((\./|\.\./)[^)]*\)", md)
+        assert not re.search(r"\]\(javascript", md)
+    from kvbench.store.runs import load_runs
+
+    run = dict(load_runs(str(res))[0], run_dir="javascript:alert(document.domain)")
+    assert report.run_link(run, str(res)) is None
+    assert report.run_link(dict(run, run_dir="/etc"), str(res)) is None
+    assert report.run_link(dict(run, run_dir=good["run_dir"]), str(res)) == f"./{good['run_id']}/"
+
+
+def test_run_tables_show_the_change_against_full_on_the_same_task(tmp_path):
+    for tokens in (1024, 2048):
+        opts = {"max_tokens": tokens}
+        fx.write_run(str(tmp_path), fx.config(task_options=opts, experiment="vs"),
+                     {"ppl": 20.0, "peak_kv_bytes": 4 * 2**20}, fx.ppl_samples([3.0]))
+        fx.write_run(str(tmp_path), fx.config(method="h2o", budget=128, task_options=opts, experiment="vs"),
+                     {"ppl": 25.0 if tokens == 1024 else 22.0, "peak_kv_bytes": 2**20}, fx.ppl_samples([3.0]))
+    # a codec run without a full run of its setting: nothing to compare against
+    fx.write_run(str(tmp_path), fx.config(quant={"name": "kivi", "bits": 2}, task_options={"max_tokens": 512},
+                                          experiment="vs"), {"ppl": 21.0, "peak_kv_bytes": 2**19}, fx.ppl_samples([3.0]))
+    table, = section(tmp_path, "vs").tables
+    col = {c: i for i, c in enumerate(table.columns)}
+    got = {r[col["setting"]]: (r[col["vs full"]], r[col["peak KV vs full"]]) for r in table.rows}
+    assert got["budget=128, method=h2o, quant=none, task.max_tokens=1024"] == ("+5 (+25.0%)", "-75.0%")
+    assert got["budget=128, method=h2o, quant=none, task.max_tokens=2048"] == ("+2 (+10.0%)", "-75.0%")
+    assert got["budget=none, method=full, quant=none, task.max_tokens=1024"] == ("", "")  # the baseline itself
+    assert got["budget=none, method=full, quant=kivi, task.max_tokens=512"] == ("", "")
