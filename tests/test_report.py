@@ -629,3 +629,28 @@ def test_run_tables_show_the_change_against_full_on_the_same_task(tmp_path):
     assert got["budget=128, method=h2o, quant=none, task.max_tokens=2048"] == ("+2 (+10.0%)", "-75.0%")
     assert got["budget=none, method=full, quant=none, task.max_tokens=1024"] == ("", "")  # the baseline itself
     assert got["budget=none, method=full, quant=kivi, task.max_tokens=512"] == ("", "")
+
+
+def test_pareto_line_runs_through_points_of_the_front_only(monkeypatch):
+    """The step line's vertical segment ran through a dominated point at the same memory; now the line's vertices
+    are exactly the non-dominated points, and no dominated point lies on it."""
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    pts = [("full", None, 30.0, 1), ("h2o", 128, 28.0, 2), ("snapkv", 128, 29.0, 2), ("snapkv", 256, 28.5, 3),
+           ("h2o", 256, 26.0, 4), ("streaming_llm", 512, 27.0, 5)]
+    runs = [{"cfg": {"method.name": m, "quant.name": "none", "task.name": "perplexity"},
+             "metrics": {"method": m, "budget": b, "ppl": y, "peak_kv_bytes": mib * 2**20}} for m, b, y, mib in pts]
+    plots.pareto(runs, "ppl")
+    (ax,) = figs[0].axes
+    (line,) = [ln for ln in ax.lines if ln.get_label() == "Pareto front"]
+    vertices = list(zip(line.get_xdata(), line.get_ydata()))
+    assert vertices == [(1.0, 30.0), (2.0, 28.0), (4.0, 26.0)]
+    assert plots.pareto_front([(1, 5.0), (2, 5.0)], True) == [(1, 5.0)]  # equal metric, more memory: dominated
+    assert plots.pareto_front([(1, 5.0), (2, 6.0)], False) == [(1, 5.0), (2, 6.0)]  # higher is better
+    for _, _, y, x in pts:
+        if (x, y) in vertices:
+            continue
+        for (x0, y0), (x1, y1) in zip(vertices, vertices[1:]):  # no dominated point on a segment
+            if x0 <= x <= x1:
+                assert abs(y - (y0 + (y1 - y0) * (x - x0) / (x1 - x0))) > 0.1

@@ -5,7 +5,7 @@
 Every plot colours a run by its method (METHOD_COLORS: the same colour for a method in every plot; other settings
 by line style and marker) and uses a log axis only for data spanning more than a decade (wants_log). Callers pass
 comparable runs (same model, task and runtime settings: kvbench.report groups them).
-    pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front drawn through the best points
+    pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front as a line through its points only
     longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
     throughput(runs)                  output tokens/s against the KV pool size (task=throughput runs)
@@ -194,6 +194,18 @@ def _flat(runs: Sequence[dict]) -> bool:
     return all(r["metrics"].get("budget") is None for r in runs)
 
 
+def pareto_front(points: Sequence[tuple[float, float]], lower_is_better_: bool) -> list[tuple[float, float]]:
+    """The points (memory, metric) no other point beats on both axes (less or equal memory and a better or equal
+    metric, one of them strictly), by memory ascending; of equal points, one."""
+    front: list[tuple[float, float]] = []
+    best: Optional[float] = None
+    for x, y in sorted(points, key=lambda p: (p[0], p[1] if lower_is_better_ else -p[1])):
+        if best is None or (y < best if lower_is_better_ else y > best):
+            front.append((x, y))
+            best = y
+    return front
+
+
 def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     """The metric against peak KV memory (one marker colour per method), the Pareto front through the best points.
     Pass comparable runs only."""
@@ -210,13 +222,11 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=28, color=st["color"],
                    marker=st["marker"])
     low = lower_is_better(metric)
-    front, best = [], None
-    for x, y, _, _ in sorted(pts, key=lambda p: (p[0], p[1] if low else -p[1])):
-        if best is None or (y < best if low else y > best):
-            front.append((x, y))
-            best = y
-    ax.step([p[0] / 2**20 for p in front], [p[1] for p in front], where="post", color="black", linewidth=1,
-            label="Pareto front")
+    front = pareto_front([(p[0], p[1]) for p in pts], low)
+    # the front as a line through its own points only (a step line's corners are no runs, and its vertical
+    # segments ran through dominated points); each point of the front ringed
+    ax.plot([p[0] / 2**20 for p in front], [p[1] for p in front], color="black", linewidth=1, zorder=1,
+            marker="o", markersize=9, markerfacecolor="none", markeredgewidth=0.8, label="Pareto front")
     ax.set_xlabel("peak KV memory (MiB, measured from the pool)")
     ax.set_ylabel(metric + (" (lower is better)" if low else ""))
     if wants_log([p[1] for p in pts]):
