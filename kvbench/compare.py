@@ -190,6 +190,13 @@ def _judge_metric(name: str, base: dict, new: dict, key: str, b: float, limits: 
         return _row(name, base, new, key, kind, base=b, new=why, source="BASE had a number",
                     verdict="regression" if gated else "warning", note=f"{key} is {why} in NEW")
     pct = (n - b) / abs(b) * 100.0 if b != 0 else None
+    tasks_b, tasks_n = stats.score_tasks(base["metrics"]), stats.score_tasks(nm)
+    if kind == "score" and stats.averages_tasks(key) and tasks_b and tasks_n and tasks_b != tasks_n:
+        lost = sorted(set(tasks_b) - set(tasks_n))
+        note = (f"{key} averages {len(tasks_n)} tasks in NEW, {len(tasks_b)} in BASE: not compared"
+                + (f" ({', '.join(lost)} missing in NEW)" if lost else ""))
+        return _row(name, base, new, key, kind, base=b, new=n, source="the tasks averaged differ",
+                    verdict="regression" if lost else "warning", note=note)
     if kind == "score":
         tol, source = score_tolerance(key, base, new, b, n, limits)
         worse = (n - b) if stats.lower_is_better(key) else (b - n)
@@ -372,7 +379,8 @@ def _tolerance(row: dict) -> str:
 
 def _line(row: dict) -> str:
     """One line naming a regression or warning: the run, the metric, what happened."""
-    if row["kind"] in ("status", "corrupt", "missing", "samples") or isinstance(row["new"], str):
+    if row["kind"] in ("status", "corrupt", "missing", "samples") or isinstance(row["new"], str) or \
+            (row["tolerance"] is None and row["note"]):
         what = row["note"]
     elif row["kind"] == "speed":
         what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}, {row['note']}; " \

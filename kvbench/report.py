@@ -99,9 +99,9 @@ def full_run_of(run: dict, runs: list[dict]) -> Optional[dict]:
     the baseline its change is measured against; None for a full run itself or when there is none."""
     if _is_full(run):
         return None
-    mine = claims.signature(run)
+    mine = claims.signature(run), stats.score_tasks(run["metrics"])
     return next((r for r in runs if _is_full(r) and r["metrics"].get("status") == "ok"
-                 and claims.signature(r) == mine), None)
+                 and (claims.signature(r), stats.score_tasks(r["metrics"])) == mine), None)
 
 
 def _is_full(run: dict) -> bool:
@@ -194,7 +194,7 @@ def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple
     tables, figures = [], []
     if not metric or not any(plots.ratio_of(r) is not None for r in ok):
         return tables, figures
-    for group, runs in comparable_groups(ok):
+    for group, runs in task_set_groups(comparable_groups(ok), metric):
         if not any(plots.ratio_of(r) is not None for r in runs):
             continue
         name = f"{task}: leaderboard, {metric} (peak KV MiB) per method and compression ratio"
@@ -206,6 +206,26 @@ def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple
             figures.append((_titled(f"{task}: leaderboard, {metric} vs compression ratio (peak KV MiB beside each "
                                     "point)", group), png))
     return tables, figures
+
+
+def task_set_groups(groups: list[tuple[str, list[dict]]], metric: str) -> list[tuple[str, list[dict]]]:
+    """Each group split by the tasks its `score` averages (RULER without its QA data averages 11 tasks, not 13):
+    a score is never set beside one over other tasks. The group name says the task count when it splits."""
+    if not stats.averages_tasks(metric):
+        return groups
+    out = []
+    for group, runs in groups:
+        sets: dict = {}
+        for run in runs:
+            sets.setdefault(stats.score_tasks(run["metrics"]), []).append(run)
+        if len(sets) == 1:
+            out.append((group, runs))
+            continue
+        for tasks, mine in sorted(sets.items(), key=lambda kv: (-len(kv[0] or ()), kv[0] or ())):
+            label = (f"{metric} over {len(tasks)} task" + ("s" if len(tasks) != 1 else "")) if tasks else \
+                f"{metric} over unrecorded tasks"
+            out.append((", ".join(x for x in (group, label) if x), mine))
+    return out
 
 
 def claims_table(verdicts: list[claims.Verdict]) -> Table:
@@ -301,7 +321,7 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
     (and decode speed); against each other swept numeric setting; LongBench bars, needle heatmaps, throughput."""
     out: list[tuple] = []
     if metric:
-        for group, runs in comparable_groups(ok):
+        for group, runs in task_set_groups(comparable_groups(ok), metric):
             line_keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
             series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
             for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(series, metric)),
@@ -376,6 +396,11 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
         table, matched = run_table(mine, paper, out_dir, f"task {task}" if len(tasks) > 1 else "runs")
         ok = [r for r in mine if r["metrics"].get("status") == "ok"]
         metric = next((metric_for(r, paper) for r in ok if metric_for(r, paper)), None)
+        sets = {stats.score_tasks(r["metrics"]) for r in ok} - {None}
+        if metric and stats.averages_tasks(metric) and sets:
+            sec.lines.append(f"task {task}: `{metric}` averages " + "; ".join(
+                f"{len(s)} task{'s' if len(s) != 1 else ''} ({', '.join(s)})" for s in sorted(sets, key=len, reverse=True))
+                + (": runs over different tasks are never compared or drawn together" if len(sets) > 1 else ""))
         if metric:
             headline.append(metric)
         board_tables, board_plots = leaderboard_parts(task, ok, metric)

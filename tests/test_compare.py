@@ -593,3 +593,33 @@ def test_report_counts_and_names_corrupt_runs(tmp_path):
     assert line.startswith("kvbench-report: 2 corrupt run folder(s): ")
     assert f"{bad['run_id']} (metrics.json is not valid JSON (truncated?)" in line and "left out" in line
     assert "copied_run (config.yaml is not valid UTF-8: left out)" in line
+
+
+def ruler_run(path, tasks, score):
+    """A RULER run whose `score` averages `tasks` (qa_1 / qa_2 absent without their data)."""
+    metrics = {"score": score, "score_tasks": ",".join(tasks), **{f"score_{t}": score for t in tasks},
+               **{f"num_samples_{t}": 1 for t in tasks}}
+    samples = [s for t in tasks for s in fx.score_samples([score / 100], t)]
+    fx.write_run(str(path), fx.config(task="ruler", task_options={"tasks": ["all"], "lengths": [1024]}), metrics,
+                 samples)
+
+
+ALL13 = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+         "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
+
+
+def test_an_11_task_score_is_never_paired_with_a_13_task_one(tmp_path):
+    ruler_run(tmp_path / "a", ALL13, 60.0)
+    ruler_run(tmp_path / "b", ALL13[:11], 60.0)  # NEW without the QA data: the same per-task scores
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 1, proc.stdout
+    lines = regression_lines(proc.stdout)
+    assert any("score averages 11 tasks in NEW, 13 in BASE: not compared (qa_1, qa_2 missing in NEW)" in line
+               for line in lines), lines
+    # NEW that averages more tasks than BASE: not compared either, a warning (nothing BASE had is lost)
+    v = verdict_of(tmp_path / "b", tmp_path / "a")
+    (row,) = [r for r in v["rows"] if r["metric"] == "score"]
+    assert v["ok"] and row["verdict"] == "warning" and row["note"].startswith("score averages 13 tasks in NEW, 11")
+    ruler_run(tmp_path / "c", ALL13, 60.0)  # the same tasks: compared as before
+    (row,) = [r for r in verdict_of(tmp_path / "a", tmp_path / "c")["rows"] if r["metric"] == "score"]
+    assert row["verdict"] == "ok" and row["note"] == ""

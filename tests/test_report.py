@@ -541,6 +541,31 @@ def test_leaderboard_table_and_figure(tmp_path):
     assert base64.b64encode(png).decode() in html
 
 
+def test_leaderboard_never_sets_an_11_task_score_beside_a_13_task_one(tmp_path):
+    """One method's runs scored without two tasks (as RULER without its QA data): a leaderboard of their own."""
+    ruler_board_folder(tmp_path)
+    for run in os.listdir(tmp_path):
+        path = tmp_path / run / "metrics.json"
+        if "knorm" in run and path.is_file():
+            metrics = json.loads(path.read_text())
+            metrics["score_tasks"] = "niah_single_1"
+            path.write_text(json.dumps(metrics))
+        elif path.is_file():
+            metrics = json.loads(path.read_text())
+            metrics["score_tasks"] = "niah_single_1,vt"
+            path.write_text(json.dumps(metrics))
+    sec = section(tmp_path, "kvpress_leaderboard")
+    boards = {t.title: t for t in sec.tables if "leaderboard" in t.title}
+    assert sorted(boards) == [
+        "ruler: leaderboard, score (peak KV MiB) per method and compression ratio [score over 1 task]",
+        "ruler: leaderboard, score (peak KV MiB) per method and compression ratio [score over 2 tasks]"]
+    assert [r[0] for r in boards[sorted(boards)[0]].rows] == ["knorm"]
+    assert "knorm" not in [r[0] for r in boards[sorted(boards)[1]].rows]
+    assert sum("leaderboard" in t for t, _ in sec.plots) == 2
+    assert any("`score` averages 2 tasks (niah_single_1, vt); 1 task (niah_single_1): runs over different tasks "
+               "are never compared" in line for line in sec.lines), sec.lines
+
+
 def test_leaderboard_needs_ratio_runs(tmp_path):
     """Budget runs only (no compression_ratio): no leaderboard table or figure."""
     sweep_folder(tmp_path)

@@ -372,6 +372,9 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
         if empty:
             judged.append((label, "; ".join(empty), NOT_REPRODUCED, "", "", []))
             continue
+        if stats.averages_tasks(metric) and len({stats.score_tasks(r["metrics"]) for rs in chosen for r in rs}) > 1:
+            skipped.append(f"{label} ({metric} averages different tasks in the rows' runs)")
+            continue
         names_ = [row_name(row) for row in rows]
         draws, info = stats.row_draws(metric, [[(r["metrics"][metric], samples_of(r)) for r in rs] for rs in chosen])
         verdict, interval, bounds = on_interval(claim, draws, names_, lower)

@@ -38,6 +38,22 @@ PRIMARY = {"perplexity": "ppl", "needle": "accuracy", "longbench": "score", "lon
            "summarization": "rouge_l", "govreport": "rouge_l", "throughput": "output_tokens_per_s"}
 
 
+def score_tasks(metrics: dict) -> Optional[tuple]:
+    """The tasks a multi-task headline `score` averages (RULER): `score_tasks` as recorded, else (a record from
+    before it) the tasks with a `num_samples_<task>` count; None for a record with neither."""
+    named = metrics.get("score_tasks")
+    if isinstance(named, str) and named:
+        return tuple(sorted(named.split(",")))
+    counted = sorted(k[len("num_samples_"):] for k, v in metrics.items()
+                     if k.startswith("num_samples_") and isinstance(v, int) and v > 0)
+    return tuple(counted) if counted else None
+
+
+def averages_tasks(name: str) -> bool:
+    """A metric that averages over a run's tasks (`score`, and `score_<length>` per context length)."""
+    return name == "score" or bool(re.match(r"^score_\d+$", name))
+
+
 def lower_is_better(name: str) -> bool:
     return bool(LOWER_IS_BETTER.match(name))
 
