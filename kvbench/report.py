@@ -36,7 +36,7 @@ from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
 from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, varying_keys
 from kvbench.store.files import atomic_write_text
-from kvbench.store.runs import corrupt_runs, load_runs
+from kvbench.store.runs import corrupt_runs, load_runs, samples_of
 from kvbench.store.table import runs_frame
 
 NO_EXPERIMENT = "(runs without an experiment)"
@@ -238,8 +238,6 @@ def claims_table(verdicts: list[claims.Verdict]) -> Table:
 def scale_text(runs: list[dict], paper: dict) -> str:
     """The scale a verdict was reached at: the models (the paper's or not) and how many samples (and perplexity
     windows) each run scored, so that a one-sample smoke verdict reads as what it is."""
-    from kvbench.store.runs import samples_of
-
     paper_models = {m.strip() for m in str(paper.get("model") or "").split(",") if m.strip()}
     models = sorted({str(r["metrics"].get("model") or r["cfg"].get("model.path")) for r in runs})
     on_paper = bool(runs) and all(r["cfg"].get("model.path") in paper_models for r in runs)

@@ -357,7 +357,7 @@ def _figures(monkeypatch):
     from kvbench.reporting import plots
 
     figs = []
-    monkeypatch.setattr(plots, "_png", lambda fig: figs.append(fig) or b"png")
+    monkeypatch.setattr(plots, "_png", lambda fig, dpi=80: figs.append(fig) or b"png")
     return figs
 
 
@@ -679,3 +679,37 @@ def test_pareto_line_runs_through_points_of_the_front_only(monkeypatch):
         for (x0, y0), (x1, y1) in zip(vertices, vertices[1:]):  # no dominated point on a segment
             if x0 <= x <= x1:
                 assert abs(y - (y0 + (y1 - y0) * (x - x0) / (x1 - x0))) > 0.1
+
+
+def test_leaderboard_peak_labels_never_overlap_where_scores_bunch(monkeypatch):
+    """At ratio 0.75 most methods of the smoke board score about 0: their peak labels stack into a tall column that
+    widened the y axis after the spacing was chosen, and overlapped. Every column's labels are now apart on the
+    finished axes."""
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    methods = ["random", "knorm", "snapkv", "expected_attention", "streaming_llm", "tova", "pyramidkv", "lagkv",
+               "key_diff", "adakv", "criticalkv", "duo_attention", "kvzip", "h2o"]
+    runs = [{"cfg": {"method.name": "full", "quant.name": "none", "compression_ratio": None},
+             "metrics": {"score": 66.67, "peak_kv_bytes": 40 * 2**20, "evicts": False}}]
+    for i, m in enumerate(methods):
+        for ratio, score in ((0.25, 66.67 - (i % 3) * 33.33), (0.5, 33.33 * (i % 2)), (0.75, 0.0 if i % 5 else 33.33)):
+            runs.append({"cfg": {"method.name": m, "quant.name": "none", "compression_ratio": ratio},
+                         "metrics": {"score": score, "peak_kv_bytes": (40 - 30 * ratio + 0.1 * i) * 2**20}})
+    plots.leaderboard(runs, "score")
+    (fig,) = figs
+    ax = fig.axes[0]
+    fig.tight_layout()  # as the PNG is written (plots._png)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    columns: dict = {}
+    for ann in ax.texts:
+        box = ann.get_window_extent(renderer)
+        columns.setdefault(round(box.x0), []).append(box)
+    assert sum(len(c) for c in columns.values()) == 1 + 3 * len(methods)
+    for boxes in columns.values():
+        boxes.sort(key=lambda b: b.y0)
+        for lower, upper in zip(boxes, boxes[1:]):
+            assert upper.y0 >= lower.y1 - 0.5, (lower, upper)  # apart (half a pixel of rounding)
+    bottom, top = ax.get_ylim()
+    assert all(bottom <= ann.xyann[1] <= top for ann in ax.texts)  # and inside the axes

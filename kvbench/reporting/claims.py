@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from kvbench.errors import UserError
 from kvbench.reporting import stats
 from kvbench.reporting.runs import fmt, varying_keys
@@ -223,8 +225,6 @@ def on_interval(claim: dict, draws: Any, names: list[str], lower_is_better: bool
     95% interval lies wholly on the claim's side, not reproduced when wholly on the other, else inconclusive), the
     interval as text and its bounds. A ratio claim on the ratio; an order claim on each neighbouring pair's
     difference (next - previous: more than 0 when lower is better), all of which must hold."""
-    import numpy as np
-
     if "ratio" in claim:
         a, b = draws
         with np.errstate(divide="ignore", invalid="ignore"):
