@@ -163,7 +163,7 @@ def test_two_real_runs_of_one_sweep_pass_ten_times_beside_a_busy_process(tmp_pat
         assert sum(s["window_nll_sum"]) == pytest.approx(s["nll"] * s["num_tokens"], rel=1e-9)
     # the CLI, once: same verdict, exit 0
     proc = run_cli_process(tmp_path / "base" / "results", tmp_path / "new0" / "results")
-    assert proc.returncode == 0 and "3 paired runs, 0 regressions" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "3 paired runs, 0 missing in NEW, 0 regressions" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_a_throughput_run_whose_requests_all_fail_is_a_failed_run_and_a_regression(tmp_path, one_thread,
