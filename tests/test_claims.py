@@ -125,3 +125,15 @@ def test_row_draws_pair_only_aligned_items_and_hold_runs_without_samples_at_thei
     draws, info = stats.row_draws("ppl", [[(va * 2, a)], [(vb, b)]], iters=200)
     assert info["exact"] == [0] and (draws[0] == va * 2).all()
     assert claims.items_text(info, ["a", "b"]).endswith("no interval for a (fewer than 2 windows, or no samples.jsonl)")
+
+
+def test_rounded_recorded_scores_keep_their_unit_and_never_shift_the_draws():
+    """RULER and LongBench record 100 x mean rounded to 2 decimals (73.33 for 0.73333...): the draws use x100, not
+    73.33 / 0.7333 (which put every draw of a tied row 0.0045 off, and a claim "wholly" on one side)."""
+    tied = fx.score_samples([1.0, 1.0, 0.2], "vt")
+    assert stats.unit_scale(73.33, 0.7333333) == 100.0 and stats.unit_scale(40.0, 0.4) == 100.0
+    assert stats.unit_scale(3.0, 0.7) == pytest.approx(3.0 / 0.7)  # no power of ten: the ratio, as before
+    draws, info = stats.row_draws("score", [[(73.33, tied)], [(73.33, [dict(s) for s in tied])]], iters=300)
+    assert info["paired"] and (draws[0] == draws[1]).all()
+    verdict, _, _ = claims.on_interval({"order": ["a", "b"]}, draws, ["a", "b"], False)
+    assert verdict == "not reproduced"  # a strict "a > b" on rows tied in every draw: refuted, never "reproduced"

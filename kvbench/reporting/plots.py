@@ -445,21 +445,6 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         ax.plot([0.0], [y], marker="o", color=color, markersize=6)
         if mib is not None:
             label_pts.setdefault(0.0, []).append((y, f"{mib:.1f}", color, (0.0, y)))
-    # one column of labels per ratio, at least `step` apart (y data units for about 9 points: 6.5 pt text)
-    span = hi - lo + 2 * pad
-    step = 9.0 * span / (72 * height * 0.7)  # the axes take about 70% of the height
-    bottom, top = lo - pad, hi + pad
-    for x, items in label_pts.items():
-        items.sort(key=lambda t: (t[0], t[3][0]))
-        placed = spread_labels([t[0] for t in items], step)
-        tx = x + spread / 2 + 0.06 * gap
-        for (y, text, color, point), ty in zip(items, placed):
-            ax.annotate(text, xy=point, xytext=(tx, ty), textcoords="data", fontsize=6.5, color=color,
-                        va="center", arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.4, "alpha": 0.5},
-                        bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none",
-                              "alpha": 0.75})
-        bottom, top = min(bottom, placed[0] - step), max(top, placed[-1] + step)
-    ax.set_ylim(bottom, top)
     ticks = [0.0] + xs if xs[0] > 0 else xs
     ax.set_xlim(-0.5 * spread - 0.05 * gap, xs[-1] + spread / 2 + 0.4 * gap)
     ax.set_xticks(ticks)
@@ -469,4 +454,47 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     ax.set_title(f"{metric} vs compression ratio; beside each point its peak KV MiB (measured from the pool)")
     ax.grid(alpha=0.3)
     _legend(ax)
+    # one column of labels per ratio, LABEL_GAP points apart on the finished axes (6.5 pt text)
+    for x, items in label_pts.items():
+        items.sort(key=lambda t: (t[0], t[3][0]))
+    placed = place_label_columns(fig, ax, {x: [t[0] for t in items] for x, items in label_pts.items()},
+                                 (lo - pad, hi + pad))
+    for x, items in label_pts.items():
+        tx = x + spread / 2 + 0.06 * gap
+        for (y, text, color, point), ty in zip(items, placed[x]):
+            ax.annotate(text, xy=point, xytext=(tx, ty), textcoords="data", fontsize=6.5, color=color,
+                        va="center", arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.4, "alpha": 0.5},
+                        bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none",
+                              "alpha": 0.75})
     return _png(fig, dpi=100)  # small labels: a finer raster
+
+
+LABEL_GAP = 9.0  # points between the centres of two labels of one column (6.5 pt text and its box)
+
+
+def _points_to_data(fig: Any, ax: Any, points: float) -> float:
+    """How many y data units `points` take on the axes as laid out now (a linear y axis)."""
+    fig.tight_layout()
+    bottom, top = ax.get_ylim()
+    height_in = ax.get_position().height * fig.get_figheight()
+    return points / 72.0 * (top - bottom) / height_in
+
+
+def place_label_columns(fig: Any, ax: Any, wanted: dict, limits: tuple[float, float]) -> dict:
+    """Label heights per column (x -> wanted heights, ascending), each as near its point as LABEL_GAP points of
+    spacing on the finished axes allow; the y limits grow to hold every label. The spacing in data units depends on
+    the limits, which depend on the labels: the limits only grow until the labels, spaced for them, fit inside
+    (placed once from an estimate, a stack that widened the axis afterwards came out closer than its text)."""
+    bottom, top = limits
+    placed: dict = {}
+    for _ in range(12):
+        ax.set_ylim(bottom, top)
+        step = _points_to_data(fig, ax, LABEL_GAP)
+        placed = {x: spread_labels(ys, step) for x, ys in wanted.items() if ys}
+        need_bottom = min([bottom] + [p[0] - step for p in placed.values()])
+        need_top = max([top] + [p[-1] + step for p in placed.values()])
+        if need_bottom >= bottom and need_top <= top:
+            break
+        bottom, top = need_bottom, need_top
+    ax.set_ylim(bottom, top)  # (when the labels never fit: the last limits, which hold them)
+    return placed

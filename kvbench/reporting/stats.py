@@ -164,8 +164,18 @@ def statistic(name: str, samples: Sequence[dict], recorded: Optional[float] = No
     base = fn(full)
     scale = 1.0
     if recorded is not None and base not in (0.0,) and math.isfinite(base) and name not in ("ppl", "nll"):
-        scale = recorded / base
+        scale = unit_scale(recorded, base)
     return lambda idx: fn(idx) * scale
+
+
+def unit_scale(recorded: float, base: float) -> float:
+    """The factor from a metric recomputed from samples (base) to its recorded unit (x100 for LongBench and RULER):
+    a power of ten when the recorded value is that multiple rounded to 2 decimals (as the tasks round it), so that
+    the rounding of one run's figure never shifts its draws against another run's; else recorded / base."""
+    for k in range(-3, 4):
+        if abs(recorded - base * 10.0 ** k) <= 0.005 + 1e-9 * abs(recorded):
+            return 10.0 ** k
+    return recorded / base
 
 
 def aligned(name: str, base: Sequence[dict], new: Sequence[dict]) -> bool:
@@ -237,7 +247,7 @@ def _usable(name: str, samples: Optional[Sequence[dict]], recorded: float) -> Op
     if fn is None or n < 2:
         return None
     value = fn(np.arange(n))
-    if not math.isfinite(value) or abs(value - recorded) > 1e-6 * max(1.0, abs(recorded)):
+    if not math.isfinite(value) or abs(value - recorded) > 0.005 + 1e-6 * abs(recorded):  # as rounded to 2 decimals
         return None
     return fn
 
