@@ -137,3 +137,13 @@ def test_rounded_recorded_scores_keep_their_unit_and_never_shift_the_draws():
     assert info["paired"] and (draws[0] == draws[1]).all()
     verdict, _, _ = claims.on_interval({"order": ["a", "b"]}, draws, ["a", "b"], False)
     assert verdict == "not reproduced"  # a strict "a > b" on rows tied in every draw: refuted, never "reproduced"
+
+
+def test_a_ratio_over_a_zero_base_is_judged_and_written_as_json():
+    """b = 0 in some draws: the ratio is inf there; the verdict still comes out and --json stays valid JSON."""
+    draws = np.array([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 1.0]])
+    verdict, text, bounds = claims.on_interval({"ratio": ["a", "b"], "min": 10}, draws, ["a", "b"], True)
+    assert verdict == "inconclusive" and math.isinf(bounds[0][1])
+    v = claims.Verdict("c", "ppl", "ratio >= 10", "x inf", "", verdict, settings=[("all runs", "x", verdict, text,
+                                                                                   "", bounds)])
+    assert json.loads(json.dumps(v.as_dict(), allow_nan=False))["settings"][0]["bounds"][0][1] is None

@@ -204,7 +204,9 @@ class Verdict:
                 "why": self.why,
                 "settings": [{"setting": s, "ours": f, "verdict": v, "holds": {REPRODUCED: True,
                                                                                NOT_REPRODUCED: False}.get(v),
-                              "interval": i, "items": n, "bounds": b} for s, f, v, i, n, b in self.settings]}
+                              "interval": i, "items": n, "bounds": [[x if math.isfinite(x) else None for x in pair]
+                                                                    for pair in b]}
+                             for s, f, v, i, n, b in self.settings]}
 
 
 def _side(lo: float, hi: float, low: float, high: float, open_low: bool = False) -> str:
