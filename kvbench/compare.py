@@ -27,7 +27,14 @@ has a number for is compared:
   depend on the clock); failed_requests regresses when it grows.
 - a run that failed in NEW regresses (also one present in NEW only), and so does every NEW run folder whose
   metrics.json or config.yaml cannot be read (truncated, not UTF-8, not a mapping), named with its folder.
-Runs present on one side only are listed. Nothing paired, or an empty or missing NEW, is bad input: one line,
+- a BASE run (that finished well) with no finished NEW run of its setting regresses, "missing in NEW" (a folder
+  deleted, a metrics.json never written, a config changed so that it no longer pairs): a crashed sweep never
+  passes. --allow-missing says NEW is a deliberate subset: such runs are then counted and listed only.
+- a NEW run whose samples.jsonl is missing, empty or shorter than BASE's, where BASE has per-sample records,
+  regresses ("samples missing in NEW"), and its scores get no bootstrap tolerance (never a wider one).
+- when one side holds several attempts of one setting (two folders with the same config), the newest attempt
+  (finished_at) decides: a failed newest attempt is a regression even beside an older good one.
+Runs present on one side only are listed; the summary line counts the runs missing in NEW. Nothing paired, or an empty or missing NEW, is bad input: one line,
 exit 2, never PASS. Prints the verdict as Markdown (every metric compared, per run: base, new, change, tolerance and
 its source, verdict), writes the same as JSON with --json, and exits 1 on any regression, 0 otherwise.
 """
@@ -74,10 +81,21 @@ def select_runs(folder: str, commit: Optional[str] = None, skip: frozenset = fro
             commits = sorted({str(r["metrics"].get("git_commit"))[:10] for r in logged})
             raise UserError(f"no runs of commit {commit!r} in {folder}: commits there are {', '.join(commits) or '(none)'}")
     out: dict[str, dict] = {}
-    for run in runs:  # a later attempt of the same setting replaces an earlier one
-        if os.path.basename(run["run_dir"]) not in skip:
-            out[pair_key(run)] = run
+    for run in sorted(runs, key=attempt_time):  # the newest attempt of one setting decides
+        if os.path.basename(run["run_dir"]) in skip:
+            continue
+        key = pair_key(run)
+        if key in out:
+            older = out[key]
+            run = dict(run, older_attempts=older.get("older_attempts", []) + [older])
+        out[key] = run
     return out
+
+
+def attempt_time(run: dict) -> str:
+    """When an attempt ended (finished_at, else started_at; ISO text in UTC sorts in time order)."""
+    m = run["metrics"]
+    return str(m.get("finished_at") or m.get("started_at") or "")
 
 
 def _number(value: Any) -> Optional[float]:
@@ -130,11 +148,12 @@ def score_tolerance(name: str, base_run: dict, new_run: dict, base_value: float,
     if limits.max_drop > 0:
         options.append((limits.max_drop, "--max-drop"))
     base_samples = samples_of(base_run)
-    if base_samples:
+    new_samples = samples_of(new_run)
+    if samples_lost(base_samples, new_samples):  # a regression of its own (missing_samples): no wider tolerance
+        options[0] = (options[0][0], options[0][1] + " (samples missing in NEW)")
+    elif base_samples:
         unit = stats.sample_unit(name, base_samples)
-        new_samples = samples_of(new_run)
-        paired = stats.paired_interval(name, base_samples, new_samples, base_value, new_value) \
-            if new_samples else None
+        paired = stats.paired_interval(name, base_samples, new_samples, base_value, new_value)
         if paired is not None:
             lo, hi, n = paired
             options.append(((hi - lo) / 2.0, f"paired bootstrap 95% over {n} {unit}"))
@@ -171,6 +190,13 @@ def _judge_metric(name: str, base: dict, new: dict, key: str, b: float, limits: 
         return _row(name, base, new, key, kind, base=b, new=why, source="BASE had a number",
                     verdict="regression" if gated else "warning", note=f"{key} is {why} in NEW")
     pct = (n - b) / abs(b) * 100.0 if b != 0 else None
+    tasks_b, tasks_n = stats.score_tasks(base["metrics"]), stats.score_tasks(nm)
+    if kind == "score" and stats.averages_tasks(key) and tasks_b and tasks_n and tasks_b != tasks_n:
+        lost = sorted(set(tasks_b) - set(tasks_n))
+        note = (f"{key} averages {len(tasks_n)} tasks in NEW, {len(tasks_b)} in BASE: not compared"
+                + (f" ({', '.join(lost)} missing in NEW)" if lost else ""))
+        return _row(name, base, new, key, kind, base=b, new=n, source="the tasks averaged differ",
+                    verdict="regression" if lost else "warning", note=note)
     if kind == "score":
         tol, source = score_tolerance(key, base, new, b, n, limits)
         worse = (n - b) if stats.lower_is_better(key) else (b - n)
@@ -195,19 +221,43 @@ def _judge_metric(name: str, base: dict, new: dict, key: str, b: float, limits: 
                 source=source, verdict=verdict)
 
 
+def samples_lost(base_samples: Optional[list], new_samples: Optional[list]) -> bool:
+    """BASE has per-sample records and NEW's are missing, empty or fewer."""
+    return bool(base_samples) and len(new_samples or []) < len(base_samples or [])
+
+
+def missing_samples(name: str, base: dict, new: dict) -> Optional[dict]:
+    """A regression row when BASE has per-sample records and NEW's are missing, empty or fewer (a run cut short, or
+    its samples.jsonl lost): the scores' intervals could not be checked, so the gate fails instead of widening them."""
+    base_samples, new_samples = samples_of(base), samples_of(new)
+    if not samples_lost(base_samples, new_samples):
+        return None
+    path = os.path.join(new["run_dir"], "samples.jsonl")
+    what = ("samples.jsonl is missing" if new_samples is None and not os.path.isfile(path) else
+            "samples.jsonl belongs to another attempt" if new_samples is None else
+            "samples.jsonl is empty" if not new_samples else f"{len(new_samples)} of {len(base_samples)} samples")
+    return _row(name, base, new, "samples", "samples", base=len(base_samples),
+                new=len(new_samples or []), source="BASE has per-sample records", verdict="regression",
+                note=f"samples missing in NEW: {what} (BASE has {len(base_samples)})")
+
+
 def compare_pair(base: dict, new: dict, limits: Optional[Limits] = None, name: Optional[str] = None) -> list[dict]:
     """One row per compared metric of a paired run (see _row): verdict ok | better | warning | regression."""
     limits = limits or Limits()
     bm, nm = base["metrics"], new["metrics"]
     name = name or describe(new)
     if nm.get("status") != "ok":
+        older = new.get("older_attempts") or []
+        also = (f" (the newest of {len(older) + 1} attempts of this setting; older: "
+                + ", ".join(f"{os.path.basename(o['run_dir'])} {o['metrics'].get('status')}" for o in older) + ")"
+                if older else "")
         return [_row(name, base, new, "status", "status", base=bm.get("status"), new=nm.get("status"),
                      source="a failed run in NEW", verdict="regression",
-                     note=f"failed in NEW: {nm.get('error') or 'no error recorded'}")]
+                     note=f"failed in NEW: {nm.get('error') or 'no error recorded'}{also}")]
     if bm.get("status") != "ok":
         return [_row(name, base, new, "status", "status", base=bm.get("status"), new="ok",
                      source="failed in BASE: its metrics are not compared", verdict="better")]
-    rows = []
+    rows = [row for row in [missing_samples(name, base, new)] if row is not None]
     for key, bval in bm.items():
         b = _number(bval)
         if b is not None:
@@ -218,9 +268,11 @@ def compare_pair(base: dict, new: dict, limits: Optional[Limits] = None, name: O
 
 
 def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optional[Limits] = None, *,
-            corrupt_new: list[tuple[str, str]] = (), corrupt_base: list[tuple[str, str]] = ()) -> dict:
+            corrupt_new: list[tuple[str, str]] = (), corrupt_base: list[tuple[str, str]] = (),
+            allow_missing: bool = False) -> dict:
     """The verdict as a JSON-ready dict: rows (every metric compared), regressions, warnings, the runs only in
-    BASE / only in NEW, the corrupt run folders of each side, pairs, ok."""
+    BASE / only in NEW, the corrupt run folders of each side, pairs, missing (BASE runs that finished well and have
+    no finished NEW counterpart: regressions unless allow_missing), ok."""
     limits = limits or Limits()
     base_runs, new_runs, ignored = pair_on_shared_keys(base_runs, new_runs)
     keys = [k for k in varying_keys(list(base_runs.values()) + list(new_runs.values())) if k not in ignored]
@@ -238,10 +290,22 @@ def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optio
     for folder, reason in corrupt_new:
         rows.append(_row(f"NEW run folder {folder}", {}, None, "run folder", "corrupt", new=reason,
                          source="corrupt files in NEW", verdict="regression", note=reason))
+    corrupt_names = {folder for folder, _ in corrupt_new}
+    missing = [k for k in sorted(set(base_runs) - set(new_runs), key=lambda k: names[k])
+               if base_runs[k]["metrics"].get("status") == "ok"
+               and os.path.basename(base_runs[k]["run_dir"]) not in corrupt_names]  # a corrupt one is named above
+    for key in missing:
+        run = base_runs[key]
+        rows.append(_row(names[key], run, None, "run", "missing", base="ok", new="missing",
+                         source="--allow-missing" if allow_missing else "a BASE run with no finished NEW run",
+                         verdict="ok" if allow_missing else "regression",
+                         note=f"missing in NEW (BASE folder {os.path.basename(run['run_dir'])})"
+                              + (": allowed by --allow-missing" if allow_missing else "")))
     only = {side: sorted(names[k] + f" ({os.path.basename(runs[k]['run_dir'])})" for k in set(runs) - set(other))
             for side, runs, other in (("only_base", base_runs, new_runs), ("only_new", new_runs, base_runs))}
     regressions = [r for r in rows if r["verdict"] == "regression"]
-    return {"ok": not regressions, "pairs": len(paired), "regressions": regressions,
+    return {"ok": not regressions, "pairs": len(paired), "missing": len(missing), "allow_missing": allow_missing,
+            "regressions": regressions,
             "warnings": [r for r in rows if r["verdict"] == "warning"], "rows": rows, "ignored_keys": ignored,
             "corrupt_new": [list(c) for c in corrupt_new], "corrupt_base": [list(c) for c in corrupt_base],
             "limits": vars(limits), **only}
@@ -315,7 +379,8 @@ def _tolerance(row: dict) -> str:
 
 def _line(row: dict) -> str:
     """One line naming a regression or warning: the run, the metric, what happened."""
-    if row["kind"] in ("status", "corrupt") or isinstance(row["new"], str):
+    if row["kind"] in ("status", "corrupt", "missing", "samples") or isinstance(row["new"], str) or \
+            (row["tolerance"] is None and row["note"]):
         what = row["note"]
     elif row["kind"] == "speed":
         what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}, {row['note']}; " \
@@ -326,14 +391,16 @@ def _line(row: dict) -> str:
     return f"{row['run']}: {what}"
 
 
-KIND_ORDER = {"status": 0, "corrupt": 0, "score": 1, "failures": 2, "memory": 3, "speed": 4}
+KIND_ORDER = {"status": 0, "corrupt": 0, "missing": 0, "samples": 0, "score": 1, "failures": 2, "memory": 3, "speed": 4}
 VERDICT_MARK = {"regression": "REGRESSION", "warning": "warning", "better": "better", "ok": "ok"}
 
 
 def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
     regs, warns = verdict["regressions"], verdict["warnings"]
     lines = [f"## kvbench-compare: {base_label} -> {new_label}", "",
-             f"{verdict['pairs']} paired runs, {len(regs)} regressions, {len(warns)} warnings: "
+             f"{verdict['pairs']} paired runs, {verdict.get('missing', 0)} missing in NEW"
+             + (" (allowed)" if verdict.get("allow_missing") and verdict.get("missing") else "")
+             + f", {len(regs)} regressions, {len(warns)} warnings: "
              + ("**PASS**" if verdict["ok"] else "**FAIL**"), ""]
     notes = [f"- REGRESSION: {_line(r)}" for r in regs] + [f"- warning: {_line(r)}" for r in warns]
     notes += [f"- warning: BASE run folder {name} is corrupt ({reason}): not compared"
@@ -384,6 +451,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-slowdown", type=float, default=DEFAULT_MAX_SLOWDOWN,
                    help=f"tolerated loss of speed as a fraction (default {DEFAULT_MAX_SLOWDOWN} = "
                         f"{DEFAULT_MAX_SLOWDOWN * 100:.0f}%%: half the tokens per second or twice the latency)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="a BASE run with no finished NEW counterpart is listed, not a regression (NEW is a "
+                        "deliberate subset)")
     p.add_argument("--json", metavar="PATH", help="write the verdict as JSON")
     return p.parse_args(argv)
 
@@ -413,8 +483,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not new and not corrupt_new:
         raise UserError(f"no runs in NEW {new_folder!r} (run folders with a metrics.json): nothing to compare")
     limits = Limits(args.rel_tol, args.max_drop, args.max_slowdown, args.gate_speed)
-    verdict = compare(base, new, limits, corrupt_new=corrupt_new, corrupt_base=corrupt_base)
-    if verdict["pairs"] == 0 and verdict["ok"]:
+    verdict = compare(base, new, limits, corrupt_new=corrupt_new, corrupt_base=corrupt_base,
+                      allow_missing=args.allow_missing)
+    if verdict["pairs"] == 0 and all(r["kind"] == "missing" for r in verdict["regressions"]):
         differ = differing_settings(base, new)
         raise UserError(f"nothing paired: none of the {len(new)} runs in NEW has the setting of one of the "
                         f"{len(base)} runs in BASE" + (f" (differing: {'; '.join(differ)})" if differ else ""))

@@ -7,11 +7,16 @@ no network), DIR/runs.csv (every run as one row of a pandas table: metrics, then
 
 For each experiment (the `experiment` key of the runs; runs without one are grouped apart):
 - the verdict on the paper's claims (the `paper:` block of conf/experiment/NAME.yaml, saved in each run's
-  config.yaml; kvbench.reporting.claims): per claim our figure beside the paper's and reproduced / not reproduced /
-  not run, and for the experiment reproduced only when every claim is;
+  config.yaml; kvbench.reporting.claims): per claim our figure, its 95% bootstrap interval and the items resampled
+  beside the paper's figure, and reproduced / not reproduced / inconclusive / not run; for the experiment not
+  reproduced when any claim is refuted, reproduced only when every claim is, else inconclusive, with the scale
+  (model) and the samples per run beside it;
 - per task, a table with one row per run: the setting, the paper row it matches, the model and dtype, our value
-  and, only on the paper's model and data and in its metric, the published one and the difference; KV memory and
-  speed, a link to the run folder, the versions and the git commit (columns empty for every run are left out);
+  and its change against the `full` run of the same model, task and runtime settings, and, only on the paper's
+  model and data and in its metric, the published one and the difference; peak KV memory and its change against
+  `full`, speed, a link to the run folder (only to folders inside the results folder, by relative path), the
+  versions and the git commit (columns empty for every run are left out);
+Run folders without a readable config.yaml are left out of the sections, counted and named.
 - plots, each over comparable runs only (same model, task and runtime settings; one colour per method): the metric
   against the budget per method, against peak KV bytes with its Pareto front, against another swept number (sinks,
   block size), LongBench per-dataset bars, needle heatmaps, throughput against KV memory (task=throughput runs),
@@ -31,7 +36,7 @@ from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
 from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, varying_keys
 from kvbench.store.files import atomic_write_text
-from kvbench.store.runs import corrupt_runs, load_runs
+from kvbench.store.runs import corrupt_runs, load_runs, samples_of
 from kvbench.store.table import runs_frame
 
 NO_EXPERIMENT = "(runs without an experiment)"
@@ -66,16 +71,49 @@ def metric_for(run: dict, paper: Optional[dict]) -> Optional[str]:
     return stats.primary_metric(run["cfg"].get("task.name") or m.get("task"), m)
 
 
-def _rel(path: str, out_dir: str) -> str:
-    return os.path.relpath(path, out_dir).replace(os.sep, "/") + "/"
+def run_link(run: dict, out_dir: str) -> Optional[str]:
+    """The relative link from the report to the run's folder, only when that folder is a folder inside the results
+    folder the run was read from (a planted run_dir such as `javascript:...` or `/etc` gets no link); always a path
+    (`./name/` or `../name/`), never something a browser could read as a scheme."""
+    results = os.path.realpath(run.get("results_dir") or "")
+    folder = os.path.realpath(run["run_dir"])
+    if not run.get("results_dir") or not os.path.isdir(folder) or folder == results or \
+            os.path.commonpath([results, folder]) != results:
+        return None
+    rel = os.path.relpath(folder, out_dir).replace(os.sep, "/") + "/"
+    return rel if rel.startswith("../") else "./" + rel
+
+
+def _change(value: Any, base: Any, percent_only: bool = False) -> str:
+    """value against base: "+1.23 (+4.5%)", or the percentage alone; "" without two numbers."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for v in (value, base)):
+        return ""
+    pct = f"{(value - base) / abs(base) * 100:+.1f}%" if base else ""
+    if percent_only:
+        return pct
+    return f"{value - base:+.4g}" + (f" ({pct})" if pct else "")
+
+
+def full_run_of(run: dict, runs: list[dict]) -> Optional[dict]:
+    """The `full` run (no eviction, no codec, finished well) with the run's model, task, runtime settings and seed:
+    the baseline its change is measured against; None for a full run itself or when there is none."""
+    if _is_full(run):
+        return None
+    mine = claims.signature(run), stats.score_tasks(run["metrics"])
+    return next((r for r in runs if _is_full(r) and r["metrics"].get("status") == "ok"
+                 and (claims.signature(r), stats.score_tasks(r["metrics"])) == mine), None)
+
+
+def _is_full(run: dict) -> bool:
+    return run["cfg"].get("method.name") == "full" and run["cfg"].get("quant.name") in (None, "none", "full")
 
 
 def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str) -> tuple[Table, list]:
     """One row per run: its setting, the paper row it matches, our value and, only on the paper's model and data
     and in the paper's metric, the published value and the difference. Empty columns are left out when rendered."""
     keys = [k for k in varying_keys(runs) if k != "task.name"]
-    columns = ["setting", "paper row", "model (dtype)", "metric", "ours", "paper", "diff", "peak KV MiB",
-               "decode tok/s", "status", "run", "versions", "commit"]
+    columns = ["setting", "paper row", "model (dtype)", "metric", "ours", "vs full", "paper", "diff", "peak KV MiB",
+               "peak KV vs full", "decode tok/s", "status", "run", "versions", "commit"]
     rows, matched = [], []
     paper_metric = (paper or {}).get("metric")
     for run in sorted(runs, key=lambda r: setting_of(r, keys)):
@@ -97,11 +135,14 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
         versions = " ".join(f"{k} {m[k]}" for k in ("kvbench", "torch", "transformers") if m.get(k))
         commit = str(m.get("git_commit") or "")[:10]
         model = str(m.get("model") or "") + (f" ({m['dtype']})" if m.get("dtype") else "")
+        full = full_run_of(run, runs)
+        fm = full["metrics"] if full else {}
         rows.append([setting_of(run, keys), row.get("label", "") if row else "", model,
-                     metric or "", _fmt(ours), shown, diff, _mib(m.get("peak_kv_bytes")),
+                     metric or "", _fmt(ours), _change(ours, fm.get(metric)) if metric else "", shown, diff,
+                     _mib(m.get("peak_kv_bytes")), _change(m.get("peak_kv_bytes"), fm.get("peak_kv_bytes"), True),
                      _fmt(m.get("decode_tokens_per_s"), 3), str(m.get("status")),
-                     (m.get("run_id") or "run", _rel(run["run_dir"], out_dir)), versions, commit])
-    return Table(title, columns, rows, numeric=(4, 5, 7, 8)), matched
+                     (m.get("run_id") or "run", run_link(run, out_dir)), versions, commit])
+    return Table(title, columns, rows, numeric=(4, 5, 8, 9, 10)), matched
 
 
 def _series_of(runs: list[dict]) -> list[dict]:
@@ -153,7 +194,7 @@ def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple
     tables, figures = [], []
     if not metric or not any(plots.ratio_of(r) is not None for r in ok):
         return tables, figures
-    for group, runs in comparable_groups(ok):
+    for group, runs in task_set_groups(comparable_groups(ok), metric):
         if not any(plots.ratio_of(r) is not None for r in runs):
             continue
         name = f"{task}: leaderboard, {metric} (peak KV MiB) per method and compression ratio"
@@ -167,10 +208,58 @@ def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple
     return tables, figures
 
 
+def task_set_groups(groups: list[tuple[str, list[dict]]], metric: str) -> list[tuple[str, list[dict]]]:
+    """Each group split by the tasks its `score` averages (RULER without its QA data averages 11 tasks, not 13):
+    a score is never set beside one over other tasks. The group name says the task count when it splits."""
+    if not stats.averages_tasks(metric):
+        return groups
+    out = []
+    for group, runs in groups:
+        sets: dict = {}
+        for run in runs:
+            sets.setdefault(stats.score_tasks(run["metrics"]), []).append(run)
+        if len(sets) == 1:
+            out.append((group, runs))
+            continue
+        for tasks, mine in sorted(sets.items(), key=lambda kv: (-len(kv[0] or ()), kv[0] or ())):
+            label = (f"{metric} over {len(tasks)} task" + ("s" if len(tasks) != 1 else "")) if tasks else \
+                f"{metric} over unrecorded tasks"
+            out.append((", ".join(x for x in (group, label) if x), mine))
+    return out
+
+
 def claims_table(verdicts: list[claims.Verdict]) -> Table:
-    rows = [[v.claim, v.metric, v.expected, v.ours, v.paper, v.verdict, v.why] for v in verdicts]
-    return Table("claims of the paper, judged on these runs", ["claim", "metric", "relation", "ours", "paper",
-                                                               "verdict", "why"], rows, keep=tuple(range(6)))
+    rows = [[v.claim, v.metric, v.expected, v.ours, v.interval, v.items, v.paper, v.verdict, v.why] for v in verdicts]
+    return Table("claims of the paper, judged on these runs (95% bootstrap intervals)",
+                 ["claim", "metric", "relation", "ours", "95% interval", "items", "paper", "verdict", "why"], rows,
+                 keep=tuple(range(8)))
+
+
+def scale_text(runs: list[dict], paper: dict) -> str:
+    """The scale a verdict was reached at: the models (the paper's or not) and how many samples (and perplexity
+    windows) each run scored, so that a one-sample smoke verdict reads as what it is."""
+    paper_models = {m.strip() for m in str(paper.get("model") or "").split(",") if m.strip()}
+    models = sorted({str(r["metrics"].get("model") or r["cfg"].get("model.path")) for r in runs})
+    on_paper = bool(runs) and all(r["cfg"].get("model.path") in paper_models for r in runs)
+    scale = "scale: the paper's model" if on_paper else \
+        f"scale: {', '.join(models)}, not the paper's model ({paper.get('model')})"
+    ok = [r for r in runs if r["metrics"].get("status") == "ok"]
+    counts = [r["metrics"].get("num_samples") for r in ok if isinstance(r["metrics"].get("num_samples"), int)]
+    units = []
+    for r in ok:
+        metric = metric_for(r, paper)
+        samples = samples_of(r) or []
+        if metric and samples and stats.sample_unit(metric, samples) == "windows":
+            units.append(stats.sample_count(metric, samples))
+
+    def span(xs: list[int]) -> str:
+        return str(xs[0]) if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
+    if not counts:
+        return scale
+    per = f"{span(sorted(counts))} sample" + ("s" if max(counts) != 1 else "")
+    if units:
+        per += f" ({span(sorted(units))} perplexity windows)"
+    return f"{scale}; {len(ok)} runs of {per} each"
 
 
 def history_plots(history: list[dict], metrics: list[str], labels: dict[str, str],
@@ -230,7 +319,7 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
     (and decode speed); against each other swept numeric setting; LongBench bars, needle heatmaps, throughput."""
     out: list[tuple] = []
     if metric:
-        for group, runs in comparable_groups(ok):
+        for group, runs in task_set_groups(comparable_groups(ok), metric):
             line_keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
             series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
             for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(series, metric)),
@@ -285,7 +374,7 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
     sec.verdicts = verdicts
     if paper:
         verdict, summary = claims.experiment_verdict(verdicts)
-        sec.verdict = (verdict, summary)
+        sec.verdict = (verdict, f"{summary}; {scale_text(runs, paper)}")
         sec.lines.append(f"Paper: {paper.get('source')}")
         sec.lines.append(f"Paper's model: {paper.get('model')}; data: {paper.get('dataset')}; metric: "
                          f"`{paper.get('metric')}` ({'lower' if paper.get('lower_is_better') else 'higher'} is better)"
@@ -305,6 +394,11 @@ def experiment_section(name: str, runs: list[dict], history: list[dict], out_dir
         table, matched = run_table(mine, paper, out_dir, f"task {task}" if len(tasks) > 1 else "runs")
         ok = [r for r in mine if r["metrics"].get("status") == "ok"]
         metric = next((metric_for(r, paper) for r in ok if metric_for(r, paper)), None)
+        sets = {stats.score_tasks(r["metrics"]) for r in ok} - {None}
+        if metric and stats.averages_tasks(metric) and sets:
+            sec.lines.append(f"task {task}: `{metric}` averages " + "; ".join(
+                f"{len(s)} task{'s' if len(s) != 1 else ''} ({', '.join(s)})" for s in sorted(sets, key=len, reverse=True))
+                + (": runs over different tasks are never compared or drawn together" if len(sets) > 1 else ""))
         if metric:
             headline.append(metric)
         board_tables, board_plots = leaderboard_parts(task, ok, metric)
@@ -325,9 +419,11 @@ def build(results_dir: str, experiment: Optional[str] = None) -> tuple[list[str]
     experiment's paper block is checked here, before anything is written."""
     if not os.path.isdir(results_dir):
         raise UserError(f"no results folder {results_dir!r}")
-    runs = load_runs(results_dir, repair=False, warn_corrupt=False)
+    loaded = load_runs(results_dir, repair=False, warn_corrupt=False)
+    runs = [r for r in loaded if r["config"]]
     if not runs:
-        raise UserError(f"no runs in {results_dir!r} (run folders with a metrics.json)")
+        raise UserError(f"no runs in {results_dir!r} (run folders with a metrics.json"
+                        + (f" and a readable config.yaml: {len(loaded)} without one)" if loaded else ")"))
     names = sorted({r["experiment"] or NO_EXPERIMENT for r in runs})
     if experiment is not None:
         if experiment not in names:
@@ -385,7 +481,8 @@ def verdict_lines(sections: list[Section]) -> list[str]:
             continue
         lines.append(f"{sec.title}: {sec.verdict[0]} ({sec.verdict[1]})")
         for v in sec.verdicts:
-            figure = f"ours {v.ours or '-'} | paper {v.paper}"
+            interval = f" 95% {v.interval} ({v.items})" if v.interval else ""
+            figure = f"ours {v.ours or '-'}{interval} | paper {v.paper}"
             lines.append(f"  [{v.verdict}] {v.claim} ({v.metric}; {v.expected}): {figure}"
                          + (f" -- {v.why}" if v.why else ""))
     return lines
@@ -408,9 +505,15 @@ def write_report(results_dir: str, out_dir: Optional[str] = None, experiment: Op
                                            [r for r in everything if r["run_dir"] not in mine]))
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     intro = [f"Results folder: `{results_dir}`; {sum(len(g[1]) for g in groups)} runs; generated {now}.",
-             "Verdicts judge the paper's claims (relations between its rows) on our rows: reproduced, not reproduced, "
-             "or not run (a row has no run). Each table row links its run folder (config.yaml, metrics.json, "
+             "Verdicts judge the paper's claims (relations between its rows) on our rows, on 95% bootstrap "
+             "intervals (paired over the items the rows share): reproduced (the whole interval on the claim's "
+             "side), not reproduced (wholly on the other side), inconclusive (the data cannot tell), or not run (a "
+             "row has no run). Each table row links its run folder (config.yaml, metrics.json, "
              "samples.jsonl); `diff` = ours - paper, on the paper's model and data only."]
+    unconfigured = sorted(os.path.basename(r["run_dir"]) for r in everything if not r["config"])
+    if unconfigured:
+        intro.append(f"{len(unconfigured)} run folder(s) without a readable config.yaml, left out: "
+                     + ", ".join(unconfigured[:10]) + (" ..." if len(unconfigured) > 10 else ""))
     judged = [f"{sec.title}: {sec.verdict[0]}" for sec in sections if sec.verdict]
     if judged:
         intro.append("Verdicts: " + "; ".join(judged) + ".")
@@ -445,9 +548,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           + (f" and {paths['json']}" if paths["json"] else "")
           + f" ({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})")
     corrupt = corrupt_runs(args.results_dir)
-    if corrupt:  # unreadable metrics.json: left out; unreadable config.yaml: shown without its settings
+    if corrupt:  # unreadable metrics.json or config.yaml: left out of the report
         print(f"kvbench-report: {len(corrupt)} corrupt run folder(s): " + "; ".join(
-            f"{name} ({why}: {'left out' if why.startswith('metrics.json') else 'shown without its config'})"
+            f"{name} ({why}: left out)"
             for name, why in corrupt))
     return 0
 

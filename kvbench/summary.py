@@ -40,7 +40,8 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "num_samples", "device", "dtype", "kvbench", "torch", "transformers", "git_commit", "seed",
              "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
-             "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached"}
+             "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
+             "score_tasks_skipped"}
 # Prefixes of settings columns (flattened config) and internal storage details: in metrics.json, not the summary.
 _HIDDEN_PREFIXES = ("method_", "task_", "runtime_", "quant_", "storage_")
 
@@ -144,6 +145,12 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
             row = f"{row}   {c}" if row else c
         if row:
             lines.append(row)
+    if record.get("score_tasks"):  # what a multi-task `score` averages (RULER without its QA data: 11 tasks)
+        tasks = str(record["score_tasks"]).split(",")
+        skipped = [t for t in str(record.get("score_tasks_skipped") or "").split(",") if t]
+        lines.extend(textwrap.wrap(
+            f"score     the mean over {len(tasks)} task{'s' if len(tasks) != 1 else ''}: {', '.join(tasks)}"
+            + (f" ({', '.join(skipped)} skipped: no data)" if skipped else ""), _WIDTH, subsequent_indent=" " * 10))
     lines.append("-" * _WIDTH)
     lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
                  f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")

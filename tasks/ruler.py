@@ -15,8 +15,8 @@ compressed, then the question part is appended uncompressed; true: the whole pro
 Greedy decoding of at most the task's RULER tokens to generate (`max_new_tokens` overrides), stopping at EOS.
 
 Scoring (kvbench.metrics.ruler): string_match_all, string_match_part for qa_*; metrics `score_<task>` (100 x mean
-over samples and lengths), `score` (the average over the tasks run), and with several lengths `score_<task>_<length>`
-and `score_<length>`; `kv_tokens_kept_mean` / `kv_kept_fraction`: tokens kept per layer and kv-head after each
+over samples and lengths), `score` (the average over the tasks run, named in `score_tasks`; the tasks asked for but
+skipped in `score_tasks_skipped`), and with several lengths `score_<task>_<length>` and `score_<length>`; `kv_tokens_kept_mean` / `kv_kept_fraction`: tokens kept per layer and kv-head after each
 prompt's compression.
 """
 from __future__ import annotations
@@ -112,7 +112,9 @@ def build_request(tokenizer: Any, sample: dict, length: int, chat: bool, compres
 
 
 def score_results(samples: list[dict], tasks: list[str], lengths: list[int]) -> dict:
-    """score_<task> (100 x mean over its samples), score (mean over tasks), per length when several."""
+    """score_<task> (100 x mean over its samples), score (mean over tasks), per length when several; `score_tasks`
+    names the tasks `score` averages (comma-separated, in task order) and `score_tasks_skipped` those asked for
+    that have no samples (qa_1 / qa_2 without their data), so an 11-task score never passes for a 13-task one."""
     metrics: dict = {}
     per_task: dict[str, float] = {}
     for t in tasks:
@@ -122,6 +124,10 @@ def score_results(samples: list[dict], tasks: list[str], lengths: list[int]) -> 
             metrics[f"num_samples_{t}"] = len(rows)
     if per_task:
         metrics["score"] = round(sum(per_task.values()) / len(per_task), 2)
+        metrics["score_tasks"] = ",".join(per_task)
+        skipped = [t for t in tasks if t not in per_task]
+        if skipped:
+            metrics["score_tasks_skipped"] = ",".join(skipped)
     if len(lengths) > 1:
         for n in lengths:
             by_task = []

@@ -163,7 +163,7 @@ def test_two_real_runs_of_one_sweep_pass_ten_times_beside_a_busy_process(tmp_pat
         assert sum(s["window_nll_sum"]) == pytest.approx(s["nll"] * s["num_tokens"], rel=1e-9)
     # the CLI, once: same verdict, exit 0
     proc = run_cli_process(tmp_path / "base" / "results", tmp_path / "new0" / "results")
-    assert proc.returncode == 0 and "3 paired runs, 0 regressions" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "3 paired runs, 0 missing in NEW, 0 regressions" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_a_throughput_run_whose_requests_all_fail_is_a_failed_run_and_a_regression(tmp_path, one_thread,
@@ -255,11 +255,11 @@ def test_paired_bootstrap_finds_a_shift_on_every_window_that_bases_own_interval_
     v = verdict_of(tmp_path / "a", tmp_path / "b")
     (row,) = v["regressions"]
     assert row["change_pct"] == pytest.approx(10.0) and row["source"] == "paired bootstrap 95% over 16 windows"
-    fx.write_run(str(tmp_path / "c"), cfg, {"ppl": fx.ppl_of(worse)}, [])  # NEW without samples: BASE's interval
+    fx.write_run(str(tmp_path / "c"), cfg, {"ppl": fx.ppl_of(worse)}, [])  # NEW without samples: no wider tolerance
     v = verdict_of(tmp_path / "a", tmp_path / "c")
-    (row,) = v["rows"]
-    assert row["verdict"] == "ok" and row["source"] == "bootstrap 95% of BASE over 16 windows" and \
-        row["tolerance"] > 0.3 * row["base"]
+    samples, row = v["rows"]
+    assert samples["verdict"] == "regression" and samples["note"].startswith("samples missing in NEW")
+    assert row["verdict"] == "regression" and row["source"] == "relative 0.0001 (samples missing in NEW)"
     mixed = fx.ppl_samples([3.0], tokens=1024, windows=16, spread=1.0)  # nll +0.3 on 8 windows, -0.2 on 8
     mixed[0]["window_nll_sum"] = [v + 64 * (0.3 if i % 4 < 2 else -0.2)
                                   for i, v in enumerate(mixed[0]["window_nll_sum"])]
@@ -407,15 +407,108 @@ def test_markdown_lists_every_metric_compared_per_run(tmp_path):
         "| metric", "| ppl", "| peak_kv_bytes", "| prefill_tokens_per_s"]
 
 
-def test_runs_on_one_side_are_listed(tmp_path):
+def test_runs_on_one_side_are_listed_and_missing_in_new_fails_unless_allowed(tmp_path):
     make_folder(tmp_path / "a", extra=True)
     make_folder(tmp_path / "b", drop_needle=True)
     proc = run_cli(tmp_path / "a", tmp_path / "b")
-    assert proc.returncode == 0, proc.stdout + proc.stderr  # missing runs are listed, not a regression
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a crashed sweep never passes
+    assert "2 paired runs, 2 missing in NEW, 2 regressions, 0 warnings: **FAIL**" in proc.stdout
+    assert sorted(_method(line) for line in regression_lines(proc.stdout)) == ["h2o", "snapkv"]
+    assert all("missing in NEW (BASE folder " in line for line in regression_lines(proc.stdout))
+    proc = run_cli(tmp_path / "a", tmp_path / "b", "--allow-missing")  # a deliberate subset: listed, counted
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 paired runs, 2 missing in NEW (allowed), 0 regressions, 0 warnings: **PASS**" in proc.stdout
     v = verdict_of(tmp_path / "a", tmp_path / "b")
-    assert v["pairs"] == 2 and not v["only_new"]
+    assert v["pairs"] == 2 and v["missing"] == 2 and not v["only_new"]
     assert sorted(_method(name) for name in v["only_base"]) == ["h2o", "snapkv"]
     assert "Only in" in proc.stdout and "h2o" in proc.stdout.split("Only in")[1]
+    assert run_cli(tmp_path / "b", tmp_path / "a").returncode == 0  # a run only NEW has is listed, not a regression
+
+
+def _incomplete(path, how):
+    """NEW as a copy of an identical rerun with one thing broken, as the issue found them passing."""
+    folders = sorted(p for p in path.iterdir() if p.is_dir() and "needle" in p.name)
+    run = folders[0]
+    if how == "folder deleted":
+        shutil.rmtree(run)
+    elif how == "metrics.json deleted":
+        (run / "metrics.json").unlink()
+    else:  # the config no longer pairs with BASE's (seed 1, or budget 256 -> 64)
+        old, new = {"seed changed": ("seed: 0", "seed: 1"), "budget changed": ("budget: 256", "budget: 64")}[how]
+        text = (run / "config.yaml").read_text()
+        assert old in text
+        (run / "config.yaml").write_text(text.replace(old, new))
+
+
+@pytest.mark.parametrize("how", ["folder deleted", "metrics.json deleted", "seed changed", "budget changed"])
+def test_an_incomplete_new_fails_and_the_complete_rerun_passes(tmp_path, how):
+    make_folder(tmp_path / "a")
+    make_folder(tmp_path / "b")
+    assert run_cli(tmp_path / "a", tmp_path / "b").returncode == 0
+    _incomplete(tmp_path / "b", how)
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "2 paired runs, 1 missing in NEW, 1 regressions" in proc.stdout
+    (line,) = regression_lines(proc.stdout)
+    assert "method=h2o" in line and "missing in NEW" in line
+    assert run_cli(tmp_path / "a", tmp_path / "b", "--allow-missing").returncode == 0
+
+
+@pytest.mark.parametrize("how", ["deleted", "empty", "truncated"])
+def test_samples_missing_in_new_are_a_regression_never_a_wider_tolerance(tmp_path, how):
+    """NEW's perplexity x1.5 with its samples.jsonl deleted or empty passed before (the tolerance fell back to
+    BASE's own interval, +-20 ppl); now the lost samples fail, and so does the ppl on the relative floor."""
+    s = fx.ppl_samples(PPL_NLLS, windows=4, spread=2.0)  # widely spread windows: BASE's own interval is wide
+    cfg = fx.config()
+    fx.write_run(str(tmp_path / "a"), cfg, {"ppl": fx.ppl_of(s)}, s)
+    worse = fx.ppl_samples([v + math.log(1.5) for v in PPL_NLLS], windows=4, spread=2.0)
+    rec = fx.write_run(str(tmp_path / "b"), cfg, {"ppl": fx.ppl_of(worse)}, worse)
+    path = pathlib.Path(rec["run_dir"]) / "samples.jsonl"
+    if how == "deleted":
+        path.unlink()
+    elif how == "empty":
+        path.write_text("")
+    else:
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[:3]))
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 1, proc.stdout
+    lines = regression_lines(proc.stdout)
+    what = {"deleted": "samples.jsonl is missing", "empty": "samples.jsonl is empty", "truncated": "3 of 8 samples"}
+    assert any(f"samples missing in NEW: {what[how]} (BASE has 8)" in line for line in lines), lines
+    assert any("ppl" in line and "+50.00%" in line for line in lines), lines
+    # the same NEW with its samples: the paired interval finds the x1.5 too; identical samples pass
+    fx.write_run(str(tmp_path / "c"), cfg, {"ppl": fx.ppl_of(worse)}, worse)
+    assert [r["metric"] for r in verdict_of(tmp_path / "a", tmp_path / "c")["regressions"]] == ["ppl"]
+    fx.write_run(str(tmp_path / "d"), cfg, {"ppl": fx.ppl_of(s)}, s)
+    assert verdict_of(tmp_path / "a", tmp_path / "d")["ok"]
+
+
+def _second_attempt(folder: pathlib.Path, name: str, status: str, finished_at: str) -> None:
+    """A copy of a run folder under another name (the same config): a second attempt of one setting."""
+    copy = shutil.copytree(folder, folder.parent / name)
+    metrics = json.loads((copy / "metrics.json").read_text())
+    metrics.update(run_id=name, run_dir=str(copy), status=status, finished_at=finished_at,
+                   error=None if status == "ok" else "RuntimeError: second attempt died")
+    (copy / "metrics.json").write_text(json.dumps(metrics))
+
+
+@pytest.mark.parametrize("newest", ["failed", "ok"])
+def test_the_newest_of_two_new_attempts_decides(tmp_path, newest):
+    make_folder(tmp_path / "a")
+    make_folder(tmp_path / "b")
+    needle = next(p for p in (tmp_path / "b").iterdir() if "needle" in p.name)
+    if newest == "failed":  # the failed attempt is newer (and sorts first by name): it decides
+        _second_attempt(needle, "0_retry", "failed", "2026-11-30T12:00:00+00:00")
+    else:  # a failed older attempt beside the good newer one: the good one decides
+        _second_attempt(needle, "zz_retry", "failed", "2026-11-30T09:00:00+00:00")
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    if newest == "ok":
+        assert proc.returncode == 0, proc.stdout
+        return
+    assert proc.returncode == 1, proc.stdout
+    (line,) = regression_lines(proc.stdout)
+    assert "method=h2o" in line and "failed in NEW: RuntimeError: second attempt died" in line
+    assert f"the newest of 2 attempts of this setting; older: {needle.name} ok" in line
 
 
 def test_two_commits_in_one_folder(tmp_path):
@@ -499,4 +592,34 @@ def test_report_counts_and_names_corrupt_runs(tmp_path):
     line = proc.stdout.splitlines()[-1]
     assert line.startswith("kvbench-report: 2 corrupt run folder(s): ")
     assert f"{bad['run_id']} (metrics.json is not valid JSON (truncated?)" in line and "left out" in line
-    assert "copied_run (config.yaml is not valid UTF-8: shown without its config)" in line
+    assert "copied_run (config.yaml is not valid UTF-8: left out)" in line
+
+
+def ruler_run(path, tasks, score):
+    """A RULER run whose `score` averages `tasks` (qa_1 / qa_2 absent without their data)."""
+    metrics = {"score": score, "score_tasks": ",".join(tasks), **{f"score_{t}": score for t in tasks},
+               **{f"num_samples_{t}": 1 for t in tasks}}
+    samples = [s for t in tasks for s in fx.score_samples([score / 100], t)]
+    fx.write_run(str(path), fx.config(task="ruler", task_options={"tasks": ["all"], "lengths": [1024]}), metrics,
+                 samples)
+
+
+ALL13 = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+         "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
+
+
+def test_an_11_task_score_is_never_paired_with_a_13_task_one(tmp_path):
+    ruler_run(tmp_path / "a", ALL13, 60.0)
+    ruler_run(tmp_path / "b", ALL13[:11], 60.0)  # NEW without the QA data: the same per-task scores
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 1, proc.stdout
+    lines = regression_lines(proc.stdout)
+    assert any("score averages 11 tasks in NEW, 13 in BASE: not compared (qa_1, qa_2 missing in NEW)" in line
+               for line in lines), lines
+    # NEW that averages more tasks than BASE: not compared either, a warning (nothing BASE had is lost)
+    v = verdict_of(tmp_path / "b", tmp_path / "a")
+    (row,) = [r for r in v["rows"] if r["metric"] == "score"]
+    assert v["ok"] and row["verdict"] == "warning" and row["note"].startswith("score averages 13 tasks in NEW, 11")
+    ruler_run(tmp_path / "c", ALL13, 60.0)  # the same tasks: compared as before
+    (row,) = [r for r in verdict_of(tmp_path / "a", tmp_path / "c")["rows"] if r["metric"] == "score"]
+    assert row["verdict"] == "ok" and row["note"] == ""

@@ -4,6 +4,7 @@ when) its runs exist."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -215,7 +216,9 @@ def test_claims_not_run_when_rows_are_missing(tmp_path):
     assert by["window only > 10x 4 sinks"].verdict == "not run"
     assert "no run of 0 sinks" in by["window only > 10x 4 sinks"].why
     assert by["1 sink within 25% of 4 sinks"].verdict == "reproduced"
-    assert verdict == "not run"  # never "reproduced" with a claim unjudged
+    assert verdict == "inconclusive"  # never "reproduced" with a claim unjudged
+    claim_folder(tmp_path / "none", {1: 30.0})
+    assert verdicts(tmp_path / "none")[0] == "not run"  # no claim judged at all
 
 
 @pytest.mark.parametrize("bad", [float("nan"), None, float("inf")])
@@ -284,17 +287,26 @@ def test_verdicts_in_terminal_markdown_html_and_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(out),
                            "--json", str(js)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "sinks_claims: not reproduced (2 reproduced, 1 not reproduced (of 3 claims))" in proc.stdout
-    assert "[not reproduced] window only > 10x 4 sinks" in proc.stdout
+    scale = "scale: smollm2-135m, not the paper's model (meta-llama/Llama-2-7b-hf); 3 runs of 1 sample each"
+    assert f"sinks_claims: not reproduced (2 reproduced, 1 not reproduced (of 3 claims); {scale})" in proc.stdout
+    # beside each claim: the interval and what it resampled (one document without windows: no interval)
+    assert "[not reproduced] window only > 10x 4 sinks (ppl; ratio >= 10): ours x1.63 95% x[1.63, 1.63] (unpaired, " \
+           "1 sample per run; no interval for s0, s4 (fewer than 2 samples, or no samples.jsonl)) | paper x350.4" \
+           in proc.stdout, proc.stdout
     import json
 
     data = json.loads(js.read_text())["sinks_claims"]
-    assert data["verdict"] == "not reproduced"
+    assert data["verdict"] == "not reproduced" and scale in data["summary"]
     assert [c["verdict"] for c in data["claims"]] == ["not reproduced", "reproduced", "reproduced"]
+    assert data["claims"][0]["interval"] == "x[1.63, 1.63]" and data["claims"][0]["settings"][0]["bounds"]
+    assert data["claims"][2]["interval"] == "s1-s4 [+3, +3]; s0-s1 [+14, +14]"
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "Verdicts: sinks\\_claims: not reproduced." in md
-    assert "**Verdict: not reproduced**" in md and "window only &gt; 10x 4 sinks" in md  # escaped as in HTML
+    assert "**Verdict: not reproduced** (2 reproduced, 1 not reproduced (of 3 claims); scale: smollm2-135m" in md
+    assert "window only &gt; 10x 4 sinks" in md  # escaped as in HTML
+    assert "| 95% interval | items |" in md and "s1-s4 \\[+3, +3\\]" in md
     assert 'class="verdict bad"' in html and '<td class="good">reproduced</td>' in html
+    assert "<th>95% interval</th>" in html and "x[1.63, 1.63]" in html
 
 
 BAD_PAPERS = [
@@ -345,7 +357,7 @@ def _figures(monkeypatch):
     from kvbench.reporting import plots
 
     figs = []
-    monkeypatch.setattr(plots, "_png", lambda fig: figs.append(fig) or b"png")
+    monkeypatch.setattr(plots, "_png", lambda fig, dpi=80: figs.append(fig) or b"png")
     return figs
 
 
@@ -529,9 +541,177 @@ def test_leaderboard_table_and_figure(tmp_path):
     assert base64.b64encode(png).decode() in html
 
 
+def test_leaderboard_never_sets_an_11_task_score_beside_a_13_task_one(tmp_path):
+    """One method's runs scored without two tasks (as RULER without its QA data): a leaderboard of their own."""
+    ruler_board_folder(tmp_path)
+    for run in os.listdir(tmp_path):
+        path = tmp_path / run / "metrics.json"
+        if "knorm" in run and path.is_file():
+            metrics = json.loads(path.read_text())
+            metrics["score_tasks"] = "niah_single_1"
+            path.write_text(json.dumps(metrics))
+        elif path.is_file():
+            metrics = json.loads(path.read_text())
+            metrics["score_tasks"] = "niah_single_1,vt"
+            path.write_text(json.dumps(metrics))
+    sec = section(tmp_path, "kvpress_leaderboard")
+    boards = {t.title: t for t in sec.tables if "leaderboard" in t.title}
+    assert sorted(boards) == [
+        "ruler: leaderboard, score (peak KV MiB) per method and compression ratio [score over 1 task]",
+        "ruler: leaderboard, score (peak KV MiB) per method and compression ratio [score over 2 tasks]"]
+    assert [r[0] for r in boards[sorted(boards)[0]].rows] == ["knorm"]
+    assert "knorm" not in [r[0] for r in boards[sorted(boards)[1]].rows]
+    assert sum("leaderboard" in t for t, _ in sec.plots) == 2
+    assert any("`score` averages 2 tasks (niah_single_1, vt); 1 task (niah_single_1): runs over different tasks "
+               "are never compared" in line for line in sec.lines), sec.lines
+
+
 def test_leaderboard_needs_ratio_runs(tmp_path):
     """Budget runs only (no compression_ratio): no leaderboard table or figure."""
     sweep_folder(tmp_path)
     sec = section(tmp_path, "budget_sweep")
     assert not any("leaderboard" in t.title for t in sec.tables)
     assert not any("leaderboard" in t for t, _ in sec.plots)
+
+
+# ---------------------------------------------------------------- run folders that are not what they say
+def test_a_run_folder_without_config_is_counted_named_and_left_out(tmp_path):
+    """It crashed kvbench-report ("File name too long": a plot name built from every setting, since the folder's
+    missing settings made every key vary); now it is left out, counted and named, and plot names are bounded."""
+    res = tmp_path / "res"
+    for method, budget in (("full", None), ("streaming_llm", 64), ("streaming_llm", 128), ("h2o", 64)):
+        rec = fx.write_run(str(res), fx.config(method=method, budget=budget), {"ppl": 30.0 + (budget or 0) / 100,
+                           "peak_kv_bytes": (budget or 256) * 46080}, fx.ppl_samples([3.0]))
+    os.unlink(os.path.join(rec["run_dir"], "config.yaml"))
+    name = os.path.basename(rec["run_dir"])
+    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(res), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"kvbench-report: 1 corrupt run folder(s): {name} (config.yaml is " \
+                                           "missing: left out)"
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert f"1 run folder(s) without a readable config.yaml, left out: {name.replace('_', chr(92) + '_')}" in md
+    assert "h2o" not in md.split("## ")[2]  # not in the section's tables
+    plots = os.listdir(tmp_path / "o" / "plots")
+    assert plots and all(len(p) <= 100 for p in plots)
+    from kvbench.reporting.render import plot_file
+
+    long = plot_file("exp", "ppl vs budget [" + ", ".join(f"task.key{i}=value{i}" for i in range(40)) + "]")
+    assert len(long) <= 100 and long != plot_file("exp", "ppl vs budget [" + "x" * 400 + "]")
+
+
+def test_a_planted_run_dir_never_becomes_a_link(tmp_path):
+    """metrics.json naming run_dir `javascript:alert(document.domain)` (with a run_id that is no folder) became
+    <a href="javascript:..."> when the report was written into the folder it was run from. Links go only to folders
+    inside the results folder, by a relative path that no browser reads as a scheme."""
+    res = tmp_path / "res"
+    good = fx.write_run(str(res), fx.config(), {"ppl": 30.0}, fx.ppl_samples([3.0]))
+    evil = fx.write_run(str(res), fx.config(method="h2o", budget=64), {"ppl": 31.0}, fx.ppl_samples([3.0]))
+    path = os.path.join(evil["run_dir"], "metrics.json")
+    metrics = json.loads(open(path).read())
+    metrics.update(run_id="javascript:alert(document.domain)", run_dir="javascript:alert(document.domain)")
+    open(path, "w").write(json.dumps(metrics))
+    # a folder inside the results folder whose very name looks like a scheme
+    named = fx.write_run(str(res), fx.config(method="snapkv", budget=64), {"ppl": 32.0}, fx.ppl_samples([3.0]))
+    os.rename(named["run_dir"], res / "javascript:alert(1)")
+    for out in (res, tmp_path / "o"):  # --out the results folder itself, run from there: the case that linked
+        proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(res), "--out", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=str(out if out == res else tmp_path),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.returncode == 0, proc.stderr
+        html = (out / "report.html").read_text()
+        md = (out / "report.md").read_text()
+        hrefs = re.findall(r'href="([^"#]+)"', html)
+        assert len(hrefs) == 3 and not any("javascript:alert(document" in h for h in hrefs), hrefs
+        assert all(h.startswith(("./", "../")) for h in hrefs), hrefs
+        for href in hrefs:  # every link is a run folder inside the results folder
+            target = os.path.realpath(os.path.join(out, href))
+            assert os.path.isdir(target) and os.path.dirname(target) == str(res), href
+        assert re.search(r"\]\((\./|\.\./)[^)]*\)", md)
+        assert not re.search(r"\]\(javascript", md)
+    from kvbench.store.runs import load_runs
+
+    run = dict(load_runs(str(res))[0], run_dir="javascript:alert(document.domain)")
+    assert report.run_link(run, str(res)) is None
+    assert report.run_link(dict(run, run_dir="/etc"), str(res)) is None
+    assert report.run_link(dict(run, run_dir=good["run_dir"]), str(res)) == f"./{good['run_id']}/"
+
+
+def test_run_tables_show_the_change_against_full_on_the_same_task(tmp_path):
+    for tokens in (1024, 2048):
+        opts = {"max_tokens": tokens}
+        fx.write_run(str(tmp_path), fx.config(task_options=opts, experiment="vs"),
+                     {"ppl": 20.0, "peak_kv_bytes": 4 * 2**20}, fx.ppl_samples([3.0]))
+        fx.write_run(str(tmp_path), fx.config(method="h2o", budget=128, task_options=opts, experiment="vs"),
+                     {"ppl": 25.0 if tokens == 1024 else 22.0, "peak_kv_bytes": 2**20}, fx.ppl_samples([3.0]))
+    # a codec run without a full run of its setting: nothing to compare against
+    fx.write_run(str(tmp_path), fx.config(quant={"name": "kivi", "bits": 2}, task_options={"max_tokens": 512},
+                                          experiment="vs"), {"ppl": 21.0, "peak_kv_bytes": 2**19}, fx.ppl_samples([3.0]))
+    table, = section(tmp_path, "vs").tables
+    col = {c: i for i, c in enumerate(table.columns)}
+    got = {r[col["setting"]]: (r[col["vs full"]], r[col["peak KV vs full"]]) for r in table.rows}
+    assert got["budget=128, method=h2o, quant=none, task.max_tokens=1024"] == ("+5 (+25.0%)", "-75.0%")
+    assert got["budget=128, method=h2o, quant=none, task.max_tokens=2048"] == ("+2 (+10.0%)", "-75.0%")
+    assert got["budget=none, method=full, quant=none, task.max_tokens=1024"] == ("", "")  # the baseline itself
+    assert got["budget=none, method=full, quant=kivi, task.max_tokens=512"] == ("", "")
+
+
+def test_pareto_line_runs_through_points_of_the_front_only(monkeypatch):
+    """The step line's vertical segment ran through a dominated point at the same memory; now the line's vertices
+    are exactly the non-dominated points, and no dominated point lies on it."""
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    pts = [("full", None, 30.0, 1), ("h2o", 128, 28.0, 2), ("snapkv", 128, 29.0, 2), ("snapkv", 256, 28.5, 3),
+           ("h2o", 256, 26.0, 4), ("streaming_llm", 512, 27.0, 5)]
+    runs = [{"cfg": {"method.name": m, "quant.name": "none", "task.name": "perplexity"},
+             "metrics": {"method": m, "budget": b, "ppl": y, "peak_kv_bytes": mib * 2**20}} for m, b, y, mib in pts]
+    plots.pareto(runs, "ppl")
+    (ax,) = figs[0].axes
+    (line,) = [ln for ln in ax.lines if ln.get_label() == "Pareto front"]
+    vertices = list(zip(line.get_xdata(), line.get_ydata()))
+    assert vertices == [(1.0, 30.0), (2.0, 28.0), (4.0, 26.0)]
+    assert plots.pareto_front([(1, 5.0), (2, 5.0)], True) == [(1, 5.0)]  # equal metric, more memory: dominated
+    assert plots.pareto_front([(1, 5.0), (2, 6.0)], False) == [(1, 5.0), (2, 6.0)]  # higher is better
+    for _, _, y, x in pts:
+        if (x, y) in vertices:
+            continue
+        for (x0, y0), (x1, y1) in zip(vertices, vertices[1:]):  # no dominated point on a segment
+            if x0 <= x <= x1:
+                assert abs(y - (y0 + (y1 - y0) * (x - x0) / (x1 - x0))) > 0.1
+
+
+def test_leaderboard_peak_labels_never_overlap_where_scores_bunch(monkeypatch):
+    """At ratio 0.75 most methods of the smoke board score about 0: their peak labels stack into a tall column that
+    widened the y axis after the spacing was chosen from an estimate, so the taller the stack the closer its labels
+    came. The spacing is now measured on the finished axes: every column's labels are apart by the same margin."""
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    methods = ["random", "knorm", "snapkv", "expected_attention", "streaming_llm", "tova", "pyramidkv", "lagkv",
+               "key_diff", "adakv", "criticalkv", "duo_attention", "kvzip", "h2o"]
+    methods += [f"{m}_b" for m in methods]  # a board of 24 lines, nearly all at 0 at ratio 0.75
+    runs = [{"cfg": {"method.name": "full", "quant.name": "none", "compression_ratio": None},
+             "metrics": {"score": 66.67, "peak_kv_bytes": 40 * 2**20, "evicts": False}}]
+    for i, m in enumerate(methods[:plots.MAX_BOARD_SERIES]):
+        for ratio, score in ((0.25, 66.67 - (i % 3) * 33.33), (0.5, 33.33 * (i % 2)), (0.75, 0.0)):
+            runs.append({"cfg": {"method.name": m, "quant.name": "none", "compression_ratio": ratio},
+                         "metrics": {"score": score, "peak_kv_bytes": (40 - 30 * ratio + 0.1 * i) * 2**20}})
+    plots.leaderboard(runs, "score")
+    (fig,) = figs
+    ax = fig.axes[0]
+    fig.tight_layout()  # as the PNG is written (plots._png)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.text import Text
+
+    columns: dict = {}
+    for ann in ax.texts:  # the label's own box (an annotation's extent includes its leader line)
+        columns.setdefault(round(ann.xyann[0], 6), []).append(Text.get_window_extent(ann, renderer))
+    assert sum(len(c) for c in columns.values()) == 1 + 3 * (plots.MAX_BOARD_SERIES - 1)  # full is one of them
+    for boxes in columns.values():
+        boxes.sort(key=lambda b: b.y0)
+        for lower, upper in zip(boxes, boxes[1:]):
+            assert upper.y0 - lower.y1 >= 2 * fig.dpi / 72, (lower, upper)  # 2 points apart (1.9 before)
+    bottom, top = ax.get_ylim()
+    assert all(bottom <= ann.xyann[1] <= top for ann in ax.texts)  # and inside the axes

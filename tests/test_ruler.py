@@ -199,6 +199,7 @@ def test_end_to_end_tiny_model_with_a_compression_ratio(tmp_path, single_thread)
     for t in ("niah_single_1", "vt", "fwe"):
         assert 0.0 <= rec[f"score_{t}"] <= 100.0
     assert rec["score"] == round((rec["score_niah_single_1"] + rec["score_vt"] + rec["score_fwe"]) / 3, 2)
+    assert rec["score_tasks"] == "niah_single_1,vt,fwe" and "score_tasks_skipped" not in rec
     # the context was compressed to about half (the method's own minimum aside); the question was not compressed
     assert 0.4 <= rec["kv_kept_fraction"] <= 0.5
     assert rec["peak_kv_bytes"] < rec["full_kv_bytes"]
@@ -207,3 +208,18 @@ def test_end_to_end_tiny_model_with_a_compression_ratio(tmp_path, single_thread)
     assert rows[0]["prompt"].endswith("mentioned in the provided text is")
     with open(os.path.join(rec["run_dir"], "metrics.json")) as f:
         assert json.load(f)["compression_ratio"] == 0.5
+
+
+def test_score_names_the_tasks_it_averages_and_the_summary_says_so():
+    """Without squad.json / hotpotqa.json, qa_1 / qa_2 are skipped and `score` averages 11 tasks, not 13: the
+    record says which (score_tasks) and which were skipped, and so does the run's summary."""
+    from kvbench.summary import format_summary
+    from kvbench.tasks.ruler import score_results
+
+    samples = [{"dataset": t, "score": v, "length": 1024} for t, v in (("niah_single_1", 1.0), ("vt", 0.5))]
+    m = score_results(samples, ["niah_single_1", "qa_1", "vt", "qa_2"], [1024])
+    assert m["score"] == 75.0 and m["score_tasks"] == "niah_single_1,vt" and m["score_tasks_skipped"] == "qa_1,qa_2"
+    assert "score_tasks_skipped" not in score_results(samples, ["niah_single_1", "vt"], [1024])
+    text = format_summary({"run_id": "r", "status": "ok", "task": "ruler", **m})
+    assert "score the mean over 2 tasks: niah_single_1, vt (qa_1, qa_2 skipped: no data)" in " ".join(text.split())
+    assert "score_tasks " not in text  # not repeated among the metrics

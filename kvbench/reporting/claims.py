@@ -15,10 +15,17 @@ A claim is a relation between rows of the block (rows are named by `id`, or by `
 `judge(claim, paper, runs)` finds the runs of each row (the row's `match` on the run's config; the runs of the
 row's own `model` when there are some), splits them into comparable settings (the swept keys the rows do not
 fix, e.g. budget x block size; a run whose value of such a key is null, like `full`'s budget, joins every
-setting), and evaluates the relation in each setting where every row ran. Verdicts: "reproduced" (holds in every
-setting judged), "not reproduced" (fails in one, or a row's run has no finite value), "not run" (some row has no
-run in any setting). The paper's own figure for the relation is computed from the published values (unknown when a
-value is null); a claim the published values contradict is refused as a bad block.
+setting), and evaluates the relation in each setting where every row ran, on a 95% bootstrap interval, never on
+point values alone: paired over the items the rows share (samples, perplexity windows: one resampling serves every
+row) when each row has one run on the same items, else each run resampled on its own (stats.row_draws). A ratio
+claim is judged on the interval of the ratio, an order claim on each neighbouring pair's difference. In a setting:
+"reproduced" (the whole interval on the claim's side), "not reproduced" (the whole interval on the other side, or
+a row's run has no finite value), "inconclusive" (the interval reaches both sides: the data cannot tell). A claim:
+not reproduced if any setting is, reproduced if every setting is, else inconclusive; "not run" when some row has no
+run in any setting. The interval and the items resampled are printed beside each claim (a run whose samples cannot
+recompute its value, e.g. one document without windows, counts at its value: the items say so). The paper's own
+figure for the relation is computed from the published values (unknown when a value is null); a claim the
+published values contradict is refused as a bad block.
 """
 from __future__ import annotations
 
@@ -26,11 +33,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from kvbench.errors import UserError
 from kvbench.reporting import stats
 from kvbench.reporting.runs import fmt, varying_keys
+from kvbench.store.runs import samples_of
 
-REPRODUCED, NOT_REPRODUCED, NOT_RUN = "reproduced", "not reproduced", "not run"
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN = "reproduced", "not reproduced", "inconclusive", "not run"
 PAPER_KEYS = {"source", "model", "dataset", "metric", "lower_is_better", "setting", "note", "rows", "claims",
               "data_match"}
 ROW_KEYS = {"id", "label", "match", "value", "model", "per_dataset", "note"}
@@ -174,7 +184,8 @@ def expected(claim: dict, lower_is_better: bool) -> str:
 
 @dataclass
 class Verdict:
-    """One claim judged: our figure beside the paper's, the verdict and why."""
+    """One claim judged: our figure beside the paper's, the verdict and why; the 95% interval it was judged on and
+    the items resampled for it."""
     claim: str
     metric: str
     expected: str
@@ -182,12 +193,74 @@ class Verdict:
     paper: str
     verdict: str
     why: str = ""
-    settings: list = field(default_factory=list)  # (setting text, figure, holds) per comparable setting
+    # per comparable setting: (setting text, figure, verdict, interval text, items text, interval bounds)
+    settings: list = field(default_factory=list)
+    interval: str = ""
+    items: str = ""
 
     def as_dict(self) -> dict:
         return {"claim": self.claim, "metric": self.metric, "expected": self.expected, "ours": self.ours,
-                "paper": self.paper, "verdict": self.verdict, "why": self.why,
-                "settings": [{"setting": s, "ours": f, "holds": h} for s, f, h in self.settings]}
+                "interval": self.interval, "items": self.items, "paper": self.paper, "verdict": self.verdict,
+                "why": self.why,
+                "settings": [{"setting": s, "ours": f, "verdict": v, "holds": {REPRODUCED: True,
+                                                                               NOT_REPRODUCED: False}.get(v),
+                              "interval": i, "items": n, "bounds": [[x if math.isfinite(x) else None for x in pair]
+                                                                    for pair in b]}
+                             for s, f, v, i, n, b in self.settings]}
+
+
+def _side(lo: float, hi: float, low: float, high: float, open_low: bool = False) -> str:
+    """Where the interval [lo, hi] lies against the claim's region (low, high) (the low end open or closed):
+    inside it, outside it, or across its edge."""
+    above_low = lo > low if open_low else lo >= low
+    inside = above_low and hi <= high
+    outside = (hi <= low if open_low else hi < low) or lo > high
+    return REPRODUCED if inside else NOT_REPRODUCED if outside else INCONCLUSIVE
+
+
+def _g(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def on_interval(claim: dict, draws: Any, names: list[str], lower_is_better: bool) -> tuple[str, str, list]:
+    """The claim judged on bootstrap draws of each row's value ([rows, iters]): the verdict (reproduced when the
+    95% interval lies wholly on the claim's side, not reproduced when wholly on the other, else inconclusive), the
+    interval as text and its bounds. A ratio claim on the ratio; an order claim on each neighbouring pair's
+    difference (next - previous: more than 0 when lower is better), all of which must hold."""
+    if "ratio" in claim:
+        a, b = draws
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(b != 0, a / np.where(b != 0, b, 1.0), np.inf)
+        lo, hi = stats.percentile_interval(ratio)
+        verdict = _side(lo, hi, claim.get("min", -math.inf), claim.get("max", math.inf))
+        return verdict, f"x[{_g(lo)}, {_g(hi)}]", [[lo, hi]]
+    strict = claim.get("strict", True)
+    verdicts, texts, bounds = [], [], []
+    for i in range(len(names) - 1):
+        lo, hi = stats.percentile_interval(draws[i + 1] - draws[i])
+        margin = (lo, hi) if lower_is_better else (-hi, -lo)  # > 0: the earlier row is better, as claimed
+        verdicts.append(_side(margin[0], margin[1], 0.0, math.inf, open_low=strict))
+        texts.append(f"{names[i + 1]}-{names[i]} [{lo:+.4g}, {hi:+.4g}]")
+        bounds.append([lo, hi])
+    verdict = (NOT_REPRODUCED if NOT_REPRODUCED in verdicts else
+               REPRODUCED if all(v == REPRODUCED for v in verdicts) else INCONCLUSIVE)
+    return verdict, "; ".join(texts), bounds
+
+
+def items_text(info: dict, names: list[str]) -> str:
+    """What the interval resampled: "paired over 16 windows", "unpaired, 20 samples per run", and the rows held
+    at their value (no per-item data)."""
+    unit = info["unit"]
+    counts = [n for row in info["items"] for n in row]
+    if info["paired"]:
+        text = f"paired over {counts[0]} {unit}"
+    else:
+        spread = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+        text = f"unpaired, {spread} {unit[:-1] if max(counts) == 1 else unit} per run"
+    if info["exact"]:
+        held = ", ".join(names[i] for i in info["exact"])
+        text += f"; no interval for {held} (fewer than 2 {unit}, or no samples.jsonl)"
+    return text
 
 
 def value_of(run: dict, key: str) -> Any:
@@ -299,24 +372,36 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
                 continue
             values.append(sum(vals) / len(vals))
         if empty:
-            judged.append((label, "; ".join(empty), False))
+            judged.append((label, "; ".join(empty), NOT_REPRODUCED, "", "", []))
             continue
-        holds, figure = relation(claim, values, lower)
-        judged.append((label, figure, holds))
+        if stats.averages_tasks(metric) and len({stats.score_tasks(r["metrics"]) for rs in chosen for r in rs}) > 1:
+            skipped.append(f"{label} ({metric} averages different tasks in the rows' runs)")
+            continue
+        names_ = [row_name(row) for row in rows]
+        draws, info = stats.row_draws(metric, [[(r["metrics"][metric], samples_of(r)) for r in rs] for rs in chosen])
+        verdict, interval, bounds = on_interval(claim, draws, names_, lower)
+        judged.append((label, relation(claim, values, lower)[1], verdict, interval, items_text(info, names_), bounds))
     out.settings = judged
     if not judged:
         out.why = f"no setting where every row ran (settings with a row missing: {'; '.join(skipped)})"
         return out
-    failed = [s for s in judged if not s[2]]
-    out.verdict = NOT_REPRODUCED if failed else REPRODUCED
+    failed = [s for s in judged if s[2] == NOT_REPRODUCED]
+    unsure = [s for s in judged if s[2] == INCONCLUSIVE]
+    out.verdict = NOT_REPRODUCED if failed else INCONCLUSIVE if unsure else REPRODUCED
     if len(judged) == 1:
-        out.ours = judged[0][1]
+        out.ours, out.interval, out.items = judged[0][1], judged[0][3], judged[0][4]
     else:
-        out.ours = f"holds in {len(judged) - len(failed)} of {len(judged)} settings"
+        held = len(judged) - len(failed) - len(unsure)
+        out.ours = f"holds in {held} of {len(judged)} settings" + (f", {len(unsure)} inconclusive" if unsure else "")
+        out.interval = "; ".join(f"{s[0]}: {s[3]}" for s in judged[:3] if s[3]) + (" ..." if len(judged) > 3 else "")
+        out.items = "; ".join(dict.fromkeys(s[4] for s in judged if s[4]))
     if failed and len(judged) > 1:
-        out.why = "fails at " + "; ".join(f"{s}: {f}" for s, f, _ in failed[:4]) + (" ..." if len(failed) > 4 else "")
+        out.why = "fails at " + "; ".join(f"{s[0]}: {s[1]}" for s in failed[:4]) + (" ..." if len(failed) > 4 else "")
     elif failed:
-        out.why = f"{out.expected} does not hold"
+        out.why = (f"{out.expected} does not hold" + ("" if not failed[0][3] else
+                                                      ": the 95% interval lies wholly on the other side"))
+    elif unsure:
+        out.why = "the 95% interval reaches both sides of the claim's bound: the data cannot tell"
     if skipped:
         out.why = ((out.why + "; " if out.why else "")
                    + f"not run at {len(skipped)} setting(s): {'; '.join(skipped[:3])}")
@@ -329,14 +414,18 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
 
 
 def experiment_verdict(verdicts: list[Verdict]) -> tuple[str, str]:
-    """The experiment's verdict and a count: reproduced only when every claim is."""
+    """The experiment's verdict and a count: not reproduced when any claim is refuted, reproduced only when every
+    claim is, not run when none ran, else inconclusive."""
     if not verdicts:
         return "no claims", "the paper block states no claims"
-    counts = {v: sum(1 for x in verdicts if x.verdict == v) for v in (REPRODUCED, NOT_REPRODUCED, NOT_RUN)}
+    kinds = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_RUN)
+    counts = {v: sum(1 for x in verdicts if x.verdict == v) for v in kinds}
     total = f"{len(verdicts)} claim" + ("s" if len(verdicts) != 1 else "")
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" (of {total})"
-    if counts[REPRODUCED] == len(verdicts):
-        return REPRODUCED, summary
     if counts[NOT_REPRODUCED]:
         return NOT_REPRODUCED, summary
-    return NOT_RUN, summary
+    if counts[REPRODUCED] == len(verdicts):
+        return REPRODUCED, summary
+    if counts[NOT_RUN] == len(verdicts):
+        return NOT_RUN, summary
+    return INCONCLUSIVE, summary

@@ -5,7 +5,7 @@
 Every plot colours a run by its method (METHOD_COLORS: the same colour for a method in every plot; other settings
 by line style and marker) and uses a log axis only for data spanning more than a decade (wants_log). Callers pass
 comparable runs (same model, task and runtime settings: kvbench.report groups them).
-    pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front drawn through the best points
+    pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front as a line through its points only
     longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
     throughput(runs)                  output tokens/s against the KV pool size (task=throughput runs)
@@ -194,6 +194,18 @@ def _flat(runs: Sequence[dict]) -> bool:
     return all(r["metrics"].get("budget") is None for r in runs)
 
 
+def pareto_front(points: Sequence[tuple[float, float]], lower_is_better_: bool) -> list[tuple[float, float]]:
+    """The points (memory, metric) no other point beats on both axes (less or equal memory and a better or equal
+    metric, one of them strictly), by memory ascending; of equal points, one."""
+    front: list[tuple[float, float]] = []
+    best: Optional[float] = None
+    for x, y in sorted(points, key=lambda p: (p[0], p[1] if lower_is_better_ else -p[1])):
+        if best is None or (y < best if lower_is_better_ else y > best):
+            front.append((x, y))
+            best = y
+    return front
+
+
 def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     """The metric against peak KV memory (one marker colour per method), the Pareto front through the best points.
     Pass comparable runs only."""
@@ -210,13 +222,11 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=28, color=st["color"],
                    marker=st["marker"])
     low = lower_is_better(metric)
-    front, best = [], None
-    for x, y, _, _ in sorted(pts, key=lambda p: (p[0], p[1] if low else -p[1])):
-        if best is None or (y < best if low else y > best):
-            front.append((x, y))
-            best = y
-    ax.step([p[0] / 2**20 for p in front], [p[1] for p in front], where="post", color="black", linewidth=1,
-            label="Pareto front")
+    front = pareto_front([(p[0], p[1]) for p in pts], low)
+    # the front as a line through its own points only (a step line's corners are no runs, and its vertical
+    # segments ran through dominated points); each point of the front ringed
+    ax.plot([p[0] / 2**20 for p in front], [p[1] for p in front], color="black", linewidth=1, zorder=1,
+            marker="o", markersize=9, markerfacecolor="none", markeredgewidth=0.8, label="Pareto front")
     ax.set_xlabel("peak KV memory (MiB, measured from the pool)")
     ax.set_ylabel(metric + (" (lower is better)" if low else ""))
     if wants_log([p[1] for p in pts]):
@@ -435,21 +445,6 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         ax.plot([0.0], [y], marker="o", color=color, markersize=6)
         if mib is not None:
             label_pts.setdefault(0.0, []).append((y, f"{mib:.1f}", color, (0.0, y)))
-    # one column of labels per ratio, at least `step` apart (y data units for about 9 points: 6.5 pt text)
-    span = hi - lo + 2 * pad
-    step = 9.0 * span / (72 * height * 0.7)  # the axes take about 70% of the height
-    bottom, top = lo - pad, hi + pad
-    for x, items in label_pts.items():
-        items.sort(key=lambda t: (t[0], t[3][0]))
-        placed = spread_labels([t[0] for t in items], step)
-        tx = x + spread / 2 + 0.06 * gap
-        for (y, text, color, point), ty in zip(items, placed):
-            ax.annotate(text, xy=point, xytext=(tx, ty), textcoords="data", fontsize=6.5, color=color,
-                        va="center", arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.4, "alpha": 0.5},
-                        bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none",
-                              "alpha": 0.75})
-        bottom, top = min(bottom, placed[0] - step), max(top, placed[-1] + step)
-    ax.set_ylim(bottom, top)
     ticks = [0.0] + xs if xs[0] > 0 else xs
     ax.set_xlim(-0.5 * spread - 0.05 * gap, xs[-1] + spread / 2 + 0.4 * gap)
     ax.set_xticks(ticks)
@@ -459,4 +454,47 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     ax.set_title(f"{metric} vs compression ratio; beside each point its peak KV MiB (measured from the pool)")
     ax.grid(alpha=0.3)
     _legend(ax)
+    # one column of labels per ratio, LABEL_GAP points apart on the finished axes (6.5 pt text)
+    for x, items in label_pts.items():
+        items.sort(key=lambda t: (t[0], t[3][0]))
+    placed = place_label_columns(fig, ax, {x: [t[0] for t in items] for x, items in label_pts.items()},
+                                 (lo - pad, hi + pad))
+    for x, items in label_pts.items():
+        tx = x + spread / 2 + 0.06 * gap
+        for (y, text, color, point), ty in zip(items, placed[x]):
+            ax.annotate(text, xy=point, xytext=(tx, ty), textcoords="data", fontsize=6.5, color=color,
+                        va="center", arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.4, "alpha": 0.5},
+                        bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none",
+                              "alpha": 0.75})
     return _png(fig, dpi=100)  # small labels: a finer raster
+
+
+LABEL_GAP = 9.0  # points between the centres of two labels of one column (6.5 pt text and its box)
+
+
+def _points_to_data(fig: Any, ax: Any, points: float) -> float:
+    """How many y data units `points` take on the axes as laid out now (a linear y axis)."""
+    fig.tight_layout()
+    bottom, top = ax.get_ylim()
+    height_in = ax.get_position().height * fig.get_figheight()
+    return points / 72.0 * (top - bottom) / height_in
+
+
+def place_label_columns(fig: Any, ax: Any, wanted: dict, limits: tuple[float, float]) -> dict:
+    """Label heights per column (x -> wanted heights, ascending), each as near its point as LABEL_GAP points of
+    spacing on the finished axes allow; the y limits grow to hold every label. The spacing in data units depends on
+    the limits, which depend on the labels: the limits only grow until the labels, spaced for them, fit inside
+    (placed once from an estimate, a stack that widened the axis afterwards came out closer than its text)."""
+    bottom, top = limits
+    placed: dict = {}
+    for _ in range(12):
+        ax.set_ylim(bottom, top)
+        step = _points_to_data(fig, ax, LABEL_GAP)
+        placed = {x: spread_labels(ys, step) for x, ys in wanted.items() if ys}
+        need_bottom = min([bottom] + [p[0] - step for p in placed.values()])
+        need_top = max([top] + [p[-1] + step for p in placed.values()])
+        if need_bottom >= bottom and need_top <= top:
+            break
+        bottom, top = need_bottom, need_top
+    ax.set_ylim(bottom, top)  # (when the labels never fit: the last limits, which hold them)
+    return placed

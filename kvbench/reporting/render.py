@@ -6,6 +6,7 @@ A report is a list of Section; a table cell is a str, or a (text, href) pair for
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import os
 import re
@@ -48,11 +49,24 @@ class Section:
 
 
 # Cells whose whole text is a verdict are coloured in the HTML.
-VERDICT_CLASS = {"reproduced": "good", "not reproduced": "bad", "not run": "none", "no claims": "none"}
+VERDICT_CLASS = {"reproduced": "good", "not reproduced": "bad", "inconclusive": "unsure", "not run": "none",
+                 "no claims": "none"}
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower() or "plot"
+
+
+MAX_FILE_STEM = 96  # plot file names stay far below the 255 bytes a file system allows
+
+
+def plot_file(section: str, plot: str) -> str:
+    """A plot's file name: the section's and the plot's slugs, cut to MAX_FILE_STEM characters with a hash of the
+    whole (so two long titles never share a file)."""
+    stem = f"{_slug(section)}_{_slug(plot)}"
+    if len(stem) > MAX_FILE_STEM:
+        stem = stem[:MAX_FILE_STEM - 11].rstrip("_") + "_" + hashlib.sha1(stem.encode()).hexdigest()[:10]
+    return stem + ".png"
 
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|])")
@@ -102,7 +116,7 @@ def to_markdown(title: str, intro: list[str], sections: list[Section], out_dir: 
             lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
             lines.append("")
         for plot_title, png in sec.plots:
-            name = f"plots/{_slug(sec.title)}_{_slug(plot_title)}.png"
+            name = f"plots/{plot_file(sec.title, plot_title)}"
             with open(os.path.join(out_dir, name), "wb") as f:
                 f.write(png)
             lines += [f"![{md_escape(plot_title)}]({_md_href(name)})", ""]
@@ -121,7 +135,8 @@ tr:nth-child(even) td { background: #fafafa; }
 .plots figure { margin: 0; } figcaption { font-size: 12px; color: #555; }
 p { font-size: 13px; margin: 4px 0; } code { background: #f3f3f3; padding: 0 3px; }
 td.good, p.verdict.good { background: #d9f2d9 !important; } td.bad, p.verdict.bad { background: #f8d7d7 !important; }
-td.none, p.verdict.none { background: #eeeeee !important; } p.verdict { padding: 4px 8px; display: inline-block; }
+td.none, p.verdict.none { background: #eeeeee !important; }
+td.unsure, p.verdict.unsure { background: #fbeec2 !important; } p.verdict { padding: 4px 8px; display: inline-block; }
 """
 
 

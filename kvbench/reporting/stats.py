@@ -38,6 +38,22 @@ PRIMARY = {"perplexity": "ppl", "needle": "accuracy", "longbench": "score", "lon
            "summarization": "rouge_l", "govreport": "rouge_l", "throughput": "output_tokens_per_s"}
 
 
+def score_tasks(metrics: dict) -> Optional[tuple]:
+    """The tasks a multi-task headline `score` averages (RULER): `score_tasks` as recorded, else (a record from
+    before it) the tasks with a `num_samples_<task>` count; None for a record with neither."""
+    named = metrics.get("score_tasks")
+    if isinstance(named, str) and named:
+        return tuple(sorted(named.split(",")))
+    counted = sorted(k[len("num_samples_"):] for k, v in metrics.items()
+                     if k.startswith("num_samples_") and isinstance(v, int) and v > 0)
+    return tuple(counted) if counted else None
+
+
+def averages_tasks(name: str) -> bool:
+    """A metric that averages over a run's tasks (`score`, and `score_<length>` per context length)."""
+    return name == "score" or bool(re.match(r"^score_\d+$", name))
+
+
 def lower_is_better(name: str) -> bool:
     return bool(LOWER_IS_BETTER.match(name))
 
@@ -148,8 +164,18 @@ def statistic(name: str, samples: Sequence[dict], recorded: Optional[float] = No
     base = fn(full)
     scale = 1.0
     if recorded is not None and base not in (0.0,) and math.isfinite(base) and name not in ("ppl", "nll"):
-        scale = recorded / base
+        scale = unit_scale(recorded, base)
     return lambda idx: fn(idx) * scale
+
+
+def unit_scale(recorded: float, base: float) -> float:
+    """The factor from a metric recomputed from samples (base) to its recorded unit (x100 for LongBench and RULER):
+    a power of ten when the recorded value is that multiple rounded to 2 decimals (as the tasks round it), so that
+    the rounding of one run's figure never shifts its draws against another run's; else recorded / base."""
+    for k in range(-3, 4):
+        if abs(recorded - base * 10.0 ** k) <= 0.005 + 1e-9 * abs(recorded):
+            return 10.0 ** k
+    return recorded / base
 
 
 def aligned(name: str, base: Sequence[dict], new: Sequence[dict]) -> bool:
@@ -209,3 +235,65 @@ def sample_unit(name: str, samples: Sequence[dict]) -> str:
     if name in ("ppl", "nll") and samples and all(_windows(s) is not None for s in samples):
         return "windows"
     return "samples"
+
+
+def _usable(name: str, samples: Optional[Sequence[dict]], recorded: float) -> Optional[Callable]:
+    """statistic(name, samples) when it recomputes the recorded value from at least two units, else None (no
+    samples, one unit, or samples that do not give the recorded value: their noise would not be this run's)."""
+    if not samples:
+        return None
+    fn = statistic(name, samples, recorded)
+    n = sample_count(name, samples)
+    if fn is None or n < 2:
+        return None
+    value = fn(np.arange(n))
+    if not math.isfinite(value) or abs(value - recorded) > 0.005 + 1e-6 * abs(recorded):  # as rounded to 2 decimals
+        return None
+    return fn
+
+
+def row_draws(name: str, rows: Sequence[Sequence[tuple[float, Optional[Sequence[dict]]]]], *, iters: int = 1000,
+              seed: int = 0) -> tuple[np.ndarray, dict]:
+    """Bootstrap draws of each row's value, for judging a relation between rows on an interval.
+
+    rows: per row, its runs as (recorded value, samples or None); a row's value is the mean of its runs'. Paired
+    when every row has one run and all of them scored the same items (`aligned`): one resampling of the items
+    serves every row, so the items' own difficulty cancels in a ratio or a difference. Else each run is resampled
+    on its own. A run whose samples cannot recompute its value (none, one unit, or a mismatch) stays at its
+    recorded value in every draw: no noise is known for it.
+    Returns draws [rows, iters] and what was resampled: {"paired", "unit", "items" (units per run, row by row),
+    "exact" (indices of rows with a run held at its value)}."""
+    fns = [[(_usable(name, s, v), v, s) for v, s in runs] for runs in rows]
+    unit = next((sample_unit(name, s) for runs in fns for fn, _, s in runs if fn is not None), "samples")
+    items = [[sample_count(name, s) if s else 0 for _, _, s in runs] for runs in fns]
+    exact = [i for i, runs in enumerate(fns) if any(fn is None for fn, _, _ in runs)]
+    rng = np.random.default_rng(seed)
+    draws = np.empty((len(rows), iters))
+    singles = [runs[0] for runs in fns if len(runs) == 1]
+    paired = (len(singles) == len(rows) >= 2 and all(fn is not None for fn, _, _ in singles)
+              and all(aligned(name, singles[0][2], s) for _, _, s in singles[1:]))
+    if paired:
+        n = sample_count(name, singles[0][2])
+        for i in range(iters):
+            idx = rng.integers(0, n, size=n)
+            for r, (fn, _, _) in enumerate(singles):
+                draws[r, i] = fn(idx)
+    else:
+        for r, runs in enumerate(fns):
+            per_run = np.empty((len(runs), iters))
+            for j, (fn, value, samples) in enumerate(runs):
+                if fn is None:
+                    per_run[j] = value
+                    continue
+                n = sample_count(name, samples)
+                per_run[j] = [fn(rng.integers(0, n, size=n)) for _ in range(iters)]
+            draws[r] = per_run.mean(axis=0)
+    return draws, {"paired": paired, "unit": unit, "items": items, "exact": exact}
+
+
+def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of bootstrap draws (inf allowed: no interpolation across it)."""
+    q = [(1 - level) / 2, 1 - (1 - level) / 2]
+    finite = np.isfinite(draws).all()
+    lo, hi = np.quantile(draws, q) if finite else np.quantile(draws, q, method="inverted_cdf")
+    return float(lo), float(hi)

@@ -120,24 +120,27 @@ def _run_dir(results_dir: str, metrics: dict) -> str:
     return metrics.get("run_dir") or os.path.join(results_dir, str(run_id))
 
 
-def make_run(results_dir: str, metrics: dict, config: Optional[dict] = None) -> dict:
-    """One run record: metrics, config (nested) and cfg (flattened), its folder, experiment and paper block."""
-    run_dir = _run_dir(results_dir, metrics)
+def make_run(results_dir: str, metrics: dict, config: Optional[dict] = None, run_dir: Optional[str] = None) -> dict:
+    """One run record: metrics, config (nested) and cfg (flattened), its folder (run_dir: the folder the record was
+    read from, else found from the record), the results folder, experiment and paper block."""
+    run_dir = run_dir or _run_dir(results_dir, metrics)
     config = read_config(run_dir) if config is None else config
     experiment = metrics.get("experiment") or config.get("experiment")
     return {"metrics": metrics, "config": config, "cfg": flatten(config), "run_dir": os.path.abspath(run_dir),
-            "run_id": metrics.get("run_id"), "experiment": experiment, "paper": config.get("paper")}
+            "results_dir": os.path.abspath(results_dir), "run_id": metrics.get("run_id"), "experiment": experiment,
+            "paper": config.get("paper")}
 
 
-def _latest_records(results_dir: str, warn_corrupt: bool) -> list[dict]:
-    """The metrics.json of every run folder; unreadable ones (or without a run_id) left out, with one warning."""
+def _latest_records(results_dir: str, warn_corrupt: bool) -> list[tuple[str, dict]]:
+    """(folder, metrics.json) of every run folder; unreadable ones (or without a run_id) left out, with one
+    warning. The folder is where the record was read, whatever its run_dir field says."""
     records, corrupt = [], []
     for folder in run_folders(results_dir):
         rec = read_json(os.path.join(folder, METRICS_FILE))
         if rec is None or not rec.get("run_id"):
             corrupt.append(os.path.basename(folder))
         else:
-            records.append(rec)
+            records.append((folder, rec))
     if corrupt and warn_corrupt:
         warn(f"skipped {len(corrupt)} run folder(s) with a corrupt metrics.json in {results_dir}: "
              f"{', '.join(corrupt[:5])}{' ...' if len(corrupt) > 5 else ''}")
@@ -159,20 +162,20 @@ def load_runs(results_dir: str, *, history: bool = False, include_failed: bool =
             repair_index(results_dir)
         except OSError:
             pass  # a read-only results folder is still readable
-    records: Iterable[dict]
+    records: Iterable[tuple[Optional[str], dict]]
     if history:
-        records = read_jsonl(os.path.join(results_dir, RUNS_FILE))
+        records = [(None, rec) for rec in read_jsonl(os.path.join(results_dir, RUNS_FILE))]
     else:
         records = _latest_records(results_dir, warn_corrupt)
     configs: dict = {}
     out = []
-    for rec in records:
+    for folder, rec in records:
         if not include_failed and rec.get("status") != "ok":
             continue
-        run_dir = _run_dir(results_dir, rec)
+        run_dir = folder or _run_dir(results_dir, rec)
         if run_dir not in configs:
             configs[run_dir] = read_config(run_dir)
-        out.append(make_run(results_dir, rec, configs[run_dir]))
+        out.append(make_run(results_dir, rec, configs[run_dir], run_dir))
     return out
 
 
