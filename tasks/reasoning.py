@@ -4,7 +4,8 @@ Per problem (kvbench.data.reasoning): the reasoning prompt (`prompt_style`: r1 =
 by step, and put your final answer within \\boxed{}.", rkv = R-KV's run_math.py template) in the model's chat
 template (`chat_template`: auto = when the tokenizer has one); `num_samples` generations of at most
 `max_new_tokens` new tokens, stopping at EOS (and the chat end tokens), sampled with `temperature` 0.6 and `top_p`
-0.95 (DeepSeek-R1's setting), or greedy (`greedy=true`).
+0.95 (DeepSeek-R1's setting), or greedy (`greedy=true`); `ignore_eos=true` generates exactly max_new_tokens (the
+smoke experiment's long trace on a model too small to reason).
 
 Scoring (kvbench.metrics.reasoning): gsm8k as lm-eval's gsm8k (strict "#### N" and flexible last-number extraction,
 both reported: `strict_match`, `flexible_extract`; `accuracy` is the flexible one, since reasoning prompts end in
@@ -64,6 +65,7 @@ class ReasoningOptions:
     prompt_style: str = "r1"
     chat_template: Any = "auto"
     curve_every: int = 16  # generated tokens between points of kv_curve.csv
+    ignore_eos: bool = False  # true: generate exactly max_new_tokens (a memory smoke test: a long trace)
 
     def __post_init__(self) -> None:
         if self.limit is not None:
@@ -74,6 +76,7 @@ class ReasoningOptions:
         _check_number("task.temperature", self.temperature, 0.0, 100.0)
         _check_number("task.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         check_bool_option("task.greedy", self.greedy)
+        check_bool_option("task.ignore_eos", self.ignore_eos)
         if self.prompt_style not in rd.PROMPT_STYLES:
             raise UserError(f"invalid task.prompt_style={self.prompt_style!r}: choose one of "
                             f"{', '.join(rd.PROMPT_STYLES)}")
@@ -145,7 +148,7 @@ class ReasoningTask(Task):
     def _generate(self, engine: Any, tokenizer: Any, part: list, stops: tuple, temperature: float, seed: int,
                   meter: PerfMeter, curve: list) -> list[dict]:
         opts = self.options
-        reqs = [Request(list(ids), new, index=i) for i, (_, _, _, ids, new) in enumerate(part)]
+        reqs = [Request(list(ids), new, index=i, ignore_eos=opts.ignore_eos) for i, (_, _, _, ids, new) in enumerate(part)]
         last: dict[int, dict] = {}
         peak: dict[int, dict] = {}
 
@@ -156,7 +159,7 @@ class ReasoningTask(Task):
             p["max_table_tokens"] = max(p["max_table_tokens"], held["max_table_tokens"])
             p["kv_bytes"] = max(p["kv_bytes"], held["kv_bytes"])
             n = len(r.output)
-            if n % opts.curve_every == 0 or n >= r.max_new_tokens or r.output[-1] in stops:
+            if n % opts.curve_every == 0 or n >= r.max_new_tokens or (r.output[-1] in stops and not r.ignore_eos):
                 rec, s = part[r.index][0], part[r.index][1]
                 curve.append((rec["id"], s, n, held["max_table_tokens"], round(held["mean_table_tokens"], 2),
                               held["kv_bytes"]))

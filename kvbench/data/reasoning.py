@@ -8,6 +8,9 @@ Each set is a hub dataset, read through `datasets` from the hub or from a local 
   aime24   HuggingFaceH4/aime_2024, split train (30): id, problem, solution, answer, url, year (R-KV's data/aime24)
   aime25   math-ai/aime25, split test (30): id, problem, answer (kvpress's decoding evaluation)
 
+`data_path=kvbench:smoke` reads three problems written for kvbench in MATH-500's format (kvbench/data/
+reasoning_smoke.jsonl, not MATH-500's): the offline smoke experiment's data, for memory, not accuracy.
+
 Prompts (`prompt_style`):
   r1   DeepSeek-R1's usage recommendation, in the user turn: the problem, then "Please reason step by step, and put
        your final answer within \\boxed{}." (no system prompt)
@@ -15,6 +18,7 @@ Prompts (`prompt_style`):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,6 +47,13 @@ RKV_TEMPLATE = ("You are given a math problem.\n\nProblem: {question}\n\n You ne
                 "First, you need to provide the chain-of-thought, then provide the final answer.\n\n Provide the "
                 "final answer in the format: Final answer:  \\boxed{{}}")
 PROMPT_STYLES = ("r1", "rkv")
+SMOKE_DATA = "kvbench:smoke"  # data_path of the packaged smoke problems
+SMOKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reasoning_smoke.jsonl")
+
+
+def local_path(data_path: Optional[str]) -> Optional[str]:
+    """data_path with the packaged smoke problems' name resolved to their file."""
+    return SMOKE_FILE if data_path == SMOKE_DATA else data_path
 
 
 def reasoning_prompt(question: str, style: str = "r1") -> str:
@@ -57,13 +68,13 @@ def reasoning_prompt(question: str, style: str = "r1") -> str:
 def check_local(name: str, data_path: str) -> None:
     """UserError (one line) unless data_path holds the set's split (before the model loads)."""
     s = SETS[name]
-    check_data_path(data_path, s.split, s.config)
+    check_data_path(local_path(data_path), s.split, s.config)
 
 
 def load_reasoning(name: str, data_path: Optional[str] = None, limit: Optional[int] = None) -> list[dict]:
     """Records {id, question, answer, set, ...the row's other columns} of set `name`, in the hub's order."""
     s = SETS[name]
-    ds = load_hub_dataset(s.hub_id, s.config, s.split, data_path)
+    ds = load_hub_dataset(s.hub_id, s.config, s.split, local_path(data_path))
     out: list[dict] = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:
