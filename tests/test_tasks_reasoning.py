@@ -143,3 +143,21 @@ def test_longbench_v2_scores_by_difficulty_and_length(tmp_path):
     assert (m["accuracy"], m["accuracy_easy"], m["accuracy_hard"]) == (66.67, 100.0, 50.0)
     assert (m["accuracy_short"], m["accuracy_medium"], m["accuracy_long"]) == (50.0, None, 100.0)
     assert all(s["question_compressed"] == compress_question for s in res.samples)
+
+
+def test_report_draws_kv_over_generation_from_the_curve(tmp_path):
+    from kvbench.reporting import plots
+
+    runs = []
+    for name, grow in (("full", True), ("rkv", False)):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "kv_curve.csv", "w") as f:
+            f.write("id,sample,new_tokens,max_table_tokens,mean_table_tokens,kv_bytes\n")
+            for n in range(16, 161, 16):
+                f.write(f"p0,0,{n},{n if grow else 64},{n if grow else 64},{(n if grow else 64) * 1024}\n")
+            f.write("p1,0,16,16,16,16384\n")  # another generation: not drawn
+        runs.append({"run_dir": str(d), "metrics": {"method": name, "budget": None if grow else 64}, "cfg": {}})
+    assert plots.kv_curve(runs[0])[-1] == (160, 160 * 1024 / 2**20) and len(plots.kv_curve(runs[1])) == 10
+    assert plots.kv_over_generation(runs).startswith(b"\x89PNG")
+    assert plots.kv_over_generation([{"run_dir": str(tmp_path / "none"), "metrics": {}, "cfg": {}}]) is None
