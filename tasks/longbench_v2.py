@@ -23,9 +23,9 @@ from kvbench.data.hub import require_hub
 from kvbench.data.longbench import truncate_prompt_middle
 from kvbench.errors import UserError
 from kvbench.spec import check_positive
-from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
-                                       check_chat_template_option, encode, kept_stats, model_context_length,
-                                       run_generation, split_prompt, stop_token_ids, wants_chat_template)
+from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_option, check_chat_template_option,
+                                       kept_stats, model_context_length, run_generation, stop_token_ids,
+                                       template_and_split, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 
@@ -71,15 +71,7 @@ class LongBenchV2(Task):
         full = lv2.build_prompt(record)
         prompt = truncate_prompt_middle(tokenizer, full, max_length)
         truncated = prompt != full
-        question = question_part(record)
-        split = prompt.rfind(question) if not opts.compress_question else -1
-        if chat:
-            prompt = apply_chat(tokenizer, prompt)
-            split = prompt.rfind(question) if split >= 0 else -1
-        if split >= 0:
-            ids, tail = split_prompt(tokenizer, prompt, split, chat)
-        else:
-            ids, tail = encode(tokenizer, prompt, chat), 0
+        prompt, ids, tail = template_and_split(tokenizer, prompt, question_part(record), chat, opts.compress_question)
         return GenRequest(id=str(record["_id"]), dataset="longbench_v2", prompt=prompt, token_ids=ids,
                           max_new_tokens=opts.max_new_tokens, references=[record["answer"]], stop_ids=stops,
                           uncompressed_tail=tail,
