@@ -227,6 +227,21 @@ def split_prompt(tokenizer: Any, prompt: str, question_start: int, templated: bo
     return head + tail, len(tail)
 
 
+def template_and_split(tokenizer: Any, prompt: str, question: str, templated: bool,
+                       compress_question: bool) -> tuple[str, list[int], int]:
+    """The prompt in the chat template (when templated) and its token ids; with compress_question=False and the
+    question found in it, the ids are split_prompt's (the part from the question on appended uncompressed) and the
+    last value is that part's token count, else 0 (the whole prompt compressed)."""
+    split = prompt.rfind(question) if question and not compress_question else -1
+    if templated:
+        prompt = apply_chat(tokenizer, prompt)
+        split = prompt.rfind(question) if split >= 0 else -1
+    if split >= 0:
+        ids, tail = split_prompt(tokenizer, prompt, split, templated)
+        return prompt, ids, tail
+    return prompt, encode(tokenizer, prompt, templated), 0
+
+
 def generate_split(engine: Any, requests: Sequence[GenRequest], *, chunk_size: Optional[int] = None) -> list[Any]:
     """Greedy generation with each request's question appended uncompressed (see the module docstring), the
     batch decoded together; returns kvbench.runtime.engine.Generation records (timings per sequence)."""

@@ -34,10 +34,9 @@ from kvbench.data.longbench import LONGBENCH_E_DATASETS, check_data_dir, languag
 from kvbench.errors import UserError
 from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket, score_sample
 from kvbench.spec import check_positive
-from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
-                                       check_chat_template_option, encode, kept_stats,
-                                       model_context_length, run_generation, split_prompt, stop_token_ids,
-                                       wants_chat_template)
+from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_option, check_chat_template_option,
+                                       kept_stats, model_context_length, run_generation, stop_token_ids,
+                                       template_and_split, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
 RESERVED_TOKENS = 692  # null max_length = model context minus this (512 new tokens + the chat template)
@@ -101,15 +100,8 @@ def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, c
     prompt = lb.truncate_prompt_middle(tokenizer, full, max_length)
     truncated = prompt != full
     templated = chat and lb.uses_chat_template(dataset)
-    question = question_part(dataset, record)
-    split = prompt.rfind(question) if question and not compress_question else -1
-    if templated:
-        prompt = apply_chat(tokenizer, prompt)
-        split = prompt.rfind(question) if split >= 0 else -1
-    if split >= 0:
-        ids, tail = split_prompt(tokenizer, prompt, split, templated)
-    else:
-        ids, tail = encode(tokenizer, prompt, templated), 0
+    prompt, ids, tail = template_and_split(tokenizer, prompt, question_part(dataset, record), templated,
+                                           compress_question)
     if lb.base_dataset(dataset) == "samsum":  # pred.py: eos_token_id=[eos, the id of "\n"]
         stops = tuple(sorted(set(stops) | {int(tokenizer.encode("\n", add_special_tokens=False)[-1])}))
     rid = record.get("_id")

@@ -293,7 +293,7 @@ def test_methods_need_a_budget_and_keep_it_per_table(hf, ids, name):
     ("random", {"seed": 1.5}, "random.seed"),
     ("tova", {"heads": "group"}, "tova.heads"),
     ("tova", {"decode": "window"}, "tova.decode"),
-    ("knorm", {"decode": "evict"}, "knorm.decode"),
+    ("knorm", {"decode": "window"}, "knorm.decode"),  # none | evict
     ("expected_attention", {"n_future_positions": 0}, "n_future_positions"),
     ("expected_attention", {"use_covariance": "yes"}, "use_covariance"),
     ("expected_attention", {"epsilon": -1.0}, "epsilon"),

@@ -2,7 +2,8 @@
 
 After every after_attention call (every layer of every prefill chunk and decode step) the test checks:
   * tokens kept per (sequence, layer, kv-head) <= budget once the method is due to have evicted
-    (+ block_size - 1, the filling block, for block-level methods while decoding); for a method whose
+    (+ block_size - 1, the filling block, for block-level methods while decoding; + decode_overshoot() for a
+    method that has one: rkv's staging buffer); for a method whose
     budget_scope is "layer" (head-adaptive) the layer's tables hold <= kv_heads x budget together, for "sequence"
     all the sequence's tables <= layers x kv_heads x budget; a table with no table_budget (a DuoAttention
     retrieval head) is unbounded. A method that evicts after the step (after_prefill_chunk: kvzip) is checked
@@ -49,6 +50,9 @@ VARIANTS = [
     ("key_diff", {}),
     ("random", {"seed": 0}),
     ("knorm", {}),
+    ("knorm", {"decode": "evict"}),
+    ("rkv", {}),
+    ("rkv", {"buffer": 4, "window": 4}),
     ("tova", {}),
     ("tova", {"decode": "evict", "heads": "per_head"}),
     ("expected_attention", {}),
@@ -177,6 +181,8 @@ class Checker:
             self.max_kept = max(self.max_kept, n)
             if self.budget is not None and self.method.name != "full" and due:
                 extra = bs - 1 if self.block_level and ctx.phase == "decode" else 0
+                if ctx.phase == "decode" and hasattr(self.method, "decode_overshoot"):  # rkv's staging buffer
+                    extra = self.method.decode_overshoot()
                 why = _over_budget(self.method, cache, slot, ctx.layer, self.budget, extra)
                 assert why is None, f"{self.method.name}: {why} ({ctx.phase}, layer {ctx.layer})"
             for h in range(lengths.shape[0]):
@@ -265,6 +271,8 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
         lengths = lengths[budgeted]  # tables with no per-table bound (retrieval heads) keep every token
         if method.granularity == "block":
             assert int(lengths.min()) > budget - bs and int(lengths.max()) < budget + bs
+        elif hasattr(method, "decode_overshoot"):  # rkv: compressed to budget whenever budget + buffer is reached
+            assert int(lengths.min()) >= budget and int(lengths.max()) <= budget + method.decode_overshoot()
         else:
             assert bool((lengths == budget).all()), lengths
 

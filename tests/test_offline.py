@@ -24,6 +24,9 @@ def offline(monkeypatch):
     ("govreport", {}, "task.data_dir"),
     ("perplexity", {"corpus": "wikitext"}, "task.data_path"),
     ("perplexity", {"corpus": "pg19"}, "task.data_path"),
+    ("math500", {}, "task.data_path"),
+    ("aime", {"sets": [2024, 2025]}, "task.data_path"),
+    ("longbench_v2", {}, "task.data_path"),
 ])
 def test_hub_tasks_fail_offline_in_preflight(offline, task, options, needle):
     with pytest.raises(UserError) as info:

@@ -9,6 +9,8 @@ comparable runs (same model, task and runtime settings: kvbench.report groups th
     longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
     throughput(runs)                  output tokens/s against the KV pool size (task=throughput runs)
+    kv_over_generation(runs)          one sequence's KV MiB against its generated tokens (kv_curve.csv of the
+                                      reasoning tasks): decode-time compression flat, the full cache growing
     history(runs, metric)             a metric per commit, one line per setting (an asv-style regression dashboard)
     leaderboard(runs, "score")        kvpress's leaderboard figure: the metric against compression_ratio, one line per
                                       method, no-eviction runs (full) as reference lines from ratio 0, each point's
@@ -17,6 +19,7 @@ comparable runs (same model, task and runtime settings: kvbench.report groups th
 from __future__ import annotations
 
 import io
+import os
 import re
 from typing import Any, Optional, Sequence
 
@@ -498,3 +501,41 @@ def place_label_columns(fig: Any, ax: Any, wanted: dict, limits: tuple[float, fl
         bottom, top = need_bottom, need_top
     ax.set_ylim(bottom, top)  # (when the labels never fit: the last limits, which hold them)
     return placed
+KV_CURVE_FILE = "kv_curve.csv"  # written by the reasoning tasks (tasks/reasoning.py)
+
+
+def kv_curve(run: dict) -> list[tuple[int, float]]:
+    """(generated tokens, KV MiB) of a run's first generation, from its kv_curve.csv; [] when it has none."""
+    import csv
+
+    path = os.path.join(str(run.get("run_dir") or ""), KV_CURVE_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return []
+    first = (rows[0]["id"], rows[0]["sample"])
+    return [(int(r["new_tokens"]), int(r["kv_bytes"]) / 2**20) for r in rows if (r["id"], r["sample"]) == first]
+
+
+def kv_over_generation(runs: Sequence[dict]) -> Optional[bytes]:
+    """KV memory of one sequence against the tokens it has generated, one line per run (its first generation):
+    decode-time compression flattens where the full cache grows."""
+    curves = [(r, kv_curve(r)) for r in runs]
+    curves = [(r, c) for r, c in curves if len(c) > 1]
+    if not curves:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    style = _Styler()
+    for run, pts in curves[:MAX_SERIES]:
+        budget = run["metrics"].get("budget")
+        label = series_label(run) + (f" b{budget}" if budget is not None else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, markevery=max(1, len(pts) // 8), **style(run))
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV of the sequence (MiB, blocks held)")
+    ax.set_title("KV over the generation")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return _png(fig)

@@ -440,6 +440,15 @@ class Engine:
             "max_sequence_tokens": self._max_sequence_tokens,  # compare with the budget: was it ever reached?
         }
 
+    def sequence_kv(self, slot: int) -> dict:
+        """What live sequence `slot` holds now, from its block tables: the most and the mean tokens of its
+        (layer, kv-head) tables, and its KV bytes (the blocks its tables hold x bytes per block)."""
+        lengths = self.cache.lengths[slot]  # [L, H]
+        bs = self.cache.block_size
+        blocks = int(((lengths + bs - 1) // bs).sum())
+        return {"max_table_tokens": int(lengths.max()), "mean_table_tokens": float(lengths.float().mean()),
+                "kv_bytes": blocks * self.cache.bytes_per_block}
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
