@@ -34,8 +34,7 @@ import torch
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.engine import Segment
 from kvbench.runtime.sampling import sampling_probs
-
-MAX_NUM_TOKENS = 64  # the most draft tokens per round a config may ask for
+from kvbench.spec import SPECULATIVE_MAX_TOKENS as MAX_NUM_TOKENS
 
 
 @dataclass

@@ -25,8 +25,6 @@ from typing import Optional
 
 import torch
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-
 
 @dataclass
 class _Swapped:
