@@ -30,7 +30,7 @@ from kvbench.errors import UserError
 from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.methods import build_method
 from kvbench.model_info import elem_bytes, kv_pool_bytes, model_shape
-from kvbench.runtime.model_files import check_model_path
+from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
 from kvbench.spec import SEED_MAX, check_positive, hashable_config
@@ -169,13 +169,10 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     gguf = os.path.join(local, gguf_file) if gguf_file else (local if local.endswith(".gguf") else None)
     try:
         if gguf is not None:
-            from gguf import GGUFReader  # optional: reads GGUF headers
-
-            f = GGUFReader(gguf).fields["tokenizer.ggml.tokens"]
-            return [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
+            return read_gguf_header(gguf, "model", string_arrays=True).get("tokenizer.ggml.tokens")
         with open(os.path.join(local, "tokenizer.json")) as fh:
             tj = json.load(fh)
-    except (OSError, KeyError, ImportError, ValueError):
+    except (OSError, KeyError, ValueError, UserError):
         return None
     vocab = dict(tj.get("model", {}).get("vocab") or {})
     if not isinstance(vocab, dict):  # a unigram vocab: [[token, score], ...]
