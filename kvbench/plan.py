@@ -28,12 +28,13 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean as _did_you_mean
-from kvbench.methods import build_method
+from kvbench.methods import METHODS, build_method
 from kvbench.model_info import elem_bytes, kv_pool_bytes, model_shape
 from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
-from kvbench.spec import SEED_MAX, check_positive, hashable_config
+from kvbench.runtime.loading import packaged_smollm2
+from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, resolve_storage
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
 
@@ -162,8 +163,6 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     """The tokenizer's tokens in id order, read from the files (a GGUF's header, a folder's tokenizer.json) without
     loading the model; None where that cannot be read here (a hub id not on disk)."""
     if path is None:
-        from kvbench.runtime.loading import packaged_smollm2
-
         path, gguf_file = packaged_smollm2()
     local = os.path.expanduser(str(path))
     gguf = os.path.join(local, gguf_file) if gguf_file else (local if local.endswith(".gguf") else None)
@@ -190,9 +189,6 @@ def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: C
     spec = settings.runtime.speculative
     if not spec.enabled:
         return None, ("none", {})
-    from kvbench.methods import METHODS
-    from kvbench.spec import codec_names, resolve_storage
-
     k = f"runtime.speculative.num_tokens={spec.num_tokens}"
     if METHODS.get(settings.method_name).acts_after_attention:
         raise UserError(f"{k} cannot run with method={settings.method_name}: it evicts inside the steps that "

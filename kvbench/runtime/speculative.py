@@ -151,6 +151,11 @@ class SpeculativeDecoder:
         if ds is not None:
             self.draft.end_sequence(ds.slot)
 
+    def adopt(self, target_slot: int, draft_slot: int, fed: int) -> None:
+        """Use the draft engine's sequence `draft_slot` (holding the sequence's first `fed` tokens) as the draft of
+        target sequence `target_slot` (a bench that prefilled both itself)."""
+        self._seqs[target_slot] = _DraftSequence(draft_slot, fed, self.num_tokens)
+
     def forget_all(self) -> None:
         for slot in list(self._seqs):
             self.forget(slot)
