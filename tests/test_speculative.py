@@ -249,3 +249,36 @@ def test_auto_rule():
     # 1 MB out and back at 1 GB/s = 2 ms; 4,096 tokens at 400 tok/s = 10 s: swap. 100 tokens at 1e6 tok/s: recompute
     assert should_swap("auto", 10**6, 4096, 1e9, 400.0)
     assert not should_swap("auto", 10**6, 100, 1e9, 1e6)
+
+
+def test_a_throughput_run_records_speculation_swap_and_pool_health(tmp_path):
+    """task=throughput through app.run with speculation and swap preemption on a pool that holds about two of the
+    three prompts: metrics.json has the acceptance figures, the draft's peak beside the target's, the pool's health
+    and swap byte counts equal to the timeline's last row; the summary shows both lines."""
+    import csv
+    import os
+
+    from kvbench import app
+    from kvbench.summary import format_summary
+    from tests.fixtures.task_fixtures import run_cfg, tiny_loader
+
+    cfg = run_cfg(tmp_path, ["task=throughput", "task.num_requests=3", "task.input_tokens=[60,80]",
+                             "task.output_tokens=[8,10]", "runtime.block_size=8", "runtime.num_blocks=121",
+                             "runtime.speculative.num_tokens=3", "runtime.speculative.budget=32",
+                             "runtime.preemption=swap"])
+    rec = app.run(cfg, load_model_fn=tiny_loader(), print_summary=False)
+    assert rec["status"] == "ok", rec.get("error")
+    assert rec["completed_requests"] == 3 and rec["draft_tokens"] > 0
+    assert 0 <= rec["acceptance_rate"] <= 1 and rec["mean_accepted_tokens"] >= 0
+    assert 0 < rec["draft_peak_kv_bytes"] and 0 < rec["peak_kv_bytes"]
+    assert 0 < rec["pool_usage_pct_mean"] <= rec["pool_usage_pct_p95"] <= 100
+    assert rec["blocks_per_request_mean"] > 0 and rec["prefix_cache_hit_rate"] == 0
+    assert rec["preemptions"] > 0 and rec["swap_preemptions"] == rec["preemptions"]
+    assert rec["preemptions_per_min"] > 0
+    assert rec["swap_out_bytes"] == rec["swap_in_bytes"] == rec["swap_out_blocks"] * 2 * 8 * 16 * 4 > 0
+    rows = list(csv.DictReader(open(os.path.join(rec["run_dir"], "timeline.csv"))))
+    assert int(rows[-1]["swap_out_bytes"]) == rec["swap_out_bytes"]
+    assert int(rows[-1]["preemptions"]) == rec["preemptions"]
+    assert sum(int(r["emitted"]) for r in rows) == rec["output_tokens"]
+    text = format_summary(rec)
+    assert "speculate k=3, draft streaming_llm@32" in text and "pool      usage mean" in text
