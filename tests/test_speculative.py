@@ -15,14 +15,13 @@ import torch
 
 import kvbench.runtime.speculative as speculative
 from kvbench.methods import available_methods, build_method
-from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec
-from kvbench.quant.registry import build_codec
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.scheduler import Request
 from kvbench.runtime.speculative import SpeculativeDecoder, rejection_sample
 from kvbench.runtime.swap import SwapSpace, should_swap
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.test_methods_matrix import VARIANTS
+from tests.test_ragged import CODECS  # every codec (kvquant with uniform levels: no calibration)
 from tests.tiny_models import ByteTokenizer, tiny_model
 
 BS = 8
@@ -82,15 +81,6 @@ def test_greedy_output_is_the_targets_for_every_drafter(model, reference, name):
     assert target.cache.pool.num_free == free  # every block back, the rejected drafts' included
     assert spec.draft.cache.pool.num_free == spec.draft.cache.pool.capacity and not spec.draft.cache.live
     target.cache.pool.check_consistency()
-
-
-CODECS = {
-    "kivi2": lambda: KiviCodec(2, group_size=8, residual=16),
-    "kivi4": lambda: KiviCodec(4, group_size=8, residual=8),
-    "int8": lambda: Int8Codec(),
-    "fp8": lambda: Fp8Codec(),
-    "kvquant": lambda: build_codec("kvquant", None, levels="uniform", key_ranges="online", bits=4),
-}
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))

@@ -361,13 +361,7 @@ def pool_usage(runs: Sequence[dict]) -> Optional[bytes]:
     for run, (t, usage) in lines:
         st = style(run)
         ax.step(t, usage, where="post", label=series_label(run), color=st["color"], linestyle=st["linestyle"], lw=1)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("KV pool in use (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title("KV pool usage over time")
-    ax.grid(alpha=0.3)
-    _legend(ax)
-    return _png(fig)
+    return _percent_plot(fig, ax, "time (s)", "KV pool in use (%)", "KV pool usage over time")
 
 
 def acceptance_vs_draft_budget(runs: Sequence[dict]) -> Optional[bytes]:
@@ -392,10 +386,16 @@ def acceptance_vs_draft_budget(runs: Sequence[dict]) -> Optional[bytes]:
                 marker="o")
     if wants_log([p[1] for p in pts]):
         _log(ax.xaxis, ax.set_xscale)
-    ax.set_xlabel("draft budget (KV tokens per sequence, layer and kv-head)")
-    ax.set_ylabel("acceptance rate (%)")
+    return _percent_plot(fig, ax, "draft budget (KV tokens per sequence, layer and kv-head)", "acceptance rate (%)",
+                         "speculative decoding: acceptance vs draft budget")
+
+
+def _percent_plot(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> bytes:
+    """Labels, a 0-105 % y axis, grid and legend; the PNG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 105)
-    ax.set_title("speculative decoding: acceptance vs draft budget")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     _legend(ax)
     return _png(fig)
