@@ -29,6 +29,7 @@ import argparse
 import json
 import time
 
+import kvbench  # noqa: F401  (before torch: sets torch's OpenMP threads to wait passively on a shared machine)
 import torch
 
 TARGET_RATIO = 1.3
