@@ -272,3 +272,12 @@ def test_a_throughput_run_records_speculation_swap_and_pool_health(tmp_path):
     assert sum(int(r["emitted"]) for r in rows) == rec["output_tokens"]
     text = format_summary(rec)
     assert "speculate k=3, draft streaming_llm@32" in text and "pool      usage mean" in text
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "paged_eviction"])
+def test_a_draft_that_keeps_every_token_is_always_accepted(model, name):
+    """At a budget above every sequence's length the draft cache is the target's: acceptance 100%."""
+    target = _engine(model)
+    spec = _speculative(model, target, build_method(name, 512), k=4, adaptive=False)
+    target.generate(_prompts(), max_new_tokens=NEW)
+    assert spec.stats.as_metrics()["acceptance_rate"] == 1.0
