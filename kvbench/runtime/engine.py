@@ -10,7 +10,9 @@ methods. `codec` is a storage codec or None (full precision); kvbench.runtime.ca
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
 
 Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
-`step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests.
+`step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
+parts, set by the app: `engine.speculator` (kvbench.runtime.speculative: decode steps become speculative rounds)
+and `engine.swap` with `engine.preemption` (kvbench.runtime.swap: preemption may move blocks to host memory).
 """
 from __future__ import annotations
 
