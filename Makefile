@@ -6,6 +6,7 @@
 #   make bench-methods   methods benchmark (bench/bench_methods.py)
 #   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
 #   make bench-throughput serving at fixed KV memory, per method (bench/bench_throughput.py)
+#   make bench-speculative self-speculation with compressed-cache drafts vs plain decoding (bench/bench_speculative.py)
 # Everything goes into .venv (created with $(PYTHON) -m venv). Repeats are fast: a stamp file records the install.
 
 SHELL := /bin/bash
@@ -27,7 +28,7 @@ PYTEST_ARGS ?=
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
 
-.PHONY: install install-test run test bench bench-methods bench-codecs bench-throughput clean
+.PHONY: install install-test run test bench bench-methods bench-codecs bench-throughput bench-speculative clean
 
 install: $(STAMP)
 
@@ -66,6 +67,9 @@ bench-codecs: install
 
 bench-throughput: install
 	$(PY) bench/bench_throughput.py $(ARGS)
+
+bench-speculative: install
+	$(PY) bench/bench_speculative.py $(ARGS)
 
 clean:
 	rm -f $(STAMP) $(TEST_STAMP)

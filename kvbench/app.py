@@ -40,6 +40,8 @@ from kvbench.quant.registry import build_codec
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.loading import load_model
+from kvbench.runtime.speculative import SpeculativeDecoder
+from kvbench.runtime.swap import SwapSpace
 from kvbench.spec import method_evicts
 from kvbench.store import faults
 from kvbench.store.files import read_json
@@ -454,9 +456,13 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
         codec = build_codec(s.quant_name, loaded.model, **quant_options)
     try:
         extra = {"codec": codec} if codec is not None else {}
+        kwargs = _engine_kwargs(engine_cls, rt)
+        if rt.speculative.enabled and "prefix_caching" in kwargs:
+            kwargs["prefix_caching"] = False  # the draft cache prefills every prompt itself (plan refuses true)
         engine = engine_cls(loaded.model, plan.method, block_size=rt.block_size, num_blocks=rt.num_blocks,
                             kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
-                            attention_backend=rt.attention_backend, **_engine_kwargs(engine_cls, rt), **extra)
+                            attention_backend=rt.attention_backend, **kwargs, **extra)
+        _attach_serving_extras(plan, loaded, engine, engine_cls, load_model_fn)
     except ValueError as exc:
         raise UserError(f"invalid runtime settings: {exc}") from None
     record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
@@ -464,6 +470,35 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
     if cache is not None and hasattr(cache, "describe_storage"):
         record.update({f"storage_{k}": v for k, v in cache.describe_storage().items()})
     return loaded, engine
+
+
+def _attach_serving_extras(plan: RunPlan, loaded: Any, engine: Any, engine_cls: type,
+                           load_model_fn: Optional[Callable]) -> None:
+    """runtime.preemption (swap space) and runtime.speculative (the draft engine: the target's model, or the draft
+    model, over a cache of the draft method, in a pool of the target's KV bytes; prefix caching off)."""
+    rt = plan.settings.runtime
+    cache = getattr(engine, "cache", None)
+    if rt.preemption != "recompute" and cache is not None:
+        swap_bytes = rt.swap_bytes if rt.swap_bytes is not None else cache.pool_bytes()
+        engine.swap, engine.preemption = SwapSpace(cache, swap_bytes), rt.preemption
+    spec = rt.speculative
+    if not spec.enabled or cache is None:
+        return
+    if spec.draft == "self":
+        draft_model = loaded.model
+    else:
+        m = plan.settings.model
+        args = dict(gguf_file=None, dtype=m.dtype, device=plan.device, cache_dir=m.cache_dir)
+        draft_model = (load_model_fn or load_model)(spec.draft, **args).model
+    quant, quant_options = plan.draft_quant
+    if quant == "kvquant" and quant_options.get("tokenizer") is None:
+        quant_options = {**quant_options, "tokenizer": loaded.tokenizer}
+    extra = {"codec": build_codec(quant, draft_model, **quant_options)} if quant not in ("none", "full") else {}
+    draft = engine_cls(draft_model, plan.draft_method, block_size=rt.block_size, num_blocks=rt.num_blocks,
+                       kv_memory_bytes=getattr(engine, "kv_memory_bytes", rt.kv_memory_bytes),
+                       prefill_chunk_size=rt.prefill_chunk_size, attention_backend=rt.attention_backend,
+                       prefix_caching=False, **extra)
+    engine.speculator = SpeculativeDecoder(draft, spec.num_tokens, adaptive=spec.adaptive)
 
 
 # =========================================================================== 4. execute
@@ -482,6 +517,10 @@ def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record:
         for key in ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
                     "kv_bytes_per_token", "max_sequence_tokens"):
             record[key] = mem.get(key)
+        spec = getattr(engine, "speculator", None)
+        if spec is not None:
+            record.update(spec.stats.as_metrics())
+            record.update(spec.memory_stats())
         budget, longest = plan.settings.budget, mem.get("max_sequence_tokens")
         if budget is not None and longest:  # a budget no sequence reached compresses nothing
             record["budget_reached"] = longest > budget

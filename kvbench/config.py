@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean
 from kvbench.store.naming import model_label, run_id_for
-from kvbench.spec import (ATTENTION_BACKENDS, SCHEDULES, SEED_MAX, check_budget, check_compression, check_positive, dtype_name, hashable_config,
+from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, SCHEDULES, SEED_MAX, SPECULATIVE_MAX_TOKENS, check_budget, check_compression, check_positive, dtype_name, hashable_config,
                           kept_budget, normalise_numbers, raw_value, resolve_storage, results_path)
 
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
@@ -53,6 +53,31 @@ class ModelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """runtime.speculative: speculative decoding (kvbench.runtime.speculative); off while num_tokens is 0."""
+
+    num_tokens: int = 0  # draft tokens per round, k (0 = off)
+    draft: str = "self"  # self: the target model over a compressed draft cache; or a model (path / hub id), same tokenizer
+    method: str = "streaming_llm"  # the draft cache's method (any kvbench method or codec name)
+    budget: Optional[int] = 256  # the draft method's budget (KV tokens per sequence, layer and kv-head)
+    adaptive: bool = False  # shrink k when under half the drafts are accepted, grow it when all are
+
+    def __post_init__(self) -> None:
+        check_positive("runtime.speculative.num_tokens", self.num_tokens, minimum=0, maximum=SPECULATIVE_MAX_TOKENS)
+        check_positive("runtime.speculative.budget", self.budget, allow_none=True)
+        if not isinstance(self.adaptive, bool):
+            raise UserError(f"invalid runtime.speculative.adaptive={self.adaptive!r}: expected true or false")
+        if not isinstance(self.draft, str) or not self.draft.strip():
+            raise UserError(f"invalid runtime.speculative.draft={self.draft!r}: expected self or a model path / hub id")
+        if not isinstance(self.method, str) or not self.method:
+            raise UserError(f"invalid runtime.speculative.method={self.method!r}: expected a method name")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_tokens > 0
+
+
+@dataclass
 class RuntimeConfig:
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -66,8 +91,17 @@ class RuntimeConfig:
     admission_watermark: float = 0.01
     schedule: str = "mixed"  # mixed (vLLM v1: decodes first, prefill chunks fill the token budget) | prefill_first
     prefix_caching: Any = "auto"  # auto (on for methods that allow it) | true | false
+    preemption: str = "recompute"  # recompute | swap (blocks to host memory) | auto (the cheaper of the two)
+    swap_bytes: Optional[int] = None  # host swap space in bytes (null: as large as the KV pool)
+    speculative: Any = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict) or self.speculative is None:
+            self.speculative = _build(SpeculativeConfig, "runtime.speculative", dict(self.speculative or {}))
+        if self.preemption not in PREEMPTION_MODES:
+            raise UserError(f"invalid runtime.preemption={self.preemption!r}: choices are {', '.join(PREEMPTION_MODES)}"
+                            f"{did_you_mean(str(self.preemption), PREEMPTION_MODES)}")
+        check_positive("runtime.swap_bytes", self.swap_bytes, allow_none=True, minimum=0)
         if self.schedule not in SCHEDULES:
             raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are {', '.join(SCHEDULES)}")
         if self.prefix_caching not in ("auto", True, False):

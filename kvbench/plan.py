@@ -13,6 +13,7 @@ and that results_dir is writable.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -26,12 +27,14 @@ from omegaconf import OmegaConf
 
 from kvbench import config as _config
 from kvbench.errors import UserError
-from kvbench.methods import build_method
+from kvbench.registry import did_you_mean as _did_you_mean
+from kvbench.methods import METHODS, build_method
 from kvbench.model_info import elem_bytes, kv_pool_bytes, model_shape
-from kvbench.runtime.model_files import check_model_path
+from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
-from kvbench.spec import SEED_MAX, check_positive, hashable_config
+from kvbench.runtime.loading import packaged_smollm2
+from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, resolve_storage
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
 
@@ -66,6 +69,8 @@ class RunPlan:
     device: str
     shape: Any  # kvbench.model_info.ModelShape or None
     setting_fields: dict = field(default_factory=dict)
+    draft_method: Any = None  # runtime.speculative's draft method (None: speculative decoding off)
+    draft_quant: tuple = ("none", {})  # (codec name, options) of the draft cache's storage
 
 
 def _resolve_device(device: str) -> str:
@@ -154,6 +159,76 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
                             f"least {need} ({need * block_bytes} bytes)")
 
 
+def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]:
+    """The tokenizer's tokens in id order, read from the files (a GGUF's header, a folder's tokenizer.json) without
+    loading the model; None where that cannot be read here (a hub id not on disk)."""
+    if path is None:
+        path, gguf_file = packaged_smollm2()
+    local = os.path.expanduser(str(path))
+    gguf = os.path.join(local, gguf_file) if gguf_file else (local if local.endswith(".gguf") else None)
+    try:
+        if gguf is not None:
+            return read_gguf_header(gguf, "model", string_arrays=True).get("tokenizer.ggml.tokens")
+        with open(os.path.join(local, "tokenizer.json")) as fh:
+            tj = json.load(fh)
+    except (OSError, KeyError, ValueError, UserError):
+        return None
+    vocab = dict(tj.get("model", {}).get("vocab") or {})
+    if not isinstance(vocab, dict):  # a unigram vocab: [[token, score], ...]
+        vocab = {tok: i for i, (tok, _) in enumerate(vocab)}
+    for added in tj.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+
+def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: Callable,
+                       shape: Any) -> tuple[Any, tuple]:
+    """runtime.speculative (on when num_tokens >= 1): the target's method must keep what it verifies (none that acts
+    inside the attention steps), the task must decode through the scheduler, no prefix caching, the draft method a
+    known method or codec, a draft model with the target's tokenizer. Returns (draft method, (codec, options))."""
+    spec = settings.runtime.speculative
+    if not spec.enabled:
+        return None, ("none", {})
+    k = f"runtime.speculative.num_tokens={spec.num_tokens}"
+    if METHODS.get(settings.method_name).acts_after_attention:
+        raise UserError(f"{k} cannot run with method={settings.method_name}: it evicts inside the steps that "
+                        "verification batches, so the target would not be the model that plain decoding runs; use "
+                        f"method=full (or quant=<codec>) and runtime.speculative.method={settings.method_name}")
+    if not getattr(task, "decodes", False):
+        raise UserError(f"{k} cannot run with task={settings.task_name}: it does not generate tokens through the "
+                        "engine's scheduler; tasks that do: throughput, longbench, longbench_e, govreport, needle, ruler, "
+                        "summarization")
+    if settings.runtime.prefix_caching is True:
+        raise UserError(f"{k} cannot run with runtime.prefix_caching=true: the draft cache prefills every prompt "
+                        "itself; use runtime.prefix_caching=auto or false")
+    choices = sorted(set(METHODS.names()) | (set(codec_names()) - {"none"}))
+    if spec.method not in choices:
+        raise UserError(f"unknown runtime.speculative.method {spec.method!r}{_did_you_mean(spec.method, choices)}; "
+                        f"choices are {', '.join(choices)}")
+    name, options, quant, quant_options = resolve_storage(spec.method, {}, "none", {})
+    try:
+        draft = build_method_fn(name, spec.budget if METHODS.get(name).evicts else None)
+        preflight = getattr(draft, "preflight", None)  # e.g. a budget too small for runtime.block_size
+        if callable(preflight):
+            preflight(settings, shape)
+    except UserError as exc:
+        raise UserError(f"invalid runtime.speculative.method={spec.method} with runtime.speculative.budget="
+                        f"{spec.budget}: {exc}") from None
+    if spec.draft != "self":
+        label = f"runtime.speculative.draft={spec.draft!r}"
+        try:
+            check_model_path(spec.draft, None, check_hub=True)
+        except UserError as exc:
+            raise UserError(str(exc).replace(f"model.path={str(spec.draft)!r}", label)) from None
+        mine, theirs = _token_list(settings.model.path, settings.model.gguf_file), _token_list(spec.draft, None)
+        if mine is not None and theirs is not None and mine != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            raise UserError(f"invalid {label}: its tokenizer differs from the target model's ({len(theirs)} tokens "
+                            f"against {len(mine)}, first difference at id {first}); a draft model must share the "
+                            "target's tokenizer")
+    return draft, (quant, quant_options)
+
+
 def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
     """The method, given the top-level seed (a method's own `method.seed`, when set, wins)."""
     options = dict(settings.method_options)
@@ -210,6 +285,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     preflight = getattr(task, "preflight", None)
     if callable(preflight):
         preflight(settings, shape)
+    draft_method, draft_quant = _check_speculative(settings, task, build_method_fn, shape)
     _check_results_dir(settings.results_dir)
     hashable = hashable_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -219,6 +295,8 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
                     compression_ratio=settings.compression_ratio)
     fields = {"model_path": settings.model.path, "model_gguf_file": settings.model.gguf_file,
               **flat("task_", settings.task_options),
-              **flat("runtime_", {k: v for k, v in vars(settings.runtime).items() if k != "threads"}),
+              **flat("runtime_", {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+                                  for k, v in vars(settings.runtime).items() if k != "threads"}),
               "quant": settings.quant_name, **flat("quant_", settings.quant_options)}
-    return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields)
+    return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields,
+                   draft_method, draft_quant)

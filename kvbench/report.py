@@ -345,7 +345,10 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
     for title, png in ((bars_title, bars),
                        (f"{task}: needle accuracy per cell", plots.needle_heatmaps(ok)),
                        ("throughput vs KV memory", plots.throughput(ok)),
-                       (f"{task}: KV over generated tokens", plots.kv_over_generation(ok))):
+                       (f"{task}: KV over generated tokens", plots.kv_over_generation(ok)),
+                       (f"{task}: KV pool usage over time", plots.pool_usage(ok)),
+                       (f"{task}: speculative decoding, acceptance vs draft budget",
+                        plots.acceptance_vs_draft_budget(ok))):
         if png:
             out.append((title, png))
     if task != "throughput" and any(isinstance(r["metrics"].get("decode_tokens_per_s"), (int, float)) for r in ok):

@@ -36,6 +36,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: the names torch give
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # also taken by the Python API
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # runtime.attention_backend (runtime.backends.selection)
 SCHEDULES = ("mixed", "prefill_first")  # runtime.schedule (runtime.scheduler)
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # runtime.preemption (runtime.swap)
+SPECULATIVE_MAX_TOKENS = 64  # runtime.speculative.num_tokens: the most draft tokens per round
 
 
 def check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1,

@@ -42,6 +42,14 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
              "score_tasks_skipped"}
+# Speculative decoding's and the pool's health figures: their own summary lines (all of them in metrics.json).
+_SPEC_KEYS = {"acceptance_rate", "mean_accepted_tokens", "draft_tokens", "accepted_tokens", "speculative_rounds",
+              "speculative_plain_steps", "draft_s", "verify_s", "draft_pool_failures", "draft_peak_kv_bytes",
+              "draft_kv_pool_bytes"}
+_HEALTH_KEYS = {"pool_usage_pct_mean", "pool_usage_pct_p95", "prefix_cache_hit_rate", "blocks_per_request_mean",
+                "preemptions_per_min", "swap_preemptions", "swap_out_bytes", "swap_in_bytes", "swap_out_blocks",
+                "swap_in_blocks"}
+_RUN_KEYS |= _SPEC_KEYS | _HEALTH_KEYS
 # Prefixes of settings columns (flattened config) and internal storage details: in metrics.json, not the summary.
 _HIDDEN_PREFIXES = ("method_", "task_", "runtime_", "quant_", "storage_")
 
@@ -111,6 +119,33 @@ def memory_lines(record: dict) -> list:
     return lines
 
 
+def _pct(v: Any) -> str:
+    return "-" if _num(v) is None else f"{100.0 * float(v):.1f}%"
+
+
+def serving_lines(record: dict) -> list:
+    """Speculative decoding (acceptance, the draft cache's peak beside the target's) and the pool's health."""
+    lines = []
+    if record.get("draft_tokens") is not None:
+        draft = (f"{record.get('runtime_speculative_method')}@{_fmt(record.get('runtime_speculative_budget'))}"
+                 if record.get("runtime_speculative_draft") in (None, "self") else record.get("runtime_speculative_draft"))
+        text = (f"speculate k={_fmt(record.get('runtime_speculative_num_tokens'))}, draft {draft}: acceptance "
+                f"{_pct(record.get('acceptance_rate'))}, {_fmt(record.get('mean_accepted_tokens'))} accepted per "
+                f"round, {_fmt(record.get('draft_tokens'))} drafted; draft KV peak "
+                f"{_bytes(record.get('draft_peak_kv_bytes'))} beside the target's {_bytes(record.get('peak_kv_bytes'))}")
+        lines.extend(textwrap.wrap(text, _WIDTH, subsequent_indent=" " * 10))
+    if record.get("pool_usage_pct_mean") is not None:
+        swaps = record.get("swap_preemptions") or 0
+        swapped = (f" ({swaps} by swap: {_bytes(record.get('swap_out_bytes'))} out, "
+                   f"{_bytes(record.get('swap_in_bytes'))} in)" if swaps else "")
+        text = (f"pool      usage mean {_fmt(record.get('pool_usage_pct_mean'))}% p95 "
+                f"{_fmt(record.get('pool_usage_pct_p95'))}%, {_fmt(record.get('blocks_per_request_mean'))} blocks "
+                f"per request, {_fmt(record.get('preemptions_per_min'))} preemptions/min{swapped}, prefix-cache "
+                f"hits {_pct(record.get('prefix_cache_hit_rate'))}")
+        lines.extend(textwrap.wrap(text, _WIDTH, subsequent_indent=" " * 10))
+    return lines
+
+
 def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     """A short table of one run's record (the metrics.json content)."""
     lines = []
@@ -155,6 +190,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
                  f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")
     lines.extend(memory_lines(record))
+    lines.extend(serving_lines(record))
     if record.get("budget_reached") is False:
         lines.extend(textwrap.wrap(
             f"note      budget {record.get('budget')} was never reached: the longest sequence held "

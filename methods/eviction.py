@@ -292,6 +292,19 @@ class EvictionMethod(Method):
             del self._state[key]
         self._sequences.pop(slot, None)
 
+    def on_rollback(self, slot: int) -> None:
+        """Speculative decoding cut `slot`'s tables back to fewer tokens (their newest slots went): the per-slot
+        scores of the slots dropped go too (kvbench.runtime.speculative.rollback calls this)."""
+        for (s, layer), st in self._state.items():
+            scores = st.get("scores") if s == slot else None
+            if scores is None:
+                continue
+            lengths = self.cache.lengths[slot, layer].to(scores.device)  # [H]
+            n = min(int(lengths.max()), scores.shape[-1])
+            scores = scores[:, :n].clone()
+            scores[torch.arange(n, device=scores.device)[None, :] >= lengths[:, None]] = 0
+            st["scores"] = scores
+
     def on_fork(self, parent: int, child: int) -> None:
         """A forked sequence starts with a copy of its parent's per-layer state (scores, window queries)."""
         for (slot, layer), st in list(self._state.items()):

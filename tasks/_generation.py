@@ -317,7 +317,8 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
     bar = progress(total=len(requests), desc=desc, unit="sample") if progress is not None else None
     try:
         for batch in _batches(requests, batch_size):
-            if batch[0].uncompressed_tail > 0:
+            # a speculative engine's target keeps every token (full or a codec), so the question needs no split
+            if batch[0].uncompressed_tail > 0 and getattr(engine, "speculator", None) is None:
                 gens = generate_split(engine, batch)
             else:
                 gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,

@@ -134,6 +134,8 @@ class Task:
     """Base class of tasks; subclasses define `Options` and `run`."""
 
     name: ClassVar[str] = "base"
+    # whether run() decodes through the engine's scheduler (Engine.generate / serve): what speculative decoding needs
+    decodes: ClassVar[bool] = False
 
     @dataclass
     class Options:

@@ -55,6 +55,8 @@ class GovReportOptions:
 
 @register_task("govreport")
 class GovReport(Task):
+
+    decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = GovReportOptions
 
     def preflight(self, settings: Any, model_shape: Any) -> None:

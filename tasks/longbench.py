@@ -151,6 +151,8 @@ def score_results(samples: list[dict], datasets: list[str]) -> dict:
 
 @register_task("longbench")
 class LongBench(Task):
+
+    decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = LongBenchOptions
 
     def preflight(self, settings: Any, model_shape: Any) -> None:

@@ -146,6 +146,8 @@ def _title(cfg: Any) -> str:
 
 @register_task("needle")
 class Needle(Task):
+
+    decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = NeedleOptions
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:

@@ -143,6 +143,8 @@ def score_results(samples: list[dict], tasks: list[str], lengths: list[int]) -> 
 
 @register_task("ruler")
 class Ruler(Task):
+
+    decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = RulerOptions
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:

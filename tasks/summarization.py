@@ -113,6 +113,8 @@ class SummarizationOptions:
 
 @register_task("summarization")
 class Summarization(Task):
+
+    decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = SummarizationOptions
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:

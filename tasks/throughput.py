@@ -174,6 +174,30 @@ def serving_metrics(outcome: Any) -> dict:
     return m
 
 
+def pool_health(outcome: Any, pool_blocks: int) -> dict:
+    """The pool's health figures (the design notes' monitoring list): KV pool usage (% of its blocks; mean and p95
+    over steps), the prefix cache's hit rate (prompt tokens taken from it / prompt tokens admitted), blocks per
+    running request (mean over steps), preemptions per minute (both kinds), swap bytes out and in."""
+    steps = outcome.timeline
+    usage = [100.0 * s.blocks_in_use / max(pool_blocks, 1) for s in steps]
+    per_request = [s.blocks_in_use / s.running for s in steps if s.running]
+    admitted = getattr(outcome, "admitted_prompt_tokens", 0)
+    swap = getattr(outcome, "swap", {}) or {}
+    minutes = outcome.wall_s / 60.0
+    return {
+        "pool_usage_pct_mean": sum(usage) / len(usage) if usage else None,
+        "pool_usage_pct_p95": _percentile(usage, 95),
+        "prefix_cache_hit_rate": outcome.cached_prompt_tokens / admitted if admitted else None,
+        "blocks_per_request_mean": sum(per_request) / len(per_request) if per_request else None,
+        "preemptions_per_min": outcome.preemptions / minutes if minutes > 0 else None,
+        "swap_preemptions": getattr(outcome, "swap_preemptions", 0),
+        "swap_out_bytes": swap.get("swap_out_bytes", 0),
+        "swap_in_bytes": swap.get("swap_in_bytes", 0),
+        "swap_out_blocks": swap.get("swap_out_blocks", 0),
+        "swap_in_blocks": swap.get("swap_in_blocks", 0),
+    }
+
+
 def write_timeline(outcome: Any, folder: Optional[str], pool_blocks: int) -> dict:
     """timeline.csv and timeline.png in the run folder; returns their paths (png None without matplotlib)."""
     if not folder:
@@ -181,9 +205,12 @@ def write_timeline(outcome: Any, folder: Optional[str], pool_blocks: int) -> dic
     path = os.path.join(folder, TIMELINE_CSV)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["t_s", "kind", "running", "waiting", "blocks_in_use", "pool_blocks", "tokens"])
+        w.writerow(["t_s", "kind", "running", "waiting", "blocks_in_use", "pool_blocks", "tokens", "pool_usage_pct",
+                    "emitted", "preemptions", "swap_out_bytes", "swap_in_bytes"])
         for s in outcome.timeline:
-            w.writerow([f"{s.t_s:.4f}", s.kind, s.running, s.waiting, s.blocks_in_use, pool_blocks, s.tokens])
+            w.writerow([f"{s.t_s:.4f}", s.kind, s.running, s.waiting, s.blocks_in_use, pool_blocks, s.tokens,
+                        f"{100.0 * s.blocks_in_use / max(pool_blocks, 1):.2f}", s.emitted, s.preemptions,
+                        s.swap_out_bytes, s.swap_in_bytes])
     out = {"timeline_csv": path, "timeline_png": None}
     try:
         import matplotlib
@@ -223,6 +250,8 @@ def essay_token_stream(tokenizer: Any) -> list[int]:
 class ThroughputTask(Task):
     """Serve a request trace; report throughput, latency percentiles, concurrency and pool memory."""
 
+    decodes = True  # generates through the engine's scheduler (speculative decoding can run)
+
     Options = ThroughputOptions
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
@@ -250,6 +279,7 @@ class ThroughputTask(Task):
         if reqs and metrics["failed_requests"] == len(reqs):
             first = next((r.error for r in reqs if r.error), None) or "no error recorded"
             raise RuntimeError(f"all {len(reqs)} requests failed: {first}")
+        metrics.update(pool_health(outcome, engine.cache.capacity_blocks()))
         metrics.update(write_timeline(outcome, getattr(self, "output_dir", None), engine.cache.capacity_blocks()))
         mem = engine.memory_stats()
         metrics["kv_pool_bytes"] = mem["kv_pool_bytes"]

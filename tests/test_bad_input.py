@@ -170,6 +170,25 @@ CASES = [
     (["results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "Environment variable 'KVBENCH_NO_SUCH_VAR' not found"),
     (["-m", "results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "KVBENCH_NO_SUCH_VAR"),
     (["model.path=/dev/null"], "model.path='/dev/null' is not a regular file or folder"),
+    # speculative decoding and preemption (runtime.speculative, runtime.preemption, runtime.swap_bytes)
+    (["runtime.speculative.num_tokens=-1"], "invalid runtime.speculative.num_tokens=-1"),
+    (["runtime.speculative.num_tokens=1000"], "runtime.speculative.num_tokens=1000: expected an integer from 0 to 64"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.method=streamin_llm"],
+     ("unknown runtime.speculative.method 'streamin_llm'", "did you mean streaming_llm?")),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.budget=0"],
+     "runtime.speculative.budget=0"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.draft=/no/such/draft"],
+     "runtime.speculative.draft='/no/such/draft' does not exist"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.draft={othertok}"],
+     ("runtime.speculative.draft=", "tokenizer differs from the target model's")),
+    (["task=throughput", "method=h2o", "budget=64", "runtime.speculative.num_tokens=4"],
+     "runtime.speculative.num_tokens=4 cannot run with method=h2o"),
+    (["runtime.speculative.num_tokens=4"], "runtime.speculative.num_tokens=4 cannot run with task=perplexity"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.prefix_caching=true"],
+     "cannot run with runtime.prefix_caching=true"),
+    (["+runtime.speculative.k=4"], "runtime.speculative.k"),
+    (["runtime.swap_bytes=-5"], "invalid runtime.swap_bytes=-5"),
+    (["runtime.preemption=swapp"], ("invalid runtime.preemption='swapp'", "did you mean swap?")),
     (["model.path={fifo}"], "is not a regular file or folder"),
 ]
 if not CUDA:
@@ -185,9 +204,14 @@ def paths(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text(" \n\t\n  ")
     os.mkfifo(tmp_path / "fifo")  # opening it would block: it must be refused without being opened
+    other = tmp_path / "othertok"  # a model folder whose tokenizer is not the packaged model's
+    other.mkdir()
+    (other / "config.json").write_text('{"num_hidden_layers": 2, "model_type": "llama"}')
+    (other / "model.safetensors").write_bytes(b"")
+    (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
     return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
-            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo")}
+            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ comparable runs (same model, task and runtime settings: kvbench.report groups th
 """
 from __future__ import annotations
 
+import csv
 import io
 import os
 import re
@@ -336,6 +337,77 @@ def throughput(runs: Sequence[dict]) -> Optional[bytes]:
     ax.set_xlabel("KV pool (MiB)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput vs KV memory")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return _png(fig)
+
+
+def _timeline_usage(run: dict) -> Optional[tuple[list[float], list[float]]]:
+    """(time s, pool in use %) per step from a throughput run's timeline.csv, or None when it is not there."""
+    folder = run["metrics"].get("run_dir")
+    path = os.path.join(folder, "timeline.csv") if folder else None
+    if not path or not os.path.isfile(path):
+        return None
+    t, usage = [], []
+    try:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                t.append(float(row["t_s"]))
+                pct = row.get("pool_usage_pct")
+                usage.append(float(pct) if pct not in (None, "") else
+                             100.0 * float(row["blocks_in_use"]) / max(float(row["pool_blocks"]), 1.0))
+    except (OSError, KeyError, ValueError):
+        return None
+    return (t, usage) if t else None
+
+
+def pool_usage(runs: Sequence[dict]) -> Optional[bytes]:
+    """KV pool in use (%) over time, one line per throughput run (from each run folder's timeline.csv)."""
+    lines = [(r, _timeline_usage(r)) for r in runs if r["metrics"].get("task") == "throughput"]
+    lines = [(r, tu) for r, tu in lines if tu is not None][:MAX_SERIES]
+    if not lines:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    style = _Styler()
+    for run, (t, usage) in lines:
+        st = style(run)
+        ax.step(t, usage, where="post", label=series_label(run), color=st["color"], linestyle=st["linestyle"], lw=1)
+    return _percent_plot(fig, ax, "time (s)", "KV pool in use (%)", "KV pool usage over time")
+
+
+def acceptance_vs_draft_budget(runs: Sequence[dict]) -> Optional[bytes]:
+    """Speculative decoding's acceptance rate against the draft cache's budget, one line per draft method (and k):
+    how often a method's compressed cache predicts the full model's next token."""
+    pts = [(r, _num(r["metrics"].get("runtime_speculative_budget")), _num(r["metrics"].get("acceptance_rate")))
+           for r in runs]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    by: dict[str, list] = {}
+    for p in pts:
+        m = p[0]["metrics"]
+        by.setdefault(f"{m.get('runtime_speculative_method')} draft, k={m.get('runtime_speculative_num_tokens')}",
+                      []).append(p)
+    for label, mine in list(by.items())[:MAX_SERIES]:
+        mine.sort(key=lambda p: p[1])
+        key = str(mine[0][0]["metrics"].get("runtime_speculative_method"))
+        ax.plot([p[1] for p in mine], [100.0 * p[2] for p in mine], label=label, color=method_color(key),
+                marker="o")
+    if wants_log([p[1] for p in pts]):
+        _log(ax.xaxis, ax.set_xscale)
+    return _percent_plot(fig, ax, "draft budget (KV tokens per sequence, layer and kv-head)", "acceptance rate (%)",
+                         "speculative decoding: acceptance vs draft budget")
+
+
+def _percent_plot(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> bytes:
+    """Labels, a 0-105 % y axis, grid and legend; the PNG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 105)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     _legend(ax)
     return _png(fig)

@@ -10,7 +10,9 @@ methods. `codec` is a storage codec or None (full precision); kvbench.runtime.ca
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
 
 Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
-`step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests.
+`step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
+parts, set by the app: `engine.speculator` (kvbench.runtime.speculative: decode steps become speculative rounds)
+and `engine.swap` with `engine.preemption` (kvbench.runtime.swap: preemption may move blocks to host memory).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from kvbench.runtime.caches import build_cache, full_block_bytes
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
+from kvbench.runtime.sampling import sample
 from kvbench.runtime.scheduler import Outcome, Request, Scheduler
 from kvbench.spec import SCHEDULES
 
@@ -111,6 +114,9 @@ class Engine:
         self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
+        self.speculator = None  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
+        self.swap = None  # a kvbench.runtime.swap.SwapSpace: preemption may swap blocks out to host memory
+        self.preemption = "recompute"  # recompute | swap | auto (kvbench.runtime.swap.choose_preemption)
         bind = getattr(method, "bind_engine", None)
         if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
             bind(self)
@@ -155,9 +161,9 @@ class Engine:
             self._held_at_full_peak = c.kv_bytes_in_use() + shared
 
     @torch.no_grad()
-    def step(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def step(self, segments: list[Segment], logits_for: str = "last") -> list[torch.Tensor]:
         """One ragged step: every segment's tokens in one forward (vLLM v1's flattened batch); returns the logits
-        [V] of each segment's last token. A pure-decode step is the plain decode step (the fused CPU path);
+        [V] of each segment's last token (logits_for="all": [n, V], every token's: speculative verification). A pure-decode step is the plain decode step (the fused CPU path);
         otherwise the segments are grouped by length (all decode tokens together, each prefill chunk length
         together) and `LlamaFamilyModel.forward_ragged` runs the groups' tokens as one flat batch.
         Blocks are allocated group by group: the caller makes sure they fit (an OutOfBlocksError part-way leaves
@@ -170,7 +176,7 @@ class Engine:
             qpos = torch.tensor([[s.start_pos] for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
             logits = self._step([s.slot for s in segments], toks, qpos, phase="decode", last_chunk=True,
                                 logits_for="last")
-            return list(logits)
+            return list(logits) if logits_for == "last" else [row[None] for row in logits]
         by_shape: dict[tuple, list[int]] = {}  # (phase, length, last_chunk) -> segment indices, first-seen order
         for i, s in enumerate(segments):
             by_shape.setdefault((s.phase, len(s.token_ids), s.last_chunk), []).append(i)
@@ -184,9 +190,9 @@ class Engine:
         plans = self.cache.prepare_appends(room)
         groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
         out = self.model.forward_ragged(groups, self.cache, backend=self.backend, hook=self._layer_hook,
-                                        logits_for="last", rope_mode=self.method.rope_mode)
+                                        logits_for=logits_for, rope_mode=self.method.rope_mode)
         self._track_full_bytes()
-        rows = torch.cat(out)  # [len(segments), V] in group order
+        rows = torch.cat(out) if logits_for == "last" else [r for part in out for r in part]  # in group order
         result: list[torch.Tensor] = [None] * len(segments)  # type: ignore[list-item]
         for r, i in enumerate(order):
             result[i] = rows[r]
@@ -247,6 +253,8 @@ class Engine:
     def end_sequence(self, slot: int) -> None:
         """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
         self._max_sequence_tokens = max(self._max_sequence_tokens, self.cache.tokens_seen[slot])
+        if self.speculator is not None:
+            self.speculator.forget(slot)
         self.method.on_sequence_end(slot)
         self.cache.free_sequence(slot)
 
@@ -381,7 +389,8 @@ class Engine:
                           admission_watermark=self.admission_watermark,
                           chunk_size=chunk_size or self.prefill_chunk_size, schedule=self.schedule,
                           prefix_cache=self.prefix_cache, stop_token_ids=stop_token_ids, should_stop=should_stop,
-                          on_token=on_token)
+                          on_token=on_token, lookahead=self.speculator.lookahead if self.speculator else 1,
+                          swap=self.swap, preemption=self.preemption, on_swap_out=self._on_swap_out)
         gen = torch.Generator(device="cpu")
         if seed is not None:
             gen.manual_seed(seed)
@@ -395,7 +404,10 @@ class Engine:
                                     "decode" if sc.kind == "decode" else "prefill", sc.emits) for sc in batch]
                 t0 = sched.clock()
                 try:
-                    sampled = self._run(segments, temperature, top_p, gen)
+                    if self.speculator is not None:
+                        sampled = self._run_speculative(batch, segments, temperature, top_p, gen)
+                    else:
+                        sampled = self._run(segments, temperature, top_p, gen)
                 except OutOfBlocksError:
                     sched.undo_step(batch)
                     continue
@@ -413,6 +425,35 @@ class Engine:
         toks = self.sample(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self._synchronize()
         return dict(zip(emit, toks))
+
+    def _run_speculative(self, batch: list, segments: list[Segment], temperature: float, top_p: float,
+                         gen: torch.Generator) -> dict[int, list[int]]:
+        """A scheduled step with speculation: the decode tokens become one speculative round (draft, verify in one
+        ragged step, rollback), the prefill chunks one ragged step that the draft follows. {segment index: the
+        tokens it emits}."""
+        spec = self.speculator
+        dec = [i for i, s in enumerate(segments) if s.phase == "decode"]
+        pre = [i for i, s in enumerate(segments) if s.phase != "decode"]
+        out: dict[int, list[int]] = {}
+        if dec:
+            items = [(segments[i].slot, batch[i].req.tokens, batch[i].req.max_new_tokens - len(batch[i].req.output))
+                     for i in dec]
+            for i, toks in zip(dec, spec.decode(self, items, temperature, top_p, gen)):
+                out[i] = toks
+        if pre:
+            logits = self.step([segments[i] for i in pre])
+            spec.follow_prefill([(s.slot, s.token_ids, s.start_pos, s.last_chunk) for s in (segments[i] for i in pre)])
+            emit = [i for i, j in enumerate(pre) if segments[j].last_chunk]
+            if emit:
+                toks = self.sample(torch.stack([logits[i] for i in emit]), temperature, top_p, gen)
+                out.update({pre[i]: [t] for i, t in zip(emit, toks)})
+        self._synchronize()
+        return out
+
+    def _on_swap_out(self, slot: int) -> None:
+        """A sequence's blocks went to host memory: a draft sequence of it is dropped (rebuilt when it drafts)."""
+        if self.speculator is not None:
+            self.speculator.forget(slot)
 
     def _synchronize(self) -> None:
         """Wait for the device's queued work (CUDA), so step times are real."""
@@ -453,12 +494,4 @@ class Engine:
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
         """logits [S, V] -> one token id per row."""
-        if temperature <= 0:
-            return logits.argmax(dim=-1).tolist()
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        if top_p < 1.0:
-            sp, si = probs.sort(dim=-1, descending=True)
-            keep = sp.cumsum(-1) - sp < top_p
-            sp = sp * keep
-            probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        return torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
+        return sample(logits, temperature, top_p, gen)

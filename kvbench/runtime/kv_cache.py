@@ -421,6 +421,59 @@ class PagedKVCache:
         pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
         self.evict_head_blocks(layer, slot, [[a + 1]] * self.num_kv_heads)
 
+    # ------------------------------------------------------------------ rollback (speculative decoding)
+    def truncate(self, slot: int, num_tokens: int) -> int:
+        """Roll sequence `slot` back to its tokens at positions < num_tokens: every later slot (they are the newest
+        of each table: slot order is position order) leaves every layer and kv-head table, and the blocks emptied go
+        back to the pool at once. Nothing is moved or written. Returns the blocks freed. (Speculative decoding:
+        the rejected draft tokens' slots.)"""
+        self._check_live(slot)
+        bs = self.block_size
+        pos = self.positions[slot]  # [L, H, MB*bs] (slots past a table's length may hold stale positions)
+        old_len = self.lengths[slot].clone()  # [L, H]
+        slots = torch.arange(pos.shape[-1], device=self.device)
+        valid = slots < old_len.unsqueeze(-1)
+        kept = valid & (pos < num_tokens)
+        new_len = kept.sum(-1)  # [L, H]
+        if not bool((kept == (slots < new_len.unsqueeze(-1))).all()):
+            raise ValueError(f"truncate: sequence {slot}'s tokens at positions >= {num_tokens} are not its newest")
+        if self.tokens_seen[slot] > num_tokens:
+            self.tokens_seen[slot] = num_tokens
+        if bool((new_len == old_len).all()):
+            return 0
+        old_nb, new_nb = self._num_blocks(old_len), self._num_blocks(new_len)  # [L, H]
+        cols = torch.arange(self.tables.shape[-1], device=self.device)
+        drop = (cols >= new_nb.unsqueeze(-1)) & (cols < old_nb.unsqueeze(-1))  # [L, H, MB]
+        freed = self.tables[slot][drop].tolist()
+        self.positions[slot].masked_fill_(valid & ~kept, -1)
+        self.lengths[slot] = new_len
+        self.pool.free(freed)
+        return len(freed)
+
+    def append_horizon(self, slot: int) -> int:
+        """How many tokens one step may append to `slot` and still compute exactly what that many one-token steps
+        would (a codec's cache packs blocks between steps; full precision: no limit)."""
+        return 1 << 30
+
+    # ------------------------------------------------------------------ block bytes (swap space)
+    def block_payload(self, ids: list[int]) -> list[torch.Tensor]:
+        """The bytes of blocks `ids`, in this cache's layout (copies): what swap space moves to host memory."""
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return [self.k_pool[idx], self.v_pool[idx]]
+
+    def block_payload_bytes(self, ids: list[int]) -> int:
+        return len(ids) * self.bytes_per_block
+
+    def allocate_like(self, ids: list[int]) -> list[int]:
+        """Fresh blocks of the same kinds as `ids` (all alike here), one each; all or nothing."""
+        return self.pool.allocate(len(ids))
+
+    def write_block_payload(self, ids: list[int], payload: list[torch.Tensor]) -> None:
+        """Store block_payload's tensors into blocks `ids` (bit for bit)."""
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        self.k_pool[idx] = payload[0]
+        self.v_pool[idx] = payload[1]
+
     # ------------------------------------------------------------------ pool accounting (for the scheduler)
     def free_blocks(self) -> int:
         """New blocks an append could get now."""

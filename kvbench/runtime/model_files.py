@@ -125,7 +125,7 @@ def _read(f: BinaryIO, n: int) -> bytes:
     return data
 
 
-def _value(f: BinaryIO, vtype: int, depth: int = 0) -> Any:
+def _value(f: BinaryIO, vtype: int, depth: int = 0, strings: bool = False) -> Any:
     if vtype in _SCALARS:
         fmt = _SCALARS[vtype]
         return struct.unpack(fmt, _read(f, struct.calcsize(fmt)))[0]
@@ -140,8 +140,13 @@ def _value(f: BinaryIO, vtype: int, depth: int = 0) -> Any:
         if itype in _SCALARS:  # skip numeric arrays (token scores, ...) without decoding them
             f.seek(n * struct.calcsize(_SCALARS[itype]), os.SEEK_CUR)
             return None
-        return [_value(f, itype, depth + 1) for _ in range(n)] if n <= 16 else _skip_strings(f, itype, n)
+        if n <= 16 or (strings and itype == 8 and n <= _MAX_KV_STRINGS):
+            return [_value(f, itype, depth + 1) for _ in range(n)]
+        return _skip_strings(f, itype, n)
     raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+_MAX_KV_STRINGS = 1 << 22  # the longest string array read (a tokenizer's tokens)
 
 
 def _skip_strings(f: BinaryIO, itype: int, n: int) -> None:
@@ -153,8 +158,9 @@ def _skip_strings(f: BinaryIO, itype: int, n: int) -> None:
     return None
 
 
-def read_gguf_header(path: str, where: str) -> dict:
-    """The metadata key/values of a GGUF file (not its tensors); UserError when it is missing or not GGUF."""
+def read_gguf_header(path: str, where: str, *, string_arrays: bool = False) -> dict:
+    """The metadata key/values of a GGUF file (not its tensors); UserError when it is missing or not GGUF. Long
+    arrays are skipped (None) unless string_arrays=True reads those of strings (the tokenizer's tokens)."""
     if not os.path.isfile(path):
         raise UserError(f"{where}: {path!r} does not exist")
     try:
@@ -171,7 +177,7 @@ def read_gguf_header(path: str, where: str) -> dict:
                     raise ValueError("key too long")
                 key = _read(f, n).decode("utf-8")
                 (vtype,) = struct.unpack("<I", _read(f, 4))
-                meta[key] = _value(f, vtype)
+                meta[key] = _value(f, vtype, strings=string_arrays)
     except UserError:
         raise
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:

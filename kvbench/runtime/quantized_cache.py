@@ -389,6 +389,63 @@ class QuantizedPagedKVCache(PagedKVCache):
         if pool.bytes_in_use() + net > pool.max_bytes:
             raise OutOfBlocksError(n_fp + n_packed, pool.free_fp_blocks(), pool.max_bytes // pool.fp_block_bytes)
 
+    # ------------------------------------------------------------------ block bytes (swap space)
+    def _split_ids(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return t[t < self.num_fp_blocks], t[t >= self.num_fp_blocks] - self.num_fp_blocks
+
+    def block_payload(self, ids: list[int]) -> list[torch.Tensor]:
+        """Full-precision blocks' K, V and packed blocks' K, V rows (in `ids` order within each kind)."""
+        fp, pk = self._split_ids(ids)
+        return [self.k_pool[fp], self.v_pool[fp], self.kq_pool[pk], self.vq_pool[pk]]
+
+    def block_payload_bytes(self, ids: list[int]) -> int:
+        n_fp = sum(1 for b in ids if b < self.num_fp_blocks)
+        return n_fp * self.pool.fp_block_bytes + (len(ids) - n_fp) * self.pool.packed_block_bytes
+
+    def allocate_like(self, ids: list[int]) -> list[int]:
+        """A full-precision block for each full-precision id, a packed one for each packed id (same order)."""
+        n_fp = sum(1 for b in ids if b < self.num_fp_blocks)
+        self._check_room(n_fp, len(ids) - n_fp, [])
+        fp_new, pk_new = self.pool.allocate(n_fp), self._allocate_packed(len(ids) - n_fp)
+        it_fp, it_pk = iter(fp_new), iter(pk_new)
+        return [next(it_fp) if b < self.num_fp_blocks else next(it_pk) for b in ids]
+
+    def write_block_payload(self, ids: list[int], payload: list[torch.Tensor]) -> None:
+        fp, pk = self._split_ids(ids)
+        self.k_pool[fp], self.v_pool[fp] = payload[0], payload[1]
+        self.kq_pool[pk], self.vq_pool[pk] = payload[2], payload[3]
+
+    # ------------------------------------------------------------------ rollback
+    def truncate(self, slot: int, num_tokens: int) -> int:
+        """PagedKVCache.truncate; a packed block that keeps only part of its tokens is stored again through
+        keep_tokens (decoded, then packed or kept in full precision by the codec's rule)."""
+        self._check_live(slot)
+        bs = self.block_size
+        pos = self.positions[slot]  # [L, H, MB*bs]
+        valid = torch.arange(pos.shape[-1], device=self.device) < self.lengths[slot].unsqueeze(-1)
+        new_len = (valid & (pos < num_tokens)).sum(-1)  # [L, H]
+        partial = (new_len % bs != 0) & (new_len < self.lengths[slot])
+        tail = self.tables[slot].gather(-1, (new_len // bs).clamp(max=self.tables.shape[-1] - 1).unsqueeze(-1))
+        if not bool((partial & (tail.squeeze(-1) >= self.num_fp_blocks)).any()):
+            return super().truncate(slot, num_tokens)
+        before = self.pool.in_use
+        for layer in range(self.num_layers):
+            n = new_len[layer]  # [H]
+            keep = torch.arange(int(n.max()), device=self.device).expand(self.num_kv_heads, -1).clone()
+            keep[keep >= n.unsqueeze(-1)] = -1
+            self.keep_tokens(layer, slot, keep)
+        self.tokens_seen[slot] = min(self.tokens_seen[slot], num_tokens)
+        return max(0, before - self.pool.in_use)
+
+    def append_horizon(self, slot: int) -> int:
+        """Tokens until the codec's rule packs the next block of `slot`: blocks are packed at the start of a step
+        (pack_pending), so a step of up to this many tokens reads what one-token steps would."""
+        R, bs = int(self.codec.residual), self.block_size
+        n = self.lengths[slot]  # [L, H]
+        stop = (n - R).clamp(min=0) // bs
+        return max(1, int((R + (stop + 1) * bs - n).min()))
+
     # ------------------------------------------------------------------ reading
     def _dense_blocks(self, layer: int, tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The first nb blocks of each table, decoded: (k, v [S*H*nb, bs, D] in the model dtype, nb).

@@ -39,6 +39,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+from kvbench.runtime.block_pool import OutOfBlocksError
+from kvbench.runtime.swap import should_swap
 from kvbench.spec import SCHEDULES
 
 
@@ -69,6 +71,7 @@ class Request:
     resume_blocks: int = 0  # blocks held when last preempted (needed free before re-admission)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
     registered_blocks: int = 0  # leading full blocks offered to the prefix cache
+    swapped_status: Optional[str] = None  # the status it had when swapped out (None: not swapped out)
 
     @property
     def tokens(self) -> list[int]:
@@ -85,6 +88,10 @@ class StepRecord:
     waiting: int  # arrived, not admitted
     blocks_in_use: int
     tokens: int  # tokens in the step's forward
+    emitted: int = 0  # tokens the step emitted (more than its decodes with speculative decoding)
+    preemptions: int = 0  # preemptions so far (both kinds)
+    swap_out_bytes: int = 0  # bytes swapped out so far
+    swap_in_bytes: int = 0  # bytes swapped in so far
 
 
 @dataclass
@@ -95,6 +102,9 @@ class Outcome:
     wall_s: float
     max_running: int
     cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    admitted_prompt_tokens: int = 0  # prompt tokens of every admission (the prefix cache's lookups)
+    swap_preemptions: int = 0  # of the preemptions, those that swapped the blocks out (the rest recomputed)
+    swap: dict = field(default_factory=dict)  # the swap space's counters (SwapSpace.stats), when there is one
 
 
 @dataclass
@@ -122,12 +132,21 @@ class Scheduler:
                  should_stop: Optional[Callable[[int, list[int]], bool]] = None,
                  on_token: Optional[Callable[[Request], None]] = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 schedule: str = "mixed", prefix_cache: Any = None):
+                 schedule: str = "mixed", prefix_cache: Any = None, lookahead: int = 1, swap: Any = None,
+                 preemption: str = "recompute", on_swap_out: Optional[Callable[[int], None]] = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or not 0 <= admission_watermark < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, admission_watermark in [0, 1)")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         self.cache, self.end_sequence = cache, end_sequence
+        # a decode step appends up to `lookahead` tokens per sequence (speculative decoding: k drafts + 1)
+        self.lookahead = int(lookahead)
+        self.swap, self.preemption, self.on_swap_out = swap, preemption, on_swap_out
+        if preemption != "recompute" and swap is None:
+            raise ValueError(f"preemption={preemption!r} needs a swap space")
+        self.swap_preemptions = 0
+        self.admitted_prompt_tokens = 0
+        self._prefill_tokens, self._prefill_s = 0, 0.0  # measured so far (the auto preemption rule)
         self.schedule_policy, self.prefix_cache = schedule, prefix_cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunk = min(chunk_size, max_num_batched_tokens)
@@ -167,12 +186,16 @@ class Scheduler:
     def outcome(self) -> Outcome:
         """The requests with their outputs and timings, and the timeline."""
         return Outcome(self.requests, self.timeline, self.preemptions, self.now(), self.max_running,
-                       self.cached_prompt_tokens)
+                       self.cached_prompt_tokens, self.admitted_prompt_tokens, self.swap_preemptions,
+                       self.swap.stats() if self.swap is not None else {})
 
     def release_all(self) -> None:
         """End every admitted sequence (the run stopped on an error)."""
         for r in list(self.admitted):
             self._release(r)
+        for r in self.waiting:
+            if r.swapped_status is not None:
+                self._drop_swapped(r)
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -205,13 +228,14 @@ class Scheduler:
 
     def _schedule_mixed(self) -> list[Scheduled]:
         """Decodes first, then prefill chunks of admitted and newly admitted requests within the token budget."""
+        self._swap_in_waiting()
         budget = self.max_num_batched_tokens
         decodes = self._decode_batch(budget)
         if decodes is None:
             return []
         out = [Scheduled(r, 1, "decode") for r in decodes]
         budget -= len(out)
-        free = self.cache.free_blocks() - (self.cache.blocks_for_append([r.slot for r in decodes], 1)
+        free = self.cache.free_blocks() - (self.cache.blocks_for_append([r.slot for r in decodes], self.lookahead)
                                            if decodes else 0)
         blocked = False
         debt = 0  # blocks the prompts admitted so far still need after this step (admission leaves them room)
@@ -262,7 +286,7 @@ class Scheduler:
         reserve (whole_prompt: its whole uncached prompt must fit, so admitted prompts never push each other
         out mid-prefill); None otherwise. With a prefix cache, a head whose next uncached block is one that this
         step computes for another request (`inflight` keys) waits a step and takes it from the cache then."""
-        if not self.waiting or len(self.admitted) >= self.max_num_seqs:
+        if not self.waiting or len(self.admitted) >= self.max_num_seqs or self.waiting[0].swapped_status:
             return None
         req = self.waiting[0]
         cached = revived = 0
@@ -288,6 +312,7 @@ class Scheduler:
         if need > free:
             return None
         self.waiting.popleft()
+        self.admitted_prompt_tokens += len(req.tokens)
         req.slot = self.cache.add_sequence()
         req.status = "prefilling"
         req.fed = req.registered_blocks = req.cached_tokens = 0
@@ -312,7 +337,7 @@ class Scheduler:
                 k = self._decode_start % len(batch)
                 batch = (batch[k:] + batch[:k])[:budget]
                 self._decode_start += budget
-            need = self.cache.blocks_for_append([r.slot for r in batch], 1)
+            need = self.cache.blocks_for_append([r.slot for r in batch], self.lookahead)
             if need <= self.cache.free_blocks():
                 return batch
             if len(self.admitted) == 1:
@@ -323,6 +348,7 @@ class Scheduler:
     def _schedule_prefill_first(self) -> list[Scheduled]:
         """One prefill chunk if one can run (the oldest prefilling sequence, else the waiting head); else every
         decoding sequence's next token."""
+        self._swap_in_waiting()
         req = next((r for r in self.admitted if r.status == "prefilling"), None)
         if req is not None:
             n = min(self.chunk, len(req.tokens) - req.fed)
@@ -352,7 +378,7 @@ class Scheduler:
             if len(self.admitted) == 1:
                 self._fail_too_large(sc.req)
             else:
-                self._preempt(sc.req)
+                self._preempt(sc.req, swap=False)  # its tables hold tokens appended but not computed
 
     def postprocess(self, batch: list[Scheduled], sampled: dict[int, int], dt: float) -> None:
         """After the engine ran `batch` in dt seconds and sampled {index in batch: token} for the segments that emit:
@@ -362,22 +388,32 @@ class Scheduler:
         latency its sequence saw)."""
         total = sum(sc.n for sc in batch)
         kinds = {sc.kind for sc in batch}
+        emitted = 0
         for i, sc in enumerate(batch):
             r = sc.req
-            r.fed += sc.n
+            toks = sampled.get(i)
+            toks = [] if toks is None else (list(toks) if isinstance(toks, (list, tuple)) else [toks])
+            # a speculative decode emits several tokens: all but the last are in the cache now
+            r.fed += sc.n + max(0, len(toks) - 1) if sc.kind == "decode" else sc.n
             if sc.kind == "decode":
                 r.decode_s += dt
-                r.decode_tokens += 1
+                r.decode_tokens += max(1, len(toks))
             else:
                 r.prefill_tokens += sc.n
                 r.prefill_s += dt * sc.n / total
+                self._prefill_tokens += sc.n
+                self._prefill_s += dt * sc.n / total
             if self.prefix_cache is not None and r.slot is not None:
-                r.registered_blocks = self.prefix_cache.register(r.slot, r.tokens, r.fed, r.registered_blocks)
-            if i in sampled:
-                if r.status == "prefilling":
-                    r.status = "decoding"
-                self._emit(r, sampled[i])
-        self._record(kinds.pop() if len(kinds) == 1 else "mixed", total)
+                cached = r.tokens if len(toks) <= 1 else r.tokens + toks[:-1]  # the tokens in the cache now
+                r.registered_blocks = self.prefix_cache.register(r.slot, cached, r.fed, r.registered_blocks)
+            if toks and r.status == "prefilling":
+                r.status = "decoding"
+            for tok in toks:
+                if r.status != "decoding":
+                    break  # finished (stop token or length) part-way through a speculative round
+                emitted += 1
+                self._emit(r, tok)
+        self._record(kinds.pop() if len(kinds) == 1 else "mixed", total, emitted)
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, r: Request, tok: int) -> None:
@@ -412,14 +448,63 @@ class Scheduler:
         else:
             self._preempt(victim)
 
-    def _preempt(self, r: Request) -> None:
-        """Preemption by recompute: free the blocks now; prompt + generated tokens back to the waiting head."""
+    def _preempt(self, r: Request, swap: bool = True) -> None:
+        """Preemption: by swapping (runtime.preemption swap, or auto when it costs less) the blocks go to host memory
+        and the request waits at the head with its slot; by recompute the blocks are freed now and prompt +
+        generated tokens go back to the waiting head."""
+        if swap and self._swap_out(r):
+            return
         held = self.cache.blocks_held(r.slot) if r.slot is not None else 0
         self._release(r)
         r.status, r.fed, r.resume_blocks = "waiting", 0, held
         r.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(r)
+
+    def _swap_out(self, r: Request) -> bool:
+        """Swap r's blocks out if the preemption policy says so and the swap space has room; whether it did."""
+        if self.swap is None or r.slot is None or self.preemption == "recompute":
+            return False
+        held = self.swap.bytes_of(r.slot)
+        rate = self._prefill_tokens / self._prefill_s if self._prefill_s > 0 else None
+        if not should_swap(self.preemption, held, r.fed, self.swap.bandwidth(), rate):
+            return False
+        if not self.swap.can_swap_out(r.slot):
+            return False
+        self.swap.swap_out(r.slot)
+        if self.on_swap_out is not None:
+            self.on_swap_out(r.slot)
+        self.admitted.remove(r)
+        r.swapped_status, r.status = r.status, "waiting"
+        r.preemptions += 1
+        self.preemptions += 1
+        self.swap_preemptions += 1
+        self.waiting.appendleft(r)
+        return True
+
+    def _swap_in_waiting(self) -> None:
+        """Bring swapped-out requests at the waiting head back (before any new admission) while their blocks fit
+        with the reserve (and a decode step's room) and fewer than max_num_seqs run."""
+        while self.waiting and self.waiting[0].swapped_status is not None and len(self.admitted) < self.max_num_seqs:
+            r = self.waiting[0]
+            need = self.swap.blocks_to_swap_in(r.slot)
+            if self.admitted:
+                need += self.reserve + self.lookahead * self.cache.num_layers * self.cache.num_kv_heads
+            if need > self.cache.free_blocks():
+                return
+            try:
+                self.swap.swap_in(r.slot)
+            except OutOfBlocksError:  # a codec's pool: its packed rows did not fit yet
+                return
+            self.waiting.popleft()
+            r.status, r.swapped_status = r.swapped_status, None
+            self.admitted.append(r)
+            self.max_running = max(self.max_running, len(self.admitted))
+
+    def _drop_swapped(self, r: Request) -> None:
+        self.swap.discard(r.slot)
+        self.end_sequence(r.slot)
+        r.slot, r.swapped_status = None, None
 
     def _fail_too_large(self, r: Request) -> None:
         n = len(r.tokens)
@@ -429,6 +514,8 @@ class Scheduler:
                    "or use a method that evicts during prefill")
         self._finish(r, "failed")
 
-    def _record(self, kind: str, tokens: int) -> None:
+    def _record(self, kind: str, tokens: int, emitted: int = 0) -> None:
+        sw = self.swap
         self.timeline.append(StepRecord(self.now(), kind, len(self.admitted), len(self.waiting),
-                                        self.cache.blocks_in_use_now(), tokens))
+                                        self.cache.blocks_in_use_now(), tokens, emitted, self.preemptions,
+                                        sw.bytes_out if sw is not None else 0, sw.bytes_in if sw is not None else 0))
