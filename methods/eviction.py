@@ -396,11 +396,14 @@ class ScoreEvictionMethod(EvictionMethod):
         so it never needs it; a wrapper that adds a constant to the scores does (criticalkv's epsilon)."""
         return 1.0
 
+    def recent_kept(self, ctx: LayerContext) -> int:
+        """Slots at the end of each table kept before any by score: the recent window, at least the newest token
+        (a recent window of 0 would otherwise evict each generated token right after its own step)."""
+        return min(max(1, self.recent_window()), self.budget)
+
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        """Keep set [H, budget] (sorted slots) for a table over budget. The newest token always stays (a
-        recent window of 0 would otherwise evict each generated token right after its own step)."""
-        recent = min(max(1, self.recent_window()), self.budget)
-        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=recent)
+        """Keep set [H, budget] (sorted slots) for a table over budget: the recent_kept() slots, then by score."""
+        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=self.recent_kept(ctx))
 
     def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
@@ -430,9 +433,8 @@ class HeadAdaptiveEvictionMethod(ScoreEvictionMethod):
         return 0
 
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        recent = min(max(1, self.recent_window()), self.budget)
         return top_tokens_in_layer(self.score(ctx, i, slot), lengths.shape[0] * self.budget, lengths,
-                                   recent=recent, min_per_head=self.min_tokens_per_head())
+                                   recent=self.recent_kept(ctx), min_per_head=self.min_tokens_per_head())
 
     def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
@@ -516,6 +518,14 @@ class ScorerWrapper(HeadAdaptiveEvictionMethod):
     def recent_window(self) -> int:
         self.inner.budget = self.budget
         return self.inner.recent_window()
+
+    def recent_kept(self, ctx: LayerContext) -> int:
+        """At prefill the base's recent window alone, no newest-token floor: kvpress's AdaKVPress and CriticalKVPress
+        compress the prompt by score alone, so a prompt's last token stays only if it scores high enough (or lies in
+        the base's window, as SnapKV's). While decoding (decode="evict") the newest token stays."""
+        if ctx.phase == "prefill":
+            return min(self.recent_window(), self.budget)
+        return super().recent_kept(ctx)
 
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
         return self.inner.score(ctx, i, slot)
