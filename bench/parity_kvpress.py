@@ -9,7 +9,11 @@ essays) is compressed by each side; the table prints
             prompt but its last token compressed, then one uncompressed chunk).
 kvpress pins its own transformers, so its side runs in its own environment (`--kvpress-python`, default
 $KVPRESS_PYTHON or a kvpress_env/bin/python in the checkout or a folder above it, set up with
-`python3 -m venv kvpress_env && kvpress_env/bin/pip install kvpress torch==<kvbench's torch>`):
+`python3 -m venv kvpress_env && kvpress_env/bin/pip install kvpress torch==<kvbench's torch>`; kvpress 0.5.5 cannot go
+into kvbench's own environment: it requires transformers < 5.3 and pandas < 3. Offline, a venv that reads kvbench's
+site-packages through a .pth file (for torch) and holds `kvpress==0.5.5 "transformers<5.3" "tokenizers<=0.23.0"
+"huggingface-hub<2" "pandas<3" "cachetools<6" "fire<0.7" termcolor peft` installed with --no-deps works, with
+kvbench's newer `kernels` package hidden from transformers 5.2 (a `kernels/__init__.py` raising ImportError)):
 this script (in kvbench's environment) writes a job file, runs itself there with `--side kvpress`, and compares.
 The compression ratio r becomes kvbench's budget int(T * (1 - r)) per table (kvpress's n_kept), so a run needs no
 ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbench with the torch attention backend.
