@@ -9,12 +9,17 @@ essays) is compressed by each side; the table prints
             prompt but its last token compressed, then one uncompressed chunk).
 kvpress pins its own transformers, so its side runs in its own environment (`--kvpress-python`, default
 $KVPRESS_PYTHON or a kvpress_env/bin/python in the checkout or a folder above it, set up with
-`python3 -m venv kvpress_env && kvpress_env/bin/pip install kvpress torch==<kvbench's torch>`):
+`python3 -m venv kvpress_env && kvpress_env/bin/pip install kvpress torch==<kvbench's torch>`; kvpress 0.5.5 cannot go
+into kvbench's own environment: it requires transformers < 5.3 and pandas < 3. Offline, a venv that reads kvbench's
+site-packages through a .pth file (for torch) and holds `kvpress==0.5.5 "transformers<5.3" "tokenizers<=0.23.0"
+"huggingface-hub<2" "pandas<3" "cachetools<6" "fire<0.7" termcolor peft` installed with --no-deps works, with
+kvbench's newer `kernels` package hidden from transformers 5.2 (a `kernels/__init__.py` raising ImportError)):
 this script (in kvbench's environment) writes a job file, runs itself there with `--side kvpress`, and compares.
 The compression ratio r becomes kvbench's budget int(T * (1 - r)) per table (kvpress's n_kept), so a run needs no
 ratio support in kvbench. Both sides run the model in float32 on the CPU, kvbench with the torch attention backend.
 
     .venv/bin/python bench/parity_kvpress.py [--tokens 1024] [--ratios 0.25 0.5 0.75] [--methods knorm tova ...]
+        [--text-file held_out.txt]   # another text than the packaged essays
 
 Where the definitions differ on purpose, the row says so (NOTES); everything else is expected at Jaccard 1.000.
 Two rows need more than a ratio (2026-12-02):
@@ -403,6 +408,7 @@ def main() -> None:
                     help="kvpress's environment's python (default: $KVPRESS_PYTHON, else kvpress_env/bin/python in "
                          "the checkout or a folder above it)")
     ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens (the packaged essays)")
+    ap.add_argument("--text-file", help="held-out text to use instead of the packaged essays (UTF-8)")
     ap.add_argument("--continuation", type=int, default=64, help="text tokens scored for the NLL")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
@@ -424,7 +430,10 @@ def main() -> None:
                  "pass --kvpress-python (or set KVPRESS_PYTHON)")
     loaded = load_model(keep_hf=True)  # the packaged SmolLM2-135M-Instruct, float32, CPU
     loaded.model.tokenizer = loaded.tokenizer  # kvzip writes its reconstruction prompt, duo_attention calibrates
-    ids = loaded.tokenizer(essay_corpus_text(), add_special_tokens=False)["input_ids"]
+    text = Path(args.text_file).read_text(encoding="utf-8") if args.text_file else essay_corpus_text()
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < args.tokens + args.continuation:
+        sys.exit(f"the text has {len(ids)} tokens: --tokens {args.tokens} + --continuation {args.continuation} need more")
     texts = {"raw": {"prompt": ids[: args.tokens], "continuation": ids[args.tokens: args.tokens + args.continuation]}}
     if any(PROMPTS.get(m) == "chat" for m in args.methods):
         texts["chat"] = chat_prompt(loaded.tokenizer, ids, args.tokens, args.continuation)

@@ -86,7 +86,7 @@ class CriticalKV(ScorerWrapper):
         lengths = cache.lengths[slot, layer]  # [H]
         H, T = base.shape
         valid = valid_mask(lengths, T)
-        recent = min(max(1, self.recent_window()), self.budget)
+        recent = self.recent_kept(ctx)
         protect = valid & (torch.arange(T, device=base.device)[None, :] >= (lengths[:, None] - recent))
         base = base.clamp(max=torch.finfo(torch.float32).max)  # the scorer's +inf: finite, ranked by tier below
         if self.head_adaptive:  # the layer's kv_heads x budget allocated jointly by the base's scores

@@ -409,11 +409,14 @@ class ScoreEvictionMethod(EvictionMethod):
         so it never needs it; a wrapper that adds a constant to the scores does (criticalkv's epsilon)."""
         return 1.0
 
+    def recent_kept(self, ctx: LayerContext) -> int:
+        """Slots at the end of each table kept before any by score: the recent window, at least the newest token
+        (a recent window of 0 would otherwise evict each generated token right after its own step)."""
+        return min(max(1, self.recent_window()), self.budget)
+
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        """Keep set [H, budget] (sorted slots) for a table over budget. The newest token always stays (a
-        recent window of 0 would otherwise evict each generated token right after its own step)."""
-        recent = min(max(1, self.recent_window()), self.budget)
-        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=recent)
+        """Keep set [H, budget] (sorted slots) for a table over budget: the recent_kept() slots, then by score."""
+        return top_tokens(self.score(ctx, i, slot), self.budget, lengths, recent=self.recent_kept(ctx))
 
     def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
@@ -443,9 +446,8 @@ class HeadAdaptiveEvictionMethod(ScoreEvictionMethod):
         return 0
 
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        recent = min(max(1, self.recent_window()), self.budget)
         return top_tokens_in_layer(self.score(ctx, i, slot), lengths.shape[0] * self.budget, lengths,
-                                   recent=recent, min_per_head=self.min_tokens_per_head())
+                                   recent=self.recent_kept(ctx), min_per_head=self.min_tokens_per_head())
 
     def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
@@ -530,6 +532,14 @@ class ScorerWrapper(HeadAdaptiveEvictionMethod):
         self.inner.budget = self.budget
         return self.inner.recent_window()
 
+    def recent_kept(self, ctx: LayerContext) -> int:
+        """At prefill the base's recent window alone, no newest-token floor: kvpress's AdaKVPress and CriticalKVPress
+        compress the prompt by score alone, so a prompt's last token stays only if it scores high enough (or lies in
+        the base's window, as SnapKV's). While decoding (decode="evict") the newest token stays."""
+        if ctx.phase == "prefill":
+            return min(self.recent_window(), self.budget)
+        return super().recent_kept(ctx)
+
     def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
         return self.inner.score(ctx, i, slot)
 
@@ -549,10 +559,13 @@ class BlockScoreEvictionMethod(EvictionMethod):
     """PagedEviction-style eviction by a per-token score: implement `token_scores(k, v)`.
 
     Prefill: token-level eviction of the lowest-scoring tokens down to the budget; with
-    `prefill_keep_first_block` the first block_size prompt tokens (the attention sinks) are kept.
+    `prefill_keep_first_block` the first block_size prompt tokens (the attention sinks) are kept, with
+    `protect_last_block` the table's last, possibly partial, block (the prompt's end: a chat template's
+    "<|im_start|>assistant\n") too.
     Decode: when the newest block has just filled and the table exceeds the budget, the whole block
     with the lowest summed score leaves (never the newest block; never the first if
-    `protect_first_block`). No K/V moves; the block returns to the pool at once.
+    `protect_first_block`), chosen among the `decode_topk` oldest blocks after the first (None: any).
+    No K/V moves; the block returns to the pool at once.
     heads="shared": scores averaged over the kv-heads of a layer, one token/block set for all heads;
     heads="per_head": each kv-head selects on its own scores.
     """
@@ -564,12 +577,17 @@ class BlockScoreEvictionMethod(EvictionMethod):
     heads: str = "shared"
     protect_first_block: bool = True
     prefill_keep_first_block: bool = True
+    protect_last_block: bool = False
+    decode_topk: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice(self.name, "heads", self.heads, HEAD_MODES)
         check_bool(self.name, "protect_first_block", self.protect_first_block)
         check_bool(self.name, "prefill_keep_first_block", self.prefill_keep_first_block)
+        check_bool(self.name, "protect_last_block", self.protect_last_block)
+        if self.decode_topk is not None:
+            check_int(self.name, "decode_topk", self.decode_topk, 1)
 
     def attach(self, cache: Any, model_config: Any) -> None:
         super().attach(cache, model_config)
@@ -597,15 +615,23 @@ class BlockScoreEvictionMethod(EvictionMethod):
         self._check_budget(settings.runtime.block_size)
 
     def min_budget(self) -> int:
-        """The blocks decoding never evicts (a compression_ratio never gives a sequence less)."""
-        return (2 if self.protect_first_block else 1) * self.cache.block_size
+        """The blocks never evicted (a compression_ratio never gives a sequence less)."""
+        return self._protected_blocks() * self.cache.block_size
+
+    def _protected_blocks(self) -> int:
+        """Blocks a table always keeps: decoding's first (if protected) and newest; prefill's first and last."""
+        decode = 2 if self.protect_first_block else 1
+        prefill = int(self.prefill_keep_first_block) + int(self.protect_last_block)
+        return max(decode, prefill)
 
     def _check_budget(self, block_size: int) -> None:
-        need = (2 if self.protect_first_block else 1) * block_size
+        need = self._protected_blocks() * block_size
         if self.budget is not None and self.budget < need:
             raise UserError(
                 f"invalid budget={self.budget} for method {self.name!r}: it needs budget >= {need} with "
-                f"runtime.block_size {block_size} (protect_first_block={self.protect_first_block})")
+                f"runtime.block_size {block_size} (protect_first_block={self.protect_first_block}, "
+                f"prefill_keep_first_block={self.prefill_keep_first_block}, "
+                f"protect_last_block={self.protect_last_block})")
 
     def token_scores(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """k, v [H, T, D] as cached, valid [H, T] -> importance [H, T] (higher = keep)."""
@@ -625,11 +651,14 @@ class BlockScoreEvictionMethod(EvictionMethod):
         if int(lengths.max()) <= self.budget:
             return
         s, lengths = self._scores(ctx, slot)
-        sinks = ctx.cache.block_size if self.prefill_keep_first_block else 0
+        bs = ctx.cache.block_size
+        sinks = bs if self.prefill_keep_first_block else 0
+        # the table's last, possibly partial, block: after a prompt, its last P % bs (or bs) tokens
+        tail = (int(lengths.max()) % bs or bs) if self.protect_last_block else 0
         if self.heads == "shared":
-            keep = top_tokens(s[:1], self.budget, lengths[:1], sinks=sinks).expand(s.shape[0], -1)
+            keep = top_tokens(s[:1], self.budget, lengths[:1], recent=tail, sinks=sinks).expand(s.shape[0], -1)
         else:
-            keep = top_tokens(s, self.budget, lengths, sinks=sinks)
+            keep = top_tokens(s, self.budget, lengths, recent=tail, sinks=sinks)
         self.keep(ctx, slot, keep)
 
     def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
@@ -646,7 +675,10 @@ class BlockScoreEvictionMethod(EvictionMethod):
         H, nb = s.shape[0], n // bs
         block = s.reshape(H, nb, bs).sum(-1)  # [H, nb]
         first = 1 if self.protect_first_block else 0
-        cand = block[:, first: nb - 1]  # never the newest block
+        end = nb - 1  # never the newest block
+        if self.decode_topk is not None:  # the authors' code: only the oldest topk blocks after the first
+            end = min(first + self.decode_topk, end)
+        cand = block[:, first: end]
         n_drop = min(-(-(n - self.budget) // bs), cand.shape[1])
         if n_drop <= 0:
             return

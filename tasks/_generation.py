@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvbench.errors import UserError
+from kvbench.metrics.repetition import repetition_share
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.engine import Generation
 from kvbench.spec import check_positive
@@ -150,11 +151,13 @@ class GenOutput:
     decode_s: float
 
     def record(self, **metrics: Any) -> dict:
-        """The sample record: id, dataset, prompt, prediction, references, lengths and timings, then metrics."""
+        """The sample record: id, dataset, prompt, prediction, references, lengths, the generated tokens'
+        repetition share (metrics/repetition.py: near 1.0 = degenerate, "ThisThisThis..."), timings, then metrics."""
         r = self.request
         out = {
             "id": r.id, "dataset": r.dataset, "prompt": r.prompt, "prediction": self.prediction,
             "references": list(r.references), "prompt_tokens": len(r.token_ids), "new_tokens": len(self.token_ids),
+            "repetition": round(repetition_share(self.token_ids), 4),
             "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
         }

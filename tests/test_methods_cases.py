@@ -7,6 +7,7 @@ import torch
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.model import LayerContext
+from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.methods.kvcrush import hamming_order, spread_picks, top_half_bits
 
@@ -159,7 +160,8 @@ def test_paged_eviction_prefill_keeps_the_highest_ratio_tokens(heads, keep_first
     ratios[:, :4] = 0.01  # the first block scores lowest (like attention sinks: small ||V||)
     k, v = ratio_kv(ratios)
     cache = make_cache(bs=4)
-    m = build_method("paged_eviction", 12, heads=heads, prefill_keep_first_block=keep_first)
+    m = build_method("paged_eviction", 12, heads=heads, prefill_keep_first_block=keep_first,
+                     protect_last_block=False)
     m.attach(cache, None)
     slot = cache.add_sequence()
     step(m, cache, slot, k, v, 0, "prefill")
@@ -173,6 +175,67 @@ def test_paged_eviction_prefill_keeps_the_highest_ratio_tokens(heads, keep_first
         assert positions(cache, slot, h) == want
         kk, vv, _ = cache.gather(0, slot)
         torch.testing.assert_close(vv[h, :, 0], ratios[h, want])  # values moved with their tokens
+
+
+
+@pytest.mark.parametrize("prompt", [18, 20])  # the last block partial (2 tokens) or full (4)
+@pytest.mark.parametrize("heads", ["shared", "per_head"])
+def test_paged_eviction_prefill_keeps_the_first_and_the_last_block(heads, prompt):
+    """The authors' prefill: the first block and the prompt's last, possibly partial, block stay (here they score
+    lowest of all), the best middle tokens fill the budget; protect_last_block=false evicts that tail by score."""
+    g = torch.Generator().manual_seed(0)
+    ratios = torch.rand(2, prompt, generator=g) + 0.5
+    tail = prompt % 4 or 4
+    ratios[:, :4] = 0.01
+    ratios[:, -tail:] = 0.02  # a chat template's "<|im_start|>assistant\n": lowest by score
+    k, v = ratio_kv(ratios)
+    for protect_last in (True, False):
+        cache = make_cache(bs=4)
+        m = build_method("paged_eviction", 12, heads=heads, protect_last_block=protect_last)
+        m.attach(cache, None)
+        slot = cache.add_sequence()
+        step(m, cache, slot, k, v, 0, "prefill")
+        for h in range(2):
+            score = (ratios.mean(0) if heads == "shared" else ratios[h])[4: prompt - tail]
+            last = list(range(prompt - tail, prompt)) if protect_last else []
+            middle = sorted((score.topk(12 - 4 - len(last)).indices + 4).tolist())
+            assert positions(cache, slot, h) == [0, 1, 2, 3] + middle + last, (protect_last, h)
+        assert_blocks_consistent(cache)
+
+
+@pytest.mark.parametrize("topk,evicted", [(3, 2), (1, 1), (None, 5)])
+def test_paged_eviction_decode_evicts_among_the_oldest_topk_blocks_after_the_first(topk, evicted):
+    """When the newest block fills over the budget, the lowest-scoring block among blocks 1 .. topk leaves (the
+    authors' candidate_pages = 1 .. min(1 + topk, blocks - 1) - 1); the first block (lowest of all) never does;
+    decode_topk=null: any block but the first and the newest."""
+    block_scores = [0.01, 1.0, 0.8, 0.9, 0.5, 0.05, 1.0]  # block 5 is the lowest after the first
+    k, v = ratio_kv([r for r in block_scores for _ in range(4)])
+    cache = make_cache(bs=4)
+    m = build_method("paged_eviction", 28, decode_topk=topk)
+    m.attach(cache, None)
+    slot = cache.add_sequence()
+    step(m, cache, slot, k, v, 0, "prefill")
+    assert positions(cache, slot) == list(range(28))  # at the budget: nothing evicted
+    for t in range(28, 32):  # block 7 fills: 32 > 28 tokens, one block leaves
+        kt, vt = ratio_kv([0.001])  # the newest block scores lowest: never a candidate
+        step(m, cache, slot, kt, vt, t, "decode")
+    dropped = set(range(4 * evicted, 4 * evicted + 4))
+    assert positions(cache, slot) == [p for p in range(32) if p not in dropped]
+    assert positions(cache, slot, 1) == positions(cache, slot, 0)
+    assert_blocks_consistent(cache)
+
+
+def test_paged_eviction_options_validate_and_size_the_budget():
+    with pytest.raises(UserError, match="decode_topk"):
+        build_method("paged_eviction", 64, decode_topk=0)
+    with pytest.raises(UserError, match="protect_last_block"):
+        build_method("paged_eviction", 64, protect_last_block="yes")
+    m = build_method("paged_eviction", 64)
+    assert (m.protect_last_block, m.decode_topk) == (True, 3)  # the authors' code
+    # the first and the last block at prefill need two blocks even when decoding spares no first block
+    for opts, blocks in [({}, 2), ({"protect_first_block": False}, 2),
+                         ({"protect_first_block": False, "protect_last_block": False}, 1)]:
+        assert build_method("paged_eviction", 64, **opts)._protected_blocks() == blocks, opts
 
 
 # ------------------------------------------------------------------------------ KeyDiff

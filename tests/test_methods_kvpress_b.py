@@ -139,6 +139,35 @@ def test_adakv_head_adaptive_budgets_free_blocks(sharp_model, prompts, base, opt
     assert all(bool((n.sum(-1) == H * budget + H * 7).all()) for n in ended)  # decode=none appends 7 per table
 
 
+@pytest.mark.parametrize("base,opts", [("random", {"seed": 0}), ("knorm", {})])
+def test_adakv_prefill_is_kvpress_rule_by_score_alone(model, prompts, base, opts):
+    """kvpress's AdaKVPress over a windowless scorer: each head's int(n_kept x alpha) best tokens are safe, then the
+    layer's H x (T - n_kept) lowest pairs are pruned jointly, by score alone, so the prompt's newest token stays only
+    where it scores high enough. (kvbench kept it in every head, which put adakv's NLL below kvpress's.)"""
+    budget, ids = 16, prompts[2]
+    T = len(ids)
+    method = build_method("adakv", budget, base=base, base_options=opts)
+    scores, inner = {}, method.score
+
+    def score(ctx, i, slot):
+        scores[ctx.layer] = inner(ctx, i, slot)
+        return scores[ctx.layer]
+
+    method.score = score
+    _, _, _, positions, _ = prefill_lengths(model, method, ids)
+    newest_dropped = 0
+    for layer, s in scores.items():
+        H = s.shape[0]
+        s = s.float().clone()  # [H, T]
+        s.scatter_(-1, s.topk(int(budget * 0.2), dim=-1).indices, torch.finfo(s.dtype).max)
+        keep = torch.ones(H * T, dtype=torch.bool)
+        keep[(-s.reshape(-1)).topk(H * (T - budget)).indices] = False
+        keep = keep.view(H, T)
+        assert [positions[layer][h] for h in range(H)] == [keep[h].nonzero().flatten().tolist() for h in range(H)]
+        newest_dropped += int((~keep[:, T - 1]).sum())
+    assert newest_dropped > 0  # the case where a newest-token floor would differ from kvpress occurs here
+
+
 def test_adakv_with_full_safeguard_is_its_base(model, prompts):
     """alpha_safeguard=1: every head keeps its own top budget first, nothing is left to share -> the base's sets."""
     budget = 40

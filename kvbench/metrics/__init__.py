@@ -1,4 +1,5 @@
-"""Task metrics: the official LongBench v1 scorers and ROUGE (official `rouge` package and Google rouge-score)."""
+"""Task metrics: the official LongBench v1 scorers, ROUGE (official `rouge` package and Google rouge-score) and a
+repetition check for degenerate generations."""
 
 from kvbench.metrics.longbench import (
     FIRST_LINE_DATASETS,
@@ -21,6 +22,7 @@ from kvbench.metrics.longbench import (
     score_longbench_e,
     score_sample,
 )
+from kvbench.metrics.repetition import is_degenerate, repetition_share
 from kvbench.metrics.rouge import mean_scores, rouge_l_official, rouge_score_f, summarization_scores
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "code_sim_score",
     "count_score",
     "dataset2metric",
+    "is_degenerate",
     "length_bucket",
     "mean_scores",
     "metric_for",
@@ -37,6 +40,7 @@ __all__ = [
     "normalize_zh_answer",
     "qa_f1_score",
     "qa_f1_zh_score",
+    "repetition_share",
     "retrieval_score",
     "retrieval_zh_score",
     "rouge_l_official",
