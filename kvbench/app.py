@@ -16,6 +16,7 @@ non-zero at the end (2 if a run had bad input, else 1; 130/143 for SIGINT/SIGTER
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import inspect
 import logging
 import os
@@ -198,7 +199,13 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
         if run_dir is not None:
             _discard_unstarted(run_dir)
         return None
-    except Exception as exc:  # e.g. the disk failed while even the failure could not be recorded
+    except OSError as exc:  # e.g. a full disk before config.yaml, or while even the failure could not be recorded
+        where = exc.filename or run_dir or "the results folder"
+        report(f"run failed: could not write {where}: {exc.strerror or exc}"
+               + (f" ({errno.errorcode[exc.errno]})" if exc.errno in errno.errorcode else ""))
+        _note_exit(1)
+        return None
+    except Exception as exc:
         report(f"run failed: {type(exc).__name__}: {exc}")
         _note_exit(1)
         return None
@@ -207,8 +214,23 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
     return record
 
 
+_STARTED_AT = time.time()  # folders made after this, by this process, are removed again when a refusal empties them
+
+
+def check_config(cfg: Any) -> None:
+    """Every check a run makes before it loads the model (plan_run), for a config a sweep will run (its Hydra
+    node removed, as Hydra removes it before the job starts); UserError on bad input."""
+    from omegaconf import open_dict, read_write
+
+    cfg = cfg.copy()
+    with read_write(cfg), open_dict(cfg):
+        cfg.pop("hydra", None)
+    plan_run(cfg)
+
+
 def _discard_unstarted(run_dir: str) -> None:
-    """Remove the folder Hydra made for a run refused before it started (only Hydra's own files in it)."""
+    """Remove the folder Hydra made for a run refused before it started (only Hydra's own files in it), and the
+    results folder above it if this process made it and it is now empty."""
     import shutil
 
     try:
@@ -216,6 +238,28 @@ def _discard_unstarted(run_dir: str) -> None:
         if names <= {".hydra", "kvbench.log"}:
             _close_log_handlers_in(run_dir)  # Hydra's kvbench.log handler would reopen the file in a removed folder
             shutil.rmtree(run_dir, ignore_errors=True)
+            _remove_if_new_and_empty(os.path.dirname(os.path.normpath(run_dir)))
+    except OSError:
+        pass
+
+
+def discard_sweep_file(sweep_dir: Any) -> None:
+    """A sweep refused before its first job: remove the multirun.yaml Hydra saved, and the folder if this process
+    made it and it is now empty."""
+    try:
+        path = os.path.join(str(sweep_dir), "multirun.yaml")
+        if os.path.isfile(path) and os.stat(path).st_mtime >= _STARTED_AT - 1:
+            os.unlink(path)
+        _remove_if_new_and_empty(str(sweep_dir))
+    except Exception:  # the refusal itself is what the user must see
+        pass
+
+
+def _remove_if_new_and_empty(folder: str) -> None:
+    """Remove `folder` if it is empty and was changed since this process started (Hydra made it for this run)."""
+    try:
+        if not os.listdir(folder) and os.stat(folder).st_mtime >= _STARTED_AT - 1:
+            os.rmdir(folder)
     except OSError:
         pass
 
@@ -289,7 +333,11 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     previous = None if s.rerun else folder.finished()
     if previous is not None:
         return _skip_finished(folder, previous, print_summary)
-    claim, holder = folder.claim()
+    try:
+        claim, holder = folder.claim()
+    except OSError as exc:  # a full disk before config.yaml: name the folder it could not write in
+        raise OSError(exc.errno, f"could not claim run {run_id}: {exc.strerror or exc}",
+                      exc.filename or folder.path) from None
     if claim is None:
         say(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
             stream=sys.stdout)
@@ -351,8 +399,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     try:
         folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
     except OSError as exc:
-        raise OSError(exc.errno, f"could not start run {folder.run_id} in {folder.path}: "
-                                 f"{exc.strerror or exc}") from None
+        raise OSError(exc.errno, f"could not start run {folder.run_id}: {exc.strerror or exc}",
+                      exc.filename or folder.file("config.yaml")) from None
     record = _start_record(plan, folder)
     RUN_LOG.info(f"run {folder.run_id}: model {s.model.name}, method {s.method_name}, budget {s.budget}, "
                  f"quant {s.quant_name}, task {s.task_name}, seed {s.seed}; folder {folder.path}")

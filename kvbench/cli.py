@@ -12,14 +12,16 @@ SIGTERM is turned into Terminated (the run is recorded, exit 143); Ctrl-C exits 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
 import os
 import re
 import signal
+import sys
 import threading
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
@@ -69,6 +71,9 @@ def _choices(options: Any) -> str:
 
 def describe_hydra_error(ex: BaseException) -> Optional[str]:
     """One line for a Hydra/OmegaConf composition error, or None if ex is not one."""
+    user_error = _user_error_in(ex)  # kvbench's own refusal, raised inside a resolver (results_dir='')
+    if user_error is not None:
+        return str(user_error)
     first_line = str(ex).splitlines()[0] if str(ex) else ""
     m = re.match(r"Could not override '([\w./-]+)'\. No match in the defaults list", first_line)
     if m:  # a group the config does not select by default (experiment=...): it is added with +
@@ -107,6 +112,17 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
         return str(ex).splitlines()[0] if str(ex) else type(ex).__name__
     if isinstance(ex, InterpolationResolutionError):  # e.g. results_dir=${oc.env:UNSET}, met by Hydra itself
         return f"cannot resolve an interpolation: {(getattr(ex, 'msg', '') or str(ex)).splitlines()[0]}"
+    return None
+
+
+def _user_error_in(ex: BaseException) -> Optional[UserError]:
+    """The UserError that ex was raised from (Hydra and OmegaConf wrap a resolver's), or None."""
+    seen = set()
+    while ex is not None and id(ex) not in seen:
+        if isinstance(ex, UserError):
+            return ex
+        seen.add(id(ex))
+        ex = ex.__cause__ or ex.__context__
     return None
 
 
@@ -181,10 +197,53 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
     raise SystemExit(after() if after is not None else 0)
 
 
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def multirun_flag_first(argv: list) -> list:
+    """argv with `-m` / `--multirun` moved before the overrides (`kvbench method=h2o -m budget=64,128` would
+    otherwise get Hydra's usage text): Hydra reads its flags only before the first override."""
+    flags = [a for a in argv[1:] if a in MULTIRUN_FLAGS]
+    if not flags:
+        return list(argv)
+    return [argv[0], flags[0], *[a for a in argv[1:] if a not in MULTIRUN_FLAGS]]
+
+
+@contextlib.contextmanager
+def every_sweep_job_checked() -> Iterator[None]:
+    """While it is open, a sweep (-m) checks every job's config as a run would before it loads the model
+    (app.check_config: values, paths, lengths against the model's positions, ...) before the first job starts,
+    after Hydra's own check that each job composes; a refused sweep leaves no multirun.yaml (and no results folder
+    it made) behind."""
+    from hydra.plugins.sweeper import Sweeper
+
+    hydra_check = Sweeper.validate_batch_is_legal
+
+    def check_batch(self: Any, batch: Any) -> None:
+        try:
+            hydra_check(self, batch)
+            loader = getattr(self, "hydra_context", None)
+            loader = loader.config_loader if loader is not None else self.config_loader
+            for overrides in batch:
+                app.check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides)))
+        except BaseException:
+            app.discard_sweep_file(self.config.hydra.sweep.dir)
+            raise
+
+    Sweeper.validate_batch_is_legal = check_batch
+    try:
+        yield
+    finally:
+        Sweeper.validate_batch_is_legal = hydra_check
+
+
 def run_app_cli(main: Callable[[], Any]) -> NoReturn:
-    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit)."""
+    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit);
+    a sweep's jobs are all checked before the first starts."""
+    sys.argv[:] = multirun_flag_first(sys.argv)
     app.open_exit_channel()
     try:
-        run_cli(main, after=app.end_of_cli)
+        with every_sweep_job_checked():
+            run_cli(main, after=app.end_of_cli)
     finally:
         app.close_exit_channel()

@@ -21,8 +21,10 @@ prompt's compression.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from kvbench.data import ruler as rd
@@ -140,9 +142,47 @@ class Ruler(Task):
     Options = RulerOptions
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
-        """Hub data without task.data_dir while offline: fail now, before the model loads."""
-        if self.options.source == "hub" and not self.options.data_dir:
+        """Before the model loads: lengths within the model's positions and long enough for a sample of every
+        task, the data present (hub: task.data_dir's files for every length, or the hub reachable; generate: the
+        QA tasks' files, a task without them skipped with one line now, and refused when nothing would run)."""
+        opts = self.options
+        limit = getattr(model_shape, "max_positions", None)
+        too_long = [n for n in opts.lengths if limit and n > limit]
+        if too_long:
+            raise UserError(f"invalid task.lengths={too_long}: past the model's {limit} positions; expected lengths "
+                            f"of at most {limit}")
+        for t in opts.tasks:
+            need = rd.fewest_tokens(t)
+            short = [n for n in opts.lengths if n < need]
+            if short:
+                raise UserError(f"invalid task.lengths={short}: no room for a {t} sample (at least {need} tokens: "
+                                f"its prompt without a haystack and {rd.tokens_to_generate(t)} to generate); "
+                                f"expected lengths of at least {max(rd.fewest_tokens(x) for x in opts.tasks)}")
+        if opts.source == "hub":
+            self._check_hub_data()
+            return
+        missing = {t: why for t in opts.tasks if (why := rd.qa_data_missing(t, opts.data_dir))}
+        if len(missing) == len(opts.tasks):
+            raise UserError(f"task.tasks={list(opts.tasks)}: nothing to run: "
+                            + "; ".join(f"{t} needs {why}" for t, why in missing.items()))
+        for t, why in missing.items():
+            print(f"kvbench: ruler: {t} skipped: it needs {why}", file=sys.stderr, flush=True)
+        self.skipped = set(missing)
+
+    def _check_hub_data(self) -> None:
+        opts = self.options
+        if not opts.data_dir:
             require_hub("RULER data (simonjegou/ruler)", "task.data_dir")
+            return
+        if not os.path.isdir(opts.data_dir):
+            raise UserError(f"invalid task.data_dir={opts.data_dir!r}: no such folder (task.source=hub reads "
+                            "kvpress's <length>.parquet|.jsonl or <length>/ files from it)")
+        for n in opts.lengths:
+            try:
+                rd.local_files(Path(opts.data_dir), n)
+            except FileNotFoundError as exc:
+                raise UserError(f"invalid task.data_dir={opts.data_dir!r}: {exc} (task.lengths={list(opts.lengths)})"
+                                ) from None
 
     def samples_for(self, tokenizer: Any, length: int) -> dict[str, list[dict]]:
         """The samples of every task at one length; a QA task without its data is skipped with one line."""
@@ -154,6 +194,8 @@ class Ruler(Task):
                 raise UserError(f"RULER data for length {length}: {exc}") from None
         out: dict[str, list[dict]] = {}
         for t in opts.tasks:
+            if t in getattr(self, "skipped", ()):  # said by preflight
+                continue
             try:
                 out[t] = rd.generate_samples(t, length, tokenizer, opts.limit or 500, opts.seed, opts.data_dir)
             except FileNotFoundError as exc:
