@@ -9,8 +9,9 @@ measure prefix caching (runtime.prefix_caching). The top-level `seed` draws the
 lengths, offsets and arrivals, so every method of a sweep serves the same trace. The pool is runtime.kv_memory_bytes
 (or runtime.num_blocks) and the scheduler's runtime.max_num_seqs / max_num_batched_tokens / admission_watermark.
 
-Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s, total_tokens_per_s (prompt + output
-over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
+Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s (end to end: output tokens over the wall
+time, prefill included), decode_tokens_per_s (the decode rate: tokens of decode-only steps over their time),
+total_tokens_per_s (prompt + output over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
 output token after the first), decode_prefill_share_p50 (the median request's share of its decode life spent in
 steps that carried prompt tokens: the part of its TPOT that other prompts' prefill put there), e2e_s_p50/_p99,
 mean_running_seqs (time-weighted over steps), max_running_seqs,
@@ -151,9 +152,14 @@ def serving_metrics(outcome: Any) -> dict:
     e2e = [r.finish_s - r.arrival_s for r in done]
     steps = outcome.timeline
     stall = decode_prefill_shares(done, steps)
-    weighted = sum(s.running * (s.t_s - t0) for s, t0 in zip(steps, _step_starts(steps)))
+    starts = _step_starts(steps)
+    weighted = sum(s.running * (s.t_s - t0) for s, t0 in zip(steps, starts))
+    # the decode rate: tokens of decode-only steps over their time (output_tokens_per_s includes every prefill)
+    decode_s = sum(s.t_s - t0 for s, t0 in zip(steps, starts) if s.kind == "decode")
+    decode_tokens = sum(s.tokens for s in steps if s.kind == "decode")
     m = {
         "output_tokens_per_s": out_tokens / wall,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
         "total_tokens_per_s": (out_tokens + in_tokens) / wall,
         "requests_per_s": len(done) / wall,
         "completed_requests": len(done),
@@ -257,7 +263,7 @@ class ThroughputTask(Task):
         decode_s = max((r.decode_s for r in reqs), default=0.0)
         perf = {
             "prefill_tokens_per_s": sum(r.prefill_tokens for r in reqs) / prefill_s if prefill_s else None,
-            "decode_tokens_per_s": metrics["output_tokens_per_s"],
+            "decode_tokens_per_s": metrics["decode_tokens_per_s"],
             "ttft_s": metrics["ttft_s_p50"],
         }
         samples = []
