@@ -229,3 +229,15 @@ def test_one_spelling_one_run_id(a, b):
     assert (run_id_for(kconfig.hashable_config(ca)) == run_id_for(kconfig.hashable_config(cb))) is same
     sa, sb = kconfig.validate(ca), kconfig.validate(cb)
     assert ((sa.task_options, sa.runtime) == (sb.task_options, sb.runtime)) is same
+
+
+def test_run_folder_names_keep_the_configured_names_and_the_ratio():
+    def name(*overrides):
+        return run_id_for(kconfig.hashable_config(compose(list(overrides))))
+
+    assert name("method=paged_eviction", "quant=kivi", "budget=256").startswith(
+        "smollm2-135m_perplexity_paged_eviction-kivi_b256_s0_")
+    assert name("method=kivi").startswith("smollm2-135m_perplexity_full-kivi_bnone_s0_")
+    ratios = [name("method=snapkv", f"compression_ratio={r}") for r in (0.25, 0.5)]
+    assert ratios[0].startswith("smollm2-135m_perplexity_snapkv_r0.25_s0_") and "_r0.5_" in ratios[1]
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") for n in ratios)
