@@ -136,15 +136,28 @@ def sweep_runs() -> list:
     return list(dict.fromkeys(d for _, d in _channel_lines() if d))
 
 
+def _print_sweep_table(runs: list, heading: Optional[str] = None) -> None:
+    records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
+    table = format_sweep_table([r for r in records if r])
+    if table:
+        if heading:
+            say(heading, stream=sys.stdout)
+        say(table, stream=sys.stdout)
+
+
 def end_of_cli() -> int:
     """After Hydra returns in the CLI process: a sweep (-m) ends with one table of its runs; the exit code."""
     runs = sweep_runs()
     if runs and (len(runs) > 1 or "-m" in sys.argv or "--multirun" in sys.argv):
-        records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
-        table = format_sweep_table([r for r in records if r])
-        if table:
-            say(table, stream=sys.stdout)
+        _print_sweep_table(runs)
     return exit_code()
+
+
+def stopped_sweep_table() -> None:
+    """After SIGINT/SIGTERM stopped a sweep in the CLI process: the table of the runs that finished before."""
+    runs = sweep_runs()
+    if runs and ("-m" in sys.argv or "--multirun" in sys.argv):
+        _print_sweep_table(runs, f"kvbench: the sweep stopped; the {len(runs)} run(s) that finished before:")
 
 
 def close_exit_channel() -> None:

@@ -168,8 +168,10 @@ def describe_os_error(ex: OSError) -> tuple[str, int]:
     return f"could not write {where}: {reason}" + (f" ({name})" if name else ""), 1
 
 
-def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) -> NoReturn:
-    """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code."""
+def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None,
+            stopped: Optional[Callable[[], None]] = None) -> NoReturn:
+    """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code;
+    `stopped()` runs after SIGINT/SIGTERM (a sweep prints what finished)."""
     user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
     logging.raiseExceptions = False  # a log write that fails (a full disk) must not print a traceback
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -190,11 +192,23 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
         exit_usage(message)
     except Terminated:
         report("terminated")
+        _after_stop(stopped)
         raise SystemExit(EXIT_TERMINATED)
     except KeyboardInterrupt:
         report("interrupted")
+        _after_stop(stopped)
         raise SystemExit(130)
     raise SystemExit(after() if after is not None else 0)
+
+
+def _after_stop(stopped: Optional[Callable[[], None]]) -> None:
+    """Run `stopped()`; a second signal or an error there ends it quietly (the run is already recorded)."""
+    if stopped is None:
+        return
+    try:
+        stopped()
+    except (Exception, KeyboardInterrupt, Terminated):
+        pass
 
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -244,6 +258,6 @@ def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     app.open_exit_channel()
     try:
         with every_sweep_job_checked():
-            run_cli(main, after=app.end_of_cli)
+            run_cli(main, after=app.end_of_cli, stopped=app.stopped_sweep_table)
     finally:
         app.close_exit_channel()
