@@ -36,6 +36,7 @@ import kvbench
 from kvbench import config as _config
 from kvbench.console import RUN_LOG, report, say, warn
 from kvbench.errors import Terminated, UserError
+from kvbench.estimate import measured_speed, plan_line, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.backends.cpu.threads import configure_threads
@@ -425,6 +426,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     try:
         logger.start()
         record["wandb_mode"] = logger.mode if logger.run is not None else None
+        _announce(plan)
         loaded, engine = _load(plan, load_model_fn, engine_cls, record)  # 3. load
         samples = _execute(plan, folder, loaded, engine, record)  # 4. execute
         record["status"] = "ok"
@@ -447,11 +449,25 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
             pass
     # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
+    if load_model_fn is None:  # the real model: its measured rates make the next run's estimate
+        record_speed(record)
     if usage_error is not None:
         raise usage_error
     if record["status"] != "ok" and print_summary:
         report(f"run {folder.run_id} failed: {record['error']} (details in {folder.file('error.txt')})")
     return record
+
+
+def _announce(plan: RunPlan) -> None:
+    """Before the model loads: what the run will compute and about how long that takes here (kvbench.estimate)."""
+    s = plan.settings
+    try:
+        workload = plan.task.workload(s) if callable(getattr(plan.task, "workload", None)) else None
+    except Exception:  # pragma: no cover  (the estimate is a courtesy; the run goes on)
+        workload = None
+    if workload is not None:
+        say(plan_line(s.task_name, workload, measured_speed(s.model.name, s.model.dtype, plan.device)),
+            stream=sys.stdout)
 
 
 # =========================================================================== 3. load

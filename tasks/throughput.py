@@ -32,7 +32,7 @@ from typing import Any, Optional
 from kvbench.data.essays import essay_corpus_text
 from kvbench.errors import UserError
 from kvbench.runtime.scheduler import Request
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
 MAX_ARRIVAL_SPAN_S = 3600.0  # a Poisson trace whose arrivals would span longer than this is refused
@@ -231,6 +231,14 @@ class ThroughputTask(Task):
 
     Options = ThroughputOptions
 
+    def workload(self, settings: Any) -> Workload:
+        """num_requests requests of the mean drawn lengths (the trace draws them uniformly)."""
+        opts = self.options
+        n = opts.num_requests
+        return Workload(n, n * sum(opts.input_range) // 2, n * sum(opts.output_range) // 2,
+                        f"{n} requests of {opts.input_tokens} prompt and {opts.output_tokens} output tokens",
+                        "task.num_requests=N, task.input_tokens=..., task.output_tokens=...", exact=False)
+
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         hi = self.options.input_range[1] + self.options.output_range[1]
         limit = getattr(model_shape, "max_positions", None)
@@ -247,9 +255,11 @@ class ThroughputTask(Task):
             raise UserError(f"invalid task.input_tokens={opts.input_tokens!r}: input + output exceed the model's "
                             f"{limit} positions")
         reqs = [Request(t.prompt_ids, t.output_tokens, arrival_s=t.arrival_s, ignore_eos=True) for t in trace]
-        bar = progress(total=sum(t.output_tokens for t in trace), desc="serve", unit="tok")
+        # the bar counts every token a step runs, prompt chunks included, so it moves from the first prefill chunk
+        bar = progress(total=sum(len(t.prompt_ids) + t.output_tokens for t in trace), desc="serve (prompt + output)",
+                       unit="tok")
         try:
-            outcome = engine.serve(reqs, on_token=lambda _r: bar.update(1))
+            outcome = engine.serve(reqs, on_step=bar.update)
         finally:
             bar.close()
         metrics = serving_metrics(outcome)

@@ -485,10 +485,10 @@ def token_counter(tokenizer: Any) -> Callable[[str], int]:
 
 
 def generate_samples(task: str, length: int, tokenizer: Any, num_samples: int, seed: int = 42,
-                     qa_dir: Optional[str] = None) -> list[dict]:
+                     qa_dir: Optional[str] = None, on_sample: Optional[Callable[[], None]] = None) -> list[dict]:
     """`num_samples` samples of one RULER task fitted to `length` tokens (see the module docstring), as records in
-    kvpress's hub format plus `length` (prompt tokens + tokens to generate) and `index`. FileNotFoundError when
-    a QA task's data is not in qa_dir."""
+    kvpress's hub format plus `length` (prompt tokens + tokens to generate) and `index`; `on_sample()` is called
+    after each (progress). FileNotFoundError when a QA task's data is not in qa_dir."""
     kind, args = TASK_ARGS[task]
     gen = tokens_to_generate(task)
     count = token_counter(tokenizer)
@@ -544,6 +544,8 @@ def generate_samples(task: str, length: int, tokenizer: Any, num_samples: int, s
         context, question, answer_prefix = split_input(task, text)
         out.append({"index": index, "context": context, "question": question, "answer_prefix": answer_prefix,
                     "answer": list(answer), "task": task, "max_new_tokens": gen, "length": n + gen})
+        if on_sample is not None:
+            on_sample()
     return out
 
 
