@@ -115,32 +115,31 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
     return None
 
 
-def _user_error_in(ex: BaseException) -> Optional[UserError]:
-    """The UserError that ex was raised from (Hydra and OmegaConf wrap a resolver's), or None."""
-    seen = set()
-    while ex is not None and id(ex) not in seen:
-        if isinstance(ex, UserError):
-            return ex
-        seen.add(id(ex))
-        ex = ex.__cause__ or ex.__context__
-    return None
-
-
 # errno values of a results folder the user pointed at that cannot be used (bad input: exit 2); any other OSError
 # (a full disk, a quota, an I/O error) is a fault of the machine (exit 1).
 _UNUSABLE_FOLDER = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT,
                     errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
 
 
-def os_error_in(ex: BaseException) -> Optional[OSError]:
-    """The OSError ex is or was raised from (Hydra wraps its logging setup's in a ValueError), or None."""
+def _raised_from(ex: BaseException, kind: type) -> Any:
+    """The exception of type `kind` that ex is or was raised from (through __cause__ / __context__), or None."""
     seen = set()
     while ex is not None and id(ex) not in seen:
-        if isinstance(ex, OSError):
+        if isinstance(ex, kind):
             return ex
         seen.add(id(ex))
         ex = ex.__cause__ or ex.__context__
     return None
+
+
+def os_error_in(ex: BaseException) -> Optional[OSError]:
+    """The OSError ex is or was raised from (Hydra wraps its logging setup's in a ValueError), or None."""
+    return _raised_from(ex, OSError)
+
+
+def _user_error_in(ex: BaseException) -> Optional[UserError]:
+    """The UserError that ex was raised from (Hydra and OmegaConf wrap a resolver's), or None."""
+    return _raised_from(ex, UserError)
 
 
 def _file_being_written(ex: BaseException) -> Optional[str]:

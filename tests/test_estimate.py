@@ -93,3 +93,17 @@ def test_throughput_progress_counts_prompt_tokens_from_the_first_chunk(tmp_path)
     prompts = sum(s["input_tokens"] for s in res.samples)
     assert bar.total == prompts + 3 * 4 and bar.updates[0] > 1  # the first step was a prompt chunk
     assert sum(bar.updates) == prompts + 3 * (4 - 1)  # every prompt token and every output token fed back
+
+
+def test_first_use_messages_quote_only_measured_dated_times(tmp_path, monkeypatch):
+    import json
+
+    from kvbench.runtime import measured_times
+
+    path = tmp_path / "measured_times.json"
+    monkeypatch.setattr(measured_times, "MEASURED", path)
+    assert measured_times.quoted("compile") == ""  # never measured: no time is quoted
+    path.write_text(json.dumps({"compile": {"seconds": 151.4, "date": "2026-12-03", "cpus": 2}}))
+    assert measured_times.quoted("compile") == "took 151 s on a 2-CPU machine (measured 2026-12-03)"
+    path.write_text(json.dumps({"compile": {"seconds": 151.4, "date": "2026-12-03", "cpus": 2, "load_avg_1m": 17.2}}))
+    assert measured_times.quoted("compile") == "took 151 s on a 2-CPU machine at load 17 (measured 2026-12-03)"

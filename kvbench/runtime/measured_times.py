@@ -19,8 +19,11 @@ def measured(name: str) -> Optional[dict]:
 
 
 def quoted(name: str) -> str:
-    """"took 150 s on a 2-CPU machine (measured 2026-12-03)", or "" when never measured."""
+    """"took 150 s on a 2-CPU machine (measured 2026-12-03)", with the load average when the machine was busier
+    than its CPU count; "" when never measured."""
     entry = measured(name)
     if entry is None:
         return ""
-    return f"took {entry['seconds']:.0f} s on a {entry.get('cpus', '?')}-CPU machine (measured {entry.get('date', '?')})"
+    cpus, load = entry.get("cpus"), entry.get("load_avg_1m")
+    busy = f" at load {load:.0f}" if isinstance(load, (int, float)) and isinstance(cpus, int) and load > cpus else ""
+    return f"took {entry['seconds']:.0f} s on a {cpus or '?'}-CPU machine{busy} (measured {entry.get('date', '?')})"
