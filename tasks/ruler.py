@@ -40,6 +40,7 @@ from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, ch
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 SOURCES = ("generate", "hub")
+_SAID: set = set()  # skip lines already printed by this process
 
 
 def _task_names(value: Any) -> list[str]:
@@ -166,7 +167,10 @@ class Ruler(Task):
             raise UserError(f"task.tasks={list(opts.tasks)}: nothing to run: "
                             + "; ".join(f"{t} needs {why}" for t, why in missing.items()))
         for t, why in missing.items():
-            print(f"kvbench: ruler: {t} skipped: it needs {why}", file=sys.stderr, flush=True)
+            line = f"kvbench: ruler: {t} skipped: it needs {why}"
+            if line not in _SAID:  # once per process: a sweep checks every job before the first starts
+                _SAID.add(line)
+                print(line, file=sys.stderr, flush=True)
         self.skipped = set(missing)
 
     def workload(self, settings: Any) -> Workload:
