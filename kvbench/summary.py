@@ -46,7 +46,7 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached",
-             "output_tokens_per_s"}
+             "output_tokens_per_s", "compression_ratio", "evicts"}
 # Prefixes of settings columns (flattened config) and internal storage details: in metrics.json, not the summary.
 _HIDDEN_PREFIXES = ("method_", "task_", "runtime_", "quant_", "storage_")
 
