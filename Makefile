@@ -24,6 +24,10 @@ STAMP := $(VENV)/.kvbench-install-stamp
 TEST_STAMP := $(VENV)/.kvbench-test-install-stamp
 ARGS ?=
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): one per CPU core; the tests run one torch thread each (tests/conftest.py), so on a
+# 2-core machine two workers halve the wall time. Tests of one module stay in one worker (their module fixtures
+# are made once). PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= auto
 
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
@@ -53,7 +57,7 @@ run: install
 	$(PY) -m kvbench $(ARGS)
 
 test: install-test
-	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 
 bench: install

@@ -16,6 +16,7 @@ non-zero at the end (2 if a run had bad input, else 1; 130/143 for SIGINT/SIGTER
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import inspect
 import logging
 import os
@@ -35,6 +36,7 @@ import kvbench
 from kvbench import config as _config
 from kvbench.console import RUN_LOG, report, say, warn
 from kvbench.errors import Terminated, UserError
+from kvbench.estimate import measured_speed, plan_line, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.backends.cpu.threads import configure_threads
@@ -137,15 +139,28 @@ def sweep_runs() -> list:
     return list(dict.fromkeys(d for _, d in _channel_lines() if d))
 
 
+def _print_sweep_table(runs: list, heading: Optional[str] = None) -> None:
+    records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
+    table = format_sweep_table([r for r in records if r])
+    if table:
+        if heading:
+            say(heading, stream=sys.stdout)
+        say(table, stream=sys.stdout)
+
+
 def end_of_cli() -> int:
     """After Hydra returns in the CLI process: a sweep (-m) ends with one table of its runs; the exit code."""
     runs = sweep_runs()
     if runs and (len(runs) > 1 or "-m" in sys.argv or "--multirun" in sys.argv):
-        records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
-        table = format_sweep_table([r for r in records if r])
-        if table:
-            say(table, stream=sys.stdout)
+        _print_sweep_table(runs)
     return exit_code()
+
+
+def stopped_sweep_table() -> None:
+    """After SIGINT/SIGTERM stopped a sweep in the CLI process: the table of the runs that finished before."""
+    runs = sweep_runs()
+    if runs and ("-m" in sys.argv or "--multirun" in sys.argv):
+        _print_sweep_table(runs, f"kvbench: the sweep stopped; the {len(runs)} run(s) that finished before:")
 
 
 def close_exit_channel() -> None:
@@ -200,7 +215,13 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
         if run_dir is not None:
             _discard_unstarted(run_dir)
         return None
-    except Exception as exc:  # e.g. the disk failed while even the failure could not be recorded
+    except OSError as exc:  # e.g. a full disk before config.yaml, or while even the failure could not be recorded
+        where = exc.filename or run_dir or "the results folder"
+        report(f"run failed: could not write {where}: {exc.strerror or exc}"
+               + (f" ({errno.errorcode[exc.errno]})" if exc.errno in errno.errorcode else ""))
+        _note_exit(1)
+        return None
+    except Exception as exc:
         report(f"run failed: {type(exc).__name__}: {exc}")
         _note_exit(1)
         return None
@@ -209,8 +230,23 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
     return record
 
 
+_STARTED_AT = time.time()  # folders made after this, by this process, are removed again when a refusal empties them
+
+
+def check_config(cfg: Any) -> None:
+    """Every check a run makes before it loads the model (plan_run), for a config a sweep will run (its Hydra
+    node removed, as Hydra removes it before the job starts); UserError on bad input."""
+    from omegaconf import open_dict, read_write
+
+    cfg = cfg.copy()
+    with read_write(cfg), open_dict(cfg):
+        cfg.pop("hydra", None)
+    plan_run(cfg)
+
+
 def _discard_unstarted(run_dir: str) -> None:
-    """Remove the folder Hydra made for a run refused before it started (only Hydra's own files in it)."""
+    """Remove the folder Hydra made for a run refused before it started (only Hydra's own files in it), and the
+    results folder above it if this process made it and it is now empty."""
     import shutil
 
     try:
@@ -218,6 +254,28 @@ def _discard_unstarted(run_dir: str) -> None:
         if names <= {".hydra", "kvbench.log"}:
             _close_log_handlers_in(run_dir)  # Hydra's kvbench.log handler would reopen the file in a removed folder
             shutil.rmtree(run_dir, ignore_errors=True)
+            _remove_if_new_and_empty(os.path.dirname(os.path.normpath(run_dir)))
+    except OSError:
+        pass
+
+
+def discard_sweep_file(sweep_dir: Any) -> None:
+    """A sweep refused before its first job: remove the multirun.yaml Hydra saved, and the folder if this process
+    made it and it is now empty."""
+    try:
+        path = os.path.join(str(sweep_dir), "multirun.yaml")
+        if os.path.isfile(path) and os.stat(path).st_mtime >= _STARTED_AT - 1:
+            os.unlink(path)
+        _remove_if_new_and_empty(str(sweep_dir))
+    except Exception:  # the refusal itself is what the user must see
+        pass
+
+
+def _remove_if_new_and_empty(folder: str) -> None:
+    """Remove `folder` if it is empty and was changed since this process started (Hydra made it for this run)."""
+    try:
+        if not os.listdir(folder) and os.stat(folder).st_mtime >= _STARTED_AT - 1:
+            os.rmdir(folder)
     except OSError:
         pass
 
@@ -291,7 +349,11 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     previous = None if s.rerun else folder.finished()
     if previous is not None:
         return _skip_finished(folder, previous, print_summary)
-    claim, holder = folder.claim()
+    try:
+        claim, holder = folder.claim()
+    except OSError as exc:  # a full disk before config.yaml: name the folder it could not write in
+        raise OSError(exc.errno, f"could not claim run {run_id}: {exc.strerror or exc}",
+                      exc.filename or folder.path) from None
     if claim is None:
         say(f"kvbench: {run_id} is being run by pid {holder.get('pid')} on {holder.get('host')}; skipping",
             stream=sys.stdout)
@@ -353,8 +415,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     try:
         folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
     except OSError as exc:
-        raise OSError(exc.errno, f"could not start run {folder.run_id} in {folder.path}: "
-                                 f"{exc.strerror or exc}") from None
+        raise OSError(exc.errno, f"could not start run {folder.run_id}: {exc.strerror or exc}",
+                      exc.filename or folder.file("config.yaml")) from None
     record = _start_record(plan, folder)
     RUN_LOG.info(f"run {folder.run_id}: model {s.model.name}, method {s.method_name}, budget {s.budget}, "
                  f"quant {s.quant_name}, task {s.task_name}, seed {s.seed}; folder {folder.path}")
@@ -366,6 +428,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     try:
         logger.start()
         record["wandb_mode"] = logger.mode if logger.run is not None else None
+        _announce(plan)
         loaded, engine = _load(plan, load_model_fn, engine_cls, record)  # 3. load
         samples = _execute(plan, folder, loaded, engine, record)  # 4. execute
         record["status"] = "ok"
@@ -388,11 +451,25 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
             pass
     # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
+    if load_model_fn is None:  # the real model: its measured rates make the next run's estimate
+        record_speed(record)
     if usage_error is not None:
         raise usage_error
     if record["status"] != "ok" and print_summary:
         report(f"run {folder.run_id} failed: {record['error']} (details in {folder.file('error.txt')})")
     return record
+
+
+def _announce(plan: RunPlan) -> None:
+    """Before the model loads: what the run will compute and about how long that takes here (kvbench.estimate)."""
+    s = plan.settings
+    try:
+        workload = plan.task.workload(s) if callable(getattr(plan.task, "workload", None)) else None
+    except Exception:  # pragma: no cover  (the estimate is a courtesy; the run goes on)
+        workload = None
+    if workload is not None:
+        say(plan_line(s.task_name, workload, measured_speed(s.model.name, s.model.dtype, plan.device)),
+            stream=sys.stdout)
 
 
 # =========================================================================== 3. load

@@ -12,14 +12,16 @@ SIGTERM is turned into Terminated (the run is recorded, exit 143); Ctrl-C exits 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
 import os
 import re
 import signal
+import sys
 import threading
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
@@ -69,6 +71,9 @@ def _choices(options: Any) -> str:
 
 def describe_hydra_error(ex: BaseException) -> Optional[str]:
     """One line for a Hydra/OmegaConf composition error, or None if ex is not one."""
+    user_error = _user_error_in(ex)  # kvbench's own refusal, raised inside a resolver (results_dir='')
+    if user_error is not None:
+        return str(user_error)
     first_line = str(ex).splitlines()[0] if str(ex) else ""
     m = re.match(r"Could not override '([\w./-]+)'\. No match in the defaults list", first_line)
     if m:  # a group the config does not select by default (experiment=...): it is added with +
@@ -116,15 +121,25 @@ _UNUSABLE_FOLDER = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno
                     errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
 
 
-def os_error_in(ex: BaseException) -> Optional[OSError]:
-    """The OSError ex is or was raised from (Hydra wraps its logging setup's in a ValueError), or None."""
+def _raised_from(ex: BaseException, kind: type) -> Any:
+    """The exception of type `kind` that ex is or was raised from (through __cause__ / __context__), or None."""
     seen = set()
     while ex is not None and id(ex) not in seen:
-        if isinstance(ex, OSError):
+        if isinstance(ex, kind):
             return ex
         seen.add(id(ex))
         ex = ex.__cause__ or ex.__context__
     return None
+
+
+def os_error_in(ex: BaseException) -> Optional[OSError]:
+    """The OSError ex is or was raised from (Hydra wraps its logging setup's in a ValueError), or None."""
+    return _raised_from(ex, OSError)
+
+
+def _user_error_in(ex: BaseException) -> Optional[UserError]:
+    """The UserError that ex was raised from (Hydra and OmegaConf wrap a resolver's), or None."""
+    return _raised_from(ex, UserError)
 
 
 def _file_being_written(ex: BaseException) -> Optional[str]:
@@ -152,8 +167,10 @@ def describe_os_error(ex: OSError) -> tuple[str, int]:
     return f"could not write {where}: {reason}" + (f" ({name})" if name else ""), 1
 
 
-def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) -> NoReturn:
-    """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code."""
+def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None,
+            stopped: Optional[Callable[[], None]] = None) -> NoReturn:
+    """Run a @hydra.main function; bad input -> one line + exit 2. `after()` gives the final exit code;
+    `stopped()` runs after SIGINT/SIGTERM (a sweep prints what finished)."""
     user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
     logging.raiseExceptions = False  # a log write that fails (a full disk) must not print a traceback
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -174,17 +191,72 @@ def run_cli(main: Callable[[], Any], after: Optional[Callable[[], int]] = None) 
         exit_usage(message)
     except Terminated:
         report("terminated")
+        _after_stop(stopped)
         raise SystemExit(EXIT_TERMINATED)
     except KeyboardInterrupt:
         report("interrupted")
+        _after_stop(stopped)
         raise SystemExit(130)
     raise SystemExit(after() if after is not None else 0)
 
 
+def _after_stop(stopped: Optional[Callable[[], None]]) -> None:
+    """Run `stopped()`; a second signal or an error there ends it quietly (the run is already recorded)."""
+    if stopped is None:
+        return
+    try:
+        stopped()
+    except (Exception, KeyboardInterrupt, Terminated):
+        pass
+
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def multirun_flag_first(argv: list) -> list:
+    """argv with `-m` / `--multirun` moved before the overrides (`kvbench method=h2o -m budget=64,128` would
+    otherwise get Hydra's usage text): Hydra reads its flags only before the first override."""
+    flags = [a for a in argv[1:] if a in MULTIRUN_FLAGS]
+    if not flags:
+        return list(argv)
+    return [argv[0], flags[0], *[a for a in argv[1:] if a not in MULTIRUN_FLAGS]]
+
+
+@contextlib.contextmanager
+def every_sweep_job_checked() -> Iterator[None]:
+    """While it is open, a sweep (-m) checks every job's config as a run would before it loads the model
+    (app.check_config: values, paths, lengths against the model's positions, ...) before the first job starts,
+    after Hydra's own check that each job composes; a refused sweep leaves no multirun.yaml (and no results folder
+    it made) behind."""
+    from hydra.plugins.sweeper import Sweeper
+
+    hydra_check = Sweeper.validate_batch_is_legal
+
+    def check_batch(self: Any, batch: Any) -> None:
+        try:
+            hydra_check(self, batch)
+            loader = getattr(self, "hydra_context", None)
+            loader = loader.config_loader if loader is not None else self.config_loader
+            for overrides in batch:
+                app.check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides)))
+        except BaseException:
+            app.discard_sweep_file(self.config.hydra.sweep.dir)
+            raise
+
+    Sweeper.validate_batch_is_legal = check_batch
+    try:
+        yield
+    finally:
+        Sweeper.validate_batch_is_legal = hydra_check
+
+
 def run_app_cli(main: Callable[[], Any]) -> NoReturn:
-    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit)."""
+    """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit);
+    a sweep's jobs are all checked before the first starts."""
+    sys.argv[:] = multirun_flag_first(sys.argv)
     app.open_exit_channel()
     try:
-        run_cli(main, after=app.end_of_cli)
+        with every_sweep_job_checked():
+            run_cli(main, after=app.end_of_cli, stopped=app.stopped_sweep_table)
     finally:
         app.close_exit_channel()

@@ -24,8 +24,10 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean
 from kvbench.store.naming import model_label, run_id_for
-from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, SCHEDULES, SEED_MAX, SPECULATIVE_MAX_TOKENS, check_budget, check_compression, check_positive, dtype_name, hashable_config,
-                          kept_budget, normalise_numbers, raw_value, resolve_storage, results_path)
+from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
+                          SPECULATIVE_MAX_TOKENS, check_budget, check_compression, check_positive, check_task_counts,
+                          dtype_name, hashable_config, kept_budget, normalise_runtime,
+                          normalise_task, raw_value, resolve_storage, results_path)
 
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
 BLOCK_SIZE_MAX = 4096  # tokens per KV block
@@ -109,11 +111,9 @@ class RuntimeConfig:
         check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
         check_positive("runtime.num_blocks", self.num_blocks, allow_none=True, minimum=2)
         check_positive("runtime.kv_memory_bytes", self.kv_memory_bytes, allow_none=True)
-        check_positive("runtime.prefill_chunk_size", self.prefill_chunk_size)
-        check_positive("runtime.batch_size", self.batch_size)
+        for key, most in RUNTIME_COUNT_MAX.items():
+            check_positive(f"runtime.{key}", getattr(self, key), maximum=most)
         check_positive("runtime.threads", self.threads, allow_none=True, maximum=max(1024, os.cpu_count() or 1))
-        check_positive("runtime.max_num_batched_tokens", self.max_num_batched_tokens)
-        check_positive("runtime.max_num_seqs", self.max_num_seqs)
         w = self.admission_watermark
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
             raise UserError(f"invalid runtime.admission_watermark={w!r}: expected a number in [0, 1)")
@@ -244,7 +244,8 @@ def validate(cfg: Any) -> Settings:
     check_resolvable(cfg)
     _check_root_keys(cfg)
     method = _section(cfg, "method")
-    task = normalise_numbers(_section(cfg, "task"))
+    task = normalise_task(_section(cfg, "task"))
+    check_task_counts(task)
     if not method.get("name"):
         raise UserError("method.name is missing: every method YAML needs `name:` (see conf/method/)")
     if not task.get("name"):
@@ -264,7 +265,7 @@ def validate(cfg: Any) -> Settings:
     results_dir = results_path(cfg.get("results_dir", "results"))
     return Settings(
         model=_build(ModelConfig, "model", model),
-        runtime=_build(RuntimeConfig, "runtime", _section(cfg, "runtime")),
+        runtime=_build(RuntimeConfig, "runtime", normalise_runtime(_section(cfg, "runtime"))),
         logger=_build(LoggerConfig, "logger", _section(cfg, "logger")),
         method_name=method_name,
         method_options=method_options,

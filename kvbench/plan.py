@@ -34,7 +34,7 @@ from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
 from kvbench.runtime.loading import packaged_smollm2
-from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, resolve_storage
+from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime, resolve_storage
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
 
@@ -251,6 +251,14 @@ def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
         raise UserError(f"invalid settings for method {settings.method_name!r}: {exc}") from None
 
 
+def _check_prefix_caching(settings: _config.Settings, method: Any) -> None:
+    """runtime.prefix_caching=true with a method that accumulates attention over every prompt query (H2O, and
+    methods built over it): a shared prefix would skip those queries. The engine refuses it too (its own API)."""
+    if settings.runtime.prefix_caching is True and getattr(method, "needs_key_scores", False):
+        raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it accumulates "
+                        "attention over every prompt query, which a shared prefix skips; choices are auto, false")
+
+
 def _check_results_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -278,6 +286,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     if build_method_fn is None:
         build_method_fn = build_method
     method = _build_method(build_method_fn, settings)
+    _check_prefix_caching(settings, method)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):
         method_preflight(settings, shape)
@@ -290,7 +299,9 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     hashable = hashable_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # what runs, in resolved form: method=kivi is recorded as method=full quant=kivi; no budget without eviction
-    resolved.update(method={"name": settings.method_name, **settings.method_options},
+    resolved.update(task={"name": settings.task_name, **settings.task_options},
+                    runtime=normalise_runtime(resolved.get("runtime") or {}),
+                    method={"name": settings.method_name, **settings.method_options},
                     quant={"name": settings.quant_name, **settings.quant_options}, budget=settings.budget,
                     compression_ratio=settings.compression_ratio)
     fields = {"model_path": settings.model.path, "model_gguf_file": settings.model.gguf_file,

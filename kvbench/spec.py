@@ -18,6 +18,7 @@ first asked, so the store and the reporting can import the rules without importi
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
@@ -38,6 +39,22 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # runtime.attention_bac
 SCHEDULES = ("mixed", "prefill_first")  # runtime.schedule (runtime.scheduler)
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # runtime.preemption (runtime.swap)
 SPECULATIVE_MAX_TOKENS = 64  # runtime.speculative.num_tokens: the most draft tokens per round
+# Task options with one canonical spelling (normalise_task): lengths are a list without repeats (a bare number is
+# a list of one), a [lo, hi] range with lo == hi is that one number, and a rate spelled inf is the float inf.
+TASK_LENGTH_LISTS = ("lengths",)
+TASK_RANGES = ("input_tokens", "output_tokens")
+TASK_RATES = ("request_rate",)
+INF_WORDS = ("inf", "+inf", ".inf", "+.inf", "infinity", "+infinity")
+BOOL_WORDS = {"true": True, "false": False}
+# The most a count may be (docs/configuration.md lists them): past these a run would take days or hang, so the
+# value is a typo. Tokens: 2**24 (16.7M), as task.max_tokens. Task options are checked by name (check_task_counts).
+TOKENS_MAX = 2**24
+TASK_COUNT_MAX = {"num_requests": 100_000, "limit": 1_000_000, "num_documents": 1_000_000,
+                  "bootstrap_iters": 1_000_000, "num_fewshot": 1_000, "max_new_tokens": TOKENS_MAX,
+                  "max_gen_toks": TOKENS_MAX, "max_length": TOKENS_MAX, "lengths": TOKENS_MAX}
+LIST_ENTRIES_MAX = 1_000  # entries of a task's list of lengths, depths, tasks or datasets
+RUNTIME_COUNT_MAX = {"batch_size": 65_536, "max_num_seqs": 65_536, "prefill_chunk_size": TOKENS_MAX,
+                     "max_num_batched_tokens": TOKENS_MAX}
 
 
 def check_positive(where: str, value: Any, *, allow_none: bool = False, minimum: int = 1,
@@ -67,6 +84,9 @@ def dtype_name(value: Any, where: str = "model.dtype", *, aliases: bool = False)
 def results_path(value: Any) -> str:
     """results_dir as an absolute path, `~` expanded: the one spelling used for run folders, Hydra's sweep folder
     and runs.jsonl alike."""
+    if value is None or not str(value).strip():
+        raise UserError(f"invalid results_dir={value!r}: expected a folder (results_dir=. writes into the current "
+                        "one)")
     return os.path.abspath(os.path.expanduser(str(value)))
 
 
@@ -90,6 +110,62 @@ def normalise_numbers(values: Any, defaults: Optional[dict] = None) -> Any:
     if isinstance(values, float) and values.is_integer() and abs(values) <= EXACT_FLOAT_INT:
         return int(values)
     return values
+
+
+def _canonical_bool(value: Any) -> Any:
+    """1 / 0 and "true" / "false" as True / False; anything else as given."""
+    if isinstance(value, str) and value.lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        return bool(value)
+    return value
+
+
+def normalise_runtime(runtime: dict) -> dict:
+    """The runtime section in its one spelling: `prefix_caching=1` is `prefix_caching=true` (one run id)."""
+    out = dict(runtime)
+    if "prefix_caching" in out:
+        out["prefix_caching"] = _canonical_bool(out["prefix_caching"])
+    return out
+
+
+def normalise_task(task: dict) -> dict:
+    """A task's options in their one spelling, so two spellings of one run get one run id and the task sees one
+    form: integral floats as ints; `lengths=4096` is `[4096]` and `[1024, 1024]` is `[1024]`; a range
+    `input_tokens=[512, 512]` is `512`; `request_rate=.inf` (or inf, infinity) is the float inf. Values that are
+    none of these are left for the task to refuse."""
+    out = normalise_numbers(dict(task))
+    for key in TASK_LENGTH_LISTS:
+        value = out.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if isinstance(value, list):
+            out[key] = [v for i, v in enumerate(value)
+                        if not any(v == w and type(v) is type(w) for w in value[:i])]
+    for key in TASK_RANGES:
+        value = out.get(key)
+        if isinstance(value, list) and len(value) == 2 and value[0] == value[1] \
+                and type(value[0]) is type(value[1]) and not isinstance(value[0], bool):
+            out[key] = value[0]
+    for key in TASK_RATES:
+        value = out.get(key)
+        if isinstance(value, str) and value.strip().lower() in INF_WORDS:
+            out[key] = math.inf
+    return out
+
+
+def check_task_counts(task: dict) -> None:
+    """UserError naming a task option past its bound in TASK_COUNT_MAX (a number, or any entry of a list), or a
+    list option with more than LIST_ENTRIES_MAX entries; types and lower bounds are the task's to check."""
+    for key, value in task.items():
+        if isinstance(value, list) and len(value) > LIST_ENTRIES_MAX:
+            raise UserError(f"invalid task.{key}: {len(value):,} entries; expected at most {LIST_ENTRIES_MAX:,}")
+        most = TASK_COUNT_MAX.get(key)
+        if most is None:
+            continue
+        for x in (value if isinstance(value, list) else [value]):
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and x > most:
+                raise UserError(f"invalid task.{key}={value!r}: expected at most {most:,}")
 
 
 # --------------------------------------------------------------------------- storage codecs
@@ -214,7 +290,9 @@ def hashable_config(root: Any) -> dict:
         data["method"] = {"name": m_name, **m_opts}
         data["quant"] = {"name": q_name, **q_opts}
         if isinstance(data.get("task"), dict):
-            data["task"] = normalise_numbers(data["task"])
+            data["task"] = normalise_task(data["task"])
+        if isinstance(data.get("runtime"), dict):
+            data["runtime"] = normalise_runtime(data["runtime"])
         if not method_evicts(m_name):
             if data.get("budget") is not None:
                 data["budget"] = None

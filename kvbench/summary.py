@@ -33,6 +33,11 @@ def _bytes(v: Any) -> str:
     return f"{x:.1f} {units[i]}" if i else f"{int(x)} B"
 
 
+# The option that makes a task's sequences longer, for the "budget never reached" note (lm_eval: none of its own).
+LONGER_INPUT = {"perplexity": "task.max_tokens", "needle": "task.lengths", "ruler": "task.lengths",
+                "throughput": "task.input_tokens", "longbench": "task.max_length", "longbench_e": "task.max_length",
+                "govreport": "task.max_length", "summarization": "task.max_length"}
+
 # Keys shown in their own section, not among the task metrics.
 _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "prefill_tokens_per_s",
              "decode_tokens_per_s", "ttft_s", "peak_kv_bytes", "full_kv_bytes", "kv_bytes_per_token", "wall_s",
@@ -41,7 +46,7 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
-             "score_tasks_skipped"}
+             "score_tasks_skipped", "output_tokens_per_s", "compression_ratio", "evicts"}
 # Speculative decoding's and the pool's health figures: their own summary lines (all of them in metrics.json).
 _SPEC_KEYS = {"acceptance_rate", "mean_accepted_tokens", "draft_tokens", "accepted_tokens", "speculative_rounds",
               "speculative_plain_steps", "draft_s", "verify_s", "draft_pool_failures", "draft_peak_kv_bytes",
@@ -79,33 +84,61 @@ def _num(v: Any) -> Optional[float]:
 
 
 def saved_fraction(record: dict) -> Optional[float]:
-    """The share of the live sequences' uncompressed KV that the method (eviction and/or codec) removed, measured
-    at the moment that uncompressed figure peaked: 1 - held_kv_bytes / full_kv_bytes. Blocks forks share count
-    once per holder on both sides, so sharing is never counted as saving. None for records without the figures."""
+    """The held saving: the share of the live sequences' uncompressed KV that the method (eviction and/or codec)
+    removed, measured at the moment that uncompressed figure peaked: 1 - held_kv_bytes / full_kv_bytes. Blocks
+    forks share count once per holder on both sides, so sharing is never counted as saving. None for records
+    without the figures."""
     held, full = _num(record.get("held_kv_bytes")), _num(record.get("full_kv_bytes"))
     if held is None or not full:
         return None
     return max(0.0, 1.0 - held / full)
 
 
+def peak_saved_fraction(record: dict) -> Optional[float]:
+    """The peak saving, what a user would provision less: 1 - peak_kv_bytes (the pool's measured peak) /
+    full_kv_bytes (the most an uncompressed cache would have held for the live sequences). None without the
+    figures, and when forks shared blocks (the pool holds a shared block once, the uncompressed figure once per
+    fork: sharing would count as saving)."""
+    peak, full = _num(record.get("peak_kv_bytes")), _num(record.get("full_kv_bytes"))
+    if peak is None or not full or _num(record.get("fork_shared_kv_bytes")):
+        return None
+    return 1.0 - peak / full
+
+
+def _percent(fraction: Optional[float]) -> str:
+    return "-" if fraction is None else f"{100.0 * fraction:.1f}%"
+
+
+def _wrapped(line: str) -> list:
+    return textwrap.wrap(line, _WIDTH, subsequent_indent=" " * 10)
+
+
 def memory_lines(record: dict) -> list:
-    """The KV memory lines: what the method removed (% saved), what forks shared, how full the pool got."""
+    """The KV memory lines: the pool's peak against an uncompressed cache (what to provision), what the method
+    removed from the held KV, what forks shared, how full the pool got."""
     lines = []
     peak, pool, full = _num(record.get("peak_kv_bytes")), _num(record.get("kv_pool_bytes")), record.get("full_kv_bytes")
+    shared = _num(record.get("fork_shared_kv_bytes"))
+    peak_saved = peak_saved_fraction(record)
+    if peak is not None and peak_saved is not None:
+        lines += _wrapped(f"KV peak   {_bytes(peak)}: {_percent(peak_saved)} saved at the peak (uncompressed "
+                          f"{_bytes(full)}): the memory to provision")
+    elif peak is not None and shared:
+        lines += _wrapped(f"KV peak   {_bytes(peak)} (no saving at the peak is given: forks shared blocks, which "
+                          "the uncompressed figure counts once per fork)")
     saved = saved_fraction(record)
     bpt = f"   {_fmt(record.get('kv_bytes_per_token'))} B/token"
     if saved is None:  # a record from before held_kv_bytes was measured: no % saved, it could count forks
-        lines.append(f"KV saved  - (not measured in this run; uncompressed peak {_bytes(full)}){bpt}")
+        lines.append(f"KV held   - (not measured in this run; uncompressed peak {_bytes(full)}){bpt}")
     elif saved == 0.0:
-        lines.append(f"KV saved  0.0%: nothing removed (held {_bytes(record.get('held_kv_bytes'))}, "
-                     f"as uncompressed){bpt}")
+        lines.append(f"KV held   {_bytes(record.get('held_kv_bytes'))}: 0.0% saved, nothing removed (as "
+                     f"uncompressed){bpt}")
     else:
         removed = [w for w, on in (("eviction", record.get("method") not in (None, "full")),
                                    ("codec", record.get("storage_codec") not in (None, "full", "none"))) if on]
         by = " + ".join(removed) or "the method"
-        lines.append(f"KV saved  {100.0 * saved:.1f}% by {by}: held {_bytes(record.get('held_kv_bytes'))} "
-                     f"where uncompressed {_bytes(full)}{bpt}")
-    shared = _num(record.get("fork_shared_kv_bytes"))
+        lines += _wrapped(f"KV held   {_bytes(record.get('held_kv_bytes'))}: {100.0 * saved:.1f}% saved by {by} "
+                          f"(uncompressed {_bytes(full)}, when it peaked){bpt}")
     if shared:
         lines.append(f"KV shared {_bytes(shared)} by forks (continuations share their context's blocks; "
                      "not counted as saved)")
@@ -189,13 +222,18 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     lines.append("-" * _WIDTH)
     lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
                  f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")
+    if _num(record.get("output_tokens_per_s")) is not None:  # serving: the end-to-end rate, prefill included
+        lines.append(f"          end-to-end output {_fmt(record.get('output_tokens_per_s'))} tok/s (all output "
+                     "tokens over the wall time, prefill included)")
     lines.extend(memory_lines(record))
     lines.extend(serving_lines(record))
     if record.get("budget_reached") is False:
+        longer = LONGER_INPUT.get(str(record.get("task")))
         lines.extend(textwrap.wrap(
             f"note      budget {record.get('budget')} was never reached: the longest sequence held "
-            f"{record.get('max_sequence_tokens')} tokens, so nothing was evicted (raise task.max_tokens or lower "
-            "budget)", _WIDTH, subsequent_indent=" " * 10))
+            f"{record.get('max_sequence_tokens')} tokens, so nothing was evicted ("
+            + (f"raise {longer} or lower budget)" if longer else "lower budget: this task's prompts are its own)"),
+            _WIDTH, subsequent_indent=" " * 10))
     if storage:
         lines.append(storage)
     lines.append(f"time      {_fmt(record.get('wall_s'))} s")
@@ -206,7 +244,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
 
 
 # Columns of the sweep table besides the task's own metrics (decode speed for generation, % saved for all).
-_SWEEP_EXTRA = ("decode_tokens_per_s",)
+_SWEEP_EXTRA = ("decode_tokens_per_s", "output_tokens_per_s")
 _SWEEP_MAX_METRICS = 6  # task metrics shown per run (the rest are in each run's metrics.json)
 
 
@@ -218,7 +256,7 @@ def _is_metric(key: str, value: Any) -> bool:
 def format_sweep_table(records: list) -> str:
     """One table for a sweep's runs, after their boxes: a row per run (method, budget and any other setting that
     differs between the runs), a column per metric (the first few the task reports, decode tok/s when measured,
-    % saved as the summary defines it) and the status."""
+    the peak and held savings as the summary defines them) and the status."""
     records = [r for r in records if isinstance(r, dict)]
     if not records:
         return ""
@@ -237,15 +275,15 @@ def format_sweep_table(records: list) -> str:
                 metrics.append(k)
     shown = metrics[:_SWEEP_MAX_METRICS]
     shown += [k for k in _SWEEP_EXTRA if any(_num(r.get(k)) is not None for r in records) and k not in shown]
-    header = ["method", "budget"] + [k.split("_", 1)[1] for k in varying] + shown + ["% saved", "status"]
+    header = (["method", "budget"] + [k.split("_", 1)[1] for k in varying] + shown
+              + ["peak saved", "held saved", "status"])
     rows = []
     for r in records:
         quant = r.get("quant")
         method = r.get("method") if quant in (None, "none", "full") else f"{r.get('method')} + {quant}"
-        saved = saved_fraction(r)
         rows.append([str(method), _fmt(r.get("budget"))] + [_fmt(r.get(k)) for k in varying]
                     + [_fmt(r.get(k)) for k in shown]
-                    + ["-" if saved is None else f"{100.0 * saved:.1f}", str(r.get("status"))])
+                    + [_percent(peak_saved_fraction(r)), _percent(saved_fraction(r)), str(r.get("status"))])
     rows.sort(key=lambda row: (row[0], _sort_budget(row[1]), row[2:]))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 

@@ -130,6 +130,22 @@ def make_progress(enabled: bool = True, *, stream: Any = None) -> Progress:
 no_progress = make_progress(False)
 
 
+@dataclass
+class Workload:
+    """What a run will compute, known before the model loads (for the time estimate printed first).
+
+    prompts: prompts (or documents, or requests); prompt_tokens: tokens prefilled or scored (an upper bound where
+    data lengths are unknown); new_tokens: the most tokens generated; what: the work in words; shorten: the
+    options that make it smaller."""
+
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+    what: str
+    shorten: str
+    exact: bool = True  # False: prompt_tokens / new_tokens are upper bounds
+
+
 class Task:
     """Base class of tasks; subclasses define `Options` and `run`."""
 
@@ -151,6 +167,10 @@ class Task:
     def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Progress) -> TaskResult:
         """Evaluate; `settings` is the run's validated kvbench.config.Settings (seed, runtime, budget, ...)."""
         raise NotImplementedError
+
+    def workload(self, settings: Any) -> Optional[Workload]:
+        """What the run will compute, from the options alone (no data, no model), or None when unknown."""
+        return None
 
     @classmethod
     def make_options(cls, values: dict) -> Any:

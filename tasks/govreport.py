@@ -23,8 +23,8 @@ from kvbench.data.longbench import check_data_dir, prompt_template
 from kvbench.errors import UserError
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import check_chat_template_option, wants_chat_template
-from kvbench.tasks.base import Task, TaskResult, register_task
-from kvbench.tasks.summarization import check_limit, check_max_length, run_summarization, summarization_requests
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
+from kvbench.tasks.summarization import check_limit, limited_workload, check_max_length, run_summarization, summarization_requests
 
 SOURCES = ("longbench", "ccdv")
 
@@ -58,6 +58,9 @@ class GovReport(Task):
 
     decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = GovReportOptions
+
+    def workload(self, settings: Any) -> Optional[Workload]:
+        return limited_workload(self.options, "report(s)")
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
         """Before the model loads: task.data_dir holds the data, or (null) the hub is reachable."""

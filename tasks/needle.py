@@ -32,7 +32,7 @@ from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, ch
                                        check_chat_template_option, encode, kept_stats,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 HEATMAP_FILE = "needle_heatmap.png"
 
@@ -165,6 +165,13 @@ class Needle(Task):
             raise UserError(f"invalid task.lengths={too_long}: with task.max_new_tokens={opts.max_new_tokens} they "
                             f"exceed the model's {limit} positions; expected lengths of at most "
                             f"{limit - opts.max_new_tokens}")
+
+    def workload(self, settings: Any) -> Workload:
+        opts = self.options
+        n = len(opts.lengths) * len(opts.depths)
+        return Workload(n, sum(opts.lengths) * len(opts.depths), n * opts.max_new_tokens,
+                        f"{len(opts.lengths)} length(s) x {len(opts.depths)} depth(s)",
+                        "task.lengths=[...], task.depths=[...]", exact=False)
 
     def requests(self, tokenizer: Any, engine: Any = None) -> list[GenRequest]:
         opts = self.options

@@ -33,7 +33,7 @@ from kvbench.data.hub import require_hub
 from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_text_file, iter_pg19, load_text_file, load_wikitext
 from kvbench.errors import UserError
 from kvbench.model_info import kv_pool_tokens
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
 STREAM_CORPORA = ("pg_essays", "wikitext", "text_file")
@@ -178,6 +178,15 @@ def _ppl(nll_sum: float, count: int) -> Optional[float]:
 @register_task("perplexity")
 class Perplexity(Task):
     Options = PerplexityOptions
+
+    def workload(self, settings: Any) -> Optional[Workload]:
+        """num_documents windows of max_tokens tokens, scored (no generation); None for all of a corpus."""
+        opts = self.options
+        if opts.num_documents is None:
+            return None
+        n = opts.num_documents
+        return Workload(n, n * opts.max_tokens, 0, f"{n} window(s) of {opts.max_tokens:,} tokens",
+                        "task.max_tokens=N, task.num_documents=N", exact=False)
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
         """Before the model loads: a text file must hold UTF-8 text; hub corpora need task.data_path (a local copy

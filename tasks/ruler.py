@@ -21,8 +21,10 @@ prompt's compression.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from kvbench.data import ruler as rd
@@ -35,9 +37,10 @@ from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, ch
                                        check_chat_template_option, encode, kept_stats,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 SOURCES = ("generate", "hub")
+_SAID: set = set()  # skip lines already printed by this process
 
 
 def _task_names(value: Any) -> list[str]:
@@ -148,12 +151,67 @@ class Ruler(Task):
     Options = RulerOptions
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
-        """Hub data without task.data_dir while offline: fail now, before the model loads."""
-        if self.options.source == "hub" and not self.options.data_dir:
-            require_hub("RULER data (simonjegou/ruler)", "task.data_dir")
+        """Before the model loads: lengths within the model's positions and long enough for a sample of every
+        task, the data present (hub: task.data_dir's files for every length, or the hub reachable; generate: the
+        QA tasks' files, a task without them skipped with one line now, and refused when nothing would run)."""
+        opts = self.options
+        limit = getattr(model_shape, "max_positions", None)
+        too_long = [n for n in opts.lengths if limit and n > limit]
+        if too_long:
+            raise UserError(f"invalid task.lengths={too_long}: past the model's {limit} positions; expected lengths "
+                            f"of at most {limit}")
+        for t in opts.tasks:
+            need = rd.fewest_tokens(t)
+            short = [n for n in opts.lengths if n < need]
+            if short:
+                raise UserError(f"invalid task.lengths={short}: no room for a {t} sample (at least {need} tokens: "
+                                f"its prompt without a haystack and {rd.tokens_to_generate(t)} to generate); "
+                                f"expected lengths of at least {max(rd.fewest_tokens(x) for x in opts.tasks)}")
+        if opts.source == "hub":
+            self._check_hub_data()
+            return
+        missing = {t: why for t in opts.tasks if (why := rd.qa_data_missing(t, opts.data_dir))}
+        if len(missing) == len(opts.tasks):
+            raise UserError(f"task.tasks={list(opts.tasks)}: nothing to run: "
+                            + "; ".join(f"{t} needs {why}" for t, why in missing.items()))
+        for t, why in missing.items():
+            line = f"kvbench: ruler: {t} skipped: it needs {why}"
+            if line not in _SAID:  # once per process: a sweep checks every job before the first starts
+                _SAID.add(line)
+                print(line, file=sys.stderr, flush=True)
+        self.skipped = set(missing)
 
-    def samples_for(self, tokenizer: Any, length: int) -> dict[str, list[dict]]:
-        """The samples of every task at one length; a QA task without its data is skipped with one line."""
+    def workload(self, settings: Any) -> Workload:
+        """tasks x samples x lengths prompts; each is about its length in tokens (tokens to generate included)."""
+        opts = self.options
+        per = opts.limit or (500 if opts.source == "generate" else None)
+        tasks = [t for t in opts.tasks if t not in getattr(self, "skipped", ())]
+        n = len(tasks) * len(opts.lengths) * (per or 500)
+        gen = sum(opts.max_new_tokens or rd.tokens_to_generate(t) for t in tasks) * len(opts.lengths) * (per or 500)
+        prompt = sum(length * (per or 500) for length in opts.lengths) * len(tasks) - gen
+        return Workload(n, max(prompt, 0), gen,
+                        f"{len(tasks)} task(s) x {per or 'up to 500'} samples x lengths {list(opts.lengths)}",
+                        "task.limit=N (samples per task and length), task.tasks=[...], task.lengths=[...]",
+                        exact=per is not None)
+
+    def _check_hub_data(self) -> None:
+        opts = self.options
+        if not opts.data_dir:
+            require_hub("RULER data (simonjegou/ruler)", "task.data_dir")
+            return
+        if not os.path.isdir(opts.data_dir):
+            raise UserError(f"invalid task.data_dir={opts.data_dir!r}: no such folder (task.source=hub reads "
+                            "kvpress's <length>.parquet|.jsonl or <length>/ files from it)")
+        for n in opts.lengths:
+            try:
+                rd.local_files(Path(opts.data_dir), n)
+            except FileNotFoundError as exc:
+                raise UserError(f"invalid task.data_dir={opts.data_dir!r}: {exc} (task.lengths={list(opts.lengths)})"
+                                ) from None
+
+    def samples_for(self, tokenizer: Any, length: int, on_sample: Any = None) -> dict[str, list[dict]]:
+        """The samples of every task at one length; a QA task without its data is skipped with one line.
+        `on_sample()` is called after each generated sample (progress)."""
         opts = self.options
         if opts.source == "hub":
             try:
@@ -162,8 +220,11 @@ class Ruler(Task):
                 raise UserError(f"RULER data for length {length}: {exc}") from None
         out: dict[str, list[dict]] = {}
         for t in opts.tasks:
+            if t in getattr(self, "skipped", ()):  # said by preflight
+                continue
             try:
-                out[t] = rd.generate_samples(t, length, tokenizer, opts.limit or 500, opts.seed, opts.data_dir)
+                out[t] = rd.generate_samples(t, length, tokenizer, opts.limit or 500, opts.seed, opts.data_dir,
+                                             on_sample=on_sample)
             except FileNotFoundError as exc:
                 print(f"kvbench: ruler: {t} skipped: it needs RULER's {rd.QA_FILES[rd.QA_TASKS[t]]} in "
                       f"task.data_dir ({exc})", file=sys.stderr, flush=True)
@@ -173,7 +234,8 @@ class Ruler(Task):
                 raise UserError(f"task=ruler: {t} at {length} tokens: {exc}") from None
         return out
 
-    def requests(self, tokenizer: Any, engine: Any = None) -> list[GenRequest]:
+    def requests(self, tokenizer: Any, engine: Any = None, progress: Any = None) -> list[GenRequest]:
+        """The prompts of every task and length (generated samples are made here: a progress bar counts them)."""
         opts = self.options
         if engine is not None:
             limit = model_context_length(engine)
@@ -183,15 +245,22 @@ class Ruler(Task):
         chat = wants_chat_template(opts.chat_template, tokenizer)
         stops = stop_token_ids(tokenizer)
         out = []
+        bar = None
+        if progress is not None and opts.source == "generate":
+            runnable = [t for t in opts.tasks if t not in getattr(self, "skipped", ())]
+            bar = progress(total=len(runnable) * len(opts.lengths) * (opts.limit or 500), desc="ruler: making samples",
+                           unit="sample")
         for n in opts.lengths:
-            for t, rows in self.samples_for(tokenizer, n).items():
+            for t, rows in self.samples_for(tokenizer, n, None if bar is None else bar.update).items():
                 out += [build_request(tokenizer, r, n, chat, opts.compress_question, opts.max_new_tokens, stops)
                         for r in rows]
+        if bar is not None:
+            bar.close()
         return out
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         opts = self.options
-        requests = self.requests(tokenizer, engine)
+        requests = self.requests(tokenizer, engine, progress)
         if not requests:
             raise UserError(f"no RULER samples to run (tasks {', '.join(opts.tasks)})")
         outputs, perf = run_generation(engine, tokenizer, requests, batch_size=batch_size_of(cfg), progress=progress,

@@ -25,7 +25,7 @@ from kvbench.metrics.rouge import mean_scores, summarization_scores
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option,
                                encode, run_generation, stop_token_ids, wants_chat_template)
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 DEFAULT_PROMPT = (
     "You are given a scientific paper. Write a short summary of the paper in three sentences: the problem it "
@@ -111,11 +111,22 @@ class SummarizationOptions:
         self.chat_template = check_chat_template_option(self.chat_template)
 
 
+def limited_workload(opts: Any, what: str) -> Optional[Workload]:
+    """`limit` documents of at most `max_length` prompt tokens and `max_new_tokens` generated (None: no limit)."""
+    if opts.limit is None:
+        return None
+    return Workload(opts.limit, opts.limit * opts.max_length, opts.limit * opts.max_new_tokens,
+                    f"up to {opts.limit} {what}", "task.limit=N, task.max_length=N", exact=False)
+
+
 @register_task("summarization")
 class Summarization(Task):
 
     decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = SummarizationOptions
+
+    def workload(self, settings: Any) -> Optional[Workload]:
+        return limited_workload(self.options, "ACLSum paper(s)")
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         opts = self.options

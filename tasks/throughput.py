@@ -9,8 +9,9 @@ measure prefix caching (runtime.prefix_caching). The top-level `seed` draws the
 lengths, offsets and arrivals, so every method of a sweep serves the same trace. The pool is runtime.kv_memory_bytes
 (or runtime.num_blocks) and the scheduler's runtime.max_num_seqs / max_num_batched_tokens / admission_watermark.
 
-Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s, total_tokens_per_s (prompt + output
-over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
+Metrics (vLLM's `bench serve` names where they exist): output_tokens_per_s (end to end: output tokens over the wall
+time, prefill included), decode_tokens_per_s (the decode rate: tokens of decode-only steps over their time),
+total_tokens_per_s (prompt + output over the wall time), requests_per_s, ttft_s_p50/_p90/_p99 (arrival to first token), tpot_s_p50/_p90/_p99 (time per
 output token after the first), decode_prefill_share_p50 (the median request's share of its decode life spent in
 steps that carried prompt tokens: the part of its TPOT that other prompts' prefill put there), e2e_s_p50/_p99,
 mean_running_seqs (time-weighted over steps), max_running_seqs,
@@ -31,7 +32,7 @@ from typing import Any, Optional
 from kvbench.data.essays import essay_corpus_text
 from kvbench.errors import UserError
 from kvbench.runtime.scheduler import Request
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
 MAX_ARRIVAL_SPAN_S = 3600.0  # a Poisson trace whose arrivals would span longer than this is refused
@@ -151,9 +152,14 @@ def serving_metrics(outcome: Any) -> dict:
     e2e = [r.finish_s - r.arrival_s for r in done]
     steps = outcome.timeline
     stall = decode_prefill_shares(done, steps)
-    weighted = sum(s.running * (s.t_s - t0) for s, t0 in zip(steps, _step_starts(steps)))
+    starts = _step_starts(steps)
+    weighted = sum(s.running * (s.t_s - t0) for s, t0 in zip(steps, starts))
+    # the decode rate: tokens of decode-only steps over their time (output_tokens_per_s includes every prefill)
+    decode_s = sum(s.t_s - t0 for s, t0 in zip(steps, starts) if s.kind == "decode")
+    decode_tokens = sum(s.tokens for s in steps if s.kind == "decode")
     m = {
         "output_tokens_per_s": out_tokens / wall,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
         "total_tokens_per_s": (out_tokens + in_tokens) / wall,
         "requests_per_s": len(done) / wall,
         "completed_requests": len(done),
@@ -254,6 +260,14 @@ class ThroughputTask(Task):
 
     Options = ThroughputOptions
 
+    def workload(self, settings: Any) -> Workload:
+        """num_requests requests of the mean drawn lengths (the trace draws them uniformly)."""
+        opts = self.options
+        n = opts.num_requests
+        return Workload(n, n * sum(opts.input_range) // 2, n * sum(opts.output_range) // 2,
+                        f"{n} requests of {opts.input_tokens} prompt and {opts.output_tokens} output tokens",
+                        "task.num_requests=N, task.input_tokens=..., task.output_tokens=...", exact=False)
+
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         hi = self.options.input_range[1] + self.options.output_range[1]
         limit = getattr(model_shape, "max_positions", None)
@@ -270,9 +284,11 @@ class ThroughputTask(Task):
             raise UserError(f"invalid task.input_tokens={opts.input_tokens!r}: input + output exceed the model's "
                             f"{limit} positions")
         reqs = [Request(t.prompt_ids, t.output_tokens, arrival_s=t.arrival_s, ignore_eos=True) for t in trace]
-        bar = progress(total=sum(t.output_tokens for t in trace), desc="serve", unit="tok")
+        # the bar counts every token a step runs, prompt chunks included, so it moves from the first prefill chunk
+        bar = progress(total=sum(len(t.prompt_ids) + t.output_tokens for t in trace), desc="serve (prompt + output)",
+                       unit="tok")
         try:
-            outcome = engine.serve(reqs, on_token=lambda _r: bar.update(1))
+            outcome = engine.serve(reqs, on_step=bar.update)
         finally:
             bar.close()
         metrics = serving_metrics(outcome)
@@ -284,10 +300,9 @@ class ThroughputTask(Task):
         mem = engine.memory_stats()
         metrics["kv_pool_bytes"] = mem["kv_pool_bytes"]
         prefill_s = sum(r.prefill_s for r in reqs)
-        decode_s = max((r.decode_s for r in reqs), default=0.0)
         perf = {
             "prefill_tokens_per_s": sum(r.prefill_tokens for r in reqs) / prefill_s if prefill_s else None,
-            "decode_tokens_per_s": metrics["output_tokens_per_s"],
+            "decode_tokens_per_s": metrics["decode_tokens_per_s"],
             "ttft_s": metrics["ttft_s_p50"],
         }
         samples = []

@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import kvbench.config as kconfig
+from kvbench import spec
 from tests.harness_fakes import CONF_DIR, compose
 from kvbench.errors import UserError
 from kvbench.store.naming import run_id_for
@@ -156,7 +157,7 @@ def test_integral_floats_are_one_setting():
     assert type(s.quant_options["outlier_fraction"]) is float
     assert s.task_options["lengths"] == [512, 1024] and all(type(n) is int for n in s.task_options["lengths"])
     # beyond 2**53 a float is not an exact integer: left as written (and refused where an integer is expected)
-    assert kconfig.normalise_numbers({"seed": 1e21}) == {"seed": 1e21}
+    assert spec.normalise_numbers({"seed": 1e21}) == {"seed": 1e21}
 
 
 def test_bits_3_0_builds_the_codec_it_names():
@@ -203,3 +204,40 @@ def test_tilde_results_dir_in_a_sweep_keeps_runs_and_index_together(tmp_path):
     runs = [p for p in res.iterdir() if (p / "metrics.json").is_file()]
     assert len(runs) == 2 and (res / "runs.jsonl").is_file()
     assert len((res / "runs.jsonl").read_text().splitlines()) == 2
+
+
+# issue 37: two spellings of one setting are one run (one run id) and the task sees one form
+SAME_RUN = [
+    (["runtime.prefix_caching=1"], ["runtime.prefix_caching=true"]),
+    (["task=throughput", "task.request_rate=.inf"], ["task=throughput", "task.request_rate=inf"]),
+    (["task=throughput", "task.request_rate=.inf"], ["task=throughput"]),
+    (["task=throughput", "task.input_tokens=[512,512]"], ["task=throughput", "task.input_tokens=512"]),
+    (["task=ruler", "task.lengths=[1024,1024]"], ["task=ruler", "task.lengths=[1024]"]),
+    (["task=ruler", "task.lengths=1024"], ["task=ruler", "task.lengths=[1024]"]),
+]
+OTHER_RUN = [
+    (["runtime.prefix_caching=false"], ["runtime.prefix_caching=true"]),
+    (["task=throughput", "task.input_tokens=[512,1024]"], ["task=throughput", "task.input_tokens=512"]),
+    (["task=ruler", "task.lengths=[1024,2048]"], ["task=ruler", "task.lengths=[1024]"]),
+]
+
+
+@pytest.mark.parametrize("a,b", SAME_RUN + OTHER_RUN, ids=[" vs ".join(" ".join(x) for x in p) for p in SAME_RUN + OTHER_RUN])
+def test_one_spelling_one_run_id(a, b):
+    same = (a, b) in SAME_RUN
+    ca, cb = compose(a), compose(b)
+    assert (run_id_for(kconfig.hashable_config(ca)) == run_id_for(kconfig.hashable_config(cb))) is same
+    sa, sb = kconfig.validate(ca), kconfig.validate(cb)
+    assert ((sa.task_options, sa.runtime) == (sb.task_options, sb.runtime)) is same
+
+
+def test_run_folder_names_keep_the_configured_names_and_the_ratio():
+    def name(*overrides):
+        return run_id_for(kconfig.hashable_config(compose(list(overrides))))
+
+    assert name("method=paged_eviction", "quant=kivi", "budget=256").startswith(
+        "smollm2-135m_perplexity_paged_eviction-kivi_b256_s0_")
+    assert name("method=kivi").startswith("smollm2-135m_perplexity_full-kivi_bnone_s0_")
+    ratios = [name("method=snapkv", f"compression_ratio={r}") for r in (0.25, 0.5)]
+    assert ratios[0].startswith("smollm2-135m_perplexity_snapkv_r0.25_s0_") and "_r0.5_" in ratios[1]
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") for n in ratios)

@@ -119,3 +119,20 @@ def test_a_full_disk_is_a_fault_not_bad_input(tiny_tmpfs, tmp_path):
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvbench: error: could not write ") and str(tiny_tmpfs / "r") in lines[0]
     assert "No space left on device" in lines[0] and "results_dir" not in lines[0]
+
+
+def test_a_full_disk_before_config_yaml_names_the_folder(tmp_path, monkeypatch, capsys):
+    # the claim is the first write of a run (before config.yaml): an error without a file name still names the folder
+    monkeypatch.setattr(app, "_exit_code", 0)
+
+    def full_disk(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunFolder, "claim", full_disk)
+    fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
+    capsys.readouterr()
+    assert app.main(compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40"]), **fakes) is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device (ENOSPC)" in lines[0], lines
+    assert f"could not write {tmp_path}{os.sep}" in lines[0], lines  # the run's folder under results_dir
+    assert app.exit_code() == 1

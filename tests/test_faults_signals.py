@@ -68,3 +68,17 @@ def test_two_sigterms_mid_run_print_no_traceback(tmp_path, gap_s):
     # 143; or killed by the signal itself (-15, 143 to a shell) when it came as the interpreter was shutting down
     assert proc.returncode in (143, -signal.SIGTERM) and "Traceback" not in err, err
     assert "kvbench: error: terminated" in err
+
+
+def test_an_interrupted_sweep_prints_the_table_of_the_runs_that_finished(tmp_path):
+    out, marker = tmp_path / "r", tmp_path / "marker"
+    proc = fault_cli.start("-m", "budget=8,16,24", f"results_dir={out}", cwd=tmp_path, sleep_before_task=4,
+                           marker=marker)
+    wait_for_lines(marker, 2, proc, timeout=120)  # the first run finished, the second is under way
+    proc.send_signal(signal.SIGINT)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "kvbench: error: interrupted" in err, err
+    table = stdout.split("the sweep stopped; the 1 run(s) that finished before:")[1]
+    assert "kvbench sweep: 1 runs" in table
+    rows = [line.split() for line in table.splitlines() if line.startswith("h2o")]
+    assert len(rows) == 1 and rows[0][1] == "8" and rows[0][-1] == "ok", table

@@ -204,11 +204,19 @@ def test_local_yaml_tasks_with_budget(task_dir):
     assert runs["budget"][2]["peak_kv_bytes"] < runs["full"][2]["peak_kv_bytes"] / 2
 
 
-def test_registered_model_from_model_args(task_dir, tmp_path):
+def test_registered_model_from_model_args(task_dir, tmp_path, monkeypatch):
     """`--model kvbench --model_args ...`: the registry builds kvbench from a model folder with a method and budget;
     then lm-eval's own CLI runs a local YAML task with it."""
     import lm_eval
+    import lm_eval.tasks
     from lm_eval.api.registry import get_model
+
+    class LocalTasksOnly(lm_eval.tasks.TaskManager):  # the CLI would index lm-eval's thousands of built-in tasks
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("include_defaults", False)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasksOnly)
 
     from kvbench.lm_eval_adapter import KVBenchLM, cli
 

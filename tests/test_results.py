@@ -176,7 +176,7 @@ def test_summary_fits_one_screen(tmp_path):
     text = format_summary(rec, str(tmp_path))
     lines = text.splitlines()
     assert len(lines) < 25 and max(len(line) for line in lines) <= 100
-    assert "ppl" in text and "perplexity" in text and "KV saved  50.0%" in text and "KV pool" in text
+    assert "ppl" in text and "perplexity" in text and "50.0% saved by" in text and "KV pool" in text
 
 
 def test_every_setting_is_a_column_and_experiments_group(tmp_path):
@@ -224,7 +224,7 @@ def test_codec_summary_is_one_storage_line():
     text = format_summary(rec)
     assert text.count("storage") == 1 and "kivi (bits=2, group_size=32)" in text and "3 bits/element" in text
     assert "storage_" not in text and "task_max_tokens" not in text and "ppl 12.5" in text
-    assert "KV saved  70.0% by codec" in text and "full + kivi" in text and "full-precision window" in text
+    assert "70.0% saved by codec" in text and "full + kivi" in text and "full-precision window" in text
     assert max(len(line) for line in text.splitlines()) <= 78
 
 

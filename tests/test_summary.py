@@ -7,7 +7,7 @@ import torch
 
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.scheduler import Request
-from kvbench.summary import format_summary, saved_fraction
+from kvbench.summary import format_summary, format_sweep_table, peak_saved_fraction, saved_fraction
 from kvbench.methods import build_method
 from tests.tiny_models import tiny_model
 
@@ -39,8 +39,10 @@ def test_forked_continuations_under_full_save_nothing_and_show_the_sharing(model
     rec = _record(engine, "full")
     assert saved_fraction(rec) == 0.0
     text = format_summary(rec)
-    assert "KV saved  0.0%: nothing removed" in text
+    assert "0.0% saved, nothing removed" in text and text.count("KV held") == 1
     assert "KV shared" in text and "by forks" in text and "not counted as saved" in text
+    # the pool's peak is below the uncompressed figure only because forks shared blocks: no peak saving claimed
+    assert peak_saved_fraction(rec) is None and "no saving at the peak is given: forks shared blocks" in text
 
 
 def test_eviction_saving_is_measured_and_forks_do_not_inflate_it(model):
@@ -55,7 +57,7 @@ def test_eviction_saving_is_measured_and_forks_do_not_inflate_it(model):
     # h2o kept ~16 + the continuation of ~63 tokens per sequence: well over half removed, never all
     assert 0.5 < saved < 0.9
     assert saved == pytest.approx(1 - mem["held_kv_bytes"] / mem["full_kv_bytes"])
-    assert f"KV saved  {100 * saved:.1f}% by eviction" in format_summary(_record(h2o, "h2o"))
+    assert f"{100 * saved:.1f}% saved by eviction" in format_summary(_record(h2o, "h2o"))
 
 
 def test_throughput_runs_that_fill_the_same_pool_say_so(model):
@@ -78,5 +80,41 @@ def test_throughput_runs_that_fill_the_same_pool_say_so(model):
 def test_records_without_the_measurement_print_no_percentage():
     old = {"run_id": "r", "status": "ok", "method": "full", "peak_kv_bytes": 600, "full_kv_bytes": 1000}
     text = format_summary(old)
-    assert "saved" in text and "%" not in text.split("KV saved")[1].splitlines()[0]
+    assert "not measured" in text and "%" not in text.split("KV held")[1].splitlines()[0]
     assert saved_fraction(old) is None
+
+
+def test_the_summary_leads_with_the_peak_saving_and_names_the_held_one(model):
+    """A method that compresses the prompt once (snapkv) holds far less after compression than at its peak, which
+    came before it: the summary leads with the peak saving (what to provision), the held saving named as such;
+    the sweep table shows both."""
+    prompt = _ids(96, 7)
+    snap = Engine(model, build_method("snapkv", compression_ratio=0.5, window=8), block_size=4, num_blocks=400)
+    snap.generate([prompt], max_new_tokens=4)
+    rec = _record(snap, "snapkv")
+    peak, held = peak_saved_fraction(rec), saved_fraction(rec)
+    assert peak == pytest.approx(1 - rec["peak_kv_bytes"] / rec["full_kv_bytes"])
+    assert peak < held  # the peak came before the prompt was compressed
+    lines = format_summary(rec).splitlines()
+    kv = [i for i, line in enumerate(lines) if line.startswith(("KV peak", "KV held"))]
+    assert lines[kv[0]].startswith("KV peak") and f"{100 * peak:.1f}% saved at the peak" in lines[kv[0]]
+    assert lines[kv[1]].startswith("KV held") and f"{100 * held:.1f}% saved by eviction" in lines[kv[1]]
+    table = format_sweep_table([rec, _record(snap, "full")])
+    assert "peak saved" in table and "held saved" in table and f"{100 * peak:.1f}%" in table
+
+
+@pytest.mark.parametrize("task,hint", [("perplexity", "raise task.max_tokens"), ("ruler", "raise task.lengths"),
+                                       ("lm_eval", "lower budget: this task's prompts are its own")])
+def test_budget_never_reached_names_an_option_the_task_has(task, hint):
+    rec = {"run_id": "r", "status": "ok", "method": "h2o", "budget": 512, "task": task, "budget_reached": False,
+           "max_sequence_tokens": 300}
+    text = " ".join(format_summary(rec).split())
+    assert hint in text and (task == "perplexity" or "task.max_tokens" not in text)
+
+
+def test_the_serving_summary_names_the_decode_and_the_end_to_end_rate():
+    rec = {"run_id": "r", "status": "ok", "method": "full", "task": "throughput", "decode_tokens_per_s": 40.0,
+           "output_tokens_per_s": 25.0, "prefill_tokens_per_s": 300.0}
+    text = format_summary(rec)
+    assert "decode 40 tok/s" in text and "end-to-end output 25 tok/s" in text and "prefill included" in text
+    assert "output_tokens_per_s 25" not in text  # shown once, under its name

@@ -55,6 +55,12 @@ def test_serving_metrics_and_timeline(tmp_path):
     kinds = {r["kind"] for r in rows}
     assert len(rows) == m["steps"] and {"prefill", "decode"} <= kinds <= {"prefill", "decode", "mixed"}
     assert max(int(r["blocks_in_use"]) for r in rows) <= int(rows[0]["pool_blocks"])
+    # the decode rate (decode-only steps) and the end-to-end output rate (prefill included) under their own names
+    ends = [float(r["t_s"]) for r in rows]
+    decode = [(float(r["t_s"]) - start, int(r["tokens"])) for r, start in zip(rows, [0.0] + ends[:-1])
+              if r["kind"] == "decode"]
+    assert m["decode_tokens_per_s"] == pytest.approx(sum(n for _, n in decode) / sum(t for t, _ in decode), rel=0.05)
+    assert res.perf["decode_tokens_per_s"] == m["decode_tokens_per_s"] > m["output_tokens_per_s"]
     if m.get("timeline_png"):
         assert (tmp_path / "timeline.png").stat().st_size > 1000
     assert engine.cache.pool.in_use == 0

@@ -135,6 +135,29 @@ def tokens_to_generate(task: str) -> int:
     return TEMPLATES[TASK_ARGS[task][0]]["tokens_to_generate"]
 
 
+def fewest_tokens(task: str) -> int:
+    """A lower bound on any sample's length (prompt + tokens to generate), found without a tokenizer: the task's
+    tokens to generate plus one token per word of its template and answer prefix with an empty haystack (every
+    word is at least one token). A length below it cannot hold a sample of the task."""
+    kind, _ = TASK_ARGS[task]
+    t = TEMPLATES[kind]
+    words = re.sub(r"\{\w+\}", " ", t["template"] + t["answer_prefix"]).split()
+    return tokens_to_generate(task) + len(words)
+
+
+def qa_data_missing(task: str, qa_dir: Optional[str]) -> Optional[str]:
+    """Why a QA task (qa_1 / qa_2) cannot be generated from qa_dir (its file's name), or None when it can (or the
+    task is not a QA task)."""
+    if task not in QA_TASKS:
+        return None
+    name = QA_FILES[QA_TASKS[task]]
+    if qa_dir is None:
+        return f"RULER's {name} in task.data_dir (task.data_dir is not set)"
+    if not (Path(qa_dir) / name).is_file():
+        return f"RULER's {name} in task.data_dir (no {Path(qa_dir) / name})"
+    return None
+
+
 def task_family(task: str) -> str:
     """niah | vt | cwe | fwe | qa (the prefix kvpress's patterns and the scorers key on)."""
     return task.split("_")[0]
@@ -462,10 +485,10 @@ def token_counter(tokenizer: Any) -> Callable[[str], int]:
 
 
 def generate_samples(task: str, length: int, tokenizer: Any, num_samples: int, seed: int = 42,
-                     qa_dir: Optional[str] = None) -> list[dict]:
+                     qa_dir: Optional[str] = None, on_sample: Optional[Callable[[], None]] = None) -> list[dict]:
     """`num_samples` samples of one RULER task fitted to `length` tokens (see the module docstring), as records in
-    kvpress's hub format plus `length` (prompt tokens + tokens to generate) and `index`. FileNotFoundError when
-    a QA task's data is not in qa_dir."""
+    kvpress's hub format plus `length` (prompt tokens + tokens to generate) and `index`; `on_sample()` is called
+    after each (progress). FileNotFoundError when a QA task's data is not in qa_dir."""
     kind, args = TASK_ARGS[task]
     gen = tokens_to_generate(task)
     count = token_counter(tokenizer)
@@ -521,11 +544,13 @@ def generate_samples(task: str, length: int, tokenizer: Any, num_samples: int, s
         context, question, answer_prefix = split_input(task, text)
         out.append({"index": index, "context": context, "question": question, "answer_prefix": answer_prefix,
                     "answer": list(answer), "task": task, "max_new_tokens": gen, "length": n + gen})
+        if on_sample is not None:
+            on_sample()
     return out
 
 
 # --------------------------------------------------------------------------- kvpress's pre-generated data
-def _local_files(data_dir: Path, length: int) -> list[Path]:
+def local_files(data_dir: Path, length: int) -> list[Path]:
     for name in (f"{length}.parquet", f"{length}.jsonl", f"{length}.json"):
         if (data_dir / name).is_file():
             return [data_dir / name]
@@ -553,7 +578,7 @@ def load_hub_samples(length: int, tasks: Iterable[str], data_dir: Optional[str] 
     """kvpress's RULER data for one length, per task (at most `limit` each, in file order): from data_dir
     (`<length>.parquet|.jsonl`, or a `<length>/` folder as the hub repository holds it) or from the hub."""
     if data_dir is not None:
-        rows = [r for p in _local_files(Path(data_dir), length) for r in _read_rows(p)]
+        rows = [r for p in local_files(Path(data_dir), length) for r in _read_rows(p)]
     else:
         import datasets
 

@@ -380,9 +380,11 @@ class Engine:
     def serve(self, requests: list[Request], *, stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
               top_p: float = 1.0, seed: int | None = None, chunk_size: int | None = None,
               should_stop: Callable[[int, list[int]], bool] | None = None,
-              on_token: Callable[[Request], None] | None = None) -> Outcome:
+              on_token: Callable[[Request], None] | None = None,
+              on_step: Callable[[int], None] | None = None) -> Outcome:
         """Run requests (with arrival times) through the scheduler; each request gets its output and timings.
-        on_token(request) is called after every generated token (progress). Each step is schedule -> run ->
+        on_token(request) is called after every generated token, on_step(n) after every step with the tokens it
+        ran, prompt tokens included (progress from the first prompt chunk). Each step is schedule -> run ->
         postprocess; a step that runs out of blocks part-way is undone by the scheduler (its sequences start over)."""
         sched = Scheduler(self.cache, self.end_sequence, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=self.max_num_batched_tokens,
@@ -412,6 +414,8 @@ class Engine:
                     sched.undo_step(batch)
                     continue
                 sched.postprocess(batch, sampled, sched.clock() - t0)
+                if on_step is not None:
+                    on_step(sum(sc.n for sc in batch))
         except BaseException:
             sched.release_all()
             raise

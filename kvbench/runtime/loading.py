@@ -22,6 +22,7 @@ import torch
 from kvbench.console import say
 from kvbench.errors import UserError
 from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
+from kvbench.runtime.measured_times import quoted
 from kvbench.runtime.model_files import check_model_path
 from kvbench.spec import dtype_name
 
@@ -177,8 +178,9 @@ def _converted_gguf(folder: str, gguf_file: str, cache_dir: str | os.PathLike | 
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    say(f"kvbench: converting {src.name} into {out} (first use of this file on this machine; about a minute for "
-        "the packaged 135M model, then it loads in seconds)")
+    took = quoted("convert")
+    say(f"kvbench: converting {src.name} into {out} (first use of this file on this machine, then it loads in "
+        "seconds" + (f"; the packaged 135M model's {took}" if took else "") + ")")
     _convert_gguf(src, tmp)
     (tmp / "done").write_text(str(src))
     shutil.rmtree(out, ignore_errors=True)

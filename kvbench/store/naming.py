@@ -32,8 +32,9 @@ def config_hash(hashable: dict) -> str:
 
 
 def slug(value: Any) -> str:
-    """The value as a file-name-safe word (runs of other characters become one `-`)."""
-    return re.sub(r"[^A-Za-z0-9.+-]+", "-", str(value)).strip("-") or "x"
+    """The value as a file-name- and URL-safe word: letters, digits, `.`, `_` and `-` kept (configured names such as
+    `paged_eviction` stay as written), runs of other characters become one `-`."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-") or "x"
 
 
 def model_label(model: dict) -> str:
@@ -49,16 +50,18 @@ def model_label(model: dict) -> str:
 
 
 def run_id_for(hashable: dict) -> str:
-    """`<model>_<task>_<method>_b<budget>_s<seed>_<hash>`: readable, and the same for the same config."""
+    """`<model>_<task>_<method>_b<budget>_s<seed>_<hash>`, or `..._r<compression_ratio>_...` for a ratio run:
+    readable (method and task as configured; a codec joined with `-`: `paged_eviction-kivi`), and the same for the
+    same config."""
     model = hashable.get("model") or {}
     task = (hashable.get("task") or {}).get("name", "task")
     method = (hashable.get("method") or {}).get("name", "method")
     quant = (hashable.get("quant") or {}).get("name", "none")
     if quant not in ("none", "full", None):
-        method = f"{method}+{quant}"
-    budget = hashable.get("budget")
-    parts = [slug(model_label(model)), slug(task), slug(method),
-             "b" + ("none" if budget is None else slug(budget)), "s" + slug(hashable.get("seed", 0)),
+        method = f"{method}-{quant}"
+    budget, ratio = hashable.get("budget"), hashable.get("compression_ratio")
+    knob = "b" + slug(budget) if budget is not None else ("r" + slug(ratio) if ratio is not None else "bnone")
+    parts = [slug(model_label(model)), slug(task), slug(method), knob, "s" + slug(hashable.get("seed", 0)),
              config_hash(hashable)]
     return "_".join(parts)
 

@@ -44,6 +44,7 @@ import torch
 
 from kvbench.console import say, warn
 from kvbench.runtime.backends.torch.attention import paged_attention_torch
+from kvbench.runtime.measured_times import quoted
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,9 @@ def _build(out: Path) -> Path:
     """Compile the sources into `out` (through a temp file in its folder, renamed: concurrent builders never load
     a half-written library); a file no one else may write."""
     cc = os.environ.get("CC", "cc")
-    say(f"kvbench: compiling the CPU kernels into {out.parent} (once per machine and kernel version; "
-        "under a minute)")
+    took = quoted("compile")
+    say(f"kvbench: compiling the CPU kernels into {out.parent} (once per machine and kernel version"
+        + (f"; {took}" if took else "") + ")")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:

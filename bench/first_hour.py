@@ -1,0 +1,138 @@
+"""`python bench/first_hour.py`: the times a newcomer meets in the first hour, measured on this machine and dated.
+
+Each figure is timed here, in fresh folders, and printed as one JSON line (date, host, CPU count, load average):
+  convert_s        first use of the packaged GGUF: conversion into a fresh KVBENCH_CACHE_DIR (the first load,
+                   minus a second, warm load)
+  compile_s        the CPU kernels compiled into a fresh KVBENCH_CACHE_DIR
+  first_runs       each command of README.md's "First runs" block, as written (a fresh results folder; the
+                   converted model and kernels warm), with its wall time and whether it finished within --limit;
+                   a command marked "GPU-sized" or needing the network (model=hf) is listed, not run
+  install_s        (--install only) `make install` into a fresh virtualenv, with the pip cache as it is
+With --write the convert and compile figures go to kvbench/runtime/measured_times.json, which the first-run
+messages quote ("about N s here, measured DATE"), so no time in a message is typed by hand.
+
+    python bench/first_hour.py [--only convert,compile,first_runs,install] [--limit 600] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MEASURED = REPO / "kvbench" / "runtime" / "measured_times.json"
+MARKERS_NOT_RUN = ("GPU-sized", "model=hf", "--help")
+
+
+def stamp() -> dict:
+    return {"date": _dt.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def emit(figure: str, **values) -> dict:
+    line = {"figure": figure, **values, **stamp()}
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def _env(cache: str) -> dict:
+    env = dict(os.environ, KVBENCH_CACHE_DIR=cache, WANDB_MODE="disabled")
+    env["PYTHONPATH"] = str(REPO / "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _timed(cmd: list, env: dict, cwd: str, timeout: float) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    try:
+        rc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    return time.perf_counter() - t0, rc
+
+
+def convert(tmp: str, timeout: float) -> dict:
+    cache = os.path.join(tmp, "convert-cache")
+    load = [sys.executable, "-c", "from kvbench.runtime.loading import load_model; load_model()"]
+    first, rc1 = _timed(load, _env(cache), tmp, timeout)
+    warm, rc2 = _timed(load, _env(cache), tmp, timeout)
+    return emit("convert_s", seconds=round(first - warm, 1), first_load_s=round(first, 1),
+                warm_load_s=round(warm, 1), ok=rc1 == 0 and rc2 == 0)
+
+
+def compile_kernels(tmp: str, timeout: float) -> dict:
+    cache = os.path.join(tmp, "compile-cache")
+    code = "from kvbench.runtime.backends.cpu import kernels as k; k.load_kernel(); assert k.available()"
+    seconds, rc = _timed([sys.executable, "-c", code], _env(cache), tmp, timeout)
+    return emit("compile_s", seconds=round(seconds, 1), ok=rc == 0)
+
+
+def readme_first_runs() -> list[str]:
+    """The command lines of README.md's "First runs" block (comments kept: they say GPU-sized)."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## First runs\s+```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip().startswith("python -m kvbench")]
+
+
+def first_runs(tmp: str, limit: float) -> list:
+    out = []
+    with open(os.path.join(tmp, "my.txt"), "w") as f:  # the text file the README's example names
+        f.write((REPO / "README.md").read_text() * 4)
+    for i, line in enumerate(readme_first_runs()):
+        command = line.split("#", 1)[0].strip()
+        if any(m in line for m in MARKERS_NOT_RUN):
+            out.append(emit("first_run", command=command, ran=False, why="marked GPU-sized, network or help"))
+            continue
+        args = shlex.split(command)[3:]  # after "python -m kvbench"
+        args += [f"results_dir={os.path.join(tmp, f'results{i}')}", "logger.wandb=false"]
+        env = dict(os.environ, WANDB_MODE="disabled")
+        env["PYTHONPATH"] = str(REPO / "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        seconds, rc = _timed([sys.executable, "-m", "kvbench", *args], env, tmp, limit + 60)
+        out.append(emit("first_run", command=command, seconds=round(seconds, 1), rc=rc, ran=True,
+                        within_limit=rc == 0 and seconds <= limit))
+    return out
+
+
+def install(tmp: str, timeout: float) -> dict:
+    venv = os.path.join(tmp, "venv")
+    seconds, rc = _timed(["make", "-C", str(REPO), "install", f"VENV={venv}"], dict(os.environ), str(REPO), timeout)
+    return emit("install_s", seconds=round(seconds, 1), ok=rc == 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="convert,compile,first_runs", help="figures to measure (also: install)")
+    ap.add_argument("--limit", type=float, default=600.0, help="seconds a first-run command may take")
+    ap.add_argument("--write", action="store_true", help="store convert/compile in " + str(MEASURED))
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    with tempfile.TemporaryDirectory(prefix="kvbench-first-hour-") as tmp:
+        measured = {}
+        if "convert" in only:
+            measured["convert"] = convert(tmp, 1800)
+        if "compile" in only:
+            measured["compile"] = compile_kernels(tmp, 1800)
+        if "first_runs" in only:
+            first_runs(tmp, args.limit)
+        if "install" in only:
+            install(tmp, 3600)
+    if args.write and measured:
+        data = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+        for name, line in measured.items():
+            if line.get("ok"):
+                data[name] = {"seconds": line["seconds"], "date": line["date"], "cpus": line["cpus"],
+                              "load_avg_1m": line["load_avg_1m"], "by": "bench/first_hour.py"}
+        MEASURED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
