@@ -131,8 +131,10 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def _step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, *, phase: str,
-              last_chunk: bool, logits_for: str, scratch: bool = False) -> torch.Tensor | None:
+              last_chunk: bool, logits_for: str, scratch: bool = False,
+              max_position: int | None = None) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
+        plan.max_position = max_position  # known on the host: RoPE's table needs no device read
         logits = self.model.forward(
             tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
             last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
@@ -169,7 +171,7 @@ class Engine:
             toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
             qpos = torch.tensor([[s.start_pos] for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
             logits = self._step([s.slot for s in segments], toks, qpos, phase="decode", last_chunk=True,
-                                logits_for="last")
+                                logits_for="last", max_position=max(s.start_pos for s in segments))
             return list(logits)
         by_shape: dict[tuple, list[int]] = {}  # (phase, length, last_chunk) -> segment indices, first-seen order
         for i, s in enumerate(segments):
@@ -182,6 +184,8 @@ class Engine:
             room.append(([segments[i].slot for i in idx], qpos))
             order += idx
         plans = self.cache.prepare_appends(room)
+        for plan, (_, n, _), idx in zip(plans, by_shape, by_shape.values()):
+            plan.max_position = max(segments[i].start_pos for i in idx) + n - 1
         groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
         out = self.model.forward_ragged(groups, self.cache, backend=self.backend, hook=self._layer_hook,
                                         logits_for="last", rope_mode=self.method.rope_mode)
@@ -216,7 +220,7 @@ class Engine:
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
         logits = self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for,
-                            scratch=scratch)
+                            scratch=scratch, max_position=start_pos + ids.shape[1] - 1)
         after = None if scratch else getattr(self.method, "after_prefill_chunk", None)
         if after is not None:  # optional: the chunk's token ids, after its step (KVzip's reconstruction pass)
             after(slot, list(token_ids), start_pos, last_chunk)
@@ -228,7 +232,8 @@ class Engine:
         dev = self.model.device
         toks = torch.tensor(tokens, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
         qpos = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
-        logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last")
+        logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last",
+                            max_position=max(positions))
         return self.sample(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
 
     def new_sequence(self) -> int:

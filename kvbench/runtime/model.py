@@ -165,7 +165,8 @@ class LlamaFamilyModel:
         offsets = [sum(sizes[:i]) for i in range(len(groups))]
         N = sum(sizes)
         qpos = torch.cat([g.plan.query_positions.reshape(-1) for g in groups])  # [N]
-        cos, sin = self.rotary.lookup(qpos)  # [N, D]
+        known = [getattr(g.plan, "max_position", None) for g in groups]
+        cos, sin = self.rotary.lookup(qpos, None if None in known else max(known))  # [N, D]
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         fused = None
         if fast and len(groups) == 1:

@@ -50,6 +50,7 @@ Eviction composes:
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvbench.runtime.backends import triton as triton_backend
@@ -182,6 +183,8 @@ class QuantizedPagedKVCache(PagedKVCache):
             kwargs["store_pre_rope"] = bool(getattr(codec, "pre_rope_keys", False))
         super().__init__(block_size=block_size, num_blocks=0, **kwargs)
         self.dequant = self._pick_dequant(dequant)
+        # slot -> (host lengths [L, H], tokens_seen) when pack_pending last looked at it (see _may_need_packing)
+        self._pack_seen: dict[int, tuple[np.ndarray, int]] = {}
 
     def _make_storage(self, num_blocks: int) -> None:
         """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
@@ -284,10 +287,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         """Pack the blocks that left the full-precision window (of every live sequence: those outside this step
         finished theirs), then allocate room as PagedKVCache does."""
         self.pack_pending()
-        plan = super().prepare_append(slots, query_positions)
-        if int(plan.write_index.max()) >= self.num_fp_blocks * self.block_size:  # pragma: no cover - invariant
-            raise AssertionError("new tokens must land in full-precision blocks")
-        return plan
+        return super().prepare_append(slots, query_positions)  # new tokens land in full-precision blocks
 
     def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
         """Pack once (what left the window before this step), then allocate every group's room: a block that one
@@ -311,8 +311,15 @@ class QuantizedPagedKVCache(PagedKVCache):
         so packing never raises the bytes in use.
         """
         slots = sorted(self.live) if slots is None else list(slots)
-        if not slots:
+        if not slots or not self._may_need_packing(slots):
             return 0
+        n = self._pack(slots)
+        for s in slots:  # only once packed: a failed pack is tried again
+            self._pack_seen[s] = (self.host_lengths[s].copy(), self.tokens_seen[s])
+        return n
+
+    def _pack(self, slots: list[int]) -> int:
+        """pack_pending's work over `slots` (live)."""
         st = torch.tensor(slots, dtype=torch.int64, device=self.device)
         tables = self.tables[st]  # [S, L, H, MB]
         lengths = self.lengths[st]  # [S, L, H]
@@ -352,6 +359,29 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.vq_pool[pid] = v_rows
         self.tables[st[s_i], l_i, h_i, c_i] = new_ids[inverse].to(torch.int32)
         return int(fp_ids.numel())
+
+    def _may_need_packing(self, slots: list[int]) -> bool:
+        """False when, from host numbers alone, no block of `slots` can have entered the packed range since
+        pack_pending last looked (so a decode step reads no device value here): every table grew by exactly the
+        tokens appended since (nothing evicted or moved) and no table's count of packable blocks grew."""
+        bs, R = self.block_size, int(self.codec.residual)
+        start = 1 if self.codec.first_token_fp else 0
+        for s in slots:
+            seen = self._pack_seen.get(s)
+            if seen is None:
+                return True
+            lens0, tokens0 = seen
+            lens = self.host_lengths[s]
+            if not np.all(lens - lens0 == self.tokens_seen[s] - tokens0):
+                return True
+            stop0, stop = np.maximum(lens0 - R, 0) // bs, np.maximum(lens - R, 0) // bs
+            if np.any((stop > stop0) & (stop > start)):
+                return True
+        return False
+
+    def free_sequence(self, slot: int) -> None:
+        self._pack_seen.pop(slot, None)
+        super().free_sequence(slot)
 
     def _allocate_packed_for(self, fp_ids: torch.Tensor, table_refs: list[int]) -> list[int]:
         """Packed blocks for the distinct full-precision blocks fp_ids: every table reference to them is dropped
@@ -418,6 +448,24 @@ class QuantizedPagedKVCache(PagedKVCache):
             v.index_copy_(0, pk_pos, self._decode("value", self.vq_pool.index_select(0, pid), layer, heads))
         return k, v, nb
 
+    def _dense_table_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every block of the tables' width MB, decoded, with no host sync (no shape depends on values): (k, v
+        [S*H*MB, bs, D] in the model dtype, MB). Full-precision entries are read from the fp pool; the packed rows
+        are decoded for every entry (a full-precision entry decodes a zero row, discarded)."""
+        S, H, MB = tables.shape
+        ids = tables.reshape(-1).to(torch.int64)  # [S*H*MB]
+        packed = ids >= self.num_fp_blocks
+        fid = torch.where(packed, 0, ids)
+        pid = torch.where(packed, ids - self.num_fp_blocks, 0)
+        heads = (torch.arange(ids.numel(), device=self.device) // MB) % H
+        zero = torch.zeros((), dtype=torch.uint8, device=self.device)
+        out = []
+        for kind, fp_pool, q_pool in (("key", self.k_pool, self.kq_pool), ("value", self.v_pool, self.vq_pool)):
+            rows = torch.where(packed[:, None], q_pool.index_select(0, pid), zero)
+            dec = self._decode(kind, rows, layer, heads)
+            out.append(torch.where(packed[:, None, None], dec, fp_pool.index_select(0, fid).to(self.dtype)))
+        return out[0], out[1], MB
+
     def _decode(self, kind: str, rows: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
         bs, D = self.block_size, self.head_dim
         if self.dequant == "triton":
@@ -437,7 +485,10 @@ class QuantizedPagedKVCache(PagedKVCache):
             return res
         tables, lengths = plan.tables[:, layer], plan.lengths[:, layer]
         S, H = tables.shape[:2]
-        k, v, nb = self._dense_blocks(layer, tables, lengths)
+        if q.shape[2] == 1 and not causal:  # decode: every block of the tables' width, no host sync
+            k, v, nb = self._dense_table_blocks(layer, tables)
+        else:
+            k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
         return backend.attend(
             q, k, v, dense_tables, lengths, self.positions[plan.slots, layer], plan.query_positions, scale,
@@ -527,6 +578,7 @@ class QuantizedPagedKVCache(PagedKVCache):
             pos_row[h, :n_new] = new_pos[h].to(pos_row.dtype)
             pos_row[h, n_new:] = -1
             self.lengths[slot, layer, h] = n_new
+            self.host_lengths[slot, layer, h] = n_new
 
 
 def _itemsize(dtype: torch.dtype) -> int:
