@@ -66,10 +66,13 @@ class RuntimeConfig:
     admission_watermark: float = 0.01
     schedule: str = "mixed"  # mixed (vLLM v1: decodes first, prefill chunks fill the token budget) | prefill_first
     prefix_caching: Any = "auto"  # auto (on for methods that allow it) | true | false
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs on CUDA (ignored elsewhere); not in the run id
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are {', '.join(SCHEDULES)}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise UserError(f"invalid runtime.cuda_graphs={self.cuda_graphs!r}: choices are true, false")
         if self.prefix_caching not in ("auto", True, False):
             raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
         check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)

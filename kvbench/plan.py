@@ -219,6 +219,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
                     compression_ratio=settings.compression_ratio)
     fields = {"model_path": settings.model.path, "model_gguf_file": settings.model.gguf_file,
               **flat("task_", settings.task_options),
-              **flat("runtime_", {k: v for k, v in vars(settings.runtime).items() if k != "threads"}),
+              **flat("runtime_", {k: v for k, v in vars(settings.runtime).items()
+                                      if k not in ("threads", "cuda_graphs")}),
               "quant": settings.quant_name, **flat("quant_", settings.quant_options)}
     return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields)

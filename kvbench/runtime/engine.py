@@ -14,6 +14,7 @@ Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -22,6 +23,7 @@ import torch
 from kvbench.runtime.backends.selection import select_backend
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.caches import build_cache, full_block_bytes
+from kvbench.runtime.decode_graphs import DecodeGraphs
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
@@ -29,6 +31,7 @@ from kvbench.runtime.scheduler import Outcome, Request, Scheduler
 from kvbench.spec import SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Engine:
         admission_watermark: float = 0.01,
         schedule: str = "mixed",
         prefix_caching: bool | str = "auto",
+        cuda_graphs: bool | None = None,
     ):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -111,9 +115,27 @@ class Engine:
         self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
+        self.decode_graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (runtime.cuda_graphs)
+        on_cuda = model.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            log.info("runtime.cuda_graphs ignored on %s: decode runs eagerly", model.device)
+        elif cuda_graphs is not False and on_cuda:
+            self.use_decode_graphs()
         bind = getattr(method, "bind_engine", None)
         if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
             bind(self)
+
+    def use_decode_graphs(self, **options) -> DecodeGraphs | None:
+        """Run decode steps from captured graphs (kvbench.runtime.decode_graphs; options: capture, buckets); None
+        (eager, with a log line) where this engine's method or cache cannot run captured."""
+        graphs = DecodeGraphs(self.model, self.cache, self.backend, self.method, rope_mode=self.method.rope_mode,
+                              max_batch=self.max_num_seqs, **options)
+        why = graphs.supported()
+        if why is not None:
+            log.info("decode runs eagerly (no CUDA graphs): %s", why)
+            graphs = None
+        self.decode_graphs = graphs
+        return graphs
 
     def _prefix_caching_on(self, setting: bool | str) -> bool:
         """auto: on for methods that never act after attention (full precision, storage codecs), whose result does
@@ -135,10 +157,14 @@ class Engine:
               max_position: int | None = None) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
         plan.max_position = max_position  # known on the host: RoPE's table needs no device read
-        logits = self.model.forward(
-            tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
-            last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
-        )
+        logits = None
+        if self.decode_graphs is not None and phase == "decode" and logits_for == "last" and tokens.shape[1] == 1:
+            logits = self.decode_graphs.run(tokens, plan)  # None: this step runs eagerly
+        if logits is None:
+            logits = self.model.forward(
+                tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
+                last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
+            )
         if scratch:  # a method's own pass: its tokens are not the sequence's (nor in the uncompressed figure)
             for s in slots:
                 self.cache.tokens_seen[s] -= tokens.shape[1]

@@ -491,7 +491,8 @@ class QuantizedPagedKVCache(PagedKVCache):
             k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
         return backend.attend(
-            q, k, v, dense_tables, lengths, self.positions[plan.slots, layer], plan.query_positions, scale,
+            q, k, v, dense_tables, lengths, plan.positions[:, layer, :, : nb * self.block_size],
+            plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
