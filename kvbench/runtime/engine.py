@@ -102,6 +102,7 @@ class Engine:
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
         )
+        self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
         method.attach(self.cache, cfg)
         self.backend = select_backend(attention_backend, model.device, self.cache)
         self.attention_backend = self.backend.name
@@ -168,7 +169,8 @@ class Engine:
         if scratch:  # a method's own pass: its tokens are not the sequence's (nor in the uncompressed figure)
             for s in slots:
                 self.cache.tokens_seen[s] -= tokens.shape[1]
-        self._track_full_bytes()
+        if not self.cache.has_pending_frees():  # else tracked once the sampled tokens bring the evicted ids
+            self._track_full_bytes()
         return logits
 
     def _track_full_bytes(self) -> None:
@@ -260,7 +262,7 @@ class Engine:
         qpos = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
         logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last",
                             max_position=max(positions))
-        return self.sample(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
+        return self._sample_step(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
 
     def new_sequence(self) -> int:
         """A new, empty sequence slot."""
@@ -441,7 +443,8 @@ class Engine:
         sequence's known tokens (last_chunk: a prompt's last chunk, a decode token). Waits for the device."""
         logits = self.step(segments)
         emit = [i for i, s in enumerate(segments) if s.last_chunk]
-        toks = self.sample(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
+        toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
+        self._flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
 
@@ -472,6 +475,28 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ helpers
+    def _sample_step(self, logits: torch.Tensor, temperature: float, top_p: float,
+                     gen: torch.Generator) -> list[int]:
+        """`sample`, and the blocks the step's eviction left on the device back to the pool: greedy tokens and
+        those block ids travel to the host in one transfer (the step's one host sync)."""
+        pending = self.cache.take_pending_frees()
+        if pending is None:
+            return self.sample(logits, temperature, top_p, gen)
+        if temperature <= 0:
+            toks = logits.argmax(dim=-1)
+            both = torch.cat([toks, pending.to(toks.dtype)]).tolist()
+            out, freed = both[: toks.numel()], both[toks.numel():]
+        else:
+            out, freed = self.sample(logits, temperature, top_p, gen), pending.tolist()
+        self.cache.free_pending(freed)
+        self._track_full_bytes()
+        return out
+
+    def _flush_pending_frees(self) -> None:
+        if self.cache.has_pending_frees():
+            self.cache.free_pending_now()
+            self._track_full_bytes()
+
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
         """logits [S, V] -> one token id per row."""

@@ -92,6 +92,10 @@ class PagedKVCache:
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
         self._shared = False  # set once any fork happened: enables copy-on-write checks
         self.block_listeners: list = []  # objects with modified(ids) / replace(old, new) (the prefix cache)
+        self._pending_free: list[torch.Tensor] = []  # evicted block ids not yet back in the pool (device)
+        # evict_blocks_on_device leaves the ids on the device until take_pending_frees (an engine sets this: it
+        # takes them with each step's sampled tokens); False: they go back to the pool at once (a host read)
+        self.defer_frees = False
 
     def _make_storage(self, num_blocks: int) -> None:
         """The block pool and the bytes: allocated once; pages are touched only as blocks are written.
@@ -153,6 +157,7 @@ class PagedKVCache:
     def free_sequence(self, slot: int) -> None:
         """Return every block of the sequence to the pool."""
         self._check_live(slot)
+        self.free_pending_now()  # evicted blocks first (their table entries are gone)
         nb = self._num_blocks(self.lengths[slot])  # [L, H]
         ids = _table_entries(self.tables[slot], nb)
         self.pool.free(ids)
@@ -207,6 +212,7 @@ class PagedKVCache:
         """
         bs = self.block_size
         S, Q = query_positions.shape
+        self.free_pending_now()  # evicted ids a caller did not take (it sampled nothing): back before allocating
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
         for s in slots:
             self._check_live(s)
@@ -288,14 +294,14 @@ class PagedKVCache:
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense K, V [H, T, D] and positions [H, T] of one sequence's layer (T = longest head; pad = -1)."""
         lengths = self.lengths[slot, layer]
-        T = int(lengths.max())
+        T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
         nb = -(-T // self.block_size)
         idx = self.tables[slot, layer, :, :nb].to(torch.int64)  # [H, nb]
         H, D = self.num_kv_heads, self.head_dim
         k = self.k_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
         v = self.v_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
-        pos = self.positions[slot, layer, :, :T].clone()
-        pos[torch.arange(T, device=self.device)[None, :] >= lengths[:, None]] = -1
+        pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
+        pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
         return k, v, pos
 
     # ------------------------------------------------------------------ eviction
@@ -377,6 +383,64 @@ class PagedKVCache:
             self.host_lengths[slot, layer, h] = new_n
         self.pool.free(freed)
 
+    def evict_blocks_on_device(self, layer: int, slot: int, n: int, drop: torch.Tensor) -> None:
+        """evict_head_blocks with the choice left on the device: every kv-head of one sequence's layer is n tokens
+        long and drops the logical blocks drop [H, k] (distinct per head, full blocks: never a partly filled
+        last one). The tables and positions are compacted by tensor ops; the dropped block ids wait on the device
+        until `take_pending_frees` (the engine reads them with the step's sampled tokens: one transfer), and
+        only then go back to the pool: no host sync here."""
+        self._check_live(slot)
+        bs = self.block_size
+        H, k = drop.shape
+        nb = -(-n // bs)
+        if k >= nb or list(self.host_lengths[slot, layer]) != [n] * H:
+            raise ValueError(f"evict_blocks_on_device: {k} blocks of tables of lengths "
+                             f"{self.host_lengths[slot, layer].tolist()} (expected {n}, full blocks)")
+        if k == 0:
+            return
+        cols = torch.arange(nb, device=self.device).expand(H, nb)
+        dropped = torch.zeros(H, nb, dtype=torch.bool, device=self.device).scatter_(1, drop, True)
+        keep = torch.where(dropped, nb, cols).sort(dim=1).values[:, : nb - k]  # [H, nb-k] kept columns, in order
+        table = self.tables[slot, layer]  # [H, MB] view
+        freed = table[:, :nb].gather(1, drop).reshape(-1)
+        table[:, : nb - k] = table[:, :nb].gather(1, keep)
+        pos = self.positions[slot, layer]  # [H, MB*bs] view
+        src = (keep[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(H, -1)
+        pos[:, : (nb - k) * bs] = pos.gather(1, src)
+        pos[:, (nb - k) * bs:] = -1
+        self.lengths[slot, layer] = n - k * bs
+        self.host_lengths[slot, layer] = n - k * bs
+        if self.defer_frees:
+            self._pending_free.append(freed)
+        else:
+            self.pool.free(freed.tolist())
+
+    def has_pending_frees(self) -> bool:
+        """Whether evicted block ids wait on the device (see evict_blocks_on_device)."""
+        return bool(self._pending_free)
+
+    def pending_free_count(self) -> int:
+        """How many evicted block references wait on the device (still counted in use by the pool)."""
+        return sum(t.numel() for t in self._pending_free)
+
+    def free_pending_now(self) -> None:
+        """Return the waiting evicted blocks to the pool at once (one device read)."""
+        if self._pending_free:
+            self.free_pending(self.take_pending_frees().tolist())
+
+    def take_pending_frees(self) -> torch.Tensor | None:
+        """Block ids (int32, on the device) evicted by `evict_blocks_on_device` since the last call, or None; the
+        caller copies them to the host and calls `free_pending(ids)`."""
+        if not self._pending_free:
+            return None
+        ids = torch.cat(self._pending_free)
+        self._pending_free = []
+        return ids
+
+    def free_pending(self, ids: list[int]) -> None:
+        """Return blocks taken from take_pending_frees to the pool."""
+        self.pool.free(ids)
+
     def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
         """(blocks to drop, sorted; blocks kept, in order) of an n-token table; only full blocks may be dropped."""
         bs = self.block_size
@@ -418,12 +482,14 @@ class PagedKVCache:
         if not (0 <= start < stop <= n) or min(lengths) != n:
             raise ValueError(f"cannot drop slots {start}..{stop - 1} of tables of lengths {lengths}")
         a, r = divmod(start, bs)
-        if stop - start == bs and r == 0:
-            self.evict_head_blocks(layer, slot, [[a]] * self.num_kv_heads)
+        H = self.num_kv_heads
+        if stop - start == bs and r == 0 and (a + 1) * bs <= n:
+            self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a, device=self.device))
             return
         table = self.tables[slot, layer]  # [H, MB]
+        # never forked nor shared (self._shared): every refcount is 1, nothing to read from the device
         can_shift = (stop - start == bs and n >= (a + 2) * bs and self.plain_pools
-                     and not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist()))
+                     and (not self._shared or not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist())))
         if not can_shift:
             keep = torch.cat([torch.arange(start), torch.arange(stop, n)]).to(self.device)
             self.keep_tokens(layer, slot, keep.expand(self.num_kv_heads, -1))
@@ -436,7 +502,7 @@ class PagedKVCache:
         self.v_pool[dst, r:] = self.v_pool[src, r:]
         pos = self.positions[slot, layer]  # [H, MB*bs]
         pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
-        self.evict_head_blocks(layer, slot, [[a + 1]] * self.num_kv_heads)
+        self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a + 1, device=self.device))
 
     # ------------------------------------------------------------------ pool accounting (for the scheduler)
     def free_blocks(self) -> int:

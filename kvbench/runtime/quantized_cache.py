@@ -185,6 +185,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.dequant = self._pick_dequant(dequant)
         # slot -> (host lengths [L, H], tokens_seen) when pack_pending last looked at it (see _may_need_packing)
         self._pack_seen: dict[int, tuple[np.ndarray, int]] = {}
+        self._restored: set[int] = set()  # slots whose tokens keep_tokens stored again since (checked on device)
 
     def _make_storage(self, num_blocks: int) -> None:
         """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
@@ -310,12 +311,14 @@ class QuantizedPagedKVCache(PagedKVCache):
         Their full-precision blocks are freed before the packed rows are allocated (the data is encoded first),
         so packing never raises the bytes in use.
         """
+        self.free_pending_now()
         slots = sorted(self.live) if slots is None else list(slots)
         if not slots or not self._may_need_packing(slots):
             return 0
         n = self._pack(slots)
         for s in slots:  # only once packed: a failed pack is tried again
             self._pack_seen[s] = (self.host_lengths[s].copy(), self.tokens_seen[s])
+            self._restored.discard(s)
         return n
 
     def _pack(self, slots: list[int]) -> int:
@@ -362,25 +365,27 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def _may_need_packing(self, slots: list[int]) -> bool:
         """False when, from host numbers alone, no block of `slots` can have entered the packed range since
-        pack_pending last looked (so a decode step reads no device value here): every table grew by exactly the
-        tokens appended since (nothing evicted or moved) and no table's count of packable blocks grew."""
+        pack_pending last looked (so a decode step reads no device value here). After a pack every table's
+        blocks [start, stop(length)) are packed; appends raise stop, whole-block evictions keep that true (the
+        packed prefix and stop shrink together), so a block is due exactly when stop of the length the table would
+        have without its evictions (old length + tokens appended since) passed the old stop. Token-level eviction
+        (keep_tokens) stores tokens again: those sequences are checked on the device."""
         bs, R = self.block_size, int(self.codec.residual)
         start = 1 if self.codec.first_token_fp else 0
         for s in slots:
             seen = self._pack_seen.get(s)
-            if seen is None:
+            if seen is None or s in self._restored:
                 return True
             lens0, tokens0 = seen
-            lens = self.host_lengths[s]
-            if not np.all(lens - lens0 == self.tokens_seen[s] - tokens0):
-                return True
-            stop0, stop = np.maximum(lens0 - R, 0) // bs, np.maximum(lens - R, 0) // bs
+            grown = lens0 + (self.tokens_seen[s] - tokens0)  # [L, H] lengths had nothing been evicted
+            stop0, stop = np.maximum(lens0 - R, 0) // bs, np.maximum(grown - R, 0) // bs
             if np.any((stop > stop0) & (stop > start)):
                 return True
         return False
 
     def free_sequence(self, slot: int) -> None:
         self._pack_seen.pop(slot, None)
+        self._restored.discard(slot)
         super().free_sequence(slot)
 
     def _allocate_packed_for(self, fp_ids: torch.Tensor, table_refs: list[int]) -> list[int]:
@@ -500,13 +505,14 @@ class QuantizedPagedKVCache(PagedKVCache):
         """Dense (dequantized) K, V [H, T, D] and positions [H, T] of one sequence's layer (pad = -1)."""
         self._check_live(slot)
         lengths = self.lengths[slot, layer]
-        T = int(lengths.max())
+        T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
         H, D = self.num_kv_heads, self.head_dim
-        k, v, nb = self._dense_blocks(layer, self.tables[slot, layer][None], lengths[None])
+        nb = max(1, -(-T // self.block_size))
+        k, v, _ = self._dense_table_blocks(layer, self.tables[slot, layer, :, :nb][None])
         k = k.view(H, nb * self.block_size, D)[:, :T]
         v = v.view(H, nb * self.block_size, D)[:, :T]
-        pos = self.positions[slot, layer, :, :T].clone()
-        pos[torch.arange(T, device=self.device)[None, :] >= lengths[:, None]] = -1
+        pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
+        pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
         return k, v, pos
 
     # ------------------------------------------------------------------ eviction
@@ -519,6 +525,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         the rest are stored again: packed where `codec.packed_block_range` says, else in full precision.
         """
         self._check_live(slot)
+        self._restored.add(slot)  # pack_pending checks this sequence on the device
         bs, D, H = self.block_size, self.head_dim, self.num_kv_heads
         keep = keep.to(self.device)
         old_len = self.lengths[slot, layer].clone()  # [H]
