@@ -36,15 +36,8 @@ import functools
 
 import torch
 
-try:  # triton is an optional dependency
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: ImportError | None = None
-except ImportError as _err:  # pragma: no cover
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = _err
+# triton and triton.language, or None without triton (the guarded import lives in attention.py)
+from kvbench.runtime.backends.triton.attention import _TRITON_IMPORT_ERROR, tl, triton
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -91,6 +84,41 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _group_queries(Q, s_qb, s_qh, s_qd, H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's (sequence, kv-head, split) and its GROUP query heads' rows q [BLOCK_G, BLOCK_D]."""
+        pid_bh = tl.program_id(0)
+        b = pid_bh // H_KV
+        h = pid_bh % H_KV
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < GROUP
+        head = h * GROUP + g
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + b * s_qb + head[:, None] * s_qh + d[None, :] * s_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        return b, h, tl.program_id(1), g_ok, head, d, d_ok, q
+
+    @triton.jit
+    def _tile_slots(bt_base, s0, end, s_btj, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Slots s0.. of a table's range (n, n < end) and their (block id, offset in the block)."""
+        n = s0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        blk = tl.load(bt_base + (n // BLOCK_SIZE) * s_btj, mask=n_ok, other=0).to(tl.int64)
+        return n, n_ok, blk, n % BLOCK_SIZE
+
+    @triton.jit
+    def _scores_tile(q, K, KQ, KQH, blk, off, n_ok, d, d_ok, s_kn, s_ks, s_kd, num_fp, k_row_bytes, k_codes_off,
+                     k_mn_off, k_scale_off, k_groups_d, scale_log2, HEAD_DIM: tl.constexpr, CODEC: tl.constexpr,
+                     K_BITS: tl.constexpr, K_SIGNED: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
+                     K_GROUP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """q k^T * scale * log2(e) [BLOCK_G, BLOCK_N] for one tile of slots."""
+        k = _load_tile(K, KQ, KQH, blk, off, n_ok, d, d_ok, s_kn, s_ks, s_kd, num_fp,
+                       k_row_bytes, k_codes_off, k_mn_off, k_scale_off, k_groups_d,
+                       HEAD_DIM, CODEC, K_BITS, K_SIGNED, K_PER_CHANNEL, K_GROUP)
+        return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * scale_log2
+
+    @triton.jit
     def _split_range(LEN, BT, b, h, split, s_lb, s_lh, s_btb, s_bth, max_slots,
                      NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
         """(first slot, end slot, table base pointer) of this program's split of table (b, h)."""
@@ -116,17 +144,8 @@ if triton is not None:
         V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_PER_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        pid_bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid_bh // H_KV
-        h = pid_bh % H_KV
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < GROUP
-        head = h * GROUP + g
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q = tl.load(Q + b * s_qb + head[:, None] * s_qh + d[None, :] * s_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        b, h, split, g_ok, head, d, d_ok, q = _group_queries(Q, s_qb, s_qh, s_qd, H_KV, GROUP, HEAD_DIM, BLOCK_G,
+                                                             BLOCK_D)
         start, end, bt_base = _split_range(LEN, BT, b, h, split, s_lb, s_lh, s_btb, s_bth, max_slots,
                                            NUM_SPLITS, BLOCK_N)
 
@@ -134,14 +153,10 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         for s0 in range(start, end, BLOCK_N):
-            n = s0 + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            blk = tl.load(bt_base + (n // BLOCK_SIZE) * s_btj, mask=n_ok, other=0).to(tl.int64)
-            off = n % BLOCK_SIZE
-            k = _load_tile(K, KQ, KQH, blk, off, n_ok, d, d_ok, s_kn, s_ks, s_kd, num_fp,
-                           k_row_bytes, k_codes_off, k_mn_off, k_scale_off, k_groups_d,
-                           HEAD_DIM, CODEC, K_BITS, K_SIGNED, K_PER_CHANNEL, K_GROUP)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * scale_log2  # [G, N]
+            n, n_ok, blk, off = _tile_slots(bt_base, s0, end, s_btj, BLOCK_SIZE, BLOCK_N)
+            s = _scores_tile(q, K, KQ, KQH, blk, off, n_ok, d, d_ok, s_kn, s_ks, s_kd, num_fp, k_row_bytes,
+                             k_codes_off, k_mn_off, k_scale_off, k_groups_d, scale_log2, HEAD_DIM, CODEC, K_BITS,
+                             K_SIGNED, K_PER_CHANNEL, K_GROUP, INPUT_PRECISION)  # [BLOCK_G, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.math.exp2(m_i - m_new)  # m_i = -inf at first: 0 (m_new is finite: n_ok has a slot)
@@ -198,30 +213,17 @@ if triton is not None:
         K_BITS: tl.constexpr, K_SIGNED: tl.constexpr, K_PER_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        pid_bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid_bh // H_KV
-        h = pid_bh % H_KV
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < GROUP
-        head = h * GROUP + g
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q = tl.load(Q + b * s_qb + head[:, None] * s_qh + d[None, :] * s_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        b, h, split, g_ok, head, d, d_ok, q = _group_queries(Q, s_qb, s_qh, s_qd, H_KV, GROUP, HEAD_DIM, BLOCK_G,
+                                                             BLOCK_D)
         lse = tl.load(LSE + b * (H_KV * GROUP) + head, mask=g_ok, other=float("-inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # padded rows: exp2(s - inf) = 0
         start, end, bt_base = _split_range(LEN, BT, b, h, split, s_lb, s_lh, s_btb, s_bth, max_slots,
                                            NUM_SPLITS, BLOCK_N)
         for s0 in range(start, end, BLOCK_N):
-            n = s0 + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            blk = tl.load(bt_base + (n // BLOCK_SIZE) * s_btj, mask=n_ok, other=0).to(tl.int64)
-            off = n % BLOCK_SIZE
-            k = _load_tile(K, KQ, KQH, blk, off, n_ok, d, d_ok, s_kn, s_ks, s_kd, num_fp,
-                           k_row_bytes, k_codes_off, k_mn_off, k_scale_off, k_groups_d,
-                           HEAD_DIM, CODEC, K_BITS, K_SIGNED, K_PER_CHANNEL, K_GROUP)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION) * scale_log2
+            n, n_ok, blk, off = _tile_slots(bt_base, s0, end, s_btj, BLOCK_SIZE, BLOCK_N)
+            s = _scores_tile(q, K, KQ, KQH, blk, off, n_ok, d, d_ok, s_kn, s_ks, s_kd, num_fp, k_row_bytes,
+                             k_codes_off, k_mn_off, k_scale_off, k_groups_d, scale_log2, HEAD_DIM, CODEC, K_BITS,
+                             K_SIGNED, K_PER_CHANNEL, K_GROUP, INPUT_PRECISION)  # [BLOCK_G, BLOCK_N]
             p = tl.math.exp2(s - lse[:, None])
             p = tl.where(g_ok[:, None] & n_ok[None, :], p, 0.0)
             tl.store(KS + b * s_sb + h * s_sh + n * s_ss, tl.sum(p, 0), mask=n_ok)
