@@ -146,7 +146,7 @@ class DecodeGraphs:
                 ks = g.key_scores[li, :S] if g.key_scores is not None else None
                 self.hook.after_attention(LayerContext(li, self.cache, plan, "decode", True, g.q[li, :S], ks,
                                                        self.model.rotary))
-        return g.logits[:S]
+        return g.logits[:S].clone()  # the static buffer is overwritten by the next replay
 
     # ------------------------------------------------------------------ internals
     def _fill(self, g: _Graph, tokens: torch.Tensor, plan: AppendPlan) -> None:
