@@ -162,3 +162,32 @@ def test_codec_without_a_kernel_is_refused():
         td.paged_decode_triton(q, pool, pool, torch.zeros(1, 1, 1, dtype=torch.int32),
                                torch.ones(1, 1, dtype=torch.int64), 1.0, codec=Fp8Codec(),
                                kq_pool=torch.zeros(1, 64, dtype=torch.uint8), vq_pool=torch.zeros(1, 64, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------- the engine on this path
+@pytest.mark.skipif(ON_GPU, reason="the CPU stand-in capture (on a GPU, bench/gpu_check.py runs real graphs)")
+def test_engine_on_the_triton_decode_from_graphs():
+    """The GPU decode path end to end, interpreted (one small case: the interpreter is slow): Triton attention
+    (split-KV decode reading packed KIVI blocks in place), PagedEviction's device-side block eviction, decode steps
+    from graphs (stand-in capture: no host sync inside) give the torch reference's greedy tokens."""
+    from kvbench.methods import build_method
+    from kvbench.quant.registry import build_codec
+    from kvbench.runtime import decode_graphs as dg
+    from kvbench.runtime.engine import Engine
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model(vocab=128, hidden=64, heads=4, kv_heads=1, layers=2, max_positions=256)
+    prompts = [[(5 * i + 3) % 128 for i in range(n)] for n in (30, 17)]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        eng = Engine(model, build_method("paged_eviction", 16), codec=build_codec("kivi", model, group_size=8,
+                                                                                   residual=8),
+                     block_size=8, num_blocks=256, attention_backend=backend, prefill_chunk_size=64, max_num_seqs=2)
+        if backend == "triton":
+            eng.backend.num_splits = 1  # splits are the kernel tests' business; the interpreter is slow
+            eng.use_decode_graphs(capture=dg.cpu_standin_capture)
+        tokens[backend] = [g.token_ids for g in eng.generate(prompts, max_new_tokens=10)]
+        if backend == "triton":
+            assert eng.attention_backend == "triton" and eng.decode_graphs.replays > 0
+            assert eng.cache.block_counts()["packed"] == 0 and eng.cache.pool.in_use == 0
+    assert tokens["triton"] == tokens["torch"]

@@ -10,8 +10,12 @@ reports there). Counted: `item`, `tolist`, `numpy`, `cpu`, `to(<cpu device>)` fr
 `__float__` / `__index__` (Python control flow on a tensor), and the ops whose output size depends on values:
 `nonzero`, `unique`, `masked_select`, `repeat_interleave` without `output_size`, and indexing with a boolean mask.
 A tensor built from host values (`torch.tensor(list)`) is a host-to-device copy that does not wait: not counted.
+Nor are the reads the Triton interpreter makes (TRITON_INTERPRET=1 runs a kernel on the host, reading its
+arguments there; on a GPU the same launch reads nothing on the host).
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -19,6 +23,20 @@ from torch.overrides import TorchFunctionMode
 _READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique",
           "unique_consecutive", "masked_select", "argwhere"}
 _INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}
+
+
+_INTERPRETER = ("triton/runtime/interpreter.py", "triton/language/")
+
+
+def _in_triton_interpreter(depth: int = 16) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if any(part in frame.f_code.co_filename for part in _INTERPRETER):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _has_bool_index(index) -> bool:
@@ -57,7 +75,7 @@ class HostSyncCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if self._depth == 0 and _is_host_read(name, args, kwargs):
+        if self._depth == 0 and _is_host_read(name, args, kwargs) and not _in_triton_interpreter():
             self.calls.append(name)
         self._depth += 1  # a counted call's own inner torch calls are not counted again
         try:
