@@ -245,7 +245,7 @@ def serving_setup(device: str, num_requests: int, output_tokens: list[int]):
     cfg = model.config
     bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
     args = argparse.Namespace(block_size=16, kv_memory_bytes=4 * 4096 * bytes_per_token, chunk=512,
-                              max_num_seqs=256, max_num_batched_tokens=2048)
+                              max_num_seqs=256, max_num_batched_tokens=2048, schedule="mixed", prefix_caching="auto")
     stream = torch.randint(100, cfg.vocab_size - 100, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
     opts = ThroughputOptions(num_requests=num_requests, input_tokens=[1024, 2048], output_tokens=output_tokens,
                              request_rate=math.inf)
@@ -268,6 +268,188 @@ def serving(device: str, quick: bool, methods: list[str]) -> dict:
     for name in others:
         res[name]["throughput_ratio_vs_full"] = res[name]["output_tokens_per_s"] / res["full"]["output_tokens_per_s"]
     return res
+
+
+# ---------------------------------------------------------------------------------------------- Llama-3.1-8B shape
+LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=False)
+# the same structure, small: a dry run of the section on a CPU (--quick)
+LLAMA8B_QUICK = dict(LLAMA8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=1024, max_position_embeddings=8192)
+
+
+def llama8b_shaped(device: str, quick: bool):
+    """A Llama-3.1-8B-shaped model (random bf16 weights, created on the device), transformers' and kvbench's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.runtime.model import build_from_transformers
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**(LLAMA8B_QUICK if quick else LLAMA8B))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return hf, build_from_transformers(hf, dtype=dtype, device=device)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Measured device copy bandwidth, bytes read + written per second (1 GiB copied, median of 5)."""
+    src = torch.empty(2**30 // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * src.nbytes / timed(lambda: dst.copy_(src), device, repeats=5)
+
+
+def decode_kernel_bandwidth(device: str, batch: int, ctx: int, *, kv_heads=8, group=4, head_dim=128,
+                            block_size=16, iters=20) -> dict:
+    """The split-KV decode kernel alone on one layer's pool: K/V bytes read per second (each table ctx tokens)."""
+    from kvbench.runtime.backends.triton.decode import default_num_splits, paged_decode_triton
+
+    nb = ctx // block_size
+    n_blocks = batch * kv_heads * nb + 1
+    k = torch.randn(n_blocks, block_size, head_dim, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    tables = (torch.randperm(n_blocks - 1, device=device)[: batch * kv_heads * nb] + 1).to(torch.int32)
+    tables = tables.view(batch, kv_heads, nb)
+    lengths = torch.full((batch, kv_heads), ctx, dtype=torch.int64, device=device)
+    q = torch.randn(batch, kv_heads * group, 1, head_dim, dtype=torch.bfloat16, device=device)
+    run = lambda: paged_decode_triton(q, k, v, tables, lengths, head_dim ** -0.5)  # noqa: E731
+    run()
+    t = timed(lambda: [run() for _ in range(iters)], device) / iters
+    kv_bytes = 2 * batch * kv_heads * ctx * head_dim * 2
+    return {"batch": batch, "ctx": ctx, "splits": default_num_splits(torch.device(device), batch, kv_heads,
+                                                                       nb * block_size),
+            "us": t * 1e6, "kv_GB_per_s": kv_bytes / t / 1e9}
+
+
+def step_times(engine, prompt: list[int], steps: int, device: str) -> float:
+    """Seconds per decode step of one sequence after `prompt` (wall time, the step's one sync included)."""
+    slot = engine.new_sequence()
+    tok = int(engine.forward_chunk(slot, prompt, 0)[0].argmax())
+    pos = len(prompt)
+    for _ in range(3):  # warm-up (captures, compiles)
+        tok = engine.decode_batch([slot], [tok], [pos])[0]
+        pos += 1
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = engine.decode_batch([slot], [tok], [pos])[0]
+        pos += 1
+    sync(device)
+    out = (time.perf_counter() - t) / steps
+    engine.end_sequence(slot)
+    return out
+
+
+@section("llama8b_shaped")
+def llama8b(device: str, quick: bool, serving_methods: list[str], serving_budget_s: float) -> dict:
+    """Llama-3.1-8B-shaped, random bf16 weights, beside transformers on the same GPU: batch-1 decode, the decode
+    kernel's bandwidth, host time per step, the serving trace at a fixed pool."""
+    from bench.bench_throughput import SETUPS, serve
+    from kvbench.runtime.engine import Engine
+    from kvbench.tasks.throughput import ThroughputOptions, build_trace
+
+    on_cuda = torch.device(device).type == "cuda"
+    hf, model = llama8b_shaped(device, quick)
+    cfg = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    res = {"dtype": str(model.dtype), "weight_bytes": model.weight_bytes, "kv_bytes_per_token": kv_per_token}
+    bw = copy_bandwidth(device) if on_cuda else None
+    res["copy_GB_per_s"] = bw / 1e9 if bw else None
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(100, cfg.vocab_size - 100, (n,), generator=g).tolist()  # noqa: E731
+    new = 8 if quick else 32
+    contexts = (256, 1024) if quick else (4096, 32768)
+
+    # batch-1 decode, kvbench (graphs on CUDA) vs transformers, and the fraction of copy bandwidth it reaches
+    engine = Engine(model, kv_memory_bytes=(max(contexts) + 256) * kv_per_token * 2, prefill_chunk_size=4096)
+    res["attention_backend"] = engine.attention_backend
+    res["cuda_graphs"] = engine.decode_graphs is not None
+    for ctx in contexts:
+        p = rand(ctx)
+        t_step = step_times(engine, p, new, device)
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+            base = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False,
+                                             pad_token_id=0), device, repeats=1)
+            full = timed(lambda: hf.generate(ids, max_new_tokens=new + 1, min_new_tokens=new + 1, do_sample=False,
+                                             pad_token_id=0), device, repeats=1)
+        t_hf = (full - base) / new
+        read = model.weight_bytes + ctx * kv_per_token  # bytes one decode step must read
+        res[f"decode_tok_s_ctx{ctx}"] = 1 / t_step
+        res[f"decode_tok_s_ctx{ctx}_hf"] = 1 / t_hf
+        res[f"decode_ratio_vs_hf_ctx{ctx}"] = t_hf / t_step
+        # a step reads `read` bytes; a copy moves bw bytes/s (read + write): the bound is 2 * read / bw per step
+        res[f"decode_fraction_of_copy_bw_ctx{ctx}"] = (2 * read / bw) / t_step if bw else None
+    del hf
+    if on_cuda:
+        torch.cuda.empty_cache()
+        res["kernel_b1_ctx32768"] = decode_kernel_bandwidth(device, 1, 32768 if not quick else 1024)
+        res["kernel_b32_ctx4096"] = decode_kernel_bandwidth(device, 32, 4096 if not quick else 512)
+        for key in ("kernel_b1_ctx32768", "kernel_b32_ctx4096"):
+            res[key]["fraction_of_copy_bw"] = 2 * res[key]["kv_GB_per_s"] * 1e9 / bw
+
+    # host time per step, eager and with graphs: wall per step minus the GPU's time for the same step (a replay)
+    p = rand(contexts[0])
+    eager = Engine(model, kv_memory_bytes=(contexts[0] + 256) * kv_per_token * 2, cuda_graphs=False)
+    res["step_ms_eager"] = step_times(eager, p, new, device) * 1e3
+    if on_cuda:
+        graphed = Engine(model, kv_memory_bytes=(contexts[0] + 256) * kv_per_token * 2, cuda_graphs=True)
+        res["step_ms_graphs"] = step_times(graphed, p, new, device) * 1e3
+        gpu_ms = graph_replay_ms(graphed)
+        res["step_gpu_ms"] = gpu_ms
+        res["host_ms_per_step_eager"] = max(0.0, res["step_ms_eager"] - gpu_ms)
+        res["host_ms_per_step_graphs"] = max(0.0, res["step_ms_graphs"] - gpu_ms)
+        del graphed
+    del eager, engine
+
+    # the serving trace at a fixed pool: 16 x 4096-token prompts, 1024 output tokens, pool = 4 full prompts
+    n_req, inp, out_tok = (4, 256, 32) if quick else (16, 4096, 1024)
+    stream = torch.randint(100, cfg.vocab_size - 100, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
+    trace = build_trace(stream, ThroughputOptions(num_requests=n_req, input_tokens=[inp], output_tokens=[out_tok],
+                                                  request_rate=math.inf), 0)
+    args = argparse.Namespace(block_size=16, kv_memory_bytes=4 * inp * kv_per_token, chunk=2048, max_num_seqs=256,
+                              max_num_batched_tokens=8192, schedule="mixed", prefix_caching="auto")
+    budget = 1024 if not quick else 64
+    srv = {"requests": n_req, "input_tokens": inp, "output_tokens": out_tok, "budget": budget,
+           "kv_pool_bytes": args.kv_memory_bytes}
+    t_start = time.perf_counter()
+    for name in serving_methods:
+        if time.perf_counter() - t_start > serving_budget_s:
+            srv[name] = {"skipped": f"serving time budget ({serving_budget_s:.0f} s) spent"}
+            continue
+        m = serve(model, trace, SETUPS[name], budget, args)
+        srv[name] = {k: m[k] for k in ("output_tokens_per_s", "max_running_seqs", "preemptions", "wall_s",
+                                       "peak_kv_bytes")}
+    full = srv.get("full", {}).get("output_tokens_per_s")
+    for name in serving_methods:
+        if name != "full" and full and "output_tokens_per_s" in srv[name]:
+            srv[name]["throughput_ratio_vs_full"] = srv[name]["output_tokens_per_s"] / full
+    res["serving"] = srv
+    return res
+
+
+def graph_replay_ms(engine) -> float:
+    """GPU milliseconds of one replay of the engine's batch-1 decode graph (CUDA events, median of 20)."""
+    graphs = engine.decode_graphs
+    g = next(g for (b, _), g in graphs.graphs.items() if b == 1)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
 
 
 def profile_serving(device: str, out_dir: Path) -> None:
@@ -299,8 +481,12 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every section's result to this file")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also profile a short serving trace into DIR")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: model,methods,preemption,speed,"
-                                                "serving")
+                                                "serving,llama8b")
     ap.add_argument("--serving-methods", default="full,paged_eviction,kivi2")
+    ap.add_argument("--llama8b-serving-methods",
+                    default="full,paged_eviction,streaming_llm,kivi2,paged_eviction+kivi2,snapkv,h2o")
+    ap.add_argument("--llama8b-serving-budget-s", type=float, default=150.0,
+                    help="stop starting new serving runs of the 8B section after this many seconds")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (use --device cpu --quick for a dry run)")
@@ -319,9 +505,12 @@ def main() -> None:
         speed(args.device, args.quick)
     if "serving" not in skip:
         serving(args.device, args.quick, args.serving_methods.split(","))
+    if "llama8b" not in skip:
+        llama8b(args.device, args.quick, args.llama8b_serving_methods.split(","), args.llama8b_serving_budget_s)
     if args.profile:
         profile_serving(args.device, Path(args.profile))
     print("gpu_check: " + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED'}" for k, v in RESULTS.items()))
+    print(json.dumps({"gpu_check": RESULTS}), flush=True)  # everything in one JSON line
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the Triton kernels' tests compiled for the GPU, then bench/gpu_check.py (correctness against
-# transformers and the torch attention, speed, serving). Logs go to ${OUT:-gpu_check_out}/. Not part of CI.
-#   bash bench/gpu_check.sh [--quick]
+# transformers and the torch attention; the Llama-3.1-8B-shaped speed, kernel, host-time and serving figures).
+# Logs go to ${OUT:-gpu_check_out}/. Not part of CI. Worst case (every timeout hit) 7 minutes.
+#   bash bench/gpu_check.sh [gpu_check.py options, e.g. --skip llama8b]
 set -u
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
@@ -9,11 +10,10 @@ py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 echo "== Triton kernels (compiled, KVBENCH_TEST_GPU=1)"
-KVBENCH_TEST_GPU=1 timeout 120 $py -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
-    2>&1 | tee "$out/pytest_triton_attention.log" | tail -25
-timeout 50 $py -m pytest -q -p no:cacheprovider tests/test_quant_codecs.py tests/test_quantized_cache.py -k triton \
+KVBENCH_TEST_GPU=1 timeout 60 $py -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+    tests/test_triton_decode.py 2>&1 | tee "$out/pytest_triton.log" | tail -25
+timeout 30 $py -m pytest -q -p no:cacheprovider tests/test_quant_codecs.py tests/test_quantized_cache.py -k triton \
     2>&1 | tee "$out/pytest_triton_dequant.log" | tail -8
-echo "== bench/gpu_check.py"
-PYTHONUNBUFFERED=1 timeout 330 $py bench/gpu_check.py --json "$out/gpu_check.json" "$@" 2>&1 | tee "$out/gpu_check.log"
-echo "== bench/bench_triton_attention.py --quick"
-PYTHONUNBUFFERED=1 timeout 50 $py bench/bench_triton_attention.py --quick 2>&1 | tee "$out/bench_triton_attention.log"
+echo "== bench/gpu_check.py (the SmolLM2-shaped speed/serving sections are skipped: the 8B section supersedes them)"
+PYTHONUNBUFFERED=1 timeout 330 $py bench/gpu_check.py --json "$out/gpu_check.json" --skip speed,serving \
+    --llama8b-serving-budget-s 100 "$@" 2>&1 | tee "$out/gpu_check.log"

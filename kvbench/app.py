@@ -498,7 +498,8 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
     return _loaded_model[key]
 
 
-_ENGINE_RUNTIME_ARGS = ("max_num_seqs", "max_num_batched_tokens", "admission_watermark", "schedule", "prefix_caching")
+_ENGINE_RUNTIME_ARGS = ("max_num_seqs", "max_num_batched_tokens", "admission_watermark", "schedule", "prefix_caching",
+                        "cuda_graphs")
 
 
 def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:

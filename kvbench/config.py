@@ -96,6 +96,7 @@ class RuntimeConfig:
     preemption: str = "recompute"  # recompute | swap (blocks to host memory) | auto (the cheaper of the two)
     swap_bytes: Optional[int] = None  # host swap space in bytes (null: as large as the KV pool)
     speculative: Any = field(default_factory=SpeculativeConfig)
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs on CUDA (ignored elsewhere); not in the run id
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict) or self.speculative is None:
@@ -106,6 +107,8 @@ class RuntimeConfig:
         check_positive("runtime.swap_bytes", self.swap_bytes, allow_none=True, minimum=0)
         if self.schedule not in SCHEDULES:
             raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are {', '.join(SCHEDULES)}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise UserError(f"invalid runtime.cuda_graphs={self.cuda_graphs!r}: choices are true, false")
         if self.prefix_caching not in ("auto", True, False):
             raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
         check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)

@@ -307,7 +307,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     fields = {"model_path": settings.model.path, "model_gguf_file": settings.model.gguf_file,
               **flat("task_", settings.task_options),
               **flat("runtime_", {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
-                                  for k, v in vars(settings.runtime).items() if k != "threads"}),
+                                  for k, v in vars(settings.runtime).items() if k not in ("threads", "cuda_graphs")}),
               "quant": settings.quant_name, **flat("quant_", settings.quant_options)}
     return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields,
                    draft_method, draft_quant)

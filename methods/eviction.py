@@ -685,4 +685,4 @@ class BlockScoreEvictionMethod(EvictionMethod):
         drop = cand.topk(n_drop, dim=-1, largest=False).indices + first  # [H, n_drop]
         if self.heads == "shared":
             drop = drop[:1].expand(H, -1)
-        cache.evict_head_blocks(layer, slot, drop.tolist())
+        cache.evict_blocks_on_device(layer, slot, n, drop)  # the ids reach the pool with the step's tokens

@@ -65,8 +65,12 @@ def both(cache, slots, layer, group, *, seed=1):
 
     plan = Plan()
     plan.tables, plan.lengths, plan.slots, plan.query_positions = cache.tables[idx], cache.lengths[idx], idx, qpos
+    plan.positions = cache.positions[idx]
     assert CPU.packed_kernel(cache, q, causal=False, return_key_scores=True) == "decode"
-    ref = cache.attend(layer, q, plan, 0.125, backend=TORCH, return_key_scores=True, causal=False)
+    ref_out, ref_ks = cache.attend(layer, q, plan, 0.125, backend=TORCH, return_key_scores=True, causal=False)
+    T = int(lengths.max())  # the torch decode scores cover the tables' whole width: zero past the lengths
+    assert (ref_ks[:, :, T:] == 0).all()
+    ref = ref_out, ref_ks[:, :, :T]
     fast = cpu_kernels.codec_decode_attention_cpu(
         q, cache.k_pool, cache.v_pool, cache.kq_pool, cache.vq_pool, CPU.block_formats(cache), tables, lengths,
         0.125, return_key_scores=True)

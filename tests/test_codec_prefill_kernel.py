@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None
 class _Plan:  # what `attend` reads of an AppendPlan
     def __init__(self, cache, idx, qpos):
         self.tables, self.lengths, self.slots, self.query_positions = cache.tables[idx], cache.lengths[idx], idx, qpos
+        self.positions = cache.positions[idx]
 
 
 def _chunk_both(cache, slots, layer, group, Q, seed=1):

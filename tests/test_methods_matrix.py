@@ -190,6 +190,9 @@ class Checker:
                 assert bool((pos[1:] > pos[:-1]).all()), "positions not strictly increasing"
                 assert int(pos.min()) >= 0
         want = sum(int(((cache.lengths[s] + bs - 1) // bs).sum()) for s in cache.live)
+        assert (cache.host_lengths[list(cache.live)] == cache.lengths[list(cache.live)].numpy()).all()
+        # blocks a decode step evicted on the device return to the pool with the step's sampled tokens
+        want += cache.pending_free_count()
         assert cache.pool.in_use == want, f"{cache.pool.in_use} blocks in use, tables need {want}"
 
 

@@ -19,6 +19,7 @@ Kernels: a codec lists in `kernels` the runtime kernels that may read its packed
 `affine_rows` description, instead of calling decode_keys / decode_values; the runtime never matches codecs by name.
     "cpu_attention"   the C attention over a codec cache (kvbench/runtime/backends/cpu: decode and prefill)
     "triton_dequant"  the Triton dequantizer (kvbench/runtime/backends/triton/dequant.py: unsigned codes, with mn)
+    "triton_attention" the Triton split-KV decode (kvbench/runtime/backends/triton/decode.py: any `affine_rows`)
 """
 from __future__ import annotations
 
@@ -236,8 +237,9 @@ class KiviCodec(KVCodec):
 
     @property
     def kernels(self) -> frozenset[str]:
-        """The C attention reads 2, 4 and 8 bits; the Triton dequantizer 2 and 4."""
-        return frozenset({"cpu_attention", "triton_dequant"} if self.bits in (2, 4) else {"cpu_attention"})
+        """The C attention and the Triton decode read 2, 4 and 8 bits; the Triton dequantizer 2 and 4."""
+        both = {"cpu_attention", "triton_attention"}
+        return frozenset(both | {"triton_dequant"} if self.bits in (2, 4) else both)
 
     def affine_rows(self, kind, block_size, head_dim):
         lay = self.layout(kind, block_size, head_dim)
@@ -387,7 +389,7 @@ class Int8Codec(KVCodec):
 
     bits: int = field(default=8, init=False)
     name: str = field(default="int8", init=False)
-    kernels = frozenset({"cpu_attention"})
+    kernels = frozenset({"cpu_attention", "triton_attention"})
 
     def affine_rows(self, kind, block_size, head_dim):
         lay = self.layout(kind, block_size, head_dim)

@@ -16,6 +16,7 @@ and `engine.swap` with `engine.preemption` (kvbench.runtime.swap: preemption may
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -24,6 +25,7 @@ import torch
 from kvbench.runtime.backends.selection import select_backend
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.caches import build_cache, full_block_bytes
+from kvbench.runtime.decode_graphs import DecodeGraphs
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
@@ -32,6 +34,7 @@ from kvbench.runtime.scheduler import Outcome, Request, Scheduler
 from kvbench.spec import SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Engine:
         admission_watermark: float = 0.01,
         schedule: str = "mixed",
         prefix_caching: bool | str = "auto",
+        cuda_graphs: bool | None = None,
     ):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -101,6 +105,7 @@ class Engine:
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
         )
+        self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
         method.attach(self.cache, cfg)
         self.backend = select_backend(attention_backend, model.device, self.cache)
         self.attention_backend = self.backend.name
@@ -117,9 +122,27 @@ class Engine:
         self.speculator = None  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
         self.swap = None  # a kvbench.runtime.swap.SwapSpace: preemption may swap blocks out to host memory
         self.preemption = "recompute"  # recompute | swap | auto (kvbench.runtime.swap.choose_preemption)
+        self.decode_graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (runtime.cuda_graphs)
+        on_cuda = model.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            log.info("runtime.cuda_graphs ignored on %s: decode runs eagerly", model.device)
+        elif cuda_graphs is not False and on_cuda:
+            self.use_decode_graphs()
         bind = getattr(method, "bind_engine", None)
         if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
             bind(self)
+
+    def use_decode_graphs(self, **options) -> DecodeGraphs | None:
+        """Run decode steps from captured graphs (kvbench.runtime.decode_graphs; options: capture, buckets); None
+        (eager, with a log line) where this engine's method or cache cannot run captured."""
+        graphs = DecodeGraphs(self.model, self.cache, self.backend, self.method, rope_mode=self.method.rope_mode,
+                              max_batch=self.max_num_seqs, **options)
+        why = graphs.supported()
+        if why is not None:
+            log.info("decode runs eagerly (no CUDA graphs): %s", why)
+            graphs = None
+        self.decode_graphs = graphs
+        return graphs
 
     def _prefix_caching_on(self, setting: bool | str) -> bool:
         """auto: on for methods that never act after attention (full precision, storage codecs), whose result does
@@ -137,16 +160,23 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def _step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, *, phase: str,
-              last_chunk: bool, logits_for: str, scratch: bool = False) -> torch.Tensor | None:
+              last_chunk: bool, logits_for: str, scratch: bool = False,
+              max_position: int | None = None) -> torch.Tensor | None:
         plan = self.cache.prepare_append(slots, positions)
-        logits = self.model.forward(
-            tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
-            last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
-        )
+        plan.max_position = max_position  # known on the host: RoPE's table needs no device read
+        logits = None
+        if self.decode_graphs is not None and phase == "decode" and logits_for == "last" and tokens.shape[1] == 1:
+            logits = self.decode_graphs.run(tokens, plan)  # None: this step runs eagerly
+        if logits is None:
+            logits = self.model.forward(
+                tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
+                last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
+            )
         if scratch:  # a method's own pass: its tokens are not the sequence's (nor in the uncompressed figure)
             for s in slots:
                 self.cache.tokens_seen[s] -= tokens.shape[1]
-        self._track_full_bytes()
+        if not self.cache.has_pending_frees():  # else tracked once the sampled tokens bring the evicted ids
+            self._track_full_bytes()
         return logits
 
     def _track_full_bytes(self) -> None:
@@ -175,7 +205,7 @@ class Engine:
             toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
             qpos = torch.tensor([[s.start_pos] for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
             logits = self._step([s.slot for s in segments], toks, qpos, phase="decode", last_chunk=True,
-                                logits_for="last")
+                               logits_for="last", max_position=max(s.start_pos for s in segments))
             return list(logits) if logits_for == "last" else [row[None] for row in logits]
         by_shape: dict[tuple, list[int]] = {}  # (phase, length, last_chunk) -> segment indices, first-seen order
         for i, s in enumerate(segments):
@@ -188,6 +218,8 @@ class Engine:
             room.append(([segments[i].slot for i in idx], qpos))
             order += idx
         plans = self.cache.prepare_appends(room)
+        for plan, (_, n, _), idx in zip(plans, by_shape, by_shape.values()):
+            plan.max_position = max(segments[i].start_pos for i in idx) + n - 1
         groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
         out = self.model.forward_ragged(groups, self.cache, backend=self.backend, hook=self._layer_hook,
                                         logits_for=logits_for, rope_mode=self.method.rope_mode)
@@ -222,7 +254,7 @@ class Engine:
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
         logits = self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for,
-                            scratch=scratch)
+                            scratch=scratch, max_position=start_pos + ids.shape[1] - 1)
         after = None if scratch else getattr(self.method, "after_prefill_chunk", None)
         if after is not None:  # optional: the chunk's token ids, after its step (KVzip's reconstruction pass)
             after(slot, list(token_ids), start_pos, last_chunk)
@@ -234,8 +266,9 @@ class Engine:
         dev = self.model.device
         toks = torch.tensor(tokens, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
         qpos = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
-        logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last")
-        return self.sample(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
+        logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last",
+                            max_position=max(positions))
+        return self._sample_step(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
 
     def new_sequence(self) -> int:
         """A new, empty sequence slot."""
@@ -426,7 +459,8 @@ class Engine:
         sequence's known tokens (last_chunk: a prompt's last chunk, a decode token). Waits for the device."""
         logits = self.step(segments)
         emit = [i for i, s in enumerate(segments) if s.last_chunk]
-        toks = self.sample(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
+        toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
+        self._flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
 
@@ -495,6 +529,28 @@ class Engine:
                 "kv_bytes": blocks * self.cache.bytes_per_block}
 
     # ------------------------------------------------------------------ helpers
+    def _sample_step(self, logits: torch.Tensor, temperature: float, top_p: float,
+                     gen: torch.Generator) -> list[int]:
+        """`sample`, and the blocks the step's eviction left on the device back to the pool: greedy tokens and
+        those block ids travel to the host in one transfer (the step's one host sync)."""
+        pending = self.cache.take_pending_frees()
+        if pending is None:
+            return self.sample(logits, temperature, top_p, gen)
+        if temperature <= 0:
+            toks = logits.argmax(dim=-1)
+            both = torch.cat([toks, pending.to(toks.dtype)]).tolist()
+            out, freed = both[: toks.numel()], both[toks.numel():]
+        else:
+            out, freed = self.sample(logits, temperature, top_p, gen), pending.tolist()
+        self.cache.free_pending(freed)
+        self._track_full_bytes()
+        return out
+
+    def _flush_pending_frees(self) -> None:
+        if self.cache.has_pending_frees():
+            self.cache.free_pending_now()
+            self._track_full_bytes()
+
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
         """logits [S, V] -> one token id per row."""

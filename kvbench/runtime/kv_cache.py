@@ -6,6 +6,8 @@ different tokens in different layers and heads):
     k_pool, v_pool: [num_blocks, block_size, head_dim]     the bytes (one block = one table's slots)
     tables:         [max_seqs, L, H, max_blocks] int32     physical block ids, in slot order
     lengths:        [max_seqs, L, H] int64                 valid slots per table
+    host_lengths:   numpy int64 [max_seqs, L, H]           the same, kept on the host by every operation that
+                                                           changes a length, so allocation reads no device value
     positions:      [max_seqs, L, H, max_blocks*bs] int32  original token position of each slot
 
 Tables are kept compact: slots 0..len-1 are valid and every block but the last is full, so a
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from kvbench.runtime.block_pool import BlockPool
@@ -35,15 +38,15 @@ class AppendPlan:
     query_positions: torch.Tensor  # [S, Q] int64
     positions: torch.Tensor  # [S, L, H, nb*bs] int32 snapshot of key positions after the append
     slot_list: list[int]
-    _host_lengths: Optional[list] = field(default=None, repr=False)
+    host_lengths: Optional[np.ndarray] = field(default=None, repr=False)  # [S, L, H] lengths, on the host
+    max_position: Optional[int] = None  # the largest query position, when the caller knows it on the host
 
     def table_lengths(self, i: int, layer: int) -> list[int]:
-        """lengths[i, layer] (one per kv-head) as Python ints, copied to the host once per step for every layer's
-        hook (a device sync per layer and sequence costs more than the check it feeds on a GPU). Exact for a
-        layer until its own hook evicts: layers never change each other's tables."""
-        if self._host_lengths is None:
-            self._host_lengths = self.lengths.tolist()
-        return self._host_lengths[i][layer]
+        """lengths[i, layer] (one per kv-head) as Python ints, from the host copy the cache keeps (no device
+        read). Exact for a layer until its own hook evicts: layers never change each other's tables."""
+        if self.host_lengths is None:
+            self.host_lengths = self.lengths.cpu().numpy()
+        return self.host_lengths[i, layer].tolist()
 
 
 class PagedKVCache:
@@ -80,6 +83,7 @@ class PagedKVCache:
         L, H = num_layers, num_kv_heads
         self.tables = torch.zeros(max_seqs, L, H, self.max_blocks, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(max_seqs, L, H, dtype=torch.int64, device=self.device)
+        self.host_lengths = np.zeros((max_seqs, L, H), dtype=np.int64)
         self.positions = torch.full(
             (max_seqs, L, H, self.max_blocks * block_size), -1, dtype=torch.int32, device=self.device
         )
@@ -88,6 +92,10 @@ class PagedKVCache:
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
         self._shared = False  # set once any fork happened: enables copy-on-write checks
         self.block_listeners: list = []  # objects with modified(ids) / replace(old, new) (the prefix cache)
+        self._pending_free: list[torch.Tensor] = []  # evicted block ids not yet back in the pool (device)
+        # evict_blocks_on_device leaves the ids on the device until take_pending_frees (an engine sets this: it
+        # takes them with each step's sampled tokens); False: they go back to the pool at once (a host read)
+        self.defer_frees = False
 
     def _make_storage(self, num_blocks: int) -> None:
         """The block pool and the bytes: allocated once; pages are touched only as blocks are written.
@@ -140,6 +148,7 @@ class PagedKVCache:
             self._grow_seqs()
         s = self._free_slots.pop()
         self.lengths[s] = 0
+        self.host_lengths[s] = 0
         self.positions[s] = -1
         self.tokens_seen[s] = 0
         self.live.add(s)
@@ -148,10 +157,12 @@ class PagedKVCache:
     def free_sequence(self, slot: int) -> None:
         """Return every block of the sequence to the pool."""
         self._check_live(slot)
+        self.free_pending_now()  # evicted blocks first (their table entries are gone)
         nb = self._num_blocks(self.lengths[slot])  # [L, H]
         ids = _table_entries(self.tables[slot], nb)
         self.pool.free(ids)
         self.lengths[slot] = 0
+        self.host_lengths[slot] = 0
         self.live.discard(slot)
         self._free_slots.append(slot)
 
@@ -161,6 +172,7 @@ class PagedKVCache:
         child = self.add_sequence()
         self.tables[child] = self.tables[slot]
         self.lengths[child] = self.lengths[slot]
+        self.host_lengths[child] = self.host_lengths[slot]
         self.positions[child] = self.positions[slot]
         self.tokens_seen[child] = self.tokens_seen[slot]
         self.pool.share(_table_entries(self.tables[slot], self._num_blocks(self.lengths[slot])))
@@ -172,7 +184,7 @@ class PagedKVCache:
         every table, holding positions 0..nb*bs-1): one more reference each, copy-on-write before any in-place
         change (the prefix cache's attach)."""
         self._check_live(slot)
-        if int(self.lengths[slot].max()) != 0:
+        if self.host_lengths[slot].max() != 0:
             raise ValueError(f"share_blocks: sequence {slot} is not empty")
         nb = blocks.shape[-1]
         n = nb * self.block_size
@@ -181,6 +193,7 @@ class PagedKVCache:
         self.pool.share(blocks.flatten().tolist())
         self.tables[slot, :, :, :nb] = blocks.to(device=self.device, dtype=torch.int32)
         self.lengths[slot] = n
+        self.host_lengths[slot] = n
         self.positions[slot, :, :, :n] = torch.arange(n, dtype=torch.int32, device=self.device)
         self.tokens_seen[slot] = n
         self._shared = True
@@ -199,20 +212,24 @@ class PagedKVCache:
         """
         bs = self.block_size
         S, Q = query_positions.shape
+        self.free_pending_now()  # evicted ids a caller did not take (it sampled nothing): back before allocating
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
         for s in slots:
             self._check_live(s)
-        old_len = self.lengths[slot_t]  # [S, L, H]
-        new_len = old_len + Q
-        old_nb = self._num_blocks(old_len)
-        new_nb = self._num_blocks(new_len)
-        max_nb = int(new_nb.max())
+        # block counts from the host copy of the lengths: allocating reads no device value
+        old_len_h = self.host_lengths[slots]  # [S, L, H]
+        new_len_h = old_len_h + Q
+        old_nb_h = (old_len_h + bs - 1) // bs
+        new_nb_h = (new_len_h + bs - 1) // bs
+        max_nb = int(new_nb_h.max())
         if max_nb > self.max_blocks:
             self._grow_blocks(max_nb)
+        old_len = self.lengths[slot_t]  # [S, L, H]
+        new_len = old_len + Q
         # only the columns in use travel: copying whole rows would cost O(capacity) per decode step
         tables = self.tables[slot_t, :, :, :max_nb]  # [S, L, H, max_nb] copy
-        need = (new_nb - old_nb).flatten()
-        total = int(need.sum())
+        need_h = (new_nb_h - old_nb_h).reshape(-1)
+        total = int(need_h.sum())
         cow = self._copy_on_write_targets(tables, old_len) if self._shared else None
         n_cow = 0 if cow is None else int(cow[0].numel())
         ids = self.pool.allocate(total + n_cow)
@@ -223,10 +240,11 @@ class PagedKVCache:
             # fresh blocks start zeroed: masked slots of a partly filled block must not hold NaN/inf
             self.k_pool.index_fill_(0, ids_t.to(torch.int64), 0)
             self.v_pool.index_fill_(0, ids_t.to(torch.int64), 0)
-            rows = torch.repeat_interleave(torch.arange(need.numel(), device=self.device), need)
-            starts = torch.cumsum(need, 0) - need
-            offs = torch.arange(total, device=self.device) - starts[rows]
-            cols = old_nb.flatten()[rows] + offs
+            rows_h = np.repeat(np.arange(need_h.size), need_h)  # the table row of each new block
+            offs_h = np.arange(total) - (np.cumsum(need_h) - need_h)[rows_h]
+            cols_h = old_nb_h.reshape(-1)[rows_h] + offs_h
+            rows = torch.from_numpy(rows_h).to(self.device)
+            cols = torch.from_numpy(cols_h).to(self.device)
             tables.view(-1, max_nb)[rows, cols] = ids_t
         self.tables[slot_t, :, :, :max_nb] = tables
         slot_idx = old_len.unsqueeze(-1) + torch.arange(Q, device=self.device)  # [S, L, H, Q]
@@ -238,9 +256,11 @@ class PagedKVCache:
         pos_rows.scatter_(-1, slot_idx, pos[:, None, None, :].expand(S, L, H, Q).to(torch.int32))
         self.positions[slot_t, :, :, : max_nb * bs] = pos_rows
         self.lengths[slot_t] = new_len
+        self.host_lengths[slots] = new_len_h
         for s in slots:
             self.tokens_seen[s] += Q
-        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), pos_rows, list(slots))
+        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), pos_rows, list(slots),
+                          host_lengths=new_len_h)
 
     def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
         """prepare_append for each (slots, query_positions [S_g, Q_g]) group of one ragged step, as one step (a
@@ -274,14 +294,14 @@ class PagedKVCache:
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense K, V [H, T, D] and positions [H, T] of one sequence's layer (T = longest head; pad = -1)."""
         lengths = self.lengths[slot, layer]
-        T = int(lengths.max())
+        T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
         nb = -(-T // self.block_size)
         idx = self.tables[slot, layer, :, :nb].to(torch.int64)  # [H, nb]
         H, D = self.num_kv_heads, self.head_dim
         k = self.k_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
         v = self.v_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
-        pos = self.positions[slot, layer, :, :T].clone()
-        pos[torch.arange(T, device=self.device)[None, :] >= lengths[:, None]] = -1
+        pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
+        pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
         return k, v, pos
 
     # ------------------------------------------------------------------ eviction
@@ -319,6 +339,7 @@ class PagedKVCache:
         pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))
         self._release_tail_blocks(table, old_len, new_len)
         self.lengths[slot, layer] = new_len
+        self.host_lengths[slot, layer] = new_len.cpu().numpy()
 
     def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
         """Block-level eviction: drop whole logical blocks of one (layer, kv-head) table without
@@ -335,7 +356,7 @@ class PagedKVCache:
         if not any(blocks):
             return
         bs = self.block_size
-        lengths = self.lengths[slot, layer].tolist()  # [H]
+        lengths = self.host_lengths[slot, layer].tolist()  # [H]
         if all(b == blocks[0] for b in blocks) and all(n == lengths[0] for n in lengths):
             self._evict_same_blocks_every_head(layer, slot, lengths[0], blocks[0])
             return
@@ -359,7 +380,66 @@ class PagedKVCache:
             new_n = n - len(drop) * bs
             pos[new_n:] = -1
             self.lengths[slot, layer, h] = new_n
+            self.host_lengths[slot, layer, h] = new_n
         self.pool.free(freed)
+
+    def evict_blocks_on_device(self, layer: int, slot: int, n: int, drop: torch.Tensor) -> None:
+        """evict_head_blocks with the choice left on the device: every kv-head of one sequence's layer is n tokens
+        long and drops the logical blocks drop [H, k] (distinct per head, full blocks: never a partly filled
+        last one). The tables and positions are compacted by tensor ops; the dropped block ids wait on the device
+        until `take_pending_frees` (the engine reads them with the step's sampled tokens: one transfer), and
+        only then go back to the pool: no host sync here."""
+        self._check_live(slot)
+        bs = self.block_size
+        H, k = drop.shape
+        nb = -(-n // bs)
+        if k >= nb or list(self.host_lengths[slot, layer]) != [n] * H:
+            raise ValueError(f"evict_blocks_on_device: {k} blocks of tables of lengths "
+                             f"{self.host_lengths[slot, layer].tolist()} (expected {n}, full blocks)")
+        if k == 0:
+            return
+        cols = torch.arange(nb, device=self.device).expand(H, nb)
+        dropped = torch.zeros(H, nb, dtype=torch.bool, device=self.device).scatter_(1, drop, True)
+        keep = torch.where(dropped, nb, cols).sort(dim=1).values[:, : nb - k]  # [H, nb-k] kept columns, in order
+        table = self.tables[slot, layer]  # [H, MB] view
+        freed = table[:, :nb].gather(1, drop).reshape(-1)
+        table[:, : nb - k] = table[:, :nb].gather(1, keep)
+        pos = self.positions[slot, layer]  # [H, MB*bs] view
+        src = (keep[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(H, -1)
+        pos[:, : (nb - k) * bs] = pos.gather(1, src)
+        pos[:, (nb - k) * bs:] = -1
+        self.lengths[slot, layer] = n - k * bs
+        self.host_lengths[slot, layer] = n - k * bs
+        if self.defer_frees:
+            self._pending_free.append(freed)
+        else:
+            self.pool.free(freed.tolist())
+
+    def has_pending_frees(self) -> bool:
+        """Whether evicted block ids wait on the device (see evict_blocks_on_device)."""
+        return bool(self._pending_free)
+
+    def pending_free_count(self) -> int:
+        """How many evicted block references wait on the device (still counted in use by the pool)."""
+        return sum(t.numel() for t in self._pending_free)
+
+    def free_pending_now(self) -> None:
+        """Return the waiting evicted blocks to the pool at once (one device read)."""
+        if self._pending_free:
+            self.free_pending(self.take_pending_frees().tolist())
+
+    def take_pending_frees(self) -> torch.Tensor | None:
+        """Block ids (int32, on the device) evicted by `evict_blocks_on_device` since the last call, or None; the
+        caller copies them to the host and calls `free_pending(ids)`."""
+        if not self._pending_free:
+            return None
+        ids = torch.cat(self._pending_free)
+        self._pending_free = []
+        return ids
+
+    def free_pending(self, ids: list[int]) -> None:
+        """Return blocks taken from take_pending_frees to the pool."""
+        self.pool.free(ids)
 
     def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
         """(blocks to drop, sorted; blocks kept, in order) of an n-token table; only full blocks may be dropped."""
@@ -387,6 +467,7 @@ class PagedKVCache:
         new_n = n - len(drop) * bs
         pos[:, new_n:] = -1
         self.lengths[slot, layer] = new_n
+        self.host_lengths[slot, layer] = new_n
         self.pool.free(freed)
 
     def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None:
@@ -396,17 +477,19 @@ class PagedKVCache:
         tokens move) and that next block is freed. Anything else, or a shared block, falls back to keep_tokens."""
         self._check_live(slot)
         bs = self.block_size
-        lengths = self.lengths[slot, layer].tolist()  # [H], one host copy
+        lengths = self.host_lengths[slot, layer].tolist()  # [H]
         n = max(lengths)
         if not (0 <= start < stop <= n) or min(lengths) != n:
             raise ValueError(f"cannot drop slots {start}..{stop - 1} of tables of lengths {lengths}")
         a, r = divmod(start, bs)
-        if stop - start == bs and r == 0:
-            self.evict_head_blocks(layer, slot, [[a]] * self.num_kv_heads)
+        H = self.num_kv_heads
+        if stop - start == bs and r == 0 and (a + 1) * bs <= n:
+            self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a, device=self.device))
             return
         table = self.tables[slot, layer]  # [H, MB]
+        # never forked nor shared (self._shared): every refcount is 1, nothing to read from the device
         can_shift = (stop - start == bs and n >= (a + 2) * bs and self.plain_pools
-                     and not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist()))
+                     and (not self._shared or not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist())))
         if not can_shift:
             keep = torch.cat([torch.arange(start), torch.arange(stop, n)]).to(self.device)
             self.keep_tokens(layer, slot, keep.expand(self.num_kv_heads, -1))
@@ -419,7 +502,7 @@ class PagedKVCache:
         self.v_pool[dst, r:] = self.v_pool[src, r:]
         pos = self.positions[slot, layer]  # [H, MB*bs]
         pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
-        self.evict_head_blocks(layer, slot, [[a + 1]] * self.num_kv_heads)
+        self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a + 1, device=self.device))
 
     # ------------------------------------------------------------------ rollback (speculative decoding)
     def truncate(self, slot: int, num_tokens: int) -> int:
@@ -447,6 +530,7 @@ class PagedKVCache:
         freed = self.tables[slot][drop].tolist()
         self.positions[slot].masked_fill_(valid & ~kept, -1)
         self.lengths[slot] = new_len
+        self.host_lengths[slot] = new_len.cpu().numpy()  # the host copy follows every change
         self.pool.free(freed)
         return len(freed)
 
@@ -492,13 +576,14 @@ class PagedKVCache:
         total = fresh * -(-n_tokens // self.block_size) * self.num_layers * self.num_kv_heads
         live = [s for s in slots if s is not None]
         if live:
-            old = self.lengths[torch.tensor(live, dtype=torch.int64, device=self.device)]  # [S, L, H]
-            total += int((self._num_blocks(old + n_tokens) - self._num_blocks(old)).sum())
+            old = self.host_lengths[live]  # [S, L, H]
+            bs = self.block_size
+            total += int(((old + n_tokens + bs - 1) // bs - (old + bs - 1) // bs).sum())
         return total
 
     def blocks_held(self, slot: int) -> int:
         """Blocks in the tables of one sequence (shared blocks counted once per table)."""
-        return int(self._num_blocks(self.lengths[slot]).sum())
+        return int(((self.host_lengths[slot] + self.block_size - 1) // self.block_size).sum())
 
     # ------------------------------------------------------------------ internals
     def _num_blocks(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -571,6 +656,7 @@ class PagedKVCache:
         new = 2 * old
         self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
         self.lengths = torch.cat([self.lengths, torch.zeros_like(self.lengths)])
+        self.host_lengths = np.concatenate([self.host_lengths, np.zeros_like(self.host_lengths)])
         self.positions = torch.cat([self.positions, torch.full_like(self.positions, -1)])
         self.tokens_seen += [0] * old
         self._free_slots = list(range(new - 1, old - 1, -1)) + self._free_slots

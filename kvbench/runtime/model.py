@@ -165,7 +165,8 @@ class LlamaFamilyModel:
         offsets = [sum(sizes[:i]) for i in range(len(groups))]
         N = sum(sizes)
         qpos = torch.cat([g.plan.query_positions.reshape(-1) for g in groups])  # [N]
-        cos, sin = self.rotary.lookup(qpos)  # [N, D]
+        known = [getattr(g.plan, "max_position", None) for g in groups]
+        cos, sin = self.rotary.lookup(qpos, None if None in known else max(known))  # [N, D]
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         fused = None
         if fast and len(groups) == 1:
@@ -251,7 +252,7 @@ class LlamaFamilyModel:
         else:  # re-indexed: query at its slot in the cache, keys at their slot index
             lens = plan.lengths[:, li]  # [S, H]
             qslot = lens.unsqueeze(-1) - Q + torch.arange(Q, device=lens.device)  # [S, H, Q]
-            cq, sq = self.rotary.lookup(qslot)  # [S, H, Q, D]
+            cq, sq = self.rotary.lookup(qslot, plan.tables.shape[-1] * cache.block_size - 1)  # [S, H, Q, D]
             q = apply_rotary(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
             rotate_keys = self._rotate_at_slot
         cache.write(li, plan, k, v)
@@ -264,14 +265,15 @@ class LlamaFamilyModel:
         return out
 
     def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T]."""
-        cos, sin = self.rotary.lookup(positions)
+        """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T] (none past the
+        step's queries, whose lookup already sized the table: no device read)."""
+        cos, sin = self.rotary.lookup(positions, self.rotary.cos.shape[0] - 1)
         return apply_rotary(k, cos, sin)
 
     def _rotate_at_slot(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at slot index 0..T-1 (StreamingLLM re-indexing)."""
         T = k.shape[2]
-        cos, sin = self.rotary.lookup(torch.arange(T, device=k.device))
+        cos, sin = self.rotary.lookup(torch.arange(T, device=k.device), T - 1)
         return apply_rotary(k, cos, sin)
 
 

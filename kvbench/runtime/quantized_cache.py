@@ -50,6 +50,7 @@ Eviction composes:
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvbench.runtime.backends import triton as triton_backend
@@ -182,6 +183,9 @@ class QuantizedPagedKVCache(PagedKVCache):
             kwargs["store_pre_rope"] = bool(getattr(codec, "pre_rope_keys", False))
         super().__init__(block_size=block_size, num_blocks=0, **kwargs)
         self.dequant = self._pick_dequant(dequant)
+        # slot -> (host lengths [L, H], tokens_seen) when pack_pending last looked at it (see _may_need_packing)
+        self._pack_seen: dict[int, tuple[np.ndarray, int]] = {}
+        self._restored: set[int] = set()  # slots whose tokens keep_tokens stored again since (checked on device)
 
     def _make_storage(self, num_blocks: int) -> None:
         """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
@@ -284,10 +288,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         """Pack the blocks that left the full-precision window (of every live sequence: those outside this step
         finished theirs), then allocate room as PagedKVCache does."""
         self.pack_pending()
-        plan = super().prepare_append(slots, query_positions)
-        if int(plan.write_index.max()) >= self.num_fp_blocks * self.block_size:  # pragma: no cover - invariant
-            raise AssertionError("new tokens must land in full-precision blocks")
-        return plan
+        return super().prepare_append(slots, query_positions)  # new tokens land in full-precision blocks
 
     def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
         """Pack once (what left the window before this step), then allocate every group's room: a block that one
@@ -310,9 +311,18 @@ class QuantizedPagedKVCache(PagedKVCache):
         Their full-precision blocks are freed before the packed rows are allocated (the data is encoded first),
         so packing never raises the bytes in use.
         """
+        self.free_pending_now()
         slots = sorted(self.live) if slots is None else list(slots)
-        if not slots:
+        if not slots or not self._may_need_packing(slots):
             return 0
+        n = self._pack(slots)
+        for s in slots:  # only once packed: a failed pack is tried again
+            self._pack_seen[s] = (self.host_lengths[s].copy(), self.tokens_seen[s])
+            self._restored.discard(s)
+        return n
+
+    def _pack(self, slots: list[int]) -> int:
+        """pack_pending's work over `slots` (live)."""
         st = torch.tensor(slots, dtype=torch.int64, device=self.device)
         tables = self.tables[st]  # [S, L, H, MB]
         lengths = self.lengths[st]  # [S, L, H]
@@ -352,6 +362,31 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.vq_pool[pid] = v_rows
         self.tables[st[s_i], l_i, h_i, c_i] = new_ids[inverse].to(torch.int32)
         return int(fp_ids.numel())
+
+    def _may_need_packing(self, slots: list[int]) -> bool:
+        """False when, from host numbers alone, no block of `slots` can have entered the packed range since
+        pack_pending last looked (so a decode step reads no device value here). After a pack every table's
+        blocks [start, stop(length)) are packed; appends raise stop, whole-block evictions keep that true (the
+        packed prefix and stop shrink together), so a block is due exactly when stop of the length the table would
+        have without its evictions (old length + tokens appended since) passed the old stop. Token-level eviction
+        (keep_tokens) stores tokens again: those sequences are checked on the device."""
+        bs, R = self.block_size, int(self.codec.residual)
+        start = 1 if self.codec.first_token_fp else 0
+        for s in slots:
+            seen = self._pack_seen.get(s)
+            if seen is None or s in self._restored:
+                return True
+            lens0, tokens0 = seen
+            grown = lens0 + (self.tokens_seen[s] - tokens0)  # [L, H] lengths had nothing been evicted
+            stop0, stop = np.maximum(lens0 - R, 0) // bs, np.maximum(grown - R, 0) // bs
+            if np.any((stop > stop0) & (stop > start)):
+                return True
+        return False
+
+    def free_sequence(self, slot: int) -> None:
+        self._pack_seen.pop(slot, None)
+        self._restored.discard(slot)
+        super().free_sequence(slot)
 
     def _allocate_packed_for(self, fp_ids: torch.Tensor, table_refs: list[int]) -> list[int]:
         """Packed blocks for the distinct full-precision blocks fp_ids: every table reference to them is dropped
@@ -475,6 +510,24 @@ class QuantizedPagedKVCache(PagedKVCache):
             v.index_copy_(0, pk_pos, self._decode("value", self.vq_pool.index_select(0, pid), layer, heads))
         return k, v, nb
 
+    def _dense_table_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every block of the tables' width MB, decoded, with no host sync (no shape depends on values): (k, v
+        [S*H*MB, bs, D] in the model dtype, MB). Full-precision entries are read from the fp pool; the packed rows
+        are decoded for every entry (a full-precision entry decodes a zero row, discarded)."""
+        S, H, MB = tables.shape
+        ids = tables.reshape(-1).to(torch.int64)  # [S*H*MB]
+        packed = ids >= self.num_fp_blocks
+        fid = torch.where(packed, 0, ids)
+        pid = torch.where(packed, ids - self.num_fp_blocks, 0)
+        heads = (torch.arange(ids.numel(), device=self.device) // MB) % H
+        zero = torch.zeros((), dtype=torch.uint8, device=self.device)
+        out = []
+        for kind, fp_pool, q_pool in (("key", self.k_pool, self.kq_pool), ("value", self.v_pool, self.vq_pool)):
+            rows = torch.where(packed[:, None], q_pool.index_select(0, pid), zero)
+            dec = self._decode(kind, rows, layer, heads)
+            out.append(torch.where(packed[:, None, None], dec, fp_pool.index_select(0, fid).to(self.dtype)))
+        return out[0], out[1], MB
+
     def _decode(self, kind: str, rows: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
         bs, D = self.block_size, self.head_dim
         if self.dequant == "triton":
@@ -494,10 +547,14 @@ class QuantizedPagedKVCache(PagedKVCache):
             return res
         tables, lengths = plan.tables[:, layer], plan.lengths[:, layer]
         S, H = tables.shape[:2]
-        k, v, nb = self._dense_blocks(layer, tables, lengths)
+        if q.shape[2] == 1 and not causal:  # decode: every block of the tables' width, no host sync
+            k, v, nb = self._dense_table_blocks(layer, tables)
+        else:
+            k, v, nb = self._dense_blocks(layer, tables, lengths)
         dense_tables = torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
         return backend.attend(
-            q, k, v, dense_tables, lengths, self.positions[plan.slots, layer], plan.query_positions, scale,
+            q, k, v, dense_tables, lengths, plan.positions[:, layer, :, : nb * self.block_size],
+            plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
@@ -505,13 +562,14 @@ class QuantizedPagedKVCache(PagedKVCache):
         """Dense (dequantized) K, V [H, T, D] and positions [H, T] of one sequence's layer (pad = -1)."""
         self._check_live(slot)
         lengths = self.lengths[slot, layer]
-        T = int(lengths.max())
+        T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
         H, D = self.num_kv_heads, self.head_dim
-        k, v, nb = self._dense_blocks(layer, self.tables[slot, layer][None], lengths[None])
+        nb = max(1, -(-T // self.block_size))
+        k, v, _ = self._dense_table_blocks(layer, self.tables[slot, layer, :, :nb][None])
         k = k.view(H, nb * self.block_size, D)[:, :T]
         v = v.view(H, nb * self.block_size, D)[:, :T]
-        pos = self.positions[slot, layer, :, :T].clone()
-        pos[torch.arange(T, device=self.device)[None, :] >= lengths[:, None]] = -1
+        pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
+        pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
         return k, v, pos
 
     # ------------------------------------------------------------------ eviction
@@ -524,6 +582,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         the rest are stored again: packed where `codec.packed_block_range` says, else in full precision.
         """
         self._check_live(slot)
+        self._restored.add(slot)  # pack_pending checks this sequence on the device
         bs, D, H = self.block_size, self.head_dim, self.num_kv_heads
         keep = keep.to(self.device)
         old_len = self.lengths[slot, layer].clone()  # [H]
@@ -584,6 +643,7 @@ class QuantizedPagedKVCache(PagedKVCache):
             pos_row[h, :n_new] = new_pos[h].to(pos_row.dtype)
             pos_row[h, n_new:] = -1
             self.lengths[slot, layer, h] = n_new
+            self.host_lengths[slot, layer, h] = n_new
 
 
 def _itemsize(dtype: torch.dtype) -> int:

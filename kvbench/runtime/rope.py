@@ -24,9 +24,13 @@ class RotaryTable:
         self.cos = (emb.cos() * self.scaling).to(self.dtype)
         self.sin = (emb.sin() * self.scaling).to(self.dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [*positions.shape, D] for integer positions (negative = padding, treated as 0)."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
+    def lookup(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, D] for integer positions (negative = padding, treated as 0). max_position:
+        the largest of them when the caller knows it on the host (else it is read from the device)."""
+        if max_position is not None:
+            need = max_position + 1
+        else:
+            need = int(positions.max()) + 1 if positions.numel() else 1
         if need > self.cos.shape[0]:
             self._build(max(need, 2 * self.cos.shape[0]))
         p = positions.clamp(min=0).to(torch.int64)

@@ -103,6 +103,7 @@ class SwapSpace:
         table_refs = c.tables[slot][torch.arange(c.tables.shape[-1], device=c.device)
                                     < c._num_blocks(c.lengths[slot]).unsqueeze(-1)].tolist()
         c.lengths[slot] = 0
+        c.host_lengths[slot] = 0  # the host copy of the lengths follows every change (kv_cache.py)
         c.positions[slot] = -1
         c.pool.free(table_refs)
         self._held[slot] = held
@@ -137,6 +138,7 @@ class SwapSpace:
             c.pool.share([b for b, n in counts.items() for _ in range(n - 1)])
         c.tables[slot, :, :, :nb] = remap
         c.lengths[slot] = held.lengths
+        c.host_lengths[slot] = held.lengths.cpu().numpy()
         c.positions[slot, :, :, :held.positions.shape[-1]] = held.positions
         del self._held[slot]
         self.used_bytes -= held.nbytes

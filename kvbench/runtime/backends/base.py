@@ -8,7 +8,9 @@ Shapes (one layer): q [S, Hq, Q, D]; k_pool, v_pool [num_blocks, block_size, D];
 per (sequence, kv-head) table); lengths [S, H] int64; key_positions [S, H, MB * block_size] int32 (original
 position of each slot); query_positions [S, Q] int64. Query i sees the cached keys at positions <= its own
 (causal=False: every key, as in plain decoding). Results: (out [S, Hq, Q, D], key_scores [S, H, T] or None), the
-attention mass each key slot received, summed over the query heads of its kv-head and the queries.
+attention mass each key slot received, summed over the query heads of its kv-head and the queries; T covers the
+longest table (a decode step's scores cover the tables' whole width, MB * block_size, zero past each length, so
+that no shape depends on a length's value).
 """
 from __future__ import annotations
 

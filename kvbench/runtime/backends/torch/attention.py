@@ -41,9 +41,13 @@ def paged_attention_torch(
     kv head h and over the Q queries (what H2O-style methods accumulate).
     rotate_keys(k [S, H, Tp, D], key_positions [S, H, Tp]) -> k: applied to gathered keys when the
     cache stores them before RoPE. causal=False skips the position mask (valid when every cached
-    key precedes every query, as in plain decoding).
+    key precedes every query, as in plain decoding); with one query it is `paged_decode_torch` (T = every slot
+    of the tables' width).
     """
     S, Hq, Q, D = q.shape
+    if Q == 1 and not causal:
+        return paged_decode_torch(q, k_pool, v_pool, tables, lengths, scale, return_key_scores=return_key_scores,
+                                  rotate_keys=rotate_keys, key_positions=key_positions)
     H = tables.shape[1]
     G = Hq // H
     bs = k_pool.shape[1]
@@ -86,3 +90,37 @@ def paged_attention_torch(
     key_scores = probs.sum(dim=2)[:, :, :T] if return_key_scores else None
     return out, key_scores
 
+
+
+def paged_decode_torch(
+    q: torch.Tensor,  # [S, Hq, 1, D]
+    k_pool: torch.Tensor,  # [num_blocks, bs, D]
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,  # [S, H, MB] int32
+    lengths: torch.Tensor,  # [S, H]
+    scale: float,
+    *,
+    return_key_scores: bool = False,
+    rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    key_positions: torch.Tensor | None = None,  # [S, H, MB*bs] (for rotate_keys)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention (one query per sequence, every cached key visible) without a host sync: every block of the
+    tables' width MB is read and slots past a table's length are masked, so no shape depends on the lengths'
+    values (a CUDA graph can capture it). Returns (out [S, Hq, 1, D], key_scores [S, H, MB*bs] or None; 0 past
+    each length). A table of length 0 gives zeros."""
+    S, Hq, _, D = q.shape
+    H, MB = tables.shape[1], tables.shape[2]
+    G = Hq // H
+    bs = k_pool.shape[1]
+    Tp = MB * bs
+    k = gather_blocks(k_pool, tables, MB)  # [S, H, Tp, D]
+    v = gather_blocks(v_pool, tables, MB)
+    if rotate_keys is not None:
+        k = rotate_keys(k, key_positions[:, :, :Tp])
+    valid = torch.arange(Tp, device=q.device) < lengths.unsqueeze(-1)  # [S, H, Tp]
+    qg = q.reshape(S, H, G, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [S, H, G, Tp]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # empty tables: zeros
+    out = torch.matmul(probs.to(v.dtype), v).reshape(S, Hq, 1, D)
+    return out, (probs.sum(dim=2) if return_key_scores else None)
