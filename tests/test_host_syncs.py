@@ -24,6 +24,8 @@ HOST_BOUND = {
     "snapkv-decode=window-pooling=maxpool-kernel_size=7": "evicts tokens every step",
     "tova-decode=evict-heads=per_head": "evicts one token per head every step",
     "duo_attention-patterns_path": "streaming heads trimmed token by token every step",
+    "knorm-decode=evict": "token-level eviction every step (the smallest key norms, tokens compacted per table)",
+    "rkv-buffer=4-window=4": "token-level compression every `buffer` tokens (tables compacted to the budget)",
 }
 
 
