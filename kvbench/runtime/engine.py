@@ -460,7 +460,7 @@ class Engine:
         logits = self.step(segments)
         emit = [i for i, s in enumerate(segments) if s.last_chunk]
         toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
-        self._flush_pending_frees()  # a step that sampled nothing
+        self.flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
 
@@ -546,7 +546,9 @@ class Engine:
         self._track_full_bytes()
         return out
 
-    def _flush_pending_frees(self) -> None:
+    def flush_pending_frees(self) -> None:
+        """Return to the pool the blocks that device-side eviction left pending (they normally travel with a step's
+        sampled tokens, `_sample_step`); for callers that run `step` and sample on their own (speculative rounds)."""
         if self.cache.has_pending_frees():
             self.cache.free_pending_now()
             self._track_full_bytes()

@@ -181,6 +181,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         try:
             self.draft.step(segs)
+            self.draft.flush_pending_frees()  # a sliding draft window's evicted blocks, back to the draft pool
         except OutOfBlocksError:
             self.stats.draft_failures += 1
             for slot, _, _ in seqs:
@@ -232,6 +233,7 @@ class SpeculativeDecoder:
             segs = [Segment(seqs[i].slot, [queues[i][0]], seqs[i].fed, "decode") for i in active]
             try:
                 logits = self.draft.step(segs)
+                self.draft.flush_pending_frees()
             except OutOfBlocksError:  # the draft pool is full: propose what there is
                 self.stats.draft_failures += 1
                 break
@@ -266,6 +268,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         segs = [Segment(it.slot, [it.tokens[-1]] + d, len(it.tokens) - 1, "decode") for it, d in zip(items, drafts)]
         logits = target.step(segs, logits_for="all")  # [k_i + 1, V] each
+        target.flush_pending_frees()
         out: list[list[int]] = []
         for it, d, q, lg in zip(items, drafts, dists, logits):
             if temperature > 0 and d:
