@@ -28,6 +28,10 @@ PYTEST_ARGS ?=
 # 2-core machine two workers halve the wall time. Tests of one module stay in one worker (their module fixtures
 # are made once). PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= auto
+# Run in a process of their own, before the rest: the in-process CLI runs of an unwritable results folder, after some
+# other modules in the same xdist worker, left pytest's own capture file closed (every later test of that worker then
+# errored at setup); alone they pass. Cause not found yet (2026-12-03).
+SOLO_TESTS ?= tests/test_faults_unwritable.py
 
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
@@ -57,8 +61,10 @@ run: install
 	$(PY) -m kvbench $(ARGS)
 
 test: install-test
-	@rc=0; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+	@solo=0; $(PY) -m pytest -q $(SOLO_TESTS) $(PYTEST_ARGS) || solo=$$?; \
+	rc=0; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --ignore=$(SOLO_TESTS) $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; \
+	if [ $$solo -ne 0 ] && [ $$solo -ne 5 ]; then rc=$$solo; fi; exit $$rc
 
 bench: install
 	$(PY) bench/bench_runtime.py $(ARGS)
