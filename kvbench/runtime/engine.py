@@ -193,9 +193,10 @@ class Engine:
     @torch.no_grad()
     def step(self, segments: list[Segment], logits_for: str = "last") -> list[torch.Tensor]:
         """One ragged step: every segment's tokens in one forward (vLLM v1's flattened batch); returns the logits
-        [V] of each segment's last token (logits_for="all": [n, V], every token's: speculative verification). A pure-decode step is the plain decode step (the fused CPU path);
-        otherwise the segments are grouped by length (all decode tokens together, each prefill chunk length
-        together) and `LlamaFamilyModel.forward_ragged` runs the groups' tokens as one flat batch.
+        [V] of each segment's last token (logits_for="all": [n, V], every token's: speculative verification). A
+        pure-decode step is the plain decode step (the fused CPU path); otherwise the segments are grouped by length
+        (all decode tokens together, each prefill chunk length together) and `LlamaFamilyModel.forward_ragged` runs
+        the groups' tokens as one flat batch.
         Blocks are allocated group by group: the caller makes sure they fit (an OutOfBlocksError part-way leaves
         the earlier groups' sequences appended but not computed: the scheduler preempts them all)."""
         if not segments:
@@ -483,8 +484,9 @@ class Engine:
             spec.follow_prefill([(s.slot, s.token_ids, s.start_pos, s.last_chunk) for s in (segments[i] for i in pre)])
             emit = [i for i, j in enumerate(pre) if segments[j].last_chunk]
             if emit:
-                toks = self.sample(torch.stack([logits[i] for i in emit]), temperature, top_p, gen)
+                toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen)
                 out.update({pre[i]: [t] for i, t in zip(emit, toks)})
+            self.flush_pending_frees()  # as _run: blocks a method evicted on the device go back to the pool
         self._synchronize()
         return out
 
