@@ -23,7 +23,7 @@ CASES = [
     ("paged_eviction_per_head", "paged_eviction", {"budget": 48, "heads": "per_head"}, None, {}),
     ("snapkv", "snapkv", {"budget": 48, "window": 8}, None, {}),
     ("kivi2", "full", {}, "kivi", {"bits": 2, "group_size": 16, "residual": 16}),
-    ("adakv", "adakv", {"budget": 48, "decode": "evict"}, None, {}),
+    ("adakv", "adakv", {"budget": 48, "decode": "evict", "base": "knorm"}, None, {}),  # knorm: uneven heads
     ("kvzip", "kvzip", {"budget": 48}, None, {}),
 ]
 PROMPT_LEN, SCORE_LEN, NEW_TOKENS, BLOCK = 120, 160, 24, 16
