@@ -279,10 +279,16 @@ class EvictionMethod(Method):
         self._kept[1] += prompt
         self._kept[2] += 1
 
-    def prefill_stats(self) -> dict[str, Any]:
+    def prefill_totals(self) -> list:
+        """The sums prefill_stats averages: tokens kept, prompt tokens, (prompt, layer) count (summed over the
+        ranks of a data-parallel launch, then given back to prefill_stats)."""
+        return list(self._kept)
+
+    def prefill_stats(self, totals: list | None = None) -> dict[str, Any]:
         """Tokens kept per (layer, kv-head) after each prompt's compression, averaged over every prompt, layer
-        and kv-head compressed so far (`kv_tokens_kept_mean`), the prompts' mean length and the kept fraction."""
-        kept, prompt, n = self._kept
+        and kv-head compressed so far (`kv_tokens_kept_mean`), the prompts' mean length and the kept fraction
+        (of `totals`, prefill_totals' sums, when given)."""
+        kept, prompt, n = self._kept if totals is None else totals
         if not n:
             return {"kv_tokens_kept_mean": None, "prompt_tokens_mean": None, "kv_kept_fraction": None}
         return {"kv_tokens_kept_mean": round(kept / n, 2), "prompt_tokens_mean": round(prompt / n, 2),

@@ -145,6 +145,23 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def sum_over_data_parallel(values: Sequence[float], layout: Optional[Layout] = None) -> list[float]:
+    """Per-rank sums (of counts or figures over a rank's samples) summed over the data-parallel groups, each
+    group's value the mean over its tensor-parallel ranks (each holds a share of the kv-heads: a per-rank mean
+    over its heads averages into the mean over all heads). A collective; the values themselves in one process."""
+    layout = layout if layout is not None else _layout
+    if layout is None:
+        return list(values)
+    every = all_gather_objects([float(v) for v in values])
+    tp = layout.tp_size
+    out = [0.0] * len(values)
+    for g in range(layout.dp_size):
+        group = every[g * tp:(g + 1) * tp]
+        for j in range(len(values)):
+            out[j] += sum(r[j] for r in group) / tp
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank src's obj on every rank (a collective; obj itself in a single process)."""
     if _layout is None:
