@@ -565,7 +565,7 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
     configure_threads(s.runtime.threads)
     _seed_everything(s.seed)
     loaded = parallel_run.shard_loaded(_load_model(s, parallel_run.load_device(layout, plan.device), load_model_fn),
-                                       layout)  # a tensor-parallel rank keeps its shard
+                                       layout, plan.device)  # a tensor-parallel rank keeps its shard
     if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
         try:  # codecs that calibrate (kvquant) tokenize their calibration text with it
             loaded.model.tokenizer = loaded.tokenizer

@@ -46,21 +46,32 @@ def writer_decides(layout: Optional[Layout], decision: Optional[str] = None) -> 
     return distributed.broadcast_object(decision if layout.is_writer else None)
 
 
-def load_device(layout: Optional[Layout], device: str) -> str:
-    """Where a rank loads its model: its own GPU under NCCL (cuda:<local rank>), else the config's device."""
+def rank_device(layout: Optional[Layout], device: str) -> str:
+    """The device a rank computes on: its own GPU under NCCL (cuda:<local rank>), else the config's device."""
     if layout is not None and layout.device is not None and device.startswith("cuda"):
         return layout.device
     return device
 
 
-def shard_loaded(loaded: Any, layout: Optional[Layout]) -> Any:
+def load_device(layout: Optional[Layout], device: str) -> str:
+    """Where a rank loads the checkpoint: host memory under tensor parallel (only the shard goes to the device,
+    shard_loaded), else rank_device."""
+    if layout is not None and layout.tp_size > 1:
+        return "cpu"
+    return rank_device(layout, device)
+
+
+def shard_loaded(loaded: Any, layout: Optional[Layout], device: str) -> Any:
     """`loaded` (kvbench.runtime.loading.LoadedModel) with its model replaced by this rank's tensor-parallel shard
-    (a copy: the loaded full model stays cached for the next run); `loaded` itself without tensor parallelism."""
+    on its device (a copy: the loaded full model stays cached, in host memory, for the next run); `loaded` itself
+    without tensor parallelism."""
     if layout is None or layout.tp_size == 1:
         return loaded
     out = copy.copy(loaded)
+    target = rank_device(layout, device)
     try:
-        out.model = shard_model(loaded.model, layout.tp_rank, layout.tp_size, layout.tp_group)
+        out.model = shard_model(loaded.model, layout.tp_rank, layout.tp_size, layout.tp_group, device=target)
+        out.device = out.model.device
     except ValueError as exc:
         raise UserError(f"invalid runtime.tensor_parallel={layout.tp_size}: {exc}") from None
     return out
