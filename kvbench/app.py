@@ -12,6 +12,8 @@
 Once the run has started, every failure is recorded with status "failed" and its error (SIGINT: "interrupted",
 SIGTERM: "terminated"); an I/O error is recorded where the disk allows and the sweep goes on. The process exits
 non-zero at the end (2 if a run had bad input, else 1; 130/143 for SIGINT/SIGTERM).
+Under `torchrun` (kvbench/parallel_run.py, docs/distributed.md) every rank runs steps 1, 3 and 4; rank 0 alone
+opens and records the run folder, with every rank's figures.
 """
 from __future__ import annotations
 
@@ -498,7 +500,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
             pass
     # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
-    if load_model_fn is None:  # the real model: its measured rates make the next run's estimate
+    if load_model_fn is None and layout is None:  # the real model in one process: its rates make the next estimate
         record_speed(record)
     if usage_error is not None:
         raise usage_error
