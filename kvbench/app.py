@@ -12,6 +12,8 @@
 Once the run has started, every failure is recorded with status "failed" and its error (SIGINT: "interrupted",
 SIGTERM: "terminated"); an I/O error is recorded where the disk allows and the sweep goes on. The process exits
 non-zero at the end (2 if a run had bad input, else 1; 130/143 for SIGINT/SIGTERM).
+Under `torchrun` (kvbench/parallel_run.py, docs/distributed.md) every rank runs steps 1, 3 and 4; rank 0 alone
+opens and records the run folder, with every rank's figures.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import config as _config
+from kvbench import parallel_run
 from kvbench.console import RUN_LOG, report, say, warn
 from kvbench.errors import Terminated, UserError
 from kvbench.estimate import measured_speed, plan_line, record_speed
@@ -341,6 +344,29 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         cfg = OmegaConf.create(cfg)
     plan = plan_run(cfg, build_method_fn=build_method_fn)
     s = plan.settings
+    layout = parallel_run.join_launch(s)  # a torchrun launch: rank 0 writes, the others compute with it
+    if layout is not None and not layout.is_writer:
+        return _run_with_writer(plan, layout, load_model_fn, engine_cls)
+    told = [layout is None]  # whether the other ranks know if the run goes ahead
+    try:
+        record = _run_as_writer(plan, run_dir, t0, load_model_fn, engine_cls, print_summary, layout, told)
+    except UserError as exc:
+        if layout is None or not told[0]:
+            raise
+        report(str(exc))  # found during a launched run: recorded; the ranks cannot go on together
+        raise SystemExit(2) from None
+    finally:
+        if not told[0]:
+            parallel_run.writer_decides(layout, "skip")
+    if layout is not None and record.get("status") not in ("ok", "claimed"):
+        raise SystemExit(1)  # recorded failed; the other ranks' collectives no longer pair with this one's
+    return record
+
+
+def _run_as_writer(plan: RunPlan, run_dir: Optional[str], t0: float, load_model_fn: Optional[Callable],
+                   engine_cls: Optional[type], print_summary: bool, layout: Any, told: list) -> dict:
+    """run() in the process that writes the run folder (the only process, or rank 0 of a launch)."""
+    s = plan.settings
     run_id = os.path.basename(os.path.normpath(run_dir)) if run_dir is not None else plan.run_id
     folder = RunFolder(s.results_dir, run_id, run_dir)
     _repair_once(s.results_dir)
@@ -362,9 +388,32 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         previous = None if s.rerun else folder.finished()  # finished while we waited for the claim
         if previous is not None:
             return _skip_finished(folder, previous, print_summary)
-        return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary)
+        told[0] = True
+        parallel_run.writer_decides(layout, "run")
+        return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary, layout)
     finally:
         claim.release()
+
+
+def _run_with_writer(plan: RunPlan, layout: Any, load_model_fn: Optional[Callable],
+                     engine_cls: Optional[type]) -> dict:
+    """run() on a rank other than 0: load, execute the task with the other ranks, send this rank's figures to rank
+    0 (merge_rank_figures); nothing is written here. A failure propagates (the process exits, which fails rank 0's
+    next collective: rank 0 records the run as failed)."""
+    if parallel_run.writer_decides(layout) != "run":
+        return {"run_id": plan.run_id, "status": "ok", "rank": layout.rank}
+    record: dict = {"run_id": plan.run_id, "status": "failed"}
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvbench-rank") as scratch:  # a task's artifacts stay off the folder
+            loaded, engine = _load(plan, load_model_fn, engine_cls, record, layout)
+            _execute(plan, scratch, loaded, engine, record, layout)
+    except UserError as exc:
+        report(f"rank {layout.rank}: {exc}")
+        raise SystemExit(2) from None
+    except Exception as exc:
+        report(f"rank {layout.rank}: run failed: {type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    return {"run_id": plan.run_id, "status": "ok", "rank": layout.rank}
 
 
 def _repair_once(results_dir: str) -> None:
@@ -410,7 +459,7 @@ def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
 
 
 def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Optional[Callable],
-                 engine_cls: Optional[type], print_summary: bool) -> dict:
+                 engine_cls: Optional[type], print_summary: bool, layout: Any = None) -> dict:
     s = plan.settings
     try:
         folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
@@ -429,8 +478,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
         logger.start()
         record["wandb_mode"] = logger.mode if logger.run is not None else None
         _announce(plan)
-        loaded, engine = _load(plan, load_model_fn, engine_cls, record)  # 3. load
-        samples = _execute(plan, folder, loaded, engine, record)  # 4. execute
+        loaded, engine = _load(plan, load_model_fn, engine_cls, record, layout)  # 3. load
+        samples = _execute(plan, folder.path, loaded, engine, record, layout)  # 4. execute
         record["status"] = "ok"
     except UserError as exc:
         usage_error = exc
@@ -451,7 +500,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
             pass
     # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
-    if load_model_fn is None:  # the real model: its measured rates make the next run's estimate
+    if load_model_fn is None and layout is None:  # the real model in one process: its rates make the next estimate
         record_speed(record)
     if usage_error is not None:
         raise usage_error
@@ -512,11 +561,13 @@ def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
     return {k: getattr(rt, k) for k in _ENGINE_RUNTIME_ARGS if k in params or takes_any}
 
 
-def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict):
+def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict,
+          layout: Any = None):
     s = plan.settings
     configure_threads(s.runtime.threads)
     _seed_everything(s.seed)
-    loaded = _load_model(s, plan.device, load_model_fn)
+    loaded = parallel_run.shard_loaded(_load_model(s, parallel_run.load_device(layout, plan.device), load_model_fn),
+                                       layout, plan.device)  # a tensor-parallel rank keeps its shard
     if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
         try:  # codecs that calibrate (kvquant) tokenize their calibration text with it
             loaded.model.tokenizer = loaded.tokenizer
@@ -537,6 +588,8 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
         kwargs = _engine_kwargs(engine_cls, rt)
         if rt.speculative.enabled and "prefix_caching" in kwargs:
             kwargs["prefix_caching"] = False  # the draft cache prefills every prompt itself (plan refuses true)
+        if rt.tensor_parallel > 1 and "cuda_graphs" in kwargs:
+            kwargs["cuda_graphs"] = False  # a sharded decode step all-reduces between its layers: run eagerly
         engine = engine_cls(loaded.model, plan.method, block_size=rt.block_size, num_blocks=rt.num_blocks,
                             kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
                             attention_backend=rt.attention_backend, **kwargs, **extra)
@@ -580,10 +633,10 @@ def _attach_serving_extras(plan: RunPlan, loaded: Any, engine: Any, engine_cls: 
 
 
 # =========================================================================== 4. execute
-def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record: dict) -> list:
+def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: dict, layout: Any = None) -> list:
     faults.reach("before_task")
     task = plan.task
-    task.output_dir = folder.path  # where a task may save artifacts (e.g. the needle heatmap)
+    task.output_dir = output_dir  # where a task may save artifacts (e.g. the needle heatmap)
     result = task.run(engine, loaded.tokenizer, plan.settings, make_progress(plan.settings.progress))
     samples = list(result.samples or [])
     metrics = result.metrics or {}
@@ -605,6 +658,7 @@ def _execute(plan: RunPlan, folder: RunFolder, loaded: Any, engine: Any, record:
     except Exception as exc:  # pragma: no cover
         record["memory_stats_error"] = f"{type(exc).__name__}: {exc}"
     record["num_samples"] = len(samples)
+    parallel_run.merge_rank_figures(record, result.perf or {}, len(samples), layout)  # a launch: over its ranks
     return samples
 
 

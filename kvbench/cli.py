@@ -250,10 +250,23 @@ def every_sweep_job_checked() -> Iterator[None]:
         Sweeper.validate_batch_is_legal = hydra_check
 
 
+# Hydra overrides for ranks other than 0 of a torchrun launch: rank 0 alone writes into the run folder (no second
+# .hydra/ copy, no second writer of kvbench.log)
+FOLLOWER_RANK_OVERRIDES = ("hydra.output_subdir=null", f"hydra.job_logging.handlers.file.filename={os.devnull}")
+
+
+def launch_rank_overrides(argv: list) -> list:
+    """argv, with FOLLOWER_RANK_OVERRIDES added on a torchrun rank other than 0 (RANK set and not 0)."""
+    rank = os.environ.get("RANK", "0").strip()
+    if os.environ.get("WORLD_SIZE") is None or rank in ("", "0"):
+        return list(argv)
+    return [*argv, *FOLLOWER_RANK_OVERRIDES]
+
+
 def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit);
     a sweep's jobs are all checked before the first starts."""
-    sys.argv[:] = multirun_flag_first(sys.argv)
+    sys.argv[:] = launch_rank_overrides(multirun_flag_first(sys.argv))
     app.open_exit_channel()
     try:
         with every_sweep_job_checked():

@@ -97,6 +97,7 @@ class RuntimeConfig:
     swap_bytes: Optional[int] = None  # host swap space in bytes (null: as large as the KV pool)
     speculative: Any = field(default_factory=SpeculativeConfig)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs on CUDA (ignored elsewhere); not in the run id
+    tensor_parallel: int = 1  # ranks one model is sharded over (a torchrun launch; kvbench/runtime/tensor_parallel.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict) or self.speculative is None:
@@ -112,6 +113,7 @@ class RuntimeConfig:
         if self.prefix_caching not in ("auto", True, False):
             raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
         check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
+        check_positive("runtime.tensor_parallel", self.tensor_parallel, maximum=1024)
         check_positive("runtime.num_blocks", self.num_blocks, allow_none=True, minimum=2)
         check_positive("runtime.kv_memory_bytes", self.kv_memory_bytes, allow_none=True)
         for key, most in RUNTIME_COUNT_MAX.items():

@@ -33,6 +33,7 @@ from kvbench.model_info import elem_bytes, kv_pool_bytes, model_shape
 from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
+from kvbench.runtime.distributed import env_world_size
 from kvbench.runtime.loading import packaged_smollm2
 from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime, resolve_storage
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
@@ -181,6 +182,35 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
 
 
+def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None:
+    """runtime.tensor_parallel against the launch (torchrun's WORLD_SIZE), the model's kv-heads and what the method
+    and codec can do on a kv-head shard (kvbench/runtime/tensor_parallel.py); before anything loads."""
+    tp, world = settings.runtime.tensor_parallel, env_world_size()
+    if tp == 1:
+        return
+    where = f"invalid runtime.tensor_parallel={tp}"
+    if tp > world:
+        raise UserError(f"{where}: larger than the {world} process(es) of this launch; start it with "
+                        f"`torchrun --nproc-per-node {tp} -m kvbench ...` (or a multiple of {tp} processes)")
+    if world % tp:
+        raise UserError(f"{where}: does not divide the {world} processes of this launch (data-parallel groups "
+                        f"are world / tensor_parallel ranks each)")
+    if shape is not None and shape.num_kv_heads % tp:
+        fits = [d for d in range(1, shape.num_kv_heads + 1) if shape.num_kv_heads % d == 0]
+        raise UserError(f"{where}: the model's {shape.num_kv_heads} kv-heads are not divisible by {tp} (each rank "
+                        f"holds whole kv-heads); choices: {', '.join(map(str, fits))}")
+    refusal = getattr(method, "tensor_parallel_refusal", None)
+    why = refusal() if callable(refusal) else None
+    if why:
+        raise UserError(f"method {settings.method_name!r} cannot run with runtime.tensor_parallel={tp}: {why}")
+    if settings.quant_name == "kvquant":
+        raise UserError(f"quant 'kvquant' cannot run with runtime.tensor_parallel={tp}: its calibration fits "
+                        f"levels over every kv-head of the whole model")
+    if settings.runtime.speculative.enabled:
+        raise UserError(f"runtime.speculative cannot run with runtime.tensor_parallel={tp}: the draft engine is "
+                        f"not sharded; set runtime.speculative.num_tokens=0")
+
+
 def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: Callable,
                        shape: Any) -> tuple[Any, tuple]:
     """runtime.speculative (on when num_tokens >= 1): the target's method must keep what it verifies (none that acts
@@ -287,6 +317,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
         build_method_fn = build_method
     method = _build_method(build_method_fn, settings)
     _check_prefix_caching(settings, method)
+    _check_parallel(settings, shape, method)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):
         method_preflight(settings, shape)

@@ -126,6 +126,8 @@ def normalise_runtime(runtime: dict) -> dict:
     out = dict(runtime)
     if "prefix_caching" in out:
         out["prefix_caching"] = _canonical_bool(out["prefix_caching"])
+    if out.get("tensor_parallel") == 1:  # the default: runs from before the option keep their ids
+        out.pop("tensor_parallel")
     return out
 
 

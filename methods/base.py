@@ -55,6 +55,12 @@ class Method(NoCompression):
         """"original" (keys keep their token positions) or "cache" (re-indexed inside the cache)."""
         return "original"
 
+    def tensor_parallel_refusal(self) -> str | None:
+        """Why this method cannot run on a model sharded by kv-head over tensor-parallel ranks
+        (runtime.tensor_parallel > 1), or None. Scores per kv-head work on a shard unchanged; a method that ranks
+        tokens across kv-heads gathers its scores over the ranks (methods.eviction) or names its reason here."""
+        return None
+
     def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
         """The next `num_tokens` appended to `slot` (one forward step) stay uncompressed: a question appended
         after its context was compressed (kvpress's query-agnostic protocol). Nothing to do for a method that

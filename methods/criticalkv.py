@@ -63,6 +63,12 @@ class CriticalKV(ScorerWrapper):
     first_stage_ratio: float = 0.5
     alpha_safeguard: float = 0.20
 
+    def tensor_parallel_refusal(self) -> str | None:
+        if self.head_adaptive:
+            return ("head_adaptive=true allocates the budget across every kv-head of a layer inside its score, "
+                    "which a kv-head shard does not hold (use criticalkv.head_adaptive=false)")
+        return None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bool(self.name, "head_adaptive", self.head_adaptive)

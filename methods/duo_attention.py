@@ -157,6 +157,9 @@ class DuoAttention(EvictionMethod):
     on_the_fly_max_tokens: int = 4096
     head_scores: Any = field(default=None, init=False, repr=False, compare=False)
 
+    def tensor_parallel_refusal(self) -> str | None:
+        return "its retrieval/streaming head pattern is chosen over every kv-head of the model, not per shard"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bool(self.name, "on_the_fly", self.on_the_fly)

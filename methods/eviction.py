@@ -38,6 +38,7 @@ from kvbench.methods import build_method
 from kvbench.methods.base import Method
 from kvbench.methods.base import METHODS
 from kvbench.runtime.model import LayerContext
+from kvbench.runtime.tensor_parallel import full_kv_heads, gather_head_scores, local_keep, sum_over_ranks, tp_size_of
 
 PREFILL_MODES = ("paper", "streaming")
 HEAD_MODES = ("shared", "per_head")
@@ -278,10 +279,16 @@ class EvictionMethod(Method):
         self._kept[1] += prompt
         self._kept[2] += 1
 
-    def prefill_stats(self) -> dict[str, Any]:
+    def prefill_totals(self) -> list:
+        """The sums prefill_stats averages: tokens kept, prompt tokens, (prompt, layer) count (summed over the
+        ranks of a data-parallel launch, then given back to prefill_stats)."""
+        return list(self._kept)
+
+    def prefill_stats(self, totals: list | None = None) -> dict[str, Any]:
         """Tokens kept per (layer, kv-head) after each prompt's compression, averaged over every prompt, layer
-        and kv-head compressed so far (`kv_tokens_kept_mean`), the prompts' mean length and the kept fraction."""
-        kept, prompt, n = self._kept
+        and kv-head compressed so far (`kv_tokens_kept_mean`), the prompts' mean length and the kept fraction
+        (of `totals`, prefill_totals' sums, when given)."""
+        kept, prompt, n = self._kept if totals is None else totals
         if not n:
             return {"kv_tokens_kept_mean": None, "prompt_tokens_mean": None, "kv_kept_fraction": None}
         return {"kv_tokens_kept_mean": round(kept / n, 2), "prompt_tokens_mean": round(prompt / n, 2),
@@ -438,6 +445,10 @@ class HeadAdaptiveEvictionMethod(ScoreEvictionMethod):
     (kv-head, token) pairs chosen jointly over its heads, so its kv-heads keep different numbers of tokens (and
     hold different numbers of blocks: the cache frees each table's emptied blocks). Each head keeps its last
     `recent_window()` tokens and its `min_tokens_per_head()` best ones first.
+
+    On a model sharded by kv-head (runtime.tensor_parallel), the joint choice ranks every kv-head of the layer, so
+    each rank gathers the others' scores (one all-gather per eviction) and keeps its own heads' share of the result;
+    whether a layer is over its budget is summed over the ranks (one all-reduce), so every rank decides alike.
     """
 
     budget_scope: ClassVar[str] = "layer"
@@ -446,12 +457,19 @@ class HeadAdaptiveEvictionMethod(ScoreEvictionMethod):
         return 0
 
     def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        return top_tokens_in_layer(self.score(ctx, i, slot), lengths.shape[0] * self.budget, lengths,
+        scores, cfg = self.score(ctx, i, slot), getattr(self, "model_config", None)
+        if tp_size_of(cfg) > 1:  # rank the (kv-head, token) pairs of every rank's heads
+            scores, lengths = gather_head_scores(scores, lengths, cfg, int(ctx.cache.tokens_seen[slot]))
+        keep = top_tokens_in_layer(scores, lengths.shape[0] * self.budget, lengths,
                                    recent=self.recent_kept(ctx), min_per_head=self.min_tokens_per_head())
+        return local_keep(keep, cfg) if tp_size_of(cfg) > 1 else keep
 
     def evict_to_budget(self, ctx: LayerContext, i: int, slot: int) -> None:
         lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
-        if sum(ctx.plan.table_lengths(i, ctx.layer)) > lengths.shape[0] * self.budget:
+        held, heads, cfg = sum(ctx.plan.table_lengths(i, ctx.layer)), lengths.shape[0], getattr(self, "model_config", None)
+        if tp_size_of(cfg) > 1:  # the layer's tables on every rank
+            held, heads = sum_over_ranks(held, cfg, lengths.device), full_kv_heads(cfg)
+        if held > heads * self.budget:
             self.keep(ctx, slot, self.select(ctx, i, slot, lengths))
 
 
@@ -566,8 +584,10 @@ class BlockScoreEvictionMethod(EvictionMethod):
     with the lowest summed score leaves (never the newest block; never the first if
     `protect_first_block`), chosen among the `decode_topk` oldest blocks after the first (None: any).
     No K/V moves; the block returns to the pool at once.
-    heads="shared": scores averaged over the kv-heads of a layer, one token/block set for all heads;
-    heads="per_head": each kv-head selects on its own scores.
+    heads="shared": scores averaged over the kv-heads of a layer, one token/block set for all heads (on a model
+    sharded by kv-head, runtime.tensor_parallel, the average is over every rank's heads: each rank gathers the
+    others' token scores, one all-gather per eviction, so all ranks drop the same blocks);
+    heads="per_head": each kv-head selects on its own scores (a shard needs nothing from the other ranks).
     """
 
     granularity: ClassVar[str] = "block"
@@ -643,7 +663,12 @@ class BlockScoreEvictionMethod(EvictionMethod):
         valid = valid_mask(lengths, k.shape[1])
         s = self.token_scores(k.float(), v.float(), valid).masked_fill(~valid, 0.0)  # [H, T]
         if self.heads == "shared":
-            s = s.mean(dim=0, keepdim=True).expand_as(s)
+            cfg = getattr(self, "model_config", None)
+            if tp_size_of(cfg) > 1:  # the mean over every kv-head of the layer, on every rank
+                every, _ = gather_head_scores(s, lengths, cfg, int(ctx.cache.tokens_seen[slot]))
+                s = every.mean(dim=0, keepdim=True)[:, : s.shape[1]].expand_as(s)
+            else:
+                s = s.mean(dim=0, keepdim=True).expand_as(s)
         return s, lengths
 
     def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:

@@ -87,6 +87,9 @@ class KVCrush(ScoreEvictionMethod):
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("rescore", "none")
     decode: str = "rescore"
 
+    def tensor_parallel_refusal(self) -> str | None:
+        return "its token signatures take one bit from every kv-head of a layer, which a kv-head shard does not hold"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float(self.name, "r", self.r, 0.0, 1.0)

@@ -36,6 +36,7 @@ import torch
 
 from kvbench.errors import UserError
 from kvbench.runtime.model import LayerContext
+from kvbench.runtime.tensor_parallel import full_kv_heads, gather_head_scores, local_keep, tp_size_of
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import (EvictionMethod, check_bool, check_int, gather_aligned, top_tokens_in_layer,
                                       valid_mask)
@@ -84,7 +85,11 @@ def reconstruction_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
 @register_method("kvzip")
 @dataclass
 class KVzip(EvictionMethod):
-    """Context-reconstruction attention scores; the budget over all layers and heads (or per layer)."""
+    """Context-reconstruction attention scores; the budget over all layers and heads (or per layer).
+
+    On a model sharded by kv-head (runtime.tensor_parallel) the budget still spans every kv-head of the model, so
+    each eviction gathers every rank's scores of every layer in one all-gather, ranks them all, and each rank keeps
+    its own heads' share."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     decode: str = "none"
@@ -239,13 +244,19 @@ class KVzip(EvictionMethod):
 
     def _evict(self, slot: int, budget: int, held: list[tuple[int, int]]) -> None:
         """Keep the layers x kv_heads x budget best tokens of the sequence (layerwise: kv_heads x budget per layer)."""
-        cache = self.engine.cache
+        cache, cfg = self.engine.cache, getattr(self, "model_config", None)
         L, H = cache.num_layers, cache.num_kv_heads
         per_layer = [self._scores(slot, layer, held) for layer in range(L)]
+        if tp_size_of(cfg) > 1:  # the budget spans every kv-head: every rank's scores, in one all-gather
+            width = int(cache.tokens_seen[slot])
+            s_all, n_all = gather_head_scores(
+                torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[1])) for s, _ in per_layer]),
+                torch.stack([n for _, n in per_layer]), cfg, width)  # [L, H_all, width], [L, H_all]
+            per_layer, H = [(s_all[layer], n_all[layer]) for layer in range(L)], full_kv_heads(cfg)
         if self.layerwise:
             for layer, (s, lengths) in enumerate(per_layer):
                 if int(lengths.sum()) > H * budget:
-                    self._keep(slot, layer, top_tokens_in_layer(s, H * budget, lengths))
+                    self._keep(slot, layer, local_keep(top_tokens_in_layer(s, H * budget, lengths), cfg))
             return
         lengths = torch.stack([n for _, n in per_layer])  # [L, H]
         if int(lengths.sum()) <= L * H * budget:
@@ -254,7 +265,7 @@ class KVzip(EvictionMethod):
         s = torch.stack([torch.nn.functional.pad(x, (0, T - x.shape[1])) for x, _ in per_layer])  # [L, H, T]
         keep = top_tokens_in_layer(s.view(L * H, T), L * H * budget, lengths.view(-1)).view(L, H, -1)
         for layer in range(L):
-            k = keep[layer]
+            k = local_keep(keep[layer], cfg)
             self._keep(slot, layer, k[:, : max(1, int((k >= 0).sum(-1).max()))])
 
     def _keep(self, slot: int, layer: int, keep: torch.Tensor) -> None:

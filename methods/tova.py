@@ -36,6 +36,12 @@ class TOVA(ScoreEvictionMethod):
     decode: str = "none"
     heads: str = "shared"
 
+    def tensor_parallel_refusal(self) -> str | None:
+        if self.heads == "shared":
+            return ("heads=shared averages the attention of every query head of a layer, which a kv-head shard does "
+                    "not hold (use tova.heads=per_head)")
+        return None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice(self.name, "heads", self.heads, HEAD_MODES)

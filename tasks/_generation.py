@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvbench.errors import UserError
 from kvbench.metrics.repetition import repetition_share
+from kvbench.runtime import distributed
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.engine import Generation
 from kvbench.spec import check_positive
@@ -305,21 +306,31 @@ def generate_split(engine: Any, requests: Sequence[GenRequest], *, chunk_size: O
 
 
 def kept_stats(engine: Any) -> dict:
-    """The method's prefill_stats (tokens kept per layer and kv-head after each prompt's compression), or {}."""
-    stats = getattr(getattr(engine, "method", None), "prefill_stats", None)
-    return dict(stats()) if callable(stats) else {}
+    """The method's prefill_stats (tokens kept per layer and kv-head after each prompt's compression), or {}; in a
+    data-parallel launch, over the prompts of every rank."""
+    method = getattr(engine, "method", None)
+    stats = getattr(method, "prefill_stats", None)
+    if not callable(stats):
+        return {}
+    totals = getattr(method, "prefill_totals", None)
+    if callable(totals) and distributed.current() is not None:
+        return dict(stats(distributed.sum_over_data_parallel(totals())))
+    return dict(stats())
 
 
 def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], *, batch_size: int = 1,
                    progress: Any = None, desc: str = "generate",
                    on_batch: Optional[Callable[[list[GenOutput]], None]] = None) -> tuple[list[GenOutput], dict]:
-    """Greedy generation for every request (in order), batched; returns the outputs and the perf figures."""
+    """Greedy generation for every request (in order), batched; returns the outputs and the perf figures. In a
+    data-parallel launch (kvbench.runtime.distributed) this rank generates its share of the requests, and the
+    outputs of every rank come back in request order; perf is this rank's (`samples_computed` of them)."""
     check_positive("runtime.batch_size", batch_size)
     meter = PerfMeter()
     outputs: list[GenOutput] = []
-    bar = progress(total=len(requests), desc=desc, unit="sample") if progress is not None else None
+    mine = distributed.shard(requests)  # [(index, request)] of this rank
+    bar = progress(total=len(mine), desc=desc, unit="sample") if progress is not None else None
     try:
-        for batch in _batches(requests, batch_size):
+        for batch in _batches([r for _, r in mine], batch_size):
             # a speculative engine's target keeps every token (full or a codec), so the question needs no split
             if batch[0].uncompressed_tail > 0 and getattr(engine, "speculator", None) is None:
                 gens = generate_split(engine, batch)
@@ -340,7 +351,11 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
     finally:
         if bar is not None:
             bar.close()
-    return outputs, meter.perf(engine)
+    perf = meter.perf(engine)
+    if distributed.current() is not None:
+        perf["samples_computed"] = len(outputs)
+        outputs = distributed.gather_in_order([(i, o) for (i, _), o in zip(mine, outputs)])
+    return outputs, perf
 
 
 def mean_x100(values: Iterable[float], ndigits: int = 2) -> Optional[float]:

@@ -33,6 +33,7 @@ from kvbench.data.hub import require_hub
 from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_text_file, iter_pg19, load_text_file, load_wikitext
 from kvbench.errors import UserError
 from kvbench.model_info import kv_pool_tokens
+from kvbench.runtime import distributed
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
@@ -219,15 +220,19 @@ class Perplexity(Task):
         bucket_n = [0] * num_buckets
         total_nll, total_n, fed_tokens, score_s = 0.0, 0, 0, 0.0
         samples = []
-        bar = progress(total=sum(len(ids) for _, ids in docs), desc="perplexity", unit="tok")
+        mine = distributed.shard(docs)  # this rank's documents (all of them in one process)
+        bar = progress(total=sum(len(ids) for _, (_, ids) in mine), desc="perplexity", unit="tok")
         try:
-            for i, (doc_id, ids) in enumerate(docs):
+            scored = []
+            for i, (doc_id, ids) in mine:
                 if len(docs) > 1:
                     bar.set_postfix_str(f"doc {i + 1}/{len(docs)}")
                 t0 = time.perf_counter()
-                logprobs = engine.score(ids, chunk_size=opts.chunk_size, progress=bar.update)
+                scored.append((i, engine.score(ids, chunk_size=opts.chunk_size, progress=bar.update)))
                 score_s += time.perf_counter() - t0
                 fed_tokens += len(ids)
+            every = distributed.gather_in_order(scored)  # every document's log-probs, in document order
+            for (doc_id, ids), logprobs in zip(docs, every):
                 nll = -logprobs.double()  # [T-1]: nll of the token at position t+1
                 positions = torch.arange(1, len(ids), dtype=torch.long)
                 doc_buckets = {}
