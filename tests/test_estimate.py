@@ -107,3 +107,8 @@ def test_first_use_messages_quote_only_measured_dated_times(tmp_path, monkeypatc
     assert measured_times.quoted("compile") == "took 151 s on a 2-CPU machine (measured 2026-12-03)"
     path.write_text(json.dumps({"compile": {"seconds": 151.4, "date": "2026-12-03", "cpus": 2, "load_avg_1m": 17.2}}))
     assert measured_times.quoted("compile") == "took 151 s on a 2-CPU machine at load 17 (measured 2026-12-03)"
+    runs = [{"seconds": 44.2, "date": "2026-12-04", "cpus": 2, "load_avg_1m": 0.6},
+            {"seconds": 287.1, "date": "2026-12-03", "cpus": 2, "load_avg_1m": 14.75}]
+    path.write_text(json.dumps({"compile": {**runs[0], "runs": runs[::-1]}}))
+    assert measured_times.quoted("compile") == \
+        "took 44 s at load 0.6 to 287 s at load 15 on a 2-CPU machine (measured 2026-12-03, 2026-12-04)"

@@ -1,5 +1,10 @@
 """SIGINT and SIGTERM (what a cluster scheduler sends) in the middle of a sweep: the run is recorded as failed with
-error "interrupted" / "terminated", the sweep stops, and the exit code is non-zero (130 / 143)."""
+error "interrupted" / "terminated", the sweep stops, and the exit code is non-zero (130 / 143).
+
+Each test waits for the child's marker line (written at the before_task fault point, tests/fault_cli.py) before it
+signals, and the child then sleeps far longer than any test waits: what the test sees does not depend on how fast a
+loaded machine runs it. The timeouts are only safety nets (a hung child is killed and the test fails with its
+output)."""
 from __future__ import annotations
 
 import json
@@ -11,15 +16,30 @@ from tests import fault_cli
 from tests.harness_fakes import wait_for_lines
 from kvbench.store.files import read_jsonl
 
+SAFETY_TIMEOUT_S = 180  # a child that does not end after the signal fails the test (never reached when it works)
+SLEEP_S = 3600  # the fault's sleep: the signal always arrives during it
+
+
+def _communicate(proc):
+    """(stdout, stderr) of a signalled child; a child still running after SAFETY_TIMEOUT_S is killed: failure."""
+    import subprocess
+
+    try:
+        return proc.communicate(timeout=SAFETY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the child did not end {SAFETY_TIMEOUT_S} s after the signal:\n{out}\n{err}")
+
 
 @pytest.mark.parametrize("sig,error,code", [(signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "terminated", 143)])
 def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
     out, marker = tmp_path / "r", tmp_path / "marker"
-    proc = fault_cli.start("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, sleep_before_task=60,
+    proc = fault_cli.start("-m", "budget=8,16", f"results_dir={out}", cwd=tmp_path, sleep_before_task=SLEEP_S,
                            marker=marker)
     wait_for_lines(marker, 1, proc)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    _, err = _communicate(proc)
     assert proc.returncode == code, err
     assert f"kvbench: error: {error}" in err and "Traceback" not in err
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]  # the sweep stopped: the second run never started
@@ -48,7 +68,8 @@ def test_a_second_sigterm_while_the_first_is_handled_exits_at_once_without_a_tra
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", SECOND_SIGTERM], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGTERM], capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S)
     assert proc.returncode == 143 and "not reached" not in proc.stdout
     assert proc.stderr.strip() == "kvbench: error: terminated again: exiting now", proc.stderr
 
@@ -58,13 +79,13 @@ def test_two_sigterms_mid_run_print_no_traceback(tmp_path, gap_s):
     import time
 
     out, marker = tmp_path / "r", tmp_path / "marker"
-    proc = fault_cli.start("budget=8", f"results_dir={out}", cwd=tmp_path, sleep_before_task=60, marker=marker)
+    proc = fault_cli.start("budget=8", f"results_dir={out}", cwd=tmp_path, sleep_before_task=SLEEP_S, marker=marker)
     wait_for_lines(marker, 1, proc)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(gap_s)
+    time.sleep(gap_s)  # the gap between the two signals (what is tested), not a wait for the child
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = _communicate(proc)
     # 143; or killed by the signal itself (-15, 143 to a shell) when it came as the interpreter was shutting down
     assert proc.returncode in (143, -signal.SIGTERM) and "Traceback" not in err, err
     assert "kvbench: error: terminated" in err
@@ -72,11 +93,12 @@ def test_two_sigterms_mid_run_print_no_traceback(tmp_path, gap_s):
 
 def test_an_interrupted_sweep_prints_the_table_of_the_runs_that_finished(tmp_path):
     out, marker = tmp_path / "r", tmp_path / "marker"
-    proc = fault_cli.start("-m", "budget=8,16,24", f"results_dir={out}", cwd=tmp_path, sleep_before_task=4,
-                           marker=marker)
-    wait_for_lines(marker, 2, proc, timeout=120)  # the first run finished, the second is under way
+    # the first run goes through its fault point without sleeping and finishes; the second sleeps until signalled
+    proc = fault_cli.start("-m", "budget=8,16,24", f"results_dir={out}", cwd=tmp_path, sleep_before_task=SLEEP_S,
+                           sleep_skip=1, marker=marker)
+    wait_for_lines(marker, 2, proc)  # the first run finished, the second is in its sleep
     proc.send_signal(signal.SIGINT)
-    stdout, err = proc.communicate(timeout=60)
+    stdout, err = _communicate(proc)
     assert proc.returncode == 130 and "kvbench: error: interrupted" in err, err
     table = stdout.split("the sweep stopped; the 1 run(s) that finished before:")[1]
     assert "kvbench sweep: 1 runs" in table

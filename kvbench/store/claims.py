@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -57,6 +58,8 @@ class Claim:
         self._thread.start()
 
     def _beat(self) -> None:
+        # SIGINT/SIGTERM go to the main thread, whose blocking call (a sleep, a read) they interrupt
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         while not self._stop.wait(CLAIM_HEARTBEAT_S):
             try:
                 os.utime(self.path)
