@@ -362,6 +362,7 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         previous = None if s.rerun else folder.finished()  # finished while we waited for the claim
         if previous is not None:
             return _skip_finished(folder, previous, print_summary)
+        _say_if_retried(folder)
         return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary)
     finally:
         claim.release()
@@ -386,6 +387,16 @@ def _skip_finished(folder: RunFolder, previous: dict, print_summary: bool) -> di
     if print_summary:
         say(format_summary(previous, folder.path), stream=sys.stdout)
     return previous
+
+
+def _say_if_retried(folder: RunFolder) -> None:
+    """A run id whose last attempt failed is run again (its runs.jsonl keeps the failed line): say so, with the
+    error it failed with."""
+    failed = folder.failed_before()
+    if failed is not None:
+        say(f"kvbench: {folder.run_id} failed before ({failed.get('error') or failed.get('status')}, "
+            f"{failed.get('finished_at') or failed.get('started_at') or 'time unknown'}); running it again",
+            stream=sys.stdout)
 
 
 def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
