@@ -390,6 +390,7 @@ def _run_as_writer(plan: RunPlan, run_dir: Optional[str], t0: float, load_model_
             return _skip_finished(folder, previous, print_summary)
         told[0] = True
         parallel_run.writer_decides(layout, "run")
+        _say_if_retried(folder)
         return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary, layout)
     finally:
         claim.release()
@@ -435,6 +436,16 @@ def _skip_finished(folder: RunFolder, previous: dict, print_summary: bool) -> di
     if print_summary:
         say(format_summary(previous, folder.path), stream=sys.stdout)
     return previous
+
+
+def _say_if_retried(folder: RunFolder) -> None:
+    """A run id whose last attempt failed is run again (its runs.jsonl keeps the failed line): say so, with the
+    error it failed with."""
+    failed = folder.failed_before()
+    if failed is not None:
+        say(f"kvbench: {folder.run_id} failed before ({failed.get('error') or failed.get('status')}, "
+            f"{failed.get('finished_at') or failed.get('started_at') or 'time unknown'}); running it again",
+            stream=sys.stdout)
 
 
 def _start_record(plan: RunPlan, folder: RunFolder) -> dict:

@@ -27,8 +27,10 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from kvbench import app
+from kvbench.config import bool_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError
+from kvbench.spec import check_bool_spellings
 
 # What a value must look like, for the keys where Hydra's own wording would not say it.
 VALUE_HINTS = {
@@ -266,7 +268,12 @@ def launch_rank_overrides(argv: list) -> list:
 def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     """run_cli for `python -m kvbench`: the exit code also counts runs done by launcher workers (joblib, submitit);
     a sweep's jobs are all checked before the first starts."""
-    sys.argv[:] = launch_rank_overrides(multirun_flag_first(sys.argv))
+    sys.argv[:] = multirun_flag_first(sys.argv)
+    try:
+        check_bool_spellings(sys.argv[1:], bool_keys())
+    except UserError as ex:
+        exit_usage(str(ex))
+    sys.argv[:] = launch_rank_overrides(sys.argv)
     app.open_exit_channel()
     try:
         with every_sweep_job_checked():

@@ -25,7 +25,7 @@ from kvbench.errors import UserError
 from kvbench.registry import did_you_mean
 from kvbench.store.naming import model_label, run_id_for
 from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
-                          SPECULATIVE_MAX_TOKENS, check_budget, check_compression, check_positive, check_task_counts,
+                          SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive, check_task_counts,
                           dtype_name, hashable_config, kept_budget, normalise_runtime,
                           normalise_task, raw_value, resolve_storage, results_path)
 
@@ -67,8 +67,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         check_positive("runtime.speculative.num_tokens", self.num_tokens, minimum=0, maximum=SPECULATIVE_MAX_TOKENS)
         check_positive("runtime.speculative.budget", self.budget, allow_none=True)
-        if not isinstance(self.adaptive, bool):
-            raise UserError(f"invalid runtime.speculative.adaptive={self.adaptive!r}: expected true or false")
+        check_bool("runtime.speculative.adaptive", self.adaptive)
         if not isinstance(self.draft, str) or not self.draft.strip():
             raise UserError(f"invalid runtime.speculative.draft={self.draft!r}: expected self or a model path / hub id")
         if not isinstance(self.method, str) or not self.method:
@@ -108,8 +107,7 @@ class RuntimeConfig:
         check_positive("runtime.swap_bytes", self.swap_bytes, allow_none=True, minimum=0)
         if self.schedule not in SCHEDULES:
             raise UserError(f"invalid runtime.schedule={self.schedule!r}: choices are {', '.join(SCHEDULES)}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise UserError(f"invalid runtime.cuda_graphs={self.cuda_graphs!r}: choices are true, false")
+        check_bool("runtime.cuda_graphs", self.cuda_graphs)
         if self.prefix_caching not in ("auto", True, False):
             raise UserError(f"invalid runtime.prefix_caching={self.prefix_caching!r}: choices are auto, true, false")
         check_positive("runtime.block_size", self.block_size, maximum=BLOCK_SIZE_MAX)
@@ -165,6 +163,18 @@ class KvbenchConfig:
 
 
 ROOT_KEYS = tuple(f.name for f in dataclasses.fields(KvbenchConfig))
+
+
+def bool_keys(cls: type = None, prefix: str = "") -> set:
+    """The dotted names of the schema's true/false settings (runtime.cuda_graphs, rerun, logger.wandb, ...)."""
+    out = set()
+    for f in dataclasses.fields(cls or KvbenchConfig):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.type in ("bool", bool):
+            out.add(prefix + f.name)
+        elif dataclasses.is_dataclass(default):
+            out |= bool_keys(type(default), f"{prefix}{f.name}.")
+    return out
 
 
 @dataclass

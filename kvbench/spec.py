@@ -112,6 +112,37 @@ def normalise_numbers(values: Any, defaults: Optional[dict] = None) -> Any:
     return values
 
 
+def check_bool(where: str, value: Any) -> None:
+    """The one rule for a true/false setting: True or False (spelled `true` / `false`), nothing else; UserError
+    naming the value otherwise."""
+    if not isinstance(value, bool):
+        raise UserError(f"invalid {where}={value!r}: expected true or false")
+
+
+def check_bool_spellings(overrides: list, bool_keys: Any) -> None:
+    """Command-line overrides of true/false settings (`bool_keys`, dotted) spelled other than true / false:
+    UserError. OmegaConf would read yes/no/on/off/y/n/1/0 as booleans, Hydra's parser reads only true / false as
+    such, so a value that reaches a boolean key as text (or a number) was spelled otherwise. Overrides Hydra cannot
+    parse are left to Hydra (its own one-line error)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:
+            continue
+        try:
+            (override,) = parser.parse_overrides([text])
+        except (HydraException, ValueError):
+            continue
+        key = override.key_or_group
+        if key not in bool_keys or override.value() is None:
+            continue
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        for value in values:
+            check_bool(key, value)
+
+
 def _canonical_bool(value: Any) -> Any:
     """1 / 0 and "true" / "false" as True / False; anything else as given."""
     if isinstance(value, str) and value.lower() in BOOL_WORDS:

@@ -50,7 +50,8 @@ def extract_answer(response: str) -> Optional[str]:
 
 
 def check_local(data_path: str) -> None:
-    check_data_path(data_path, SPLIT)
+    """UserError (one line) unless data_path holds readable rows with every one of FIELDS (before the model loads)."""
+    check_data_path(data_path, SPLIT, columns=FIELDS)
 
 
 def load_longbench_v2(data_path: Optional[str] = None, limit: Optional[int] = None) -> list[dict]:

@@ -8,8 +8,9 @@ Each set is a hub dataset, read through `datasets` from the hub or from a local 
   aime24   HuggingFaceH4/aime_2024, split train (30): id, problem, solution, answer, url, year (R-KV's data/aime24)
   aime25   math-ai/aime25, split test (30): id, problem, answer (kvpress's decoding evaluation)
 
-`data_path=kvbench:smoke` reads three problems written for kvbench in MATH-500's format (kvbench/data/
-reasoning_smoke.jsonl, not MATH-500's): the offline smoke experiment's data, for memory, not accuracy.
+`data_path=kvbench:smoke` reads three problems written for kvbench (not the sets' own problems), in the set's format:
+GSM8K's (question, answer ending "#### N": kvbench/data/gsm8k_smoke.jsonl) for gsm8k, MATH-500's (problem, answer:
+kvbench/data/reasoning_smoke.jsonl) for the others. The offline smoke experiment's data, for memory, not accuracy.
 
 Prompts (`prompt_style`):
   r1   DeepSeek-R1's usage recommendation, in the user turn: the problem, then "Please reason step by step, and put
@@ -48,12 +49,15 @@ RKV_TEMPLATE = ("You are given a math problem.\n\nProblem: {question}\n\n You ne
                 "final answer in the format: Final answer:  \\boxed{{}}")
 PROMPT_STYLES = ("r1", "rkv")
 SMOKE_DATA = "kvbench:smoke"  # data_path of the packaged smoke problems
-SMOKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reasoning_smoke.jsonl")
+SMOKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reasoning_smoke.jsonl")  # MATH-500's format
+GSM8K_SMOKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gsm8k_smoke.jsonl")
 
 
-def local_path(data_path: Optional[str]) -> Optional[str]:
-    """data_path with the packaged smoke problems' name resolved to their file."""
-    return SMOKE_FILE if data_path == SMOKE_DATA else data_path
+def local_path(data_path: Optional[str], name: str = "math500") -> Optional[str]:
+    """data_path with the packaged smoke problems' name resolved to the file in set `name`'s format."""
+    if data_path != SMOKE_DATA:
+        return data_path
+    return GSM8K_SMOKE_FILE if name == "gsm8k" else SMOKE_FILE
 
 
 def reasoning_prompt(question: str, style: str = "r1") -> str:
@@ -66,15 +70,16 @@ def reasoning_prompt(question: str, style: str = "r1") -> str:
 
 
 def check_local(name: str, data_path: str) -> None:
-    """UserError (one line) unless data_path holds the set's split (before the model loads)."""
+    """UserError (one line) unless data_path holds the set's split, readable rows with the set's question and answer
+    columns (before the model loads)."""
     s = SETS[name]
-    check_data_path(local_path(data_path), s.split, s.config)
+    check_data_path(local_path(data_path, name), s.split, s.config, columns=(s.question, s.answer))
 
 
 def load_reasoning(name: str, data_path: Optional[str] = None, limit: Optional[int] = None) -> list[dict]:
     """Records {id, question, answer, set, ...the row's other columns} of set `name`, in the hub's order."""
     s = SETS[name]
-    ds = load_hub_dataset(s.hub_id, s.config, s.split, local_path(data_path))
+    ds = load_hub_dataset(s.hub_id, s.config, s.split, local_path(data_path, name))
     out: list[dict] = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from kvbench.data.hub import require_hub
+from kvbench.data.local_rows import check_rows
 from kvbench.errors import UserError
 
 WIKITEXT_HUB_ID = "Salesforce/wikitext"
@@ -49,9 +50,14 @@ def load_text_file(path: str) -> str:
     return check_text_file(path).read_text(encoding="utf-8")
 
 
-def check_data_path(data_path: str, split: str, config: Optional[str] = None) -> None:
-    """UserError (one line) unless data_path is a local copy with the split's files (see _local_files)."""
-    _local_files(data_path, split, config)
+def check_data_path(data_path: str, split: str, config: Optional[str] = None,
+                    columns: tuple[str, ...] = ()) -> None:
+    """UserError (one line) unless data_path is a local copy with the split's files (see _local_files), each one
+    readable, not empty, and (jsonl / json / csv / parquet) with every one of `columns` in each row
+    (kvbench.data.local_rows)."""
+    _, files = _local_files(data_path, split, config)
+    for path in files:
+        check_rows(path, columns)
 
 
 def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str, list[str]]:
@@ -104,15 +110,21 @@ def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: 
         try:
             return datasets.load_dataset(builder, data_files={split: files}, split=split)
         except Exception as exc:
-            raise UserError(f"cannot read task.data_path={str(data_path)!r}: {str(exc).splitlines()[0]}") from None
+            raise UserError(f"cannot read task.data_path={str(data_path)!r}: {_first_line(exc)}") from None
     require_hub(f"dataset {hub_id!r}", "task.data_path")  # fail at once offline, not after the hub's retries
     try:
         return datasets.load_dataset(hub_id, config, split=split) if config else \
             datasets.load_dataset(hub_id, split=split)
     except Exception as exc:
         raise UserError(f"cannot load dataset {hub_id!r} (split {split!r}) from the hub: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                        f"{_first_line(exc)}; "
                         f"pass task.data_path=<local copy> to read it from disk") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when the message is empty."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _column(ds: Any, name: str, where: str) -> list:

@@ -108,6 +108,11 @@ class RunFolder:
     def finished(self) -> Optional[dict]:
         return finished_metrics(self.path)
 
+    def failed_before(self) -> Optional[dict]:
+        """The metrics of this run id's last attempt when it failed (status other than ok), else None."""
+        data = read_json(self.file(METRICS_FILE))
+        return data if data and data.get("status") != "ok" else None
+
     def claim(self) -> tuple[Optional[Claim], Optional[dict]]:
         return claim_run(self.path)
 
