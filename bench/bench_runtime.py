@@ -1,7 +1,9 @@
 """`make bench`: the kvbench runtime against plain transformers, same model, dtype and context, one process.
 
 Prints prefill tok/s at 2048 tokens, batch-1 decode tok/s at contexts 512 and 4096, batch-16 decode
-throughput (16 prompts of 256..768 tokens, 64 new tokens each), each with its kvbench/transformers ratio,
+throughput (16 prompts of 256..768 tokens, all prefilled first, then 64 new tokens each in batch-16 decode steps;
+also, without --quick, the same prompts served with the mixed schedule, whose decode time includes the prompt
+chunks of sequences admitted later), each with its kvbench/transformers ratio,
 and the fraction of the memory-bandwidth limit a batch-1 decode step reaches (bytes it must read,
 weights + KV, times kvbench's decode steps/s, over a copy bandwidth measured right before and after the same run;
 `bandwidth_fraction_interleaved_*` is the same for the steps timed alternately with transformers' steps, against
@@ -16,7 +18,7 @@ printed beside the figures (PASS / MISS); they are never adjusted to pass.
 Decode steps of the two are interleaved one for one and each is timed alone, and prefill runs alternate, so a
 load that comes and goes on a shared machine slows both sides alike; every figure is a median over --repeats.
 
-    python bench/bench_runtime.py [--threads 2] [--repeats 3] [--dtype float32] [--no-loaded]
+    python bench/bench_runtime.py [--threads 2] [--repeats 3] [--dtype float32] [--no-loaded] [--quick]
 """
 from __future__ import annotations
 
@@ -207,6 +209,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--no-loaded", action="store_true", help="skip the scenario with a competing process")
+    ap.add_argument("--quick", action="store_true",
+                    help="skip the prefill figures and the mixed-schedule batch-16 figure (decode figures only)")
     ap.add_argument(PLAIN_HF, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plain_hf_decode:
@@ -233,13 +237,15 @@ def main() -> None:
           f"copy bandwidth {bw / 1e9:.1f} GB/s  kernel vector width {cpu_kernels.vector_width()}  "
           f"attention {engine.attention_backend}  projections {model.lm_head.backend}")
 
-    p2048 = random_prompt(2048, vocab, 1)
-    kv_pf, hf_pf = paired_medians(lambda: kv_prefill_tps(engine, p2048), lambda: hf_prefill_tps(hf, p2048), R)
-    chunked_tps = kv_prefill_tps(engine, p2048, chunk=512)
-    print(f"prefill 2048 tok      kvbench {kv_pf:8.1f} tok/s  transformers {hf_pf:8.1f} tok/s  ratio {kv_pf / hf_pf:.2f}"
-          f"   (kvbench in 512-token chunks: {chunked_tps:.1f} tok/s; every prompt token computed, no prefix cache)")
-    res["prefill_tokens_per_s"], res["hf_prefill_tokens_per_s"], res["prefill_ratio"] = kv_pf, hf_pf, kv_pf / hf_pf
-    res["prefill_tokens_computed"] = len(p2048)  # per timed run, checked by kv_prefill_tps
+    if not args.quick:
+        p2048 = random_prompt(2048, vocab, 1)
+        kv_pf, hf_pf = paired_medians(lambda: kv_prefill_tps(engine, p2048), lambda: hf_prefill_tps(hf, p2048), R)
+        chunked_tps = kv_prefill_tps(engine, p2048, chunk=512)
+        print(f"prefill 2048 tok      kvbench {kv_pf:8.1f} tok/s  transformers {hf_pf:8.1f} tok/s  "
+              f"ratio {kv_pf / hf_pf:.2f}   (kvbench in 512-token chunks: {chunked_tps:.1f} tok/s; every prompt "
+              "token computed, no prefix cache)")
+        res["prefill_tokens_per_s"], res["hf_prefill_tokens_per_s"], res["prefill_ratio"] = kv_pf, hf_pf, kv_pf / hf_pf
+        res["prefill_tokens_computed"] = len(p2048)  # per timed run, checked by kv_prefill_tps
 
     n = args.decode_tokens
     for ctx in (512, 4096):
@@ -259,12 +265,22 @@ def main() -> None:
     g = torch.Generator().manual_seed(16)
     lens = torch.randint(256, 769, (16,), generator=g).tolist()
     prompts = [random_prompt(L, vocab, 100 + i) for i, L in enumerate(lens)]
-    kv16, hf16 = median_pair(lambda: paired_decode(engine, hf, prompts, 64), max(1, R - 1))
+    # decode throughput of the 16 sequences decoding together: every prompt prefilled first (as transformers'
+    # untimed prefill of its padded batch), so each timed step is a pure batch-16 decode step
+    engine16 = Engine(model, prefill_chunk_size=512, prefix_caching=False, schedule="prefill_first")
+    kv16, hf16 = median_pair(lambda: paired_decode(engine16, hf, prompts, 64), max(1, R - 1))
     b16_over_b1 = kv16 / res["decode_tokens_per_s_ctx512"]
     print(f"decode b=16 (256..768 tok prompts, 64 new)  kvbench {kv16:8.1f} tok/s  transformers {hf16:8.1f} tok/s"
           f"  ratio {kv16 / hf16:.2f}  batch16/batch1 {b16_over_b1:.2f}")
     res["batch16_tokens_per_s"], res["hf_batch16_tokens_per_s"] = kv16, hf16
     res["batch16_ratio"], res["batch16_over_batch1"] = kv16 / hf16, b16_over_b1
+    if not args.quick:  # served with the mixed schedule: decode tokens over the time of every step they were in,
+        # prompt chunks of the later-admitted sequences included (the latency a decoding sequence sees)
+        gens = engine.generate(prompts, max_new_tokens=64)
+        mixed = sum(g.decode_tokens for g in gens) / max(g.decode_s for g in gens)
+        print(f"  served mixed (prefill chunks inside decode steps): {mixed:8.1f} decode tok/s")
+        res["batch16_mixed_serving_tokens_per_s"] = mixed
+    del engine16
     res["copy_bandwidth_gb_s"] = bw / 1e9
 
     if not args.no_loaded:
