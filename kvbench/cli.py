@@ -29,7 +29,7 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 from kvbench import app
 from kvbench.config import bool_keys
 from kvbench.console import PREFIX, exit_usage, report
-from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError
+from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
 from kvbench.spec import check_bool_spellings
 
 # What a value must look like, for the keys where Hydra's own wording would not say it.
@@ -76,8 +76,8 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
     user_error = _user_error_in(ex)  # kvbench's own refusal, raised inside a resolver (results_dir='')
     if user_error is not None:
         return str(user_error)
-    first_line = str(ex).splitlines()[0] if str(ex) else ""
-    m = re.match(r"Could not override '([\w./-]+)'\. No match in the defaults list", first_line)
+    head = first_line(ex, fallback="")
+    m = re.match(r"Could not override '([\w./-]+)'\. No match in the defaults list", head)
     if m:  # a group the config does not select by default (experiment=...): it is added with +
         plus = re.search(r"use (\+\S+)", str(ex))
         return (f"{m.group(1)} is not in the default config, so it is added with a +: "
@@ -87,14 +87,14 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
         if "/" in missing:
             group, _, value = missing.rpartition("/")
             return f"unknown {group} '{value}': choices are {_choices(getattr(ex, 'options', None))}"
-        return str(ex).splitlines()[0]
+        return first_line(ex)
     if isinstance(ex, OverrideParseException):
-        detail = (getattr(ex, "message", "") or str(ex)).splitlines()[0]
+        detail = first_line(getattr(ex, "message", "") or ex)
         return f"cannot parse override '{getattr(ex, 'override', '')}': {detail}"
     cause = ex.__cause__
     if isinstance(ex, HydraException) and isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None) or getattr(cause, "key", None) or "?"
-        msg = (getattr(cause, "msg", "") or str(cause)).splitlines()[0]
+        msg = first_line(getattr(cause, "msg", "") or cause)
         parent = getattr(cause, "parent_node", None)
         if "not in" in msg or "is not in struct" in msg:  # unknown key
             keys = [str(k) for k in (parent.keys() if parent is not None else []) if str(k) != "hydra"]
@@ -111,9 +111,9 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
             return f"invalid {key}={value!r}: expected {expected}"
         return f"invalid {key}={value!r}: {msg}"
     if isinstance(ex, HydraException):
-        return str(ex).splitlines()[0] if str(ex) else type(ex).__name__
+        return first_line(ex)
     if isinstance(ex, InterpolationResolutionError):  # e.g. results_dir=${oc.env:UNSET}, met by Hydra itself
-        return f"cannot resolve an interpolation: {(getattr(ex, 'msg', '') or str(ex)).splitlines()[0]}"
+        return f"cannot resolve an interpolation: {first_line(getattr(ex, 'msg', '') or ex)}"
     return None
 
 

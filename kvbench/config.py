@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.errors import UserError
+from kvbench.errors import UserError, first_line
 from kvbench.registry import did_you_mean
 from kvbench.store.naming import model_label, run_id_for
 from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
@@ -249,7 +249,7 @@ def check_resolvable(cfg: Any) -> None:
                     OmegaConf.to_container(value, resolve=True)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
-        msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+        msg = first_line(getattr(exc, "msg", None) or exc)
         raise UserError(f"cannot resolve {key}={raw_value(cfg, key)!r}: {msg}") from None
 
 

@@ -14,3 +14,15 @@ class UserError(Exception):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what a cluster scheduler sends), raised like Ctrl-C so the run is recorded as "terminated"."""
+
+
+def first_line(message: object, fallback: str | None = None) -> str:
+    """The first line of a message (an exception or its text), stripped: what a one-line error quotes.
+
+    When the message is empty: `fallback` if given, else the exception's type name (or "" for plain text)."""
+    lines = str(message).strip().splitlines()
+    if lines:
+        return lines[0].strip()
+    if fallback is not None:
+        return fallback
+    return type(message).__name__ if isinstance(message, BaseException) else ""

@@ -20,6 +20,7 @@ import shutil
 from typing import Any, Optional
 
 from kvbench.console import say, warn
+from kvbench.errors import first_line
 
 MAX_TABLE_ROWS = 1000
 
@@ -85,7 +86,7 @@ class WandbLogger:
             self.run = self._init(wandb, self.mode)
         except Exception as exc:  # any W&B failure is a warning, never a failure
             self.run = None
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            reason = f"{type(exc).__name__}: {first_line(exc, fallback='')}"
             if self.mode != "online":
                 warn(f"W&B init failed ({reason}); continuing without W&B")
                 return

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any, Iterable, Optional
 
-from kvbench.errors import UserError
+from kvbench.errors import UserError, first_line
 
 MAX_CHECKED_BYTES = 64 << 20
 
@@ -105,9 +105,7 @@ def _check_arrow_schema(path: str, parquet: bool, columns: tuple[str, ...]) -> N
             except pa.ArrowInvalid:
                 names = pa.ipc.open_file(path).schema.names
     except Exception as exc:  # pyarrow's own errors: not a parquet / arrow file
-        what = str(exc).strip().splitlines()
-        raise _refuse(path, f"cannot be read as {'parquet' if parquet else 'arrow'} "
-                            f"({what[0] if what else type(exc).__name__})") from None
+        raise _refuse(path, f"cannot be read as {'parquet' if parquet else 'arrow'} ({first_line(exc)})") from None
     _check_columns(path, names, columns)
 
 

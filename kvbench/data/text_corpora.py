@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from kvbench.data.hub import require_hub
 from kvbench.data.local_rows import check_rows
-from kvbench.errors import UserError
+from kvbench.errors import UserError, first_line
 
 WIKITEXT_HUB_ID = "Salesforce/wikitext"
 WIKITEXT_CONFIG = "wikitext-2-raw-v1"
@@ -110,21 +110,15 @@ def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: 
         try:
             return datasets.load_dataset(builder, data_files={split: files}, split=split)
         except Exception as exc:
-            raise UserError(f"cannot read task.data_path={str(data_path)!r}: {_first_line(exc)}") from None
+            raise UserError(f"cannot read task.data_path={str(data_path)!r}: {first_line(exc)}") from None
     require_hub(f"dataset {hub_id!r}", "task.data_path")  # fail at once offline, not after the hub's retries
     try:
         return datasets.load_dataset(hub_id, config, split=split) if config else \
             datasets.load_dataset(hub_id, split=split)
     except Exception as exc:
         raise UserError(f"cannot load dataset {hub_id!r} (split {split!r}) from the hub: "
-                        f"{_first_line(exc)}; "
+                        f"{first_line(exc)}; "
                         f"pass task.data_path=<local copy> to read it from disk") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type's name when the message is empty."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _column(ds: Any, name: str, where: str) -> list:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kvbench.console import warn
 from kvbench.data.aclsum import load_aclsum
-from kvbench.errors import UserError
+from kvbench.errors import UserError, first_line
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 from kvbench.runtime.backends.cpu.linear import Linear, keep_dense_weights
 from kvbench.runtime.loading import _converted_gguf, cache_root, packaged_smollm2
@@ -360,7 +360,7 @@ def _read_cached(path: Path) -> Calibration | None:
             raise ValueError("non-finite values in it")
     except Exception as exc:  # torch.load raises RuntimeError, EOFError, pickle errors... on a damaged file
         warn(f"the cached kvquant calibration {path} is unreadable ({type(exc).__name__}: "
-             f"{str(exc).splitlines()[0] if str(exc) else 'damaged'}); computing it again")
+             f"{first_line(exc, fallback='damaged')}); computing it again")
         return None
     return Calibration(tensors["key_levels"], tensors["value_levels"], tensors["key_ranges"],
                        {**info, "cached": True, "cache_file": str(path)})

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvbench.console import say
-from kvbench.errors import UserError
+from kvbench.errors import UserError, first_line
 from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
 from kvbench.runtime.measured_times import quoted
 from kvbench.runtime.model_files import check_model_path
@@ -82,7 +82,7 @@ def load_hf(path: str, *, gguf_file: str | None = None, cache_dir: str | os.Path
             tok = AutoTokenizer.from_pretrained(path)
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise UserError(f"cannot load model {path!r}: {first}") from None
     hf.eval()
     hf.kvbench_source = path  # the folder or hub id transformers loaded (a GGUF's converted folder)
@@ -197,7 +197,7 @@ def _convert_gguf(src: Path, dest: Path) -> None:
             tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
             q = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         except Exception as exc:  # a corrupt or unsupported GGUF fails deep inside the reader
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise UserError(f"cannot read GGUF file {str(src)!r}: {first}") from None
         config = q.config
         if hasattr(config, "quantization_config"):
