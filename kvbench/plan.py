@@ -137,6 +137,38 @@ def _check_codec_blocks(rt: _config.RuntimeConfig, shape: Any, dtype: str, quant
                         f"{_bytes(pool)}: expected blocks of at most {fit} tokens, or a larger runtime.kv_memory_bytes")
 
 
+def _check_swap_space(rt: _config.RuntimeConfig) -> None:
+    """runtime.swap_bytes is host memory that preempted sequences' blocks move to: at most the host's RAM."""
+    host = machine_memory_bytes("cpu")
+    if rt.swap_bytes is not None and host is not None and rt.swap_bytes > host:
+        raise UserError(f"invalid runtime.swap_bytes={rt.swap_bytes}: {_bytes(rt.swap_bytes)} of swap space is more "
+                        f"than this host's {_bytes(host)} of memory; expected at most {host} (or null: as large as "
+                        f"the KV pool)")
+
+
+def _check_draft_budget(settings: _config.Settings, task: Any, shape: Any, draft_evicts: bool) -> None:
+    """A draft budget at or above the longest context the task can make keeps every token, so the draft cache
+    compresses nothing and speculation measures plain decoding with extra steps: refused."""
+    spec = settings.runtime.speculative
+    if not draft_evicts or spec.budget is None:
+        return
+    bounds = []  # (tokens, what sets them)
+    longest = getattr(task, "longest_context", None)
+    task_bound = longest() if callable(longest) else None
+    if task_bound is not None:
+        bounds.append((task_bound[0], f"task={settings.task_name} makes contexts of at most {task_bound[0]:,} "
+                                      f"tokens ({task_bound[1]})"))
+    positions = getattr(shape, "max_positions", None)
+    if positions:
+        bounds.append((positions, f"the model holds at most {positions:,} positions"))
+    if not bounds:
+        return
+    tokens, why = min(bounds)
+    if spec.budget >= tokens:
+        raise UserError(f"invalid runtime.speculative.budget={spec.budget}: {why}, so the draft cache would keep "
+                        f"every token and compress nothing; expected a budget below {tokens}")
+
+
 def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: str) -> None:
     backend = rt.attention_backend
     if backend == "triton" and not device.startswith("cuda"):
@@ -145,6 +177,7 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
     if backend == "cpu" and device != "cpu":
         raise UserError(f"invalid runtime.attention_backend=cpu on model.device={device}: choices: auto, torch, triton")
     _check_memory(rt, device, shape, dtype)
+    _check_swap_space(rt)
     if shape is None:
         return
     need = shape.num_layers * shape.num_kv_heads * rt.batch_size + 1  # a block per table, and the scratch block
@@ -244,6 +277,7 @@ def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: C
     except UserError as exc:
         raise UserError(f"invalid runtime.speculative.method={spec.method} with runtime.speculative.budget="
                         f"{spec.budget}: {exc}") from None
+    _check_draft_budget(settings, task, shape, METHODS.get(name).evicts)
     if spec.draft != "self":
         label = f"runtime.speculative.draft={spec.draft!r}"
         try:

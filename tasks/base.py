@@ -172,6 +172,12 @@ class Task:
         """What the run will compute, from the options alone (no data, no model), or None when unknown."""
         return None
 
+    def longest_context(self) -> Optional[tuple[int, str]]:
+        """An upper bound on the tokens one sequence of this task holds (prompt + generation), from the options
+        alone, with the options that set it (a speculative draft budget at or above it compresses nothing); None
+        when unknown."""
+        return None
+
     @classmethod
     def make_options(cls, values: dict) -> Any:
         """The validated Options from a dict of option values; UserError names a bad key or value."""
@@ -187,6 +193,10 @@ class Task:
             return cls.Options(**values)
         except (TypeError, ValueError) as exc:
             raise UserError(f"invalid options for task {cls.name!r}: {exc}") from None
+
+
+# tokens that a chat template and a question may add around a prompt cut to a length (an upper bound's allowance)
+PROMPT_TEMPLATE_ALLOWANCE = 256
 
 
 TASKS: Registry[type[Task]] = Registry("task", base=Task, package="kvbench.tasks")

@@ -268,6 +268,12 @@ class ThroughputTask(Task):
                         f"{n} requests of {opts.input_tokens} prompt and {opts.output_tokens} output tokens",
                         "task.num_requests=N, task.input_tokens=..., task.output_tokens=...", exact=False)
 
+    def longest_context(self) -> tuple[int, str]:
+        """The longest drawn prompt plus the longest drawn output (no template: the prompts are raw tokens)."""
+        lo_hi_in, lo_hi_out = self.options.input_range, self.options.output_range
+        return (lo_hi_in[1] + lo_hi_out[1],
+                f"task.input_tokens up to {lo_hi_in[1]} + task.output_tokens up to {lo_hi_out[1]}")
+
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         hi = self.options.input_range[1] + self.options.output_range[1]
         limit = getattr(model_shape, "max_positions", None)
