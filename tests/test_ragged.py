@@ -1,7 +1,7 @@
 """A ragged step (prefill chunks and decode tokens of many sequences in one forward, Engine.step) equals the same
 sequences run one by one: the same logits and the same cache contents, for every method and every codec, with
 random mixes of chunk lengths and decode tokens (hypothesis). Tolerances: fp32 throughout; the flat batch changes
-the GEMM shapes, so results agree to rounding (logits atol 2e-4, cached K/V atol 1e-4), not bit for bit."""
+the GEMM shapes, so results agree to rounding (logits atol 2e-4, cached K/V atol 1e-4; fp16-coded K/V to fp16 steps), not bit for bit."""
 from __future__ import annotations
 
 import os
@@ -91,10 +91,13 @@ def _check_ragged_equals_one_by_one(model, method, codec, spec, backend="auto"):
     if codec is not None:  # one by one, a later sequence's step packs what an earlier one's step filled: align
         ragged.cache.pack_pending()
         single.cache.pack_pending()
+    # A codec keeps its residual blocks and its scales in fp16: an fp32 rounding difference of 1e-6 can move a stored
+    # value one fp16 step (2^-11 at magnitude 0.5-1), so coded contents agree to fp16 steps, plain ones to 1e-4.
+    atol, rtol = (2e-3, 1e-3) if codec is not None else (1e-4, 1e-4)
     for (lr, pr, kr, vr), (ls, ps, ks, vs) in zip(_contents(ragged, slots_r), _contents(single, slots_s)):
         assert torch.equal(lr, ls) and torch.equal(pr, ps)
-        torch.testing.assert_close(kr, ks, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(vr, vs, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kr, ks, atol=atol, rtol=rtol)
+        torch.testing.assert_close(vr, vs, atol=atol, rtol=rtol)
 
 
 _SPEC = st.lists(st.tuples(st.integers(1, 60), st.integers(0, 6),
