@@ -179,8 +179,25 @@ def serving_lines(record: dict) -> list:
     return lines
 
 
-def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
-    """A short table of one run's record (the metrics.json content)."""
+EXAMPLE_METHOD, EXAMPLE_BUDGET = "paged_eviction", 1024  # what the next-step line suggests after an uncompressed run
+
+
+def next_step_lines(record: dict) -> list:
+    """After a finished run that kept every token in full precision: the overrides that run it again with a
+    compressed cache (a budget below the longest sequence, so that something is evicted)."""
+    if (record.get("status") != "ok" or record.get("method") not in (None, "full")
+            or record.get("storage_codec") not in (None, "full", "none")):
+        return []
+    budget, longest = EXAMPLE_BUDGET, _num(record.get("max_sequence_tokens"))
+    if longest is not None and longest <= budget:  # a short task: half its longest sequence, whole blocks
+        budget = max(16, int(longest) // 32 * 16)
+    return _wrapped(f"next      add method={EXAMPLE_METHOD} budget={budget} to this command: the same run with a "
+                    f"compressed cache ({budget} tokens kept per sequence), to set beside this one")
+
+
+def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool = False) -> str:
+    """A short table of one run's record (the metrics.json content); next_step adds, after an uncompressed run, the
+    overrides that compress it."""
     lines = []
     status = record.get("status", "?")
     title = f" kvbench run {status.upper()} "
@@ -239,6 +256,8 @@ def format_summary(record: dict, run_dir: Optional[str] = None) -> str:
     lines.append(f"time      {_fmt(record.get('wall_s'))} s")
     if run_dir:
         lines.append(f"results   {run_dir}")
+    if next_step:
+        lines.extend(next_step_lines(record))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
 

@@ -283,7 +283,21 @@ def test_the_table_is_big_enough():
 TABLE = [(c[0], (c[1],) if isinstance(c[1], str) else c[1], c[2] if len(c) > 2 else {}) for c in CASES]
 
 
-@pytest.mark.parametrize("args,needles,setup", TABLE, ids=[" ".join(a) for a, _, _ in TABLE])
+
+
+def _table_params(table: list) -> list:
+    """The table as pytest params: a case whose options (the keys before '=') an earlier case already has is a
+    further bad value of the same options, marked slow (`make test-all` runs it)."""
+    seen, params = set(), []
+    for args, needles, setup in table:
+        keys = tuple(a.split("=")[0] for a in args)
+        marks = [pytest.mark.slow] if keys in seen else []
+        seen.add(keys)
+        params.append(pytest.param(args, needles, setup, marks=marks, id=" ".join(args)))
+    return params
+
+
+@pytest.mark.parametrize("args,needles,setup", _table_params(TABLE))
 def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatch):
     import kvbench.app as app
 
@@ -312,18 +326,21 @@ def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatc
 
 
 # (command line, texts the one stderr line must contain); results_dir is tmp_path/r unless the case names it
+# one per kind of error; those marked slow are kinds already here, and every case but experiment=h2o is in CASES
 SUBPROCESS_CASES = [
     (["+bugdet=128"], ["did you mean budget?"]),
-    (["method=nope"], ["unknown method 'nope'", "choices are", "full"]),
-    (["budget=abc"], ["invalid budget='abc'", "positive integer", "null"]),
-    (["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"]),
+    pytest.param(["method=nope"], ["unknown method 'nope'", "choices are", "full"], marks=pytest.mark.slow),
+    pytest.param(["budget=abc"], ["invalid budget='abc'", "positive integer", "null"], marks=pytest.mark.slow),
+    pytest.param(["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"],
+                 marks=pytest.mark.slow),
     (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
     (["experiment=h2o"], ["experiment is not in the default config", "+experiment=h2o"]),
     (["model=hf", "model.path=/no/such/model", "results_dir=r"], ["model.path='/no/such/model' does not exist"]),
 ]
 
 
-@pytest.mark.parametrize("args,needles", SUBPROCESS_CASES, ids=[" ".join(a) for a, _ in SUBPROCESS_CASES])
+@pytest.mark.parametrize("args,needles", SUBPROCESS_CASES,
+                         ids=[" ".join((c.values if hasattr(c, "values") else c)[0]) for c in SUBPROCESS_CASES])
 def test_bad_input_as_a_real_subprocess(tmp_path, args, needles):
     has_results_dir = any(a.startswith("results_dir=") for a in args)
     proc = kvbench(*args, "logger.wandb=false", *([] if has_results_dir else [f"results_dir={tmp_path / 'r'}"]),

@@ -94,6 +94,7 @@ def test_a_sweep_ends_with_one_table_of_its_runs(tmp_path):
         [("full", "-", "40"), ("full", "-", "48"), ("h2o", "8", "40"), ("h2o", "8", "48"), ("h2o", "16", "40"),
          ("h2o", "16", "48")])
     assert all(r[-1] == "ok" for r in rows)
+    assert "next      add method=" not in proc.stdout  # a sweep's table sets its runs side by side already
 
 
 def test_a_single_run_prints_no_sweep_table(tmp_path):
@@ -101,6 +102,8 @@ def test_a_single_run_prints_no_sweep_table(tmp_path):
 
     proc = run_fake_cli("budget=8", f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
     assert proc.returncode == 0 and "kvbench run OK" in proc.stdout and "kvbench sweep" not in proc.stdout
+    # the default method keeps every token: the summary ends with the overrides that compress the same run
+    assert "next      add method=paged_eviction budget=" in proc.stdout, proc.stdout
 
 
 def _copy_checkout(dest):

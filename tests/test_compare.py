@@ -125,15 +125,16 @@ def one_thread():
     yield from gen()
 
 
-def test_two_real_runs_of_one_sweep_pass_ten_times_beside_a_busy_process(tmp_path, one_thread):
-    """BASE and ten NEW sweeps, each run from scratch at this commit while another process spins on a core: every
-    compare exits 0 (speeds move, they only warn); the perplexity samples carry windows that add up."""
+@pytest.mark.parametrize("repeats", [2, pytest.param(10, marks=pytest.mark.slow)])
+def test_two_real_runs_of_one_sweep_pass_repeatedly_beside_a_busy_process(tmp_path, one_thread, repeats):
+    """BASE and `repeats` NEW sweeps, each run from scratch at this commit while another process spins on a core:
+    every compare exits 0 (speeds move, they only warn); the perplexity samples carry windows that add up."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         t0 = time.process_time()
         base = run_sweep(tmp_path / "base")
         assert [r["status"] for r in base] == ["ok"] * 3, [r["error"] for r in base]
-        for i in range(10):
+        for i in range(repeats):
             new = run_sweep(tmp_path / f"new{i}")
             assert [r["status"] for r in new] == ["ok"] * 3
             assert compare.main([str(tmp_path / "base" / "results"), str(tmp_path / f"new{i}" / "results"),
@@ -143,7 +144,7 @@ def test_two_real_runs_of_one_sweep_pass_ten_times_beside_a_busy_process(tmp_pat
     finally:
         busy.kill()
         busy.wait()
-    v = json.loads((tmp_path / "v9.json").read_text())
+    v = json.loads((tmp_path / f"v{repeats - 1}.json").read_text())
     assert v["ok"] and v["pairs"] == 3 and not v["only_base"] and not v["only_new"]
     compared = {(r["run"].split("task=")[1], r["metric"]) for r in v["rows"]}
     assert {("perplexity", "ppl"), ("perplexity", "nll"), ("perplexity", "peak_kv_bytes"),

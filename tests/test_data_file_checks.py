@@ -10,6 +10,7 @@ import pytest
 from kvbench.data import reasoning as rd
 from kvbench.data.local_rows import check_rows
 from kvbench.errors import UserError
+from tests.test_bad_input import cli  # noqa: F401  (the in-process CLI fixture)
 from tests.test_cli import assert_usage_error, kvbench
 
 GSM8K_ROW = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
@@ -85,12 +86,31 @@ def _assert_nothing_written(results):
 
 @pytest.mark.parametrize("task,name", [("gsm8k", "empty.jsonl"), ("gsm8k", "torn.jsonl"), ("gsm8k", "cols.jsonl"),
                                        ("longbench_v2", "empty.jsonl"), ("longbench_v2", "cols.jsonl")])
-def test_a_bad_data_file_is_refused_before_the_model_loads(tmp_path, task, name):
+def test_a_bad_data_file_is_refused_before_the_model_loads(cli, monkeypatch, tmp_path, task, name):  # noqa: F811
+    """The real CLI entry (Hydra included) in this process, the model loader replaced by a failure."""
+    import kvbench.app as app
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for a bad data file")
+
+    monkeypatch.setattr(app, "_load_model", no_loading)
     ((text, needles),) = [b[1:] for b in BAD_FILES if b[0] == name]
     path = _write(tmp_path / name, text)
     results = tmp_path / "r"
-    proc = kvbench(f"task={task}", f"task.data_path={path}", f"results_dir={results}", cwd=tmp_path)
-    assert_usage_error(proc, path, *(n for n in needles if task == "gsm8k" or "question" not in n))
+    code, out, err = cli([f"task={task}", f"task.data_path={path}", "logger.wandb=false", f"results_dir={results}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvbench: error: "), (code, out, err)
+    for needle in (path, *(n for n in needles if task == "gsm8k" or "question" not in n)):
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in out + err and "loading" not in out.lower()
+    _assert_nothing_written(results)
+
+
+def test_a_bad_data_file_is_refused_as_a_real_subprocess(tmp_path):
+    path = _write(tmp_path / "cols.jsonl", BAD_FILES[3][1])
+    results = tmp_path / "r"
+    proc = kvbench("task=gsm8k", f"task.data_path={path}", f"results_dir={results}", cwd=tmp_path)
+    assert_usage_error(proc, path, "expected question, answer")
     assert "loading" not in proc.stdout.lower()
     _assert_nothing_written(results)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.task_fixtures import smollm2_tokenizer
+from tests.test_bad_input import cli  # noqa: F401  (the in-process CLI fixture)
 from tests.tiny_models import SMOLLM2_TOKEN_IDS, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
     assert all(m["status"] == "failed" for m in finished), finished  # recorded failed, or not at all
     assert not any((m.parent / "samples.jsonl").exists() and (m.parent / "samples.jsonl").stat().st_size
                    for m in tmp_path.glob("*/metrics.json"))
-    p = _kvbench(*args, nproc=2)
+    p = _kvbench(*args)  # the rerun in one process: the failed record is redone as by any rerun
     assert p.returncode == 0, p.stderr[-3000:]
     metrics, samples = _only_run(tmp_path)
     assert metrics["status"] == "ok" and len(samples) == 4
@@ -123,15 +124,33 @@ def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
      "method 'kvcrush' cannot run with runtime.tensor_parallel=2: its token signatures"),
     (["runtime.tensor_parallel=2", "+WORLD=2", "method=tova", "budget=64"], "use tova.heads=per_head"),
 ])
-def test_bad_parallel_input_is_one_line_before_load(model_dir, tmp_path, args, expected):
-    env = _env()
+def test_bad_parallel_input_is_one_line_before_load(cli, monkeypatch, model_dir, tmp_path, args,  # noqa: F811
+                                                   expected):
+    """The real CLI entry in this process (one case also as a subprocess, below)."""
+    import kvbench.app as app
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(app, "_load_model", no_loading)
     if "+WORLD=2" in args:  # as torchrun would say it, without starting the process group (refused before that)
         args = [a for a in args if a != "+WORLD=2"]
-        env.update(WORLD_SIZE="2", RANK="0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
     model = [] if any(a.startswith("model=") for a in args) else ["model=hf", f"model.path={model_dir}"]
-    p = subprocess.run([sys.executable, "-m", "kvbench", *model, *args, "logger=none", f"results_dir={tmp_path}"],
+    code, out, err = cli([*model, *args, "logger=none", f"results_dir={tmp_path}"])
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], err
+    assert "Traceback" not in out + err and not list(tmp_path.glob("*/metrics.json"))
+
+
+def test_bad_parallel_input_as_a_real_subprocess(model_dir, tmp_path):
+    env = {**_env(), "WORLD_SIZE": "2", "RANK": "0"}
+    p = subprocess.run([sys.executable, "-m", "kvbench", "model=smollm2-135m", "runtime.tensor_parallel=2",
+                        "logger=none", f"results_dir={tmp_path}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and expected in lines[0], p.stderr
+    assert len(lines) == 1 and "the model's 3 kv-heads are not divisible by 2" in lines[0], p.stderr
     assert "Traceback" not in p.stderr and not list(tmp_path.glob("*/metrics.json"))

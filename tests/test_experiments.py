@@ -15,6 +15,11 @@ from tests.harness_fakes import CONF_DIR
 
 EXPERIMENTS = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "experiment")) if f.endswith(".yaml"))
 REQUIRED = {"streaming_llm_sinks", "kivi_longbench", "kvquant_ppl", "paged_eviction_longbench", "h2o", "budget_sweep"}
+# Composing every pair of a big sweep takes up to a minute (135 paper runs of kvpress_leaderboard at ~0.3 s each):
+# their paper-block checks run under `make test-all`; every value of their axes is still composed by default
+# (test_experiment_composes_at_both_scales; test_kvpress_leaderboard_has_every_board_method).
+BIG_SWEEPS = {"kvpress_leaderboard", "budget_sweep", "reasoning_decode"}
+EXPERIMENTS_BIG_SLOW = [pytest.param(n, marks=pytest.mark.slow) if n in BIG_SWEEPS else n for n in EXPERIMENTS]
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,7 +134,7 @@ def test_experiment_composes_at_both_scales(name):
     assert rows(seen["smoke"]) <= rows(seen["paper"]) and len(rows(seen["smoke"])) >= 2
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.parametrize("name", EXPERIMENTS_BIG_SLOW)
 def test_paper_block_rows_match_runs_of_the_sweep(name):
     configs = [_compose(o) for o in sweep_pairs(name, "paper")]
     paper = OmegaConf.to_container(configs[0].paper)
@@ -169,7 +174,7 @@ def test_unknown_scale_is_refused():
         _compose(["+experiment=h2o", "scale=huge"])
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.parametrize("name", EXPERIMENTS_BIG_SLOW)
 def test_paper_block_states_checkable_claims(name):
     """Every block passes kvbench-report's check (claims name its rows, hold for the published values) and states
     at least one claim; the row a claim names selects runs of the sweep at both scales."""

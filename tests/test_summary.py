@@ -7,7 +7,7 @@ import torch
 
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.scheduler import Request
-from kvbench.summary import format_summary, format_sweep_table, peak_saved_fraction, saved_fraction
+from kvbench.summary import format_summary, format_sweep_table, next_step_lines, peak_saved_fraction, saved_fraction
 from kvbench.methods import build_method
 from tests.tiny_models import tiny_model
 
@@ -118,3 +118,32 @@ def test_the_serving_summary_names_the_decode_and_the_end_to_end_rate():
     text = format_summary(rec)
     assert "decode 40 tok/s" in text and "end-to-end output 25 tok/s" in text and "prefill included" in text
     assert "output_tokens_per_s 25" not in text  # shown once, under its name
+
+
+NEXT = "next      add method=paged_eviction budget="
+
+
+@pytest.mark.parametrize("record, budget", [
+    ({"method": "full", "max_sequence_tokens": 4096}, 1024),  # the default run: 4,096 tokens of essays
+    ({"method": None, "storage_codec": "none", "max_sequence_tokens": 1500}, 1024),
+    ({"method": "full", "max_sequence_tokens": 300}, 144),  # a short task: half its longest sequence, whole blocks
+    ({"method": "full", "max_sequence_tokens": 20}, 16),
+    ({"method": "full"}, 1024),  # a record without the figure
+])
+def test_an_uncompressed_run_ends_with_the_overrides_that_compress_it(record, budget):
+    rec = {"run_id": "r", "status": "ok", "task": "perplexity", **record}
+    text = format_summary(rec, "/tmp/r", next_step=True)
+    assert f"{NEXT}{budget} to this command" in text, text
+    assert text.rstrip().endswith("=" * 10)  # inside the box, as its last line
+    assert NEXT not in format_summary(rec, "/tmp/r")  # not asked for (a sweep's runs, a stored summary)
+
+
+@pytest.mark.parametrize("record", [
+    {"method": "paged_eviction", "budget": 1024},  # compressed already: by eviction,
+    {"method": "full", "storage_codec": "kivi"},  # by a codec,
+    {"method": "full", "status": "failed", "error": "boom"},  # or the run failed
+])
+def test_no_next_step_after_a_compressed_or_failed_run(record):
+    rec = {"run_id": "r", "status": "ok", "task": "perplexity", "max_sequence_tokens": 4096, **record}
+    assert next_step_lines(rec) == []
+    assert NEXT not in format_summary(rec, "/tmp/r", next_step=True)
