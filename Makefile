@@ -31,11 +31,6 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 # `make test` leaves out the tests marked slow (exhaustive variants of checks it makes); `make test-all` runs them.
 PYTEST_MARKS ?= not slow
-# Run in a process of their own, before the rest: the in-process CLI runs of an unwritable results folder, after some
-# other modules in the same xdist worker, left pytest's own capture file closed (every later test of that worker then
-# errored at setup); alone they pass. Cause not found yet (2026-12-03).
-SOLO_TESTS ?= tests/test_faults_unwritable.py
-
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
 
@@ -68,10 +63,8 @@ run: install
 	$(PY) -m kvbench $(ARGS)
 
 test: install-test
-	@solo=0; $(PY) -m pytest -q -m "$(PYTEST_MARKS)" $(SOLO_TESTS) $(PYTEST_ARGS) || solo=$$?; \
-	rc=0; $(PY) -m pytest -q -m "$(PYTEST_MARKS)" -n $(PYTEST_WORKERS) --dist loadscope --ignore=$(SOLO_TESTS) $(PYTEST_ARGS) || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; \
-	if [ $$solo -ne 0 ] && [ $$solo -ne 5 ]; then rc=$$solo; fi; exit $$rc
+	@rc=0; $(PY) -m pytest -q -m "$(PYTEST_MARKS)" -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 
 test-all:
 	@$(MAKE) --no-print-directory test PYTEST_MARKS="slow or not slow"

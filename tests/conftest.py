@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,19 @@ os.environ.setdefault("KVBENCH_CACHE_DIR", str(Path.home() / ".cache" / "kvbench
 os.environ.setdefault("WANDB_MODE", "disabled")
 # one thread: tests are small, and two OpenMP threads on a busy 2-core machine can run 40x slower
 torch.set_num_threads(1)
+
+# absl's logging handler (imported by rouge-score) holds the sys.stderr of the moment it was imported, and its
+# close() closes that stream unless it is the sys.stderr/stdout of the moment of closing. Hydra's logging setup
+# (logging.config.dictConfig) closes every handler. Imported while pytest's global capture was sys.stderr and closed
+# during an in-process CLI test (capsys then holds sys.stderr), it closed pytest's capture file: every later test of
+# that process errored ("I/O operation on closed file"). Its stream is set to the process's own stderr, which absl
+# never closes (tests/test_capture_safety.py).
+try:
+    import absl.logging
+
+    absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
+except ImportError:
+    pass
 
 try:  # property tests draw the same examples on every run (CI must not depend on luck); HYPOTHESIS_PROFILE=default
     from hypothesis import settings  # explores new ones

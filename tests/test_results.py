@@ -98,9 +98,11 @@ def test_successful_run_writes_the_contract(tmp_path):
 def test_finished_run_is_skipped_unless_rerun(tmp_path, capsys):
     FakeEngine.instances.clear()
     first = run_fake(tmp_path, ["budget=32"])
-    second = run_fake(tmp_path, ["budget=32"])
+    capsys.readouterr()
+    second = run_fake(tmp_path, ["budget=32"], print_summary=True)
     assert second == first and len(FakeEngine.instances) == 1
-    assert "skipping" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipping" in out and "kvbench run OK" in out and "ppl" in out  # the stored summary, printed again
     third = run_fake(tmp_path, ["budget=32", "rerun=true"])
     assert third["run_id"] == first["run_id"] and len(FakeEngine.instances) == 2
     assert len(read_jsonl(str(tmp_path / "runs.jsonl"))) == 2
