@@ -103,6 +103,22 @@ def test_tensor_parallel_run_sums_the_ranks_pools(model_dir, tmp_path, one_proce
     assert metrics["run_id"] != ref["run_id"]
 
 
+def test_a_killed_rank_fails_the_run_cleanly(model_dir, tmp_path):
+    """Rank 1 killed after loading: the launch fails and rank 0 leaves no finished run (a failed record, or none:
+    a rerun redoes either, as for any failed run: tests/test_results.py)."""
+    args = ["model=hf", f"model.path={model_dir}", *TASK, f"results_dir={tmp_path}"]
+    p = _kvbench(*args, nproc=2, kill_rank=1)
+    assert p.returncode != 0
+    finished = [json.loads(m.read_text()) for m in tmp_path.glob("*/metrics.json")]
+    assert all(m["status"] == "failed" for m in finished), finished
+    assert not any((m.parent / "samples.jsonl").exists() and (m.parent / "samples.jsonl").stat().st_size
+                   for m in tmp_path.glob("*/metrics.json"))
+    index = tmp_path / "runs.jsonl"
+    assert not index.exists() or all(json.loads(line)["status"] == "failed"
+                                     for line in index.read_text().splitlines() if line.strip())
+
+
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
     args = ["model=hf", f"model.path={model_dir}", *TASK, f"results_dir={tmp_path}"]
     p = _kvbench(*args, nproc=2, kill_rank=1)

@@ -74,7 +74,8 @@ def test_a_second_sigterm_while_the_first_is_handled_exits_at_once_without_a_tra
     assert proc.stderr.strip() == "kvbench: error: terminated again: exiting now", proc.stderr
 
 
-@pytest.mark.parametrize("gap_s", [0.0, pytest.param(0.005, marks=pytest.mark.slow), 0.01,
+@pytest.mark.parametrize("gap_s", [0.0, pytest.param(0.005, marks=pytest.mark.slow),
+                                   pytest.param(0.01, marks=pytest.mark.slow),
                                    pytest.param(0.02, marks=pytest.mark.slow), 0.05])
 def test_two_sigterms_mid_run_print_no_traceback(tmp_path, gap_s):
     import time
