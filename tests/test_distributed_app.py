@@ -103,23 +103,9 @@ def test_tensor_parallel_run_sums_the_ranks_pools(model_dir, tmp_path, one_proce
     assert metrics["run_id"] != ref["run_id"]
 
 
-def test_a_killed_rank_fails_the_run_cleanly(model_dir, tmp_path):
-    """Rank 1 killed after loading: the launch fails and rank 0 leaves no finished run (a failed record, or none:
-    a rerun redoes either, as for any failed run: tests/test_results.py)."""
-    args = ["model=hf", f"model.path={model_dir}", *TASK, f"results_dir={tmp_path}"]
-    p = _kvbench(*args, nproc=2, kill_rank=1)
-    assert p.returncode != 0
-    finished = [json.loads(m.read_text()) for m in tmp_path.glob("*/metrics.json")]
-    assert all(m["status"] == "failed" for m in finished), finished
-    assert not any((m.parent / "samples.jsonl").exists() and (m.parent / "samples.jsonl").stat().st_size
-                   for m in tmp_path.glob("*/metrics.json"))
-    index = tmp_path / "runs.jsonl"
-    assert not index.exists() or all(json.loads(line)["status"] == "failed"
-                                     for line in index.read_text().splitlines() if line.strip())
-
-
-@pytest.mark.slow
-def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
+def _kill_rank_1_mid_run(model_dir, tmp_path) -> list:
+    """Launch on 2 ranks with rank 1 killed after loading; check that no finished run is left (a failed record, or
+    none); return the command's arguments for a rerun."""
     args = ["model=hf", f"model.path={model_dir}", *TASK, f"results_dir={tmp_path}"]
     p = _kvbench(*args, nproc=2, kill_rank=1)
     assert p.returncode != 0
@@ -127,6 +113,20 @@ def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
     assert all(m["status"] == "failed" for m in finished), finished  # recorded failed, or not at all
     assert not any((m.parent / "samples.jsonl").exists() and (m.parent / "samples.jsonl").stat().st_size
                    for m in tmp_path.glob("*/metrics.json"))
+    index = tmp_path / "runs.jsonl"
+    assert not index.exists() or all(json.loads(line)["status"] == "failed"
+                                     for line in index.read_text().splitlines() if line.strip())
+    return args
+
+
+def test_a_killed_rank_fails_the_run_cleanly(model_dir, tmp_path):
+    """A rerun redoes a failed record as it does any failed run (tests/test_results.py; here in the slow tier)."""
+    _kill_rank_1_mid_run(model_dir, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
+    args = _kill_rank_1_mid_run(model_dir, tmp_path)
     p = _kvbench(*args)  # the rerun in one process: the failed record is redone as by any rerun
     assert p.returncode == 0, p.stderr[-3000:]
     metrics, samples = _only_run(tmp_path)
