@@ -106,6 +106,8 @@ def merge_rank_figures(record: dict, perf: dict, num_samples: int, layout: Optio
     timed = [(r["ttft_s"], r["num_samples"]) for r in leaders if r.get("ttft_s") is not None and r["num_samples"]]
     if timed:
         record["ttft_s"] = sum(t * n for t, n in timed) / sum(n for _, n in timed)
+    for rank, r in enumerate(every):  # the samples each rank computed (its share of the task)
+        record[f"num_samples_rank{rank}"] = r["num_samples"]
     record["world_size"] = layout.world_size
     record["data_parallel"] = layout.dp_size
     record["tensor_parallel"] = layout.tp_size

@@ -14,6 +14,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from kvbench.runtime import distributed
 from kvbench.tasks._generation import PerfMeter, decode, stop_token_ids
 
 
@@ -53,6 +54,7 @@ class EngineLM(TemplateLM):
         self.seed = int_option(seed, "seed")
         self.stop_ids = stop_token_ids(tokenizer)
         self.meter = PerfMeter()
+        self.requests_served = 0  # lm-eval requests answered (in a data-parallel launch, this rank's share)
 
     # ------------------------------------------------------------------ tokenizer
     @property
@@ -94,6 +96,7 @@ class EngineLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
+        self.requests_served += len(requests)
         out: list = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}  # requests sharing a context (multiple choice) share its prefill
         for i, (key, ctx, cont) in enumerate(requests):
@@ -120,6 +123,7 @@ class EngineLM(TemplateLM):
         return [a for a in out]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        self.requests_served += len(requests)
         out = []
         bar = self._bar(len(requests), "kvbench loglikelihood_rolling", disable_tqdm)
         for (string,) in [r.args for r in requests]:
@@ -139,6 +143,7 @@ class EngineLM(TemplateLM):
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        self.requests_served += len(requests)
         results: list[Optional[str]] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
@@ -173,6 +178,35 @@ class EngineLM(TemplateLM):
                 bar.update(len(batch))
         bar.close()
         return [r if r is not None else "" for r in results]
+
+    # ------------------------------------------------------------------ data parallel (lm-eval's hooks)
+    # In a data-parallel launch (kvbench.runtime.distributed) lm-eval deals each task's documents over the ranks
+    # (rank r evaluates documents r, r + world_size, ...) and gathers the per-document metrics and logged samples
+    # on rank 0 through these hooks. The ranks of one tensor-parallel group are one lm-eval rank.
+    @property
+    def rank(self) -> int:
+        layout = distributed.current()
+        return layout.dp_rank if layout is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        layout = distributed.current()
+        return layout.dp_size if layout is not None else 1
+
+    def all_gather(self, tensor: Any) -> Any:
+        """Every data-parallel rank's tensor, stacked (0-d) or concatenated along dim 0 (as accelerate's gather)."""
+        import torch
+
+        parts = [p.to(tensor.device) for p in distributed.gather_over_data_parallel(tensor.detach().cpu())]
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[list]:
+        """Every data-parallel rank's obj, by rank, on rank dst; None on the others."""
+        parts = distributed.gather_over_data_parallel(obj)
+        return parts if self.rank == dst else None
+
+    def barrier(self) -> None:
+        distributed.barrier()
 
     def perf(self) -> dict:
         """Timing of the requests served so far (tasks._generation.PerfMeter) and the pool's peak KV bytes."""

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional, Union
 
 import kvbench
 from kvbench.errors import UserError
+from kvbench.runtime import distributed
 from kvbench.tasks._generation import batch_size_of
 from kvbench.tasks.base import Task, TaskResult, register_task
 
@@ -150,10 +151,18 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _doc_order(doc_id: Any) -> tuple:
+    return (0, doc_id, "") if isinstance(doc_id, int) else (1, 0, str(doc_id))
+
+
 def sample_records(results: dict) -> list[dict]:
     """kvbench sample records from lm-eval's logged samples."""
     out = []
     for task, rows in (results.get("samples") or {}).items():
+        # one process logs a task's samples filter by filter, each in document order; a data-parallel launch
+        # gathers them rank by rank: the same order either way
+        filters = list(dict.fromkeys(row.get("filter") for row in rows))
+        rows = sorted(rows, key=lambda row: (filters.index(row.get("filter")), _doc_order(row.get("doc_id"))))
         for row in rows:
             args = row.get("arguments") or []
             prompt = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else None
@@ -276,8 +285,13 @@ class LmEval(Task):
                 system_instruction=opts.system_instruction, gen_kwargs=opts.gen_kwargs,
                 random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
             )
-        if results is None:  # pragma: no cover (only on non-zero ranks)
+        if distributed.current() is not None:  # lm-eval returns the results on data-parallel rank 0 only
+            results = distributed.broadcast_object(results)
+        if results is None:  # pragma: no cover
             raise UserError("lm-eval returned no results")
         metrics = flatten_results(results, opts.tasks)
         samples = sample_records(results) if opts.log_samples else []
-        return TaskResult(metrics=metrics, samples=samples, perf=lm.perf())
+        perf = lm.perf()
+        if distributed.current() is not None:
+            perf["samples_computed"] = lm.requests_served  # this rank's share of the requests
+        return TaskResult(metrics=metrics, samples=samples, perf=perf)

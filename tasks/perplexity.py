@@ -267,4 +267,6 @@ class Perplexity(Task):
                 metrics[_bucket_key(b * bs, (b + 1) * bs)] = _ppl(bucket_nll[b], bucket_n[b])
         perf = {"prefill_tokens_per_s": fed_tokens / score_s if score_s > 0 else None,
                 "decode_tokens_per_s": None, "ttft_s": None}
+        if distributed.current() is not None:
+            perf["samples_computed"] = len(mine)  # this rank's documents
         return TaskResult(metrics=metrics, samples=samples, perf=perf)

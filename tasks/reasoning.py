@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 from kvbench.data import reasoning as rd
 from kvbench.data.hub import require_hub
 from kvbench.errors import UserError
+from kvbench.runtime import distributed
 from kvbench.metrics.reasoning import gsm8k_scores, math_verify_score
 from kvbench.runtime.engine import Generation
 from kvbench.runtime.scheduler import Request
@@ -131,19 +132,29 @@ class ReasoningTask(Task):
                                 f"exceed the model's {positions} positions")
             jobs += [(rec, s, prompt, ids, new) for s in range(opts.num_samples)]
         temperature = 0.0 if opts.greedy else float(opts.temperature)
-        meter, samples, curve = PerfMeter(), [], []
+        meter = PerfMeter()
         batch = batch_size_of(cfg)
-        bar = progress(total=len(jobs), desc=self.name, unit="generation")
+        # A data-parallel launch deals whole batches over its ranks: each batch keeps its members and its seed
+        # (seed + its first job's index), so every generation, sampled ones included, is the one-process one.
+        starts = distributed.shard(range(0, len(jobs), batch))  # [(batch index, first job index)] of this rank
+        bar = progress(total=sum(len(jobs[s:s + batch]) for _, s in starts), desc=self.name, unit="generation")
         seed = int(getattr(cfg, "seed", 0) or 0)
+        done = []  # (batch index, (samples, curve rows)) of this rank
         try:
-            for start in range(0, len(jobs), batch):
-                part = jobs[start:start + batch]
-                samples += self._generate(engine, tokenizer, part, stops, temperature, seed + start, meter, curve)
+            for b, start in starts:
+                part, curve = jobs[start:start + batch], []
+                done.append((b, (self._generate(engine, tokenizer, part, stops, temperature, seed + start, meter,
+                                                curve), curve)))
                 bar.update(len(part))
         finally:
             bar.close()
-        self._write_curve(curve)
-        return TaskResult(metrics=self._metrics(samples), samples=samples, perf=meter.perf(engine))
+        perf = meter.perf(engine)
+        if distributed.current() is not None:
+            perf["samples_computed"] = sum(len(out) for _, (out, _) in done)
+        every = distributed.gather_in_order(done)  # every rank's batches, in batch order
+        samples = [s for out, _ in every for s in out]
+        self._write_curve([row for _, curve in every for row in curve])
+        return TaskResult(metrics=self._metrics(samples), samples=samples, perf=perf)
 
     def _generate(self, engine: Any, tokenizer: Any, part: list, stops: tuple, temperature: float, seed: int,
                   meter: PerfMeter, curve: list) -> list[dict]:

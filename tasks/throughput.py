@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from kvbench.data.essays import essay_corpus_text
 from kvbench.errors import UserError
+from kvbench.runtime import distributed
 from kvbench.runtime.scheduler import Request
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
@@ -280,6 +281,11 @@ class ThroughputTask(Task):
         if limit and hi > limit:
             raise UserError(f"invalid task.input_tokens={self.options.input_tokens!r} with task.output_tokens="
                             f"{self.options.output_tokens!r}: {hi} positions exceed the model's {limit}")
+        tp = int(getattr(getattr(settings, "runtime", None), "tensor_parallel", 1) or 1)
+        replicas = distributed.env_world_size() // max(1, tp)
+        if replicas > 1:  # a trace's latencies and concurrency are those of one engine serving all of it
+            raise UserError(f"task=throughput serves one trace on one engine, not split over {replicas} data-parallel "
+                            f"ranks: launch as many processes as runtime.tensor_parallel (now {tp}), or one process")
 
     def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Any) -> TaskResult:
         opts = self.options

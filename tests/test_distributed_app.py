@@ -84,9 +84,41 @@ def test_data_parallel_run_equals_one_process(model_dir, tmp_path, one_process):
     for rank in (0, 1):  # each rank measured its own share
         assert metrics[f"prefill_tokens_per_s_rank{rank}"] > 0
         assert metrics[f"peak_kv_bytes_rank{rank}"] == ref["peak_kv_bytes"]  # one document at a time, same sizes
+        assert metrics[f"num_samples_rank{rank}"] == 2  # 4 documents dealt over 2 ranks
     assert metrics["peak_kv_bytes"] == ref["peak_kv_bytes"]  # the most one replica held
     assert metrics["run_id"] == ref["run_id"]  # the world size is not a setting of the result
     assert len(list(tmp_path.glob("*/.hydra"))) == 1 and (tmp_path / "runs.jsonl").read_text().count("\n") == 1
+
+
+# Tasks that drive the engine themselves split their work too: reasoning deals whole batches (each keeps its seed,
+# so sampled generations match one process), lm-eval deals documents through its own rank hooks.
+SELF_DRIVEN = {
+    "gsm8k": ["task=gsm8k", "task.data_path=kvbench:smoke", "task.num_samples=2", "task.max_new_tokens=6",
+              "runtime.batch_size=2", "method=streaming_llm", "budget=32"],
+    "lm_eval": ["task=lm_eval", "task.tasks=[kvbench_essays_mc]", "task.include_defaults=false", "task.limit=5",
+                "method=snapkv", "budget=32"],
+}
+COMMON = ["logger=none", "runtime.threads=1", "progress=false"]
+
+
+@pytest.mark.parametrize("task", sorted(SELF_DRIVEN))
+def test_self_driven_tasks_split_over_data_parallel_ranks(model_dir, tmp_path, task):
+    args = ["model=hf", f"model.path={model_dir}", *SELF_DRIVEN[task], *COMMON]
+    one = _kvbench(*args, f"results_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _kvbench(*args, f"results_dir={tmp_path / 'two'}", nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    (ref, ref_samples), (metrics, samples) = _only_run(tmp_path / "one"), _only_run(tmp_path / "two")
+    assert metrics["status"] == "ok" and metrics["data_parallel"] == 2
+    assert len(samples) == len(ref_samples) == ref["num_samples"] == metrics["num_samples"] > 2
+    assert [(s["id"], s["prediction"]) for s in samples] == [(s["id"], s["prediction"]) for s in ref_samples]
+    for key in ("accuracy", "score"):
+        if key in ref:
+            assert metrics[key] == ref[key], key
+    for rank in (0, 1):  # each rank computed a share: its own figures
+        assert metrics[f"peak_kv_bytes_rank{rank}"] > 0 and 0 < metrics[f"num_samples_rank{rank}"]
+    if task == "gsm8k":  # 6 generations in 3 batches of 2: batches 0 and 2 on rank 0, batch 1 on rank 1
+        assert (metrics["num_samples_rank0"], metrics["num_samples_rank1"]) == (4, 2)
 
 
 def test_tensor_parallel_run_sums_the_ranks_pools(model_dir, tmp_path, one_process):
@@ -139,6 +171,7 @@ def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
     (["runtime.tensor_parallel=2", "+WORLD=2", "method=kvcrush", "budget=64"],
      "method 'kvcrush' cannot run with runtime.tensor_parallel=2: its token signatures"),
     (["runtime.tensor_parallel=2", "+WORLD=2", "method=tova", "budget=64"], "use tova.heads=per_head"),
+    (["task=throughput", "+WORLD=2"], "task=throughput serves one trace on one engine, not split over 2"),
 ])
 def test_bad_parallel_input_is_one_line_before_load(cli, monkeypatch, model_dir, tmp_path, args,  # noqa: F811
                                                    expected):

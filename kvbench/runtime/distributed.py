@@ -134,6 +134,25 @@ def gather_in_order(results: Sequence[tuple[int, Any]], layout: Optional[Layout]
     return [merged[i] for i in sorted(merged)]
 
 
+def gather_over_data_parallel(obj: Any, layout: Optional[Layout] = None) -> list[Any]:
+    """obj of every data-parallel rank, by data-parallel rank, on every rank (a collective; the tensor-parallel
+    ranks of one group hold the same obj, the first of each group's is taken); [obj] in a single process."""
+    layout = layout if layout is not None else _layout
+    if layout is None:
+        return [obj]
+    parts = all_gather_objects(obj)
+    return [parts[g * layout.tp_size] for g in range(layout.dp_size)]
+
+
+def barrier() -> None:
+    """Wait for every rank of the world (a collective; nothing in a single process)."""
+    if _layout is None:
+        return
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     """obj of every rank of the world, by rank (a collective; [obj] in a single process)."""
     if _layout is None:
