@@ -270,32 +270,6 @@ def test_block_methods_reject_budgets_below_two_blocks(model, name):
            block_size=16, num_blocks=NUM_BLOCKS)
 
 
-@pytest.mark.parametrize("heads", ["shared", "per_head"])
-@pytest.mark.parametrize("bs", BLOCK_SIZES)
-def test_paged_eviction_keeps_every_tables_first_and_last_prompt_block(model, prompts, heads, bs):
-    """After the prompt's compression every (layer, kv-head) table holds the first block and the prompt's last,
-    possibly partial, block (the authors' code); the middle tokens fill the budget."""
-    budget, seen = 40, []
-    method = build_method("paged_eviction", budget, heads=heads)
-    inner = method.after_attention
-
-    def after_attention(ctx):
-        inner(ctx)
-        if ctx.phase == "prefill" and ctx.last_chunk:
-            slot = ctx.plan.slot_list[0]
-            P = int(ctx.cache.tokens_seen[slot])
-            tail = set(range(P - (P % bs or bs), P)) | set(range(bs))
-            for h in range(ctx.cache.num_kv_heads):
-                pos = set(ctx.cache.positions[slot, ctx.layer, h, : int(ctx.cache.lengths[slot, ctx.layer, h])].tolist())
-                assert tail <= pos and len(pos) == budget, (ctx.layer, h, sorted(tail - pos))
-            seen.append((P, ctx.layer))
-
-    method.after_attention = after_attention
-    engine = Engine(model, method, block_size=bs, num_blocks=NUM_BLOCKS, prefill_chunk_size=CHUNK)
-    engine.generate(prompts, max_new_tokens=2)
-    assert sorted(seen) == sorted((P, layer) for P in PROMPT_LENGTHS for layer in range(model.config.num_layers))
-
-
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o", "paged_eviction", "kvcrush", "snapkv", "key_diff",
                                   "adakv", "criticalkv", "duo_attention", "kvzip"])
 def test_methods_need_a_budget_and_validate_options(name):
