@@ -120,7 +120,8 @@ def _kill_rank_1_mid_run(model_dir, tmp_path) -> list:
 
 
 def test_a_killed_rank_fails_the_run_cleanly(model_dir, tmp_path):
-    """A rerun redoes a failed record as it does any failed run (tests/store/test_results.py; here in the slow tier)."""
+    """A rerun redoes a failed record as it does any failed run (tests/store/test_results.py; here in the slow
+    tier)."""
     _kill_rank_1_mid_run(model_dir, tmp_path)
 
 

@@ -167,7 +167,7 @@ def test_paged_eviction_options_validate_and_size_the_budget():
         assert build_method("paged_eviction", 64, **opts)._protected_blocks() == blocks, opts
 
 
-# ------------------------------------------------------------------------------ on the tiny model (the method matrix's)
+# ------------------------------------------------------------------------- on the tiny model (the method matrix's)
 @pytest.mark.parametrize("heads", ["shared", "per_head"])
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_paged_eviction_keeps_every_tables_first_and_last_prompt_block(model, prompts, heads, bs):

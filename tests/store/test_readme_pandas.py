@@ -13,7 +13,8 @@ from tests import results_fixtures as fx
 
 pytest.importorskip("pandas")
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "results.md")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+README = os.path.join(REPO, "docs", "results.md")
 
 
 def readme_recipe() -> str:
