@@ -97,7 +97,7 @@ def _app_calls_preflight() -> bool:
     return any("preflight(" in src for src in sources)
 
 
-@pytest.mark.skipif(not _app_calls_preflight(), reason="the app does not call task.preflight yet (lead, issue #13)")
+@pytest.mark.skipif(not _app_calls_preflight(), reason="the app does not call task.preflight")
 def test_longbench_offline_fails_before_the_model_loads(offline, tmp_path):
     from kvbench import app
     from tests.harness_fakes import FakeEngine, compose, fake_build_method
