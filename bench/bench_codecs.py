@@ -9,7 +9,7 @@ Sections (each codec against full precision in the same run):
    KIVI-4, the KIVI key-axis ablation (2-bit keys per channel vs per token) and the KVQuant ablation (nuq3 with
    1% outliers vs uniform int3 without outliers). KVQuant levels / key thresholds are calibrated on ACLSum train
    papers (cached under $KVBENCH_CACHE_DIR/kvquant).
-The last line is one JSON object with every figure and the checks of issue #5.
+The last line is one JSON object with every figure and the codec checks.
 
     python bench/bench_codecs.py [--threads 2] [--chunk 32] [--decode-tokens 16] [--skip-speed]
 """

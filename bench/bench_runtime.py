@@ -12,8 +12,8 @@ the best copy bandwidth seen). The last line is one JSON object.
 Then the loaded scenario: the same batch-1 decode at context 512 while one competing CPU-bound process (a
 busy-looping Python, started and stopped by the bench) shares the cores; kvbench and transformers (same process,
 same OpenMP settings) are interleaved as above, and "plain" transformers (a child process that imports torch
-first, so libgomp keeps its default spin-waiting) is measured under the same load. The targets of issue #14 are
-printed beside the figures (PASS / MISS); they are never adjusted to pass.
+first, so libgomp keeps its default spin-waiting) is measured under the same load. The targets `make bench` must
+show are printed beside the figures (PASS / MISS); they are never adjusted to pass.
 
 Decode steps of the two are interleaved one for one and each is timed alone, and prefill runs alternate, so a
 load that comes and goes on a shared machine slows both sides alike; every figure is a median over --repeats.
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from computed import require_computed  # noqa: E402  (bench/computed.py: a speed is work done, not a cache hit)
 
-TARGETS = {  # issue #14: what `make bench` must show
+TARGETS = {  # what `make bench` must show
     "decode_ratio_ctx512": 1.5, "decode_ratio_ctx4096": 1.8, "bandwidth_fraction_ctx512": 0.7,
     "loaded_over_idle_ctx512": 0.5, "decode_ratio_ctx512_loaded": 1.5, "decode_ratio_plain_ctx512_loaded": 1.5,
 }

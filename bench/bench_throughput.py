@@ -10,14 +10,14 @@ tok/s, and the ratios to `full` measured in this process; each trace ends with o
 
 Traces (--trace, default both, run one after the other and both printed):
   decode_heavy   16 requests x 4096 prompt tokens, 1024 output tokens (EOS ignored), a pool that holds four full
-                 prompts under `full`, budget 1024, seed 0 (the earlier `make bench-throughput` trace).
+                 prompts under `full`, budget 1024, seed 0.
   prefill_heavy  12 requests, prompts 2560-3072 tokens, outputs 192-256, a pool of three full 3072-token prompts
                  (424,673,280 bytes for SmolLM2-135M fp32), budget 512, seed 7 (about 12 prompt tokens per output).
 
     python bench/bench_throughput.py                                  # both traces, every method
     python bench/bench_throughput.py --trace prefill_heavy --methods full,paged_eviction,kivi2
     python bench/bench_throughput.py --trace prefill_heavy --num-requests 4      # a short smoke run
-    python bench/bench_throughput.py --trace decode_heavy --schedule prefill_first   # the earlier policy's figures
+    python bench/bench_throughput.py --trace decode_heavy --schedule prefill_first   # nano-vllm's policy
     python bench/bench_throughput.py --trace prefill_heavy --methods full --shared-prefix-tokens 2048 \
         --input-tokens 3072 --num-requests 16 --prefix-caching false     # then true: what prefix caching buys
 

@@ -14,7 +14,7 @@
    512 and 4096, batch-16 decode, each against transformers in the same process; then one serving trace at a fixed
    KV pool for full, paged_eviction and KIVI-2.
 Each section prints one JSON line; --json writes them all to one file. The Triton kernels' own tests run on the GPU
-with `KVBENCH_TEST_GPU=1 pytest tests/test_triton_attention.py` (bench/gpu_check.sh runs both).
+with `KVBENCH_TEST_GPU=1 pytest tests/runtime/test_triton_attention.py` (bench/gpu_check.sh runs both).
 """
 from __future__ import annotations
 

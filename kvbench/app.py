@@ -568,7 +568,7 @@ _ENGINE_RUNTIME_ARGS = ("max_num_seqs", "max_num_batched_tokens", "admission_wat
 
 
 def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
-    """The serving knobs the engine accepts (older engines take none of them)."""
+    """The serving knobs the engine class accepts (a class without them, such as a test fake, gets none)."""
     try:
         params = inspect.signature(engine_cls).parameters
     except (TypeError, ValueError):  # pragma: no cover

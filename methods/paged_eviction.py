@@ -11,8 +11,8 @@ attention), on the keys as cached (post-RoPE; RoPE keeps norms anyway). The defa
       leaves: the one with the lowest sum of S among the `decode_topk` oldest blocks after the first
       (blocks 1 .. min(1 + topk, blocks - 1) - 1, the authors' `candidate_pages`; topk 3), never the first
       block and never the newest. No K/V moves; the block is freed at once.
-Options restore kvbench's earlier rules: protect_last_block=false (prefill by score alone after the first
-block: on SmolLM2-135M at budget 256 the chat template's tail is evicted and greedy output degenerates to
+Options relax these rules: protect_last_block=false (prefill by score alone after the first block: on
+SmolLM2-135M at budget 256 the chat template's tail is evicted and greedy output degenerates to
 "ThisThisThis..."), decode_topk=null (any block but the first and the newest is a candidate),
 prefill_keep_first_block=false / protect_first_block=false (no first block kept at prefill / while decoding).
 heads="shared" (default, the authors' prototype: S averaged over the kv-heads of a layer, one token/block set

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 # (logging.config.dictConfig) closes every handler. Imported while pytest's global capture was sys.stderr and closed
 # during an in-process CLI test (capsys then holds sys.stderr), it closed pytest's capture file: every later test of
 # that process errored ("I/O operation on closed file"). Its stream is set to the process's own stderr, which absl
-# never closes (tests/test_capture_safety.py).
+# never closes (tests/app/test_capture_safety.py).
 try:
     import absl.logging
 

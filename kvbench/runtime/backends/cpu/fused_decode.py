@@ -10,7 +10,8 @@ CPU with the C kernels, a cache with plain pools (`PagedKVCache.plain_pools`) or
 the C codec decode kernel reads (`CpuBackend.block_formats`: KIVI, int8; new tokens land in its full-precision
 pools, fp16 or fp32, and packing happens before the step, in `prepare_append`), keys cached after RoPE at their
 original positions, no q/k norm (Qwen3), under the CPU backend (`CpuBackend.fused_decode`). Anything else, or
-`model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers (tests/test_fused_decode.py).
+`model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers
+(tests/runtime/test_fused_decode.py).
 The hook gets the same LayerContext as on the op-by-op path, but after the layer's MLP instead of before its output
 projection, which changes nothing: hooks read q and the attention scores and edit the cache, which that layer no
 longer reads. A hook that reads only the cache in decode steps (`decode_reads_attention = False`) is called for

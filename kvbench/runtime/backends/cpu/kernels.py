@@ -17,8 +17,8 @@
 
 The torch reference (``paged_attention_torch``) gathers a sequence's blocks before attending; at
 decode time on CPU that copy and MKL's small-matrix products cost more than the attention itself.
-Every kernel is checked against its torch counterpart in tests/test_cpu_kernels.py. `backend.CpuBackend` is what
-the model and the caches call; this module is the ctypes layer under it.
+Every kernel is checked against its torch counterpart in tests/runtime/test_cpu_kernels.py. `backend.CpuBackend` is
+what the model and the caches call; this module is the ctypes layer under it.
 
 The library is compiled on first use with the system C compiler (``$CC`` or ``cc``, with OpenMP)
 into ``$KVBENCH_CACHE_DIR/ext`` (default ``~/.cache/kvbench/ext``), keyed by the sources, flags and

@@ -1,5 +1,5 @@
 """Triton dequantization of packed blocks of unsigned uniform codes (KIVI 2 / 4 bits), checked against the codec's
-own `decode_keys` / `decode_values` (tests/test_quant_codecs.py).
+own `decode_keys` / `decode_values` (tests/quant/test_codecs.py).
 
 Input: the pool rows of one kind, uint8 [n, nbytes], read as the codec's `affine_rows(kind, B, D)` describes them
 (a codec that lists "triton_dequant" in its `kernels`): element (t, d) is code number t * D + d of the

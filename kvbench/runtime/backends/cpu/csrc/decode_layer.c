@@ -13,7 +13,8 @@
  *          codec->fp_is_half)
  *   x += attn @ W_o^T;  h = RMSNorm(x) * ln_mlp;  act = silu(h @ W_gate^T) * (h @ W_up^T);  x += act @ W_down^T
  *
- * Same arithmetic, op for op, as the unfused path with the C kernels (tests/test_fused_decode.py compares the two).
+ * Same arithmetic, op for op, as the unfused path with the C kernels (tests/runtime/test_fused_decode.py compares
+ * the two).
  */
 #include "decode_ops.h"
 

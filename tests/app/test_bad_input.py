@@ -1,0 +1,425 @@
+"""Bad input, as typed on the command line: exit code 2, exactly one stderr line naming the bad value, nothing left in
+results_dir, and no model loaded. The one table of such cases (CASES) runs the real CLI entry (Hydra included) in this
+process; a few more (SUBPROCESS_CASES, one per kind of error) run `python -m kvbench` as real subprocesses."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
+from tests.app.test_cli import assert_usage_error, kvbench
+from tests.app.test_config import _choices as group_choices
+from kvbench.cli import run_app_cli
+
+CUDA = False
+try:
+    import torch
+
+    CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    pass
+
+# (command line, text the one stderr line must contain, or a tuple of such texts). {empty}, {textfile}, {gguf}, ...
+# are paths made per test (the paths fixture).
+CASES = [
+    # groups
+    (["method=nope"], ("unknown method 'nope': choices are ", *group_choices("method"))),
+    (["task=nope"], ("unknown task 'nope': choices are ", *group_choices("task"))),
+    (["model=nope"], ("unknown model 'nope': choices are ", *group_choices("model"))),
+    (["quant=nope"], "unknown quant 'nope'"),
+    (["runtime=nope"], "unknown runtime 'nope'"),
+    (["logger=nope"], "unknown logger 'nope'"),
+    # top-level knobs
+    (["budget=abc"], "invalid budget='abc'"),
+    (["budget=-5"], "invalid budget=-5"),
+    (["budget=0"], "invalid budget=0"),
+    (["method=h2o", "budget=1.5"], "budget=1.5"),
+    (["seed=-1"], "invalid seed=-1"),
+    (["seed=18446744073709551616"], "invalid seed=18446744073709551616: expected an integer from 0 to 4294967295"),
+    (["seed=abc"], "seed='abc'"),
+    (["rerun=maybe"], "rerun='maybe'"),
+    (["+bugdet=128"], ("unknown option bugdet: valid top-level options are", "did you mean budget?")),
+    (["nope=1"], "unknown option nope: valid options are budget"),
+    # runtime
+    (["runtime.block_size=0"], "invalid runtime.block_size=0"),
+    (["runtime.block_size=x"], "invalid runtime.block_size='x': expected an integer"),
+    (["runtime.block_size=1000000000"], "invalid runtime.block_size=1000000000"),
+    (["runtime.num_blocks=1"], "invalid runtime.num_blocks=1"),
+    (["runtime.num_blocks=10"], "runtime.num_blocks=10"),
+    (["runtime.kv_memory_bytes=1000"], "runtime.kv_memory_bytes=1000"),
+    (["runtime.prefill_chunk_size=0"], "runtime.prefill_chunk_size=0"),
+    (["runtime.batch_size=0"], "runtime.batch_size=0"),
+    (["runtime.threads=0"], "runtime.threads=0"),
+    (["runtime.attention_backend=fast"], "invalid runtime.attention_backend='fast': choices are auto, torch"),
+    (["+runtime.blocks=3"], "runtime.blocks"),
+    (["+runtime.threds=2"], "unknown option runtime.threds"),
+    # model
+    (["model.dtype=int3"], "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
+    (["model.device=tpu"], "invalid model.device='tpu'"),
+    (["model=hf"], "model.path"),
+    (["model=hf", "model.path=/no/such/model"], "/no/such/model"),
+    (["model.path={empty}"], "empty folder"),
+    (["model.path={textfile}"], "notes.txt"),
+    (["model.path={gguf}"], "broken.gguf"),
+    (["+model.nme=x"], "model.nme"),
+    # logger
+    (["logger.mode=sometimes"], "invalid logger.mode='sometimes'"),
+    (["logger.wandb=maybe"], ("logger.wandb='maybe'", "expected true or false")),
+    (["logger.init_timeout_s=0"], "invalid logger.init_timeout_s=0"),
+    # storage codecs
+    (["method=kivi", "quant=int8"], ("quant=int8", "both choose a storage codec")),
+    (["quant=kivi", "quant.bits=5"], "bits"),
+    (["method=kivi", "method.bits=5"], "bits"),
+    (["quant=kivi", "quant.key_axis=diagonal"], "diagonal"),
+    (["quant=kvquant", "quant.bits=7"], "7"),
+    (["quant=kvquant", "quant.levels=fancy"], "fancy"),
+    (["+quant.foo=1"], "foo"),
+    (["quant=int8", "+quant.bits=4"], "bits"),
+    # methods and their options
+    (["method=h2o", "budget=64", "method.recent_ratio=2.0"], "recent_ratio"),
+    (["method=snapkv", "budget=64", "method.window=0"], "window"),
+    (["method=streaming_llm", "budget=64", "method.sinks=-1"], "sinks"),
+    (["method=paged_eviction", "budget=64", "method.heads=some"], "some"),
+    (["method=key_diff", "budget=64", "+method.nope=1"], "nope"),
+    (["method=kvcrush", "budget=64", "method.anchor=nowhere"], "nowhere"),
+    (["method=h2o", "+method.nope=1"], "nope"),
+    # tasks and their options
+    (["task.max_tokens=lots"], "task.max_tokens='lots'"),
+    (["task.max_tokens=1"], "task.max_tokens=1"),
+    (["task.nope=1"], "unknown option task.nope: valid options are"),
+    (["task.corpus=books"], "task.corpus='books'"),
+    (["task.text_file=/no/such/file.txt"], "/no/such/file.txt"),
+    (["task=needle", "+task.nope=1"], "task.nope"),
+    (["task=longbench", "+task.nope=1"], "task.nope"),
+    (["task=summarization", "+task.nope=1"], "task.nope"),
+    # serving: the scheduler's knobs and the throughput trace
+    (["runtime.max_num_seqs=0"], "runtime.max_num_seqs=0"),
+    (["runtime.max_num_batched_tokens=0"], "runtime.max_num_batched_tokens=0"),
+    (["runtime.admission_watermark=1.5"], "runtime.admission_watermark=1.5"),
+    (["task=throughput", "task.request_rate=0"], "task.request_rate=0"),
+    (["task=throughput", "task.request_rate=-3"], "task.request_rate=-3"),
+    (["task=throughput", "task.num_requests=0"], "task.num_requests=0"),
+    (["task=throughput", "task.input_tokens=[9000,9000]"], "8192"),
+    (["task=throughput", "task.output_tokens=[50,10]"], "task.output_tokens"),
+    (["task=throughput", "runtime.kv_memory_bytes=100000"], "runtime.kv_memory_bytes=100000"),
+    # decode policies and SnapKV pooling
+    (["method=snapkv", "budget=64", "method.decode=slide"], "snapkv.decode='slide'"),
+    (["method=h2o", "budget=64", "method.decode=block"], "h2o.decode='block'"),
+    (["method=snapkv", "budget=64", "method.pooling=median"], "median"),
+    (["method=paged_eviction", "budget=16"], "budget=16"),
+    # sweeps: the bad value is refused, the good ones are not run
+    (["-m", "budget=64,abc"], "budget='abc'"),
+    # issue 23: found before the model loads, no longer as a failed run or a traceback after it
+    (["task.text_file={emptyfile}"], "is empty"),
+    (["task.text_file={blankfile}"], "holds only whitespace"),
+    (["task.text_file=' '"], "task.text_file=' '"),
+    (["task.text_file={fifo}"], "is not a regular file"),
+    (["task=needle", "task.lengths=[100000]"], "task.lengths=[100000]"),
+    (["task=needle", "task.max_new_tokens=100000"], "task.max_new_tokens=100000"),
+    (["task=needle", "task.lengths=[64]", "task.buffer_tokens=100"], "task.buffer_tokens=100"),
+    (["task=summarization", "task.limit=0"], "task.limit=0"),
+    (["task=longbench", "task.limit=0"], "task.limit=0"),
+    (["task=govreport", "task.limit=0"], "task.limit=0"),
+    (["task=longbench", "task.data_dir={empty}"], "has no narrativeqa.jsonl"),
+    # reasoning tasks, LongBench v2, rkv
+    (["task=aime", "task.sets=[2023]"], ("unknown AIME set 2023", "choices are 2024, 2025")),
+    (["task=math500", "task.num_samples=0"], "task.num_samples=0"),
+    (["task=gsm8k", "task.max_new_tokens=9000"], ("task.max_new_tokens=9000", "8192 positions")),
+    (["task=math500", "task.data_path=/no/such/data"], "task.data_path='/no/such/data'"),
+    (["task=aime", "task.data_path={empty}"], "no 'train' split files"),
+    (["task=gsm8k", "task.top_p=0"], "task.top_p=0"),
+    (["task=math500", "task.prompt_style=cot"], ("task.prompt_style='cot'", "r1, rkv")),
+    (["task=longbench_v2", "task.data_path={empty}"], "no 'train' split files"),
+    (["task=longbench_v2", "task.max_new_tokens=8192"], "task.max_new_tokens=8192"),
+    (["method=rkv", "budget=8"], "must exceed rkv.window=8"),
+    (["task=longbench", "task.data_dir=''"], "task.data_dir=''"),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={textfile}"], "neither a folder nor a zip"),
+    (["task=govreport", "task.data_dir={empty}"], "has no gov_report.jsonl"),
+    (["task=govreport", "task.source=ccdv", "task.data_dir={empty}"], "no GovReport 'test' data"),
+    (["task.corpus=wikitext", "task.data_path=/no/such/data"], "task.data_path='/no/such/data'"),
+    (["task.corpus=wikitext", "task.data_path={empty}"], "no 'test' split files"),
+    (["task.corpus=pg19", "task.data_path=''"], "task.data_path=''"),
+    (["task.data_path={textfile}"], "does not read it"),
+    (["model=hf", "model.path=nobody/no-such-model-kvbench"], "not in the local Hugging Face cache",
+     {"env": {"HF_HUB_OFFLINE": "1"}}),
+    (["task=lm_eval", "task.tasks=[kvbench_essays_mc]"], "needs lm-eval", {"hide": ["lm_eval"]}),
+    (["quant=kvquant", "quant.calibration_tokens=100000"], "quant.calibration_tokens=100000"),
+    (["quant=kvquant", "quant.bits=3.5"], "quant.bits=3.5"),
+    (["quant=kivi", "quant.group_size=32.5"], "quant.group_size=32.5"),
+    (["runtime.num_blocks=1e12"], "runtime.num_blocks=1000000000000.0"),
+    (["runtime.num_blocks=1000000000000"], "runtime.num_blocks=1000000000000"),
+    (["runtime.kv_memory_bytes=1000000000000000"], "runtime.kv_memory_bytes=1000000000000000"),
+    (["task.max_tokens=1e12"], "task.max_tokens=1000000000000"),
+    (["task.max_tokens=1000000000000"], "task.max_tokens=1000000000000"),
+    (["task.max_tokens=200000"], "task.max_tokens=200000"),
+    (["runtime.num_blocks=5000"], "larger runtime.num_blocks"),  # 4096 tokens of full KV need 23,297 blocks
+    (["quant=kivi", "quant.group_size=100000"], "G=100000"),
+    (["quant=kivi", "quant.group_size=100000", "quant.residual=100000"], "quant.group_size=100000"),
+    (["quant=kivi", "quant.group_size=4096", "quant.residual=4096", "runtime.kv_memory_bytes=50000000"],
+     "quant.group_size=4096"),
+    (["method=kvcrush", "budget=64", "method.seed=1e21"], "method.seed=1e+21"),
+    (["method=kvcrush", "budget=64", "method.seed=100000000000000000000"], "method.seed=100000000000000000000"),
+    (["task=throughput", "task.request_rate=1e-300"], "task.request_rate=1e-300"),
+    (["task=throughput", "task.request_rate=0.001"], "task.request_rate=0.001"),
+    (["budget=${{oc.env:NOPE}}"], "cannot resolve budget='${{oc.env:NOPE}}'"),  # {{ }}: the table's str.format escapes
+    (["task.max_tokens=${{nope}}"], "task.max_tokens='${{nope}}'"),
+    (["results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "Environment variable 'KVBENCH_NO_SUCH_VAR' not found"),
+    (["-m", "results_dir=${{oc.env:KVBENCH_NO_SUCH_VAR}}"], "KVBENCH_NO_SUCH_VAR"),
+    (["model.path=/dev/null"], "model.path='/dev/null' is not a regular file or folder"),
+    # speculative decoding and preemption (runtime.speculative, runtime.preemption, runtime.swap_bytes)
+    (["runtime.speculative.num_tokens=-1"], "invalid runtime.speculative.num_tokens=-1"),
+    (["runtime.speculative.num_tokens=1000"], "runtime.speculative.num_tokens=1000: expected an integer from 0 to 64"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.method=streamin_llm"],
+     ("unknown runtime.speculative.method 'streamin_llm'", "did you mean streaming_llm?")),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.budget=0"],
+     "runtime.speculative.budget=0"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.budget=100000"],
+     ("invalid runtime.speculative.budget=100000", "compress nothing")),
+    (["runtime.swap_bytes=1000000000000000"],
+     ("invalid runtime.swap_bytes=1000000000000000", "more than this host's")),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.draft=/no/such/draft"],
+     "runtime.speculative.draft='/no/such/draft' does not exist"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.speculative.draft={othertok}"],
+     ("runtime.speculative.draft=", "tokenizer differs from the target model's")),
+    (["task=throughput", "method=h2o", "budget=64", "runtime.speculative.num_tokens=4"],
+     "runtime.speculative.num_tokens=4 cannot run with method=h2o"),
+    (["runtime.speculative.num_tokens=4"], "runtime.speculative.num_tokens=4 cannot run with task=perplexity"),
+    (["task=throughput", "runtime.speculative.num_tokens=4", "runtime.prefix_caching=true"],
+     "cannot run with runtime.prefix_caching=true"),
+    (["+runtime.speculative.k=4"], "runtime.speculative.k"),
+    (["runtime.swap_bytes=-5"], "invalid runtime.swap_bytes=-5"),
+    (["runtime.preemption=swapp"], ("invalid runtime.preemption='swapp'", "did you mean swap?")),
+    (["model.path={fifo}"], "is not a regular file or folder"),
+    # issue 37: found in the plan (a tokenizer may load there, the model may not), no longer after the model loaded
+    (["task=ruler", "task.lengths=[100000]"], ("invalid task.lengths=[100000]", "model's 8192 positions")),
+    (["task=ruler", "task.lengths=[20]", "task.tasks=[niah_single_1]"],
+     ("invalid task.lengths=[20]", "no room for a niah_single_1 sample")),
+    (["task=ruler", "task.source=hub", "task.data_dir=/nonexistent/dir"], "task.data_dir='/nonexistent/dir'"),
+    (["task=ruler", "task.source=hub", "task.data_dir={empty}", "task.lengths=[1024]"],
+     "no 1024.parquet/.jsonl or 1024/ folder"),
+    (["task=ruler", "task.tasks=[qa_1]"], ("nothing to run", "squad.json")),
+    (["task=ruler", "task.tasks=[qa_1,qa_2]", "task.data_dir={empty}"], ("squad.json", "hotpotqa.json")),
+    (["method=h2o", "budget=64", "runtime.prefix_caching=true"], "runtime.prefix_caching=true with method=h2o"),
+    (["method=adakv", "method.base=h2o", "budget=64", "runtime.prefix_caching=true"],
+     "runtime.prefix_caching=true with method=adakv"),
+    (["method=h2o", "budget=64", "runtime.prefix_caching=1"], "runtime.prefix_caching=true"),
+    # every job of a sweep is checked before the first starts (the first would load the model: no_loading fails it)
+    (["-m", "method=streaming_llm", "budget=64,-5"], "invalid budget=-5"),
+    (["method=streaming_llm", "-m", "budget=64,-5"], "invalid budget=-5"),  # -m after an override
+    (["-m", "task=needle", "task.lengths=[64],[100000]"], "task.lengths=[100000]"),
+    # counts are bounded (docs/configuration.md)
+    (["task=throughput", "task.num_requests=1000000000000"], "invalid task.num_requests=1000000000000"),
+    (["task=ruler", "task.limit=1000000000000"], "invalid task.limit=1000000000000"),
+    (["task.num_documents=1000000000000"], "invalid task.num_documents=1000000000000"),
+    (["task=lm_eval", "task.tasks=[x]", "task.bootstrap_iters=1000000000000"], "task.bootstrap_iters"),
+    (["task=needle", "task.max_new_tokens=1000000000000"], "task.max_new_tokens=1000000000000"),
+    (["runtime.max_num_seqs=1000000000000"], "runtime.max_num_seqs=1000000000000"),
+    (["runtime.batch_size=1000000000000"], "runtime.batch_size=1000000000000"),
+    (["runtime.max_num_batched_tokens=1000000000000"], "runtime.max_num_batched_tokens=1000000000000"),
+    (["runtime.prefill_chunk_size=1000000000000"], "runtime.prefill_chunk_size=1000000000000"),
+    (["results_dir=''"], "invalid results_dir=''"),
+    (["-m", "results_dir=''"], "invalid results_dir=''"),
+    (["task=ruler", "task.lengths=100000"], "task.lengths=[100000]"),  # a bare length is a list of one
+]
+if not CUDA:
+    CASES += [(["model.device=cuda"], "model.device='cuda'"),
+              (["runtime.attention_backend=triton"], "attention_backend=triton")]
+
+
+@pytest.fixture
+def paths(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\t\n  ")
+    os.mkfifo(tmp_path / "fifo")  # opening it would block: it must be refused without being opened
+    other = tmp_path / "othertok"  # a model folder whose tokenizer is not the packaged model's
+    other.mkdir()
+    (other / "config.json").write_text('{"num_hidden_layers": 2, "model_type": "llama"}')
+    (other / "model.safetensors").write_bytes(b"")
+    (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
+    return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
+            "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
+            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run `python -m kvbench ARGS` in this process; returns (exit code, stdout, stderr)."""
+    import hydra
+
+    from kvbench import app
+
+    entry = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(app.main)
+    old_term = signal.getsignal(signal.SIGTERM)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+
+    def call(args):
+        monkeypatch.setattr(sys, "argv", ["kvbench", *args])
+        monkeypatch.setattr(app, "_exit_code", 0)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            run_app_cli(entry)
+        out = capsys.readouterr()
+        return info.value.code, out.out, out.err
+
+    yield call
+    signal.signal(signal.SIGTERM, old_term)
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 110
+
+
+# A case is (command line, needles) or (command line, needles, setup): setup["env"] sets environment variables,
+# setup["hide"] makes modules unimportable (as if not installed).
+TABLE = [(c[0], (c[1],) if isinstance(c[1], str) else c[1], c[2] if len(c) > 2 else {}) for c in CASES]
+
+
+
+
+def _table_params(table: list) -> list:
+    """The table as pytest params: a case whose options (the keys before '=') an earlier case already has is a
+    further bad value of the same options, marked slow (`make test-all` runs it)."""
+    seen, params = set(), []
+    for args, needles, setup in table:
+        keys = tuple(a.split("=")[0] for a in args)
+        marks = [pytest.mark.slow] if keys in seen else []
+        seen.add(keys)
+        params.append(pytest.param(args, needles, setup, marks=marks, id=" ".join(args)))
+    return params
+
+
+@pytest.mark.parametrize("args,needles,setup", _table_params(TABLE))
+def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatch):
+    import kvbench.app as app
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(app, "_load_model", no_loading)
+    for key, value in setup.get("env", {}).items():
+        monkeypatch.setenv(key, value)
+    for module in setup.get("hide", []):
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.chdir(tmp_path)  # a results_dir that cannot be resolved must not leave a folder here either
+    before = set(os.listdir(tmp_path))
+    results = tmp_path / "r"
+    args = [a.format(**paths) for a in args]
+    own_results = any(a.startswith("results_dir=") for a in args)
+    code, out, err = cli([*args, "logger.wandb=false", *([] if own_results else [f"results_dir={results}"])])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
+    for needle in needles:
+        assert needle.format(**paths) in lines[0], (needle, lines[0])
+    assert "Traceback" not in out + err
+    assert not results.exists(), sorted(os.listdir(results))  # no run folder, no runs.jsonl, no empty folder
+    assert set(os.listdir(tmp_path)) == before
+
+
+# (command line, texts the one stderr line must contain); results_dir is tmp_path/r unless the case names it
+# one per kind of error; those marked slow are kinds already here, and every case but experiment=h2o is in CASES
+SUBPROCESS_CASES = [
+    (["+bugdet=128"], ["did you mean budget?"]),
+    pytest.param(["method=nope"], ["unknown method 'nope'", "choices are", "full"], marks=pytest.mark.slow),
+    pytest.param(["budget=abc"], ["invalid budget='abc'", "positive integer", "null"], marks=pytest.mark.slow),
+    pytest.param(["task.corpus=books"], ["task.corpus='books'", "pg_essays, aclsum, wikitext, pg19, text_file"],
+                 marks=pytest.mark.slow),
+    (["-m", "budget=64,abc"], ["invalid budget='abc'"]),
+    (["experiment=h2o"], ["experiment is not in the default config", "+experiment=h2o"]),
+    (["model=hf", "model.path=/no/such/model", "results_dir=r"], ["model.path='/no/such/model' does not exist"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", SUBPROCESS_CASES,
+                         ids=[" ".join((c.values if hasattr(c, "values") else c)[0]) for c in SUBPROCESS_CASES])
+def test_bad_input_as_a_real_subprocess(tmp_path, args, needles):
+    has_results_dir = any(a.startswith("results_dir=") for a in args)
+    proc = kvbench(*args, "logger.wandb=false", *([] if has_results_dir else [f"results_dir={tmp_path / 'r'}"]),
+                   cwd=tmp_path)
+    assert_usage_error(proc, *needles)
+    left = sorted(os.listdir(tmp_path / "r")) if (tmp_path / "r").exists() else []
+    assert left in (([], ["multirun.yaml"]) if "-m" in args else ([],)), left  # a sweep saves its config
+
+
+def _hub_cache_with(root, repo_id, config):
+    """A Hugging Face hub cache at root holding repo_id's config.json (its layout: refs/main -> snapshots/<rev>)."""
+    import json
+
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(config))
+
+
+def test_a_cached_hub_model_is_checked_against_its_config(cli, tmp_path, monkeypatch):
+    # offline, a hub id in the local cache passes, and its config.json (not the weights) bounds the task
+    import huggingface_hub.constants
+
+    import kvbench.app as app
+    from kvbench.model_info import model_shape
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _hub_cache_with(tmp_path / "hub", "org/tiny-llama", {
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "max_position_embeddings": 512})
+    shape = model_shape(SimpleNamespace(path="org/tiny-llama", gguf_file=None))
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_positions) == (2, 2, 16, 512)
+
+    monkeypatch.setattr(app, "_load_model", lambda *a, **k: pytest.fail("the model was loaded for bad input"))
+    code, out, err = cli(["model=hf", "model.path=org/tiny-llama", "task=needle", "task.lengths=[1024]",
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    assert code == 2 and "invalid task.lengths=[1024]" in err and "model's 512 positions" in err, err
+    assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+
+
+def test_a_hub_id_the_hub_does_not_know_is_refused(cli, tmp_path, monkeypatch):
+    # online: the hub is asked for config.json (a few kB) before the model loads; "no such repository" is one line
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    import kvbench.app as app
+    import kvbench.data.hub as hub
+
+    def not_found(repo_id, filename, **kwargs):
+        exc = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+        Exception.__init__(exc, f"404 Client Error: Repository Not Found for url: .../{repo_id}")
+        raise exc
+
+    monkeypatch.setattr(hub, "hub_unreachable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", not_found)
+    monkeypatch.setattr(app, "_load_model", lambda *a, **k: pytest.fail("the model was loaded for bad input"))
+    code, out, err = cli(["model=hf", "model.path=nobody/no-such-model-kvbench", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.path='nobody/no-such-model-kvbench' is not a model on the Hugging Face hub" in lines[0]
+
+
+def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
+    # on CUDA the bound is the GPU's memory (the pool is allocated there, not virtual): checked without a GPU
+    import torch
+
+    from kvbench import plan
+    from kvbench.config import RuntimeConfig
+    from kvbench.errors import UserError
+    from kvbench.model_info import PACKAGED_SHAPE, ModelShape
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=8 * 2**30))
+    assert plan.machine_memory_bytes("cuda:0") == 8 * 2**30
+    shape = ModelShape(*PACKAGED_SHAPE)
+    plan._check_memory(RuntimeConfig(kv_memory_bytes=4 * 2**30), "cuda:0", shape, "float16")
+    with pytest.raises(UserError, match=r"runtime.kv_memory_bytes=17179869184: 16.0 GiB is more than this "
+                                        r"machine's 8.0 GiB of cuda:0 memory"):
+        plan._check_memory(RuntimeConfig(kv_memory_bytes=16 * 2**30), "cuda:0", shape, "float16")

@@ -1,0 +1,49 @@
+"""The method variants the parametrized method tests run: every registered method with its defaults, plus the
+options that change what it keeps or how it runs (as kvpress's tests/default_presses.py). A new method needs one
+line here; tests/methods/test_matrix.py fails while an eviction method is missing from the list.
+
+Each variant is (method name, options for build_method); the options are sized for the tiny test models (budgets
+of 32-45 tokens, blocks of 8-16)."""
+from __future__ import annotations
+
+import os
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+
+# (method, options): every registered method with its defaults, plus the main option variants
+VARIANTS = [
+    ("full", {}),
+    ("streaming_llm", {}),
+    ("streaming_llm", {"position_mode": "reindex", "sinks": 6}),
+    ("h2o", {}),
+    ("paged_eviction", {}),
+    ("paged_eviction", {"heads": "per_head", "protect_first_block": False}),
+    ("kvcrush", {}),
+    ("kvcrush", {"importance": "snapkv", "anchor": "mean"}),
+    ("snapkv", {}),
+    ("snapkv", {"decode": "rescore", "window": 8}),
+    ("snapkv", {"decode": "window", "pooling": "maxpool", "kernel_size": 7}),
+    ("key_diff", {}),
+    ("random", {"seed": 0}),
+    ("knorm", {}),
+    ("knorm", {"decode": "evict"}),
+    ("rkv", {}),
+    ("rkv", {"buffer": 4, "window": 4}),
+    ("tova", {}),
+    ("tova", {"decode": "evict", "heads": "per_head"}),
+    ("expected_attention", {}),
+    ("lagkv", {"lag_size": 8}),
+    ("pyramidkv", {"window": 8, "beta": 2}),  # a real pyramid at these budgets (the defaults fall back to SnapKV)
+    ("adakv", {"base_options": {"window": 8}}),
+    ("adakv", {"base": "h2o"}),
+    ("criticalkv", {}),
+    ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
+    ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
+    ("kvzip", {"chunk_size": 48}),
+]
+
+
+def variant_id(variant) -> str:
+    """The test id of a variant: the method name, then -option=value for each option."""
+    name, opts = variant
+    return name + "".join(f"-{k}={x}" for k, x in opts.items())
