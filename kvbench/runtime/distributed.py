@@ -56,8 +56,27 @@ class Layout:
         return self.rank == 0
 
 
+def export_submitit_tasks() -> None:
+    """Inside a submitit job of several tasks (Hydra's submitit_slurm or submitit_local launcher with
+    hydra.launcher.tasks_per_node=N) and not under torchrun: set torchrun's variables (MASTER_ADDR, MASTER_PORT,
+    RANK, WORLD_SIZE, LOCAL_RANK) from the job's, as submitit's TorchDistributedEnvironment gives them, so the
+    job's tasks form one launch (one run over N data-parallel ranks). Nothing elsewhere."""
+    if "WORLD_SIZE" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") not in ("slurm", "local"):
+        return
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        env = TorchDistributedEnvironment()
+    except (ImportError, KeyError, RuntimeError):  # not a submitit task after all
+        return
+    if env.world_size > 1:
+        env.export(set_cuda_visible_devices=False)
+
+
 def env_world_size() -> int:
-    """WORLD_SIZE as torchrun sets it (1 outside a launch)."""
+    """WORLD_SIZE as torchrun sets it, or as a submitit job of several tasks gives it (export_submitit_tasks);
+    1 outside a launch."""
+    export_submitit_tasks()
     try:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:

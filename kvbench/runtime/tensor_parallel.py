@@ -194,16 +194,55 @@ def local_keep(keep: torch.Tensor, model_config: Any) -> torch.Tensor:
     return mine[:, : max(1, int((mine >= 0).sum(-1).max()))]
 
 
-def sum_over_ranks(value: int, model_config: Any, device: Any = None) -> int:
-    """An integer summed over the tensor-parallel group (one all-reduce): a decision every rank must take alike
-    from all kv-heads' figures (whether a layer's tables together exceed their budget)."""
+def sum_over_ranks(value: int, model_config: Any, device: Any = None, op: str = "sum") -> int:
+    """An integer summed (op "min", "max": reduced) over the tensor-parallel group (one all-reduce): a decision
+    every rank must take alike from all kv-heads' figures (whether a layer's tables together exceed their budget,
+    whether every rank's pool has room)."""
     if tp_size_of(model_config) == 1:
         return int(value)
     import torch.distributed as dist
 
     t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, group=model_config.tp_group)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op],
+                    group=model_config.tp_group)
     return int(t.item())
+
+
+class RankAgreedCache:
+    """A tensor-parallel rank's cache as its scheduler sees it: the block counts behind admission, preemption and
+    swapping agreed over the group, so every rank schedules the same step. Each rank's pool holds its kv-heads'
+    blocks, and a method whose kept tokens differ between kv-heads (adakv, kvzip) fills the ranks' pools unevenly:
+    free and capacity are the least over the ranks, blocks needed or held the most (one all-reduce each), so
+    whatever fits by these counts fits in every rank's pool. Everything else is the rank's own cache."""
+
+    def __init__(self, cache: Any, model_config: Any):
+        self._cache, self._config = cache, model_config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def _agreed(self, value: int, op: str) -> int:
+        return sum_over_ranks(value, self._config, self._cache.device, op)
+
+    def free_blocks(self) -> int:
+        return self._agreed(self._cache.free_blocks(), "min")
+
+    def capacity_blocks(self) -> int:
+        return self._agreed(self._cache.capacity_blocks(), "min")
+
+    def blocks_for_append(self, slots: list, n_tokens: int) -> int:
+        return self._agreed(self._cache.blocks_for_append(slots, n_tokens), "max")
+
+    def blocks_held(self, slot: int) -> int:
+        return self._agreed(self._cache.blocks_held(slot), "max")
+
+    def blocks_in_use_now(self) -> int:
+        return self._agreed(self._cache.blocks_in_use_now(), "max")
+
+
+def rank_agreed(cache: Any, model_config: Any) -> Any:
+    """`cache` for a scheduler: itself on one rank, a RankAgreedCache on a tensor-parallel shard."""
+    return RankAgreedCache(cache, model_config) if tp_size_of(model_config) > 1 else cache
 
 
 def full_kv_heads(model_config: Any) -> int:

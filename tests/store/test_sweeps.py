@@ -48,6 +48,22 @@ def test_submitit_local_sweep(tmp_path):
     _check_layout(out, [8, 16])
 
 
+@needs_submitit
+def test_submitit_tasks_of_one_job_form_one_data_parallel_run(tmp_path):
+    """hydra.launcher.tasks_per_node=2: each job's two tasks join one launch (kvbench.runtime.distributed reads the
+    job's ranks from submitit), split the documents and write one folder per run, recorded once."""
+    import json
+
+    out = tmp_path / "r"
+    proc = run_fake_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+                        "task.num_documents=2", "budget=8,16", f"results_dir={out}", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    for run in _check_layout(out, [8, 16]):
+        metrics = json.loads((out / run["run_id"] / "metrics.json").read_text())
+        assert (metrics["world_size"], metrics["data_parallel"], metrics["num_samples"]) == (2, 2, 2)
+        assert metrics["num_samples_rank0"] == metrics["num_samples_rank1"] == 1  # one document each
+
+
 def test_budget_sweep_over_a_method_that_keeps_every_token_runs_once(tmp_path):
     out = tmp_path / "r"
     proc = run_fake_cli("-m", "method=full", "budget=8,16,null", f"results_dir={out}", cwd=tmp_path)
