@@ -55,6 +55,7 @@ def essay_tokens(tokenizer, n: int) -> list[int]:
 
 def make_engine(model, codec, chunk: int):
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     # prefix caching off: a speed here is work computed, never a cache hit (bench/computed.py)
     return Engine(model, codec=codec, block_size=16, prefill_chunk_size=chunk, num_blocks=None,
@@ -100,7 +101,7 @@ def bits_and_speed(model, codec, ids: list[int], decode_tokens: int) -> dict:
 
 def perplexity(model, codec, ids: list[int], chunk: int) -> float:
     engine = make_engine(model, codec, chunk=chunk)
-    lp = engine.score(ids, chunk_size=chunk)
+    lp = Scorer(engine).score(ids, chunk_size=chunk)
     return math.exp(-lp.double().mean().item())
 
 

@@ -40,6 +40,7 @@ def _engine(model, name, options, codec, codec_options):
     from kvbench.methods import build_method
     from kvbench.quant.registry import build_codec
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     opts = dict(options)
     method = build_method(name, opts.pop("budget", None), **opts)
@@ -52,7 +53,7 @@ def _run_case(model, case):
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 250, (SCORE_LEN,), generator=gen).tolist()
     eng = _engine(model, name, options, codec, codec_options)
-    nll = -eng.score(ids, chunk_size=32).double()
+    nll = -Scorer(eng).score(ids, chunk_size=32).double()
     peak_score = eng.memory_stats()["peak_kv_bytes"]
     eng = _engine(model, name, options, codec, codec_options)
     out = eng.generate([ids[:PROMPT_LEN], ids[7:PROMPT_LEN - 9]], max_new_tokens=NEW_TOKENS, temperature=0.0)

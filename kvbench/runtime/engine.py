@@ -1,13 +1,13 @@
-"""The engine: chunked prefill, batched decoding, sampling and scoring over the paged cache.
+"""The engine: the step (one ragged forward over the paged cache), sampling, and the serving loop around them.
 
     engine = Engine(model, method, block_size=16, prefill_chunk_size=512)
-    logprobs = engine.score(token_ids)                      # [T-1] streaming, method applied
     gens = engine.generate([ids_a, ids_b], max_new_tokens=64, stop_token_ids=[eos])   # via the scheduler
     outcome = engine.serve([Request(ids, 128, arrival_s=0.5), ...])                   # a serving trace
 
 `method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
 methods. `codec` is a storage codec or None (full precision); kvbench.runtime.caches builds the matching cache.
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
+Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.scoring.Scorer's, over this engine.
 
 Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
 `step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
@@ -31,6 +31,7 @@ from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
 from kvbench.runtime.sampling import sample
 from kvbench.runtime.scheduler import Outcome, Request, Scheduler
+from kvbench.runtime.scoring import Scorer
 from kvbench.spec import SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
@@ -292,100 +293,12 @@ class Engine:
         self.method.on_sequence_end(slot)
         self.cache.free_sequence(slot)
 
-    def _prefill(self, slot: int, token_ids: Sequence[int], chunk_size: int, start_pos: int = 0, *,
-                 stream: bool = False, logits_for: str = "last",
-                 progress: Callable[[int], None] | None = None):
-        """Feed token_ids into sequence `slot` chunk by chunk; yields each chunk's (start, end, logits)."""
-        ids = [int(t) for t in token_ids]
-        n = len(ids)
-        for a in range(0, n, chunk_size):
-            b = min(n, a + chunk_size)
-            out = self.forward_chunk(slot, ids[a:b], start_pos + a, last_chunk=stream or b == n,
-                                     logits_for=logits_for)
-            if progress is not None:
-                progress(b - a)
-            yield a, b, out
-
     # ------------------------------------------------------------------ public API
-    @torch.no_grad()
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """log p(token[t+1] | tokens[<=t]) for t = 0..T-2, float32 [T-1].
-
-        The tokens stream through the cache chunk by chunk; every chunk ends a prompt as far as the
-        method is concerned (it compresses after each, whatever its prefill_mode), so later chunks are
-        scored against the compressed cache.
-        """
-        chunk = chunk_size or self.prefill_chunk_size
-        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-        if ids.numel() < 2:
-            raise ValueError("score needs at least 2 tokens")
-        slot = self.cache.add_sequence()
-        out = torch.empty(ids.numel() - 1, dtype=torch.float32)
-        try:
-            for a, b, logits in self._prefill(slot, ids.tolist(), chunk, logits_for="all", progress=progress,
-                                                  stream=True):
-                lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-                tgt_end = min(b, ids.numel() - 1)
-                if tgt_end > a:
-                    tgt = ids[a + 1: tgt_end + 1].to(lp.device)
-                    out[a:tgt_end] = lp[: tgt_end - a].gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()
-        finally:
-            self.end_sequence(slot)
-        return out
-
-    @torch.no_grad()
-    def score_continuation(self, context_ids: Sequence[int], continuation_ids: Sequence[int],
-                           chunk_size: int | None = None) -> tuple[list[float], bool]:
-        """log p of every continuation token, scored against the context as the method left it in the cache.
-
-        The context but its last token is prefilled chunk by chunk (the method compresses it as any prompt);
-        then its last token and the continuation but its last token go in as one more chunk, whose logits give
-        every continuation token's log-prob, each predicted from the compressed cache. Returns (log-probs,
-        greedy), greedy saying whether every continuation token is the argmax. The sequence is freed at the end.
-        """
-        return self.score_continuations(context_ids, [continuation_ids], chunk_size)[0]
-
-    @torch.no_grad()
-    def score_continuations(self, context_ids: Sequence[int], continuations: Sequence[Sequence[int]],
-                            chunk_size: int | None = None) -> list[tuple[list[float], bool]]:
-        """score_continuation for several continuations of one context (a multiple-choice question): the context
-        is prefilled and compressed once, and each continuation is scored on a fork of that sequence, sharing its
-        blocks (copy-on-write), with the method's state copied. Same results as one call per continuation."""
-        ctx = [int(t) for t in context_ids]
-        conts = [[int(t) for t in c] for c in continuations]
-        if not ctx or not conts or any(not c for c in conts):
-            raise ValueError("score_continuation needs a non-empty context and continuation")
-        chunk = chunk_size or self.prefill_chunk_size
-        head = ctx[:-1]
-        parent = self.cache.add_sequence()
-        out: list[tuple[list[float], bool]] = []
-        try:
-            for _ in self._prefill(parent, head, chunk, logits_for="none"):
-                pass
-            for i, cont in enumerate(conts):
-                last = i == len(conts) - 1
-                slot = parent if last else self.fork_sequence(parent)  # the last one goes on in the original
-                try:
-                    out.append(self._score_feed(slot, len(head), ctx[-1:] + cont[:-1], cont, chunk))
-                finally:
-                    if not last:
-                        self.end_sequence(slot)
-        finally:
-            if parent in self.cache.live:
-                self.end_sequence(parent)
-        return out
-
-    def _score_feed(self, slot: int, start: int, feed: list[int], cont: list[int],
-                    chunk: int) -> tuple[list[float], bool]:
-        logprobs: list[float] = []
-        greedy = True
-        for a, b, logits in self._prefill(slot, feed, chunk, start_pos=start, logits_for="all"):
-            lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
-            logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
-            greedy = greedy and bool((lp.argmax(-1) == tgt).all())
-        return logprobs, greedy
+        """`Scorer(self).score` (kvbench.runtime.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
+        perplexity task's one call into an engine (the harness tests give it a fake engine with this method)."""
+        return Scorer(self).score(token_ids, chunk_size, progress)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
