@@ -11,8 +11,9 @@ Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.scorin
 
 Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
 `step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
-parts, set by the app: `engine.speculator` (kvbench.runtime.speculative: decode steps become speculative rounds)
-and `engine.swap` with `engine.preemption` (kvbench.runtime.swap: preemption may move blocks to host memory).
+parts, constructor arguments (off by default): `speculator` (a kvbench.runtime.speculative.SpeculativeDecoder:
+decode steps become speculative rounds) and `preemption` swap | auto with `swap_bytes` (kvbench.runtime.swap:
+preemption may move blocks to host memory, in a swap space of swap_bytes, the pool's size by default).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from kvbench.runtime.prefix_cache import PrefixCache
 from kvbench.runtime.sampling import sample
 from kvbench.runtime.scheduler import Outcome, Request, Scheduler
 from kvbench.runtime.scoring import Scorer
-from kvbench.spec import SCHEDULES
+from kvbench.runtime.swap import SwapSpace
+from kvbench.spec import PREEMPTION_MODES, SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
 log = logging.getLogger(__name__)
@@ -65,6 +67,16 @@ class Generation:
     error: str | None = None
 
 
+def kv_memory_bytes_for(model: LlamaFamilyModel, block_size: int, num_blocks: int | None,
+                        kv_memory_bytes: int | None) -> int:
+    """The pool's KV bytes for these settings: kv_memory_bytes if given, else what num_blocks - 1 full-precision
+    blocks of the model take, else DEFAULT_KV_MEMORY_BYTES."""
+    if kv_memory_bytes is None:
+        kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, model.config.head_dim, model.dtype)
+                           if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
+    return int(kv_memory_bytes)
+
+
 class Engine:
     """Runs a LlamaFamilyModel over a PagedKVCache with a compression method hooked in."""
 
@@ -85,6 +97,9 @@ class Engine:
         schedule: str = "mixed",
         prefix_caching: bool | str = "auto",
         cuda_graphs: bool | None = None,
+        speculator=None,
+        preemption: str = "recompute",
+        swap_bytes: int | None = None,
     ):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -96,11 +111,10 @@ class Engine:
         self.admission_watermark = admission_watermark
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption {preemption!r}; choose one of: {', '.join(PREEMPTION_MODES)}")
         self.schedule = schedule
-        if kv_memory_bytes is None:
-            kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, cfg.head_dim, model.dtype)
-                               if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
-        self.kv_memory_bytes = int(kv_memory_bytes)
+        self.kv_memory_bytes = kv_memory_bytes_for(model, block_size, num_blocks, kv_memory_bytes)
         self.cache = build_cache(
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
@@ -120,9 +134,11 @@ class Engine:
         self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
-        self.speculator = None  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
-        self.swap = None  # a kvbench.runtime.swap.SwapSpace: preemption may swap blocks out to host memory
-        self.preemption = "recompute"  # recompute | swap | auto (kvbench.runtime.swap.choose_preemption)
+        self.speculator = speculator  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
+        self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.swap.should_swap)
+        # where swapped-out blocks wait (host memory): none when preemption only recomputes
+        self.swap = (SwapSpace(self.cache, swap_bytes if swap_bytes is not None else self.cache.pool_bytes())
+                     if preemption != "recompute" else None)
         self.decode_graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (runtime.cuda_graphs)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
