@@ -50,6 +50,7 @@ class Segment:
     start_pos: int
     phase: str = "prefill"  # "prefill" | "decode"
     last_chunk: bool = True  # the prompt ends with this chunk (the method may compress); True for decode
+    compress: bool = True  # False: the method keeps these tokens (its keep_uncompressed hook: a question's chunk)
 
 
 @dataclass
@@ -218,6 +219,10 @@ class Engine:
         the earlier groups' sequences appended but not computed: the scheduler preempts them all)."""
         if not segments:
             return []
+        keep = getattr(self.method, "keep_uncompressed", None)
+        for s in segments:
+            if not s.compress and keep is not None:
+                keep(s.slot, len(s.token_ids))
         dev = self.model.device
         if all(s.phase == "decode" and len(s.token_ids) == 1 for s in segments):
             toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
@@ -320,19 +325,25 @@ class Engine:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  chunk_size: int | None = None,
-                 should_stop: Callable[[int, list[int]], bool] | None = None) -> list[Generation]:
+                 should_stop: Callable[[int, list[int]], bool] | None = None,
+                 uncompressed_tails: Sequence[int] | None = None) -> list[Generation]:
         """Generate for a batch of prompts of any lengths, through the continuous-batching scheduler (all
         submitted at once; it decides how many run together). Greedy when temperature == 0.
 
         should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string). A prompt
-        that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish."""
+        that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish.
+        uncompressed_tails[i] > 0: prompt i's last tokens (a question) go in uncompressed after the method
+        compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         if not prompts:
             return []
-        reqs = [Request([int(t) for t in p], max_new_tokens) for p in prompts]
+        tails = list(uncompressed_tails) if uncompressed_tails is not None else [0] * len(prompts)
+        if len(tails) != len(prompts):
+            raise ValueError(f"{len(tails)} uncompressed_tails for {len(prompts)} prompts")
+        reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n)) for p, n in zip(prompts, tails)]
         self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
                    chunk_size=chunk_size, should_stop=should_stop)
         return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,
@@ -366,13 +377,15 @@ class Engine:
                 if not batch:
                     continue
                 segments = [Segment(sc.req.slot, sc.req.tokens[sc.req.fed:sc.req.fed + sc.n], sc.req.fed,
-                                    "decode" if sc.kind == "decode" else "prefill", sc.emits) for sc in batch]
+                                    "decode" if sc.kind == "decode" else "prefill", sc.last_chunk, sc.compress)
+                            for sc in batch]
+                emit = [i for i, sc in enumerate(batch) if sc.emits]
                 t0 = sched.clock()
                 try:
                     if self.speculator is not None:
-                        sampled = self._run_speculative(batch, segments, temperature, top_p, gen)
+                        sampled = self._run_speculative(batch, segments, emit, temperature, top_p, gen)
                     else:
-                        sampled = self._run(segments, temperature, top_p, gen)
+                        sampled = self._run(segments, emit, temperature, top_p, gen)
                 except OutOfBlocksError:
                     sched.undo_step(batch)
                     continue
@@ -384,18 +397,19 @@ class Engine:
             raise
         return sched.outcome()
 
-    def _run(self, segments: list[Segment], temperature: float, top_p: float, gen: torch.Generator) -> dict[int, int]:
-        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment that ends its
-        sequence's known tokens (last_chunk: a prompt's last chunk, a decode token). Waits for the device."""
+    def _run(self, segments: list[Segment], emit: list[int], temperature: float, top_p: float,
+             gen: torch.Generator) -> dict[int, int]:
+        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment in `emit`
+        (those that end their sequence's known tokens: a prompt's last chunk, a decode token). Waits for the
+        device."""
         logits = self.step(segments)
-        emit = [i for i, s in enumerate(segments) if s.last_chunk]
         toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self.flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
 
-    def _run_speculative(self, batch: list, segments: list[Segment], temperature: float, top_p: float,
-                         gen: torch.Generator) -> dict[int, list[int]]:
+    def _run_speculative(self, batch: list, segments: list[Segment], emit: list[int], temperature: float,
+                         top_p: float, gen: torch.Generator) -> dict[int, list[int]]:
         """A scheduled step with speculation: the decode tokens become one speculative round (draft, verify in one
         ragged step, rollback), the prefill chunks one ragged step that the draft follows. {segment index: the
         tokens it emits}."""
@@ -411,10 +425,10 @@ class Engine:
         if pre:
             logits = self.step([segments[i] for i in pre])
             spec.follow_prefill([(s.slot, s.token_ids, s.start_pos, s.last_chunk) for s in (segments[i] for i in pre)])
-            emit = [i for i, j in enumerate(pre) if segments[j].last_chunk]
-            if emit:
-                toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen)
-                out.update({pre[i]: [t] for i, t in zip(emit, toks)})
+            emits = [i for i, j in enumerate(pre) if j in emit]
+            if emits:
+                toks = self._sample_step(torch.stack([logits[i] for i in emits]), temperature, top_p, gen)
+                out.update({pre[i]: [t] for i, t in zip(emits, toks)})
             self.flush_pending_frees()  # as _run: blocks a method evicted on the device go back to the pool
         self._synchronize()
         return out
