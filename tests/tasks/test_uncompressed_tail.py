@@ -13,6 +13,7 @@ import torch
 
 from kvbench.methods import build_method
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.scheduler import Request
 from kvbench.tasks._generation import GenRequest, run_generation
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_model
@@ -97,3 +98,63 @@ if __name__ == "__main__" and "--write" in sys.argv:
         json.dump(record, f, indent=1)
         f.write("\n")
     print(f"wrote {len(record)} cases to {GOLDEN}")
+
+
+# --------------------------------------------------------------------------- preemption
+PREEMPT_NEW_TOKENS = 24
+
+
+def _tail_requests() -> list[Request]:
+    return [Request(list(r.token_ids), PREEMPT_NEW_TOKENS, uncompressed_tail=r.uncompressed_tail)
+            for r in _requests()]
+
+
+def test_preempted_requests_recompute_context_then_tail(model):
+    """A pool that holds about two of the three requests: the newest is preempted by recompute and prefilled
+    again as the first time, context compressed at its end, then tail and generated tokens uncompressed. With
+    nothing evicted (full) the outputs equal a large pool's; with snapkv every prefill chunk stays on its side of
+    the context's end, and the method is told to keep exactly the tokens after it."""
+    big = Engine(model, None, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=2048)
+    want = [r.output for r in big.serve(_tail_requests()).requests]
+    small = Engine(model, None, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=80)
+    out = small.serve(_tail_requests())
+    assert out.preemptions > 0 and [r.output for r in out.requests] == want
+
+    method = build_method("snapkv", 48)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=60)
+    reqs = _tail_requests()
+    kept: dict[int, int] = {}  # slot -> tokens the method was told to keep
+    keep = method.keep_uncompressed
+
+    def keep_spy(slot, n):
+        kept[slot] = kept.get(slot, 0) + n
+        keep(slot, n)
+
+    method.keep_uncompressed = keep_spy
+    step = engine.step
+    checked = []
+
+    def step_spy(segments, *args, **kwargs):
+        for s in segments:
+            if s.phase != "prefill":
+                continue
+            r = next(r for r in reqs if r.slot == s.slot)
+            end, stop = r.compressed_end, s.start_pos + len(s.token_ids)
+            assert s.compress == (s.start_pos < end) and (stop <= end or s.start_pos >= end)
+            assert s.last_chunk == (stop == end or s.start_pos >= end or stop == len(r.tokens))
+            if stop == len(r.tokens):  # the prefill is over: the method kept every token after the context
+                kept.setdefault(s.slot, 0)
+                checked.append((kept[s.slot] + len(s.token_ids) * (not s.compress), len(r.tokens) - end))
+        result = step(segments, *args, **kwargs)
+        for s in segments:
+            if s.phase == "prefill" and s.start_pos + len(s.token_ids) == len(
+                    next(r for r in reqs if r.slot == s.slot).tokens):
+                kept.pop(s.slot, None)  # the next admission of a slot starts counting again
+        return result
+
+    engine.step = step_spy
+    out = engine.serve(reqs)
+    assert out.preemptions > 0 and all(len(r.output) == PREEMPT_NEW_TOKENS for r in out.requests)
+    assert len(checked) == len(reqs) + out.preemptions
+    assert all(got == want for got, want in checked)
+    assert engine.cache.pool.in_use == 0
