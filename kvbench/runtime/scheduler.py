@@ -30,6 +30,9 @@ tokens it generated return to the head of the waiting queue; re-admitted, it is 
 compresses it as any prompt) and goes on from its last token. A preempted request is re-admitted only once the pool
 has room for the blocks it held (no thrashing). A sequence that cannot get blocks while it is the only one admitted
 can never fit: it fails alone with a message naming its size and the pool's, and the others go on.
+A request with an `uncompressed_tail` (a question after its context, kvpress's query-agnostic protocol) is prefilled
+in two parts that no chunk crosses: the context, whose last chunk lets the method compress, then the tail (and, after
+a recompute, the tokens generated so far) in chunks the method keeps uncompressed (`Scheduled.compress`).
 Methods evict inside the engine's steps as they always do, and the blocks they free are reused at once.
 """
 from __future__ import annotations
