@@ -55,7 +55,6 @@ def essay_tokens(tokenizer, n: int) -> list[int]:
 
 def make_engine(model, codec, chunk: int):
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
 
     # prefix caching off: a speed here is work computed, never a cache hit (bench/computed.py)
     return Engine(model, codec=codec, block_size=16, prefill_chunk_size=chunk, num_blocks=None,
@@ -100,6 +99,8 @@ def bits_and_speed(model, codec, ids: list[int], decode_tokens: int) -> dict:
 
 
 def perplexity(model, codec, ids: list[int], chunk: int) -> float:
+    from kvbench.runtime.scoring import Scorer
+
     engine = make_engine(model, codec, chunk=chunk)
     lp = Scorer(engine).score(ids, chunk_size=chunk)
     return math.exp(-lp.double().mean().item())

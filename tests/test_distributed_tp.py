@@ -40,7 +40,6 @@ def _engine(model, name, options, codec, codec_options):
     from kvbench.methods import build_method
     from kvbench.quant.registry import build_codec
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
 
     opts = dict(options)
     method = build_method(name, opts.pop("budget", None), **opts)
@@ -49,6 +48,8 @@ def _engine(model, name, options, codec, codec_options):
 
 
 def _run_case(model, case):
+    from kvbench.runtime.scoring import Scorer
+
     _, name, options, codec, codec_options = case
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 250, (SCORE_LEN,), generator=gen).tolist()
