@@ -99,8 +99,10 @@ def bits_and_speed(model, codec, ids: list[int], decode_tokens: int) -> dict:
 
 
 def perplexity(model, codec, ids: list[int], chunk: int) -> float:
+    from kvbench.runtime.scoring import Scorer
+
     engine = make_engine(model, codec, chunk=chunk)
-    lp = engine.score(ids, chunk_size=chunk)
+    lp = Scorer(engine).score(ids, chunk_size=chunk)
     return math.exp(-lp.double().mean().item())
 
 

@@ -41,6 +41,7 @@ def _model(args, device: str, dtype: torch.dtype):
 
 def _measure(model, args, device) -> dict:
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 4096, (args.prompt,), generator=gen).tolist()
@@ -49,7 +50,7 @@ def _measure(model, args, device) -> dict:
         eng = Engine(model, None, block_size=16, prefill_chunk_size=512, prefix_caching=False, cuda_graphs=False)
         _sync(device)
         t0 = time.perf_counter()
-        eng.score(ids)
+        Scorer(eng).score(ids)
         _sync(device)
         prefill.append(args.prompt / (time.perf_counter() - t0))
         eng = Engine(model, None, block_size=16, prefill_chunk_size=512, prefix_caching=False, cuda_graphs=False)

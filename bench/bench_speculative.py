@@ -75,7 +75,6 @@ def speculative_decode(engine, draft, slots, draft_slots, contexts, new_tokens, 
     from kvbench.runtime.speculative import SpeculativeDecoder
 
     spec = SpeculativeDecoder(draft, k, adaptive=adaptive)
-    engine.speculator = spec
     forks = [engine.fork_sequence(s) for s in slots]
     for f, d, c in zip(forks, draft_slots, contexts):
         spec.adopt(f, draft.fork_sequence(d), len(c) - 1)
@@ -91,8 +90,8 @@ def speculative_decode(engine, draft, slots, draft_slots, contexts, new_tokens, 
             toks[i] += emitted
     dt = time.perf_counter() - t0
     for f in forks:
-        engine.end_sequence(f)  # also ends its draft fork
-    engine.speculator = None
+        spec.forget(f)  # its draft fork
+        engine.end_sequence(f)
     outs = [t[len(c):len(c) + new_tokens] for t, c in zip(toks, contexts)]
     return outs, dt, spec.stats
 

@@ -65,6 +65,7 @@ def sync(device):
 @section("model_vs_transformers")
 def model_vs_transformers(device: str) -> dict:
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
     from kvbench.runtime.model import build_from_transformers
     from tests.tiny_models import FAMILIES, tiny_hf_model
 
@@ -77,7 +78,7 @@ def model_vs_transformers(device: str) -> dict:
             logits = hf(torch.tensor([ids], device=device)).logits[0].float()
         ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
         engine = Engine(model, prefill_chunk_size=128, num_blocks=512)
-        got = engine.score(ids)
+        got = Scorer(engine).score(ids)
         diff = (got.to(device) - ref).abs().max().item()
         prompt = ids[:40]
         with torch.no_grad():

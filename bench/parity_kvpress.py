@@ -5,7 +5,7 @@ essays) is compressed by each side; the table prints
   jaccard   mean over (layer, kv-head) of |kept_kvbench & kept_kvpress| / |kept_kvbench | kept_kvpress| (min beside it);
   greedy    whether the `--new-tokens` greedy continuations are identical (and the first token where they differ);
   nll       the mean negative log-likelihood of the text's next `--continuation` tokens, each side scoring them
-            against its own compressed prompt (kvbench's Engine.score_continuation, and the same in kvpress: the
+            against its own compressed prompt (kvbench's Scorer.score_continuation, and the same in kvpress: the
             prompt but its last token compressed, then one uncompressed chunk).
 kvpress pins its own transformers, so its side runs in its own environment (`--kvpress-python`, default
 $KVPRESS_PYTHON or a kvpress_env/bin/python in the checkout or a folder above it, set up with
@@ -282,6 +282,7 @@ def kvbench_side(job: dict, loaded) -> dict:
     import torch
     from kvbench.methods import build_method
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     torch.set_num_threads(job["threads"])
     cfg = loaded.model.config  # a pool for one uncompressed sequence (plus a partly filled block per table)
@@ -331,7 +332,7 @@ def kvbench_side(job: dict, loaded) -> dict:
 
         with torch.no_grad():
             gen = engine_for(len(prompt), True).generate([prompt], max_new_tokens=job["new_tokens"])[0]
-            lps, _ = engine_for(len(prompt) - 1, False).score_continuation(prompt, cont)
+            lps, _ = Scorer(engine_for(len(prompt) - 1, False)).score_continuation(prompt, cont)
         out[f"{name}@{ratio}"] = {"kept": kept, "greedy": list(gen.token_ids), "nll": -sum(lps) / len(lps)}
         mask = getattr(built[0], "mask", None)
         if name == "duo_attention" and mask is not None:

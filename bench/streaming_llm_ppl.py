@@ -44,6 +44,7 @@ def essay_tokens(tokenizer, n: int) -> list[int]:
 def perplexity(model, ids: list[int], method_name: str, budget: int | None, chunk: int, **opts) -> dict:
     """PPL of ids streamed through an Engine with the method (prefill_mode=streaming)."""
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
     from kvbench.methods import build_method
 
     if method_name == "full":
@@ -54,7 +55,7 @@ def perplexity(model, ids: list[int], method_name: str, budget: int | None, chun
     blocks = model.config.num_layers * model.config.num_kv_heads * (len(ids) // bs + 4)
     engine = Engine(model, method, block_size=bs, num_blocks=blocks + 16, prefill_chunk_size=chunk)
     t = time.perf_counter()
-    lp = engine.score(ids, chunk_size=chunk)
+    lp = Scorer(engine).score(ids, chunk_size=chunk)
     secs = time.perf_counter() - t
     stats = engine.memory_stats()
     nll = -lp.double()

@@ -43,10 +43,9 @@ from kvbench.estimate import measured_speed, plan_line, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.backends.cpu.threads import configure_threads
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.engine import Engine, kv_memory_bytes_for
 from kvbench.runtime.loading import load_model
 from kvbench.runtime.speculative import SpeculativeDecoder
-from kvbench.runtime.swap import SwapSpace
 from kvbench.spec import method_evicts
 from kvbench.store import faults
 from kvbench.store.files import read_json
@@ -564,7 +563,7 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
 
 
 _ENGINE_RUNTIME_ARGS = ("max_num_seqs", "max_num_batched_tokens", "admission_watermark", "schedule", "prefix_caching",
-                        "cuda_graphs")
+                        "cuda_graphs", "preemption", "swap_bytes")
 
 
 def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
@@ -575,6 +574,14 @@ def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
         return {}
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
     return {k: getattr(rt, k) for k in _ENGINE_RUNTIME_ARGS if k in params or takes_any}
+
+
+def _names_parameter(engine_cls: type, name: str) -> bool:
+    """Whether the engine's constructor has a parameter of this name (not only **kwargs)."""
+    try:
+        return name in inspect.signature(engine_cls).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
 
 
 def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict,
@@ -606,10 +613,11 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
             kwargs["prefix_caching"] = False  # the draft cache prefills every prompt itself (plan refuses true)
         if rt.tensor_parallel > 1 and "cuda_graphs" in kwargs:
             kwargs["cuda_graphs"] = False  # a sharded decode step all-reduces between its layers: run eagerly
+        if rt.speculative.enabled and _names_parameter(engine_cls, "speculator"):
+            kwargs["speculator"] = _speculator(plan, loaded, engine_cls, load_model_fn)
         engine = engine_cls(loaded.model, plan.method, block_size=rt.block_size, num_blocks=rt.num_blocks,
                             kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
                             attention_backend=rt.attention_backend, **kwargs, **extra)
-        _attach_serving_extras(plan, loaded, engine, engine_cls, load_model_fn)
     except ValueError as exc:
         raise UserError(f"invalid runtime settings: {exc}") from None
     record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
@@ -619,18 +627,11 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
     return loaded, engine
 
 
-def _attach_serving_extras(plan: RunPlan, loaded: Any, engine: Any, engine_cls: type,
-                           load_model_fn: Optional[Callable]) -> None:
-    """runtime.preemption (swap space) and runtime.speculative (the draft engine: the target's model, or the draft
-    model, over a cache of the draft method, in a pool of the target's KV bytes; prefix caching off)."""
+def _speculator(plan: RunPlan, loaded: Any, engine_cls: type, load_model_fn: Optional[Callable]) -> SpeculativeDecoder:
+    """runtime.speculative's decoder: a draft engine (the target's model, or the draft model, over a cache of the
+    draft method, in a pool of the target's KV bytes; prefix caching off) proposing runtime.speculative.num_tokens."""
     rt = plan.settings.runtime
-    cache = getattr(engine, "cache", None)
-    if rt.preemption != "recompute" and cache is not None:
-        swap_bytes = rt.swap_bytes if rt.swap_bytes is not None else cache.pool_bytes()
-        engine.swap, engine.preemption = SwapSpace(cache, swap_bytes), rt.preemption
     spec = rt.speculative
-    if not spec.enabled or cache is None:
-        return
     if spec.draft == "self":
         draft_model = loaded.model
     else:
@@ -641,11 +642,11 @@ def _attach_serving_extras(plan: RunPlan, loaded: Any, engine: Any, engine_cls: 
     if quant == "kvquant" and quant_options.get("tokenizer") is None:
         quant_options = {**quant_options, "tokenizer": loaded.tokenizer}
     extra = {"codec": build_codec(quant, draft_model, **quant_options)} if quant not in ("none", "full") else {}
+    target_bytes = kv_memory_bytes_for(loaded.model, rt.block_size, rt.num_blocks, rt.kv_memory_bytes)
     draft = engine_cls(draft_model, plan.draft_method, block_size=rt.block_size, num_blocks=rt.num_blocks,
-                       kv_memory_bytes=getattr(engine, "kv_memory_bytes", rt.kv_memory_bytes),
-                       prefill_chunk_size=rt.prefill_chunk_size, attention_backend=rt.attention_backend,
-                       prefix_caching=False, **extra)
-    engine.speculator = SpeculativeDecoder(draft, spec.num_tokens, adaptive=spec.adaptive)
+                       kv_memory_bytes=target_bytes, prefill_chunk_size=rt.prefill_chunk_size,
+                       attention_backend=rt.attention_backend, prefix_caching=False, **extra)
+    return SpeculativeDecoder(draft, spec.num_tokens, adaptive=spec.adaptive)
 
 
 # =========================================================================== 4. execute

@@ -19,12 +19,12 @@ positions), max_gen_toks (default 256), seed.
 How requests meet the compressed cache:
 - loglikelihood(context, continuation): the context but its last token is prefilled chunk by chunk, and the
   method compresses it as it would any prompt; its last token and the continuation (but the last token) then go in as
-  one chunk, so every continuation token is predicted from the compressed cache (`score_continuation`); the
-  continuations of one context (multiple choice) share its prefill through forks (`score_continuations`). A plain
+  one chunk, so every continuation token is predicted from the compressed cache (`Scorer.score_continuation`); the
+  continuations of one context (multiple choice) share its prefill through forks (`Scorer.score_continuations`). A plain
   lm-eval model scores context + continuation in one forward pass, where compression could not matter.
   Too-long inputs keep their last max_length + 1 tokens, as lm-eval's HF model does.
 - loglikelihood_rolling(text): lm-eval's rolling windows of max_length tokens, each streamed through
-  `engine.score` (the method compresses after every chunk of prefill_chunk_size tokens).
+  `Scorer.score` (the method compresses after every chunk of prefill_chunk_size tokens).
 - generate_until(context, gen_kwargs): the context (its last max_length - max_gen_toks tokens) is prefilled, then
   decoded greedily (or sampled if gen_kwargs ask for it) in batches of batch_size, stopping at EOS, the chat end
   tokens, or when the decoded text contains one of the `until` strings; the text is cut before the first of them.

@@ -8,11 +8,11 @@ each batch goes through `engine.generate` (the scheduler: prompts admitted as th
 greedy; a prompt that cannot fit in the pool is a UserError naming the sizes). A
 prediction is the generated tokens decoded with special tokens skipped (so the stop token is not in it).
 
-Query-agnostic compression (`task.compress_question=false`, kvpress's default): a request whose last
-`uncompressed_tail` prompt tokens are its question goes through `generate_split` instead: the context is
-prefilled chunk by chunk (the method compresses it at its last chunk), the question is appended with
-`compress=False` (never evicted in its own step, added to the sequence's budget), then the batch decodes
-greedily together. `split_prompt` tokenizes a prompt as context + question for it.
+Query-agnostic compression (`task.compress_question=false`, kvpress's default): a request's last
+`uncompressed_tail` prompt tokens are its question; the scheduler prefills the context chunk by chunk (the method
+compresses it at its last chunk), then the question uncompressed (never evicted in its own steps, added to the
+sequence's budget), then decodes as for any request (kvbench.runtime.scheduler.Request.uncompressed_tail).
+`split_prompt` tokenizes a prompt as context + question for it.
 
 perf (also written per sample as ttft_s / prefill_s / decode_s):
 - ttft_s                mean over samples of the time from the start of a prompt's prefill to its first token
@@ -25,15 +25,12 @@ perf (also written per sample as ttft_s / prefill_s / decode_s):
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvbench.errors import UserError
 from kvbench.metrics.repetition import repetition_share
 from kvbench.runtime import distributed
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.engine import Generation
 from kvbench.spec import check_positive
 
 # End-of-turn / end-of-text tokens of the common chat formats; those the tokenizer knows stop generation.
@@ -246,65 +243,6 @@ def template_and_split(tokenizer: Any, prompt: str, question: str, templated: bo
     return prompt, encode(tokenizer, prompt, templated), 0
 
 
-def generate_split(engine: Any, requests: Sequence[GenRequest], *, chunk_size: Optional[int] = None) -> list[Any]:
-    """Greedy generation with each request's question appended uncompressed (see the module docstring), the
-    batch decoded together; returns kvbench.runtime.engine.Generation records (timings per sequence)."""
-    chunk = chunk_size or getattr(engine, "prefill_chunk_size", 512)
-    stops = set(requests[0].stop_ids)
-    max_new = requests[0].max_new_tokens
-    t0 = time.perf_counter()
-    live: list[dict] = []
-    try:
-        for r in requests:
-            ids = list(r.token_ids)
-            n_tail = min(max(0, r.uncompressed_tail), len(ids) - 1)
-            head, tail = ids[: len(ids) - n_tail], ids[len(ids) - n_tail:]
-            slot = engine.new_sequence()
-            seq = {"slot": slot, "out": [], "reason": "", "pos": len(ids), "ttft": 0.0, "decode_s": 0.0}
-            live.append(seq)
-            start = time.perf_counter()
-            logits = None
-            for a in range(0, len(head), chunk):  # the context: compressed at its last chunk
-                b = min(len(head), a + chunk)
-                logits = engine.forward_chunk(slot, head[a:b], a, last_chunk=b == len(head),
-                                              logits_for="last" if not tail and b == len(head) else "none")
-            for a in range(0, len(tail), chunk):  # the question: appended uncompressed
-                b = min(len(tail), a + chunk)
-                logits = engine.forward_chunk(slot, tail[a:b], len(head) + a, last_chunk=True,
-                                              logits_for="last" if b == len(tail) else "none", compress=False)
-            first = int(logits[0].argmax(-1)) if logits.dim() == 2 else int(logits[0, -1].argmax(-1))
-            seq["prefill_s"] = time.perf_counter() - start
-            seq["ttft"] = time.perf_counter() - t0
-            seq["out"].append(first)
-            if first in stops:
-                seq["reason"] = "stop"
-            elif max_new <= 1:
-                seq["reason"] = "length"
-        while True:
-            running = [s for s in live if not s["reason"]]
-            if not running:
-                break
-            start = time.perf_counter()
-            new = engine.decode_batch([s["slot"] for s in running], [s["out"][-1] for s in running],
-                                      [s["pos"] + len(s["out"]) - 1 for s in running])
-            dt = time.perf_counter() - start
-            for s, tok in zip(running, new):
-                s["out"].append(int(tok))
-                s["decode_s"] += dt
-                if int(tok) in stops:
-                    s["reason"] = "stop"
-                elif len(s["out"]) >= max_new:
-                    s["reason"] = "length"
-    except OutOfBlocksError as exc:
-        raise UserError(f"the KV pool is too small for this batch of prompts ({exc}): raise "
-                        "runtime.kv_memory_bytes or lower runtime.batch_size") from None
-    finally:
-        for s in live:
-            engine.end_sequence(s["slot"])
-    return [Generation(s["out"], s["reason"], s["ttft"], len(r.token_ids), s.get("prefill_s", 0.0),
-                       max(0, len(s["out"]) - 1), s["decode_s"]) for r, s in zip(requests, live)]
-
-
 def kept_stats(engine: Any) -> dict:
     """The method's prefill_stats (tokens kept per layer and kv-head after each prompt's compression), or {}; in a
     data-parallel launch, over the prompts of every rank."""
@@ -332,11 +270,10 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
     try:
         for batch in _batches([r for _, r in mine], batch_size):
             # a speculative engine's target keeps every token (full or a codec), so the question needs no split
-            if batch[0].uncompressed_tail > 0 and getattr(engine, "speculator", None) is None:
-                gens = generate_split(engine, batch)
-            else:
-                gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
-                                       stop_token_ids=batch[0].stop_ids, temperature=0.0)
+            split = batch[0].uncompressed_tail > 0 and getattr(engine, "speculator", None) is None
+            gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
+                                   stop_token_ids=batch[0].stop_ids, temperature=0.0,
+                                   uncompressed_tails=[r.uncompressed_tail for r in batch] if split else None)
             failed = [g for g in gens if g.finish_reason == "failed"]
             if failed:  # an accuracy task needs every sample: a pool too small for its prompts is a setting
                 raise UserError(f"{failed[0].error} (task sample {batch[gens.index(failed[0])].id})")

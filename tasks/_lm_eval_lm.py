@@ -15,6 +15,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from kvbench.runtime import distributed
+from kvbench.runtime.scoring import Scorer
 from kvbench.tasks._generation import PerfMeter, decode, stop_token_ids
 
 
@@ -28,11 +29,11 @@ def int_option(value: Any, name: str) -> Optional[int]:
         raise ValueError(f"kvbench model_args: {name}={value!r} is not an integer") from None
 
 
-def _score_continuations(engine: Any, context_ids: list[int], continuations: list[list[int]]) -> list[tuple]:
+def _score_continuations(scorer: Scorer, context_ids: list[int], continuations: list[list[int]]) -> list[tuple]:
     """[(log-probs of the continuation's tokens, whether greedy decoding gives them)] for continuations of one
-    context: prefilled and compressed once, each continuation scored on a fork (Engine.score_continuations)."""
+    context: prefilled and compressed once, each continuation scored on a fork (Scorer.score_continuations)."""
     return [([float(x) for x in lps], bool(greedy))
-            for lps, greedy in engine.score_continuations(list(context_ids), [list(c) for c in continuations])]
+            for lps, greedy in scorer.score_continuations(list(context_ids), [list(c) for c in continuations])]
 
 
 class EngineLM(TemplateLM):
@@ -44,6 +45,7 @@ class EngineLM(TemplateLM):
         super().__init__()
         self.progress = progress  # kvbench's progress factory (tasks.base.make_progress) for its bars; None: tqdm
         self.engine, self.tokenizer = engine, tokenizer
+        self.scorer = Scorer(engine)
         self._device = str(getattr(engine.model, "device", "cpu"))
         auto = str(batch_size).startswith("auto")  # lm-eval's batch-size search: one sequence at a time here
         self.batch_size = 1 if auto else max(1, int_option(batch_size, "batch_size") or 1)
@@ -111,7 +113,7 @@ class EngineLM(TemplateLM):
         for ctx, idx in groups.items():
             conts = [list(requests[i][2]) for i in idx]
             t0 = time.perf_counter()
-            answers = _score_continuations(self.engine, list(ctx), conts)
+            answers = _score_continuations(self.scorer, list(ctx), conts)
             self.meter.add_prefill(len(ctx) - 1 + sum(len(c) for c in conts), time.perf_counter() - t0)
             for i, (lps, greedy) in zip(idx, answers):
                 answer = (float(sum(lps)), bool(greedy))
@@ -133,7 +135,7 @@ class EngineLM(TemplateLM):
             for ctx, pred in map(make_disjoint_window, windows):
                 ids = list(ctx) + list(pred)
                 t0 = time.perf_counter()
-                lps = self.engine.score(ids)
+                lps = self.scorer.score(ids)
                 self.meter.add_prefill(len(ids), time.perf_counter() - t0)
                 total += float(lps[-len(pred):].double().sum())
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)

@@ -1,18 +1,19 @@
-"""The engine: chunked prefill, batched decoding, sampling and scoring over the paged cache.
+"""The engine: the step (one ragged forward over the paged cache), sampling, and the serving loop around them.
 
     engine = Engine(model, method, block_size=16, prefill_chunk_size=512)
-    logprobs = engine.score(token_ids)                      # [T-1] streaming, method applied
     gens = engine.generate([ids_a, ids_b], max_new_tokens=64, stop_token_ids=[eos])   # via the scheduler
     outcome = engine.serve([Request(ids, 128, arrival_s=0.5), ...])                   # a serving trace
 
 `method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
 methods. `codec` is a storage codec or None (full precision); kvbench.runtime.caches builds the matching cache.
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
+Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.scoring.Scorer's, over this engine.
 
 Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
 `step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
-parts, set by the app: `engine.speculator` (kvbench.runtime.speculative: decode steps become speculative rounds)
-and `engine.swap` with `engine.preemption` (kvbench.runtime.swap: preemption may move blocks to host memory).
+parts, constructor arguments (off by default): `speculator` (a kvbench.runtime.speculative.SpeculativeDecoder:
+decode steps become speculative rounds) and `preemption` swap | auto with `swap_bytes` (kvbench.runtime.swap:
+preemption may move blocks to host memory, in a swap space of swap_bytes, the pool's size by default).
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
 from kvbench.runtime.sampling import sample
 from kvbench.runtime.scheduler import Outcome, Request, Scheduler
-from kvbench.spec import SCHEDULES
+from kvbench.runtime.scoring import Scorer
+from kvbench.runtime.swap import SwapSpace
+from kvbench.spec import PREEMPTION_MODES, SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class Segment:
     start_pos: int
     phase: str = "prefill"  # "prefill" | "decode"
     last_chunk: bool = True  # the prompt ends with this chunk (the method may compress); True for decode
+    compress: bool = True  # False: the method keeps these tokens (its keep_uncompressed hook: a question's chunk)
 
 
 @dataclass
@@ -62,6 +66,16 @@ class Generation:
     decode_s: float
     preemptions: int = 0
     error: str | None = None
+
+
+def kv_memory_bytes_for(model: LlamaFamilyModel, block_size: int, num_blocks: int | None,
+                        kv_memory_bytes: int | None) -> int:
+    """The pool's KV bytes for these settings: kv_memory_bytes if given, else what num_blocks - 1 full-precision
+    blocks of the model take, else DEFAULT_KV_MEMORY_BYTES."""
+    if kv_memory_bytes is None:
+        kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, model.config.head_dim, model.dtype)
+                           if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
+    return int(kv_memory_bytes)
 
 
 class Engine:
@@ -84,6 +98,9 @@ class Engine:
         schedule: str = "mixed",
         prefix_caching: bool | str = "auto",
         cuda_graphs: bool | None = None,
+        speculator=None,
+        preemption: str = "recompute",
+        swap_bytes: int | None = None,
     ):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -95,11 +112,10 @@ class Engine:
         self.admission_watermark = admission_watermark
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption {preemption!r}; choose one of: {', '.join(PREEMPTION_MODES)}")
         self.schedule = schedule
-        if kv_memory_bytes is None:
-            kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, cfg.head_dim, model.dtype)
-                               if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
-        self.kv_memory_bytes = int(kv_memory_bytes)
+        self.kv_memory_bytes = kv_memory_bytes_for(model, block_size, num_blocks, kv_memory_bytes)
         self.cache = build_cache(
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
@@ -119,9 +135,11 @@ class Engine:
         self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
-        self.speculator = None  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
-        self.swap = None  # a kvbench.runtime.swap.SwapSpace: preemption may swap blocks out to host memory
-        self.preemption = "recompute"  # recompute | swap | auto (kvbench.runtime.swap.choose_preemption)
+        self.speculator = speculator  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
+        self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.swap.should_swap)
+        # where swapped-out blocks wait (host memory): none when preemption only recomputes
+        self.swap = (SwapSpace(self.cache, swap_bytes if swap_bytes is not None else self.cache.pool_bytes())
+                     if preemption != "recompute" else None)
         self.decode_graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (runtime.cuda_graphs)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
@@ -201,6 +219,10 @@ class Engine:
         the earlier groups' sequences appended but not computed: the scheduler preempts them all)."""
         if not segments:
             return []
+        keep = getattr(self.method, "keep_uncompressed", None)
+        for s in segments:
+            if not s.compress and keep is not None:
+                keep(s.slot, len(s.token_ids))
         dev = self.model.device
         if all(s.phase == "decode" and len(s.token_ids) == 1 for s in segments):
             toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
@@ -292,118 +314,36 @@ class Engine:
         self.method.on_sequence_end(slot)
         self.cache.free_sequence(slot)
 
-    def _prefill(self, slot: int, token_ids: Sequence[int], chunk_size: int, start_pos: int = 0, *,
-                 stream: bool = False, logits_for: str = "last",
-                 progress: Callable[[int], None] | None = None):
-        """Feed token_ids into sequence `slot` chunk by chunk; yields each chunk's (start, end, logits)."""
-        ids = [int(t) for t in token_ids]
-        n = len(ids)
-        for a in range(0, n, chunk_size):
-            b = min(n, a + chunk_size)
-            out = self.forward_chunk(slot, ids[a:b], start_pos + a, last_chunk=stream or b == n,
-                                     logits_for=logits_for)
-            if progress is not None:
-                progress(b - a)
-            yield a, b, out
-
     # ------------------------------------------------------------------ public API
-    @torch.no_grad()
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """log p(token[t+1] | tokens[<=t]) for t = 0..T-2, float32 [T-1].
-
-        The tokens stream through the cache chunk by chunk; every chunk ends a prompt as far as the
-        method is concerned (it compresses after each, whatever its prefill_mode), so later chunks are
-        scored against the compressed cache.
-        """
-        chunk = chunk_size or self.prefill_chunk_size
-        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-        if ids.numel() < 2:
-            raise ValueError("score needs at least 2 tokens")
-        slot = self.cache.add_sequence()
-        out = torch.empty(ids.numel() - 1, dtype=torch.float32)
-        try:
-            for a, b, logits in self._prefill(slot, ids.tolist(), chunk, logits_for="all", progress=progress,
-                                                  stream=True):
-                lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-                tgt_end = min(b, ids.numel() - 1)
-                if tgt_end > a:
-                    tgt = ids[a + 1: tgt_end + 1].to(lp.device)
-                    out[a:tgt_end] = lp[: tgt_end - a].gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()
-        finally:
-            self.end_sequence(slot)
-        return out
-
-    @torch.no_grad()
-    def score_continuation(self, context_ids: Sequence[int], continuation_ids: Sequence[int],
-                           chunk_size: int | None = None) -> tuple[list[float], bool]:
-        """log p of every continuation token, scored against the context as the method left it in the cache.
-
-        The context but its last token is prefilled chunk by chunk (the method compresses it as any prompt);
-        then its last token and the continuation but its last token go in as one more chunk, whose logits give
-        every continuation token's log-prob, each predicted from the compressed cache. Returns (log-probs,
-        greedy), greedy saying whether every continuation token is the argmax. The sequence is freed at the end.
-        """
-        return self.score_continuations(context_ids, [continuation_ids], chunk_size)[0]
-
-    @torch.no_grad()
-    def score_continuations(self, context_ids: Sequence[int], continuations: Sequence[Sequence[int]],
-                            chunk_size: int | None = None) -> list[tuple[list[float], bool]]:
-        """score_continuation for several continuations of one context (a multiple-choice question): the context
-        is prefilled and compressed once, and each continuation is scored on a fork of that sequence, sharing its
-        blocks (copy-on-write), with the method's state copied. Same results as one call per continuation."""
-        ctx = [int(t) for t in context_ids]
-        conts = [[int(t) for t in c] for c in continuations]
-        if not ctx or not conts or any(not c for c in conts):
-            raise ValueError("score_continuation needs a non-empty context and continuation")
-        chunk = chunk_size or self.prefill_chunk_size
-        head = ctx[:-1]
-        parent = self.cache.add_sequence()
-        out: list[tuple[list[float], bool]] = []
-        try:
-            for _ in self._prefill(parent, head, chunk, logits_for="none"):
-                pass
-            for i, cont in enumerate(conts):
-                last = i == len(conts) - 1
-                slot = parent if last else self.fork_sequence(parent)  # the last one goes on in the original
-                try:
-                    out.append(self._score_feed(slot, len(head), ctx[-1:] + cont[:-1], cont, chunk))
-                finally:
-                    if not last:
-                        self.end_sequence(slot)
-        finally:
-            if parent in self.cache.live:
-                self.end_sequence(parent)
-        return out
-
-    def _score_feed(self, slot: int, start: int, feed: list[int], cont: list[int],
-                    chunk: int) -> tuple[list[float], bool]:
-        logprobs: list[float] = []
-        greedy = True
-        for a, b, logits in self._prefill(slot, feed, chunk, start_pos=start, logits_for="all"):
-            lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
-            logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
-            greedy = greedy and bool((lp.argmax(-1) == tgt).all())
-        return logprobs, greedy
+        """`Scorer(self).score` (kvbench.runtime.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
+        perplexity task's one call into an engine (the harness tests give it a fake engine with this method)."""
+        return Scorer(self).score(token_ids, chunk_size, progress)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  chunk_size: int | None = None,
-                 should_stop: Callable[[int, list[int]], bool] | None = None) -> list[Generation]:
+                 should_stop: Callable[[int, list[int]], bool] | None = None,
+                 uncompressed_tails: Sequence[int] | None = None) -> list[Generation]:
         """Generate for a batch of prompts of any lengths, through the continuous-batching scheduler (all
         submitted at once; it decides how many run together). Greedy when temperature == 0.
 
         should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string). A prompt
-        that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish."""
+        that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish.
+        uncompressed_tails[i] > 0: prompt i's last tokens (a question) go in uncompressed after the method
+        compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         if not prompts:
             return []
-        reqs = [Request([int(t) for t in p], max_new_tokens) for p in prompts]
+        tails = list(uncompressed_tails) if uncompressed_tails is not None else [0] * len(prompts)
+        if len(tails) != len(prompts):
+            raise ValueError(f"{len(tails)} uncompressed_tails for {len(prompts)} prompts")
+        reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n)) for p, n in zip(prompts, tails)]
         self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
                    chunk_size=chunk_size, should_stop=should_stop)
         return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,
@@ -437,13 +377,15 @@ class Engine:
                 if not batch:
                     continue
                 segments = [Segment(sc.req.slot, sc.req.tokens[sc.req.fed:sc.req.fed + sc.n], sc.req.fed,
-                                    "decode" if sc.kind == "decode" else "prefill", sc.emits) for sc in batch]
+                                    "decode" if sc.kind == "decode" else "prefill", sc.last_chunk, sc.compress)
+                            for sc in batch]
+                emit = [i for i, sc in enumerate(batch) if sc.emits]
                 t0 = sched.clock()
                 try:
                     if self.speculator is not None:
-                        sampled = self._run_speculative(batch, segments, temperature, top_p, gen)
+                        sampled = self._run_speculative(batch, segments, emit, temperature, top_p, gen)
                     else:
-                        sampled = self._run(segments, temperature, top_p, gen)
+                        sampled = self._run(segments, emit, temperature, top_p, gen)
                 except OutOfBlocksError:
                     sched.undo_step(batch)
                     continue
@@ -455,18 +397,19 @@ class Engine:
             raise
         return sched.outcome()
 
-    def _run(self, segments: list[Segment], temperature: float, top_p: float, gen: torch.Generator) -> dict[int, int]:
-        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment that ends its
-        sequence's known tokens (last_chunk: a prompt's last chunk, a decode token). Waits for the device."""
+    def _run(self, segments: list[Segment], emit: list[int], temperature: float, top_p: float,
+             gen: torch.Generator) -> dict[int, int]:
+        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment in `emit`
+        (those that end their sequence's known tokens: a prompt's last chunk, a decode token). Waits for the
+        device."""
         logits = self.step(segments)
-        emit = [i for i, s in enumerate(segments) if s.last_chunk]
         toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self.flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
 
-    def _run_speculative(self, batch: list, segments: list[Segment], temperature: float, top_p: float,
-                         gen: torch.Generator) -> dict[int, list[int]]:
+    def _run_speculative(self, batch: list, segments: list[Segment], emit: list[int], temperature: float,
+                         top_p: float, gen: torch.Generator) -> dict[int, list[int]]:
         """A scheduled step with speculation: the decode tokens become one speculative round (draft, verify in one
         ragged step, rollback), the prefill chunks one ragged step that the draft follows. {segment index: the
         tokens it emits}."""
@@ -482,10 +425,10 @@ class Engine:
         if pre:
             logits = self.step([segments[i] for i in pre])
             spec.follow_prefill([(s.slot, s.token_ids, s.start_pos, s.last_chunk) for s in (segments[i] for i in pre)])
-            emit = [i for i, j in enumerate(pre) if segments[j].last_chunk]
-            if emit:
-                toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen)
-                out.update({pre[i]: [t] for i, t in zip(emit, toks)})
+            emits = [i for i, j in enumerate(pre) if j in emit]
+            if emits:
+                toks = self._sample_step(torch.stack([logits[i] for i in emits]), temperature, top_p, gen)
+                out.update({pre[i]: [t] for i, t in zip(emits, toks)})
             self.flush_pending_frees()  # as _run: blocks a method evicted on the device go back to the pool
         self._synchronize()
         return out

@@ -30,6 +30,9 @@ tokens it generated return to the head of the waiting queue; re-admitted, it is 
 compresses it as any prompt) and goes on from its last token. A preempted request is re-admitted only once the pool
 has room for the blocks it held (no thrashing). A sequence that cannot get blocks while it is the only one admitted
 can never fit: it fails alone with a message naming its size and the pool's, and the others go on.
+A request with an `uncompressed_tail` (a question after its context, kvpress's query-agnostic protocol) is prefilled
+in two parts that no chunk crosses: the context, whose last chunk lets the method compress, then the tail (and, after
+a recompute, the tokens generated so far) in chunks the method keeps uncompressed (`Scheduled.compress`).
 Methods evict inside the engine's steps as they always do, and the blocks they free are reused at once.
 """
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Request:
     max_new_tokens: int
     arrival_s: float = 0.0  # when it may be admitted (0 = at the start)
     ignore_eos: bool = False  # generate exactly max_new_tokens (throughput traces)
+    # the last n prompt tokens (a question) go in uncompressed after the rest (its context) was compressed
+    uncompressed_tail: int = 0
     index: int = 0  # position in the submitted list
     # outcome
     output: list[int] = field(default_factory=list)
@@ -76,6 +81,21 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def compressed_end(self) -> int:
+        """Where the part the method compresses as a prompt ends: every token without an uncompressed tail; else
+        the prompt but its tail (at least one token), the tail and the tokens generated so far going in
+        uncompressed after it (so a request preempted by recompute is prefilled again the same way)."""
+        if self.uncompressed_tail <= 0:
+            return len(self.tokens)
+        return len(self.prompt) - min(self.uncompressed_tail, len(self.prompt) - 1)
+
+    def prefill_stop(self, pos: int) -> int:
+        """Where a prefill chunk from token `pos` must end at the latest: a chunk never crosses the end of the
+        compressed part."""
+        end = self.compressed_end
+        return end if pos < end else len(self.tokens)
 
 
 @dataclass
@@ -120,6 +140,17 @@ class Scheduled:
     def emits(self) -> bool:
         """Whether the step's logits for it give the request's next token (its last prompt chunk, a decode)."""
         return self.req.fed + self.n == len(self.req.tokens)
+
+    @property
+    def compress(self) -> bool:
+        """False for a chunk of the request's uncompressed tail (the method keeps its tokens)."""
+        return self.kind == "decode" or self.req.fed < self.req.compressed_end
+
+    @property
+    def last_chunk(self) -> bool:
+        """Whether the method may compress after this chunk: the end of the compressed part (the prompt's last
+        chunk, without a tail), every chunk of an uncompressed tail, a decode token."""
+        return self.emits or not self.compress or self.req.fed + self.n == self.req.compressed_end
 
 
 class Scheduler:
@@ -243,7 +274,7 @@ class Scheduler:
         for r in [r for r in self.admitted if r.status == "prefilling"]:
             if budget <= 0:
                 break
-            n = min(self.chunk, budget, len(r.tokens) - r.fed)
+            n = min(self.chunk, budget, r.prefill_stop(r.fed) - r.fed)
             need = self.cache.blocks_for_append([r.slot], n)
             if need > free:
                 if len(self.admitted) == 1:
@@ -291,7 +322,7 @@ class Scheduler:
         req = self.waiting[0]
         cached = revived = 0
         if self.prefix_cache is not None:
-            found = self.prefix_cache.lookup(req.tokens)
+            found = self.prefix_cache.lookup(req.tokens[:req.compressed_end])  # never past the compressed part
             n_cached = len(found)
             cached = n_cached * self.cache.block_size
             revived = self.prefix_cache.cached_free_blocks(found)  # cached blocks no sequence holds: they count
@@ -299,7 +330,7 @@ class Scheduler:
             if inflight and (n_cached + 1) * self.cache.block_size < len(req.tokens):
                 if self.prefix_cache.block_keys(req.tokens, n_cached + 1)[-1] in inflight:
                     return None
-        n = min(self.chunk, budget, len(req.tokens) - cached)
+        n = min(self.chunk, budget, req.prefill_stop(cached) - cached)
         first = self.cache.blocks_for_append([None], n)
         if first > self.cache.capacity_blocks():  # not even an empty pool holds its first chunk
             self.waiting.popleft()
@@ -317,11 +348,11 @@ class Scheduler:
         req.status = "prefilling"
         req.fed = req.registered_blocks = req.cached_tokens = 0
         if self.prefix_cache is not None:
-            req.cached_tokens = self.prefix_cache.attach(req.slot, req.tokens)
+            req.cached_tokens = self.prefix_cache.attach(req.slot, req.tokens[:req.compressed_end])
             req.fed = req.cached_tokens
             req.registered_blocks = req.cached_tokens // self.cache.block_size
             self.cached_prompt_tokens += req.cached_tokens
-            n = min(n, len(req.tokens) - req.fed)
+            n = min(n, req.prefill_stop(req.fed) - req.fed)
         self.admitted.append(req)
         self.max_running = max(self.max_running, len(self.admitted))
         return Scheduled(req, n, "prefill", revived)
@@ -351,7 +382,7 @@ class Scheduler:
         self._swap_in_waiting()
         req = next((r for r in self.admitted if r.status == "prefilling"), None)
         if req is not None:
-            n = min(self.chunk, len(req.tokens) - req.fed)
+            n = min(self.chunk, req.prefill_stop(req.fed) - req.fed)
             if self.cache.blocks_for_append([req.slot], n) <= self.cache.free_blocks():
                 return [Scheduled(req, n, "prefill")]
             if len(self.admitted) == 1:

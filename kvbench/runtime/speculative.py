@@ -2,8 +2,8 @@
 ragged step, and the KV slots of rejected tokens go back to the pool.
 
     draft = Engine(model, StreamingLLM(budget=256), ...)       # the target's model over a compressed cache ("self")
-    engine.speculator = SpeculativeDecoder(draft, num_tokens=4, adaptive=True)
-    engine.serve(requests)                                     # decode steps are now speculative rounds
+    engine = Engine(model, speculator=SpeculativeDecoder(draft, num_tokens=4, adaptive=True), ...)
+    engine.serve(requests)                                     # decode steps are speculative rounds
 
 A round, for every decoding sequence at once (P = its tokens so far; the target holds the first P-1):
   1. draft: the draft engine's cache catches up with the sequence (one-token steps; a whole prefill after a

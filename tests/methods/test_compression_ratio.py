@@ -217,19 +217,21 @@ def test_question_appended_uncompressed_stays_whole(model, variant):
 
 # --------------------------------------------------------------------------- task.compress_question
 def _tables_after_prefill(engine, requests):
-    """Run generate_split and read every sequence's tables when its prefill is over (at the first decode step)."""
-    from kvbench.tasks._generation import generate_split
-
+    """Generate for the requests (their questions uncompressed) and read every sequence's tables when its prefill is
+    over (at its first decode step)."""
     seen: dict[int, list] = {}
-    decode = engine.decode_batch
+    step = engine.step
 
-    def spy(slots, *args, **kwargs):
-        for s in slots:
-            seen.setdefault(s, _tables(engine.cache, s))
-        return decode(slots, *args, **kwargs)
+    def spy(segments, *args, **kwargs):
+        for s in segments:
+            if s.phase == "decode":
+                seen.setdefault(s.slot, _tables(engine.cache, s.slot))
+        return step(segments, *args, **kwargs)
 
-    engine.decode_batch = spy
-    gens = generate_split(engine, requests)
+    engine.step = spy
+    gens = engine.generate([r.token_ids for r in requests], max_new_tokens=requests[0].max_new_tokens,
+                           stop_token_ids=requests[0].stop_ids,
+                           uncompressed_tails=[r.uncompressed_tail for r in requests])
     return gens, seen
 
 
@@ -261,16 +263,17 @@ def test_needle_question_uncompressed_is_all_in_the_cache(name):
     assert len(gens[0].token_ids) >= 1 and engine.cache.pool.in_use == 0
 
 
-def test_split_generation_equals_the_scheduler_without_eviction():
-    """With nothing evicted, prefilling context then question (compress=False) and decoding the batch together
-    gives the scheduler's greedy tokens for the same token ids."""
-    from kvbench.tasks._generation import GenRequest, generate_split
+def test_uncompressed_tail_without_eviction_equals_the_whole_prompt():
+    """With nothing evicted, prefilling context then question (uncompressed) and decoding the batch together
+    gives the greedy tokens of the same token ids prefilled whole."""
+    from kvbench.tasks._generation import GenRequest
     from tests.fixtures.task_fixtures import tiny_engine
 
     reqs = [GenRequest(id=str(n), dataset=None, prompt="", token_ids=_ids(n), max_new_tokens=6,
                        uncompressed_tail=t) for n, t in ((150, 20), (90, 70))]
     engine = tiny_engine(None, block_size=BS)
-    split = generate_split(engine, reqs)
+    split = engine.generate([r.token_ids for r in reqs], max_new_tokens=6,
+                            uncompressed_tails=[r.uncompressed_tail for r in reqs])
     ref = engine.generate([r.token_ids for r in reqs], max_new_tokens=6)
     assert [g.token_ids for g in split] == [g.token_ids for g in ref]
     assert all(g.finish_reason == "length" and len(g.token_ids) == 6 for g in split)

@@ -23,6 +23,7 @@ from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.variants import VARIANTS, variant_id
 from tests.tiny_models import ByteTokenizer, tiny_model
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.scoring import Scorer
 from kvbench.methods import available_methods, build_method
 
 CHUNK = 32
@@ -164,7 +165,7 @@ def _run(model, prompts, name, opts, budget, bs, mode=None):
     checker = Checker(method, budget, bs)
     engine = Engine(model, method, block_size=bs, prefill_chunk_size=CHUNK, num_blocks=NUM_BLOCKS)
     gens = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
-    logprobs = engine.score(prompts[1], chunk_size=CHUNK)
+    logprobs = Scorer(engine).score(prompts[1], chunk_size=CHUNK)
     assert engine.cache.pool.in_use == 0
     engine.cache.pool.check_consistency()
     assert not getattr(method, "_state", {}), "per-sequence state left after the sequences ended"

@@ -21,9 +21,10 @@ TOKENS, BUDGET, CHUNK = 640, 128, 32
 
 def _ppl(model, ids, method, chunk):
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     engine = Engine(model, method, block_size=16, num_blocks=8192, prefill_chunk_size=chunk)
-    lp = engine.score(ids, chunk_size=chunk)
+    lp = Scorer(engine).score(ids, chunk_size=chunk)
     assert engine.cache.pool.in_use == 0
     return math.exp(float(-lp.double().mean())), engine.memory_stats()
 

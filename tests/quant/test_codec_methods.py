@@ -13,6 +13,7 @@ from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.quant.registry import OPTIONS, build_codec
 from kvbench.spec import codec_names, resolve_storage
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
 from kvbench.methods import build_method
 from tests.tiny_models import SHARP_LOGITS, tiny_model
@@ -113,7 +114,7 @@ def test_codecs_refuse_bad_settings_without_a_model(name, options):
 
 
 def _workload(engine, ids):
-    lp = engine.score(ids, chunk_size=32)
+    lp = Scorer(engine).score(ids, chunk_size=32)
     gens = engine.generate([ids[:70], ids[:40]], max_new_tokens=8)
     return lp, gens, engine.memory_stats()
 
@@ -155,7 +156,7 @@ def test_capture_forward_is_the_runtime_forward(tiny):
     ids = _ids(100, seed=2)
     logits, keys, values, kg, vg = forward_capture(tiny, torch.tensor(ids), grads=True)
     lp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-    torch.testing.assert_close(lp, Engine(tiny, num_blocks=64).score(ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lp, Scorer(Engine(tiny, num_blocks=64)).score(ids), atol=1e-4, rtol=1e-4)
     cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=64, store_pre_rope=True)
     s = cache.add_sequence()
     plan = cache.prepare_append([s], torch.arange(100).unsqueeze(0))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.scheduler import Request
 from kvbench.summary import format_summary, format_sweep_table, next_step_lines, peak_saved_fraction, saved_fraction
 from kvbench.methods import build_method
@@ -31,7 +32,7 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def test_forked_continuations_under_full_save_nothing_and_show_the_sharing(model):
     engine = Engine(model, build_method("full"), block_size=4, num_blocks=400)
-    engine.score_continuations(_ids(40, 0), [_ids(3, 1), _ids(3, 2), _ids(3, 3)])
+    Scorer(engine).score_continuations(_ids(40, 0), [_ids(3, 1), _ids(3, 2), _ids(3, 3)])
     mem = engine.memory_stats()
     assert mem["fork_shared_kv_bytes"] > 0  # the forks shared the context's blocks
     assert mem["peak_kv_bytes"] < mem["full_kv_bytes"]  # which is why the old figure said "40% saved"
@@ -48,9 +49,9 @@ def test_forked_continuations_under_full_save_nothing_and_show_the_sharing(model
 def test_eviction_saving_is_measured_and_forks_do_not_inflate_it(model):
     ctx, conts = _ids(60, 4), [_ids(3, 5), _ids(3, 6)]
     full = Engine(model, build_method("full"), block_size=4, num_blocks=400)
-    full.score_continuations(ctx, conts)
+    Scorer(full).score_continuations(ctx, conts)
     h2o = Engine(model, build_method("h2o", 16), block_size=4, num_blocks=400)
-    h2o.score_continuations(ctx, conts)
+    Scorer(h2o).score_continuations(ctx, conts)
     mem = h2o.memory_stats()
     assert mem["full_kv_bytes"] == full.memory_stats()["full_kv_bytes"]
     saved = saved_fraction(_record(h2o, "h2o"))

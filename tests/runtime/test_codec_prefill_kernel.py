@@ -99,6 +99,7 @@ def test_engine_prefill_logits_with_and_without_the_kernel(codec):
     """A whole model: prompt logits through the prefill kernel (over a KIVI-2 cache, or the full-precision pool)
     equal the torch path's (dequantize-then-attend / gather-then-attend)."""
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     model = tiny_model(vocab=300, **HEAD_DIM_64)
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -106,7 +107,7 @@ def test_engine_prefill_logits_with_and_without_the_kernel(codec):
     for backend in ("cpu", "torch"):
         engine = Engine(model, attention_backend=backend, kv_memory_bytes=2**24, prefill_chunk_size=96,
                         codec=KiviCodec(2, group_size=32, residual=32) if codec else None)
-        runs[backend] = engine.score(ids)  # chunks after the first attend over packed blocks
+        runs[backend] = Scorer(engine).score(ids)  # chunks after the first attend over packed blocks
     torch.testing.assert_close(runs["cpu"], runs["torch"], atol=1e-4, rtol=1e-4)
 
 

@@ -130,13 +130,14 @@ def test_rms_norm_and_rotary_match_torch():
 def test_model_with_and_without_kernels(family):
     """The same model through the C kernels and through plain torch ops gives the same log-probs."""
     from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scoring import Scorer
 
     model = tiny_model(family, seed=4)
     assert model.use_cpu_kernels
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-    fast = Engine(model, block_size=8, num_blocks=2000).score(ids, chunk_size=64)
+    fast = Scorer(Engine(model, block_size=8, num_blocks=2000)).score(ids, chunk_size=64)
     model.use_cpu_kernels = False
-    ref = Engine(model, block_size=8, num_blocks=2000, attention_backend="torch").score(ids, chunk_size=64)
+    ref = Scorer(Engine(model, block_size=8, num_blocks=2000, attention_backend="torch")).score(ids, chunk_size=64)
     torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -48,11 +48,13 @@ def _engine(model, name, options, codec, codec_options):
 
 
 def _run_case(model, case):
+    from kvbench.runtime.scoring import Scorer
+
     _, name, options, codec, codec_options = case
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 250, (SCORE_LEN,), generator=gen).tolist()
     eng = _engine(model, name, options, codec, codec_options)
-    nll = -eng.score(ids, chunk_size=32).double()
+    nll = -Scorer(eng).score(ids, chunk_size=32).double()
     peak_score = eng.memory_stats()["peak_kv_bytes"]
     eng = _engine(model, name, options, codec, codec_options)
     out = eng.generate([ids[:PROMPT_LEN], ids[7:PROMPT_LEN - 9]], max_new_tokens=NEW_TOKENS, temperature=0.0)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.model import build_from_transformers
 from tests.tiny_models import FAMILIES, hf_logprobs, tiny_hf_model
 
@@ -15,7 +16,7 @@ def test_logprobs_match_transformers(family):
     model = build_from_transformers(hf)
     ids = torch.randint(0, hf.config.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = hf_logprobs(hf, ids)
-    got = Engine(model, prefill_chunk_size=128).score(ids)
+    got = Scorer(Engine(model, prefill_chunk_size=128)).score(ids)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() <= 1e-3
 
@@ -47,13 +48,13 @@ def test_pre_rope_storage_gives_the_same_logprobs():
     ids = torch.randint(0, 320, (200,), generator=torch.Generator().manual_seed(4)).tolist()
     eng = Engine(model, PreRope(), prefill_chunk_size=50)
     assert eng.cache.store_pre_rope
-    assert (eng.score(ids) - hf_logprobs(hf, ids)).abs().max().item() <= 1e-3
+    assert (Scorer(eng).score(ids) - hf_logprobs(hf, ids)).abs().max().item() <= 1e-3
 
 
 def test_smollm2_packaged_matches_transformers(smollm2):
     text_ids = smollm2.tokenizer("The history of the city begins with a small harbour. " * 60)["input_ids"][:512]
     ref = hf_logprobs(smollm2.hf_model, text_ids)
-    got = Engine(smollm2.model, prefill_chunk_size=256).score(text_ids)
+    got = Scorer(Engine(smollm2.model, prefill_chunk_size=256)).score(text_ids)
     assert (got - ref).abs().max().item() <= 1e-3
     prompt = text_ids[:64]
     with torch.no_grad():

@@ -8,6 +8,7 @@ import torch
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
@@ -82,10 +83,10 @@ def _expected_bytes(cache):
 @pytest.mark.parametrize("codec,tol", [(Int8Codec(), 0.05), (Fp8Codec(), 0.15), (KiviCodec(8, residual=32), 0.03)])
 def test_8bit_codecs_give_logits_close_to_full(tiny, codec, tol):
     ids = _ids(200)
-    full = Engine(tiny, num_blocks=256).score(ids, chunk_size=64)
+    full = Scorer(Engine(tiny, num_blocks=256)).score(ids, chunk_size=64)
     eng = Engine(tiny, num_blocks=256, codec=codec)
     assert isinstance(eng.cache, QuantizedPagedKVCache)
-    lp = eng.score(ids, chunk_size=64)
+    lp = Scorer(eng).score(ids, chunk_size=64)
     err = (lp - full).abs()
     assert err.max() < tol
     assert err.max() > 0  # the old tokens really were read from packed blocks
@@ -93,8 +94,8 @@ def test_8bit_codecs_give_logits_close_to_full(tiny, codec, tol):
 
 def test_fewer_bits_cost_more_accuracy(tiny):
     ids = _ids(200, seed=1)
-    full = Engine(tiny, num_blocks=256).score(ids, chunk_size=32)
-    errs = {b: (Engine(tiny, num_blocks=256, codec=KiviCodec(b, group_size=16, residual=32))
+    full = Scorer(Engine(tiny, num_blocks=256)).score(ids, chunk_size=32)
+    errs = {b: (Scorer(Engine(tiny, num_blocks=256, codec=KiviCodec(b, group_size=16, residual=32)))
                 .score(ids, chunk_size=32) - full).abs().mean().item() for b in (2, 4, 8)}
     assert errs[8] < errs[4] < errs[2]
 
@@ -105,14 +106,14 @@ def test_pre_rope_keys_for_kvquant(tiny):
     from kvbench.quant.calibration import forward_capture
 
     ids = _ids(200, seed=2)
-    full = Engine(tiny, num_blocks=256).score(ids, chunk_size=32)
+    full = Scorer(Engine(tiny, num_blocks=256)).score(ids, chunk_size=32)
     codec = KVQuantCodec(4, levels="uniform", outlier_fraction=0.01)
     eng = Engine(tiny, num_blocks=256, codec=codec)
     assert eng.cache.store_pre_rope and eng.cache.block_size == 32
-    lp = eng.score(ids, chunk_size=32)
+    lp = Scorer(eng).score(ids, chunk_size=32)
     assert (lp - full).abs().mean() < 0.06
     slot = eng.cache.add_sequence()
-    for _ in eng._prefill(slot, ids, 64):
+    for _ in Scorer(eng).prefill_chunks(slot, ids, 64):
         pass
     eng.cache.pack_pending()
     _, keys, values, _, _ = forward_capture(tiny, torch.tensor(ids))

@@ -44,10 +44,9 @@ def _engine(model, method=None, codec=None, num_blocks=4096, **kw):
                   prefix_caching=False, **kw)
 
 
-def _speculative(model, target, draft_method, k=3, adaptive=True, draft_codec=None):
-    draft = _engine(model, draft_method, draft_codec)
-    target.speculator = SpeculativeDecoder(draft, k, adaptive=adaptive)
-    return target.speculator
+def _speculative(model, draft_method, k=3, adaptive=True, draft_codec=None):
+    """A decoder whose draft engine runs draft_method (for a target engine's `speculator` argument)."""
+    return SpeculativeDecoder(_engine(model, draft_method, draft_codec), k, adaptive=adaptive)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +70,8 @@ def test_every_method_drafts():
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_greedy_output_is_the_targets_for_every_drafter(model, reference, name):
     budget = None if name == "full" else 32
-    target = _engine(model)
-    spec = _speculative(model, target, build_method(name, budget, **DRAFTERS[name]))
+    spec = _speculative(model, build_method(name, budget, **DRAFTERS[name]))
+    target = _engine(model, speculator=spec)
     free = target.cache.pool.num_free
     one = [g.token_ids for g in target.generate(_prompts()[:1], max_new_tokens=NEW)]
     three = [g.token_ids for g in target.generate(_prompts(), max_new_tokens=NEW)]
@@ -87,8 +86,8 @@ def test_greedy_output_is_the_targets_for_every_drafter(model, reference, name):
 def test_greedy_output_is_the_targets_for_every_codec_target(model, codec):
     prompts = _prompts()
     plain = [g.token_ids for g in _engine(model, codec=CODECS[codec]()).generate(prompts, max_new_tokens=NEW)]
-    target = _engine(model, codec=CODECS[codec]())
-    spec = _speculative(model, target, build_method("streaming_llm", 32), k=4)
+    spec = _speculative(model, build_method("streaming_llm", 32), k=4)
+    target = _engine(model, codec=CODECS[codec](), speculator=spec)
     assert [g.token_ids for g in target.generate(prompts, max_new_tokens=NEW)] == plain
     assert spec.stats.rounds > 0
 
@@ -96,10 +95,8 @@ def test_greedy_output_is_the_targets_for_every_codec_target(model, codec):
 @pytest.mark.parametrize("preemption", ["recompute", "swap", "auto"])
 def test_continuous_batching_with_preemption_is_lossless(model, reference, preemption):
     # 3 sequences in a pool that holds about 2: the newest is preempted while the others decode
-    target = _engine(model, num_blocks=2 * 16 * 4 + 8)
-    if preemption != "recompute":
-        target.swap, target.preemption = SwapSpace(target.cache, 1 << 30), preemption
-    spec = _speculative(model, target, build_method("streaming_llm", 32), k=3)
+    spec = _speculative(model, build_method("streaming_llm", 32), k=3)
+    target = _engine(model, num_blocks=2 * 16 * 4 + 8, speculator=spec, preemption=preemption, swap_bytes=1 << 30)
     free = target.cache.pool.num_free
     out = target.serve([Request(p, NEW) for p in _prompts()])
     assert [r.output for r in out.requests] == reference[1]
@@ -116,9 +113,7 @@ def test_continuous_batching_with_preemption_is_lossless(model, reference, preem
 def test_swap_without_speculation_gives_the_same_outputs(model, reference):
     outs = {}
     for mode in ("recompute", "swap", "auto"):
-        eng = _engine(model, num_blocks=2 * 16 * 4 + 8)
-        if mode != "recompute":
-            eng.swap, eng.preemption = SwapSpace(eng.cache, 1 << 30), mode
+        eng = _engine(model, num_blocks=2 * 16 * 4 + 8, preemption=mode, swap_bytes=1 << 30)
         o = eng.serve([Request(p, NEW) for p in _prompts()])
         assert o.preemptions > 0
         outs[mode] = [r.output for r in o.requests]
@@ -165,8 +160,8 @@ def test_rollback_frees_exactly_what_it_should(model, monkeypatch):
         return drafts[:a] + [int(logits[a].argmax())]
 
     monkeypatch.setattr(speculative, "greedy_accept", scripted)
-    target = _engine(model)
-    spec = _speculative(model, target, build_method("streaming_llm", 40), k=3, adaptive=False)
+    spec = _speculative(model, build_method("streaming_llm", 40), k=3, adaptive=False)
+    target = _engine(model, speculator=spec)
     c, d = target.cache, spec.draft.cache
     free_t, free_d = c.pool.num_free, d.pool.num_free
     L, H = c.num_layers, c.num_kv_heads
@@ -227,8 +222,8 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 
 def test_sampling_through_the_engine_runs_and_frees(model):
-    target = _engine(model)
-    spec = _speculative(model, target, build_method("streaming_llm", 32), k=3)
+    spec = _speculative(model, build_method("streaming_llm", 32), k=3)
+    target = _engine(model, speculator=spec)
     gens = target.generate(_prompts(), max_new_tokens=NEW, temperature=0.8, top_p=0.95, seed=3)
     assert all(len(g.token_ids) == NEW for g in gens)
     assert spec.stats.draft_tokens > 0 and not target.cache.live and not spec.draft.cache.live
@@ -277,7 +272,7 @@ def test_a_throughput_run_records_speculation_swap_and_pool_health(tmp_path):
 @pytest.mark.parametrize("name", ["streaming_llm", "paged_eviction"])
 def test_a_draft_that_keeps_every_token_is_always_accepted(model, name):
     """At a budget above every sequence's length the draft cache is the target's: acceptance 100%."""
-    target = _engine(model)
-    spec = _speculative(model, target, build_method(name, 512), k=4, adaptive=False)
+    spec = _speculative(model, build_method(name, 512), k=4, adaptive=False)
+    target = _engine(model, speculator=spec)
     target.generate(_prompts(), max_new_tokens=NEW)
     assert spec.stats.as_metrics()["acceptance_rate"] == 1.0

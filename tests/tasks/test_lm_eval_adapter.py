@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from kvbench.methods import available_methods, build_method  # noqa: E402
+from kvbench.runtime.scoring import Scorer  # noqa: E402
 from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer,  # noqa: E402
                                           smollm2_vocab_hf_model, tiny_engine, tiny_loader, write_jsonl)
 
@@ -121,7 +122,7 @@ def test_score_continuation_full_matches_transformers():
     ctx = tok.encode(DOCS[0]["context"], add_special_tokens=False)
     cont = tok.encode(" river stone light", add_special_tokens=False)
     engine = tiny_engine(None, prefill_chunk_size=16)
-    lps, greedy = engine.score_continuation(ctx, cont)
+    lps, greedy = Scorer(engine).score_continuation(ctx, cont)
     with torch.no_grad():
         logits = hf(torch.tensor([ctx + cont])).logits[0].float()
     ref = torch.log_softmax(logits, -1)[len(ctx) - 1:-1].gather(-1, torch.tensor(cont)[:, None]).squeeze(-1)
@@ -130,7 +131,7 @@ def test_score_continuation_full_matches_transformers():
     assert engine.cache.live == set()  # the sequence was freed
 
     small = tiny_engine(budget_method(), prefill_chunk_size=16)
-    lps_b, _ = small.score_continuation(ctx, cont)
+    lps_b, _ = Scorer(small).score_continuation(ctx, cont)
     assert not torch.allclose(torch.tensor(lps_b), ref, atol=1e-3)  # scored against the compressed context
     full_peak, small_peak = engine.memory_stats()["peak_kv_bytes"], small.memory_stats()["peak_kv_bytes"]
     assert small_peak < full_peak / 2
@@ -148,9 +149,9 @@ def test_continuations_of_one_context_share_its_prefill(method):
     conts = [tok.encode(t, add_special_tokens=False) for t in (" river stone light", " a", " the end of it all")]
     m = (lambda: None) if method is None else (lambda: build_method(method[0], method[1]))
     one = tiny_engine(m(), prefill_chunk_size=16, block_size=8)
-    want = [one.score_continuation(ctx, c) for c in conts]
+    want = [Scorer(one).score_continuation(ctx, c) for c in conts]
     shared = tiny_engine(m(), prefill_chunk_size=16, block_size=8)
-    got = shared.score_continuations(ctx, conts)
+    got = Scorer(shared).score_continuations(ctx, conts)
     for (lw, gw), (lg, gg) in zip(want, got):
         assert torch.allclose(torch.tensor(lg), torch.tensor(lw), atol=1e-5) and gg == gw
     assert shared.cache.live == set() and shared.cache.pool.in_use == 0
