@@ -242,6 +242,10 @@ def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None
     if settings.runtime.speculative.enabled:
         raise UserError(f"runtime.speculative cannot run with runtime.tensor_parallel={tp}: the draft engine is "
                         f"not sharded; set runtime.speculative.num_tokens=0")
+    if settings.runtime.preemption != "recompute":
+        raise UserError(f"runtime.preemption={settings.runtime.preemption} cannot run with runtime.tensor_parallel="
+                        f"{tp}: whether to swap is timed on each rank, and the ranks must preempt alike; "
+                        f"use runtime.preemption=recompute")
 
 
 def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: Callable,

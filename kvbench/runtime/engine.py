@@ -34,6 +34,7 @@ from kvbench.runtime.sampling import sample
 from kvbench.runtime.scheduler import Outcome, Request, Scheduler
 from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.swap import SwapSpace
+from kvbench.runtime.tensor_parallel import rank_agreed
 from kvbench.spec import PREEMPTION_MODES, SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
@@ -360,7 +361,7 @@ class Engine:
         on_token(request) is called after every generated token, on_step(n) after every step with the tokens it
         ran, prompt tokens included (progress from the first prompt chunk). Each step is schedule -> run ->
         postprocess; a step that runs out of blocks part-way is undone by the scheduler (its sequences start over)."""
-        sched = Scheduler(self.cache, self.end_sequence, max_num_seqs=self.max_num_seqs,
+        sched = Scheduler(rank_agreed(self.cache, self.model.config), self.end_sequence, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=self.max_num_batched_tokens,
                           admission_watermark=self.admission_watermark,
                           chunk_size=chunk_size or self.prefill_chunk_size, schedule=self.schedule,

@@ -173,6 +173,8 @@ def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
      "method 'kvcrush' cannot run with runtime.tensor_parallel=2: its token signatures"),
     (["runtime.tensor_parallel=2", "+WORLD=2", "method=tova", "budget=64"], "use tova.heads=per_head"),
     (["task=throughput", "+WORLD=2"], "task=throughput serves one trace on one engine, not split over 2"),
+    (["runtime.tensor_parallel=2", "+WORLD=2", "runtime.preemption=swap"],
+     "runtime.preemption=swap cannot run with runtime.tensor_parallel=2"),
 ])
 def test_bad_parallel_input_is_one_line_before_load(cli, monkeypatch, model_dir, tmp_path, args,  # noqa: F811
                                                    expected):

@@ -63,6 +63,27 @@ def _run_case(model, case):
             "kv_heads": eng.cache.num_kv_heads}
 
 
+# A serving trace through the scheduler over a pool so small that requests wait for room, with adakv (its kv-heads
+# keep uneven counts, so the ranks' pools fill unevenly): every rank must schedule the same steps.
+SERVE_BLOCKS = (12, 18, 23)  # blocks per rank's pool (the unsharded reference gets twice as many); at 23 ranks
+# scheduling from their own counts admit differently and their all-reduces mismatch
+
+
+def _serve_case(model, num_blocks):
+    from kvbench.methods import build_method
+    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.scheduler import Request
+
+    ids = torch.randint(3, 250, (PROMPT_LEN + 120,), generator=torch.Generator().manual_seed(11)).tolist()
+    eng = Engine(model, build_method("adakv", 48, decode="evict", base="knorm"), block_size=BLOCK,
+                 num_blocks=num_blocks, prefill_chunk_size=64)
+    reqs = [Request(ids[i * 40:i * 40 + PROMPT_LEN], NEW_TOKENS) for i in range(4)]
+    own: list[int] = []  # this rank's own pool: blocks in use after each step
+    out = eng.serve(reqs, temperature=0.0, on_step=lambda n: own.append(eng.cache.blocks_in_use_now()))
+    return {"tokens": [list(r.output) for r in reqs], "steps": [(st.kind, st.running, st.tokens) for st in out.timeline],
+            "max_running": out.max_running, "blocks_in_use": own}
+
+
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -80,9 +101,11 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             if rank == 0:
                 results[case[0]]["ref"] = _run_case(full, case)
         every = distributed.all_gather_objects({c: r["tp"]["peak_kv_bytes"] for c, r in results.items()})
+        served = distributed.all_gather_objects([_serve_case(shard, n) for n in SERVE_BLOCKS])
         if rank == 0:
             for c in results:
                 results[c]["tp_peaks"] = [p[c] for p in every]
+            results["serve"] = {"ranks": served, "ref": [_serve_case(full, 2 * n) for n in SERVE_BLOCKS]}
             torch.save(results, out_path)
     finally:
         distributed.destroy()
@@ -127,3 +150,14 @@ def test_each_rank_pool_holds_half_the_kv_heads(tp_results, case):
         assert 2 * peaks[0] == r["ref"]["peak_kv_bytes"], (case, peaks, r["ref"]["peak_kv_bytes"])
     else:  # head-adaptive: the ranks' heads keep different counts; the sum is the whole model's
         assert sum(peaks) <= r["ref"]["peak_kv_bytes"] + 2 * r["ref"]["bytes_per_block"] * 2
+
+
+def test_tp_ranks_schedule_alike_over_unevenly_filled_pools(tp_results):
+    """Admission reads block counts agreed over the ranks (tensor_parallel.RankAgreedCache): each rank's own counts
+    differ here, and ranks that scheduled different steps would fail or hang in the step's all-reduces."""
+    ranks, ref = tp_results["serve"]["ranks"], tp_results["serve"]["ref"]
+    for n, rank0, rank1, one in zip(SERVE_BLOCKS, ranks[0], ranks[1], ref):
+        assert rank0["steps"] == rank1["steps"] and rank0["tokens"] == rank1["tokens"], n
+        assert rank0["tokens"] == one["tokens"], n  # no preemption: the greedy tokens of the unsharded model
+        assert rank0["max_running"] < 4, n  # requests waited for room
+    assert any(r0["blocks_in_use"] != r1["blocks_in_use"] for r0, r1 in zip(ranks[0], ranks[1]))  # uneven pools
