@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvbench.runtime.block_pool import BlockPool
+from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens, token_bytes
 
 SCRATCH_BLOCK = 0  # reserved block id; never handed out
 
@@ -111,12 +112,12 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies in the pool (K and V)."""
-        return self.k_pool[0].nbytes + self.v_pool[0].nbytes
+        return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype)
 
     @property
     def full_bytes_per_token(self) -> int:
         """Bytes an uncompressed cache needs per token (all layers, kv-heads, K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_pool.element_size()
+        return token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def kv_bytes_in_use(self) -> int:
         return self.pool.in_use * self.bytes_per_block
@@ -573,21 +574,21 @@ class PagedKVCache:
     def blocks_for_append(self, slots: list[int | None], n_tokens: int) -> int:
         """Blocks that appending n_tokens to each sequence of `slots` (None: a new, empty one) allocates."""
         fresh = sum(1 for s in slots if s is None)
-        total = fresh * -(-n_tokens // self.block_size) * self.num_layers * self.num_kv_heads
+        bs = self.block_size
+        total = fresh * blocks_for_tokens(n_tokens, bs) * self.num_layers * self.num_kv_heads
         live = [s for s in slots if s is not None]
         if live:
             old = self.host_lengths[live]  # [S, L, H]
-            bs = self.block_size
-            total += int(((old + n_tokens + bs - 1) // bs - (old + bs - 1) // bs).sum())
+            total += int((blocks_for_tokens(old + n_tokens, bs) - blocks_for_tokens(old, bs)).sum())
         return total
 
     def blocks_held(self, slot: int) -> int:
         """Blocks in the tables of one sequence (shared blocks counted once per table)."""
-        return int(((self.host_lengths[slot] + self.block_size - 1) // self.block_size).sum())
+        return int(blocks_for_tokens(self.host_lengths[slot], self.block_size).sum())
 
     # ------------------------------------------------------------------ internals
     def _num_blocks(self, lengths: torch.Tensor) -> torch.Tensor:
-        return (lengths + self.block_size - 1) // self.block_size
+        return blocks_for_tokens(lengths, self.block_size)
 
     def _check_live(self, slot: int) -> None:
         if slot not in self.live:

@@ -56,6 +56,7 @@ import torch
 from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
 from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
+from kvbench.runtime.kv_geometry import block_bytes, kv_elements
 
 
 class RoutedBlockPool:
@@ -192,7 +193,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         max_bytes on its own (virtual until written); the router enforces max_bytes over both."""
         bs, D = self.block_size, self.head_dim
         self.fp_dtype = getattr(self.codec, "fp_block_dtype", None) or self.dtype
-        fp_block_bytes = 2 * bs * D * _itemsize(self.fp_dtype)
+        fp_block_bytes = block_bytes(bs, D, self.fp_dtype)
         self.key_nbytes = self.codec.packed_block_bytes(bs, D, "key")
         self.value_nbytes = self.codec.packed_block_bytes(bs, D, "value")
         packed_block_bytes = self.key_nbytes + self.value_nbytes
@@ -232,11 +233,6 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     # ------------------------------------------------------------------ sizes and bytes
     @property
-    def full_bytes_per_token(self) -> int:
-        """Bytes an uncompressed cache in the model dtype needs per token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
-
-    @property
     def packed_block_bytes(self) -> int:
         """Bytes of one packed block in the pool (K row + V row, all metadata)."""
         return self.kq_pool[0].nbytes + self.vq_pool[0].nbytes
@@ -257,7 +253,7 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def held_elements(self) -> int:
         """K and V elements the live tables hold (2 x tokens x head_dim over all layers and heads)."""
-        return 2 * int(sum(int(self.lengths[s].sum()) for s in self.live)) * self.head_dim
+        return kv_elements(int(sum(int(self.lengths[s].sum()) for s in self.live)), self.head_dim)
 
     def bits_per_element_in_use(self) -> float:
         """8 x pool bytes in use / K and V elements held now (full-precision window and all metadata included)."""
@@ -278,7 +274,7 @@ class QuantizedPagedKVCache(PagedKVCache):
             kv_dtype=_dtype_name(self.dtype), fp_block_dtype=_dtype_name(self.fp_dtype), block_size=bs,
             packed_key_bytes_per_block=self.key_nbytes,
             packed_value_bytes_per_block=self.value_nbytes,
-            packed_bits_per_element=round(8.0 * self.packed_block_bytes / (2 * bs * D), 4),
+            packed_bits_per_element=round(8.0 * self.packed_block_bytes / kv_elements(bs, D), 4),
             pre_rope_keys=self.store_pre_rope, dequant=self.dequant,
         )
         return out
@@ -644,10 +640,6 @@ class QuantizedPagedKVCache(PagedKVCache):
             pos_row[h, n_new:] = -1
             self.lengths[slot, layer, h] = n_new
             self.host_lengths[slot, layer, h] = n_new
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
