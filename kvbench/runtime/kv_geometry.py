@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-SCRATCH_BLOCKS = 1  # the reserved block every pool keeps (never handed out)
+SCRATCH_BLOCK = 0  # the id of the reserved block every pool keeps (never handed out; writes of padding go there)
+SCRATCH_BLOCKS = 1  # how many blocks are reserved
 
 # bytes per element of the model dtypes, by name (kvbench.spec.DTYPES)
 _NAMED_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
