@@ -160,8 +160,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         # block counts from the host copy of the lengths: allocating reads no device value
         old_len_h = self.host_lengths[slots]  # [S, L, H]
         new_len_h = old_len_h + Q
-        old_nb_h = (old_len_h + bs - 1) // bs
-        new_nb_h = (new_len_h + bs - 1) // bs
+        old_nb_h = blocks_for_tokens(old_len_h, bs)
+        new_nb_h = blocks_for_tokens(new_len_h, bs)
         max_nb = int(new_nb_h.max())
         if max_nb > self.max_blocks:
             self._grow_blocks(max_nb)

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from kvbench.runtime.kv_geometry import blocks_for_tokens
+
 
 class MethodCacheView(Protocol):
     """What a method may call on the cache (the hooks' `cache`, `ctx.cache`): nothing else."""
@@ -113,7 +115,7 @@ class KVEviction:
         if all(b == blocks[0] for b in blocks) and all(n == lengths[0] for n in lengths):
             self._evict_same_blocks_every_head(layer, slot, lengths[0], blocks[0])
             return
-        width = max(-(-n // bs) for n in lengths)
+        width = max(blocks_for_tokens(n, bs) for n in lengths)
         rows = self.tables[slot, layer, :, :width].tolist()  # [H][width] physical block ids
         freed: list[int] = []
         for h, block_indices in enumerate(blocks):
@@ -145,7 +147,7 @@ class KVEviction:
         self._check_live(slot)
         bs = self.block_size
         H, k = drop.shape
-        nb = -(-n // bs)
+        nb = blocks_for_tokens(n, bs)
         if k >= nb or list(self.host_lengths[slot, layer]) != [n] * H:
             raise ValueError(f"evict_blocks_on_device: {k} blocks of tables of lengths "
                              f"{self.host_lengths[slot, layer].tolist()} (expected {n}, full blocks)")
@@ -205,7 +207,7 @@ class KVEviction:
     def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
         """(blocks to drop, sorted; blocks kept, in order) of an n-token table; only full blocks may be dropped."""
         bs = self.block_size
-        nb = -(-n // bs)
+        nb = blocks_for_tokens(n, bs)
         drop = sorted(set(block_indices))
         for b in drop:
             if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbench.runtime.block_pool import BlockPool
-from kvbench.runtime.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS
+from kvbench.runtime.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
 
 if TYPE_CHECKING:  # annotations only: kv_cache mixes this class in
     from kvbench.runtime.kv_cache import AppendPlan
@@ -67,7 +67,7 @@ class FullPrecisionLayout:
         """Dense K, V [H, T, D] and positions [H, T] of one sequence's layer (T = longest head; pad = -1)."""
         lengths = self.lengths[slot, layer]
         T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
-        nb = -(-T // self.block_size)
+        nb = blocks_for_tokens(T, self.block_size)
         idx = self.tables[slot, layer, :, :nb].to(torch.int64)  # [H, nb]
         H, D = self.num_kv_heads, self.head_dim
         k = self.k_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]

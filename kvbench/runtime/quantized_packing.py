@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvbench.runtime.block_pool import OutOfBlocksError
+from kvbench.runtime.kv_geometry import blocks_for_tokens
 
 
 class PackedStorage:
@@ -160,11 +161,11 @@ class PackedStorage:
                 aligned = (chunks[:, 0] % bs == 0) & (chunks == chunks[:, :1] + torch.arange(bs, device=self.device)).all(1)
                 for c in torch.nonzero(aligned).squeeze(1).tolist():
                     reused[c] = int(table[h, int(chunks[c, 0]) // bs])
-            old_nb = -(-int(old_len[h]) // bs)
+            old_nb = blocks_for_tokens(int(old_len[h]), bs)
             reused_ids = set(reused.values())
             freed.extend(int(b) for b in table[h, :old_nb].tolist() if int(b) not in reused_ids)
             packed_range = self.codec.packed_block_range(n_new, bs)
-            new_cols = [c for c in range(-(-n_new // bs)) if c not in reused]
+            new_cols = [c for c in range(blocks_for_tokens(n_new, bs)) if c not in reused]
             pk_cols = [c for c in new_cols if c in packed_range]
             fp_cols = [c for c in new_cols if c not in packed_range]
             if new_cols and dense is None:

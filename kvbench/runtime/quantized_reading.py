@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbench.runtime.backends import triton as triton_backend
+from kvbench.runtime.kv_geometry import blocks_for_tokens
 
 if TYPE_CHECKING:  # annotations only
     from kvbench.runtime.kv_cache import AppendPlan
@@ -28,9 +29,9 @@ class PackedReading:
         S, H = tables.shape[:2]
         bs, D = self.block_size, self.head_dim
         T = int(lengths.max()) if lengths.numel() else 0
-        nb = max(1, -(-T // bs))
+        nb = max(1, blocks_for_tokens(T, bs))
         ids = tables[:, :, :nb].reshape(-1).to(torch.int64)  # [S*H*nb]
-        own = ((lengths + bs - 1) // bs).reshape(-1, 1)  # [S*H, 1]
+        own = blocks_for_tokens(lengths, bs).reshape(-1, 1)  # [S*H, 1]
         valid = (torch.arange(nb, device=self.device) < own).reshape(-1)
         k = torch.zeros(S * H * nb, bs, D, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
@@ -101,7 +102,7 @@ class PackedReading:
         lengths = self.lengths[slot, layer]
         T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
         H, D = self.num_kv_heads, self.head_dim
-        nb = max(1, -(-T // self.block_size))
+        nb = max(1, blocks_for_tokens(T, self.block_size))
         k, v, _ = self._dense_table_blocks(layer, self.tables[slot, layer, :, :nb][None])
         k = k.view(H, nb * self.block_size, D)[:, :T]
         v = v.view(H, nb * self.block_size, D)[:, :T]
