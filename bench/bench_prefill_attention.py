@@ -36,10 +36,11 @@ def best_time(fn, repeats: int) -> float:
 def filled_cache(codec, T: int, Q: int, gen: torch.Generator):
     """A one-layer cache (`codec` None: full precision) holding T tokens of one sequence, written in chunks of Q and
     packed by the codec's rule, and the plan of its last chunk (the Q newest tokens as the queries' positions)."""
-    from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
+    from kvbench.runtime.caches import build_cache, codec_block_size
+    from kvbench.runtime.kv_geometry import block_bytes
 
     bs = codec_block_size(codec, BS) if codec is not None else BS
-    mem = (3 * H * (T // bs + 2)) * full_block_bytes(bs, D, torch.float32)
+    mem = (3 * H * (T // bs + 2)) * block_bytes(bs, D, torch.float32)
     cache = build_cache(codec=codec, kv_memory_bytes=mem, num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs,
                         dtype=torch.float32, device="cpu", max_seqs=1)
     slot = cache.add_sequence()

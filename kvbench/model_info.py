@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from kvbench.errors import UserError
 from kvbench.runtime.engine import DEFAULT_KV_MEMORY_BYTES
+from kvbench.runtime.kv_geometry import block_bytes, pool_bytes
 from kvbench.runtime.model_files import cached_hub_config, is_hub_id, read_gguf_header
 from kvbench.spec import FULL_PRECISION
 
@@ -72,11 +73,6 @@ def _shape_from_gguf(meta: dict) -> ModelShape:
 
 
 # --------------------------------------------------------------------------- the KV pool
-def elem_bytes(dtype: str) -> int:
-    """Bytes per element of the model dtype (float32: 4; bfloat16, float16: 2)."""
-    return 4 if dtype == "float32" else 2
-
-
 def kv_pool_bytes(rt: Any, shape: Any, dtype: str) -> Optional[int]:
     """Bytes of the KV pool as the engine sizes it (runtime.kv_memory_bytes, else num_blocks - 1 full-precision
     blocks, else the engine's default); None when num_blocks is set and the model's shape is unknown."""
@@ -85,7 +81,7 @@ def kv_pool_bytes(rt: Any, shape: Any, dtype: str) -> Optional[int]:
     if rt.num_blocks is not None:
         if shape is None:
             return None
-        return max(1, rt.num_blocks - 1) * 2 * rt.block_size * shape.head_dim * elem_bytes(dtype)
+        return pool_bytes(rt.num_blocks, block_bytes(rt.block_size, shape.head_dim, dtype))
     return DEFAULT_KV_MEMORY_BYTES
 
 
@@ -96,5 +92,5 @@ def kv_pool_tokens(settings: Any, shape: Any) -> Optional[int]:
     pool = kv_pool_bytes(rt, shape, settings.model.dtype) if shape is not None else None
     if pool is None or settings.quant_name not in FULL_PRECISION:
         return None
-    blocks = pool // (2 * rt.block_size * shape.head_dim * elem_bytes(settings.model.dtype))
+    blocks = pool // block_bytes(rt.block_size, shape.head_dim, settings.model.dtype)
     return max(0, (blocks - 1) // (shape.num_layers * shape.num_kv_heads)) * rt.block_size

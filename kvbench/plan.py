@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.methods import METHODS, build_method
-from kvbench.model_info import elem_bytes, kv_pool_bytes, model_shape
+from kvbench.model_info import kv_pool_bytes, model_shape
+from kvbench.runtime.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
 from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.store.naming import run_id_for
@@ -122,18 +122,18 @@ def _check_codec_blocks(rt: _config.RuntimeConfig, shape: Any, dtype: str, quant
     """A codec whose groups need longer blocks (KIVI: a multiple of group_size) must still fit one block per
     layer and kv-head in the pool."""
     hint, fp_dtype = storage_geometry(quant_name, quant_options)
-    tokens = rt.block_size * hint // math.gcd(rt.block_size, hint)  # kvbench.runtime.caches.codec_block_size
+    tokens = codec_block_size(rt.block_size, hint)
     pool = kv_pool_bytes(rt, shape, dtype)
     if tokens == rt.block_size or pool is None:
         return
-    elem = elem_bytes(dtype) if fp_dtype is None else fp_dtype.itemsize
-    block_bytes = 2 * tokens * shape.head_dim * elem
-    need = shape.num_layers * shape.num_kv_heads * rt.batch_size + 1
-    if pool // block_bytes < need:
+    fp_dtype = dtype if fp_dtype is None else fp_dtype
+    block = block_bytes(tokens, shape.head_dim, fp_dtype)
+    need = min_pool_blocks(shape.num_layers, shape.num_kv_heads, rt.batch_size)
+    if pool // block < need:
         what = f"quant.group_size={hint}" if quant_name == "kivi" else f"quant={quant_name}"
-        fit = pool // (need * 2 * shape.head_dim * elem)
-        raise UserError(f"invalid {what}: it stores KV in blocks of {tokens} tokens ({_bytes(block_bytes)} each); "
-                        f"this model needs at least {need} blocks ({_bytes(need * block_bytes)}) but the KV pool is "
+        fit = pool // (need * block_bytes(1, shape.head_dim, fp_dtype))
+        raise UserError(f"invalid {what}: it stores KV in blocks of {tokens} tokens ({_bytes(block)} each); "
+                        f"this model needs at least {need} blocks ({_bytes(need * block)}) but the KV pool is "
                         f"{_bytes(pool)}: expected blocks of at most {fit} tokens, or a larger runtime.kv_memory_bytes")
 
 
@@ -180,17 +180,16 @@ def _check_runtime(rt: _config.RuntimeConfig, device: str, shape: Any, dtype: st
     _check_swap_space(rt)
     if shape is None:
         return
-    need = shape.num_layers * shape.num_kv_heads * rt.batch_size + 1  # a block per table, and the scratch block
+    need = min_pool_blocks(shape.num_layers, shape.num_kv_heads, rt.batch_size)  # a block per table, the scratch
     if rt.num_blocks is not None and rt.num_blocks < need:
         raise UserError(f"invalid runtime.num_blocks={rt.num_blocks}: this model needs at least {need} "
                         f"({shape.num_layers} layers x {shape.num_kv_heads} kv-heads x batch {rt.batch_size} + 1)")
     if rt.num_blocks is None and rt.kv_memory_bytes is not None:
-        elem = elem_bytes(dtype)
-        block_bytes = 2 * rt.block_size * shape.head_dim * elem
-        if rt.kv_memory_bytes // block_bytes < need:
+        block = block_bytes(rt.block_size, shape.head_dim, dtype)
+        if rt.kv_memory_bytes // block < need:
             raise UserError(f"invalid runtime.kv_memory_bytes={rt.kv_memory_bytes}: holds "
-                            f"{rt.kv_memory_bytes // block_bytes} blocks of {block_bytes} B; this model needs at "
-                            f"least {need} ({need * block_bytes} bytes)")
+                            f"{rt.kv_memory_bytes // block} blocks of {block} B; this model needs at "
+                            f"least {need} ({need * block} bytes)")
 
 
 def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]:

@@ -38,6 +38,7 @@ from kvbench.errors import UserError
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionMethod, check_bool, check_float, check_int
 from kvbench.runtime.engine import Engine
+from kvbench.runtime.kv_eviction import MethodCacheView
 from kvbench.runtime.model import LayerContext
 from kvbench.runtime.rope import apply_rotary
 
@@ -85,7 +86,7 @@ class _MeanQK:
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
 
-    def attach(self, cache: Any, model_config: Any) -> None:
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         pass
 
     def on_sequence_end(self, slot: int) -> None:
@@ -191,7 +192,7 @@ class DuoAttention(EvictionMethod):
         """The smallest budget a sequence may get (a budget derived from a compression ratio): sinks + 1."""
         return self.sinks + 1
 
-    def attach(self, cache: Any, model_config: Any) -> None:
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         super().attach(cache, model_config)
         if self.head_scores is not None:
             self._set_scores(self.head_scores, model_config)

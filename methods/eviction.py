@@ -37,6 +37,7 @@ from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.methods.base import Method
 from kvbench.methods.base import METHODS
+from kvbench.runtime.kv_eviction import MethodCacheView
 from kvbench.runtime.model import LayerContext
 from kvbench.runtime.tensor_parallel import full_kv_heads, gather_head_scores, local_keep, sum_over_ranks, tp_size_of
 
@@ -209,7 +210,7 @@ class EvictionMethod(Method):
         self._kept = [0.0, 0, 0]  # sum of tokens kept per kv-head, sum of prompt tokens, (prompt, layer) count
 
     # --- runtime points ------------------------------------------------------------------
-    def attach(self, cache: Any, model_config: Any) -> None:
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         super().attach(cache, model_config)
         self._state.clear()
         self._sequences.clear()
@@ -524,7 +525,7 @@ class ScorerWrapper(HeadAdaptiveEvictionMethod):
     def rope_mode(self) -> str:
         return self.inner.rope_mode
 
-    def attach(self, cache: Any, model_config: Any) -> None:
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         super().attach(cache, model_config)
         self.inner.attach(cache, model_config)
         self.inner._state = self._state
@@ -609,7 +610,7 @@ class BlockScoreEvictionMethod(EvictionMethod):
         if self.decode_topk is not None:
             check_int(self.name, "decode_topk", self.decode_topk, 1)
 
-    def attach(self, cache: Any, model_config: Any) -> None:
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         super().attach(cache, model_config)
         self._check_budget(cache.block_size)
 

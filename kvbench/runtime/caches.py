@@ -5,29 +5,24 @@
 
 `kv_memory_bytes` is the KV memory the pool may hold at once, in bytes, whatever the layout: a full-precision cache
 gets kv_memory_bytes // bytes-per-block blocks; a codec's cache may spend the same bytes on packed and
-full-precision blocks in any mix, so a compressed cache holds more tokens in the same memory.
+full-precision blocks in any mix, so a compressed cache holds more tokens in the same memory. The sizes are
+kvbench.runtime.kv_geometry's.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 
+from kvbench.runtime import kv_geometry
 from kvbench.runtime.kv_cache import PagedKVCache
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
 
 
 def codec_block_size(codec: Any, block_size: int) -> int:
     """Tokens per block for `codec`: the least multiple of block_size that the codec's groups fit (KIVI keys
-    per channel need block_size % G == 0)."""
-    hint = int(getattr(codec, "block_size_hint", 1) or 1)
-    return block_size * hint // math.gcd(block_size, hint)
-
-
-def full_block_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one full-precision block (K and V of one table's block_size tokens)."""
-    return 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    per channel need block_size % G == 0; kv_geometry.codec_block_size of its block_size_hint)."""
+    return kv_geometry.codec_block_size(block_size, int(getattr(codec, "block_size_hint", 1) or 1))
 
 
 def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -37,7 +32,7 @@ def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, 
     common = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                   device=device, max_seqs=max_seqs)
     if codec is None or getattr(codec, "name", "full") == "full":
-        num_blocks = max(2, kv_memory_bytes // full_block_bytes(block_size, head_dim, dtype) + 1)  # + scratch
+        num_blocks = kv_geometry.pool_blocks(kv_memory_bytes, kv_geometry.block_bytes(block_size, head_dim, dtype))
         return PagedKVCache(block_size=block_size, num_blocks=int(num_blocks), store_pre_rope=store_pre_rope,
                             **common)
     pre_rope = store_pre_rope or bool(getattr(codec, "pre_rope_keys", False))

@@ -25,7 +25,8 @@ import torch
 
 from kvbench.runtime.backends.selection import select_backend
 from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.caches import build_cache, full_block_bytes
+from kvbench.runtime.caches import build_cache
+from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens, pool_bytes
 from kvbench.runtime.decode_graphs import DecodeGraphs
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
@@ -74,7 +75,7 @@ def kv_memory_bytes_for(model: LlamaFamilyModel, block_size: int, num_blocks: in
     """The pool's KV bytes for these settings: kv_memory_bytes if given, else what num_blocks - 1 full-precision
     blocks of the model take, else DEFAULT_KV_MEMORY_BYTES."""
     if kv_memory_bytes is None:
-        kv_memory_bytes = (max(1, num_blocks - 1) * full_block_bytes(block_size, model.config.head_dim, model.dtype)
+        kv_memory_bytes = (pool_bytes(num_blocks, block_bytes(block_size, model.config.head_dim, model.dtype))
                            if num_blocks is not None else DEFAULT_KV_MEMORY_BYTES)
     return int(kv_memory_bytes)
 
@@ -201,8 +202,8 @@ class Engine:
     def _track_full_bytes(self) -> None:
         c = self.cache
         bs = c.block_size
-        blocks = sum(-(-c.tokens_seen[s] // bs) for s in c.live) * c.num_layers * c.num_kv_heads
-        full = blocks * 2 * bs * c.head_dim * torch.empty((), dtype=c.dtype).element_size()  # model dtype
+        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * c.num_layers * c.num_kv_heads
+        full = blocks * block_bytes(bs, c.head_dim, c.dtype)  # model dtype
         shared = c.fork_shared_bytes()
         self._peak_fork_shared_bytes = max(self._peak_fork_shared_bytes, shared)
         if full > self._peak_full_bytes:
@@ -470,7 +471,7 @@ class Engine:
         (layer, kv-head) tables, and its KV bytes (the blocks its tables hold x bytes per block)."""
         lengths = self.cache.lengths[slot]  # [L, H]
         bs = self.cache.block_size
-        blocks = int(((lengths + bs - 1) // bs).sum())
+        blocks = int(blocks_for_tokens(lengths, bs).sum())
         return {"max_table_tokens": int(lengths.max()), "mean_table_tokens": float(lengths.float().mean()),
                 "kv_bytes": blocks * self.cache.bytes_per_block}
 

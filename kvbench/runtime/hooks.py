@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only: the model module imports this one
+    from kvbench.runtime.kv_eviction import MethodCacheView
     from kvbench.runtime.model import LayerContext
 
 
@@ -24,7 +25,7 @@ class CacheHooks(Protocol):
     store_pre_rope: bool  # cache keys before RoPE
     rope_mode: str  # "original" | "cache"
 
-    def attach(self, cache: Any, model_config: Any) -> None: ...
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None: ...
 
     def after_attention(self, ctx: LayerContext) -> None: ...
 
@@ -52,7 +53,8 @@ class NoCompression:
     store_pre_rope = False
     rope_mode = "original"
 
-    def attach(self, cache: Any, model_config: Any) -> None:
+    def attach(self, cache: MethodCacheView, model_config: Any) -> None:
+        """Keep the cache (as the view a method may call: kvbench.runtime.kv_eviction) and the model's config."""
         self.cache = cache
         self.model_config = model_config
 

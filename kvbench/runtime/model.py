@@ -19,6 +19,7 @@ from kvbench.runtime.backends.cpu.threads import StepThreads
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.hooks import CacheHooks
 from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
+from kvbench.runtime.kv_eviction import MethodCacheView
 from kvbench.runtime.rope import RotaryTable, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -60,7 +61,7 @@ class LayerContext:
     """What a compression method sees after one layer's attention of one forward step."""
 
     layer: int
-    cache: PagedKVCache
+    cache: MethodCacheView  # what a method may call on the cache (kvbench.runtime.kv_eviction)
     plan: AppendPlan
     phase: str  # "prefill" or "decode"
     last_chunk: bool  # the final chunk of a prefill (always True in decode)

@@ -13,7 +13,8 @@ from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
+from kvbench.runtime.caches import build_cache, codec_block_size
+from kvbench.runtime.kv_geometry import block_bytes
 from tests.tiny_models import HEAD_DIM_64, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -32,7 +33,7 @@ CODECS = {
 def filled(codec, lengths, *, H=2, D=64, seed=0):
     """A codec cache with one sequence per length, fed in interleaved chunks, then packed by the codec's rule."""
     bs = codec_block_size(codec, 16)
-    mem = 4000 * full_block_bytes(bs, D, torch.float32)
+    mem = 4000 * block_bytes(bs, D, torch.float32)
     cache = build_cache(codec=codec, kv_memory_bytes=mem, num_layers=L, num_kv_heads=H, head_dim=D, block_size=16,
                         dtype=torch.float32, device="cpu", max_seqs=8)
     gen = torch.Generator().manual_seed(seed)

@@ -10,7 +10,8 @@ from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.caches import build_cache, codec_block_size, full_block_bytes
+from kvbench.runtime.caches import build_cache, codec_block_size
+from kvbench.runtime.kv_geometry import block_bytes
 from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
 from tests.tiny_models import SHARP_LOGITS, tiny_model
 
@@ -28,7 +29,7 @@ def _ids(n, seed=0):
 
 def _quant(codec, num_blocks=256, block_size=16, num_layers=L, num_kv_heads=H, head_dim=D, device="cpu"):
     """A codec's cache holding at most the bytes of num_blocks full-precision fp32 blocks."""
-    mem = num_blocks * full_block_bytes(codec_block_size(codec, block_size), head_dim, torch.float32)
+    mem = num_blocks * block_bytes(codec_block_size(codec, block_size), head_dim, torch.float32)
     return build_cache(codec=codec, kv_memory_bytes=mem, num_layers=num_layers, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, block_size=block_size, dtype=torch.float32, device=device, max_seqs=4)
 

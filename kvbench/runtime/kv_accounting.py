@@ -1,0 +1,82 @@
+"""Byte and block accounting of a paged cache, read from its block pool: bytes in use, peak, per token, shared by
+forks, the pool's size, and the blocks an append needs (what the scheduler admits and preempts by).
+
+`KVAccounting` is mixed into `PagedKVCache` (kvbench.runtime.kv_cache); a storage codec's cache
+(kvbench.runtime.quantized_cache) overrides the byte figures with its two pools'. Sizes are kv_geometry's.
+"""
+from __future__ import annotations
+
+from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens, token_bytes
+
+
+class KVAccounting:
+    """What a PagedKVCache's pool holds and can hold, in bytes and blocks (its pool, tables and lengths are the
+    cache's)."""
+
+    # ------------------------------------------------------------------ bytes
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies in the pool (K and V)."""
+        return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """Bytes an uncompressed cache needs per token (all layers, kv-heads, K and V)."""
+        return token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def kv_bytes_in_use(self) -> int:
+        """K/V bytes the pool holds now (blocks in use x bytes per block)."""
+        return self.pool.in_use * self.bytes_per_block
+
+    def peak_kv_bytes(self) -> int:
+        """The most K/V bytes the pool held at once (since the last reset of its peak)."""
+        return self.pool.peak_in_use * self.bytes_per_block
+
+    def fork_shared_bytes(self) -> int:
+        """Bytes that forked sequences share now: the live tables reference kv_bytes_in_use() + this
+        (a block shared by n tables counts n times there, once in the pool); counted by the pool's refcounts."""
+        return self.pool.shared_refs * self.bytes_per_block
+
+    def pool_bytes(self) -> int:
+        """The most K/V bytes the pool can hold at once."""
+        return self.pool.capacity * self.bytes_per_block
+
+    def kv_bytes_per_token(self) -> float:
+        """Pool bytes one cached token costs across all layers and kv-heads (codecs override)."""
+        return self.bytes_per_block * self.num_layers * self.num_kv_heads / self.block_size
+
+    def block_payload_bytes(self, ids: list[int]) -> int:
+        """Bytes of blocks `ids` in this cache's layout (what swap space moves)."""
+        return len(ids) * self.bytes_per_block
+
+    def describe_storage(self) -> dict:
+        """Settings of the storage, recorded in results."""
+        return {"codec": "full", "kv_dtype": str(self.dtype).replace("torch.", "")}
+
+    # ------------------------------------------------------------------ blocks (for the scheduler)
+    def free_blocks(self) -> int:
+        """New blocks an append could get now."""
+        return self.pool.num_free
+
+    def capacity_blocks(self) -> int:
+        """Blocks the pool can hand out in all."""
+        return self.pool.capacity
+
+    def blocks_in_use_now(self) -> int:
+        """Blocks the pool holds now."""
+        return self.pool.in_use
+
+    def blocks_for_append(self, slots: list[int | None], n_tokens: int) -> int:
+        """Blocks that appending n_tokens to each sequence of `slots` (None: a new, empty one) allocates."""
+        fresh = sum(1 for s in slots if s is None)
+        bs = self.block_size
+        total = fresh * blocks_for_tokens(n_tokens, bs) * self.num_layers * self.num_kv_heads
+        live = [s for s in slots if s is not None]
+        if live:
+            old = self.host_lengths[live]  # [S, L, H]
+            total += int((blocks_for_tokens(old + n_tokens, bs) - blocks_for_tokens(old, bs)).sum())
+        return total
+
+    def blocks_held(self, slot: int) -> int:
+        """Blocks in the tables of one sequence (shared blocks counted once per table)."""
+        return int(blocks_for_tokens(self.host_lengths[slot], self.block_size).sum())

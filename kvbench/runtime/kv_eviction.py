@@ -1,0 +1,291 @@
+"""The eviction operations: what a compression method may call on the cache, and how the cache carries them out.
+
+A method (methods/*.py) sees the cache as a `MethodCacheView`: the geometry, the per-sequence lengths and tokens seen
+(read only), the dense K/V of a layer (`gather`) and the named eviction operations below. It never writes the
+cache's tensors, reads its pool or checks its class (vLLM's `remove_skipped_blocks` frees ids only); a storage codec's
+cache carries out the same operations on its own layout. METHOD_SURFACE lists those names
+(tests/runtime/test_method_cache_surface.py checks methods/ against it).
+
+    keep_tokens(layer, slot, keep [H, n])              token level: keep these slots of each kv-head, compacted
+    evict_blocks(layer, slot, head, blocks)            block level: drop whole full blocks of one table, no data moved
+    evict_head_blocks(layer, slot, blocks[h])          evict_blocks for every kv-head of a layer at once
+    evict_blocks_on_device(layer, slot, n, drop [H,k]) the same with the choice left on the device (no host sync);
+                                                       the ids wait as pending frees until the engine takes them
+    drop_slots(layer, slot, start, stop)               drop a range of slots of every kv-head (StreamingLLM's window)
+
+`KVEviction` is mixed into `PagedKVCache` (kvbench.runtime.kv_cache): these operations and the pending frees.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvbench.runtime.kv_geometry import blocks_for_tokens
+
+
+class MethodCacheView(Protocol):
+    """What a method may call on the cache (the hooks' `cache`, `ctx.cache`): nothing else."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    store_pre_rope: bool  # keys are cached before RoPE (rotated at read time)
+    lengths: torch.Tensor  # [max_seqs, L, H] int64 tokens in each table (read only)
+    tokens_seen: list[int]  # tokens appended to each sequence slot, before any eviction (read only)
+
+    def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None: ...
+
+    def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None: ...
+
+    def evict_head_blocks(self, layer: int, slot: int, blocks: list[list[int]]) -> None: ...
+
+    def evict_blocks_on_device(self, layer: int, slot: int, n: int, drop: torch.Tensor) -> None: ...
+
+    def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None: ...
+
+
+# The names of MethodCacheView's members: the whole of the cache a method may touch.
+METHOD_SURFACE: frozenset[str] = frozenset(
+    [name for name in MethodCacheView.__annotations__]
+    + [name for name, v in vars(MethodCacheView).items() if callable(v) and not name.startswith("_")]
+)
+
+
+class KVEviction:
+    """The eviction operations of a PagedKVCache and the block ids they leave pending (its tables, lengths,
+    positions and pool are the cache's)."""
+
+    # ------------------------------------------------------------------ the operations a method may call
+    def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
+        """Token-level eviction: keep only slots `keep` [H, n] (sorted ascending per head; -1 pads a
+        shorter head) of one sequence's layer, compact them to the front, free emptied blocks."""
+        self._check_live(slot)
+        bs, D = self.block_size, self.head_dim
+        H = self.num_kv_heads
+        old_len = self.lengths[slot, layer].clone()  # [H]
+        new_len = (keep >= 0).sum(-1)  # [H]
+        table = self.tables[slot, layer]  # [H, MB] view
+        k_src = keep.clamp(min=0)
+        n = keep.shape[-1]
+        dst_slot = torch.arange(n, device=self.device).expand(H, n)
+        valid = keep >= 0
+        moved = valid & (keep != dst_slot)  # tokens already at their slot stay where they are
+        if bool(moved.any()):
+            written = torch.zeros(table.shape, dtype=torch.int64, device=self.device)  # [H, MB]
+            written = written.scatter_add_(-1, (dst_slot // bs).to(torch.int64), moved.to(torch.int64)) > 0
+            # written: the columns that receive a moved token
+            if self._shared:  # copy-on-write: private copies of the shared blocks about to be written
+                self._unshare_table(table, old_len, written)
+            if self.block_listeners:
+                self._modifying(table[written].tolist())
+        src_rows = table.gather(-1, (k_src // bs).to(torch.int64)).to(torch.int64) * bs + k_src % bs  # [H, n]
+        dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
+        if bool(moved.any()):
+            src_rows, dst_rows = src_rows[moved], dst_rows[moved]
+            kf, vf = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
+            kf[dst_rows] = kf[src_rows]  # gathered first, so overlapping moves are safe
+            vf[dst_rows] = vf[src_rows]
+        pos_row = self.positions[slot, layer]
+        new_pos = pos_row.gather(-1, k_src.to(torch.int64))
+        pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))
+        self._release_tail_blocks(table, old_len, new_len)
+        self.lengths[slot, layer] = new_len
+        self.host_lengths[slot, layer] = new_len.cpu().numpy()
+
+    def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
+        """Block-level eviction: drop whole logical blocks of one (layer, kv-head) table without
+        moving any K/V; only full blocks may be dropped (the table stays compact)."""
+        blocks: list[list[int]] = [[] for _ in range(self.num_kv_heads)]
+        blocks[head] = list(block_indices)
+        self.evict_head_blocks(layer, slot, blocks)
+
+    def evict_head_blocks(self, layer: int, slot: int, blocks: list[list[int]]) -> None:
+        """evict_blocks for every kv-head of one sequence's layer at once: blocks[h] are head h's logical blocks to
+        drop (may be empty). Two host copies (the layer's lengths and table rows) whatever the number of heads and
+        blocks, where a device sync per head and block would cost more than the eviction on a GPU."""
+        self._check_live(slot)
+        if not any(blocks):
+            return
+        bs = self.block_size
+        lengths = self.host_lengths[slot, layer].tolist()  # [H]
+        if all(b == blocks[0] for b in blocks) and all(n == lengths[0] for n in lengths):
+            self._evict_same_blocks_every_head(layer, slot, lengths[0], blocks[0])
+            return
+        width = max(blocks_for_tokens(n, bs) for n in lengths)
+        rows = self.tables[slot, layer, :, :width].tolist()  # [H][width] physical block ids
+        freed: list[int] = []
+        for h, block_indices in enumerate(blocks):
+            if not block_indices:
+                continue
+            n = lengths[h]
+            drop, keep_cols = self._split_full_blocks(n, block_indices)
+            freed += [rows[h][b] for b in drop]
+            table = self.tables[slot, layer, h]
+            table[: len(keep_cols)] = torch.tensor([rows[h][b] for b in keep_cols], dtype=table.dtype,
+                                                   device=self.device)
+            kc = torch.tensor(keep_cols, dtype=torch.int64, device=self.device)
+            pos = self.positions[slot, layer, h]
+            slot_idx = (kc[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+            kept_pos = pos[slot_idx].clone()
+            pos[: kept_pos.numel()] = kept_pos
+            new_n = n - len(drop) * bs
+            pos[new_n:] = -1
+            self.lengths[slot, layer, h] = new_n
+            self.host_lengths[slot, layer, h] = new_n
+        self.pool.free(freed)
+
+    def evict_blocks_on_device(self, layer: int, slot: int, n: int, drop: torch.Tensor) -> None:
+        """evict_head_blocks with the choice left on the device: every kv-head of one sequence's layer is n tokens
+        long and drops the logical blocks drop [H, k] (distinct per head, full blocks: never a partly filled
+        last one). The tables and positions are compacted by tensor ops; the dropped block ids wait on the device
+        until `take_pending_frees` (the engine reads them with the step's sampled tokens: one transfer), and
+        only then go back to the pool: no host sync here."""
+        self._check_live(slot)
+        bs = self.block_size
+        H, k = drop.shape
+        nb = blocks_for_tokens(n, bs)
+        if k >= nb or list(self.host_lengths[slot, layer]) != [n] * H:
+            raise ValueError(f"evict_blocks_on_device: {k} blocks of tables of lengths "
+                             f"{self.host_lengths[slot, layer].tolist()} (expected {n}, full blocks)")
+        if k == 0:
+            return
+        cols = torch.arange(nb, device=self.device).expand(H, nb)
+        dropped = torch.zeros(H, nb, dtype=torch.bool, device=self.device).scatter_(1, drop, True)
+        keep = torch.where(dropped, nb, cols).sort(dim=1).values[:, : nb - k]  # [H, nb-k] kept columns, in order
+        table = self.tables[slot, layer]  # [H, MB] view
+        freed = table[:, :nb].gather(1, drop).reshape(-1)
+        table[:, : nb - k] = table[:, :nb].gather(1, keep)
+        pos = self.positions[slot, layer]  # [H, MB*bs] view
+        src = (keep[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(H, -1)
+        pos[:, : (nb - k) * bs] = pos.gather(1, src)
+        pos[:, (nb - k) * bs:] = -1
+        self.lengths[slot, layer] = n - k * bs
+        self.host_lengths[slot, layer] = n - k * bs
+        if self.defer_frees:
+            self._pending_free.append(freed)
+        else:
+            self.pool.free(freed.tolist())
+
+    def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None:
+        """Drop slots start..stop-1 of every kv-head table of one sequence's layer (all heads as long as each
+        other). Dropping exactly one block's worth frees one block: whole blocks when `start` is block-aligned,
+        else the survivors of the next block move into the block where `start` falls (at most block_size - 1
+        tokens move) and that next block is freed. Anything else, or a shared block, falls back to keep_tokens."""
+        self._check_live(slot)
+        bs = self.block_size
+        lengths = self.host_lengths[slot, layer].tolist()  # [H]
+        n = max(lengths)
+        if not (0 <= start < stop <= n) or min(lengths) != n:
+            raise ValueError(f"cannot drop slots {start}..{stop - 1} of tables of lengths {lengths}")
+        a, r = divmod(start, bs)
+        H = self.num_kv_heads
+        if stop - start == bs and r == 0 and (a + 1) * bs <= n:
+            self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a, device=self.device))
+            return
+        table = self.tables[slot, layer]  # [H, MB]
+        # never forked nor shared (self._shared): every refcount is 1, nothing to read from the device
+        can_shift = (stop - start == bs and n >= (a + 2) * bs and self.plain_pools
+                     and (not self._shared or not any(self.pool.refcount(b) > 1 for b in table[:, a].tolist())))
+        if not can_shift:
+            keep = torch.cat([torch.arange(start), torch.arange(stop, n)]).to(self.device)
+            self.keep_tokens(layer, slot, keep.expand(self.num_kv_heads, -1))
+            return
+        dst = table[:, a].to(torch.int64)  # the block shared by the kept head and the dropped tail
+        src = table[:, a + 1].to(torch.int64)  # its first r slots are the rest of the dropped range
+        if self.block_listeners:
+            self._modifying(dst.tolist())
+        self.k_pool[dst, r:] = self.k_pool[src, r:]
+        self.v_pool[dst, r:] = self.v_pool[src, r:]
+        pos = self.positions[slot, layer]  # [H, MB*bs]
+        pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
+        self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a + 1, device=self.device))
+
+    def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
+        """(blocks to drop, sorted; blocks kept, in order) of an n-token table; only full blocks may be dropped."""
+        bs = self.block_size
+        nb = blocks_for_tokens(n, bs)
+        drop = sorted(set(block_indices))
+        for b in drop:
+            if not (0 <= b < nb) or (b == nb - 1 and n % bs != 0):
+                raise ValueError(f"block {b} of a {n}-token table is not a full block")
+        dropped = set(drop)
+        return drop, [b for b in range(nb) if b not in dropped]
+
+    def _evict_same_blocks_every_head(self, layer: int, slot: int, n: int, block_indices: list[int]) -> None:
+        """evict_head_blocks when every kv-head of the layer is n tokens long and drops the same logical blocks
+        (heads="shared" eviction): one set of tensor ops over all heads instead of a set per head."""
+        bs = self.block_size
+        drop, keep = self._split_full_blocks(n, block_indices)
+        keep_cols = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        table = self.tables[slot, layer]  # [H, MB] view
+        freed = table[:, drop].reshape(-1).tolist()
+        table[:, : keep_cols.numel()] = table[:, keep_cols]  # the right side is gathered first
+        pos = self.positions[slot, layer]  # [H, MB * bs] view
+        slot_idx = (keep_cols[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)
+        pos[:, : slot_idx.numel()] = pos[:, slot_idx]
+        new_n = n - len(drop) * bs
+        pos[:, new_n:] = -1
+        self.lengths[slot, layer] = new_n
+        self.host_lengths[slot, layer] = new_n
+        self.pool.free(freed)
+
+    def _release_tail_blocks(self, table: torch.Tensor, old_len: torch.Tensor, new_len: torch.Tensor) -> None:
+        old_nb, new_nb = self._num_blocks(old_len), self._num_blocks(new_len)
+        freed: list[int] = []
+        for h in range(table.shape[0]):
+            a, b = int(new_nb[h]), int(old_nb[h])
+            if b > a:
+                freed.extend(table[h, a:b].tolist())
+        self.pool.free(freed)
+
+    def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor, only: torch.Tensor | None = None) -> None:
+        """Give a (layer) table private copies of its shared blocks (those where `only` [H, MB] is True, or all)
+        before moving data in it."""
+        nb = self._num_blocks(lengths)
+        for h in range(table.shape[0]):
+            for c in range(int(nb[h])):
+                if only is not None and not bool(only[h, c]):
+                    continue
+                b = int(table[h, c])
+                if self.pool.refcount(b) > 1:
+                    (nid,) = self.pool.allocate(1)
+                    self.k_pool[nid] = self.k_pool[b]
+                    self.v_pool[nid] = self.v_pool[b]
+                    table[h, c] = nid
+                    self.pool.free([b])
+
+    def _modifying(self, ids: list[int]) -> None:
+        """Blocks about to be written in place (not appended to): listeners drop what they knew of them."""
+        for listener in self.block_listeners:
+            listener.modified(ids)
+
+    # ------------------------------------------------------------------ pending frees (evict_blocks_on_device)
+    def has_pending_frees(self) -> bool:
+        """Whether evicted block ids wait on the device (see evict_blocks_on_device)."""
+        return bool(self._pending_free)
+
+    def pending_free_count(self) -> int:
+        """How many evicted block references wait on the device (still counted in use by the pool)."""
+        return sum(t.numel() for t in self._pending_free)
+
+    def free_pending_now(self) -> None:
+        """Return the waiting evicted blocks to the pool at once (one device read)."""
+        if self._pending_free:
+            self.free_pending(self.take_pending_frees().tolist())
+
+    def take_pending_frees(self) -> torch.Tensor | None:
+        """Block ids (int32, on the device) evicted by `evict_blocks_on_device` since the last call, or None; the
+        caller copies them to the host and calls `free_pending(ids)`."""
+        if not self._pending_free:
+            return None
+        ids = torch.cat(self._pending_free)
+        self._pending_free = []
+        return ids
+
+    def free_pending(self, ids: list[int]) -> None:
+        """Return blocks taken from take_pending_frees to the pool."""
+        self.pool.free(ids)

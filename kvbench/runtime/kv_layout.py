@@ -1,0 +1,98 @@
+"""How a full-precision paged cache stores its bytes: the K/V pools and the operations that depend on their layout.
+
+    k_pool, v_pool: [num_blocks, block_size, head_dim] in the cache dtype (block SCRATCH_BLOCK: zeros, never handed out)
+
+`FullPrecisionLayout` is mixed into `PagedKVCache` (kvbench.runtime.kv_cache); a storage codec's cache
+(kvbench.runtime.quantized_cache) overrides the members that touch the bytes with its own packed layout: the pool
+and the bytes (`_make_storage`), writing a step's K/V, attention over a layer, the dense K/V of a sequence, how far
+one step may append, and the bytes of blocks in the cache's layout (what swap space copies to host memory and
+back). `layer_tables`, which reads a layer's tables only (for kernels), is the same for both.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbench.runtime.block_pool import BlockPool
+from kvbench.runtime.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
+
+if TYPE_CHECKING:  # annotations only: kv_cache mixes this class in
+    from kvbench.runtime.kv_cache import AppendPlan
+
+
+class FullPrecisionLayout:
+    """The full-precision block layout of a PagedKVCache (its tables, lengths and positions are the cache's)."""
+
+    # Every block of every table is a [block_size, head_dim] row block of k_pool / v_pool in the cache dtype, written
+    # by `write` and read by `attend` as here: kernels (the Triton attention, the fused CPU decode step) and
+    # drop_slots may read, write and move those rows directly. A codec's cache, with its own block layout, sets False.
+    plain_pools = True
+
+    def _make_storage(self, num_blocks: int) -> None:
+        """The block pool and the bytes: allocated once; pages are touched only as blocks are written.
+        (A codec's cache overrides this with its own layout.)"""
+        self.pool = BlockPool(num_blocks, reserved=SCRATCH_BLOCKS)
+        shape = (num_blocks, self.block_size, self.head_dim)
+        self.k_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.k_pool[SCRATCH_BLOCK] = 0
+        self.v_pool[SCRATCH_BLOCK] = 0
+
+    # ------------------------------------------------------------------ writing and reading
+    def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K/V of one layer. k, v: [S, H, Q, D]."""
+        rows = plan.write_index[:, layer].reshape(-1)
+        D = self.head_dim
+        self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype, copy=False))
+        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
+
+    def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, backend,
+               return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
+        """Attention of q [S, Hq, Q, D] over this layer's cached tokens (after this step's write), computed by
+        `backend` (a kvbench.runtime.backends.base.AttentionBackend).
+
+        A storage codec's cache overrides this to read (dequantize) its own block layout."""
+        return backend.attend(
+            q, self.k_pool, self.v_pool, plan.tables[:, layer], plan.lengths[:, layer],
+            plan.positions[:, layer], plan.query_positions, scale,
+            return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
+        )
+
+    def layer_tables(self, layer: int, slots: torch.Tensor):
+        """(tables [S, H, MB] int32, lengths [S, H] int64, positions [S, H, MB*bs] int32) of one layer."""
+        return self.tables[slots, layer], self.lengths[slots, layer], self.positions[slots, layer]
+
+    def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense K, V [H, T, D] and positions [H, T] of one sequence's layer (T = longest head; pad = -1)."""
+        lengths = self.lengths[slot, layer]
+        T = int(self.host_lengths[slot, layer].max())  # from the host copy: no device read
+        nb = blocks_for_tokens(T, self.block_size)
+        idx = self.tables[slot, layer, :, :nb].to(torch.int64)  # [H, nb]
+        H, D = self.num_kv_heads, self.head_dim
+        k = self.k_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
+        v = self.v_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
+        pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
+        pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
+        return k, v, pos
+
+    def append_horizon(self, slot: int) -> int:
+        """How many tokens one step may append to `slot` and still compute exactly what that many one-token steps
+        would (a codec's cache packs blocks between steps; full precision: no limit)."""
+        return 1 << 30
+
+    # ------------------------------------------------------------------ block bytes (swap space)
+    def block_payload(self, ids: list[int]) -> list[torch.Tensor]:
+        """The bytes of blocks `ids`, in this cache's layout (copies): what swap space moves to host memory."""
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return [self.k_pool[idx], self.v_pool[idx]]
+
+    def allocate_like(self, ids: list[int]) -> list[int]:
+        """Fresh blocks of the same kinds as `ids` (all alike here), one each; all or nothing."""
+        return self.pool.allocate(len(ids))
+
+    def write_block_payload(self, ids: list[int], payload: list[torch.Tensor]) -> None:
+        """Store block_payload's tensors into blocks `ids` (bit for bit)."""
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        self.k_pool[idx] = payload[0]
+        self.v_pool[idx] = payload[1]
