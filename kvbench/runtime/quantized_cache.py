@@ -24,8 +24,8 @@ tokens in full precision and everything older dequantized. `pack_pending()` pack
 Reading: `attend` first offers the layer to the engine's backend (`backend.attend_packed`), which reads both pools
 in place where it has a kernel for the codec (the codec lists it in `codec.kernels`): the CPU backend's C codec
 kernels decode each block into an L1-sized tile as they reach it, for decode steps and for causal prefill chunks
-(tests/runtime/test_codec_decode_kernel.py, tests/runtime/test_codec_prefill_kernel.py), unless the method asks for per-key
-attention mass in prefill (H2O-style) or the keys are stored before RoPE (KVQuant). Otherwise the layer's blocks
+(tests/runtime/test_codec_decode_kernel.py, tests/runtime/test_codec_prefill_kernel.py), unless the method asks
+for per-key attention mass in prefill (H2O-style) or the keys are stored before RoPE (KVQuant). Otherwise the layer's blocks
 are dequantized into a dense scratch buffer (the codec's own decode, or the Triton dequantizer on CUDA for a codec
 that lists "triton_dequant") and `backend.attend` runs on it, unchanged (pre-RoPE keys, as KVQuant stores them, are
 rotated by the model's `rotate_keys` after dequantization).
