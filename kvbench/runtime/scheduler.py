@@ -135,10 +135,10 @@ class Scheduler:
         call only waited for an arrival, or preempted or failed requests)."""
         if not self._arrive():
             return []
-        self.swap_in_waiting()
+        self._swap_in_waiting()
         return POLICIES[self.schedule_policy](self)
 
-    def swap_in_waiting(self) -> None:
+    def _swap_in_waiting(self) -> None:
         """Bring swapped-out requests at the waiting head back (before any new admission) while their blocks fit
         with the reserve (and a decode step's room) and fewer than max_num_seqs run."""
         while self.waiting and self.waiting[0].swapped_status is not None and len(self.admitted) < self.max_num_seqs:
