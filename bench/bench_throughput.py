@@ -71,7 +71,7 @@ TRACES = {
 def serve(model, tokenizer_stream_trace, setup, budget: int, args) -> dict:
     from kvbench.quant.registry import build_codec
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scheduler import Request
+    from kvbench.runtime.requests import Request
     from kvbench.methods import build_method
     from kvbench.tasks.throughput import serving_metrics
 

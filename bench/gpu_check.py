@@ -142,7 +142,7 @@ def methods_fast_vs_torch(device: str) -> dict:
 @section("scheduler_preemption_equals_batch1")
 def scheduler_preemption(device: str) -> dict:
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scheduler import Request
+    from kvbench.runtime.requests import Request
 
     model = tiny_llama(device, seed=2)
     g = torch.Generator().manual_seed(3)

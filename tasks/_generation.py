@@ -11,7 +11,7 @@ prediction is the generated tokens decoded with special tokens skipped (so the s
 Query-agnostic compression (`task.compress_question=false`, kvpress's default): a request's last
 `uncompressed_tail` prompt tokens are its question; the scheduler prefills the context chunk by chunk (the method
 compresses it at its last chunk), then the question uncompressed (never evicted in its own steps, added to the
-sequence's budget), then decodes as for any request (kvbench.runtime.scheduler.Request.uncompressed_tail).
+sequence's budget), then decodes as for any request (kvbench.runtime.requests.Request.uncompressed_tail).
 `split_prompt` tokenizes a prompt as context + question for it.
 
 perf (also written per sample as ttft_s / prefill_s / decode_s):

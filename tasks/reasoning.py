@@ -33,7 +33,7 @@ from kvbench.errors import UserError
 from kvbench.runtime import distributed
 from kvbench.metrics.reasoning import gsm8k_scores, math_verify_score
 from kvbench.runtime.engine import Generation
-from kvbench.runtime.scheduler import Request
+from kvbench.runtime.requests import Request
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (PerfMeter, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, decode, encode, stop_token_ids,

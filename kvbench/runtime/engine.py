@@ -31,8 +31,9 @@ from kvbench.runtime.decode_graphs import DecodeGraphs
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.prefix_cache import PrefixCache
+from kvbench.runtime.requests import Outcome, Request
 from kvbench.runtime.sampling import sample
-from kvbench.runtime.scheduler import Outcome, Request, Scheduler
+from kvbench.runtime.scheduler import Scheduler
 from kvbench.runtime.scoring import Scorer
 from kvbench.runtime.swap import SwapSpace
 from kvbench.runtime.tensor_parallel import rank_agreed

@@ -7,7 +7,7 @@ import torch
 
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.scoring import Scorer
-from kvbench.runtime.scheduler import Request
+from kvbench.runtime.requests import Request
 from kvbench.summary import format_summary, format_sweep_table, next_step_lines, peak_saved_fraction, saved_fraction
 from kvbench.methods import build_method
 from tests.tiny_models import tiny_model

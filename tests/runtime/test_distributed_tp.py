@@ -72,7 +72,7 @@ SERVE_BLOCKS = (12, 18, 23)  # blocks per rank's pool (the unsharded reference g
 def _serve_case(model, num_blocks):
     from kvbench.methods import build_method
     from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scheduler import Request
+    from kvbench.runtime.requests import Request
 
     ids = torch.randint(3, 250, (PROMPT_LEN + 120,), generator=torch.Generator().manual_seed(11)).tolist()
     eng = Engine(model, build_method("adakv", 48, decode="evict", base="knorm"), block_size=BLOCK,

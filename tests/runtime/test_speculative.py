@@ -16,7 +16,7 @@ import torch
 import kvbench.runtime.speculative as speculative
 from kvbench.methods import available_methods, build_method
 from kvbench.runtime.engine import Engine
-from kvbench.runtime.scheduler import Request
+from kvbench.runtime.requests import Request
 from kvbench.runtime.speculative import SpeculativeDecoder, rejection_sample
 from kvbench.runtime.swap import SwapSpace, should_swap
 from tests.fixtures.task_fixtures import one_thread as _one_thread
