@@ -26,7 +26,8 @@ import torch
 from kvbench.runtime.backends.selection import select_backend
 from kvbench.runtime.block_pool import OutOfBlocksError
 from kvbench.runtime.caches import build_cache
-from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens, pool_bytes
+from kvbench.runtime.kv_geometry import block_bytes, pool_bytes
+from kvbench.runtime.kv_meter import KVMeter
 from kvbench.runtime.decode_graphs import DecodeGraphs
 from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
@@ -130,13 +131,7 @@ class Engine:
         self.attention_backend = self.backend.name
         # methods that never act after attention (full, pure codecs) are not called once per layer
         self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
-        self._peak_full_bytes = 0
-        # measured at the moment _peak_full_bytes was reached: bytes the live tables held (a block shared by n
-        # forks counted n times, like the uncompressed figure counts each sequence): what eviction/codec removed
-        # is _peak_full_bytes - _held_at_full_peak
-        self._held_at_full_peak = 0
-        self._peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
-        self._max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
+        self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
         self.speculator = speculator  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
         self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.swap.should_swap)
@@ -197,19 +192,8 @@ class Engine:
             for s in slots:
                 self.cache.tokens_seen[s] -= tokens.shape[1]
         if not self.cache.has_pending_frees():  # else tracked once the sampled tokens bring the evicted ids
-            self._track_full_bytes()
+            self.meter.track()
         return logits
-
-    def _track_full_bytes(self) -> None:
-        c = self.cache
-        bs = c.block_size
-        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * c.num_layers * c.num_kv_heads
-        full = blocks * block_bytes(bs, c.head_dim, c.dtype)  # model dtype
-        shared = c.fork_shared_bytes()
-        self._peak_fork_shared_bytes = max(self._peak_fork_shared_bytes, shared)
-        if full > self._peak_full_bytes:
-            self._peak_full_bytes = full
-            self._held_at_full_peak = c.kv_bytes_in_use() + shared
 
     @torch.no_grad()
     def step(self, segments: list[Segment], logits_for: str = "last") -> list[torch.Tensor]:
@@ -249,7 +233,7 @@ class Engine:
         groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
         out = self.model.forward_ragged(groups, self.cache, backend=self.backend, hook=self._layer_hook,
                                         logits_for=logits_for, rope_mode=self.method.rope_mode)
-        self._track_full_bytes()
+        self.meter.track()
         rows = torch.cat(out) if logits_for == "last" else [r for part in out for r in part]  # in group order
         result: list[torch.Tensor] = [None] * len(segments)  # type: ignore[list-item]
         for r, i in enumerate(order):
@@ -311,7 +295,7 @@ class Engine:
 
     def end_sequence(self, slot: int) -> None:
         """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
-        self._max_sequence_tokens = max(self._max_sequence_tokens, self.cache.tokens_seen[slot])
+        self.meter.saw_sequence(slot)
         if self.speculator is not None:
             self.speculator.forget(slot)
         self.method.on_sequence_end(slot)
@@ -448,33 +432,12 @@ class Engine:
             torch.cuda.synchronize(dev)
 
     def memory_stats(self) -> dict:
-        """Figures measured from the pool: peak bytes held (peak_kv_bytes, of kv_pool_bytes), the most bytes an
-        uncompressed cache would have held for the live sequences (full_kv_bytes), what their block tables held
-        at that moment (held_kv_bytes; the method removed full - held) and the most bytes forks shared at once
-        (fork_shared_kv_bytes: referenced by several tables, held once in the pool)."""
-        c = self.cache
-        return {
-            "peak_kv_bytes": c.peak_kv_bytes(),
-            "full_kv_bytes": self._peak_full_bytes,
-            "held_kv_bytes": self._held_at_full_peak,
-            "fork_shared_kv_bytes": self._peak_fork_shared_bytes,
-            "kv_bytes_per_token": c.kv_bytes_per_token(),
-            "kv_bytes_in_use": c.kv_bytes_in_use(),
-            "block_size": c.block_size,
-            "num_blocks": c.pool.num_blocks,
-            "peak_blocks_in_use": c.pool.peak_in_use,
-            "kv_pool_bytes": c.pool_bytes(),
-            "max_sequence_tokens": self._max_sequence_tokens,  # compare with the budget: was it ever reached?
-        }
+        """The run's KV figures, measured from the pool (kvbench.runtime.kv_meter.KVMeter.stats)."""
+        return self.meter.stats()
 
     def sequence_kv(self, slot: int) -> dict:
-        """What live sequence `slot` holds now, from its block tables: the most and the mean tokens of its
-        (layer, kv-head) tables, and its KV bytes (the blocks its tables hold x bytes per block)."""
-        lengths = self.cache.lengths[slot]  # [L, H]
-        bs = self.cache.block_size
-        blocks = int(blocks_for_tokens(lengths, bs).sum())
-        return {"max_table_tokens": int(lengths.max()), "mean_table_tokens": float(lengths.float().mean()),
-                "kv_bytes": blocks * self.cache.bytes_per_block}
+        """What live sequence `slot` holds now (KVMeter.sequence)."""
+        return self.meter.sequence(slot)
 
     # ------------------------------------------------------------------ helpers
     def _sample_step(self, logits: torch.Tensor, temperature: float, top_p: float,
@@ -491,7 +454,7 @@ class Engine:
         else:
             out, freed = self.sample(logits, temperature, top_p, gen), pending.tolist()
         self.cache.free_pending(freed)
-        self._track_full_bytes()
+        self.meter.track()
         return out
 
     def flush_pending_frees(self) -> None:
@@ -499,7 +462,7 @@ class Engine:
         sampled tokens, `_sample_step`); for callers that run `step` and sample on their own (speculative rounds)."""
         if self.cache.has_pending_frees():
             self.cache.free_pending_now()
-            self._track_full_bytes()
+            self.meter.track()
 
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:

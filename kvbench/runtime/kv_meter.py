@@ -1,0 +1,71 @@
+"""What a run's KV cache held, measured while it runs: the engine's memory figures (`Engine.memory_stats`).
+
+The pool gives the bytes held (its peak); this meter adds what an uncompressed cache would have held for the same
+live sequences at its peak (full_kv_bytes), what their tables held at that moment (held_kv_bytes: the method
+removed full - held), the most bytes forks shared at once, and the longest sequence (tokens appended to one
+sequence: was the budget ever reached). The engine calls `track` after each step's blocks are settled and
+`saw_sequence` when a sequence ends.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens
+
+
+class KVMeter:
+    """Peaks of one cache's uncompressed and held bytes (sizes are kv_geometry's)."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.peak_full_bytes = 0
+        # measured at the moment peak_full_bytes was reached: bytes the live tables held (a block shared by n
+        # forks counts n times, as it would in n uncompressed caches), so what the method removed is
+        # peak_full_bytes - held_at_full_peak
+        self.held_at_full_peak = 0
+        self.peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
+        self.max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
+
+    def track(self) -> None:
+        """Update the peaks from the live sequences' tokens and the pool, now."""
+        c = self.cache
+        bs = c.block_size
+        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * c.num_layers * c.num_kv_heads
+        full = blocks * block_bytes(bs, c.head_dim, c.dtype)  # model dtype
+        shared = c.fork_shared_bytes()
+        self.peak_fork_shared_bytes = max(self.peak_fork_shared_bytes, shared)
+        if full > self.peak_full_bytes:
+            self.peak_full_bytes = full
+            self.held_at_full_peak = c.kv_bytes_in_use() + shared
+
+    def saw_sequence(self, slot: int) -> None:
+        """Sequence `slot` ends: count its appended tokens toward the longest sequence."""
+        self.max_sequence_tokens = max(self.max_sequence_tokens, self.cache.tokens_seen[slot])
+
+    def stats(self) -> dict:
+        """Figures measured from the pool: peak bytes held (peak_kv_bytes, of kv_pool_bytes), the most bytes an
+        uncompressed cache would have held for the live sequences (full_kv_bytes), what their block tables held
+        at that moment (held_kv_bytes) and the most bytes forks shared at once (fork_shared_kv_bytes: referenced
+        by several tables, held once in the pool)."""
+        c = self.cache
+        return {
+            "peak_kv_bytes": c.peak_kv_bytes(),
+            "full_kv_bytes": self.peak_full_bytes,
+            "held_kv_bytes": self.held_at_full_peak,
+            "fork_shared_kv_bytes": self.peak_fork_shared_bytes,
+            "kv_bytes_per_token": c.kv_bytes_per_token(),
+            "kv_bytes_in_use": c.kv_bytes_in_use(),
+            "block_size": c.block_size,
+            "num_blocks": c.pool.num_blocks,
+            "peak_blocks_in_use": c.pool.peak_in_use,
+            "kv_pool_bytes": c.pool_bytes(),
+            "max_sequence_tokens": self.max_sequence_tokens,  # compare with the budget: was it ever reached?
+        }
+
+    def sequence(self, slot: int) -> dict:
+        """What live sequence `slot` holds now, from its block tables: the most and the mean tokens of its
+        (layer, kv-head) tables, and its KV bytes (the blocks its tables hold x bytes per block)."""
+        lengths = self.cache.lengths[slot]  # [L, H]
+        blocks = int(blocks_for_tokens(lengths, self.cache.block_size).sum())
+        return {"max_table_tokens": int(lengths.max()), "mean_table_tokens": float(lengths.float().mean()),
+                "kv_bytes": blocks * self.cache.bytes_per_block}
