@@ -43,9 +43,10 @@ def worker(args) -> None:
         qp = L.llama_model_quantize_default_params()
         qp.ftype = L.LLAMA_FTYPE_ALL_F32
         qp.nthread = args.threads
+        qp.allow_requantize = True  # the packaged GGUF's token embedding is q8_0: dequantized, not requantized
         tmp = args.f32 + ".tmp"
         if L.llama_model_quantize(args.gguf.encode(), tmp.encode(), ctypes.byref(qp)) != 0:
-            raise SystemExit("llama_model_quantize failed")
+            raise SystemExit(f"llama_model_quantize of {args.gguf} to F32 failed")
         os.replace(tmp, args.f32)
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(args.f32.encode(), mp)

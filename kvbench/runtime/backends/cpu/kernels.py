@@ -198,6 +198,8 @@ def load_kernel():
                                                 i32]
     lib.codec_prefill_attention_f32.restype = i32
     lib.vector_width.argtypes, lib.vector_width.restype = [], i32
+    lib.set_phase_clock.argtypes, lib.set_phase_clock.restype = [p], None
+    lib.phase_count.argtypes, lib.phase_count.restype = [], i32
     _lib = lib
     return lib
 
@@ -210,6 +212,30 @@ def vector_width() -> int | None:
     """Floats per vector register the kernels were built for (8: AVX2 and others, 16: AVX-512), or None."""
     lib = load_kernel()
     return lib.vector_width() if lib is not None else None
+
+
+DECODE_PHASES = ("norm_attn", "qkv", "rope_write", "attention", "o_proj", "norm_mlp", "gate_up", "down")
+
+
+class PhaseClock:
+    """Wall seconds per phase of the fused decode layers (csrc/decode_layer.c), summed over layers and calls while
+    the clock is on (`with PhaseClock() as clock: ...`; then `clock.seconds()`); one clock at a time, for
+    profiling (bench/profile_decode.py)."""
+
+    def __init__(self):
+        self._acc = (ctypes.c_double * len(DECODE_PHASES))()
+
+    def __enter__(self) -> "PhaseClock":
+        lib = load_kernel()
+        assert lib is not None and lib.phase_count() == len(DECODE_PHASES)
+        lib.set_phase_clock(ctypes.addressof(self._acc))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _lib.set_phase_clock(None)
+
+    def seconds(self) -> dict[str, float]:
+        return dict(zip(DECODE_PHASES, list(self._acc)))
 
 
 def kernel_error() -> str | None:

@@ -16,7 +16,25 @@
  * Same arithmetic, op for op, as the unfused path with the C kernels (tests/runtime/test_fused_decode.py compares
  * the two).
  */
+#include <omp.h>
+
 #include "decode_ops.h"
+
+/* Per-phase wall time of decode_layers_f32, for profiling (bench/profile_decode.py): when set, thread 0 adds the
+ * seconds of each phase of every layer to phase_seconds[phase] (phases end at a barrier, so thread 0's clock is the
+ * team's); NULL (the default) skips the clock. */
+enum { PH_NORM_ATTN, PH_QKV, PH_ROPE_WRITE, PH_ATTENTION, PH_O, PH_NORM_MLP, PH_GATE_UP, PH_DOWN, N_PHASES };
+static double *phase_seconds = NULL;
+void set_phase_clock(double *acc) { phase_seconds = acc; }
+int phase_count(void) { return N_PHASES; }
+#define PHASE_END(ph)                                                   \
+    do {                                                                \
+        if (phase_seconds != NULL && omp_get_thread_num() == 0) {       \
+            const double now = omp_get_wtime();                         \
+            phase_seconds[ph] += now - t_last;                          \
+            t_last = now;                                               \
+        }                                                               \
+    } while (0)
 
 typedef struct {
     const float *ln_attn, *ln_mlp;  /* [E] */
@@ -41,11 +59,15 @@ void decode_layers_f32(
     const int64_t Hq = (int64_t)H * G, O_qkv = (Hq + 2 * H) * D, n_rot = Hq + H;
     const int half_pools = codec != NULL && codec->fp_is_half;  /* k_pool / v_pool hold fp16 bits */
 #pragma omp parallel num_threads(nthreads)
+    {
+    double t_last = phase_seconds != NULL ? omp_get_wtime() : 0.0;
     for (int l = 0; l < n_layers; l++) {
         const layer_weights *w = lw + l;
         const int64_t *rows = write_rows + l * wr_sl;
         rms_norm_team(x, w->ln_attn, h, M, E, eps);
+        PHASE_END(PH_NORM_ATTN);
         gemv_team(w->w_qkv, h, E, w->b_qkv, qkv, O_qkv, O_qkv, E, M, 0);
+        PHASE_END(PH_QKV);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < M * n_rot; item++) {  /* (row, q or k head) */
             const int64_t m = item / n_rot, j = item % n_rot;
@@ -65,6 +87,7 @@ void decode_layers_f32(
                 }
             }
         }
+        PHASE_END(PH_ROPE_WRITE);
         if (codec)
             codec_decode_attention_team(qkv, O_qkv, codec, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
                                         lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T,
@@ -73,9 +96,15 @@ void decode_layers_f32(
             paged_decode_attention_team(qkv, O_qkv, k_pool, v_pool, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
                                         lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T,
                                         chunk_slots, attn, key_scores, scores, partials);
+        PHASE_END(PH_ATTENTION);
         gemv_team(w->w_o, attn, Hq * D, w->b_o, x, E, E, Hq * D, M, 1);
+        PHASE_END(PH_O);
         rms_norm_team(x, w->ln_mlp, h, M, E, eps);
+        PHASE_END(PH_NORM_MLP);
         gate_up_silu_team(w->w_gu, w->b_gu, h, E, act, I, E, M);
+        PHASE_END(PH_GATE_UP);
         gemv_team(w->w_down, act, I, w->b_down, x, E, E, I, M, 1);
+        PHASE_END(PH_DOWN);
+    }
     }
 }
