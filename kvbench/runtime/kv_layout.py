@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvbench.runtime import huge_pages
 from kvbench.runtime.block_pool import BlockPool
 from kvbench.runtime.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
 
@@ -34,8 +35,8 @@ class FullPrecisionLayout:
         (A codec's cache overrides this with its own layout.)"""
         self.pool = BlockPool(num_blocks, reserved=SCRATCH_BLOCKS)
         shape = (num_blocks, self.block_size, self.head_dim)
-        self.k_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.k_pool = huge_pages.empty(shape, self.dtype, self.device)  # on CPU: huge pages (fewer TLB misses)
+        self.v_pool = huge_pages.empty(shape, self.dtype, self.device)
         self.k_pool[SCRATCH_BLOCK] = 0
         self.v_pool[SCRATCH_BLOCK] = 0
 

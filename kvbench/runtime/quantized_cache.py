@@ -57,6 +57,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvbench.runtime import huge_pages
 from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 from kvbench.runtime.kv_geometry import block_bytes, kv_elements
@@ -91,7 +92,7 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
 
     def _make_storage(self, num_blocks: int) -> None:
         """Full-precision pool (the codec's fp dtype) and packed pool, each large enough to take all of
-        max_bytes on its own (virtual until written); the router enforces max_bytes over both."""
+        max_bytes on its own (virtual until written; on huge pages on CPU, kvbench.runtime.huge_pages); the router enforces max_bytes over both."""
         bs, D = self.block_size, self.head_dim
         self.fp_dtype = getattr(self.codec, "fp_block_dtype", None) or self.dtype
         fp_block_bytes = block_bytes(bs, D, self.fp_dtype)
@@ -100,12 +101,12 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         packed_block_bytes = self.key_nbytes + self.value_nbytes
         n_fp = max(2, self.max_bytes // fp_block_bytes + 1)  # + the scratch block
         n_packed = max(1, self.max_bytes // packed_block_bytes)
-        self.k_pool = torch.empty(n_fp, bs, D, dtype=self.fp_dtype, device=self.device)
-        self.v_pool = torch.empty(n_fp, bs, D, dtype=self.fp_dtype, device=self.device)
+        self.k_pool = huge_pages.empty((n_fp, bs, D), self.fp_dtype, self.device)
+        self.v_pool = huge_pages.empty((n_fp, bs, D), self.fp_dtype, self.device)
         self.k_pool[SCRATCH_BLOCK] = 0
         self.v_pool[SCRATCH_BLOCK] = 0
-        self.kq_pool = torch.empty(n_packed, self.key_nbytes, dtype=torch.uint8, device=self.device)
-        self.vq_pool = torch.empty(n_packed, self.value_nbytes, dtype=torch.uint8, device=self.device)
+        self.kq_pool = huge_pages.empty((n_packed, self.key_nbytes), torch.uint8, self.device)
+        self.vq_pool = huge_pages.empty((n_packed, self.value_nbytes), torch.uint8, self.device)
         self.num_fp_blocks = n_fp
         self.pool = RoutedBlockPool(n_fp, n_packed, fp_block_bytes, packed_block_bytes, self.max_bytes)
 

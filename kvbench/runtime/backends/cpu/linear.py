@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from kvbench.runtime import huge_pages
 from kvbench.runtime.backends.cpu import kernels
 
 ONEDNN_BATCH_HINT = 16  # rows the packed layout is tuned for; any number of rows works
@@ -58,7 +59,8 @@ class Linear:
         # fp32 on CPU with the C kernels: decode-sized inputs (<= LINEAR_GEMV_MAX_ROWS rows) stream this [out, in] copy
         # through kernels.gemv; the packed copy serves prefill and larger batches. Costs one more copy of the
         # weights in memory for faster decode steps (see the module docstring).
-        self._plain = weight.contiguous() if self._packed is not None and _use_gemv(weight) else None
+        # (on huge pages: kvbench.runtime.huge_pages)
+        self._plain = huge_pages.copy_of(weight) if self._packed is not None and _use_gemv(weight) else None
 
     @property
     def backend(self) -> str:
