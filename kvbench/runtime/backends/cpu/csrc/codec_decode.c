@@ -296,7 +296,7 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
             continue;
         }
         load_rows(k_fp, fp_is_half, kq, kf, num_fp, id, bs, D, r0, r0 + n, tile);
-        score_rows(qh, tile, n, G, D, scale, sc + t, T, m);
+        score_rows(qh, tile, n, G, D, scale, sc + t, T, m, NULL);
         t = end;
     }
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
@@ -320,7 +320,7 @@ static inline __attribute__((always_inline)) void attend_chunk_codec(
             continue;
         }
         load_rows(v_fp, fp_is_half, vq, vf, num_fp, id, bs, D, r0, r0 + n, tile);
-        accumulate_rows(tile, n, G, D, sc + t, T, acc);
+        accumulate_rows(tile, n, G, D, sc + t, T, acc, NULL);
         t = end;
     }
     if (fast_values)

@@ -187,15 +187,30 @@ static inline __attribute__((always_inline)) void store_scores4(vn a[][4], const
     }
 }
 
+/* Ask for rows [j, j + rows) of `next` (rows of D floats) into L2, one prefetch per cache line; nothing when next is
+ * NULL. The decode kernels call it while they work on row j of a block with `next` the next block of the table, so
+ * the next block arrives spread over the current one: blocks sit anywhere in the pool, where the hardware
+ * prefetcher cannot follow. Measured on the 2-core dev VM (Xeon, pools on huge pages, 30 layers x 3 kv-heads,
+ * tables in 32-block runs as a chunked prefill leaves them): 20.2-20.9 GB/s, against 17.5-18.1 with the whole next
+ * block asked into L1 at the start of each block, and 19.0-19.9 with no software prefetch at all. */
+static inline __attribute__((always_inline)) void prefetch_rows_l2(const float *next, int64_t j, int rows,
+                                                                   const int D) {
+    if (next == NULL) return;
+    for (int i = 0; i < rows * D; i += 16) __builtin_prefetch(next + j * D + i, 0, 2);
+}
+
 /* Scores of n consecutive K rows k [n, D] for the G query heads qh [G, D]: sc_t[g * T + j] = scale * (q_g . k_j),
  * and m[g] raised to their maximum. Four rows at a time, each row loaded once for the whole group, the sums of the
- * four reduced together. G <= GROUP_MAX, D a multiple of VN; inlined with G and D constant where it matters. */
+ * four reduced together, the same rows of `next` prefetched (prefetch_rows_l2; NULL: none). G <= GROUP_MAX, D a
+ * multiple of VN; inlined with G and D constant where it matters. */
 static inline __attribute__((always_inline)) void score_rows(const float *restrict qh, const float *restrict k,
                                                              int64_t n, const int G, const int D, float scale,
-                                                             float *restrict sc_t, int64_t T, float *restrict m)
+                                                             float *restrict sc_t, int64_t T, float *restrict m,
+                                                             const float *next)
 {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
+        prefetch_rows_l2(next, j, 4, D);
         vn a[GROUP_MAX][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) a[g][i] = (vn){0};
@@ -230,16 +245,19 @@ static inline __attribute__((always_inline)) void score_rows(const float *restri
         }
 }
 
-/* acc[g] += sum_j p[g, j] * v_j over n consecutive V rows v [n, D], p[g, j] = sc_t[g * T + j]; acc [G][D / VN] */
+/* acc[g] += sum_j p[g, j] * v_j over n consecutive V rows v [n, D], p[g, j] = sc_t[g * T + j]; acc [G][D / VN];
+ * the same rows of `next` prefetched (prefetch_rows_l2; NULL: none) */
 static inline __attribute__((always_inline)) void accumulate_rows(const float *restrict v, int64_t n, const int G,
                                                                   const int D, const float *restrict sc_t, int64_t T,
-                                                                  vn acc[][128 / VN])
+                                                                  vn acc[][128 / VN], const float *next)
 {
-    for (int64_t j = 0; j < n; j++)
+    for (int64_t j = 0; j < n; j++) {
+        prefetch_rows_l2(next, j, 1, D);
         for (int c = 0; c < D / VN; c++) {
             const vn vv = *(const vn *)(v + j * D + c * VN);
             for (int g = 0; g < G; g++) acc[g][c] += sc_t[g * T + j] * vv;
         }
+    }
 }
 
 /* a chunk with no keys: zero accumulators, max -inf, sum 0 */

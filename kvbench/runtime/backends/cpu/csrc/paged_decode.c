@@ -81,17 +81,12 @@ static inline void attend_chunk(const float *restrict qh, const float *restrict 
     }
 }
 
-/* Ask for the rows of the block holding slot t of a table (nothing when t >= t1) while the current block is worked
- * on. Blocks sit anywhere in the pool, so the hardware prefetcher cannot run ahead of the walk, and at decode the
- * weights streamed between layers have evicted the cache: measured in a decode step of SmolLM2 (3 kv-heads, 512
- * keys, 2 threads), the attention of a layer took 30-33 us instead of 43-46 (52-56 instead of 64-70 when the memory
- * was in its faster state). Two or three blocks ahead were no better than one. */
-static inline void prefetch_block(const float *pool, const int32_t *table, int64_t tab_sj, int bs, int D, int64_t t,
-                                  int64_t t1)
+/* The rows of the block holding slot t of a table, or NULL when t >= t1 (prefetch_rows_l2 asks for them while the
+ * block before is worked on). */
+static inline const float *block_after(const float *pool, const int32_t *table, int64_t tab_sj, int bs, int D,
+                                       int64_t t, int64_t t1)
 {
-    if (t >= t1) return;
-    const float *rows = pool + (int64_t)table[(t / bs) * tab_sj] * bs * D;
-    for (int64_t i = 0; i < (int64_t)bs * D; i += 16) __builtin_prefetch(rows + i);
+    return t < t1 ? pool + (int64_t)table[(t / bs) * tab_sj] * bs * D : NULL;
 }
 
 /* attend_chunk with the head dim (64 or 128) and the group size (1..8) as compile-time constants (see
@@ -107,11 +102,10 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *k = k_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        prefetch_block(k_pool, table, tab_sj, bs, D, end, t1);
-        score_rows(qh, k, end - t, G, D, scale, sc + t, T, m);
+        score_rows(qh, k, end - t, G, D, scale, sc + t, T, m, block_after(k_pool, table, tab_sj, bs, D, end, t1));
         t = end;
     }
-    prefetch_block(v_pool, table, tab_sj, bs, D, t0, t1);  /* the first V block, while the exps are computed */
+    prefetch_rows_l2(block_after(v_pool, table, tab_sj, bs, D, t0, t1), 0, bs, D);  /* while the exps are computed */
     exp_and_sum(sc, T, G, D, t0, t1, m, part);
     vn acc[GROUP_MAX][128 / VN];  /* acc = sum_t p_t v_t per query head (D <= 128) */
     for (int g = 0; g < G; g++)
@@ -119,8 +113,7 @@ static inline __attribute__((always_inline)) void attend_chunk_grouped(
     for (int64_t t = t0; t < t1;) {
         const int64_t end = t - t % bs + bs < t1 ? t - t % bs + bs : t1;
         const float *v = v_pool + ((int64_t)table[(t / bs) * tab_sj] * bs + t % bs) * D;
-        prefetch_block(v_pool, table, tab_sj, bs, D, end, t1);
-        accumulate_rows(v, end - t, G, D, sc + t, T, acc);
+        accumulate_rows(v, end - t, G, D, sc + t, T, acc, block_after(v_pool, table, tab_sj, bs, D, end, t1));
         t = end;
     }
     for (int g = 0; g < G; g++)
