@@ -179,7 +179,7 @@ class DecodeGraphs:
             tables=torch.full((batch, L, H, width), SCRATCH_BLOCK, dtype=torch.int32, device=dev),
             lengths=torch.zeros(batch, L, H, dtype=torch.int64, device=dev),
             query_positions=torch.zeros(batch, 1, dtype=torch.int64, device=dev),
-            positions=torch.full((batch, L, H, width * bs), -1, dtype=torch.int32, device=dev),
+            key_positions=torch.full((batch, L, H, width * bs), -1, dtype=torch.int32, device=dev),
             slot_list=[],
             max_position=0,  # the table is never grown inside (sized up front)
         )

@@ -17,7 +17,7 @@ once. Slot order is original-position order (appends go to the end; eviction kee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -39,10 +39,19 @@ class AppendPlan:
     tables: torch.Tensor  # [S, L, H, nb] int32 snapshot after allocation (nb = most blocks any table holds)
     lengths: torch.Tensor  # [S, L, H] int64 after the append
     query_positions: torch.Tensor  # [S, Q] int64
-    positions: torch.Tensor  # [S, L, H, nb*bs] int32 snapshot of key positions after the append
+    # [S, L, H, nb*bs] int32 snapshot of key positions after the append, read through `positions`; or a function
+    # that takes the snapshot at that first read (the CPU decode kernels never read it: an O(context) copy saved)
+    key_positions: torch.Tensor | Callable[[], torch.Tensor]
     slot_list: list[int]
     host_lengths: Optional[np.ndarray] = field(default=None, repr=False)  # [S, L, H] lengths, on the host
     max_position: Optional[int] = None  # the largest query position, when the caller knows it on the host
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[S, L, H, nb*bs] int32: the original position of every key slot of the step's tables (-1: none)."""
+        if callable(self.key_positions):
+            self.key_positions = self.key_positions()
+        return self.key_positions
 
     def table_lengths(self, i: int, layer: int) -> list[int]:
         """lengths[i, layer] (one per kv-head) as Python ints, from the host copy the cache keeps (no device
@@ -193,9 +202,12 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         write_index = blocks * bs + slot_idx % bs
         pos = query_positions.to(self.device)
         L, H = self.num_layers, self.num_kv_heads
-        pos_rows = self.positions[slot_t, :, :, : max_nb * bs]  # [S, L, H, max_nb*bs] copy
-        pos_rows.scatter_(-1, slot_idx, pos[:, None, None, :].expand(S, L, H, Q).to(torch.int32))
-        self.positions[slot_t, :, :, : max_nb * bs] = pos_rows
+        # the new slots' positions written in place (S*L*H*Q values), then the plan's snapshot of the rows in use
+        layer_idx = torch.arange(L, device=self.device)[None, :, None, None]
+        head_idx = torch.arange(H, device=self.device)[None, None, :, None]
+        self.positions[slot_t[:, None, None, None], layer_idx, head_idx, slot_idx] = \
+            pos[:, None, None, :].expand(S, L, H, Q).to(torch.int32)
+        pos_rows = lambda: self.positions[slot_t, :, :, : max_nb * bs]  # noqa: E731  [S, L, H, max_nb*bs] copy
         self.lengths[slot_t] = new_len
         self.host_lengths[slots] = new_len_h
         for s in slots:
