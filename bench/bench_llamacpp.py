@@ -14,12 +14,22 @@ Without --llamacpp-python (and without llama_cpp in this interpreter: the `llama
         llama-cpp-python==0.3.36
     python bench/bench_llamacpp.py --llamacpp-python /tmp/llamacpp_env/bin/python [--contexts 512,4096,16384]
 
-The last line is one JSON object: per shape kvbench and llama.cpp tok/s and their ratio.
+kvbench's batch-1 figures also give the fraction of the memory-bandwidth limit they reach: bytes a decode step must
+read (weights + the K/V of the context) x steps/s, over the best copy bandwidth (read + write of a large tensor)
+measured before and after each kvbench run. `--load` runs everything beside one competing CPU-bound process (as on
+a shared node). The targets of issue 47 are printed as verdicts (`target_checks`): batch 16 at least 6x batch 1 at
+context 512 and ahead of llama.cpp's batched figure, batch 1 at context 4,096 at >= 0.85 of copy bandwidth, and
+kvbench ahead of llama.cpp at every shape measured.
+
+The last line is one JSON object: per shape kvbench and llama.cpp tok/s and their ratio, kvbench's bandwidth
+fractions, batch 16 over batch 1, and the verdicts.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -105,13 +115,36 @@ def run_llamacpp(args, f32: str, gguf: str, ctx: int, batch: int, flash: bool) -
 
 
 # ---------------------------------------------------------------------------------- kvbench side
-def kvbench_decode(engine, ctx: int, batch: int, n: int, vocab: int) -> float:
+def kvbench_decode(engine, ctx: int, batch: int, n: int, vocab: int) -> tuple[float, float]:
+    """(decode tok/s, best copy bandwidth in bytes/s measured right before and after the run)."""
     import torch
+    from bench_runtime import measure_copy_bandwidth
 
     g = torch.Generator().manual_seed(ctx)
     prompts = [torch.randint(100, vocab - 100, (ctx,), generator=g).tolist() for _ in range(batch)]
+    before = measure_copy_bandwidth()
     gens = engine.generate(prompts, max_new_tokens=n + 1)
-    return sum(x.decode_tokens for x in gens) / max(x.decode_s for x in gens)
+    bw = max(before, measure_copy_bandwidth())
+    return sum(x.decode_tokens for x in gens) / max(x.decode_s for x in gens), bw
+
+
+def _ok(x) -> bool:
+    return isinstance(x, (int, float)) and not math.isnan(x)
+
+
+def target_checks(res: dict, contexts: list[int], batch16_context: int = 512) -> dict[str, bool]:
+    """Issue 47's targets from the bench's figures: name -> met. A missing, None or NaN figure is not met."""
+    b1, b16 = res.get(f"kvbench_b1_ctx{batch16_context}"), res.get(f"kvbench_b16_ctx{batch16_context}")
+    ratio = b16 / b1 if _ok(b1) and _ok(b16) and b1 > 0 else None
+    frac = res.get("bandwidth_fraction_b1_ctx4096")
+    checks = {
+        f"b16_over_b1_ctx{batch16_context}_ge_6": _ok(ratio) and ratio >= 6.0,
+        "bandwidth_fraction_b1_ctx4096_ge_0.85": _ok(frac) and frac >= 0.85,
+    }
+    for key in [f"b1_ctx{c}" for c in contexts] + [f"b16_ctx{batch16_context}"]:
+        r = res.get(f"ratio_{key}")
+        checks[f"ahead_of_llamacpp_{key}"] = _ok(r) and r > 1.0
+    return checks
 
 
 def main() -> None:
@@ -122,6 +155,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--load", action="store_true", help="run beside one competing CPU-bound process")
     ap.add_argument(WORKER, action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--f32", "--gguf"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
@@ -150,6 +184,8 @@ def main() -> None:
         sys.exit(2)
 
     import kvbench  # noqa: F401  (kvbench's OpenMP wait policy before torch loads)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_runtime import competing_process
     from kvbench.runtime.backends.cpu.threads import configure_threads
     from kvbench.runtime.engine import Engine
     from kvbench.runtime.loading import load_model, packaged_smollm2
@@ -166,24 +202,42 @@ def main() -> None:
     engine = Engine(model, prefill_chunk_size=512, prefix_caching=False, schedule="prefill_first")
     shapes = [(c, 1) for c in contexts] + [(args.batch16_context, 16)]
     res: dict[str, float] = {}
-    for ctx, batch in shapes:
-        kv, lc = [], []
-        for _ in range(args.repeats):  # alternated: kvbench, then llama.cpp (flash attention off, on)
-            kv.append(kvbench_decode(engine, ctx, batch, args.decode_tokens, vocab))
-            runs = [r for r in (run_llamacpp(args, f32, gguf, ctx, batch, fa) for fa in (False, True)) if r]
-            if runs:
-                lc.append(max(runs))
-        k = statistics.median(kv)
-        key = f"b{batch}_ctx{ctx}"
-        res[f"kvbench_{key}"] = k
-        if lc:
-            ll = statistics.median(lc)
-            res[f"llamacpp_{key}"], res[f"ratio_{key}"] = ll, k / ll
-            print(f"decode batch {batch:2d} ctx {ctx:6d}  kvbench {k:8.2f} tok/s  llama.cpp {ll:8.2f} tok/s  "
-                  f"ratio {k / ll:.2f}")
-        else:
-            print(f"decode batch {batch:2d} ctx {ctx:6d}  kvbench {k:8.2f} tok/s  llama.cpp failed")
-    print(json.dumps({k: round(v, 4) for k, v in res.items()}))
+    load = competing_process() if args.load else contextlib.nullcontext()
+    with load:
+        for ctx, batch in shapes:
+            kv, lc, bws = [], [], []
+            for _ in range(args.repeats):  # alternated: kvbench, then llama.cpp (flash attention off, on)
+                tps, bw = kvbench_decode(engine, ctx, batch, args.decode_tokens, vocab)
+                kv.append(tps)
+                bws.append(bw)
+                runs = [r for r in (run_llamacpp(args, f32, gguf, ctx, batch, fa) for fa in (False, True)) if r]
+                if runs:
+                    lc.append(max(runs))
+            k = statistics.median(kv)
+            key = f"b{batch}_ctx{ctx}"
+            res[f"kvbench_{key}"] = k
+            extra = ""
+            if batch == 1:  # weights + the K/V of the context (and half the new tokens) read per step
+                step_bytes = model.weight_bytes + (ctx + args.decode_tokens // 2) * engine.cache.full_bytes_per_token
+                frac = step_bytes * k / max(bws)
+                res[f"bandwidth_fraction_{key}"] = frac
+                extra = f"  ({frac:.2f} of copy bandwidth {max(bws) / 1e9:.1f} GB/s)"
+            if lc:
+                ll = statistics.median(lc)
+                res[f"llamacpp_{key}"], res[f"ratio_{key}"] = ll, k / ll
+                print(f"decode batch {batch:2d} ctx {ctx:6d}  kvbench {k:8.2f} tok/s  llama.cpp {ll:8.2f} tok/s  "
+                      f"ratio {k / ll:.2f}{extra}")
+            else:
+                print(f"decode batch {batch:2d} ctx {ctx:6d}  kvbench {k:8.2f} tok/s  llama.cpp failed{extra}")
+    b1 = res.get(f"kvbench_b1_ctx{args.batch16_context}")
+    if b1:
+        res[f"b16_over_b1_ctx{args.batch16_context}"] = res[f"kvbench_b16_ctx{args.batch16_context}"] / b1
+    checks = target_checks(res, contexts, args.batch16_context)
+    print(f"targets (issue 47{', under one competing process' if args.load else ''}):")
+    for name, ok in checks.items():
+        print(f"  {name}: {'PASS' if ok else 'MISS'}")
+    res["load"] = 1.0 if args.load else 0.0
+    print(json.dumps({**{k: round(v, 4) for k, v in res.items()}, "targets": checks}))
 
 
 if __name__ == "__main__":
