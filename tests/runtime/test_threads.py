@@ -91,3 +91,27 @@ def test_large_steps_use_every_thread():
     for _ in range(50):
         rt.step(ctl)
     assert rt.step(ctl, tokens=512) == 2
+
+
+def test_an_idle_machine_pays_for_few_explorations_and_load_is_caught_within_three_steps():
+    rt = FakeRuntime()
+    ctl = controller(rt)
+    first = [rt.step(ctl) for _ in range(32)]
+    assert first.count(1) <= 2  # a 32-token generation: the second step, and step 16
+    for _ in range(200):
+        rt.step(ctl)
+    rt.cost = {1: 1.0, 2: 3.0}  # a competing process arrives mid-generation
+    after = [rt.step(ctl) for _ in range(5)]
+    assert after == [2, 2, 1, 1, 1]  # two slow steps, then one thread is tried and kept
+
+
+def test_a_slow_step_that_is_not_load_does_not_switch():
+    rt = FakeRuntime()
+    ctl = controller(rt)
+    for _ in range(40):
+        rt.step(ctl)
+    rt.cost = {1: 1.0, 2: 5.0}  # one disturbed step (a page fault storm, say)
+    rt.step(ctl)
+    rt.cost = {1: 1.0, 2: 0.8}
+    steps = [rt.step(ctl) for _ in range(30)]
+    assert steps.count(1) <= 1  # no switch (a switch would hold one thread for 16 steps): at most the periodic try
