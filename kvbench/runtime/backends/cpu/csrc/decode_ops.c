@@ -47,9 +47,15 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
     for (int64_t o = 0; o < tiled; o += TILE_ROWS) {
         const float *rows[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) rows[r] = W + (o + r) * I;
+        /* the next tile's rows, when a tile stays in L1 across its passes (with longer rows, down's 1536, the tile is
+         * read from L2 at every pass, and the prefetches only compete with it: 7.4-7.6 -> 8.6-8.8 ms a b16 step) */
+        const float *next = o + 2 * TILE_ROWS <= tiled && TILE_ROWS * I * (int64_t)sizeof(float) <= L1_TILE_BYTES
+                            ? W + (o + TILE_ROWS) * I : NULL;
+        const int64_t passes = (M + TILE_X - 1) / TILE_X;
         for (int64_t m0 = 0; m0 < M; m0 += TILE_X) {
             const int nx = M - m0 < TILE_X ? (int)(M - m0) : TILE_X;
             float d[TILE_ROWS][TILE_X];
+            prefetch_share_l2(next, TILE_ROWS * I * (int64_t)sizeof(float), m0 / TILE_X, passes);
             dots_tile_rows(rows, x + m0 * x_ss, x_ss, I, nx, d);
             for (int m = 0; m < nx; m++) {
                 float *ym = y + (m0 + m) * y_ss + o;
@@ -93,9 +99,13 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
             rows[r] = W + (o + r) * E;
             rows[P + r] = W + (I + o + r) * E;
         }
+        const int has_next = o + 2 * P <= tiled;  /* the next tile: P gate rows and P up rows */
+        const int64_t passes = (M + TILE_X - 1) / TILE_X, half = P * E * (int64_t)sizeof(float);
         for (int64_t m0 = 0; m0 < M; m0 += TILE_X) {
             const int nx = M - m0 < TILE_X ? (int)(M - m0) : TILE_X;
             float d[TILE_ROWS][TILE_X];  /* d[0 .. P-1]: gates o .. o+P-1; d[P ..]: their ups */
+            prefetch_share_l2(has_next ? W + (o + P) * E : NULL, half, m0 / TILE_X, passes);
+            prefetch_share_l2(has_next ? W + (I + o + P) * E : NULL, half, m0 / TILE_X, passes);
             dots_tile_rows(rows, x + m0 * x_ss, x_ss, E, nx, d);
             for (int m = 0; m < nx; m++) {
                 for (int r = 0; r < P; r++) {
