@@ -8,6 +8,8 @@
 #   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
 #   make bench-throughput serving at fixed KV memory, per method (bench/bench_throughput.py)
 #   make bench-speculative self-speculation with compressed-cache drafts vs plain decoding (bench/bench_speculative.py)
+#   make bench-llamacpp  CPU decode against llama.cpp, same F32 weights (bench/bench_llamacpp.py); builds llama.cpp
+#                        (llama-cpp-python's sdist) into its own venv first, once: several minutes
 # Everything goes into .venv (created with $(PYTHON) -m venv). Repeats are fast: a stamp file records the install.
 
 SHELL := /bin/bash
@@ -33,8 +35,11 @@ PYTEST_WORKERS ?= auto
 PYTEST_MARKS ?= not slow
 # Converted checkpoints are cached here so later loads take seconds.
 export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
+# llama.cpp for `make bench-llamacpp`, in a venv of its own (LLAMACPP_PYTHON=/path/to/python: one you built)
+LLAMACPP_VENV ?= $(KVBENCH_CACHE_DIR)/llamacpp-venv
+LLAMACPP_PYTHON ?= $(LLAMACPP_VENV)/bin/python
 
-.PHONY: install install-test run test test-all bench bench-methods bench-codecs bench-throughput bench-speculative clean
+.PHONY: install install-test run test test-all bench bench-methods bench-codecs bench-throughput bench-speculative bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -83,6 +88,12 @@ bench-throughput: install
 
 bench-speculative: install
 	$(PY) bench/bench_speculative.py $(ARGS)
+
+bench-llamacpp: install
+	@$(LLAMACPP_PYTHON) -c "import llama_cpp" 2>/dev/null || { \
+	echo "kvbench: building llama.cpp (llama-cpp-python==0.3.36 from its sdist, native CPU flags) into $(LLAMACPP_VENV): several minutes, once"; \
+	$(PYTHON) -m venv $(LLAMACPP_VENV) && CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP_VENV)/bin/pip install -q llama-cpp-python==0.3.36; }
+	$(PY) bench/bench_llamacpp.py --llamacpp-python $(LLAMACPP_PYTHON) $(ARGS)
 
 clean:
 	rm -f $(STAMP) $(TEST_STAMP)
