@@ -6,46 +6,36 @@ sequential); on 2 MiB pages one in 512. On the 2-core dev VM (THP in `madvise` m
 over 453 MB of fp32 weights read 21.6 GB/s on 4 KiB pages and 23.6-24.3 on huge pages, a plain sum 21.3 against
 25.6-26.3 (bench/profile_decode.py shows the effect on whole decode steps).
 
-`empty(shape, dtype, device)` returns an uninitialised tensor whose bytes start on a 2 MiB boundary in a region
-advised MADV_HUGEPAGE, so the kernel backs it with huge pages as it is first touched (pages are still touched only
-when written: a pool's untouched blocks cost nothing). Off Linux, off the CPU, for tensors under 2 MiB, or when the
-kernel refuses the advice (THP `never`), it is a plain torch.empty. Set KVBENCH_HUGE_PAGES=0 to turn it off.
+`empty(shape, dtype, device)` returns an uninitialised tensor whose bytes start on a 2 MiB boundary of a fresh
+anonymous mapping (its own mmap, never touched before: the allocator may hand back memory already faulted in on 4
+KiB pages, which the advice would not change) advised MADV_HUGEPAGE, so the kernel backs it with huge pages as it is
+first touched (pages are still touched only when written: a pool's untouched blocks cost nothing). The mapping is
+unmapped when the last tensor on it is freed. Off Linux, off the CPU, for tensors under 2 MiB, or when the kernel
+refuses the advice (THP `never`), it is a plain torch.empty (or ordinary pages). Set KVBENCH_HUGE_PAGES=0 to turn it
+off.
 """
 from __future__ import annotations
 
-import ctypes
+import mmap
 import os
 import sys
+import warnings
 
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes
-MADV_HUGEPAGE = 14  # linux/mman.h
-_libc: list = []  # [libc or None], loaded once
-
-
-def _madvise():
-    if not _libc:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise.restype = ctypes.c_int
-            _libc.append(libc.madvise)
-        except (OSError, AttributeError):
-            _libc.append(None)
-    return _libc[0]
 
 
 def enabled(device: torch.device | str = "cpu") -> bool:
-    """Whether `empty` advises huge pages for tensors on `device`."""
+    """Whether `empty` maps huge-page memory for tensors on `device`."""
     return (torch.device(device).type == "cpu" and sys.platform.startswith("linux")
-            and os.environ.get("KVBENCH_HUGE_PAGES", "1") != "0" and _madvise() is not None)
+            and os.environ.get("KVBENCH_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE"))
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu"
           ) -> torch.Tensor:
-    """torch.empty(shape, dtype, device), on 2 MiB-aligned memory advised MADV_HUGEPAGE where that applies (see
-    the module docstring)."""
+    """torch.empty(shape, dtype, device), on 2 MiB-aligned memory of a fresh mapping advised MADV_HUGEPAGE where that
+    applies (see the module docstring)."""
     numel = 1
     for n in shape:
         numel *= int(n)
@@ -53,9 +43,15 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
     if nbytes < HUGE_PAGE or not enabled(device):
         return torch.empty(shape, dtype=dtype, device=device)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # large: mmap'd by the allocator, not yet touched
+    region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # anonymous, private, untouched
+    with warnings.catch_warnings():  # a writable buffer: torch's "non-writable" warning does not apply
+        warnings.simplefilter("ignore")
+        raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
-    _madvise()(raw.data_ptr() + start, span, MADV_HUGEPAGE)  # a refusal leaves ordinary pages: same bytes
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, span)
+    except OSError:  # THP off: ordinary pages, same bytes
+        pass
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 

@@ -51,6 +51,8 @@ def test_small_tensors_and_the_switch_take_plain_torch_empty(monkeypatch):
                     or "[never]" in THP.read_text(), reason="transparent huge pages off on this machine")
 def test_the_kernel_backs_touched_memory_with_huge_pages(monkeypatch):
     monkeypatch.delenv("KVBENCH_HUGE_PAGES", raising=False)
+    churn = torch.ones(24 << 20)  # 96 MiB touched, then freed: the allocator may hand such memory back, faulted
+    del churn  # in on small pages (a long test worker's heap failed this way); huge_pages maps its own
     t = huge_pages.empty((8 << 20,), torch.float32)  # 32 MiB
     t.fill_(1.0)  # first touch
     kib = _anon_huge_kib(t.data_ptr())
