@@ -207,12 +207,12 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         head_idx = torch.arange(H, device=self.device)[None, None, :, None]
         self.positions[slot_t[:, None, None, None], layer_idx, head_idx, slot_idx] = \
             pos[:, None, None, :].expand(S, L, H, Q).to(torch.int32)
-        pos_rows = lambda: self.positions[slot_t, :, :, : max_nb * bs]  # noqa: E731  [S, L, H, max_nb*bs] copy
+        positions_snapshot = lambda: self.positions[slot_t, :, :, : max_nb * bs]  # noqa: E731  [S, L, H, max_nb*bs]
         self.lengths[slot_t] = new_len
         self.host_lengths[slots] = new_len_h
         for s in slots:
             self.tokens_seen[s] += Q
-        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), pos_rows, list(slots),
+        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), positions_snapshot, list(slots),
                           host_lengths=new_len_h)
 
     def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:

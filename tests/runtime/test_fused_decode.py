@@ -253,3 +253,21 @@ def test_float_to_half_rounds_as_torch(tmp_path, f16c):
     finite = ~x.isnan()
     assert torch.equal(y[finite], ref[finite])
     assert y.view(torch.float16)[~finite].isnan().all()
+
+
+def test_the_phase_clock_times_every_phase_of_fused_steps_only_while_on():
+    """bench/profile_decode.py's clock: each phase of the fused layers gets time while it is on, their sum is within
+    the wall time of the steps, and nothing is added once it is off."""
+    import time
+
+    model = tiny_model("llama", seed=7)
+    prompts = [[(5 * j) % 300 for j in range(30)]]
+    with cpu_kernels.PhaseClock() as clock:
+        t0 = time.perf_counter()
+        run(model, prompts, 6, fused=True)
+        wall = time.perf_counter() - t0
+    seconds = clock.seconds()
+    assert set(seconds) == set(cpu_kernels.DECODE_PHASES)
+    assert all(s > 0 for s in seconds.values()) and sum(seconds.values()) <= wall
+    run(model, prompts, 6, fused=True)
+    assert clock.seconds() == seconds  # off: the kernel no longer writes the accumulators
