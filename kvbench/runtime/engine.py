@@ -390,7 +390,7 @@ class Engine:
         (those that end their sequence's known tokens: a prompt's last chunk, a decode token). Waits for the
         device."""
         logits = self.step(segments)
-        toks = self._sample_step(torch.stack([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
+        toks = self._sample_step(_as_matrix([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self.flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
@@ -468,3 +468,15 @@ class Engine:
     def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
         """logits [S, V] -> one token id per row."""
         return sample(logits, temperature, top_p, gen)
+
+
+def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [V] as one [n, V] tensor: the matrix they are views of when they are its rows 0..n-1 in order (a pure
+    decode step's logits: no copy, which cost 0.4 ms for 16 rows of 49,152 logits after a step had flushed the
+    caches), else a stacked copy."""
+    base = rows[0]._base
+    if (base is not None and base.dim() == 2 and base.shape[0] == len(rows)
+            and all(r._base is base and r.storage_offset() == base.storage_offset() + i * base.stride(0)
+                    and r.stride() == base.stride()[1:] and r.shape == base.shape[1:] for i, r in enumerate(rows))):
+        return base
+    return torch.stack(rows)

@@ -19,5 +19,11 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
     """logits [S, V] -> one token id per row (argmax when temperature <= 0)."""
     if temperature <= 0:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            from kvbench.runtime.backends.cpu.kernels import argmax_rows  # the C kernels: lazily, CPU only
+
+            toks = argmax_rows(logits)
+            if toks is not None:
+                return toks
         return logits.argmax(dim=-1).tolist()
     return torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=gen).squeeze(-1).tolist()

@@ -61,3 +61,21 @@ def test_pool_is_empty_after_generation(model):
     eng.generate(_prompts(3, [5, 9, 33]), max_new_tokens=6)
     assert eng.cache.pool.in_use == 0
     eng.cache.pool.check_consistency()
+
+
+def test_sampled_rows_are_the_steps_own_logits_or_a_copy():
+    """Engine._run samples a decode step's logits rows as their own [S, V] matrix (no copy) only when they are its
+    rows 0..S-1 in order; any other selection is stacked."""
+    from kvbench.runtime.engine import _as_matrix
+
+    x = torch.randn(4, 10)
+    rows = list(x)
+    assert _as_matrix(rows) is x
+    for pick in (rows[:3], rows[1:], [rows[1], rows[0], rows[2], rows[3]], [rows[0], rows[0], rows[2], rows[3]]):
+        got = _as_matrix(pick)
+        assert got is not x and torch.equal(got, torch.stack(pick))
+    t = torch.randn(10, 4).t()  # rows of a transposed matrix: not rows of their base
+    assert torch.equal(_as_matrix(list(t)), t)
+    assert torch.equal(_as_matrix(list(x[:, :5])), x[:, :5])  # the rows' first halves: shorter than the base's rows
+    a, b = torch.randn(10), torch.randn(10)  # no common base
+    assert torch.equal(_as_matrix([a, b]), torch.stack([a, b]))

@@ -213,6 +213,27 @@ def test_a_decode_step_takes_the_gemv_up_to_sixteen_rows_and_a_chunk_keeps_onedn
     torch.testing.assert_close(chunk, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("V", [1, 7, 16, 33, 49152])
+def test_argmax_rows_is_torchs_argmax(V):
+    """Greedy sampling's C argmax picks what torch's does: the first of tied maxima, the first NaN, -inf rows,
+    maxima in the vector body and in the tail."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(9, V, generator=g)
+    x[1] = 3.0  # all tied: the first
+    x[2] = float("-inf")
+    x[3, V // 2] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, -1] = 100.0  # in the tail
+    x[5, V // 3] = float("inf")
+    x[6, 0] = float("nan")
+    x[7] = x[7].round()  # many ties at the maximum
+    x[8, :] = -5.0
+    x[8, V - 1] = -4.0
+    assert cpu_kernels.argmax_rows(x) == x.argmax(-1).tolist()
+    assert cpu_kernels.argmax_rows(x[3:4]) == [x[3].argmax().item()]
+    assert cpu_kernels.argmax_rows(x.double()) is None  # not fp32: the caller keeps torch's
+
+
 def test_installed_package_ships_every_kernel_source():
     """pyproject's package-data must carry every file the kernel build reads (a wheel without decode_common.h
     compiles nothing and falls back to the slow path)."""

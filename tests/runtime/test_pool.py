@@ -273,3 +273,77 @@ def test_without_a_prefix_cache_the_pool_keeps_no_cached_blocks():
     pool.free(ids)
     assert pool.num_cached_free == 0 and pool.num_free == 5
     assert pool.allocate(5) == ids  # the stack order as before: the first released comes out first again
+
+
+def _assert_same_plan(a, b):
+    for name in ("slots", "write_index", "tables", "lengths", "query_positions", "positions"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert a.slot_list == b.slot_list and (a.host_lengths == b.host_lengths).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "decode", "append", "keep", "evict_block", "fork", "free"]),
+                              st.integers(0, 3), st.integers(1, 9), st.integers(0, 10_000)), min_size=1, max_size=30),
+       bs=st.sampled_from([1, 2, 4]))
+def test_host_decode_append_builds_the_general_paths_plan(ops, bs):
+    """A decode append on CPU (numpy on views of the tables) leaves the cache and returns the plan exactly as the
+    general torch path does, through allocation, eviction, forks and frees: one cache of each, run in lockstep."""
+    fast, slow = make_cache(bs=bs, num_blocks=2000), make_cache(bs=bs, num_blocks=2000)
+    slow.host_decode_appends = False
+    for c in (fast, slow):  # stale bytes, as a reused block holds: fresh blocks must come out zeroed in both
+        c.k_pool.fill_(7.0)
+        c.v_pool.fill_(7.0)
+    seqs, nxt = [], {}
+    for op, which, n, seed in ops:
+        if op == "new" or not seqs:
+            s = fast.add_sequence()
+            assert slow.add_sequence() == s
+            seqs.append(s)
+            nxt[s] = 0
+            continue
+        s = seqs[which % len(seqs)]
+        if op == "decode":  # one token for every live sequence, one call
+            pos = torch.tensor([[nxt[x]] for x in seqs])
+            plans = [c.prepare_append(list(seqs), pos.clone()) for c in (fast, slow)]
+            _assert_same_plan(*plans)
+            for x in seqs:
+                nxt[x] += 1
+            for c, plan in zip((fast, slow), plans):
+                for layer in range(L):
+                    val = torch.randn(len(seqs), H, 1, D, generator=torch.Generator().manual_seed(seed + layer))
+                    c.write(layer, plan, val, -val)
+        elif op == "append":
+            for c in (fast, slow):
+                append(c, s, n, nxt[s])
+            nxt[s] += n
+        elif op == "keep":
+            layer = which % L
+            lens = fast.lengths[s, layer]
+            keep = torch.full((H, int(lens.max())), -1, dtype=torch.int64)
+            g = torch.Generator().manual_seed(seed)
+            for h in range(H):
+                m = int(lens[h])
+                chosen = torch.randperm(m, generator=g)[: max(0, m - n)].sort().values
+                keep[h, : chosen.numel()] = chosen
+            for c in (fast, slow):
+                c.keep_tokens(layer, s, keep[:, : max(1, int((keep >= 0).sum(-1).max()))])
+        elif op == "evict_block":
+            layer, h = which % L, (which // L) % H
+            full = int(fast.lengths[s, layer, h]) // bs
+            if full:
+                for c in (fast, slow):
+                    c.evict_blocks(layer, s, h, [n % full])
+        elif op == "fork":
+            c = fast.fork(s)
+            assert slow.fork(s) == c
+            seqs.append(c)
+            nxt[c] = nxt[s]
+        elif op == "free":
+            for c in (fast, slow):
+                c.free_sequence(s)
+            seqs.remove(s)
+        for name in ("tables", "lengths", "positions", "k_pool", "v_pool"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+        assert (fast.host_lengths == slow.host_lengths).all() and fast.tokens_seen == slow.tokens_seen
+        assert fast.pool.in_use == slow.pool.in_use

@@ -197,6 +197,7 @@ def load_kernel():
                                                 p, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, f32, p, p, i64,
                                                 i32]
     lib.codec_prefill_attention_f32.restype = i32
+    lib.argmax_rows_f32.argtypes, lib.argmax_rows_f32.restype = [p, i64, i64, p, i32], None
     lib.vector_width.argtypes, lib.vector_width.restype = [], i32
     lib.set_phase_clock.argtypes, lib.set_phase_clock.restype = [p], None
     lib.phase_count.argtypes, lib.phase_count.restype = [], i32
@@ -494,6 +495,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     _lib.gemv_f32(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), O,
                   I, x.numel() // I, torch.get_num_threads())
     return y
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """torch's logits.argmax(-1).tolist() for fp32 logits [S, V] on CPU (the first NaN, else the first maximum),
+    in C (csrc/decode_ops.c: argmax_rows_f32); None when the kernels are unavailable or the tensor is not that."""
+    lib = load_kernel()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.shape[1] == 0 or logits.requires_grad):
+        return None
+    x = logits.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out.tolist()
 
 
 class DecodeLayerWeights(ctypes.Structure):
