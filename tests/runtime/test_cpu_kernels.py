@@ -16,6 +16,13 @@ from tests.tiny_models import tiny_model
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_loaded():
+    """The ctypes wrappers that call the library directly (rms_norm, rotary_, gemv) need it loaded: whichever test
+    a worker runs first."""
+    cpu_kernels.load_kernel()
+
+
 def test_kernels_build():
     assert cpu_kernels.load_kernel() is not None, cpu_kernels.kernel_error()
 

@@ -344,7 +344,7 @@ void codec_decode_attention_team(
 #ifdef _OPENMP
     tile += (int64_t)omp_get_thread_num() * bs * D;
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t item = 0; item < n_items; item++) {
         work_item w;
         if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, q_ss, tables, tab_ss, tab_sh, lengths, len_ss,
@@ -370,6 +370,7 @@ void codec_decode_attention_team(
 #undef ATTEND_CODEC_G
 #undef ATTEND_CODEC
     }
+    team_end();
     merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
 }
 

@@ -3,10 +3,59 @@
 #ifndef KVBENCH_DECODE_COMMON_H
 #define KVBENCH_DECODE_COMMON_H
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MAX_G 64
+
+/* The barrier that ends each work-shared loop of the kernels (`team_end`). Inside decode_layers_f32's parallel
+ * region it is a barrier of our own, which spins, then polls with sched_yield, and never sleeps. libgomp's barrier,
+ * under kvbench's GOMP_SPINCOUNT=1000 (kvbench/runtime/backends/cpu/threads.py), puts a thread that waits more
+ * than a few microseconds to sleep, and on a VM the sleeping vCPU takes tens of microseconds to wake: a decode
+ * step has eight barriers per layer, 240 for SmolLM2. A yielding waiter leaves its core to any other runnable
+ * thread, so a competing process still gets the core (the reason for the short spin); under load StepThreads
+ * (threads.py) also moves a step to one thread, where the barrier returns at once. Outside that region (the
+ * `_f32` entry points each open their own) it is libgomp's `omp barrier`. */
+typedef struct {
+    atomic_int arrived;  /* threads at the current barrier */
+    atomic_int generation;  /* barriers completed */
+    int nthreads;
+} team_sync;
+extern _Thread_local team_sync *current_team_sync;  /* this thread's team, set for decode_layers_f32's region */
+#define TEAM_SPIN_PAUSES 2000  /* pause instructions before a waiter starts yielding */
+
+static inline void cpu_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline void team_end(void) {
+    team_sync *t = current_team_sync;
+    if (t == NULL) {
+#pragma omp barrier
+        return;
+    }
+    if (t->nthreads == 1) return;
+    const int gen = atomic_load_explicit(&t->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == t->nthreads - 1) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&t->generation, gen + 1, memory_order_release);  /* publishes the reset too */
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&t->generation, memory_order_acquire) == gen;) {
+        if (spins < TEAM_SPIN_PAUSES) {
+            cpu_pause();
+            spins++;
+        } else {
+            sched_yield();
+        }
+    }
+}
 
 /* One native vector register of floats, VN lanes (GCC/Clang vector extensions): 16 with AVX-512, else 8. A 64-byte
  * vector on an AVX2-only machine is lowered through stack spills by GCC: on an AVX2 EPYC the GEMV then read weights
@@ -304,14 +353,14 @@ static inline int work_item_at(int64_t item, int64_t n_chunks, int chunk_slots, 
 /* The second pass of both kernels: merge the n_chunks partials (acc[D], max, sum per query head) of each
  * (sequence, kv-head) into out [S, H*G, D], and, when key_scores is not NULL, normalise the exp'd scores of
  * every chunk (scores [S, H, G, T]) by the final max and sum into key_scores [S, H, T]. A work-shared loop: called
- * by every thread of the enclosing parallel region (after the chunks' loop and its barrier), or serially outside. */
+ * by every thread of the enclosing parallel region (after the chunks' loop and its barrier; a barrier ends it), or serially outside. */
 static inline void merge_chunks(const int64_t *lengths, int64_t len_ss, int64_t len_sh, int S, int H, int G,
                                 int D, int64_t T, int chunk_slots, float *out, float *key_scores,
                                 const float *scores, const float *partials)
 {
     const int64_t n_chunks = T / chunk_slots;
     const int64_t part_stride = (int64_t)G * (D + 2);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t sh = 0; sh < (int64_t)S * H; sh++) {
         const int s = (int)(sh / H), h = (int)(sh % H);
         const int64_t len = lengths[s * len_ss + h * len_sh];
@@ -357,6 +406,7 @@ static inline void merge_chunks(const int64_t *lengths, int64_t len_ss, int64_t 
             }
         }
     }
+    team_end();
 }
 /* Decode attention over fp32 pools for the threads of an enclosing parallel region (paged_decode.c; the arguments of
  * paged_decode_attention_f32, plus q_ss: floats between consecutive sequences' query rows). */

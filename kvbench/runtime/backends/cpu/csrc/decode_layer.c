@@ -25,6 +25,7 @@
  * team's); NULL (the default) skips the clock. */
 enum { PH_NORM_ATTN, PH_QKV, PH_ROPE_WRITE, PH_ATTENTION, PH_O, PH_NORM_MLP, PH_GATE_UP, PH_DOWN, N_PHASES };
 static double *phase_seconds = NULL;
+_Thread_local team_sync *current_team_sync = NULL;
 void set_phase_clock(double *acc) { phase_seconds = acc; }
 int phase_count(void) { return N_PHASES; }
 #define PHASE_END(ph)                                                   \
@@ -58,8 +59,12 @@ void decode_layers_f32(
 {
     const int64_t Hq = (int64_t)H * G, O_qkv = (Hq + 2 * H) * D, n_rot = Hq + H;
     const int half_pools = codec != NULL && codec->fp_is_half;  /* k_pool / v_pool hold fp16 bits */
+    team_sync sync = {0, 0, 0};
 #pragma omp parallel num_threads(nthreads)
     {
+    if (omp_get_thread_num() == 0) sync.nthreads = omp_get_num_threads();
+#pragma omp barrier
+    current_team_sync = &sync;  /* every work-shared loop below ends at team_end's barrier (decode_common.h) */
     double t_last = phase_seconds != NULL ? omp_get_wtime() : 0.0;
     for (int l = 0; l < n_layers; l++) {
         const layer_weights *w = lw + l;
@@ -68,7 +73,7 @@ void decode_layers_f32(
         PHASE_END(PH_NORM_ATTN);
         gemv_team(w->w_qkv, h, E, w->b_qkv, qkv, O_qkv, O_qkv, E, M, 0);
         PHASE_END(PH_QKV);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t item = 0; item < M * n_rot; item++) {  /* (row, q or k head) */
             const int64_t m = item / n_rot, j = item % n_rot;
             float *row = qkv + m * O_qkv;
@@ -87,6 +92,7 @@ void decode_layers_f32(
                 }
             }
         }
+        team_end();
         PHASE_END(PH_ROPE_WRITE);
         if (codec)
             codec_decode_attention_team(qkv, O_qkv, codec, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
@@ -106,5 +112,6 @@ void decode_layers_f32(
         gemv_team(w->w_down, act, I, w->b_down, x, E, E, I, M, 1);
         PHASE_END(PH_DOWN);
     }
+    current_team_sync = NULL;
     }
 }

@@ -8,7 +8,7 @@
 #include "decode_ops.h"
 
 void rms_norm_team(const float *x, const float *weight, float *out, int64_t rows, int64_t E, float eps) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * E;
         float *o = out + r * E;
@@ -19,6 +19,7 @@ void rms_norm_team(const float *x, const float *weight, float *out, int64_t rows
 #pragma omp simd
         for (int64_t i = 0; i < E; i++) o[i] = weight[i] * (xr[i] * inv);
     }
+    team_end();
 }
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows r of E floats (transformers' LlamaRMSNorm) */
@@ -43,7 +44,7 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
     /* output rows done TILE_ROWS at a time by dots_tile; one input row (batch-1 decode) streams faster through
      * dot_f32 */
     const int64_t tiled = I % VN == 0 && M > 1 ? O / TILE_ROWS * TILE_ROWS : 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t o = 0; o < tiled; o += TILE_ROWS) {
         const float *rows[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) rows[r] = W + (o + r) * I;
@@ -66,7 +67,7 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
             }
         }
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t o = tiled; o < O; o++) {
         const float *w = W + o * I;
         for (int64_t m = 0; m < M; m++) {
@@ -75,6 +76,7 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
             *ym = accumulate ? *ym + acc : acc;
         }
     }
+    team_end();
 }
 
 /* y[m, o] = dot(W[o, :], x[m, :]) (+ b[o]) for a few rows m < M of x [M, I] against W [O, I] (row-major, the
@@ -92,7 +94,7 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
     /* TILE_ROWS / 2 outputs at a time by dots_tile (their gate rows, then their up rows); one input row: dot_f32 */
     enum { P = TILE_ROWS / 2 };
     const int64_t tiled = E % VN == 0 && M > 1 ? I / P * P : 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t o = 0; o < tiled; o += P) {
         const float *rows[TILE_ROWS];
         for (int r = 0; r < P; r++) {
@@ -116,7 +118,7 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
             }
         }
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t o = tiled; o < I; o++) {
         const float *wg = W + o * E, *wu = W + (I + o) * E;
         for (int64_t m = 0; m < M; m++) {
@@ -126,6 +128,7 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
             act[m * I + o] = g / (1.0f + expf(-g)) * u;
         }
     }
+    team_end();
 }
 
 /* The index of the largest of x[0..n) as torch.argmax gives it: the first NaN if there is one, else the first

@@ -150,7 +150,7 @@ void paged_decode_attention_team(
     const int64_t n_chunks = T / chunk_slots;
     const int64_t n_items = (int64_t)S * H * n_chunks;
 
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t item = 0; item < n_items; item++) {
         work_item w;
         if (!work_item_at(item, n_chunks, chunk_slots, H, G, D, T, q, q_ss, tables, tab_ss, tab_sh, lengths, len_ss,
@@ -166,6 +166,7 @@ void paged_decode_attention_team(
         else
             attend_chunk(w.qh, k_pool, v_pool, w.table, tab_sj, bs, G, D, scale, w.t0, w.t1, T, w.sc, w.part);
     }
+    team_end();
     merge_chunks(lengths, len_ss, len_sh, S, H, G, D, T, chunk_slots, out, key_scores, scores, partials);
 }
 
