@@ -43,7 +43,7 @@ def profile_shape(engine, model, ctx: int, batch: int, n: int, vocab: int) -> di
     head = TimedLinear(model.lm_head)
     model.lm_head = head
     try:
-        engine.generate(prompts, max_new_tokens=2)  # warm-up: buffers, thread choice
+        engine.generate(prompts, max_new_tokens=n + 1)  # warm-up: the pool's pages, buffers, thread choice
         head.seconds = 0.0
         with kernels.PhaseClock() as clock:
             gens = engine.generate(prompts, max_new_tokens=n + 1)
