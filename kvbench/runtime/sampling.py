@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.runtime.backends.cpu.kernels import argmax_rows
+
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / temperature) over the top-p nucleus, float32 on the
@@ -19,9 +21,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int]:
     """logits [S, V] -> one token id per row (argmax when temperature <= 0)."""
     if temperature <= 0:
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            from kvbench.runtime.backends.cpu.kernels import argmax_rows  # the C kernels: lazily, CPU only
-
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:  # the C kernels' argmax (csrc/decode_ops.c)
             toks = argmax_rows(logits)
             if toks is not None:
                 return toks
