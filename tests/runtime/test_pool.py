@@ -27,6 +27,16 @@ def append(cache, slot, n, start):
         cache.write(layer, plan, val.expand(1, H, n, D), -val.expand(1, H, n, D))
 
 
+def random_keep(lens, n, g):
+    """keep_tokens' argument [H, K] dropping n random tokens of each head's lens[h] (-1 pads)."""
+    keep = torch.full((H, int(lens.max())), -1, dtype=torch.int64)
+    for h in range(H):
+        m = int(lens[h])
+        chosen = torch.randperm(m, generator=g)[: max(0, m - n)].sort().values
+        keep[h, : chosen.numel()] = chosen
+    return keep[:, : max(1, int((keep >= 0).sum(-1).max()))]
+
+
 def assert_tables_consistent(cache):
     bs = cache.block_size
     expected = 0
@@ -160,13 +170,7 @@ def test_random_operations_never_leak(ops, bs):
             nxt[s] += n
         elif op == "keep":
             layer = which % L
-            lens = cache.lengths[s, layer]
-            keep = torch.full((H, int(lens.max())), -1, dtype=torch.int64)
-            for h in range(H):
-                m = int(lens[h])
-                chosen = torch.randperm(m, generator=g)[: max(0, m - n)].sort().values
-                keep[h, : chosen.numel()] = chosen
-            cache.keep_tokens(layer, s, keep[:, : max(1, int((keep >= 0).sum(-1).max()))])
+            cache.keep_tokens(layer, s, random_keep(cache.lengths[s, layer], n, g))
         elif op == "evict_block":
             layer, h = which % L, (which // L) % H
             m = int(cache.lengths[s, layer, h])
@@ -319,15 +323,9 @@ def test_host_decode_append_builds_the_general_paths_plan(ops, bs):
             nxt[s] += n
         elif op == "keep":
             layer = which % L
-            lens = fast.lengths[s, layer]
-            keep = torch.full((H, int(lens.max())), -1, dtype=torch.int64)
-            g = torch.Generator().manual_seed(seed)
-            for h in range(H):
-                m = int(lens[h])
-                chosen = torch.randperm(m, generator=g)[: max(0, m - n)].sort().values
-                keep[h, : chosen.numel()] = chosen
+            keep = random_keep(fast.lengths[s, layer], n, torch.Generator().manual_seed(seed))
             for c in (fast, slow):
-                c.keep_tokens(layer, s, keep[:, : max(1, int((keep >= 0).sum(-1).max()))])
+                c.keep_tokens(layer, s, keep)
         elif op == "evict_block":
             layer, h = which % L, (which // L) % H
             full = int(fast.lengths[s, layer, h]) // bs
