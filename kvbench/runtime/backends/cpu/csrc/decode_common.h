@@ -352,8 +352,9 @@ static inline int work_item_at(int64_t item, int64_t n_chunks, int chunk_slots, 
 
 /* The second pass of both kernels: merge the n_chunks partials (acc[D], max, sum per query head) of each
  * (sequence, kv-head) into out [S, H*G, D], and, when key_scores is not NULL, normalise the exp'd scores of
- * every chunk (scores [S, H, G, T]) by the final max and sum into key_scores [S, H, T]. A work-shared loop: called
- * by every thread of the enclosing parallel region (after the chunks' loop and its barrier; a barrier ends it), or serially outside. */
+ * every chunk (scores [S, H, G, T]) by the final max and sum into key_scores [S, H, T]. A work-shared loop ended by
+ * team_end's barrier: called by every thread of the enclosing parallel region (after the chunks' loop and its
+ * barrier), or serially outside. */
 static inline void merge_chunks(const int64_t *lengths, int64_t len_ss, int64_t len_sh, int S, int H, int G,
                                 int D, int64_t T, int chunk_slots, float *out, float *key_scores,
                                 const float *scores, const float *partials)
