@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbench.registry import METHODS
-from kvbench.runtime.hooks import NoCompression
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import NoCompression
+from kvbench.runtime.contract import LayerContext
 
 
 @dataclass

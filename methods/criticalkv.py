@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import ScorerWrapper, check_bool, check_float, valid_mask
 

@@ -37,10 +37,10 @@ from kvbench.data.essays import load_essays
 from kvbench.errors import UserError
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionMethod, check_bool, check_float, check_int
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.kv_eviction import MethodCacheView
-from kvbench.runtime.model import LayerContext
-from kvbench.runtime.rope import apply_rotary
+from kvbench.runtime.contract import Engine
+from kvbench.runtime.contract import MethodCacheView
+from kvbench.runtime.contract import LayerContext
+from kvbench.runtime.contract import apply_rotary
 
 PATTERN_FILE = "full_attention_heads.tsv"
 ON_THE_FLY_SINKS = 128  # kvpress: sink_size, recent_size = 128, 256 for duo_attention_on_the_fly

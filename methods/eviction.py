@@ -37,9 +37,9 @@ from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.methods.base import Method
 from kvbench.methods.base import METHODS
-from kvbench.runtime.kv_eviction import MethodCacheView
-from kvbench.runtime.model import LayerContext
-from kvbench.runtime.tensor_parallel import full_kv_heads, gather_head_scores, local_keep, sum_over_ranks, tp_size_of
+from kvbench.runtime.contract import MethodCacheView
+from kvbench.runtime.contract import LayerContext
+from kvbench.runtime.contract import full_kv_heads, gather_head_scores, local_keep, sum_over_ranks, tp_size_of
 
 PREFILL_MODES = ("paper", "streaming")
 HEAD_MODES = ("shared", "per_head")

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.eviction import ScoreEvictionMethod, check_float
 from kvbench.methods.base import register_method
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.eviction import (POOLINGS, ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep,
                                 top_tokens, valid_mask)
 from kvbench.methods.base import register_method

@@ -35,8 +35,8 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
-from kvbench.runtime.tensor_parallel import full_kv_heads, gather_head_scores, local_keep, tp_size_of
+from kvbench.runtime.contract import LayerContext
+from kvbench.runtime.contract import full_kv_heads, gather_head_scores, local_keep, tp_size_of
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import (EvictionMethod, check_bool, check_int, gather_aligned, top_tokens_in_layer,
                                       valid_mask)

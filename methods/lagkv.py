@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import check_bool, check_int

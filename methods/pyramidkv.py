@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import check_int, top_tokens
 from kvbench.methods.snapkv import SnapKV

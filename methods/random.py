@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.eviction import EvictionMethod, check_choice, check_int
 from kvbench.methods.base import register_method
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import HEAD_MODES, ScoreEvictionMethod, check_choice, window_attention_scores
 

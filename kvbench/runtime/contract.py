@@ -1,0 +1,108 @@
+"""The method contract: everything of the runtime a compression method may use, in one module.
+
+A method (methods/*.py, or a researcher's own file) imports the runtime from here only:
+  NoCompression, CacheHooks     the hook protocol the engine calls, and its do-nothing default
+  LayerContext                  what a hook sees after (or before) one layer's attention of one forward step
+  MethodCacheView               the cache operations a method may call (keep_tokens, evict_blocks, drop_slots, ...)
+  Observation                   what a scorer reads for one (sequence, layer): keys, values, positions, lengths,
+                                the observation window's queries and the accumulated attention mass when asked for
+  RotaryTable, apply_rotary, rotate_half       RoPE, for methods that undo or redo it
+  tensor-parallel helpers       for methods that rank tokens across kv-heads on a sharded model
+  Engine                        for methods that run passes of their own (DuoAttention's calibration)
+
+Nothing in kvbench/runtime imports this module: it sits on top of the runtime, as the door methods come in by.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from kvbench.runtime.engine import Engine
+from kvbench.runtime.hooks import CacheHooks, NoCompression
+from kvbench.runtime.kv_eviction import MethodCacheView
+from kvbench.runtime.model import LayerContext
+from kvbench.runtime.rope import RotaryTable, apply_rotary, rotate_half
+from kvbench.runtime.tensor_parallel import (full_kv_heads, gather_head_scores, local_keep, sum_over_ranks,
+                                             tp_size_of)
+
+__all__ = [
+    "CacheHooks", "NoCompression", "LayerContext", "MethodCacheView", "Observation", "RotaryTable", "apply_rotary",
+    "rotate_half", "full_kv_heads", "gather_head_scores", "local_keep", "sum_over_ranks", "tp_size_of", "Engine",
+]
+
+
+@dataclass
+class Observation:
+    """What a scorer may read for one sequence in one layer, gathered by the runtime from the step's LayerContext.
+
+    keys, values [H_kv, T, D] as cached (pre- or post-RoPE as the method asked: `pre_rope`), positions [H_kv, T]
+    (each token's original position; -1 past a head's length), lengths [H_kv] (valid slots per kv-head). The cached
+    tensors are gathered on first read only, so a scorer that reads none of them pays nothing.
+    queries [H_q, W, D] and query_positions [W]: the observation window (the last W queries of the sequence, carried
+    across prefill chunks) when the method declares `query_window`; None otherwise.
+    attention [H_kv, T]: attention mass each cached token received, accumulated over every query so far (summed over
+    each kv-head's query heads) when the method declares `accumulates_attention`; None otherwise.
+    phase "prefill" | "decode"; last_chunk: the prompt's final chunk (always True in decode); layer; slot;
+    tokens_seen: tokens appended to the sequence so far, evicted ones included; model_config; rotary: the RoPE table;
+    context: the LayerContext itself (for methods that read the step's raw queries, ctx.q).
+    """
+
+    layer: int
+    slot: int
+    phase: str
+    last_chunk: bool
+    lengths: torch.Tensor  # [H_kv]
+    tokens_seen: int
+    model_config: Any
+    cache: Any = field(repr=False)
+    context: Optional[LayerContext] = field(default=None, repr=False)
+    queries: Optional[torch.Tensor] = None  # [H_q, W, D]
+    query_positions: Optional[torch.Tensor] = None  # [W]
+    attention: Optional[torch.Tensor] = None  # [H_kv, T]
+    rotary: Optional[RotaryTable] = None
+    _kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+
+    def _gathered(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._kv is None:
+            self._kv = self.cache.gather(self.layer, self.slot)  # [H, T, D], [H, T, D], [H, T]
+        return self._kv
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[H_kv, T, D] keys as cached."""
+        return self._gathered()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[H_kv, T, D] values as cached."""
+        return self._gathered()[1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[H_kv, T] original token positions of the cached slots."""
+        return self._gathered()[2]
+
+    @property
+    def pre_rope(self) -> bool:
+        """Whether `keys` are cached before RoPE."""
+        return bool(self.cache.store_pre_rope)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[H_kv, T] True where a slot holds a token (T = the longest table of the layer)."""
+        T = self.keys.shape[1]
+        return torch.arange(T, device=self.lengths.device)[None, :] < self.lengths[:, None]
+
+    @property
+    def num_query_heads(self) -> int:
+        return int(self.model_config.num_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.cache.block_size)
