@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import ScorerWrapper, check_float
+from kvbench.methods.checks import check_float
+from kvbench.methods.wrappers import ScorerWrapper
 
 
 @register_method("adakv")
@@ -36,5 +37,5 @@ class AdaKV(ScorerWrapper):
         super().__post_init__()
         check_float(self.name, "alpha_safeguard", self.alpha_safeguard, 0.0, 1.0)
 
-    def min_tokens_per_head(self) -> int:
-        return int(self.budget * self.alpha_safeguard)  # kvpress: int(n_kept * alpha_safeguard)
+    def min_tokens_per_head(self, budget: int) -> int:
+        return int(budget * self.alpha_safeguard)  # kvpress: int(n_kept * alpha_safeguard)

@@ -1,13 +1,15 @@
-"""The interface every compression method implements, and the registry of methods by name
-(kvbench.registry.METHODS, whose base class is set here)."""
+"""The interface every compression method implements, the registry of methods by name (kvbench.registry.METHODS,
+whose base class is set here) and `build_method`."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
+from kvbench.errors import UserError
 from kvbench.registry import METHODS
 from kvbench.runtime.contract import NoCompression
+from kvbench.spec import check_budget, check_compression
 from kvbench.runtime.contract import LayerContext
 
 
@@ -75,3 +77,29 @@ class Method(NoCompression):
 
 METHODS.set_base(Method)
 register_method = METHODS.register
+
+
+def available_methods() -> list[str]:
+    return METHODS.names()
+
+
+def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int] = None,
+                 compression_ratio: Optional[float] = None, **options: Any) -> Method:
+    """Instantiate a method by name. `budget` and `compression_ratio` are the top-level knobs (one of them);
+    `seed` (the run's top-level seed) reaches methods with a `seed` option left null. Unknown names and options
+    raise UserError naming the choices; budget and compression_ratio are checked by kvbench.spec."""
+    cls = METHODS.get(name)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"budget", "compression_ratio"}
+    bad = sorted(set(options) - fields)
+    if bad:
+        valid = ", ".join(sorted(fields)) or "(none)"
+        raise UserError(f"unknown option method.{bad[0]} for method {name!r}; valid options are {valid}")
+    if "seed" in fields and options.get("seed") is None and seed is not None:
+        options["seed"] = seed
+    compression_ratio = check_compression(check_budget(budget), compression_ratio)
+    try:
+        if compression_ratio is not None:
+            options["compression_ratio"] = compression_ratio
+        return cls(budget=budget, **options)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"invalid settings for method {name!r}: {exc}") from None

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
-from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import ScorerWrapper, check_bool, check_float, valid_mask
+from kvbench.methods.checks import check_bool, check_float
+from kvbench.methods.selection import valid_mask
+from kvbench.methods.wrappers import ScorerWrapper
+from kvbench.runtime.contract import Observation
 
 
 def projected_value_norms(v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
@@ -76,8 +78,8 @@ class CriticalKV(ScorerWrapper):
         check_float(self.name, "first_stage_ratio", self.first_stage_ratio, 0.0, 1.0)
         check_float(self.name, "alpha_safeguard", self.alpha_safeguard, 0.0, 1.0)
 
-    def min_tokens_per_head(self) -> int:
-        return int(self.budget * self.alpha_safeguard)
+    def min_tokens_per_head(self, budget: int) -> int:
+        return int(budget * self.alpha_safeguard)
 
     def _w_o(self, layer: int) -> torch.Tensor:
         engine = getattr(self, "engine", None)
@@ -85,27 +87,31 @@ class CriticalKV(ScorerWrapper):
             raise RuntimeError("criticalkv needs the engine's model (W_o): the engine calls bind_engine")
         return engine.model.layers[layer].o.dense_weight()  # [E, Hq * D]
 
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        cache, layer = ctx.cache, ctx.layer
+    def select(self, obs: Observation, budget: int, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """The wrapper's selection over the two-stage mask (critical_mask): exactly its tokens per head."""
+        return super().select(obs, budget, self.critical_mask(obs, budget) if scores is None else scores)
+
+    def critical_mask(self, obs: Observation, budget: int) -> torch.Tensor:
+        """[H, T] 1.0 for the tokens CriticalKV keeps, else 0.0 (the selection's scores)."""
+        layer = obs.layer
         # on kvpress's scale (SnapKV: means over the window, not sums), which epsilon is relative to
-        base = self.inner.score(ctx, i, slot).float() * self.inner.score_scale(ctx, slot)  # [H, T]
-        lengths = cache.lengths[slot, layer]  # [H]
+        base = self.inner.score(obs).float() * self.inner.score_scale(obs)  # [H, T]
+        lengths = obs.lengths  # [H]
         H, T = base.shape
         valid = valid_mask(lengths, T)
-        recent = self.recent_kept(ctx)
+        recent = self.recent_kept(obs, budget)
         protect = valid & (torch.arange(T, device=base.device)[None, :] >= (lengths[:, None] - recent))
         base = base.clamp(max=torch.finfo(torch.float32).max)  # the scorer's +inf: finite, ranked by tier below
         if self.head_adaptive:  # the layer's kv_heads x budget allocated jointly by the base's scores
             s = base.masked_fill(protect, float("inf")).masked_fill(~valid, float("-inf"))
-            safe = s.topk(min(self.min_tokens_per_head(), T), dim=-1).indices
+            safe = s.topk(min(self.min_tokens_per_head(budget), T), dim=-1).indices
             s = s.scatter(-1, safe, float("inf"))
-            total = min(H * self.budget, int(lengths.sum()))
+            total = min(H * budget, int(lengths.sum()))
             picked = s.reshape(-1).topk(total).indices // T
             n_head = torch.bincount(picked, minlength=H)  # [H] tokens each kv-head keeps
         else:
-            n_head = torch.clamp(lengths, max=self.budget)
-        _, v, _ = cache.gather(layer, slot)  # [H, T, D]
-        norms = projected_value_norms(v, self._w_o(layer))  # [H, T]
+            n_head = torch.clamp(lengths, max=budget)
+        norms = projected_value_norms(obs.values, self._w_o(layer))  # values [H, T, D] -> [H, T]
         first = (n_head.float() * self.first_stage_ratio).long()  # kvpress: int(n * first_stage_ratio),
         if self.first_stage_ratio > 0:  # at least 1 (CriticalKVPress) where a head keeps any
             first = torch.where(n_head > 0, first.clamp(min=1), first)

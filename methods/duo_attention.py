@@ -35,12 +35,10 @@ import torch
 
 from kvbench.data.essays import load_essays
 from kvbench.errors import UserError
-from kvbench.methods.base import register_method
-from kvbench.methods.eviction import EvictionMethod, check_bool, check_float, check_int
-from kvbench.runtime.contract import Engine
-from kvbench.runtime.contract import MethodCacheView
-from kvbench.runtime.contract import LayerContext
-from kvbench.runtime.contract import apply_rotary
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.checks import check_bool, check_float, check_int
+from kvbench.methods.eviction import EvictionMethod
+from kvbench.runtime.contract import Engine, LayerContext, MethodCacheView, Observation, apply_rotary
 
 PATTERN_FILE = "full_attention_heads.tsv"
 ON_THE_FLY_SINKS = 128  # kvpress: sink_size, recent_size = 128, 256 for duo_attention_on_the_fly
@@ -143,7 +141,7 @@ def on_the_fly_scores(engine: Any, samples: list[list[int]]) -> torch.Tensor:
 
 @register_method("duo_attention")
 @dataclass
-class DuoAttention(EvictionMethod):
+class DuoAttention(EvictionMethod, Method):
     """Retrieval heads keep everything; streaming heads keep sinks + recent window (budget = sinks + window)."""
 
     granularity: ClassVar[str] = "block"
@@ -184,9 +182,9 @@ class DuoAttention(EvictionMethod):
         if self.head_scores is not None:
             self.mask = streaming_mask(self.head_scores, self.head_compression_ratio)
 
-    @property
-    def window(self) -> int:
-        return self.budget - self.sinks
+    def window(self, budget: int) -> int:
+        """The streaming heads' recent window under `budget`."""
+        return budget - self.sinks
 
     def min_budget(self) -> int:
         """The smallest budget a sequence may get (a budget derived from a compression ratio): sinks + 1."""
@@ -231,35 +229,36 @@ class DuoAttention(EvictionMethod):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.pop("head_scores", None)
-        d["window"] = self.window if self.budget is not None else None
+        d["window"] = self.window(self.budget) if self.budget is not None else None
         if self.mask is not None:
             d["streaming_heads"] = int(self.mask.sum())
         return d
 
     # ------------------------------------------------------------------ eviction
-    def _evict_streaming(self, ctx: LayerContext, i: int, slot: int, trigger: int) -> None:
+    def _evict_streaming(self, obs: Observation, budget: int, trigger: int) -> None:
         if self.mask is None:
             raise RuntimeError("duo_attention: no head pattern (the engine did not call bind_engine)")
-        lengths = ctx.plan.table_lengths(i, ctx.layer)  # [H] host ints
-        streaming = self.mask[ctx.layer].tolist()
+        lengths = obs.table_lengths()  # [H] host ints
+        streaming = self.mask[obs.layer].tolist()
         if not any(s and n >= trigger for s, n in zip(streaming, lengths)):
             return
-        dev = ctx.cache.lengths.device
+        dev = obs.cache.lengths.device
+        window = self.window(budget)
         rows = []
         for s, n in zip(streaming, lengths):
-            if s and n > self.budget:
-                rows.append(torch.cat([torch.arange(self.sinks, device=dev), torch.arange(n - self.window, n, device=dev)]))
+            if s and n > budget:
+                rows.append(torch.cat([torch.arange(self.sinks, device=dev), torch.arange(n - window, n, device=dev)]))
             else:
                 rows.append(torch.arange(n, device=dev))
         width = max(r.numel() for r in rows)
         keep = torch.full((len(rows), width), -1, dtype=torch.int64, device=dev)
         for h, r in enumerate(rows):
             keep[h, : r.numel()] = r
-        self.keep(ctx, slot, keep)
+        self.keep(obs, keep)
 
-    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
-        self._evict_streaming(ctx, i, slot, self.budget + 1)
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
+        self._evict_streaming(obs, budget, budget + 1)
 
-    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+    def evict_decode(self, obs: Observation, budget: int) -> None:
         # the window slides a block at a time: a streaming head at budget + block_size drops back to budget
-        self._evict_streaming(ctx, i, slot, self.budget + ctx.cache.block_size)
+        self._evict_streaming(obs, budget, budget + obs.block_size)

@@ -17,15 +17,16 @@ RoPE table (exact inverse, attention scaling included).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
-from kvbench.runtime.contract import RotaryTable, rotate_half
-from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import check_bool, check_float, check_int, valid_mask
+from kvbench.methods.checks import check_bool, check_float, check_int
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.methods.selection import valid_mask
+from kvbench.runtime.contract import Observation, RotaryTable, rotate_half
 
 
 def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,9 +46,10 @@ def averaged_rope(rotary: RotaryTable, start: int, n: int) -> torch.Tensor:
 
 @register_method("expected_attention")
 @dataclass
-class ExpectedAttention(KVPressScorer):
+class ExpectedAttention(ScorerMethod):
     """Expected attention of future queries (query mean/covariance, averaged RoPE), times ||v||."""
 
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True
@@ -62,17 +64,17 @@ class ExpectedAttention(KVPressScorer):
         check_bool(self.name, "use_vnorm", self.use_vnorm)
         check_float(self.name, "epsilon", self.epsilon, 0.0, float("inf"))
 
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
+    def observe(self, obs: Observation) -> None:
         """Accumulate sums of the pre-RoPE prompt queries (positions >= n_sink) and of their outer products."""
-        if ctx.phase != "prefill":
+        if obs.phase != "prefill":
             return
-        if ctx.rotary is None:
+        if obs.rotary is None:
             raise RuntimeError(f"{self.name}: the runtime gave no RoPE table (LayerContext.rotary)")
-        pos = ctx.plan.query_positions[i]  # [Q]
-        cos, sin = ctx.rotary.lookup(pos)  # [Q, D]
-        q = unrotate(ctx.q[i].float(), cos.float(), sin.float())  # [Hq, Q, D] pre-RoPE
+        pos = obs.step_query_positions  # [Q]
+        cos, sin = obs.rotary.lookup(pos)  # [Q, D]
+        q = unrotate(obs.step_queries.float(), cos.float(), sin.float())  # [Hq, Q, D] pre-RoPE
         q = q[:, pos >= self.n_sink].double()  # [Hq, N, D]
-        st = self.state(slot, ctx.layer)
+        st = self.state(obs.slot, obs.layer)
         if "q_sum" not in st:
             Hq, _, D = q.shape
             st["q_sum"] = q.new_zeros(Hq, D)
@@ -83,26 +85,24 @@ class ExpectedAttention(KVPressScorer):
             st["q_outer"] += torch.matmul(q.transpose(1, 2), q)  # [Hq, D, D]
         st["q_count"] += q.shape[1]
 
-    def query_statistics(self, ctx: LayerContext, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def query_statistics(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """mu [Hq, D] and Sigma [Hq, D, D] (or None) of the future queries, rotated by the averaged RoPE."""
-        st = self.state(slot, ctx.layer)
+        st = self.state(obs.slot, obs.layer)
         n = max(st.get("q_count", 0), 1)
         mu = st["q_sum"] / n  # [Hq, D]
         cov = st["q_outer"] / n - mu[:, :, None] * mu[:, None, :] if self.use_covariance else None
-        R = averaged_rope(ctx.rotary, int(ctx.cache.tokens_seen[slot]), self.n_future_positions)  # [D, D]
+        R = averaged_rope(obs.rotary, obs.tokens_seen, self.n_future_positions)  # [D, D]
         mu = mu @ R.T
         if cov is not None:
             cov = R @ cov @ R.T
         return mu, cov
 
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        cache = ctx.cache
-        if cache.store_pre_rope:
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.pre_rope:
             raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
-        k, v, _ = cache.gather(ctx.layer, slot)  # [H, T, D]
-        lengths = cache.lengths[slot, ctx.layer]  # [H]
+        k, v, lengths = obs.keys, obs.values, obs.lengths  # [H, T, D], [H, T, D], [H]
         H, T, D = k.shape
-        mu, cov = self.query_statistics(ctx, slot)
+        mu, cov = self.query_statistics(obs)
         G = mu.shape[0] // H
         kf = k.float()
         mu = mu.float().view(H, G, D)
@@ -117,8 +117,8 @@ class ExpectedAttention(KVPressScorer):
             s = (s + self.epsilon) * v.float().norm(dim=-1)
         return s.masked_fill(~scored & valid_mask(lengths, T), float("inf"))  # the sinks are always kept
 
-    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
-        super().evict_prefill(ctx, i, slot)
-        if ctx.last_chunk:  # the prompt is done: its query statistics are no longer needed
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
+        super().evict_prefill(obs, budget)
+        if obs.last_chunk:  # the prompt is done: its query statistics are no longer needed
             for key in ("q_sum", "q_outer", "q_count"):
-                self.state(slot, ctx.layer).pop(key, None)
+                self.state(obs.slot, obs.layer).pop(key, None)

@@ -18,35 +18,36 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.runtime.contract import LayerContext
-from kvbench.methods.eviction import ScoreEvictionMethod, check_float
 from kvbench.methods.base import register_method
+from kvbench.methods.checks import check_float
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.runtime.contract import Observation
 
 
 @register_method("h2o")
 @dataclass
-class H2O(ScoreEvictionMethod):
+class H2O(ScorerMethod):
     """Heavy hitters (accumulated attention) plus a recent window, per kv-head."""
 
-    needs_key_scores: ClassVar[bool] = True
+    accumulates_attention: ClassVar[bool] = True  # declared: obs.attention
+    keeps_newest_at_prefill: ClassVar[bool] = True
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("evict", "none")
+    decode: str = "evict"
     recent_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float(self.name, "recent_ratio", self.recent_ratio, 0.0, 1.0)
 
-    def recent_window(self) -> int:
-        return int(round(self.budget * self.recent_ratio))
+    def recent_window(self, budget: int) -> int:
+        return int(round(budget * self.recent_ratio))
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         per_sequence = self.budget is None  # compression_ratio: the split is made per sequence
-        d["recent_tokens"] = None if per_sequence else self.recent_window()
-        d["heavy_tokens"] = None if per_sequence else self.budget - self.recent_window()
+        d["recent_tokens"] = None if per_sequence else self.recent_window(self.budget)
+        d["heavy_tokens"] = None if per_sequence else self.budget - self.recent_window(self.budget)
         return d
 
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
-        self.accumulate_key_scores(ctx, i, slot)
-
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        return self.state(slot, ctx.layer)["scores"]  # [H, T] accumulated attention
+    def score(self, obs: Observation) -> torch.Tensor:
+        return obs.attention  # [H, T] accumulated attention

@@ -15,21 +15,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.methods.eviction import BlockScoreEvictionMethod
 from kvbench.methods.base import register_method
+from kvbench.methods.paged_eviction import BlockScorerMethod
+from kvbench.runtime.contract import Observation
 
 
 @register_method("key_diff")
 @dataclass
-class KeyDiff(BlockScoreEvictionMethod):
+class KeyDiff(BlockScorerMethod):
     """-cosine to the mean normalised key; block-wise eviction."""
 
     heads: str = "per_head"
     protect_first_block: bool = True
     prefill_keep_first_block: bool = True
 
-    def token_scores(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        # k: [H, T, D], valid [H, T] -> [H, T]
-        kn = F.normalize(k, dim=-1) * valid[..., None]
+    def score(self, obs: Observation) -> torch.Tensor:
+        valid = obs.valid  # [H, T]
+        kn = F.normalize(obs.keys.float(), dim=-1) * valid[..., None]  # keys [H, T, D]
         mean = kn.sum(1) / valid.sum(-1, keepdim=True).clamp(min=1)  # [H, D]
         return -torch.einsum("htd,hd->ht", kn, F.normalize(mean, dim=-1))

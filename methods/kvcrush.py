@@ -23,10 +23,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.runtime.contract import LayerContext
-from kvbench.methods.eviction import (POOLINGS, ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep,
-                                top_tokens, valid_mask)
 from kvbench.methods.base import register_method
+from kvbench.methods.checks import check_choice, check_float, check_int
+from kvbench.methods.observers import POOLINGS, snapkv_scores
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.methods.selection import sort_keep, top_tokens, valid_mask
+from kvbench.runtime.contract import Observation
 
 IMPORTANCE = ("h2o", "snapkv")
 ANCHORS = ("random", "zeros", "ones", "mean")
@@ -73,7 +75,7 @@ def spread_picks(order: torch.Tensor, m: torch.Tensor, n_rep: int) -> torch.Tens
 
 @register_method("kvcrush")
 @dataclass
-class KVCrush(ScoreEvictionMethod):
+class KVCrush(ScorerMethod):
     """Importance top-(1-r) plus r representatives spread over the Hamming-distance order."""
 
     r: float = 0.25
@@ -85,6 +87,7 @@ class KVCrush(ScoreEvictionMethod):
     kernel_size: int = 5
     pooling: str = "avgpool"
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("rescore", "none")
+    keeps_newest_at_prefill: ClassVar[bool] = True
     decode: str = "rescore"
 
     def tensor_parallel_refusal(self) -> str | None:
@@ -105,37 +108,34 @@ class KVCrush(ScoreEvictionMethod):
         self._anchors: dict[int, torch.Tensor] = {}
 
     @property
-    def needs_key_scores(self) -> bool:  # type: ignore[override]
-        return self.importance == "h2o"
+    def accumulates_attention(self) -> bool:  # type: ignore[override]
+        return self.importance == "h2o"  # declared: obs.attention (H2O importance)
 
     @property
-    def n_rep(self) -> int:
-        return int(round(self.r * self.budget))
+    def query_window(self) -> int:
+        return 0 if self.importance == "h2o" else self.window  # declared: obs.queries (SnapKV importance)
+
+    def n_rep(self, budget: int) -> int:
+        return int(round(self.r * budget))
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         per_sequence = self.budget is None  # compression_ratio: the split is made per sequence
-        d["representatives"] = None if per_sequence else self.n_rep
-        d["important_tokens"] = None if per_sequence else self.budget - self.n_rep
+        d["representatives"] = None if per_sequence else self.n_rep(self.budget)
+        d["important_tokens"] = None if per_sequence else self.budget - self.n_rep(self.budget)
         d["signature"] = "top-half bit per kv-head"
         return d
 
-    def recent_window(self) -> int:
-        n_imp = self.budget - self.n_rep
+    def recent_window(self, budget: int) -> int:
+        n_imp = budget - self.n_rep(budget)
         if self.importance == "h2o":
             return int(round(n_imp * self.recent_ratio))
         return min(self.window, n_imp)
 
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
+    def score(self, obs: Observation) -> torch.Tensor:
         if self.importance == "h2o":
-            self.accumulate_key_scores(ctx, i, slot)
-        else:
-            self.push_queries(ctx, i, slot, self.window)
-
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        if self.importance == "h2o":
-            return self.state(slot, ctx.layer)["scores"]
-        return self.snapkv_scores(ctx, slot, self.window, self.kernel_size, self.pooling)
+            return obs.attention
+        return snapkv_scores(obs, self.window, self.kernel_size, self.pooling, self.name)
 
     def anchor_bits(self, layer: int, signatures: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Anchor signature per selecting head [H, B] bool."""
@@ -154,15 +154,16 @@ class KVCrush(ScoreEvictionMethod):
             self._anchors[layer] = torch.randint(0, 2, (B,), generator=g).bool()
         return self._anchors[layer].to(signatures.device)[None, :].expand(H, B)
 
-    def select(self, ctx: LayerContext, i: int, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        scores = self.score(ctx, i, slot)  # [H, T]
-        return self.crush(scores, lengths, ctx.layer)
+    def select(self, obs: Observation, budget: int) -> torch.Tensor:
+        return self.crush(self.score(obs), obs.lengths, obs.layer, budget)  # scores [H, T]
 
-    def crush(self, scores: torch.Tensor, lengths: torch.Tensor, layer: int) -> torch.Tensor:
-        """Keep set [H, budget] from importance scores [H, T] of a table over budget."""
+    def crush(self, scores: torch.Tensor, lengths: torch.Tensor, layer: int, budget: int | None = None) -> torch.Tensor:
+        """Keep set [H, budget] from importance scores [H, T] of a table over budget (by default the configured
+        budget)."""
+        budget = self.budget if budget is None else budget
         H, T = scores.shape
-        n_rep = self.n_rep
-        important = top_tokens(scores, self.budget - n_rep, lengths, recent=self.recent_window())  # [H, n_imp]
+        n_rep = self.n_rep(budget)
+        important = top_tokens(scores, budget - n_rep, lengths, recent=self.recent_window(budget))  # [H, n_imp]
         candidates = valid_mask(lengths, T)
         rows = torch.arange(H, device=scores.device)[:, None].expand_as(important)
         ok = important >= 0

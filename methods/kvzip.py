@@ -35,10 +35,11 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
-from kvbench.runtime.contract import full_kv_heads, gather_head_scores, local_keep, tp_size_of
-from kvbench.methods.base import register_method
-from kvbench.methods.eviction import (EvictionMethod, check_bool, check_int, gather_aligned, top_tokens_in_layer,
+from kvbench.runtime.contract import Observation, full_kv_heads, gather_head_scores, local_keep, tp_size_of
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.checks import check_bool, check_int
+from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.selection import (gather_aligned, top_tokens_in_layer,
                                       valid_mask)
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -84,7 +85,7 @@ def reconstruction_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
 
 @register_method("kvzip")
 @dataclass
-class KVzip(EvictionMethod):
+class KVzip(EvictionMethod, Method):
     """Context-reconstruction attention scores; the budget over all layers and heads (or per layer).
 
     On a model sharded by kv-head (runtime.tensor_parallel) the budget still spans every kv-head of the model, so
@@ -123,17 +124,15 @@ class KVzip(EvictionMethod):
         self.next_ids = list(tok.encode(NEXT_PROMPT, add_special_tokens=False))
 
     # --- the hook protocol -------------------------------------------------------------------
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
-        p = self._pass
+    def observe(self, obs: Observation) -> None:
+        p, slot = self._pass, obs.slot
         if not self.reconstructing or p is None or p["slot"] != slot:
             return
-        cache = ctx.cache
-        k, _, k_pos = cache.gather(ctx.layer, slot)  # [H, T, D], [H, T]
-        lengths = cache.lengths[slot, ctx.layer]
-        s = reconstruction_scores(ctx.q[i], ctx.plan.query_positions[i], k, k_pos, lengths, ctx.q.shape[-1] ** -0.5,
+        k, k_pos, lengths = obs.keys, obs.positions, obs.lengths  # [H, T, D], [H, T], [H]
+        s = reconstruction_scores(obs.step_queries, obs.step_query_positions, k, k_pos, lengths, obs.head_dim ** -0.5,
                                   sinks=min(self.n_sink, p["start"]), start=p["start"], end=p["end"],
                                   context_len=p["context_len"])
-        st = self.state(slot, ctx.layer)
+        st = self.state(slot, obs.layer)
         n_ctx = int(((k_pos >= 0) & (k_pos < p["context_len"])).sum(-1).max())  # context slots come first
         old = st.get("scores")
         if old is None:
@@ -142,10 +141,10 @@ class KVzip(EvictionMethod):
             old = torch.nn.functional.pad(old, (0, n_ctx - old.shape[-1]))
         st["scores"] = torch.maximum(old[:, :n_ctx], s[:, :n_ctx])
 
-    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
         pass  # after the step: after_prefill_chunk runs the reconstruction, then evicts
 
-    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+    def evict_decode(self, obs: Observation, budget: int) -> None:
         pass  # decode=none: generated tokens are appended
 
     def after_prefill_chunk(self, slot: int, token_ids: list[int], start_pos: int, last_chunk: bool) -> None:
@@ -193,7 +192,7 @@ class KVzip(EvictionMethod):
             for layer in range(self.engine.cache.num_layers):
                 self.record_kept(self.engine.cache, slot, layer)
 
-    def _record_kept(self, ctx: LayerContext, slot: int) -> None:
+    def _record_kept(self, obs: Observation) -> None:
         pass  # the layer's step ends before the reconstruction and eviction: recorded in after_prefill_chunk
 
     def on_sequence_end(self, slot: int) -> None:

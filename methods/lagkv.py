@@ -16,14 +16,15 @@ by zero (NaN).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
-from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import check_bool, check_int
+from kvbench.methods.checks import check_bool, check_int
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.runtime.contract import Observation
 
 
 def lag_relative_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
@@ -57,9 +58,10 @@ def lagkv_scores(k: torch.Tensor, v: torch.Tensor, n_sink: int, lag: int, cross_
 
 @register_method("lagkv")
 @dataclass
-class LagKV(KVPressScorer):
+class LagKV(ScorerMethod):
     """Lag-relative min-max normalised K/V spread, ranked within partitions; sinks and the tail kept."""
 
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     n_sink: int = 4
     lag_size: int = 128
     cross_scoring: bool = False
@@ -70,8 +72,7 @@ class LagKV(KVPressScorer):
         check_int(self.name, "lag_size", self.lag_size, 1)
         check_bool(self.name, "cross_scoring", self.cross_scoring)
 
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        if ctx.cache.store_pre_rope:
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.pre_rope:
             raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
-        k, v, _ = ctx.cache.gather(ctx.layer, slot)  # [H, T, D]
-        return lagkv_scores(k, v, self.n_sink, self.lag_size, self.cross_scoring)
+        return lagkv_scores(obs.keys, obs.values, self.n_sink, self.lag_size, self.cross_scoring)

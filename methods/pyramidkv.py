@@ -20,11 +20,12 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-
-from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import check_int, top_tokens
-from kvbench.methods.snapkv import SnapKV
+from kvbench.methods.checks import check_int
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.methods.selection import top_tokens
+from kvbench.methods.snapkv import SnapKVScores
+from kvbench.runtime.contract import Observation
 
 
 def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, beta: int) -> list[int]:
@@ -51,7 +52,7 @@ def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, be
 
 @register_method("pyramidkv")
 @dataclass
-class PyramidKV(SnapKV):
+class PyramidKV(SnapKVScores, ScorerMethod):
     """SnapKV's selection with a pyramid of per-layer budgets (average `budget`)."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
@@ -62,10 +63,12 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         check_int(self.name, "beta", self.beta, 1)
 
-    def layer_budget(self, layer: int, n_tokens: int) -> int:
-        """Tokens layer `layer` keeps per kv-head once a prompt of n_tokens is compressed."""
+    def layer_budget(self, layer: int, n_tokens: int, budget: int | None = None) -> int:
+        """Tokens layer `layer` keeps per kv-head once a prompt of n_tokens is compressed (average `budget`, by
+        default the configured one)."""
         L = self.model_config.num_layers
-        return pyramid_budgets(self.budget, n_tokens, L, self.window, self.beta)[layer]
+        budget = self.budget if budget is None else budget
+        return pyramid_budgets(budget, n_tokens, L, self.window, self.beta)[layer]
 
     def table_budget(self, layer: int, head: int) -> int | None:
         """The most tokens a table of `layer` holds for any prompt length: the uncapped pyramid's value for the layer
@@ -79,9 +82,9 @@ class PyramidKV(SnapKV):
             return B
         return max(B, math.ceil(hi - layer * (hi - lo) / (L - 1)))
 
-    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
-        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
-        b = self.layer_budget(ctx.layer, int(ctx.cache.tokens_seen[slot]))
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
+        lengths = obs.lengths  # [H]
+        b = self.layer_budget(obs.layer, obs.tokens_seen, budget)
         if int(lengths.max()) > b:
-            scores = self.score(ctx, i, slot)  # [H, T] SnapKV's, the window's own columns +inf
-            self.keep(ctx, slot, top_tokens(scores, b, lengths, recent=min(self.window, b)))
+            scores = self.score(obs)  # [H, T] SnapKV's, the window's own columns +inf
+            self.keep(obs, top_tokens(scores, b, lengths, recent=min(self.window, b)))

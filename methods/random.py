@@ -10,20 +10,22 @@ nothing is protected (no sinks, no recent window).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
-from kvbench.methods._kvpress import KVPressScorer
 from kvbench.methods.base import register_method
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.runtime.contract import Observation
 
 
 @register_method("random")
 @dataclass
-class RandomEviction(KVPressScorer):
+class RandomEviction(ScorerMethod):
     """Uniform random scores from a generator seeded with `seed` at every call."""
+
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
 
     seed: Optional[int] = None
 
@@ -32,8 +34,8 @@ class RandomEviction(KVPressScorer):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise UserError(f"invalid random.seed={self.seed!r}: expected an integer or null")
 
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
+    def score(self, obs: Observation) -> torch.Tensor:
+        lengths = obs.lengths  # [H]
         H, T = lengths.shape[0], int(lengths.max())
         gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         return torch.rand(H, T, generator=gen).to(lengths.device)  # [H, T]

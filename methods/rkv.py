@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import ScoreEvictionMethod, check_choice, check_float, check_int, sort_keep
+from kvbench.methods.checks import check_choice, check_float, check_int
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.methods.selection import sort_keep
+from kvbench.runtime.contract import Observation
 
 GQA_POOLINGS = ("max", "mean")
 
@@ -84,10 +86,12 @@ def rkv_keep(q: torch.Tensor, k: torch.Tensor, budget: int, window: int, kernel:
 
 @register_method("rkv")
 @dataclass
-class RKV(ScoreEvictionMethod):
+class RKV(ScorerMethod):
     """Importance (window attention) minus redundancy (key similarity), compressing every `buffer` tokens."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("evict", "none")
+    keeps_newest_at_prefill: ClassVar[bool] = True
+    decode: str = "evict"
     window: int = 8
     kernel_size: int = 7
     mix_lambda: float = 0.07
@@ -112,7 +116,11 @@ class RKV(ScoreEvictionMethod):
     def min_budget(self) -> int:
         return self.window + 1
 
-    def recent_window(self) -> int:
+    @property
+    def query_window(self) -> int:
+        return self.window  # declared: obs.queries holds the last `window` queries
+
+    def recent_window(self, budget: int) -> int:
         return self.window
 
     def decode_overshoot(self) -> int:
@@ -125,34 +133,30 @@ class RKV(ScoreEvictionMethod):
         d["max_table_tokens"] = None if self.budget is None else self.budget + self.decode_overshoot()
         return d
 
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
-        self.push_queries(ctx, i, slot, self.window)
-
-    def _compress(self, ctx: LayerContext, slot: int) -> None:
-        cache = ctx.cache
-        if cache.store_pre_rope:
+    def _compress(self, obs: Observation, budget: int) -> None:
+        if obs.pre_rope:
             raise UserError("method 'rkv' scores post-RoPE keys; it cannot run on a pre-RoPE cache")
-        k, _, _ = cache.gather(ctx.layer, slot)  # [H, T, D]
-        lengths = cache.lengths[slot, ctx.layer].tolist()  # [H]
-        q = self.state(slot, ctx.layer)["q"]  # [Hq, W, D]
+        k = obs.keys  # [H, T, D]
+        lengths = obs.lengths.tolist()  # [H]
+        q = obs.queries  # [Hq, W, D]
         W = min(self.window, q.shape[1])
         H = len(lengths)
         G = q.shape[0] // H
-        keep = torch.full((H, self.budget), -1, dtype=torch.int64, device=k.device)
+        keep = torch.full((H, budget), -1, dtype=torch.int64, device=k.device)
         for h in range(H):  # a table's heads hold the same count unless a method mixed them; one by one is exact
             n = lengths[h]
-            if n <= self.budget:
+            if n <= budget:
                 keep[h, :n] = torch.arange(n, device=k.device)
                 continue
-            keep[h] = rkv_keep(q[h * G:(h + 1) * G], k[h:h + 1, :n], self.budget, W, self.kernel_size,
+            keep[h] = rkv_keep(q[h * G:(h + 1) * G], k[h:h + 1, :n], budget, W, self.kernel_size,
                                self.mix_lambda, self.similarity_threshold, self.gqa_pooling)[0]
-        self.keep(ctx, slot, keep)
+        self.keep(obs, keep)
 
-    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
-        if int(ctx.cache.lengths[slot, ctx.layer].max()) > self.budget:
-            self._compress(ctx, slot)
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
+        if int(obs.lengths.max()) > budget:
+            self._compress(obs, budget)
 
-    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
-        n = max(ctx.plan.table_lengths(i, ctx.layer))
-        if n > self.budget and n >= self.budget + self.buffer:
-            self._compress(ctx, slot)
+    def evict_decode(self, obs: Observation, budget: int) -> None:
+        n = max(obs.table_lengths())
+        if n > budget and n >= budget + self.buffer:
+            self._compress(obs, budget)

@@ -22,18 +22,19 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import POOLINGS, ScoreEvictionMethod, check_choice, check_int
+from kvbench.methods.checks import check_choice, check_int
+from kvbench.methods.observers import POOLINGS, snapkv_scores
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.runtime.contract import Observation
 
 
-@register_method("snapkv")
 @dataclass
-class SnapKV(ScoreEvictionMethod):
-    """Observation-window attention, pooled; keep top per kv-head plus the window."""
+class SnapKVScores:
+    """SnapKV's options and scores (a mixin before ScorerMethod; PyramidKV shares it): the observation window's
+    attention, pooled; the window itself always kept."""
 
-    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "window", "rescore")
-    decode: str = "none"
+    keeps_newest_at_prefill: ClassVar[bool] = True
     window: int = 64
     kernel_size: int = 5
     pooling: str = "avgpool"
@@ -46,36 +47,48 @@ class SnapKV(ScoreEvictionMethod):
             raise UserError(f"invalid snapkv.kernel_size={self.kernel_size}: expected an odd integer >= 1")
         check_choice(self.name, "pooling", self.pooling, POOLINGS)
 
-    def recent_window(self) -> int:
-        return min(self.window, self.budget)
+    @property
+    def query_window(self) -> int:
+        return self.window  # declared: obs.queries holds the last `window` queries
 
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
-        if ctx.phase == "prefill" or self.decode == "rescore":
-            self.push_queries(ctx, i, slot, self.window)
+    def recent_window(self, budget: int) -> int:
+        return min(self.window, budget)
 
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        return self.snapkv_scores(ctx, slot, self.window, self.kernel_size, self.pooling)
+    def score(self, obs: Observation) -> torch.Tensor:
+        return snapkv_scores(obs, self.window, self.kernel_size, self.pooling, self.name)
 
-    def score_scale(self, ctx: LayerContext, slot: int) -> float:
+    def score_scale(self, obs: Observation) -> float:
         """score() sums over the W window queries and the G query heads of a kv-head; kvpress's SnapKVPress
         averages both (the same ranking): 1 / (W x G)."""
         cfg = self.model_config
-        W = self.state(slot, ctx.layer)["q"].shape[1]  # the window queries held: [Hq, W, D]
+        W = obs.queries.shape[1]  # the window queries held: [Hq, W, D]
         return 1.0 / (W * (cfg.num_heads // cfg.num_kv_heads))
 
-    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
+
+@register_method("snapkv")
+@dataclass
+class SnapKV(SnapKVScores, ScorerMethod):
+    """Observation-window attention, pooled; keep top per kv-head plus the window."""
+
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "window", "rescore")
+    decode: str = "none"
+
+    def observes_in_decode(self) -> bool:
+        return self.decode == "rescore"
+
+    def evict_decode(self, obs: Observation, budget: int) -> None:
         if self.decode == "rescore":
-            return self.evict_to_budget(ctx, i, slot)
-        if max(ctx.plan.table_lengths(i, ctx.layer)) <= self.budget:
+            return self.evict_to_budget(obs, budget)
+        if max(obs.table_lengths()) <= budget:
             return
-        lengths = ctx.cache.lengths[slot, ctx.layer]  # [H]
-        w = self.recent_window()
+        lengths = obs.lengths  # [H]
+        w = self.recent_window(budget)
         H = lengths.shape[0]
-        keep = torch.full((H, self.budget), -1, dtype=torch.int64, device=lengths.device)
+        keep = torch.full((H, budget), -1, dtype=torch.int64, device=lengths.device)
         for h in range(H):  # the selected tokens, then the last w (the window slides by one)
             L = int(lengths[h])
-            idx = torch.arange(L, device=lengths.device) if L <= self.budget else torch.cat([
-                torch.arange(self.budget - w, device=lengths.device),
+            idx = torch.arange(L, device=lengths.device) if L <= budget else torch.cat([
+                torch.arange(budget - w, device=lengths.device),
                 torch.arange(L - w, L, device=lengths.device)])
             keep[h, : idx.numel()] = idx
-        self.keep(ctx, slot, keep)
+        self.keep(obs, keep)

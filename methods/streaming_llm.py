@@ -20,16 +20,17 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
-from kvbench.methods.eviction import EvictionMethod, check_choice, check_int
-from kvbench.methods.base import register_method
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.checks import check_choice, check_int
+from kvbench.methods.eviction import EvictionMethod
+from kvbench.runtime.contract import Observation
 
 POSITION_MODES = ("original", "reindex")
 
 
 @register_method("streaming_llm")
 @dataclass
-class StreamingLLM(EvictionMethod):
+class StreamingLLM(EvictionMethod, Method):
     """Attention sinks + recent window; budget = sinks + window."""
 
     granularity: ClassVar[str] = "block"
@@ -48,9 +49,9 @@ class StreamingLLM(EvictionMethod):
             raise UserError(f"invalid budget {self.budget} for streaming_llm with sinks={self.sinks}: "
                             "the budget must exceed sinks (budget = sinks + window)")
 
-    @property
-    def window(self) -> int | None:
-        return None if self.budget is None else self.budget - self.sinks  # None: per sequence (compression_ratio)
+    def window(self, budget: int | None) -> int | None:
+        """The recent window under `budget` (None: per sequence, a compression_ratio)."""
+        return None if budget is None else budget - self.sinks
 
     def min_budget(self) -> int:
         return self.sinks + 1
@@ -65,39 +66,43 @@ class StreamingLLM(EvictionMethod):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d["window"] = self.window
+        d["window"] = self.window(self.budget)
         return d
 
     # ------------------------------------------------------------------ eviction
-    def keep_set(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Sinks plus the last `window` slots of each head -> keep [H, <=budget] (sorted, -1 pads)."""
+    def keep_set(self, lengths: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+        """Sinks plus the last `window` slots of each head -> keep [H, <=budget] (sorted, -1 pads; by default the
+        configured budget)."""
+        budget = self.budget if budget is None else budget
+        window = self.window(budget)
         H = lengths.shape[0]
         n = int(lengths.max())
-        k = min(n, self.budget)
+        k = min(n, budget)
         keep = torch.full((H, k), -1, dtype=torch.int64, device=lengths.device)
         for h in range(H):
             L = int(lengths[h])
-            if L <= self.budget:
+            if L <= budget:
                 idx = torch.arange(L, device=lengths.device)
             else:
                 idx = torch.cat([torch.arange(self.sinks, device=lengths.device),
-                                 torch.arange(L - self.window, L, device=lengths.device)])
+                                 torch.arange(L - window, L, device=lengths.device)])
             keep[h, : idx.numel()] = idx
         return keep
 
-    def evict_prefill(self, ctx: LayerContext, i: int, slot: int) -> None:
-        lengths = ctx.cache.lengths[slot, ctx.layer]
-        if int(lengths.max()) > self.budget:
-            self.keep(ctx, slot, self.keep_set(lengths))
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
+        lengths = obs.lengths
+        if int(lengths.max()) > budget:
+            self.keep(obs, self.keep_set(lengths, budget))
 
-    def evict_decode(self, ctx: LayerContext, i: int, slot: int) -> None:
-        cache, bs = ctx.cache, ctx.cache.block_size
-        lengths = ctx.plan.table_lengths(i, ctx.layer)
+    def evict_decode(self, obs: Observation, budget: int) -> None:
+        bs = obs.block_size
+        lengths = obs.table_lengths()
         n = max(lengths)
-        if n < self.budget + bs:  # at most the filling block over the budget
+        if n < budget + bs:  # at most the filling block over the budget
             return
-        if min(lengths) == n and n == self.budget + bs:
+        if min(lengths) == n and n == budget + bs:
             # the oldest block_size window tokens leave: one block's worth of slots (the cache frees a block)
-            cache.drop_slots(ctx.layer, slot, self.sinks, self.sinks + bs)
+            obs.cache.drop_slots(obs.layer, obs.slot, self.sinks, self.sinks + bs)
+            obs.refresh()
             return
-        self.evict_prefill(ctx, i, slot)  # fallback: token-level, down to the budget
+        self.evict_prefill(obs, budget)  # fallback: token-level, down to the budget

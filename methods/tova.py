@@ -22,17 +22,22 @@ from typing import ClassVar
 import torch
 
 from kvbench.errors import UserError
-from kvbench.runtime.contract import LayerContext
 from kvbench.methods.base import register_method
-from kvbench.methods.eviction import HEAD_MODES, ScoreEvictionMethod, check_choice, window_attention_scores
+from kvbench.methods.checks import check_choice
+from kvbench.methods.eviction import HEAD_MODES
+from kvbench.methods.observers import window_attention_scores
+from kvbench.methods.scorer import ScorerMethod
+from kvbench.runtime.contract import Observation
 
 
 @register_method("tova")
 @dataclass
-class TOVA(ScoreEvictionMethod):
+class TOVA(ScorerMethod):
     """The newest query's attention, averaged over heads; keep the top tokens."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "evict")
+    keeps_newest_at_prefill: ClassVar[bool] = True
+    query_window: ClassVar[int] = 1  # declared: obs.queries holds the newest query [Hq, 1, D]
     decode: str = "none"
     heads: str = "shared"
 
@@ -46,19 +51,12 @@ class TOVA(ScoreEvictionMethod):
         super().__post_init__()
         check_choice(self.name, "heads", self.heads, HEAD_MODES)
 
-    def observe(self, ctx: LayerContext, i: int, slot: int) -> None:
-        if ctx.phase == "prefill" or self.decode == "evict":
-            self.push_queries(ctx, i, slot, 1)  # the newest query [Hq, 1, D] and its position
-
-    def score(self, ctx: LayerContext, i: int, slot: int) -> torch.Tensor:
-        cache = ctx.cache
-        if cache.store_pre_rope:
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.pre_rope:
             raise UserError(f"method {self.name!r} scores post-RoPE keys; it cannot run on a pre-RoPE cache")
-        st = self.state(slot, ctx.layer)
-        k, _, k_pos = cache.gather(ctx.layer, slot)  # [H, T, D], [H, T]
-        lengths = cache.lengths[slot, ctx.layer]  # [H]
         # probabilities summed over each kv-head's query heads: the group mean up to a constant factor
-        s = window_attention_scores(st["q"], st["q_pos"], k, k_pos, lengths, ctx.q.shape[-1] ** -0.5)  # [H, T]
+        s = window_attention_scores(obs.queries, obs.query_positions, obs.keys, obs.positions, obs.lengths,
+                                    obs.head_dim ** -0.5)  # [H, T]
         if self.heads == "shared":
             s = s.sum(dim=0, keepdim=True).expand_as(s)  # every query head of the layer
         return s

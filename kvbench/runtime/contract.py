@@ -38,22 +38,25 @@ class Observation:
     """What a scorer may read for one sequence in one layer, gathered by the runtime from the step's LayerContext.
 
     keys, values [H_kv, T, D] as cached (pre- or post-RoPE as the method asked: `pre_rope`), positions [H_kv, T]
-    (each token's original position; -1 past a head's length), lengths [H_kv] (valid slots per kv-head). The cached
-    tensors are gathered on first read only, so a scorer that reads none of them pays nothing.
+    (each token's original position; -1 past a head's length), lengths [H_kv] (valid slots per kv-head, read live
+    from the cache). The cached tensors are gathered on first read only, so a scorer that reads none of them pays
+    nothing; `refresh()` drops them after the tables changed.
     queries [H_q, W, D] and query_positions [W]: the observation window (the last W queries of the sequence, carried
     across prefill chunks) when the method declares `query_window`; None otherwise.
     attention [H_kv, T]: attention mass each cached token received, accumulated over every query so far (summed over
     each kv-head's query heads) when the method declares `accumulates_attention`; None otherwise.
-    phase "prefill" | "decode"; last_chunk: the prompt's final chunk (always True in decode); layer; slot;
-    tokens_seen: tokens appended to the sequence so far, evicted ones included; model_config; rotary: the RoPE table;
-    context: the LayerContext itself (for methods that read the step's raw queries, ctx.q).
+    phase "prefill" | "decode"; last_chunk: the prompt's final chunk (always True in decode); layer; slot; row: the
+    sequence's row in the step; tokens_seen: tokens appended to the sequence so far, evicted ones included;
+    model_config; rotary: the RoPE table; step_queries [H_q, Q, D] / step_query_positions [Q]: this step's own
+    queries (None where the runtime gave none: hooks.decode_reads_attention); key_scores [H_kv, T]: this step's
+    attention mass per key slot (when the method asked for it).
     """
 
     layer: int
     slot: int
+    row: int
     phase: str
     last_chunk: bool
-    lengths: torch.Tensor  # [H_kv]
     tokens_seen: int
     model_config: Any
     cache: Any = field(repr=False)
@@ -64,10 +67,21 @@ class Observation:
     rotary: Optional[RotaryTable] = None
     _kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
+    @classmethod
+    def of(cls, ctx: LayerContext, row: int, slot: int, model_config: Any) -> "Observation":
+        """The observation of the sequence in `slot` (row `row` of the step) in ctx's layer."""
+        return cls(layer=ctx.layer, slot=slot, row=row, phase=ctx.phase, last_chunk=ctx.last_chunk,
+                   tokens_seen=int(ctx.cache.tokens_seen[slot]), model_config=model_config, cache=ctx.cache,
+                   context=ctx, rotary=ctx.rotary)
+
     def _gathered(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._kv is None:
             self._kv = self.cache.gather(self.layer, self.slot)  # [H, T, D], [H, T, D], [H, T]
         return self._kv
+
+    def refresh(self) -> None:
+        """Forget the gathered K/V (the tables changed)."""
+        self._kv = None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -85,23 +99,49 @@ class Observation:
         return self._gathered()[2]
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """[H_kv] tokens each kv-head's table holds now."""
+        return self.cache.lengths[self.slot, self.layer]
+
+    def table_lengths(self) -> list[int]:
+        """lengths as Python ints, from the step's host copy (no device read; exact until this layer evicts)."""
+        return self.context.plan.table_lengths(self.row, self.layer)
+
+    @property
     def pre_rope(self) -> bool:
         """Whether `keys` are cached before RoPE."""
         return bool(self.cache.store_pre_rope)
 
     @property
+    def step_queries(self) -> Optional[torch.Tensor]:
+        """[H_q, Q, D] this step's queries as used by attention (None: the runtime gave none)."""
+        q = self.context.q
+        return None if q is None else q[self.row]
+
+    @property
+    def step_query_positions(self) -> torch.Tensor:
+        """[Q] positions of this step's tokens."""
+        return self.context.plan.query_positions[self.row]
+
+    @property
+    def key_scores(self) -> Optional[torch.Tensor]:
+        """[H_kv, T] this step's attention mass per key slot (None unless the method asked for it)."""
+        ks = self.context.key_scores
+        return None if ks is None else ks[self.row]
+
+    @property
     def valid(self) -> torch.Tensor:
-        """[H_kv, T] True where a slot holds a token (T = the longest table of the layer)."""
+        """[H_kv, T] True where a slot holds a token (T = the longest table of the layer, as `keys`)."""
         T = self.keys.shape[1]
         return torch.arange(T, device=self.lengths.device)[None, :] < self.lengths[:, None]
 
     @property
-    def num_query_heads(self) -> int:
-        return int(self.model_config.num_heads)
-
-    @property
     def num_kv_heads(self) -> int:
         return int(self.lengths.shape[0])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.cache.head_dim)
 
     @property
     def block_size(self) -> int:

@@ -154,7 +154,7 @@ def test_half_ratio_keeps_half_of_each_prompt(model, variant, mode):
         assert 0.5 - BS / min(PROMPTS) <= stats["kv_kept_fraction"] <= 0.5
     for slot, _ in slots:
         engine.end_sequence(slot)
-    assert engine.cache.pool.in_use == 0 and not method._sequences
+    assert engine.cache.pool.in_use == 0 and not method._budgets._sequences
 
 
 @pytest.mark.parametrize("mode", ["paper", "streaming"])

@@ -12,7 +12,7 @@ from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.methods.criticalkv import projected_value_norms
 from kvbench.methods.duo_attention import on_the_fly_scores, streaming_mask
-from kvbench.methods.eviction import top_tokens_in_layer
+from kvbench.methods.selection import top_tokens_in_layer
 from kvbench.methods.kvzip import FIRST_PROMPT
 from kvbench.runtime.engine import Engine
 from kvbench.runtime.model import build_from_transformers
@@ -149,9 +149,9 @@ def test_adakv_prefill_is_kvpress_rule_by_score_alone(model, prompts, base, opts
     method = build_method("adakv", budget, base=base, base_options=opts)
     scores, inner = {}, method.score
 
-    def score(ctx, i, slot):
-        scores[ctx.layer] = inner(ctx, i, slot)
-        return scores[ctx.layer]
+    def score(obs):
+        scores[obs.layer] = inner(obs)
+        return scores[obs.layer]
 
     method.score = score
     _, _, _, positions, _ = prefill_lengths(model, method, ids)
@@ -219,10 +219,9 @@ def test_criticalkv_second_stage_uses_value_norms(model, prompts):
     captured = {}
     inner = ref.evict_prefill
 
-    def capture(ctx, i, slot_):  # the base's scores and the values before eviction, from a snapkv run
-        k, v, _ = ctx.cache.gather(ctx.layer, slot_)
-        captured[ctx.layer] = (ref.score(ctx, i, slot_), v.float())
-        inner(ctx, i, slot_)
+    def capture(obs, budget_):  # the base's scores and the values before eviction, from a snapkv run
+        captured[obs.layer] = (ref.score(obs), obs.values.float())
+        inner(obs, budget_)
 
     ref.evict_prefill = capture
     s = ref_engine.new_sequence()
@@ -277,10 +276,9 @@ def test_criticalkv_matches_kvpress_rule(model, prompts, epsilon):
     captured = {}
     inner = method.evict_prefill
 
-    def capture(ctx, i, slot_):  # the window queries, keys and values right before the eviction
-        k, v, _ = ctx.cache.gather(ctx.layer, slot_)
-        captured[ctx.layer] = (method.state(slot_, ctx.layer)["q"].float().clone(), k.float(), v.float())
-        inner(ctx, i, slot_)
+    def capture(obs, budget_):  # the window queries, keys and values right before the eviction
+        captured[obs.layer] = (obs.queries.float().clone(), obs.keys.float(), obs.values.float())
+        inner(obs, budget_)
 
     method.evict_prefill = capture
     _, _, lengths, positions, _ = prefill_lengths(model, method, prompts[0])

@@ -1,0 +1,79 @@
+"""The method contract: a scorer is one `score(obs) -> [H_kv, T]` (higher = keep); selection, budgets, timing and
+state are inherited.
+
+    from kvbench.methods import ScorerMethod, register_method
+
+    @register_method("my_knorm")
+    @dataclass
+    class MyKnorm(ScorerMethod):
+        def score(self, obs):
+            return -obs.keys.norm(dim=-1)
+
+`obs` is a kvbench.runtime.contract.Observation: keys, values, positions, lengths of the sequence's tables in the
+layer, and what the method declares it reads (`query_window` -> obs.queries, `accumulates_attention` ->
+obs.attention). The defaults are kvpress's ScorerPress: the prompt is compressed once after prefill (decode="none")
+and each kv-head keeps its `budget` best tokens by score alone; decode="evict" re-selects after every decode step,
+keeping the newest token. Behaviours come by wrapping a scorer (methods.wrappers: head-adaptive budgets, CriticalKV)
+or by the options every eviction method has (prefill_mode, decode; methods.eviction).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.methods.base import Method
+from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.selection import top_tokens
+from kvbench.runtime.contract import Observation
+
+
+@dataclass
+class ScorerMethod(EvictionMethod, Method):
+    """Token-level eviction by a score: implement `score(obs)`; the selection is inherited.
+
+    Whenever a table holds more than the sequence's budget, each kv-head keeps its last `recent_window(budget)`
+    tokens plus its best-scoring ones. At prefill a method with `keeps_newest_at_prefill` keeps at least the newest
+    token too (SnapKV, H2O, TOVA); kvpress's scorers (the default) rank the prompt by score alone.
+    """
+
+    DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "evict")
+    keeps_newest_at_prefill: ClassVar[bool] = False
+    decode: str = "none"
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Importance [H, T] of every cached token of obs's layer (higher = keep)."""
+        raise NotImplementedError(f"method {self.name!r} implements no score(obs)")
+
+    def recent_window(self, budget: int) -> int:
+        """Slots at the end of each table always kept (counted in the budget)."""
+        return 0
+
+    def score_scale(self, obs: Observation) -> float:
+        """The factor that puts score()'s values on kvpress's scale (its press's score()). The selection only ranks,
+        so it never needs it; a wrapper that adds a constant to the scores does (criticalkv's epsilon)."""
+        return 1.0
+
+    def recent_kept(self, obs: Observation, budget: int) -> int:
+        """Slots at the end of each table kept before any by score: the recent window, at least the newest token
+        (a recent window of 0 would otherwise evict each generated token right after its own step)."""
+        return min(max(1, self.recent_window(budget)), budget)
+
+    def select(self, obs: Observation, budget: int) -> torch.Tensor:
+        """Keep set [H, budget] (sorted slots) for a table over budget: the recent_kept() slots, then by score."""
+        return top_tokens(self.score(obs), budget, obs.lengths, recent=self.recent_kept(obs, budget))
+
+    def evict_to_budget(self, obs: Observation, budget: int) -> None:
+        if int(obs.lengths.max()) > budget:
+            self.keep(obs, self.select(obs, budget))
+
+    def evict_prefill(self, obs: Observation, budget: int) -> None:
+        if self.keeps_newest_at_prefill:
+            return self.evict_to_budget(obs, budget)
+        lengths = obs.lengths  # [H]
+        if int(lengths.max()) > budget:  # kvpress: the prompt by score alone
+            self.keep(obs, top_tokens(self.score(obs), budget, lengths))
+
+    def evict_decode(self, obs: Observation, budget: int) -> None:
+        self.evict_to_budget(obs, budget)
