@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import pkgutil
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
@@ -41,6 +42,7 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, base: Optional[type] = None, package: Optional[str] = None):
         self.kind, self.base, self.package = kind, base, package
         self._items: dict[str, T] = {}
+        self._broken: dict[str, str] = {}  # module name -> why it failed to import
         self._loaded = package is None
 
     def set_base(self, base: type) -> None:
@@ -71,7 +73,14 @@ class Registry(Generic[T]):
         pkg = importlib.import_module(self.package)
         for info in pkgutil.iter_modules(getattr(pkg, "__path__", [])):  # a module registers its entries itself
             if not info.name.startswith("_") and info.name != "base":
-                importlib.import_module(f"{self.package}.{info.name}")
+                try:
+                    importlib.import_module(f"{self.package}.{info.name}")
+                except Exception as exc:  # a user's broken file must not take the other entries down
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    where = getattr(exc, "filename", None) if isinstance(exc, SyntaxError) else None
+                    line = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+                    path = where or os.path.join(os.path.dirname(pkg.__file__ or ""), f"{info.name}.py")
+                    self._broken[info.name] = f"{path}{line}: {type(exc).__name__}: {first}".rstrip(": ")
 
     def names(self) -> list[str]:
         self._load()
@@ -90,8 +99,13 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The entry registered as `name`; UserError with the choices (and the closest one) otherwise."""
         self._load()
+        if isinstance(name, str) and name not in self._items and name in self._broken:
+            raise UserError(f"{self.kind} {name!r} failed to load: {self._broken[name]}")
         if not isinstance(name, str) or name not in self._items:
-            raise unknown_choice(self.kind, name, self.names())
+            err = unknown_choice(self.kind, name, self.names())
+            if self._broken:  # say which files did not load (each names its error when asked for by name)
+                err = UserError(f"{err}; not loaded (import failed): {', '.join(sorted(self._broken))}")
+            raise err
         return self._items[name]
 
 

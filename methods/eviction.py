@@ -92,7 +92,21 @@ class EvictionMethod:
         self._state.clear()
         self._budgets.clear()
 
+    @property
+    def acts_before_attention(self) -> bool:
+        """Whether prefill eviction runs before the layer's attention (the prompt then attends only to the kept
+        tokens) instead of after it (the default); decode steps always act after it."""
+        return False
+
+    def before_attention(self, ctx: LayerContext) -> None:
+        self.act(ctx)  # prefill steps only (the runtime calls it there)
+
     def after_attention(self, ctx: LayerContext) -> None:
+        if not (self.acts_before_attention and ctx.phase == "prefill"):
+            self.act(ctx)
+
+    def act(self, ctx: LayerContext) -> None:
+        """The driver, for each sequence of the step: its budget, its observation, then the eviction due."""
         if ctx.phase == "decode" and self.decode == "none":
             return  # compressed after prefill only: generated tokens are appended
         cache = ctx.cache

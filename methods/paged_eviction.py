@@ -86,10 +86,10 @@ class BlockScorerMethod(EvictionMethod, Method):
         super().attach(cache, model_config)
         self._check_budget(cache.block_size)
 
-    def after_attention(self, ctx: LayerContext) -> None:
+    def act(self, ctx: LayerContext) -> None:
         if ctx.phase == "decode" and self.compression_ratio is None and not self._may_evict_in_decode(ctx):
             return  # most decode steps: no table of this layer reached a block boundary above the budget
-        super().after_attention(ctx)
+        super().act(ctx)
 
     def _may_evict_in_decode(self, ctx: LayerContext) -> bool:
         """Whether EvictionMethod.after_attention could act on this layer in this decode step: for some sequence, a

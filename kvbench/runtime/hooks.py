@@ -18,6 +18,9 @@ class CacheHooks(Protocol):
 
     needs_key_scores: bool  # the attention must return per-key attention mass (ctx.key_scores)
     acts_after_attention: bool  # call after_attention after every layer (False: never called)
+    # optional (getattr, default False): call before_attention in prefill steps after the layer's K/V are written and
+    # before its attention, so the chunk's queries attend only to what the method keeps (PagedEviction's prototype)
+    acts_before_attention: bool
     # in a decode step, after_attention reads ctx.q (False: only the cache and plan; ctx.q is then None, and the
     # fused CPU decode step may run every layer in one call and call it for each layer after the step: a layer's
     # cache is not read again in its step, so the result is the same)
@@ -28,6 +31,8 @@ class CacheHooks(Protocol):
     def attach(self, cache: MethodCacheView, model_config: Any) -> None: ...
 
     def after_attention(self, ctx: LayerContext) -> None: ...
+
+    def before_attention(self, ctx: LayerContext) -> None: ...
 
     def on_sequence_end(self, slot: int) -> None: ...
 
@@ -49,6 +54,7 @@ class NoCompression:
     name = "full"
     needs_key_scores = False
     acts_after_attention = False
+    acts_before_attention = False
     decode_reads_attention = True
     store_pre_rope = False
     rope_mode = "original"
@@ -59,6 +65,9 @@ class NoCompression:
         self.model_config = model_config
 
     def after_attention(self, ctx: LayerContext) -> None:
+        pass
+
+    def before_attention(self, ctx: LayerContext) -> None:
         pass
 
     def on_sequence_end(self, slot: int) -> None:

@@ -155,6 +155,17 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self._shared = True
 
     # ------------------------------------------------------------------ appending
+    def refresh_plan_layer(self, plan: AppendPlan, layer: int) -> None:
+        """Re-snapshot one layer of `plan` (tables, lengths, key positions, host lengths) from the cache after an
+        eviction inside the step (a method acting before the layer's attention); the other layers are untouched."""
+        nb = plan.tables.shape[-1]
+        plan.tables[:, layer] = self.tables[plan.slots, layer, :, :nb]
+        plan.lengths[:, layer] = self.lengths[plan.slots, layer]
+        positions = plan.positions  # [S, L, H, nb*bs] (taken now if it was lazy)
+        positions[:, layer] = self.positions[plan.slots, layer, :, : positions.shape[-1]]
+        if plan.host_lengths is not None:
+            plan.host_lengths[:, layer] = self.host_lengths[plan.slot_list, layer]
+
     def prepare_append(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
         """Allocate room for Q new tokens in every layer/head table of each sequence.
 

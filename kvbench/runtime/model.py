@@ -170,7 +170,8 @@ class LlamaFamilyModel:
         cos, sin = self.rotary.lookup(qpos, None if None in known else max(known))  # [N, D]
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         fused = None
-        if fast and len(groups) == 1:
+        before = hook is not None and getattr(hook, "acts_before_attention", False)
+        if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill"):
             g = groups[0]
             fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores)
         if fused is not None:  # whole layers per C call, x updated in place
@@ -259,6 +260,10 @@ class LlamaFamilyModel:
             q = apply_rotary(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
             rotate_keys = self._rotate_at_slot
         cache.write(li, plan, k, v)
+        if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
+            # the method cuts the layer's K/V before its attention: the chunk attends to what it keeps
+            hook.before_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, None, self.rotary))
+            cache.refresh_plan_layer(plan, li)
         out, key_scores = cache.attend(
             li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
             rotate_keys=rotate_keys, causal=Q > 1,

@@ -215,3 +215,49 @@ def test_paged_eviction_keeps_a_chat_prompts_tail_and_generates_text(smollm2, ch
     out = engine.generate([chat_paper.token_ids], max_new_tokens=16, stop_token_ids=chat_paper.stop_ids)[0]
     text = smollm2.tokenizer.decode(out.token_ids)
     assert is_degenerate(out.token_ids) == degenerate, text
+
+
+def test_before_attention_timing_cuts_the_prompt_before_it_attends():
+    """timing=before_attention (the authors' forward_local_eviction): the layer's K/V are cut right after the write,
+    so the prompt's queries attend only to the kept tokens; after_attention (default) attends over all of them.
+    Layer 0 keeps the same tokens either way (its K/V do not depend on attention); the logits differ; a budget the
+    prompt fits in changes nothing."""
+    from kvbench.runtime.kv_layout import FullPrecisionLayout
+    from tests.tiny_models import DISTINCT_SCORES, ByteTokenizer, tiny_model
+
+    model = tiny_model(vocab=256, tokenizer=ByteTokenizer(), **DISTINCT_SCORES)
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    seen: list[int] = []
+    attend = FullPrecisionLayout.attend
+
+    def spy(self, layer, q, plan, *a, **kw):  # the keys each prefill attention reads
+        seen.append(int(plan.lengths[:, layer].max()))
+        return attend(self, layer, q, plan, *a, **kw)
+
+    def run(budget, timing):
+        engine = Engine(model, build_method("paged_eviction", budget, timing=timing), block_size=8, num_blocks=512,
+                        prefill_chunk_size=128)
+        slot = engine.new_sequence()
+        logits = engine.forward_chunk(slot, ids, 0, last_chunk=True)
+        lengths = engine.cache.lengths[slot]
+        kept = [[engine.cache.positions[slot, li, h, : int(lengths[li, h])].tolist()
+                 for h in range(lengths.shape[1])] for li in range(lengths.shape[0])]
+        return logits, kept
+
+    FullPrecisionLayout.attend = spy
+    try:
+        seen.clear()
+        before, kept_b = run(32, "before_attention")
+        assert seen and max(seen) == 32  # every layer's attention read the 32 kept tokens only
+        seen.clear()
+        after, kept_a = run(32, "after_attention")
+        assert min(seen) == len(ids)  # every layer attended over the whole prompt
+    finally:
+        FullPrecisionLayout.attend = attend
+    assert kept_b[0] == kept_a[0] and all(len(h) == 32 for layer in kept_b for h in layer)
+    assert not torch.allclose(before, after)
+    roomy_b, _ = run(128, "before_attention")
+    roomy_a, _ = run(128, "after_attention")
+    torch.testing.assert_close(roomy_b, roomy_a, rtol=0, atol=0)
+    with pytest.raises(UserError, match="timing"):
+        build_method("paged_eviction", 32, timing="during")
