@@ -69,10 +69,10 @@ TRACES = {
 
 
 def serve(model, tokenizer_stream_trace, setup, budget: int, args) -> dict:
-    from kvbench.quant.registry import build_codec
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.requests import Request
     from kvbench.methods import build_method
+    from kvbench.quant.registry import build_codec
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.requests import Request
     from kvbench.tasks.throughput import serving_metrics
 
     method_name, mopts, codec_name, copts = setup
@@ -199,7 +199,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
     from kvbench.tasks.throughput import essay_token_stream
 
     loaded = load_model()

@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-import kvbench
 from kvbench import config as _config
 from kvbench import parallel_run
 from kvbench.console import RUN_LOG, report, say, warn
@@ -43,9 +42,9 @@ from kvbench.estimate import measured_speed, plan_line, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.backends.cpu.threads import configure_threads
-from kvbench.runtime.engine import Engine, kv_memory_bytes_for
-from kvbench.runtime.loading import load_model
-from kvbench.runtime.speculative import SpeculativeDecoder
+from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.serving.engine import Engine, kv_memory_bytes_for
+from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from kvbench.spec import method_evicts
 from kvbench.store import faults
 from kvbench.store.files import read_json
@@ -54,6 +53,7 @@ from kvbench.store.naming import config_hash, experiment_key
 from kvbench.summary import format_summary, format_sweep_table
 from kvbench.tasks import make_progress
 from kvbench.wandb_logger import WandbLogger
+import kvbench
 
 _exit_code = 0
 _repaired: set = set()  # results folders whose index this process has repaired

@@ -41,8 +41,8 @@ from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 
 from kvbench.methods import build_method
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.loading import load_model
+from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.serving.engine import Engine
 from kvbench.tasks._lm_eval_lm import EngineLM, int_option
 
 log = logging.getLogger(__name__)

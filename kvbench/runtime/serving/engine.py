@@ -5,14 +5,14 @@
     outcome = engine.serve([Request(ids, 128, arrival_s=0.5), ...])                   # a serving trace
 
 `method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
-methods. `codec` is a storage codec or None (full precision); kvbench.runtime.caches builds the matching cache.
+methods. `codec` is a storage codec or None (full precision); kvbench.runtime.cache.caches builds the matching cache.
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
-Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.scoring.Scorer's, over this engine.
+Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.serving.scoring.Scorer's, over this engine.
 
 Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
 `step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
-parts, constructor arguments (off by default): `speculator` (a kvbench.runtime.speculative.SpeculativeDecoder:
-decode steps become speculative rounds) and `preemption` swap | auto with `swap_bytes` (kvbench.runtime.swap:
+parts, constructor arguments (off by default): `speculator` (a kvbench.runtime.serving.speculative.SpeculativeDecoder:
+decode steps become speculative rounds) and `preemption` swap | auto with `swap_bytes` (kvbench.runtime.cache.swap:
 preemption may move blocks to host memory, in a swap space of swap_bytes, the pool's size by default).
 """
 from __future__ import annotations
@@ -24,20 +24,20 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvbench.runtime.backends.selection import select_backend
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.caches import build_cache
-from kvbench.runtime.kv_geometry import block_bytes, pool_bytes
-from kvbench.runtime.kv_meter import KVMeter
-from kvbench.runtime.decode_graphs import DecodeGraphs
+from kvbench.runtime.cache.block_pool import OutOfBlocksError
+from kvbench.runtime.cache.caches import build_cache
+from kvbench.runtime.cache.kv_geometry import block_bytes, pool_bytes
+from kvbench.runtime.cache.kv_meter import KVMeter
+from kvbench.runtime.cache.prefix_cache import PrefixCache
+from kvbench.runtime.cache.swap import SwapSpace
 from kvbench.runtime.hooks import NoCompression
-from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
-from kvbench.runtime.prefix_cache import PrefixCache
-from kvbench.runtime.requests import Outcome, Request
-from kvbench.runtime.sampling import sample
-from kvbench.runtime.scheduler import Scheduler
-from kvbench.runtime.scoring import Scorer
-from kvbench.runtime.swap import SwapSpace
-from kvbench.runtime.tensor_parallel import rank_agreed
+from kvbench.runtime.model.forward import LlamaFamilyModel, RaggedGroup
+from kvbench.runtime.model.tensor_parallel import rank_agreed
+from kvbench.runtime.serving.decode_graphs import DecodeGraphs
+from kvbench.runtime.serving.requests import Outcome, Request
+from kvbench.runtime.serving.sampling import sample
+from kvbench.runtime.serving.scheduler import Scheduler
+from kvbench.runtime.serving.scoring import Scorer
 from kvbench.spec import PREEMPTION_MODES, SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
@@ -133,8 +133,9 @@ class Engine:
         self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
         self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
-        self.speculator = speculator  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
-        self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.swap.should_swap)
+        # a kvbench.runtime.serving.speculative.SpeculativeDecoder: decode steps become rounds
+        self.speculator = speculator
+        self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.cache.swap.should_swap)
         # where swapped-out blocks wait (host memory): none when preemption only recomputes
         self.swap = (SwapSpace(self.cache, swap_bytes if swap_bytes is not None else self.cache.pool_bytes())
                      if preemption != "recompute" else None)
@@ -149,8 +150,8 @@ class Engine:
             bind(self)
 
     def use_decode_graphs(self, **options) -> DecodeGraphs | None:
-        """Run decode steps from captured graphs (kvbench.runtime.decode_graphs; options: capture, buckets); None
-        (eager, with a log line) where this engine's method or cache cannot run captured."""
+        """Run decode steps from captured graphs (kvbench.runtime.serving.decode_graphs; options: capture, buckets);
+        None (eager, with a log line) where this engine's method or cache cannot run captured."""
         graphs = DecodeGraphs(self.model, self.cache, self.backend, self.method, rope_mode=self.method.rope_mode,
                               max_batch=self.max_num_seqs, **options)
         why = graphs.supported()
@@ -304,7 +305,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """`Scorer(self).score` (kvbench.runtime.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
+        """`Scorer(self).score` (kvbench.runtime.serving.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
         perplexity task's one call into an engine (the harness tests give it a fake engine with this method)."""
         return Scorer(self).score(token_ids, chunk_size, progress)
 
@@ -432,7 +433,7 @@ class Engine:
             torch.cuda.synchronize(dev)
 
     def memory_stats(self) -> dict:
-        """The run's KV figures, measured from the pool (kvbench.runtime.kv_meter.KVMeter.stats)."""
+        """The run's KV figures, measured from the pool (kvbench.runtime.cache.kv_meter.KVMeter.stats)."""
         return self.meter.stats()
 
     def sequence_kv(self, slot: int) -> dict:
