@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from kvbench.runtime.cache.block_pool import OutOfBlocksError
-from kvbench.runtime.serving.engine import Segment
+from kvbench.runtime.serving.batch import Segment
 from kvbench.runtime.serving.sampling import sampling_probs
 from kvbench.spec import SPECULATIVE_MAX_TOKENS as MAX_NUM_TOKENS
 
