@@ -312,7 +312,7 @@ class Engine:
         (those that end their sequence's known tokens: a prompt's last chunk, a decode token). Waits for the
         device."""
         emit = batch.emit
-        logits = self.runner.run(batch.segments)
+        logits = self.step(batch.segments)  # the public step (a caller may wrap it)
         toks = self._sample_step(_as_matrix([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self.flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
@@ -334,7 +334,7 @@ class Engine:
             for i, toks in zip(dec, spec.decode(self, items, temperature, top_p, gen)):
                 out[i] = toks
         if pre:
-            logits = self.runner.run([segments[i] for i in pre])
+            logits = self.step([segments[i] for i in pre])
             spec.follow_prefill([(s.slot, s.token_ids, s.start_pos, s.last_chunk) for s in (segments[i] for i in pre)])
             emits = [i for i, j in enumerate(pre) if j in emit]
             if emits:
