@@ -54,7 +54,7 @@ def essay_tokens(tokenizer, n: int) -> list[int]:
 
 
 def make_engine(model, codec, chunk: int):
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     # prefix caching off: a speed here is work computed, never a cache hit (bench/computed.py)
     return Engine(model, codec=codec, block_size=16, prefill_chunk_size=chunk, num_blocks=None,
@@ -99,7 +99,7 @@ def bits_and_speed(model, codec, ids: list[int], decode_tokens: int) -> dict:
 
 
 def perplexity(model, codec, ids: list[int], chunk: int) -> float:
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.scoring import Scorer
 
     engine = make_engine(model, codec, chunk=chunk)
     lp = Scorer(engine).score(ids, chunk_size=chunk)
@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from kvbench.quant.registry import build_codec
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     t0 = time.perf_counter()
     lm = load_model()

@@ -5,7 +5,7 @@
 Spawns --nproc processes (gloo on CPU, one thread each unless --threads; NCCL on one GPU per rank where CUDA has
 as many GPUs). One random Llama-family model (fp32 on CPU, bf16 on GPU; --layers/--hidden/--heads/--kv-heads, a
 kv-head count that --nproc divides) is built identically on every rank. TP=1: rank 0 alone runs the whole model
-while the others wait; TP=N: every rank runs its shard (kvbench/runtime/tensor_parallel.py). Each measures a
+while the others wait; TP=N: every rank runs its shard (kvbench/runtime/model/tensor_parallel.py). Each measures a
 prefill of --prompt tokens (engine.score, fresh engine each repeat) and a greedy decode of --new tokens, and reads
 its own pool's peak bytes. One JSON line per TP value with per-rank figures, then one with the ratios TP=N / TP=1
 (same process group, same run; this bench measures, it sets no target). On CPU the TP=1 decode takes kvbench's
@@ -28,7 +28,7 @@ import torch
 def _model(args, device: str, dtype: torch.dtype):
     import transformers as tf
 
-    from kvbench.runtime.model import build_from_transformers
+    from kvbench.runtime.model.forward import build_from_transformers
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
@@ -40,8 +40,8 @@ def _model(args, device: str, dtype: torch.dtype):
 
 
 def _measure(model, args, device) -> dict:
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 4096, (args.prompt,), generator=gen).tolist()
@@ -72,8 +72,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
-    from kvbench.runtime import distributed
-    from kvbench.runtime.tensor_parallel import shard_model
+    from kvbench.runtime.model import distributed
+    from kvbench.runtime.model.tensor_parallel import shard_model
 
     layout = distributed.init_from_env(tensor_parallel=world)
     device = layout.device or "cpu"

@@ -198,8 +198,8 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_runtime import competing_process
     from kvbench.runtime.backends.cpu.threads import configure_threads
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.loading import load_model, packaged_smollm2
+    from kvbench.runtime.model.loading import load_model, packaged_smollm2
+    from kvbench.runtime.serving.engine import Engine
 
     configure_threads(args.threads)
     folder, name = packaged_smollm2()

@@ -63,8 +63,8 @@ def essay_prompts(tokenizer, batch: int, n: int) -> list[list[int]]:
 
 def run_method(model, name: str, budget: int, prompts: list[list[int]], new_tokens: int, block_size: int,
                chunk: int, options: dict) -> dict:
-    from kvbench.runtime.engine import Engine
     from kvbench.methods import build_method
+    from kvbench.runtime.serving.engine import Engine
 
     method = build_method(name, None if name == "full" else budget, **options)
     cfg = model.config
@@ -139,7 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     if args.methods is None:
         names = default_methods()

@@ -36,8 +36,8 @@ def best_time(fn, repeats: int) -> float:
 def filled_cache(codec, T: int, Q: int, gen: torch.Generator):
     """A one-layer cache (`codec` None: full precision) holding T tokens of one sequence, written in chunks of Q and
     packed by the codec's rule, and the plan of its last chunk (the Q newest tokens as the queries' positions)."""
-    from kvbench.runtime.caches import build_cache, codec_block_size
-    from kvbench.runtime.kv_geometry import block_bytes
+    from kvbench.runtime.cache.caches import build_cache, codec_block_size
+    from kvbench.runtime.cache.kv_geometry import block_bytes
 
     bs = codec_block_size(codec, BS) if codec is not None else BS
     mem = (3 * H * (T // bs + 2)) * block_bytes(bs, D, torch.float32)

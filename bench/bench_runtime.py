@@ -220,8 +220,8 @@ def main() -> None:
     args.threads = configure_threads(args.threads)
 
     from kvbench.runtime.backends.cpu import kernels as cpu_kernels
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
+    from kvbench.runtime.serving.engine import Engine
 
     lm = load_model(dtype=args.dtype, keep_hf=True)
     hf = lm.hf_model.to(lm.dtype)

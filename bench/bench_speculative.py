@@ -72,7 +72,7 @@ def plain_decode(engine, slots: list[int], contexts: list[list[int]], new_tokens
 
 def speculative_decode(engine, draft, slots, draft_slots, contexts, new_tokens, k, adaptive):
     """The same with speculation (forks of the target's and the draft's sequences); (outputs, seconds, stats)."""
-    from kvbench.runtime.speculative import SpeculativeDecoder
+    from kvbench.runtime.serving.speculative import SpeculativeDecoder
 
     spec = SpeculativeDecoder(draft, k, adaptive=adaptive)
     forks = [engine.fork_sequence(s) for s in slots]
@@ -98,7 +98,7 @@ def speculative_decode(engine, draft, slots, draft_slots, contexts, new_tokens, 
 
 def run_batch(model, stream, batch: int, args, rows: list) -> None:
     from kvbench.methods import build_method
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     n = args.prompt_tokens
     step = max(1, (len(stream) - n) // max(1, batch))
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     args.drafters = [d for d in args.drafters.split(",") if d]
     args.budgets, args.k, batches = _ints(args.budgets), _ints(args.k), _ints(args.batch)
     from kvbench.runtime.backends.cpu.threads import configure_threads
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
     from kvbench.tasks.throughput import essay_token_stream
 
     configure_threads(args.threads)

@@ -69,19 +69,21 @@ TRACES = {
 
 
 def serve(model, tokenizer_stream_trace, setup, budget: int, args) -> dict:
-    from kvbench.quant.registry import build_codec
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.requests import Request
+    from kvbench.config import RuntimeConfig
+    from kvbench.engines import build_engine
     from kvbench.methods import build_method
+    from kvbench.quant.registry import build_codec
+    from kvbench.runtime.serving.requests import Request
     from kvbench.tasks.throughput import serving_metrics
 
     method_name, mopts, codec_name, copts = setup
     method = build_method(method_name, budget if method_name != "full" else None, **mopts)
     codec = build_codec(codec_name, model, **copts) if codec_name else None
-    engine = Engine(model, method, codec=codec, block_size=args.block_size, kv_memory_bytes=args.kv_memory_bytes,
-                    prefill_chunk_size=args.chunk, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, schedule=args.schedule,
-                    prefix_caching=args.prefix_caching)
+    runtime = RuntimeConfig(block_size=args.block_size, kv_memory_bytes=args.kv_memory_bytes,
+                            prefill_chunk_size=args.chunk, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, schedule=args.schedule,
+                            prefix_caching=args.prefix_caching)  # the rest at a run's defaults
+    engine = build_engine(runtime, model, method, codec=codec)
     reqs = [Request(t.prompt_ids, t.output_tokens, arrival_s=t.arrival_s, ignore_eos=True)
             for t in tokenizer_stream_trace]
     t0 = time.perf_counter()
@@ -199,7 +201,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
     from kvbench.tasks.throughput import essay_token_stream
 
     loaded = load_model()

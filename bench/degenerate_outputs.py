@@ -18,7 +18,7 @@ import sys
 
 
 def load_tokenizer():
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     return load_model().tokenizer
 

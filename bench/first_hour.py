@@ -62,7 +62,7 @@ def _timed(cmd: list, env: dict, cwd: str, timeout: float) -> tuple[float, int]:
 
 def convert(tmp: str, timeout: float) -> dict:
     cache = os.path.join(tmp, "convert-cache")
-    load = [sys.executable, "-c", "from kvbench.runtime.loading import load_model; load_model()"]
+    load = [sys.executable, "-c", "from kvbench.runtime.model.loading import load_model; load_model()"]
     first, rc1 = _timed(load, _env(cache), tmp, timeout)
     warm, rc2 = _timed(load, _env(cache), tmp, timeout)
     return emit("convert_s", seconds=round(first - warm, 1), first_load_s=round(first, 1),

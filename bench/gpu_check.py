@@ -64,9 +64,9 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------- correctness
 @section("model_vs_transformers")
 def model_vs_transformers(device: str) -> dict:
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
-    from kvbench.runtime.model import build_from_transformers
+    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
     from tests.tiny_models import FAMILIES, tiny_hf_model
 
     out = {}
@@ -102,7 +102,7 @@ VARIANTS = [  # (method, method options, codec, codec options)
 def tiny_llama(device, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.runtime.model import build_from_transformers
+    from kvbench.runtime.model.forward import build_from_transformers
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -114,7 +114,7 @@ def tiny_llama(device, seed=0):
 def methods_fast_vs_torch(device: str) -> dict:
     from kvbench.methods import build_method
     from kvbench.quant.registry import build_codec
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     model = tiny_llama(device)
     g = torch.Generator().manual_seed(1)
@@ -141,8 +141,8 @@ def methods_fast_vs_torch(device: str) -> dict:
 
 @section("scheduler_preemption_equals_batch1")
 def scheduler_preemption(device: str) -> dict:
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.requests import Request
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.requests import Request
 
     model = tiny_llama(device, seed=2)
     g = torch.Generator().manual_seed(3)
@@ -162,7 +162,7 @@ def smollm2_shaped(device: str, dtype: torch.dtype):
     """SmolLM2-135M's architecture (30 layers, 9 heads, 3 kv-heads, head_dim 64), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.runtime.model import build_from_transformers
+    from kvbench.runtime.model.forward import build_from_transformers
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -185,7 +185,7 @@ def timed(fn, device, repeats=3):
 
 @section("speed_vs_transformers")
 def speed(device: str, quick: bool) -> dict:
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     hf, model = smollm2_shaped(device, dtype)
@@ -284,7 +284,7 @@ def llama8b_shaped(device: str, quick: bool):
     """A Llama-3.1-8B-shaped model (random bf16 weights, created on the device), transformers' and kvbench's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.runtime.model import build_from_transformers
+    from kvbench.runtime.model.forward import build_from_transformers
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -353,7 +353,7 @@ def llama8b(device: str, quick: bool, serving_methods: list[str], serving_budget
     """Llama-3.1-8B-shaped, random bf16 weights, beside transformers on the same GPU: batch-1 decode, the decode
     kernel's bandwidth, host time per step, the serving trace at a fixed pool."""
     from bench.bench_throughput import SETUPS, serve
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
     from kvbench.tasks.throughput import ThroughputOptions, build_trace
 
     on_cuda = torch.device(device).type == "cuda"

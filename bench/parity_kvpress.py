@@ -281,8 +281,8 @@ def record_kept(press) -> dict:
 def kvbench_side(job: dict, loaded) -> dict:
     import torch
     from kvbench.methods import build_method
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
 
     torch.set_num_threads(job["threads"])
     cfg = loaded.model.config  # a pool for one uncompressed sequence (plus a partly filled block per table)
@@ -424,7 +424,7 @@ def main() -> None:
         return
 
     from kvbench.data.essays import essay_corpus_text
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     if not args.kvpress_python or not Path(args.kvpress_python).exists():
         sys.exit(f"kvpress environment not found{': ' + args.kvpress_python if args.kvpress_python else ''}: "

@@ -69,10 +69,10 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     args = ap.parse_args()
 
-    import kvbench  # noqa: F401  (kvbench's OpenMP wait policy before torch loads)
     from kvbench.runtime.backends.cpu.threads import configure_threads
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
+    from kvbench.runtime.serving.engine import Engine
+    import kvbench  # noqa: F401  (kvbench's OpenMP wait policy before torch loads)
 
     configure_threads(args.threads)
     model = load_model(dtype="float32").model

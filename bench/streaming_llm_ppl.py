@@ -43,9 +43,9 @@ def essay_tokens(tokenizer, n: int) -> list[int]:
 
 def perplexity(model, ids: list[int], method_name: str, budget: int | None, chunk: int, **opts) -> dict:
     """PPL of ids streamed through an Engine with the method (prefill_mode=streaming)."""
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
     from kvbench.methods import build_method
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
 
     if method_name == "full":
         method = build_method("full")
@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     loaded = load_model()
     ids = essay_tokens(loaded.tokenizer, args.tokens)

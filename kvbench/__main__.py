@@ -2,14 +2,14 @@
 import hydra
 from omegaconf import DictConfig
 
-from kvbench import app, cli
+from kvbench import cli, hydra_task
 import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     cli.install_sigterm_handler()  # also in launcher workers (joblib), where run_app_cli did not run
-    app.main(cfg)
+    hydra_task.main(cfg)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """One run, in named steps: validate and build, open the run folder, load, execute, record.
 
-    python -m kvbench ...    -> kvbench.__main__ -> app.main(cfg) -> app.run(cfg)
+    python -m kvbench ...    -> kvbench.__main__ -> hydra_task.main(cfg) -> app.run(cfg)
 
 1. validate and build (kvbench/plan.py, plan_run): every setting that needs no model, checked before anything is
    loaded or written; bad input raises UserError (the CLI prints one line and exits 2).
 2. open the run folder: skip a finished run (its stored summary is printed), claim the run (a run claimed by a
    live worker is skipped), write config.yaml, start W&B.
-3. load: seed, model, codec, engine.
+3. load: seed, model, codec, engine (kvbench/engines.py).
 4. execute: task.run(engine, tokenizer, settings, progress).
 5. record: samples.jsonl, metrics.json (last), the runs.jsonl line, W&B, the summary.
 Once the run has started, every failure is recorded with status "failed" and its error (SIGINT: "interrupted",
@@ -18,9 +18,6 @@ opens and records the run folder, with every rank's figures.
 from __future__ import annotations
 
 import datetime as _dt
-import errno
-import inspect
-import logging
 import os
 import random
 import subprocess
@@ -31,267 +28,29 @@ import traceback
 import uuid
 from typing import Any, Callable, Optional
 
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-import kvbench
 from kvbench import config as _config
 from kvbench import parallel_run
 from kvbench.console import RUN_LOG, report, say, warn
 from kvbench.errors import Terminated, UserError
+from kvbench.engines import build_engine, build_run_codec, build_speculator
 from kvbench.estimate import measured_speed, plan_line, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
-from kvbench.quant.registry import build_codec
 from kvbench.runtime.backends.cpu.threads import configure_threads
-from kvbench.runtime.engine import Engine, kv_memory_bytes_for
-from kvbench.runtime.loading import load_model
-from kvbench.runtime.speculative import SpeculativeDecoder
+from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from kvbench.spec import method_evicts
 from kvbench.store import faults
-from kvbench.store.files import read_json
-from kvbench.store.folder import METRICS_FILE, RunFolder, repair_index
+from kvbench.store.folder import RunFolder, repair_index
 from kvbench.store.naming import config_hash, experiment_key
-from kvbench.summary import format_summary, format_sweep_table
+from kvbench.summary import format_summary
 from kvbench.tasks import make_progress
 from kvbench.wandb_logger import WandbLogger
+import kvbench
 
-_exit_code = 0
 _repaired: set = set()  # results folders whose index this process has repaired
-# Launcher workers (joblib, submitit) run in other processes: they report each run's exit code and folder through
-# a channel the CLI process opens (open_exit_channel) and reads at the end (exit_code, sweep_runs).
-EXIT_FILE_ENV = "KVBENCH_EXIT_FILE"
-_STALE_PREFIX = "kvbench-exit-"  # named channel files (only where there is no O_TMPFILE): kvbench-exit-<pid>-*
-_channel_fd: Optional[int] = None
-
-
-def _merge(a: int, b: int) -> int:
-    return 2 if 2 in (a, b) else max(a, b)
-
-
-def open_exit_channel() -> None:
-    """In the CLI process, before Hydra launches anything: a file where every worker process notes its runs.
-
-    On Linux the file has no name (O_TMPFILE): workers open it as /proc/<pid>/fd/<fd>, and it vanishes with the
-    process, however it ends (kill -9 included). Elsewhere it is a named temp file, deleted at the end; files of
-    processes that no longer exist (killed before they could delete theirs) are deleted when the next one opens."""
-    global _channel_fd
-    if os.environ.get(EXIT_FILE_ENV):
-        return
-    try:
-        fd = os.open(tempfile.gettempdir(), os.O_TMPFILE | os.O_RDWR, 0o600)
-        path = f"/proc/{os.getpid()}/fd/{fd}"
-        if not os.path.exists(path):
-            os.close(fd)
-            raise OSError("no /proc")
-        _channel_fd = fd
-    except (AttributeError, OSError):
-        _remove_stale_channels()
-        fd, path = tempfile.mkstemp(prefix=f"{_STALE_PREFIX}{os.getpid()}-")
-        os.close(fd)
-    os.environ[EXIT_FILE_ENV] = path
-
-
-def _remove_stale_channels() -> None:
-    """Delete this user's named channel files whose process is gone."""
-    import glob
-
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), _STALE_PREFIX + "*")):
-        pid = os.path.basename(path)[len(_STALE_PREFIX):].split("-")[0]
-        try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        except OSError:
-            continue
-
-
-def _channel_lines() -> list:
-    """(code, run folder or None) for each line the runs of this process and its workers wrote."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if not path:
-        return []
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        code, _, run_dir = line.partition("\t")
-        if code.strip().isdigit():
-            out.append((int(code), run_dir or None))
-    return out
-
-
-def exit_code() -> int:
-    """0 if every run (of this process and its launcher workers) succeeded; 2 if one had bad input; else 1."""
-    code = _exit_code
-    for c, _ in _channel_lines():
-        code = _merge(code, c)
-    return code
-
-
-def sweep_runs() -> list:
-    """The run folders this CLI process and its launcher workers finished or skipped, in the order reported."""
-    return list(dict.fromkeys(d for _, d in _channel_lines() if d))
-
-
-def _print_sweep_table(runs: list, heading: Optional[str] = None) -> None:
-    records = [read_json(os.path.join(d, METRICS_FILE)) for d in runs]
-    table = format_sweep_table([r for r in records if r])
-    if table:
-        if heading:
-            say(heading, stream=sys.stdout)
-        say(table, stream=sys.stdout)
-
-
-def end_of_cli() -> int:
-    """After Hydra returns in the CLI process: a sweep (-m) ends with one table of its runs; the exit code."""
-    runs = sweep_runs()
-    if runs and (len(runs) > 1 or "-m" in sys.argv or "--multirun" in sys.argv):
-        _print_sweep_table(runs)
-    return exit_code()
-
-
-def stopped_sweep_table() -> None:
-    """After SIGINT/SIGTERM stopped a sweep in the CLI process: the table of the runs that finished before."""
-    runs = sweep_runs()
-    if runs and ("-m" in sys.argv or "--multirun" in sys.argv):
-        _print_sweep_table(runs, f"kvbench: the sweep stopped; the {len(runs)} run(s) that finished before:")
-
-
-def close_exit_channel() -> None:
-    global _channel_fd
-    path = os.environ.pop(EXIT_FILE_ENV, None)
-    if _channel_fd is not None:
-        os.close(_channel_fd)
-        _channel_fd = None
-    elif path:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _note_exit(code: int, run_dir: Optional[str] = None) -> None:
-    global _exit_code
-    _exit_code = _merge(_exit_code, code)
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path and (code or run_dir):
-        try:
-            with open(path, "a") as f:
-                f.write(f"{code}\t{run_dir or ''}\n")
-        except OSError:
-            pass
-
-
-def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
-    """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on.
-
-    run_kwargs go to run() (tests pass their fake loader, engine and method builder). SIGTERM is turned into
-    Terminated by the caller (kvbench.cli.install_sigterm_handler: `python -m kvbench` and its launcher workers)."""
-    run_dir = None
-    try:
-        if HydraConfig.initialized():
-            run_dir = HydraConfig.get().runtime.output_dir
-    except Exception:  # pragma: no cover
-        pass
-    RUN_LOG.disabled = False  # kvbench's lines go to this run's kvbench.log (Hydra's file handler) while it runs
-    try:
-        return _run_and_note(cfg, run_dir, run_kwargs)
-    finally:
-        RUN_LOG.disabled = True
-
-
-def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> Optional[dict]:
-    try:
-        record = run(cfg, run_dir=run_dir, **run_kwargs)
-    except UserError as exc:
-        report(str(exc))
-        _note_exit(2)
-        if run_dir is not None:
-            _discard_unstarted(run_dir)
-        return None
-    except OSError as exc:  # e.g. a full disk before config.yaml, or while even the failure could not be recorded
-        where = exc.filename or run_dir or "the results folder"
-        report(f"run failed: could not write {where}: {exc.strerror or exc}"
-               + (f" ({errno.errorcode[exc.errno]})" if exc.errno in errno.errorcode else ""))
-        _note_exit(1)
-        return None
-    except Exception as exc:
-        report(f"run failed: {type(exc).__name__}: {exc}")
-        _note_exit(1)
-        return None
-    folder = record.get("run_dir") if record.get("status") != "claimed" else None
-    _note_exit(0 if record.get("status") in ("ok", "claimed") else 1, folder)
-    return record
-
-
-_STARTED_AT = time.time()  # folders made after this, by this process, are removed again when a refusal empties them
-
-
-def check_config(cfg: Any) -> None:
-    """Every check a run makes before it loads the model (plan_run), for a config a sweep will run (its Hydra
-    node removed, as Hydra removes it before the job starts); UserError on bad input."""
-    from omegaconf import open_dict, read_write
-
-    cfg = cfg.copy()
-    with read_write(cfg), open_dict(cfg):
-        cfg.pop("hydra", None)
-    plan_run(cfg)
-
-
-def _discard_unstarted(run_dir: str) -> None:
-    """Remove the folder Hydra made for a run refused before it started (only Hydra's own files in it), and the
-    results folder above it if this process made it and it is now empty."""
-    import shutil
-
-    try:
-        names = set(os.listdir(run_dir))
-        if names <= {".hydra", "kvbench.log"}:
-            _close_log_handlers_in(run_dir)  # Hydra's kvbench.log handler would reopen the file in a removed folder
-            shutil.rmtree(run_dir, ignore_errors=True)
-            _remove_if_new_and_empty(os.path.dirname(os.path.normpath(run_dir)))
-    except OSError:
-        pass
-
-
-def discard_sweep_file(sweep_dir: Any) -> None:
-    """A sweep refused before its first job: remove the multirun.yaml Hydra saved, and the folder if this process
-    made it and it is now empty."""
-    try:
-        path = os.path.join(str(sweep_dir), "multirun.yaml")
-        if os.path.isfile(path) and os.stat(path).st_mtime >= _STARTED_AT - 1:
-            os.unlink(path)
-        _remove_if_new_and_empty(str(sweep_dir))
-    except Exception:  # the refusal itself is what the user must see
-        pass
-
-
-def _remove_if_new_and_empty(folder: str) -> None:
-    """Remove `folder` if it is empty and was changed since this process started (Hydra made it for this run)."""
-    try:
-        if not os.listdir(folder) and os.stat(folder).st_mtime >= _STARTED_AT - 1:
-            os.rmdir(folder)
-    except OSError:
-        pass
-
-
-def _close_log_handlers_in(folder: str) -> None:
-    """Close and detach every logging file handler that writes into `folder`."""
-    folder = os.path.realpath(folder)
-    for name in [None, *logging.Logger.manager.loggerDict]:
-        logger = logging.getLogger(name)
-        for handler in list(getattr(logger, "handlers", [])):
-            path = getattr(handler, "baseFilename", None)
-            if path and os.path.realpath(path).startswith(folder + os.sep):
-                logger.removeHandler(handler)
-                handler.close()
 
 
 def _git_commit() -> Optional[str]:
@@ -562,28 +321,6 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
     return _loaded_model[key]
 
 
-_ENGINE_RUNTIME_ARGS = ("max_num_seqs", "max_num_batched_tokens", "admission_watermark", "schedule", "prefix_caching",
-                        "cuda_graphs", "preemption", "swap_bytes")
-
-
-def _engine_kwargs(engine_cls: type, rt: _config.RuntimeConfig) -> dict:
-    """The serving knobs the engine class accepts (a class without them, such as a test fake, gets none)."""
-    try:
-        params = inspect.signature(engine_cls).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return {}
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    return {k: getattr(rt, k) for k in _ENGINE_RUNTIME_ARGS if k in params or takes_any}
-
-
-def _names_parameter(engine_cls: type, name: str) -> bool:
-    """Whether the engine's constructor has a parameter of this name (not only **kwargs)."""
-    try:
-        return name in inspect.signature(engine_cls).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
 def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional[type], record: dict,
           layout: Any = None):
     s = plan.settings
@@ -597,27 +334,12 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
         except AttributeError:
             pass
     record["loaded_from"] = getattr(loaded, "name", None)
-    if engine_cls is None:
-        engine_cls = Engine
     rt = s.runtime
-    codec = None
-    if s.quant_name not in ("none", "full"):
-        quant_options = dict(s.quant_options)
-        if s.quant_name == "kvquant" and quant_options.get("tokenizer") is None:
-            quant_options["tokenizer"] = loaded.tokenizer
-        codec = build_codec(s.quant_name, loaded.model, **quant_options)
+    codec = build_run_codec(s.quant_name, s.quant_options, loaded.model, getattr(loaded, "tokenizer", None))
     try:
-        extra = {"codec": codec} if codec is not None else {}
-        kwargs = _engine_kwargs(engine_cls, rt)
-        if rt.speculative.enabled and "prefix_caching" in kwargs:
-            kwargs["prefix_caching"] = False  # the draft cache prefills every prompt itself (plan refuses true)
-        if rt.tensor_parallel > 1 and "cuda_graphs" in kwargs:
-            kwargs["cuda_graphs"] = False  # a sharded decode step all-reduces between its layers: run eagerly
-        if rt.speculative.enabled and _names_parameter(engine_cls, "speculator"):
-            kwargs["speculator"] = _speculator(plan, loaded, engine_cls, load_model_fn)
-        engine = engine_cls(loaded.model, plan.method, block_size=rt.block_size, num_blocks=rt.num_blocks,
-                            kv_memory_bytes=rt.kv_memory_bytes, prefill_chunk_size=rt.prefill_chunk_size,
-                            attention_backend=rt.attention_backend, **kwargs, **extra)
+        speculator = _speculator(plan, loaded, engine_cls or Engine, load_model_fn) if rt.speculative.enabled else None
+        engine = build_engine(rt, loaded.model, plan.method, codec=codec, speculator=speculator,
+                              engine_cls=engine_cls or Engine)
     except ValueError as exc:
         raise UserError(f"invalid runtime settings: {exc}") from None
     record["attention_backend"] = getattr(engine, "attention_backend", rt.attention_backend)
@@ -628,25 +350,18 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
 
 
 def _speculator(plan: RunPlan, loaded: Any, engine_cls: type, load_model_fn: Optional[Callable]) -> SpeculativeDecoder:
-    """runtime.speculative's decoder: a draft engine (the target's model, or the draft model, over a cache of the
-    draft method, in a pool of the target's KV bytes; prefix caching off) proposing runtime.speculative.num_tokens."""
+    """runtime.speculative's decoder (kvbench.engines.build_speculator) over the target's model, or the draft model
+    loaded here."""
     rt = plan.settings.runtime
-    spec = rt.speculative
-    if spec.draft == "self":
+    if rt.speculative.draft == "self":
         draft_model = loaded.model
     else:
         m = plan.settings.model
         args = dict(gguf_file=None, dtype=m.dtype, device=plan.device, cache_dir=m.cache_dir)
-        draft_model = (load_model_fn or load_model)(spec.draft, **args).model
+        draft_model = (load_model_fn or load_model)(rt.speculative.draft, **args).model
     quant, quant_options = plan.draft_quant
-    if quant == "kvquant" and quant_options.get("tokenizer") is None:
-        quant_options = {**quant_options, "tokenizer": loaded.tokenizer}
-    extra = {"codec": build_codec(quant, draft_model, **quant_options)} if quant not in ("none", "full") else {}
-    target_bytes = kv_memory_bytes_for(loaded.model, rt.block_size, rt.num_blocks, rt.kv_memory_bytes)
-    draft = engine_cls(draft_model, plan.draft_method, block_size=rt.block_size, num_blocks=rt.num_blocks,
-                       kv_memory_bytes=target_bytes, prefill_chunk_size=rt.prefill_chunk_size,
-                       attention_backend=rt.attention_backend, prefix_caching=False, **extra)
-    return SpeculativeDecoder(draft, spec.num_tokens, adaptive=spec.adaptive)
+    draft_codec = build_run_codec(quant, quant_options, draft_model, loaded.tokenizer)
+    return build_speculator(rt, loaded.model, draft_model, plan.draft_method, draft_codec, engine_cls)
 
 
 # =========================================================================== 4. execute

@@ -26,11 +26,14 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from kvbench import app
 from kvbench.config import bool_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
+from kvbench.exit_channel import close_exit_channel, open_exit_channel
+from kvbench.hydra_folders import discard_sweep_file
+from kvbench.plan import plan_run
 from kvbench.spec import check_bool_spellings
+from kvbench.sweep_table import end_of_cli, stopped_sweep_table
 
 # What a value must look like, for the keys where Hydra's own wording would not say it.
 VALUE_HINTS = {
@@ -224,10 +227,21 @@ def multirun_flag_first(argv: list) -> list:
     return [argv[0], flags[0], *[a for a in argv[1:] if a not in MULTIRUN_FLAGS]]
 
 
+def check_config(cfg: Any) -> None:
+    """Every check a run makes before it loads the model (plan_run), for a config a sweep will run (its Hydra
+    node removed, as Hydra removes it before the job starts); UserError on bad input."""
+    from omegaconf import open_dict, read_write
+
+    cfg = cfg.copy()
+    with read_write(cfg), open_dict(cfg):
+        cfg.pop("hydra", None)
+    plan_run(cfg)
+
+
 @contextlib.contextmanager
 def every_sweep_job_checked() -> Iterator[None]:
     """While it is open, a sweep (-m) checks every job's config as a run would before it loads the model
-    (app.check_config: values, paths, lengths against the model's positions, ...) before the first job starts,
+    (check_config: values, paths, lengths against the model's positions, ...) before the first job starts,
     after Hydra's own check that each job composes; a refused sweep leaves no multirun.yaml (and no results folder
     it made) behind."""
     from hydra.plugins.sweeper import Sweeper
@@ -240,9 +254,9 @@ def every_sweep_job_checked() -> Iterator[None]:
             loader = getattr(self, "hydra_context", None)
             loader = loader.config_loader if loader is not None else self.config_loader
             for overrides in batch:
-                app.check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides)))
+                check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides)))
         except BaseException:
-            app.discard_sweep_file(self.config.hydra.sweep.dir)
+            discard_sweep_file(self.config.hydra.sweep.dir)
             raise
 
     Sweeper.validate_batch_is_legal = check_batch
@@ -274,9 +288,9 @@ def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     except UserError as ex:
         exit_usage(str(ex))
     sys.argv[:] = launch_rank_overrides(sys.argv)
-    app.open_exit_channel()
+    open_exit_channel()
     try:
         with every_sweep_job_checked():
-            run_cli(main, after=app.end_of_cli, stopped=app.stopped_sweep_table)
+            run_cli(main, after=end_of_cli, stopped=stopped_sweep_table)
     finally:
-        app.close_exit_channel()
+        close_exit_channel()

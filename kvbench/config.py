@@ -23,11 +23,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.errors import UserError, first_line
 from kvbench.registry import did_you_mean
-from kvbench.store.naming import model_label, run_id_for
 from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
                           SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive, check_task_counts,
                           dtype_name, hashable_config, kept_budget, normalise_runtime,
                           normalise_task, raw_value, resolve_storage, results_path)
+from kvbench.store.naming import model_label, run_id_for
 
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
 BLOCK_SIZE_MAX = 4096  # tokens per KV block
@@ -56,7 +56,7 @@ class ModelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """runtime.speculative: speculative decoding (kvbench.runtime.speculative); off while num_tokens is 0."""
+    """runtime.speculative: speculative decoding (kvbench.runtime.serving.speculative); off while num_tokens is 0."""
 
     num_tokens: int = 0  # draft tokens per round, k (0 = off)
     draft: str = "self"  # self: the target model over a compressed draft cache; or a model (path / hub id), same tokenizer
@@ -96,7 +96,8 @@ class RuntimeConfig:
     swap_bytes: Optional[int] = None  # host swap space in bytes (null: as large as the KV pool)
     speculative: Any = field(default_factory=SpeculativeConfig)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs on CUDA (ignored elsewhere); not in the run id
-    tensor_parallel: int = 1  # ranks one model is sharded over (a torchrun launch; kvbench/runtime/tensor_parallel.py)
+    # ranks one model is sharded over (a torchrun launch; kvbench/runtime/model/tensor_parallel.py)
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict) or self.speculative is None:

@@ -40,9 +40,11 @@ import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 
+from kvbench.config import RuntimeConfig
+from kvbench.engines import build_engine
+from kvbench.errors import UserError
 from kvbench.methods import build_method
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.loading import load_model
+from kvbench.runtime.model.loading import load_model
 from kvbench.tasks._lm_eval_lm import EngineLM, int_option
 
 log = logging.getLogger(__name__)
@@ -80,14 +82,17 @@ class KVBenchLM(EngineLM):
             log.warning("kvbench: device %s requested (lm-eval's default is cuda:0) but CUDA is not available; "
                         "using cpu", device)
             device = "cpu"
+        try:  # the runtime section a run would have (the serving knobs at their defaults)
+            runtime = RuntimeConfig(block_size=int_option(block_size, "block_size") or 16,
+                                    num_blocks=int_option(num_blocks, "num_blocks"),
+                                    kv_memory_bytes=int_option(kv_memory_bytes, "kv_memory_bytes"),
+                                    prefill_chunk_size=int_option(prefill_chunk_size, "prefill_chunk_size") or 512,
+                                    attention_backend=str(attention_backend))
+        except UserError as exc:
+            raise ValueError(f"kvbench model_args: {exc}") from None
         loaded = load_model(pretrained or None, gguf_file=gguf_file or None, dtype=dtype, device=device)
         m = build_method(str(method), int_option(budget, "budget"), **method_options)
-        engine = Engine(loaded.model, m, block_size=int_option(block_size, "block_size") or 16,
-                        num_blocks=int_option(num_blocks, "num_blocks"),
-                        kv_memory_bytes=int_option(kv_memory_bytes, "kv_memory_bytes"),
-                        prefill_chunk_size=int_option(prefill_chunk_size, "prefill_chunk_size") or 512,
-                        attention_backend=str(attention_backend))
-        return engine, loaded.tokenizer
+        return build_engine(runtime, loaded.model, m), loaded.tokenizer
 
 
 def cli(argv: Optional[list[str]] = None) -> None:

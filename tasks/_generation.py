@@ -11,7 +11,7 @@ prediction is the generated tokens decoded with special tokens skipped (so the s
 Query-agnostic compression (`task.compress_question=false`, kvpress's default): a request's last
 `uncompressed_tail` prompt tokens are its question; the scheduler prefills the context chunk by chunk (the method
 compresses it at its last chunk), then the question uncompressed (never evicted in its own steps, added to the
-sequence's budget), then decodes as for any request (kvbench.runtime.requests.Request.uncompressed_tail).
+sequence's budget), then decodes as for any request (kvbench.runtime.serving.requests.Request.uncompressed_tail).
 `split_prompt` tokenizes a prompt as context + question for it.
 
 perf (also written per sample as ttft_s / prefill_s / decode_s):
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvbench.errors import UserError
 from kvbench.metrics.repetition import repetition_share
-from kvbench.runtime import distributed
+from kvbench.runtime.model import distributed
 from kvbench.spec import check_positive
 
 # End-of-turn / end-of-text tokens of the common chat formats; those the tokenizer knows stop generation.
@@ -260,7 +260,7 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
                    progress: Any = None, desc: str = "generate",
                    on_batch: Optional[Callable[[list[GenOutput]], None]] = None) -> tuple[list[GenOutput], dict]:
     """Greedy generation for every request (in order), batched; returns the outputs and the perf figures. In a
-    data-parallel launch (kvbench.runtime.distributed) this rank generates its share of the requests, and the
+    data-parallel launch (kvbench.runtime.model.distributed) this rank generates its share of the requests, and the
     outputs of every rank come back in request order; perf is this rank's (`samples_computed` of them)."""
     check_positive("runtime.batch_size", batch_size)
     meter = PerfMeter()

@@ -14,8 +14,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from kvbench.runtime import distributed
-from kvbench.runtime.scoring import Scorer
+from kvbench.runtime.model import distributed
+from kvbench.runtime.serving.scoring import Scorer
 from kvbench.tasks._generation import PerfMeter, decode, stop_token_ids
 
 
@@ -182,7 +182,7 @@ class EngineLM(TemplateLM):
         return [r if r is not None else "" for r in results]
 
     # ------------------------------------------------------------------ data parallel (lm-eval's hooks)
-    # In a data-parallel launch (kvbench.runtime.distributed) lm-eval deals each task's documents over the ranks
+    # In a data-parallel launch (kvbench.runtime.model.distributed) lm-eval deals each task's documents over the ranks
     # (rank r evaluates documents r, r + world_size, ...) and gathers the per-document metrics and logged samples
     # on rank 0 through these hooks. The ranks of one tensor-parallel group are one lm-eval rank.
     @property

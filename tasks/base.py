@@ -12,7 +12,7 @@ A task is a class with an `Options` dataclass (the keys of conf/task/<name>.yaml
         def run(self, engine, tokenizer, cfg, progress) -> TaskResult:
             ...
 
-`run` gets the engine (kvbench.runtime.engine.Engine: score / generate / memory_stats), the model's tokenizer,
+`run` gets the engine (kvbench.runtime.serving.engine.Engine: score / generate / memory_stats), the model's tokenizer,
 the whole run config (cfg.task holds the raw task options, cfg.runtime.batch_size, cfg.seed, ...; the validated
 options are self.options) and `progress`, a factory of progress bars: `progress(total, desc, unit)` returns an
 object with update(n) and close() (a tqdm bar on a terminal, periodic log lines when stderr is not one).

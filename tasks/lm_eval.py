@@ -33,11 +33,11 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
-import kvbench
 from kvbench.errors import UserError
-from kvbench.runtime import distributed
+from kvbench.runtime.model import distributed
 from kvbench.tasks._generation import batch_size_of
 from kvbench.tasks.base import Task, TaskResult, register_task
+import kvbench
 
 INSTALL_HINT = "pip install 'lm-eval>=0.4.13,<0.5'"
 # lm-eval tasks shipped with kvbench (always on the include path): kvbench_essays_mc, offline multiple choice

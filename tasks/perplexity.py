@@ -33,7 +33,7 @@ from kvbench.data.hub import require_hub
 from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_text_file, iter_pg19, load_text_file, load_wikitext
 from kvbench.errors import UserError
 from kvbench.model_info import kv_pool_tokens
-from kvbench.runtime import distributed
+from kvbench.runtime.model import distributed
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")

@@ -30,10 +30,10 @@ from typing import Any, Optional, Union
 from kvbench.data import reasoning as rd
 from kvbench.data.hub import require_hub
 from kvbench.errors import UserError
-from kvbench.runtime import distributed
 from kvbench.metrics.reasoning import gsm8k_scores, math_verify_score
-from kvbench.runtime.engine import Generation
-from kvbench.runtime.requests import Request
+from kvbench.runtime.model import distributed
+from kvbench.runtime.serving.engine import Generation
+from kvbench.runtime.serving.requests import Request
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (PerfMeter, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, decode, encode, stop_token_ids,

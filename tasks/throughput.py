@@ -31,8 +31,8 @@ from typing import Any, Optional
 
 from kvbench.data.essays import essay_corpus_text
 from kvbench.errors import UserError
-from kvbench.runtime import distributed
-from kvbench.runtime.requests import Request
+from kvbench.runtime.model import distributed
+from kvbench.runtime.serving.requests import Request
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"

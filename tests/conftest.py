@@ -40,7 +40,7 @@ except ImportError:
 @pytest.fixture(scope="session")
 def smollm2():
     """The packaged SmolLM2-135M-Instruct in the kvbench runtime, with its transformers model kept."""
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     return load_model(keep_hf=True)
 

@@ -156,9 +156,9 @@ def wait_for_lines(path: Any, n: int, proc: Any, timeout: float = 300) -> None:
 
 
 def _fake_task_function(cfg: Any) -> Any:
-    from kvbench import app
+    from kvbench import hydra_task
 
-    return app.main(cfg, **FAKES)
+    return hydra_task.main(cfg, **FAKES)
 
 
 def fake_cli() -> None:

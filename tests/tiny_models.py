@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import transformers as tf
 
-from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
+from kvbench.runtime.model.forward import LlamaFamilyModel, build_from_transformers
 
 FAMILIES = ["llama", "llama3", "tied", "mistral", "qwen2", "qwen3"]
 

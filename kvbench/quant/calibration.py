@@ -45,7 +45,7 @@ from kvbench.data.aclsum import load_aclsum
 from kvbench.errors import UserError, first_line
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 from kvbench.runtime.backends.cpu.linear import Linear, keep_dense_weights
-from kvbench.runtime.loading import _converted_gguf, cache_root, packaged_smollm2
+from kvbench.runtime.model.loading import _converted_gguf, cache_root, packaged_smollm2
 
 log = logging.getLogger(__name__)
 

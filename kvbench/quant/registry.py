@@ -67,7 +67,7 @@ def check_codec(name: str, options: dict[str, Any], shape: Any = None) -> None:
 
 def storage_geometry(name: str, options: dict[str, Any]) -> tuple[int, Any]:
     """(block_size_hint, fp_block_dtype) of codec `name` with `options`, without building it: blocks hold a
-    multiple of the hint (kvbench.runtime.caches.codec_block_size); fp_block_dtype is the torch dtype of its
+    multiple of the hint (kvbench.runtime.cache.caches.codec_block_size); fp_block_dtype is the torch dtype of its
     full-precision blocks (None: the model's). (1, None) for full precision."""
     if name in FULL_PRECISION:
         return 1, None

@@ -19,13 +19,12 @@ from typing import Any, Optional
 
 import torch
 
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.hooks import CacheHooks, NoCompression
-from kvbench.runtime.kv_eviction import MethodCacheView
-from kvbench.runtime.model import LayerContext
-from kvbench.runtime.rope import RotaryTable, apply_rotary, rotate_half
-from kvbench.runtime.tensor_parallel import (full_kv_heads, gather_head_scores, local_keep, sum_over_ranks,
-                                             tp_size_of)
+from kvbench.runtime.cache.kv_eviction import MethodCacheView
+from kvbench.runtime.hooks import CacheHooks, LayerContext, NoCompression
+from kvbench.runtime.model.rope import RotaryTable, apply_rotary, rotate_half
+from kvbench.runtime.model.tensor_parallel import (full_kv_heads, gather_head_scores, local_keep, sum_over_ranks,
+                                                   tp_size_of)
+from kvbench.runtime.serving.engine import Engine
 
 __all__ = [
     "CacheHooks", "NoCompression", "LayerContext", "MethodCacheView", "Observation", "RotaryTable", "apply_rotary",

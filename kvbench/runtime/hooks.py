@@ -6,11 +6,29 @@ members; the app builds the method. `NoCompression` is the engine's default and 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # annotations only: the model module imports this one
-    from kvbench.runtime.kv_eviction import MethodCacheView
-    from kvbench.runtime.model import LayerContext
+import torch
+
+if TYPE_CHECKING:  # annotations only: the model forward imports this module, which runs no runtime import
+    from kvbench.runtime.cache.append_plan import AppendPlan
+    from kvbench.runtime.cache.kv_eviction import MethodCacheView
+    from kvbench.runtime.model.rope import RotaryTable
+
+
+@dataclass
+class LayerContext:
+    """What a compression method sees after one layer's attention of one forward step."""
+
+    layer: int
+    cache: MethodCacheView  # what a method may call on the cache (kvbench.runtime.cache.kv_eviction)
+    plan: AppendPlan
+    phase: str  # "prefill" or "decode"
+    last_chunk: bool  # the final chunk of a prefill (always True in decode)
+    q: torch.Tensor | None  # [S, Hq, Q, D] queries as used for attention (None: see hooks.decode_reads_attention)
+    key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
+    rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
 
 
 class CacheHooks(Protocol):
@@ -60,7 +78,7 @@ class NoCompression:
     rope_mode = "original"
 
     def attach(self, cache: MethodCacheView, model_config: Any) -> None:
-        """Keep the cache (as the view a method may call: kvbench.runtime.kv_eviction) and the model's config."""
+        """Keep the cache (as the view a method may call: kvbench.runtime.cache.kv_eviction) and the model's config."""
         self.cache = cache
         self.model_config = model_config
 

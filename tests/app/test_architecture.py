@@ -1,7 +1,9 @@
 """The architecture contract (pyproject.toml [tool.importlinter]): the layers hold, the forbidden imports are absent,
 and the contract is a real judge: the same check fails on a copy of the package with an upward import planted.
-Also: no import cycle between kvbench's modules, and no import of kvbench's own modules inside a function except
-of the modules that exist to wrap an optional dependency (lm-eval, triton)."""
+Also: no import cycle between kvbench's modules (imports under `if TYPE_CHECKING:` included: a circle that only
+annotations close is still a circle in the design), the cycle check is a real judge too (it finds a circle planted in a
+copy of the package), and no import of kvbench's own modules inside a function except of the modules that exist to
+wrap an optional dependency (lm-eval, triton)."""
 from __future__ import annotations
 
 import ast
@@ -70,16 +72,16 @@ def _imported(mods: dict[str, Path], module: str, node: ast.AST) -> list[str]:
     return out
 
 
-def import_graph(root: Path) -> tuple[dict[str, set], list[tuple[str, str, int]]]:
+def import_graph(root: Path, type_checking: bool = False) -> tuple[dict[str, set], list[tuple[str, str, int]]]:
     """(module -> own modules it imports, [(module, imported, line)] for imports inside functions); imports under
-    `if TYPE_CHECKING:` are left out (they never run)."""
+    `if TYPE_CHECKING:` are left out (they never run) unless type_checking."""
     mods = own_modules(root)
     edges: dict[str, set] = defaultdict(set)
     in_functions = []
 
     def walk(module: str, node: ast.AST, depth: int) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.dump(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.dump(child.test) and not type_checking:
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 for target in _imported(mods, module, child):
@@ -134,10 +136,48 @@ def _optional(module: str) -> bool:
     return any(module == m or module.startswith(m + ".") for m in OPTIONAL_DEPENDENCY_MODULES)
 
 
-def test_no_import_cycles():
-    edges, _ = import_graph(ROOT)
+@pytest.mark.parametrize("type_checking", [False, True], ids=["run-time imports", "with TYPE_CHECKING imports"])
+def test_no_import_cycles(type_checking):
+    edges, _ = import_graph(ROOT, type_checking=type_checking)
     found = cycles(edges)
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def _copy_package(tmp_path: Path) -> Path:
+    """A copy of the checkout's package under tmp_path/checkout/src/kvbench (methods and tasks copied through their
+    links) with pyproject.toml beside src; the checkout's root."""
+    copy = tmp_path / "checkout"
+    (copy / "src").mkdir(parents=True)
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.o", "build")
+    shutil.copytree(ROOT / "kvbench", copy / "src" / "kvbench", symlinks=False, ignore=ignore)  # links followed
+    return copy
+
+
+def _plant(module: Path, line: str) -> None:
+    """Insert `line` before the module's first top-level `import` (or at its top)."""
+    text = module.read_text()
+    at = text.index("\nimport ") + 1 if "\nimport " in text else 0
+    module.write_text(text[:at] + line + "\n" + text[at:])
+
+
+@pytest.mark.parametrize("type_checking", [False, True], ids=["run-time import", "TYPE_CHECKING import"])
+def test_the_cycle_check_fails_on_a_planted_circle(tmp_path, type_checking):
+    """The engine imports the cache's geometry; the geometry planted to import the engine closes a circle, which the
+    check finds (under `if TYPE_CHECKING:` too, where the run-time check must not see it)."""
+    copy = _copy_package(tmp_path)
+    geometry = copy / "src" / "kvbench" / "runtime" / "cache" / "kv_geometry.py"
+    planted = "import kvbench.runtime.serving.engine  # planted: the cache imports the engine"
+    if type_checking:
+        planted = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    " + planted
+    _plant(geometry, planted)
+
+    def closed(found: list[list[str]]) -> bool:
+        return any({"kvbench.runtime.cache.kv_geometry", "kvbench.runtime.serving.engine"} <= set(c) for c in found)
+
+    assert closed(cycles(import_graph(copy / "src", type_checking=True)[0]))
+    run_time = cycles(import_graph(copy / "src")[0])
+    assert run_time == [] if type_checking else closed(run_time), run_time
 
 
 def test_own_modules_are_imported_at_module_top():
@@ -167,18 +207,16 @@ def test_the_contract_holds():
 
 def test_the_contract_fails_on_a_planted_upward_import(tmp_path):
     pytest.importorskip("importlinter")
-    copy = tmp_path / "checkout"
-    (copy / "src").mkdir(parents=True)
-    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.o", "build")
-    shutil.copytree(ROOT / "kvbench", copy / "src" / "kvbench", symlinks=False, ignore=ignore)  # links followed
-    block_pool = copy / "src" / "kvbench" / "runtime" / "block_pool.py"
-    text = block_pool.read_text()
-    at = text.index("\nimport ") + 1 if "\nimport " in text else 0
-    block_pool.write_text(text[:at] + "import kvbench.app  # planted: the runtime imports the app\n" + text[at:])
+    copy = _copy_package(tmp_path)
+    runtime = copy / "src" / "kvbench" / "runtime"
+    _plant(runtime / "cache" / "block_pool.py", "import kvbench.app  # planted: the runtime imports the app")
+    # and, inside the runtime, a room imports one above it
+    _plant(runtime / "cache" / "swap.py", "import kvbench.runtime.serving.requests  # planted: cache imports serving")
 
     proc = lint_imports(copy)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "kvbench.runtime is not allowed to import kvbench.app" in out, out
-    assert "kvbench.runtime.block_pool -> kvbench.app" in out, out
+    assert "kvbench.runtime.cache.block_pool -> kvbench.app" in out, out
+    assert "kvbench.runtime.cache is not allowed to import kvbench.runtime.serving" in out, out
+    assert "kvbench.runtime.cache.swap -> kvbench.runtime.serving.requests" in out, out

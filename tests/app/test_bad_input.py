@@ -253,9 +253,9 @@ def cli(monkeypatch, capsys):
     """Run `python -m kvbench ARGS` in this process; returns (exit code, stdout, stderr)."""
     import hydra
 
-    from kvbench import app
+    from kvbench import exit_channel, hydra_task
 
-    entry = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(app.main)
+    entry = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(hydra_task.main)
     old_term = signal.getsignal(signal.SIGTERM)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     for key in ("WANDB_API_KEY", "WANDB_MODE"):
@@ -263,7 +263,7 @@ def cli(monkeypatch, capsys):
 
     def call(args):
         monkeypatch.setattr(sys, "argv", ["kvbench", *args])
-        monkeypatch.setattr(app, "_exit_code", 0)
+        monkeypatch.setattr(exit_channel, "_exit_code", 0)
         capsys.readouterr()
         with pytest.raises(SystemExit) as info:
             run_app_cli(entry)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.serving.engine import Engine
 from tests.tiny_models import tiny_model
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"

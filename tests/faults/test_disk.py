@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader, run_fake_cli
-from kvbench import app
+from kvbench import exit_channel, hydra_task
 from kvbench.store.files import append_jsonl, read_jsonl
 from kvbench.store.folder import RunFolder, finished_metrics
 
@@ -47,7 +47,7 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
 
 
 def test_io_error_in_a_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(app, "_exit_code", 0)
+    monkeypatch.setattr(exit_channel, "_exit_code", 0)
 
     def full_disk(self, samples):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -56,10 +56,10 @@ def test_io_error_in_a_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypat
     base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "method=h2o"]
     with monkeypatch.context() as m:
         m.setattr(RunFolder, "write_samples", full_disk)
-        first = app.main(compose([*base, "budget=8"]), **fakes)
+        first = hydra_task.main(compose([*base, "budget=8"]), **fakes)
     assert first["status"] == "failed" and "No space left" in first["error"]
-    second = app.main(compose([*base, "budget=16"]), **fakes)  # the sweep goes on
-    assert second["status"] == "ok" and app.exit_code() == 1
+    second = hydra_task.main(compose([*base, "budget=16"]), **fakes)  # the sweep goes on
+    assert second["status"] == "ok" and exit_channel.exit_code() == 1
     statuses = sorted((r["budget"], r["status"]) for r in read_jsonl(str(tmp_path / "runs.jsonl")))
     assert statuses == [(8, "failed"), (16, "ok")]
     assert "No space left" in capsys.readouterr().err
@@ -123,7 +123,7 @@ def test_a_full_disk_is_a_fault_not_bad_input(tiny_tmpfs, tmp_path):
 
 def test_a_full_disk_before_config_yaml_names_the_folder(tmp_path, monkeypatch, capsys):
     # the claim is the first write of a run (before config.yaml): an error without a file name still names the folder
-    monkeypatch.setattr(app, "_exit_code", 0)
+    monkeypatch.setattr(exit_channel, "_exit_code", 0)
 
     def full_disk(self):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -131,8 +131,8 @@ def test_a_full_disk_before_config_yaml_names_the_folder(tmp_path, monkeypatch, 
     monkeypatch.setattr(RunFolder, "claim", full_disk)
     fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
     capsys.readouterr()
-    assert app.main(compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40"]), **fakes) is None
+    assert hydra_task.main(compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40"]), **fakes) is None
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "No space left on device (ENOSPC)" in lines[0], lines
     assert f"could not write {tmp_path}{os.sep}" in lines[0], lines  # the run's folder under results_dir
-    assert app.exit_code() == 1
+    assert exit_channel.exit_code() == 1

@@ -13,7 +13,7 @@ import pytest
 
 from tests import fault_cli
 from tests.harness_fakes import run_fake_cli, wait_for_lines
-from kvbench import app
+from kvbench import exit_channel
 from kvbench.store.files import read_jsonl
 from kvbench.store.folder import RunFolder, repair_index
 from kvbench.store.runs import load_runs
@@ -103,19 +103,19 @@ def test_named_channels_of_dead_processes_are_removed(tmp_path, monkeypatch):
     """Without O_TMPFILE the channel is a named file: the next CLI deletes those whose process is gone."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delattr(os, "O_TMPFILE", raising=False)
-    monkeypatch.delenv(app.EXIT_FILE_ENV, raising=False)
+    monkeypatch.delenv(exit_channel.EXIT_FILE_ENV, raising=False)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"kvbench-exit-{dead.stdout.strip()}-abc"
     live = tmp_path / f"kvbench-exit-{os.getppid()}-abc"
     stale.write_text("1\t\n")
     live.write_text("")
-    app.open_exit_channel()
+    exit_channel.open_exit_channel()
     try:
-        path = os.environ[app.EXIT_FILE_ENV]
+        path = os.environ[exit_channel.EXIT_FILE_ENV]
         assert not stale.exists() and live.exists() and os.path.dirname(path) == str(tmp_path)
-        app._note_exit(2, "/some/run")
-        assert app.exit_code() == 2 and app.sweep_runs() == ["/some/run"]
+        exit_channel.note_exit(2, "/some/run")
+        assert exit_channel.exit_code() == 2 and exit_channel.sweep_runs() == ["/some/run"]
     finally:
-        app.close_exit_channel()
-        monkeypatch.setattr(app, "_exit_code", 0)
+        exit_channel.close_exit_channel()
+        monkeypatch.setattr(exit_channel, "_exit_code", 0)
     assert not os.path.exists(path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.model import LayerContext
+from kvbench.runtime.cache.kv_cache import PagedKVCache
+from kvbench.runtime.hooks import LayerContext
 
 
 def make_cache(H=2, D=4, bs=4, **kw) -> PagedKVCache:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.runtime.model import LayerContext
 from kvbench.methods import build_method
 from kvbench.methods.kvcrush import hamming_order, spread_picks, top_half_bits
+from kvbench.runtime.backends.torch.backend import TORCH
+from kvbench.runtime.hooks import LayerContext
 from tests.methods.bare_cache import assert_blocks_consistent, coded, make_cache, positions, step
 
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-import kvbench.config as kconfig
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.eviction import EvictionMethod
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.serving.engine import Engine
+import kvbench.config as kconfig
 from tests.harness_fakes import compose
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_model

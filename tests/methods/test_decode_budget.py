@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbench.methods import build_method
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_matrix import Checker
 from tests.tiny_models import tiny_model

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.pyramidkv import pyramid_budgets
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.model import build_from_transformers
+from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_snapkv_official import official_keep
 from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model

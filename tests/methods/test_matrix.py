@@ -22,9 +22,9 @@ from kvbench.errors import UserError
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.variants import VARIANTS, variant_id
 from tests.tiny_models import ByteTokenizer, tiny_model
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.scoring import Scorer
 from kvbench.methods import available_methods, build_method
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scoring import Scorer
 
 CHUNK = 32
 NEW_TOKENS = 20

@@ -11,7 +11,7 @@ import torch
 from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.metrics.repetition import is_degenerate
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.bare_cache import assert_blocks_consistent, make_cache, positions, step
 from tests.methods.test_matrix import (BLOCK_SIZES, CHUNK, NUM_BLOCKS, PROMPT_LENGTHS,  # noqa: F401  (fixtures)

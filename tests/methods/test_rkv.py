@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.methods.rkv import rkv_keep
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.serving.engine import Engine
 from tests.tiny_models import tiny_model
 
 

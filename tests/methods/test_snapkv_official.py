@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.model import build_from_transformers
 from kvbench.methods import build_method
+from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.serving.engine import Engine
 from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model
 
 T, BUDGET = 230, 120

@@ -20,8 +20,8 @@ TOKENS, BUDGET, CHUNK = 640, 128, 32
 
 
 def _ppl(model, ids, method, chunk):
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
 
     engine = Engine(model, method, block_size=16, num_blocks=8192, prefill_chunk_size=chunk)
     lp = Scorer(engine).score(ids, chunk_size=chunk)

@@ -9,13 +9,13 @@ import torch
 import yaml
 
 from kvbench.errors import UserError
+from kvbench.methods import build_method
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.quant.registry import OPTIONS, build_codec
+from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scoring import Scorer
 from kvbench.spec import codec_names, resolve_storage
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.scoring import Scorer
-from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
-from kvbench.methods import build_method
 from tests.tiny_models import SHARP_LOGITS, tiny_model
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -151,7 +151,7 @@ def test_codec_method_end_to_end(tiny, full_run, name, options, tol):
 def test_capture_forward_is_the_runtime_forward(tiny):
     """forward_capture runs the runtime model; its logits and pre-RoPE keys match a pre-RoPE paged cache."""
     from kvbench.quant.calibration import forward_capture
-    from kvbench.runtime.kv_cache import PagedKVCache
+    from kvbench.runtime.cache.kv_cache import PagedKVCache
 
     ids = _ids(100, seed=2)
     logits, keys, values, kg, vg = forward_capture(tiny, torch.tensor(ids), grads=True)

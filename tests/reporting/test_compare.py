@@ -171,7 +171,7 @@ def test_a_throughput_run_whose_requests_all_fail_is_a_failed_run_and_a_regressi
                                                                                     monkeypatch):
     """NEW code in which no request fits the pool: tasks/throughput.py records status "failed" (with the first
     request's error), and the compare fails naming the run."""
-    from kvbench.runtime.kv_cache import PagedKVCache
+    from kvbench.runtime.cache.kv_cache import PagedKVCache
 
     run_sweep(tmp_path / "base")
     monkeypatch.setattr(PagedKVCache, "capacity_blocks", lambda self: 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.scoring import Scorer
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scoring import Scorer
 from tests.tiny_models import tiny_model
 
 
@@ -66,7 +66,7 @@ def test_pool_is_empty_after_generation(model):
 def test_sampled_rows_are_the_steps_own_logits_or_a_copy():
     """Engine._run samples a decode step's logits rows as their own [S, V] matrix (no copy) only when they are its
     rows 0..S-1 in order; any other selection is stacked."""
-    from kvbench.runtime.engine import _as_matrix
+    from kvbench.runtime.serving.engine import _as_matrix
 
     x = torch.randn(4, 10)
     rows = list(x)

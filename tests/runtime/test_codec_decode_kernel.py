@@ -13,8 +13,8 @@ from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.runtime.caches import build_cache, codec_block_size
-from kvbench.runtime.kv_geometry import block_bytes
+from kvbench.runtime.cache.caches import build_cache, codec_block_size
+from kvbench.runtime.cache.kv_geometry import block_bytes
 from tests.tiny_models import HEAD_DIM_64, tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -119,7 +119,7 @@ def test_unreadable_codecs_use_the_dequantizing_path():
 
 
 def test_engine_decodes_the_same_tokens_with_and_without_the_kernel():
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     model = tiny_model(vocab=300, **HEAD_DIM_64)
     prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 90)]

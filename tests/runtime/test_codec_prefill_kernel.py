@@ -98,8 +98,8 @@ def test_unreadable_codecs_and_key_scores_keep_the_dequantizing_path():
 def test_engine_prefill_logits_with_and_without_the_kernel(codec):
     """A whole model: prompt logits through the prefill kernel (over a KIVI-2 cache, or the full-precision pool)
     equal the torch path's (dequantize-then-attend / gather-then-attend)."""
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
 
     model = tiny_model(vocab=300, **HEAD_DIM_64)
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -115,7 +115,7 @@ def test_engine_prefill_logits_with_and_without_the_kernel(codec):
 def test_full_precision_later_chunks_take_the_prefill_kernel(group, lengths):
     """paged_attention_cpu sends a causal chunk over keys cached before it (a later prefill chunk) to the same
     kernel over the plain fp32 pool, heads of different lengths included; results equal the torch reference."""
-    from kvbench.runtime.kv_cache import PagedKVCache
+    from kvbench.runtime.cache.kv_cache import PagedKVCache
 
     H, D, Q = 2, 64, 37
     cache = PagedKVCache(num_layers=1, num_kv_heads=H, head_dim=D, block_size=16, num_blocks=600, max_seqs=4)

@@ -9,7 +9,7 @@ import torch
 
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.torch.attention import paged_attention_torch
-from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.cache.kv_cache import PagedKVCache
 from tests.tiny_models import tiny_model
 
 # a machine with a C compiler must build the kernels: a build error fails here instead of skipping
@@ -103,7 +103,7 @@ def test_other_calls_fall_back_to_the_reference():
 
 
 def test_engine_uses_the_kernel_on_cpu_and_generates_like_the_reference():
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     model = tiny_model("llama", seed=3)
     prompts = [[5, 9, 3] * 20, [7, 1] * 70]
@@ -116,8 +116,8 @@ def test_engine_uses_the_kernel_on_cpu_and_generates_like_the_reference():
 
 
 def test_rms_norm_and_rotary_match_torch():
-    from kvbench.runtime.model import rms_norm
-    from kvbench.runtime.rope import apply_rotary
+    from kvbench.runtime.model.forward import rms_norm
+    from kvbench.runtime.model.rope import apply_rotary
 
     torch.manual_seed(1)
     for rows in (1, 7, 300):  # 300 rows take the multi-threaded branch
@@ -136,8 +136,8 @@ def test_rms_norm_and_rotary_match_torch():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_model_with_and_without_kernels(family):
     """The same model through the C kernels and through plain torch ops gives the same log-probs."""
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.scoring import Scorer
 
     model = tiny_model(family, seed=4)
     assert model.use_cpu_kernels

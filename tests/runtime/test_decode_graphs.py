@@ -1,5 +1,5 @@
-"""Decode steps from captured graphs (kvbench.runtime.decode_graphs) on the CPU, with the stand-in capture: it runs
-the step once under a host-sync counter (a sync fails the capture, as on a GPU) and replays by running the same
+"""Decode steps from captured graphs (kvbench.runtime.serving.decode_graphs) on the CPU, with the stand-in capture: it
+runs the step once under a host-sync counter (a sync fails the capture, as on a GPU) and replays by running the same
 function over the same static buffers. Every method of the test matrix and every codec gives the same greedy tokens
 from graphs as eagerly; bucketing, static buffers and replay with new tables are checked directly."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from kvbench.methods import build_method
 from kvbench.quant.registry import build_codec
-from kvbench.runtime import decode_graphs as dg
-from kvbench.runtime.engine import Engine
+from kvbench.runtime.serving import decode_graphs as dg
+from kvbench.runtime.serving.engine import Engine
 from tests.methods.variants import VARIANTS, variant_id
 from tests.tiny_models import ByteTokenizer, tiny_model
 
@@ -122,6 +122,6 @@ def test_a_host_sync_in_the_captured_step_fails_the_capture(model, prompts, monk
 
 
 def test_graphs_ignored_off_cuda_with_a_log_line(model, caplog):
-    with caplog.at_level("INFO", logger="kvbench.runtime.engine"):
+    with caplog.at_level("INFO", logger="kvbench.runtime.serving.engine"):
         eng = Engine(model, None, num_blocks=64, attention_backend="torch", cuda_graphs=True)
     assert eng.decode_graphs is None and "cuda_graphs ignored" in caplog.text

@@ -39,7 +39,7 @@ def _free_port() -> int:
 def _engine(model, name, options, codec, codec_options):
     from kvbench.methods import build_method
     from kvbench.quant.registry import build_codec
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     opts = dict(options)
     method = build_method(name, opts.pop("budget", None), **opts)
@@ -48,7 +48,7 @@ def _engine(model, name, options, codec, codec_options):
 
 
 def _run_case(model, case):
-    from kvbench.runtime.scoring import Scorer
+    from kvbench.runtime.serving.scoring import Scorer
 
     _, name, options, codec, codec_options = case
     gen = torch.Generator().manual_seed(7)
@@ -71,8 +71,8 @@ SERVE_BLOCKS = (12, 18, 23)  # blocks per rank's pool (the unsharded reference g
 
 def _serve_case(model, num_blocks):
     from kvbench.methods import build_method
-    from kvbench.runtime.engine import Engine
-    from kvbench.runtime.requests import Request
+    from kvbench.runtime.serving.engine import Engine
+    from kvbench.runtime.serving.requests import Request
 
     ids = torch.randint(3, 250, (PROMPT_LEN + 120,), generator=torch.Generator().manual_seed(11)).tolist()
     eng = Engine(model, build_method("adakv", 48, decode="evict", base="knorm"), block_size=BLOCK,
@@ -88,8 +88,8 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from kvbench.runtime import distributed
-    from kvbench.runtime.tensor_parallel import shard_model
+    from kvbench.runtime.model import distributed
+    from kvbench.runtime.model.tensor_parallel import shard_model
 
     layout = distributed.init_from_env(tensor_parallel=world)
     try:

@@ -15,8 +15,8 @@ from kvbench.quant.codecs import Int8Codec, KiviCodec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.runtime.caches import build_cache
-from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.cache.caches import build_cache
+from kvbench.runtime.cache.kv_cache import PagedKVCache
 from tests.tiny_models import HEAD_DIM_64, tiny_model
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"

@@ -19,10 +19,10 @@ import torch
 
 from kvbench.methods import build_method
 from kvbench.quant.registry import build_codec
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.scheduler import Request
-from kvbench.runtime.speculative import SpeculativeDecoder
-from kvbench.runtime.scoring import Scorer
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scheduler import Request
+from kvbench.runtime.serving.scoring import Scorer
+from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from tests.tiny_models import DISTINCT_SCORES, SMOLLM2_TOKEN_IDS, tiny_model
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "golden_serving.json")

@@ -1,5 +1,5 @@
-"""Host syncs in a decode step (kvbench.runtime.host_sync.HostSyncCounter), counted on the CPU on the eager path with
-the torch attention: at most one per step (the sampled tokens, with the block ids an eviction freed) for every
+"""Host syncs in a decode step (kvbench.runtime.serving.host_sync.HostSyncCounter), counted on the CPU on the eager path
+with the torch attention: at most one per step (the sampled tokens, with the block ids an eviction freed) for every
 method and codec, except those the methods table (docs/methods.md, "Host syncs") lists with their reason; those are
 strict xfails here, so a method that stops needing the host fails until the table says so."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from kvbench.methods import build_method
 from kvbench.quant.registry import build_codec
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.host_sync import HostSyncCounter
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.host_sync import HostSyncCounter
 from tests.methods.variants import VARIANTS, variant_id
 from tests.tiny_models import ByteTokenizer, tiny_model
 

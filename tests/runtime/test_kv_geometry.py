@@ -1,4 +1,4 @@
-"""kvbench.runtime.kv_geometry: the sizes every caller reads agree with the tensors a cache allocates."""
+"""kvbench.runtime.cache.kv_geometry: the sizes every caller reads agree with the tensors a cache allocates."""
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from kvbench.runtime import kv_geometry as geo
-from kvbench.runtime.caches import build_cache
+from kvbench.runtime.cache import kv_geometry as geo
+from kvbench.runtime.cache.caches import build_cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -40,6 +40,6 @@ def test_unknown_dtype_names_are_refused():
 
 
 def test_importing_it_loads_neither_torch_nor_a_model():
-    code = "import sys, kvbench.runtime.kv_geometry; print('torch' in sys.modules)"
+    code = "import sys, kvbench.runtime.cache.kv_geometry; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

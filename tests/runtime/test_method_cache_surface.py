@@ -1,6 +1,6 @@
 """Methods change the cache only through its named operations: every member of the cache that methods/*.py reads or
-calls is in kvbench.runtime.kv_eviction.METHOD_SURFACE (the MethodCacheView protocol), and every name there is real
-on both caches."""
+calls is in kvbench.runtime.cache.kv_eviction.METHOD_SURFACE (the MethodCacheView protocol), and every name there is
+real on both caches."""
 from __future__ import annotations
 
 import ast
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvbench.quant.codecs import KiviCodec
-from kvbench.runtime.caches import build_cache
-from kvbench.runtime.kv_eviction import METHOD_SURFACE
+from kvbench.runtime.cache.caches import build_cache
+from kvbench.runtime.cache.kv_eviction import METHOD_SURFACE
 
 METHODS_DIR = pathlib.Path(__file__).resolve().parents[2] / "methods"
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
-from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.cache.block_pool import BlockPool, OutOfBlocksError
+from kvbench.runtime.cache.kv_cache import PagedKVCache
 
 L, H, D = 2, 2, 4
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.scoring import Scorer
-from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.caches import build_cache, codec_block_size
-from kvbench.runtime.kv_geometry import block_bytes
-from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
+from kvbench.runtime.cache.block_pool import OutOfBlocksError
+from kvbench.runtime.cache.caches import build_cache, codec_block_size
+from kvbench.runtime.cache.kv_cache import PagedKVCache
+from kvbench.runtime.cache.kv_geometry import block_bytes
+from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scoring import Scorer
 from tests.tiny_models import SHARP_LOGITS, tiny_model
 
 L, H, D = 2, 2, 16

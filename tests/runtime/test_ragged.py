@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvbench.methods import build_method
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec
 from kvbench.quant.registry import build_codec
-from kvbench.runtime.engine import Engine, Segment
+from kvbench.runtime.serving.engine import Engine, Segment
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import HEAD_DIM_64, SMOLLM2_TOKEN_IDS, tiny_model
 
@@ -163,9 +163,9 @@ def test_hooks_see_each_group_as_its_own_step(model):
 def test_ragged_forward_with_the_triton_kernel(dtype):
     """forward_ragged with the Triton paged attention (interpreted on CPU) equals the torch reference."""
     pytest.importorskip("triton")
-    from kvbench.runtime.kv_cache import PagedKVCache
-    from kvbench.runtime.model import RaggedGroup
     from kvbench.runtime.backends.triton.backend import TritonBackend
+    from kvbench.runtime.cache.kv_cache import PagedKVCache
+    from kvbench.runtime.model.forward import RaggedGroup
 
     model = tiny_model(vocab=256, max_positions=1024, dtype=dtype, **SMOLLM2_TOKEN_IDS)
     cfg = model.config

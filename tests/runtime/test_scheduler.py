@@ -6,10 +6,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.scheduler import Request, Scheduler
 from kvbench.methods import build_method
+from kvbench.runtime.cache.kv_cache import PagedKVCache
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scheduler import Request, Scheduler
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import SMOLLM2_TOKEN_IDS, tiny_model
 

@@ -1,5 +1,5 @@
-"""Speculative decoding over the paged pool (kvbench.runtime.speculative), swap-out preemption (kvbench.runtime.swap)
-and the rollback they rest on, on a tiny random Llama.
+"""Speculative decoding over the paged pool (kvbench.runtime.serving.speculative), swap-out preemption
+(kvbench.runtime.cache.swap) and the rollback they rest on, on a tiny random Llama.
 
 Lossless: greedy outputs with speculation equal those without it, token for token, for every registered method as
 the drafter, every codec as the target's storage, one sequence and a continuous-batching trace whose pool forces
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvbench.runtime.speculative as speculative
+import kvbench.runtime.serving.speculative as speculative
 from kvbench.methods import available_methods, build_method
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.requests import Request
-from kvbench.runtime.speculative import SpeculativeDecoder, rejection_sample
-from kvbench.runtime.swap import SwapSpace, should_swap
+from kvbench.runtime.cache.swap import SwapSpace, should_swap
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.requests import Request
+from kvbench.runtime.serving.speculative import SpeculativeDecoder, rejection_sample
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.variants import VARIANTS
 from tests.runtime.test_ragged import CODECS  # every codec (kvquant with uniform levels: no calibration)

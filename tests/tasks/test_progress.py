@@ -53,7 +53,7 @@ def test_no_duplicate_closing_line():
 
 def test_first_use_of_a_gguf_says_it_converts_before_it_does(tmp_path, monkeypatch, capsys):
     """The conversion takes about a minute on the first run: one line says so before it starts, and only then."""
-    from kvbench.runtime import loading
+    from kvbench.runtime.model import loading
 
     said = []
 

@@ -112,7 +112,7 @@ def test_shared_prefix_tokens_put_the_same_head_on_every_request():
 
 
 def test_decode_prefill_share_counts_the_steps_with_prompt_tokens_in_each_decode_life():
-    from kvbench.runtime.requests import StepRecord
+    from kvbench.runtime.serving.requests import StepRecord
     from kvbench.tasks.throughput import decode_prefill_shares
 
     def step(t, kind):

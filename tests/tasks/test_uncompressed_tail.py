@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvbench.methods import build_method
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.requests import Request
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.requests import Request
 from kvbench.tasks._generation import GenRequest, run_generation
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_model

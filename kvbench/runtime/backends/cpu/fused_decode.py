@@ -26,10 +26,10 @@ import torch
 
 from kvbench.runtime.backends.base import FusedDecode
 from kvbench.runtime.backends.cpu import kernels
-from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
 
-if TYPE_CHECKING:
-    from kvbench.runtime.model import LlamaFamilyModel
+if TYPE_CHECKING:  # annotations only: the backends sit below the cache and the model that call them
+    from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
+    from kvbench.runtime.model.forward import LlamaFamilyModel
 
 
 def layer_weights(model: "LlamaFamilyModel") -> ctypes.Array | None:

@@ -32,9 +32,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
-from kvbench.runtime.policies import POLICIES
-from kvbench.runtime.preemption import Preemptor
-from kvbench.runtime.requests import Outcome, Request, Scheduled, StepRecord
+from kvbench.runtime.serving.policies import POLICIES
+from kvbench.runtime.serving.preemption import Preemptor
+from kvbench.runtime.serving.requests import Outcome, Request, Scheduled, StepRecord
 from kvbench.spec import SCHEDULES
 
 __all__ = ["Outcome", "Request", "Scheduled", "Scheduler", "StepRecord"]

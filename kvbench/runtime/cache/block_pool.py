@@ -1,7 +1,7 @@
 """Block pool: a fixed set of KV blocks handed out from a free list, with reference counts.
 
 The pool only does bookkeeping (which block ids are free, who holds them); the bytes live in the
-storage tensors of `kvbench.runtime.kv_cache`. Allocation and free are O(1) per block.
+storage tensors of `kvbench.runtime.cache.kv_cache`. Allocation and free are O(1) per block.
 
 The free list is a stack: the blocks freed last are handed out first, so a new sequence reuses memory
 that is already mapped and warm instead of touching fresh pages of the (mostly virtual) pool; each

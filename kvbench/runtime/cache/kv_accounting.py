@@ -1,12 +1,12 @@
 """Byte and block accounting of a paged cache, read from its block pool: bytes in use, peak, per token, shared by
 forks, the pool's size, and the blocks an append needs (what the scheduler admits and preempts by).
 
-`KVAccounting` is mixed into `PagedKVCache` (kvbench.runtime.kv_cache); a storage codec's cache
-(kvbench.runtime.quantized_cache) overrides the byte figures with its two pools'. Sizes are kv_geometry's.
+`KVAccounting` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache); a storage codec's cache
+(kvbench.runtime.cache.quantized_cache) overrides the byte figures with its two pools'. Sizes are kv_geometry's.
 """
 from __future__ import annotations
 
-from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens, token_bytes
+from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens, token_bytes
 
 
 class KVAccounting:

@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 import torch
 
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.engine import Segment
-from kvbench.runtime.sampling import sampling_probs
+from kvbench.runtime.cache.block_pool import OutOfBlocksError
+from kvbench.runtime.serving.batch import Segment
+from kvbench.runtime.serving.sampling import sampling_probs
 from kvbench.spec import SPECULATIVE_MAX_TOKENS as MAX_NUM_TOKENS
 
 

@@ -1,9 +1,9 @@
 """The block pool of a storage codec's cache: two BlockPools in one id space (full-precision and packed blocks), with
-the bytes both hold counted against one limit (kvbench.runtime.quantized_cache)."""
+the bytes both hold counted against one limit (kvbench.runtime.cache.quantized_cache)."""
 from __future__ import annotations
 
-from kvbench.runtime.block_pool import BlockPool, OutOfBlocksError
-from kvbench.runtime.kv_geometry import SCRATCH_BLOCKS
+from kvbench.runtime.cache.block_pool import BlockPool, OutOfBlocksError
+from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCKS
 
 
 class RoutedBlockPool:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from kvbench.runtime.backends.cpu.linear import Linear
-from kvbench.runtime.model import LayerWeights, LlamaFamilyModel, ModelConfig
+from kvbench.runtime.model.forward import LayerWeights, LlamaFamilyModel, ModelConfig
 
 
 @dataclass

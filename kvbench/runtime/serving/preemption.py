@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.requests import Request
-from kvbench.runtime.swap import should_swap
+from kvbench.runtime.cache.block_pool import OutOfBlocksError
+from kvbench.runtime.cache.swap import should_swap
+from kvbench.runtime.serving.requests import Request
 
 
 class Preemptor:

@@ -5,14 +5,15 @@
     outcome = engine.serve([Request(ids, 128, arrival_s=0.5), ...])                   # a serving trace
 
 `method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
-methods. `codec` is a storage codec or None (full precision); kvbench.runtime.caches builds the matching cache.
+methods. `codec` is a storage codec or None (full precision); kvbench.runtime.cache.caches builds the matching cache.
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
-Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.scoring.Scorer's, over this engine.
+Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.serving.scoring.Scorer's, over this engine.
 
-Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs,
-`step` runs it as one ragged forward, the engine samples, and the scheduler advances the requests. Two optional
-parts, constructor arguments (off by default): `speculator` (a kvbench.runtime.speculative.SpeculativeDecoder:
-decode steps become speculative rounds) and `preemption` swap | auto with `swap_bytes` (kvbench.runtime.swap:
+Serving is schedule -> run -> postprocess (nano-vllm's and vLLM v1's loop): the scheduler says what each step runs
+(a StepBatch, kvbench.runtime.serving.batch), the model runner runs it as one ragged forward
+(kvbench.runtime.serving.model_runner), the engine samples, and the scheduler advances the requests. Two optional
+parts, constructor arguments (off by default): `speculator` (a kvbench.runtime.serving.speculative.SpeculativeDecoder:
+decode steps become speculative rounds) and `preemption` swap | auto with `swap_bytes` (kvbench.runtime.cache.swap:
 preemption may move blocks to host memory, in a swap space of swap_bytes, the pool's size by default).
 """
 from __future__ import annotations
@@ -24,37 +25,26 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvbench.runtime.backends.selection import select_backend
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.caches import build_cache
-from kvbench.runtime.kv_geometry import block_bytes, pool_bytes
-from kvbench.runtime.kv_meter import KVMeter
-from kvbench.runtime.decode_graphs import DecodeGraphs
+from kvbench.runtime.cache.block_pool import OutOfBlocksError
+from kvbench.runtime.cache.caches import build_cache
+from kvbench.runtime.cache.kv_geometry import block_bytes, pool_bytes
+from kvbench.runtime.cache.kv_meter import KVMeter
+from kvbench.runtime.cache.prefix_cache import PrefixCache
+from kvbench.runtime.cache.swap import SwapSpace
 from kvbench.runtime.hooks import NoCompression
-from kvbench.runtime.model import LlamaFamilyModel, RaggedGroup
-from kvbench.runtime.prefix_cache import PrefixCache
-from kvbench.runtime.requests import Outcome, Request
-from kvbench.runtime.sampling import sample
-from kvbench.runtime.scheduler import Scheduler
-from kvbench.runtime.scoring import Scorer
-from kvbench.runtime.swap import SwapSpace
-from kvbench.runtime.tensor_parallel import rank_agreed
+from kvbench.runtime.model.forward import LlamaFamilyModel
+from kvbench.runtime.model.tensor_parallel import rank_agreed
+from kvbench.runtime.serving.batch import Segment, StepBatch
+from kvbench.runtime.serving.decode_graphs import DecodeGraphs
+from kvbench.runtime.serving.model_runner import ModelRunner
+from kvbench.runtime.serving.requests import Outcome, Request
+from kvbench.runtime.serving.sampling import sample
+from kvbench.runtime.serving.scheduler import Scheduler
+from kvbench.runtime.serving.scoring import Scorer
 from kvbench.spec import PREEMPTION_MODES, SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Segment:
-    """One sequence's share of a ragged step: `token_ids` appended to sequence `slot` at positions start_pos..
-    (a prefill chunk, or one decode token with phase "decode")."""
-
-    slot: int
-    token_ids: list[int]
-    start_pos: int
-    phase: str = "prefill"  # "prefill" | "decode"
-    last_chunk: bool = True  # the prompt ends with this chunk (the method may compress); True for decode
-    compress: bool = True  # False: the method keeps these tokens (its keep_uncompressed hook: a question's chunk)
 
 
 @dataclass
@@ -129,16 +119,15 @@ class Engine:
         method.attach(self.cache, cfg)
         self.backend = select_backend(attention_backend, model.device, self.cache)
         self.attention_backend = self.backend.name
-        # methods that never act after attention (full, pure codecs) are not called once per layer
-        self._layer_hook = method if getattr(method, "acts_after_attention", True) else None
         self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)
+        self.runner = ModelRunner(model, self.cache, self.backend, method, self.meter)  # one forward step
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
-        self.speculator = speculator  # a kvbench.runtime.speculative.SpeculativeDecoder: decode steps become rounds
-        self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.swap.should_swap)
+        # a kvbench.runtime.serving.speculative.SpeculativeDecoder: decode steps become rounds
+        self.speculator = speculator
+        self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.cache.swap.should_swap)
         # where swapped-out blocks wait (host memory): none when preemption only recomputes
         self.swap = (SwapSpace(self.cache, swap_bytes if swap_bytes is not None else self.cache.pool_bytes())
                      if preemption != "recompute" else None)
-        self.decode_graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (runtime.cuda_graphs)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             log.info("runtime.cuda_graphs ignored on %s: decode runs eagerly", model.device)
@@ -148,16 +137,21 @@ class Engine:
         if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
             bind(self)
 
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The decode steps replayed from CUDA graphs (runtime.cuda_graphs; use_decode_graphs), or None: eager."""
+        return self.runner.decode_graphs
+
     def use_decode_graphs(self, **options) -> DecodeGraphs | None:
-        """Run decode steps from captured graphs (kvbench.runtime.decode_graphs; options: capture, buckets); None
-        (eager, with a log line) where this engine's method or cache cannot run captured."""
+        """Run decode steps from captured graphs (kvbench.runtime.serving.decode_graphs; options: capture, buckets);
+        None (eager, with a log line) where this engine's method or cache cannot run captured."""
         graphs = DecodeGraphs(self.model, self.cache, self.backend, self.method, rope_mode=self.method.rope_mode,
                               max_batch=self.max_num_seqs, **options)
         why = graphs.supported()
         if why is not None:
             log.info("decode runs eagerly (no CUDA graphs): %s", why)
             graphs = None
-        self.decode_graphs = graphs
+        self.runner.decode_graphs = graphs
         return graphs
 
     def _prefix_caching_on(self, setting: bool | str) -> bool:
@@ -173,81 +167,13 @@ class Engine:
                              "attention over every prompt query, which a shared prefix skips; use false or auto")
         return bool(setting)
 
-    # ------------------------------------------------------------------ one step
-    @torch.no_grad()
-    def _step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, *, phase: str,
-              last_chunk: bool, logits_for: str, scratch: bool = False,
-              max_position: int | None = None) -> torch.Tensor | None:
-        plan = self.cache.prepare_append(slots, positions)
-        plan.max_position = max_position  # known on the host: RoPE's table needs no device read
-        logits = None
-        if self.decode_graphs is not None and phase == "decode" and logits_for == "last" and tokens.shape[1] == 1:
-            logits = self.decode_graphs.run(tokens, plan)  # None: this step runs eagerly
-        if logits is None:
-            logits = self.model.forward(
-                tokens, self.cache, plan, backend=self.backend, hook=self._layer_hook, phase=phase,
-                last_chunk=last_chunk, logits_for=logits_for, rope_mode=self.method.rope_mode,
-            )
-        if scratch:  # a method's own pass: its tokens are not the sequence's (nor in the uncompressed figure)
-            for s in slots:
-                self.cache.tokens_seen[s] -= tokens.shape[1]
-        if not self.cache.has_pending_frees():  # else tracked once the sampled tokens bring the evicted ids
-            self.meter.track()
-        return logits
-
-    @torch.no_grad()
     def step(self, segments: list[Segment], logits_for: str = "last") -> list[torch.Tensor]:
-        """One ragged step: every segment's tokens in one forward (vLLM v1's flattened batch); returns the logits
-        [V] of each segment's last token (logits_for="all": [n, V], every token's: speculative verification). A
-        pure-decode step is the plain decode step (the fused CPU path); otherwise the segments are grouped by length
-        (all decode tokens together, each prefill chunk length together) and `LlamaFamilyModel.forward_ragged` runs
-        the groups' tokens as one flat batch.
-        Blocks are allocated group by group: the caller makes sure they fit (an OutOfBlocksError part-way leaves
-        the earlier groups' sequences appended but not computed: the scheduler preempts them all)."""
-        if not segments:
-            return []
-        keep = getattr(self.method, "keep_uncompressed", None)
-        for s in segments:
-            if not s.compress and keep is not None:
-                keep(s.slot, len(s.token_ids))
-        dev = self.model.device
-        if all(s.phase == "decode" and len(s.token_ids) == 1 for s in segments):
-            toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
-            qpos = torch.tensor([[s.start_pos] for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
-            logits = self._step([s.slot for s in segments], toks, qpos, phase="decode", last_chunk=True,
-                               logits_for="last", max_position=max(s.start_pos for s in segments))
-            return list(logits) if logits_for == "last" else [row[None] for row in logits]
-        by_shape: dict[tuple, list[int]] = {}  # (phase, length, last_chunk) -> segment indices, first-seen order
-        for i, s in enumerate(segments):
-            by_shape.setdefault((s.phase, len(s.token_ids), s.last_chunk), []).append(i)
-        toks, room, order = [], [], []
-        for (phase, n, last), idx in by_shape.items():
-            toks.append(torch.tensor([segments[i].token_ids for i in idx], dtype=torch.int64, device=dev))  # [S_g, n]
-            qpos = torch.tensor([[segments[i].start_pos + j for j in range(n)] for i in idx], dtype=torch.int64,
-                                device=dev)  # [S_g, n]
-            room.append(([segments[i].slot for i in idx], qpos))
-            order += idx
-        plans = self.cache.prepare_appends(room)
-        for plan, (_, n, _), idx in zip(plans, by_shape, by_shape.values()):
-            plan.max_position = max(segments[i].start_pos for i in idx) + n - 1
-        groups = [RaggedGroup(t, plan, phase, last) for t, plan, (phase, _, last) in zip(toks, plans, by_shape)]
-        out = self.model.forward_ragged(groups, self.cache, backend=self.backend, hook=self._layer_hook,
-                                        logits_for=logits_for, rope_mode=self.method.rope_mode)
-        self.meter.track()
-        rows = torch.cat(out) if logits_for == "last" else [r for part in out for r in part]  # in group order
-        result: list[torch.Tensor] = [None] * len(segments)  # type: ignore[list-item]
-        for r, i in enumerate(order):
-            result[i] = rows[r]
-        self._after_prefill_chunks(segments)
-        return result
-
-    def _after_prefill_chunks(self, segments: list[Segment]) -> None:
-        """The method's optional `after_prefill_chunk` hook for each prefill segment of a step (as forward_chunk)."""
-        after = getattr(self.method, "after_prefill_chunk", None)
-        if after is not None:
-            for s in segments:
-                if s.phase == "prefill":
-                    after(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)
+        """One ragged step: every segment's tokens in one forward (vLLM v1's flattened batch); the logits [V] of each
+        segment's last token (logits_for="all": [n, V], every token's: speculative verification). See
+        ModelRunner.run (kvbench.runtime.serving.model_runner): blocks are allocated group by group, and the caller
+        makes sure they fit (an OutOfBlocksError part-way leaves the earlier groups' sequences appended but not
+        computed: the scheduler preempts them all)."""
+        return self.runner.run(segments, logits_for)
 
     def forward_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, *, last_chunk: bool = True,
                       logits_for: str = "last", compress: bool = True, scratch: bool = False) -> torch.Tensor | None:
@@ -263,8 +189,8 @@ class Engine:
                 keep(slot, len(token_ids))
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
-        logits = self._step([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for,
-                            scratch=scratch, max_position=start_pos + ids.shape[1] - 1)
+        logits = self.runner.forward([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for,
+                                     scratch=scratch, max_position=start_pos + ids.shape[1] - 1)
         after = None if scratch else getattr(self.method, "after_prefill_chunk", None)
         if after is not None:  # optional: the chunk's token ids, after its step (KVzip's reconstruction pass)
             after(slot, list(token_ids), start_pos, last_chunk)
@@ -276,8 +202,8 @@ class Engine:
         dev = self.model.device
         toks = torch.tensor(tokens, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
         qpos = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(1)  # [S, 1]
-        logits = self._step(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last",
-                            max_position=max(positions))
+        logits = self.runner.forward(slots, toks, qpos, phase="decode", last_chunk=True, logits_for="last",
+                                     max_position=max(positions))
         return self._sample_step(logits, temperature, top_p, generator or torch.Generator(device="cpu"))
 
     def new_sequence(self) -> int:
@@ -304,7 +230,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """`Scorer(self).score` (kvbench.runtime.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
+        """`Scorer(self).score` (kvbench.runtime.serving.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
         perplexity task's one call into an engine (the harness tests give it a fake engine with this method)."""
         return Scorer(self).score(token_ids, chunk_size, progress)
 
@@ -360,53 +286,51 @@ class Engine:
         sched.add(requests)
         try:
             while sched.has_unfinished():
-                batch = sched.schedule()
-                if not batch:
+                scheduled = sched.schedule()  # schedule
+                if not scheduled:
                     continue
-                segments = [Segment(sc.req.slot, sc.req.tokens[sc.req.fed:sc.req.fed + sc.n], sc.req.fed,
-                                    "decode" if sc.kind == "decode" else "prefill", sc.last_chunk, sc.compress)
-                            for sc in batch]
-                emit = [i for i, sc in enumerate(batch) if sc.emits]
+                batch = StepBatch.of(scheduled)
                 t0 = sched.clock()
-                try:
+                try:  # run
                     if self.speculator is not None:
-                        sampled = self._run_speculative(batch, segments, emit, temperature, top_p, gen)
+                        sampled = self._run_speculative(batch, temperature, top_p, gen)
                     else:
-                        sampled = self._run(segments, emit, temperature, top_p, gen)
+                        sampled = self._run(batch, temperature, top_p, gen)
                 except OutOfBlocksError:
-                    sched.undo_step(batch)
+                    sched.undo_step(batch.scheduled)
                     continue
-                sched.postprocess(batch, sampled, sched.clock() - t0)
+                sched.postprocess(batch.scheduled, sampled, sched.clock() - t0)  # postprocess
                 if on_step is not None:
-                    on_step(sum(sc.n for sc in batch))
+                    on_step(batch.num_tokens)
         except BaseException:
             sched.release_all()
             raise
         return sched.outcome()
 
-    def _run(self, segments: list[Segment], emit: list[int], temperature: float, top_p: float,
-             gen: torch.Generator) -> dict[int, int]:
-        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment in `emit`
+    def _run(self, batch: StepBatch, temperature: float, top_p: float, gen: torch.Generator) -> dict[int, int]:
+        """One scheduled step as one ragged forward; {segment index: sampled token} for each segment in batch.emit
         (those that end their sequence's known tokens: a prompt's last chunk, a decode token). Waits for the
         device."""
-        logits = self.step(segments)
+        emit = batch.emit
+        logits = self.step(batch.segments)  # the public step (a caller may wrap it)
         toks = self._sample_step(_as_matrix([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self.flush_pending_frees()  # a step that sampled nothing
         self._synchronize()
         return dict(zip(emit, toks))
 
-    def _run_speculative(self, batch: list, segments: list[Segment], emit: list[int], temperature: float,
-                         top_p: float, gen: torch.Generator) -> dict[int, list[int]]:
+    def _run_speculative(self, batch: StepBatch, temperature: float, top_p: float,
+                         gen: torch.Generator) -> dict[int, list[int]]:
         """A scheduled step with speculation: the decode tokens become one speculative round (draft, verify in one
         ragged step, rollback), the prefill chunks one ragged step that the draft follows. {segment index: the
         tokens it emits}."""
         spec = self.speculator
+        segments, emit, scheduled = batch.segments, batch.emit, batch.scheduled
         dec = [i for i, s in enumerate(segments) if s.phase == "decode"]
         pre = [i for i, s in enumerate(segments) if s.phase != "decode"]
         out: dict[int, list[int]] = {}
         if dec:
-            items = [(segments[i].slot, batch[i].req.tokens, batch[i].req.max_new_tokens - len(batch[i].req.output))
-                     for i in dec]
+            items = [(segments[i].slot, scheduled[i].req.tokens,
+                      scheduled[i].req.max_new_tokens - len(scheduled[i].req.output)) for i in dec]
             for i, toks in zip(dec, spec.decode(self, items, temperature, top_p, gen)):
                 out[i] = toks
         if pre:
@@ -432,7 +356,7 @@ class Engine:
             torch.cuda.synchronize(dev)
 
     def memory_stats(self) -> dict:
-        """The run's KV figures, measured from the pool (kvbench.runtime.kv_meter.KVMeter.stats)."""
+        """The run's KV figures, measured from the pool (kvbench.runtime.cache.kv_meter.KVMeter.stats)."""
         return self.meter.stats()
 
     def sequence_kv(self, slot: int) -> dict:

@@ -13,7 +13,7 @@ cache carries out the same operations on its own layout. METHOD_SURFACE lists th
                                                        the ids wait as pending frees until the engine takes them
     drop_slots(layer, slot, start, stop)               drop a range of slots of every kv-head (StreamingLLM's window)
 
-`KVEviction` is mixed into `PagedKVCache` (kvbench.runtime.kv_cache): these operations and the pending frees.
+`KVEviction` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache): these operations and the pending frees.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kvbench.runtime.kv_geometry import blocks_for_tokens
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 
 
 class MethodCacheView(Protocol):

@@ -1,5 +1,5 @@
-"""Storing tokens in a codec's packed blocks (kvbench.runtime.quantized_cache): packing the full-precision blocks that
-left the codec's window, at the start of every step, and storing the tokens token-level eviction keeps again.
+"""Storing tokens in a codec's packed blocks (kvbench.runtime.cache.quantized_cache): packing the full-precision blocks
+that left the codec's window, at the start of every step, and storing the tokens token-level eviction keeps again.
 
 `PackedStorage` is mixed into `QuantizedPagedKVCache`: its tables, lengths, pools and codec are the cache's.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvbench.runtime.block_pool import OutOfBlocksError
-from kvbench.runtime.kv_geometry import blocks_for_tokens
+from kvbench.runtime.cache.block_pool import OutOfBlocksError
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 
 
 class PackedStorage:

@@ -10,19 +10,38 @@
     Prompts prefill one at a time, and a decode token waits for every prompt chunk that can run.
 
 Each policy is a function of the scheduler: it uses its queues and mechanisms (`Scheduler.admit`, `decode_batch`,
-`preempt_newest`, `fail_too_large`) and returns the step's segments (empty when nothing can run this step).
+`preempt_newest`, `fail_too_large`) and returns the step's segments (empty when nothing can run this step). What a
+policy reads of the scheduler is the `SchedulerView` protocol below, so this module does not import the scheduler
+(which imports the policies).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Optional, Protocol
 
-from kvbench.runtime.requests import Request, Scheduled
-
-if TYPE_CHECKING:
-    from kvbench.runtime.scheduler import Scheduler
+from kvbench.runtime.serving.requests import Request, Scheduled
 
 
-def schedule_mixed(s: Scheduler) -> list[Scheduled]:
+class SchedulerView(Protocol):
+    """The members of kvbench.runtime.serving.scheduler.Scheduler a step policy reads and calls."""
+
+    cache: Any  # the PagedKVCache (free_blocks, blocks_for_append, block_size)
+    prefix_cache: Any  # the PrefixCache, or None
+    admitted: list[Request]  # admission order
+    chunk: int  # the most prompt tokens one prefill chunk takes
+    lookahead: int  # tokens a decode step appends per sequence
+    max_num_batched_tokens: int
+
+    def admit(self, budget: int, free: int, whole_prompt: bool = False,
+              inflight: Optional[set] = None) -> Optional[Scheduled]: ...
+
+    def decode_batch(self, budget: int) -> Optional[list[Request]]: ...
+
+    def preempt_newest(self) -> None: ...
+
+    def fail_too_large(self, r: Request) -> None: ...
+
+
+def schedule_mixed(s: SchedulerView) -> list[Scheduled]:
     """Decodes first, then prefill chunks of admitted and newly admitted requests within the token budget."""
     budget = s.max_num_batched_tokens
     decodes = s.decode_batch(budget)
@@ -67,7 +86,7 @@ def schedule_mixed(s: Scheduler) -> list[Scheduled]:
     return out
 
 
-def _note_inflight(s: Scheduler, r: Request, n: int, inflight: set) -> None:
+def _note_inflight(s: SchedulerView, r: Request, n: int, inflight: set) -> None:
     """Add the prefix-cache keys of the full blocks that r's chunk of n tokens completes to `inflight`."""
     if s.prefix_cache is None:
         return
@@ -77,7 +96,7 @@ def _note_inflight(s: Scheduler, r: Request, n: int, inflight: set) -> None:
         inflight.update(s.prefix_cache.block_keys(r.tokens, last)[first:])
 
 
-def schedule_prefill_first(s: Scheduler) -> list[Scheduled]:
+def schedule_prefill_first(s: SchedulerView) -> list[Scheduled]:
     """One prefill chunk if one can run (the oldest prefilling sequence, else the waiting head); else every
     decoding sequence's next token."""
     req = next((r for r in s.admitted if r.status == "prefilling"), None)
@@ -102,5 +121,5 @@ def schedule_prefill_first(s: Scheduler) -> list[Scheduled]:
     return [Scheduled(r, 1, "decode") for r in batch]
 
 
-POLICIES: dict[str, Callable[[Scheduler], list[Scheduled]]] = {
+POLICIES: dict[str, Callable[[SchedulerView], list[Scheduled]]] = {
     "mixed": schedule_mixed, "prefill_first": schedule_prefill_first}

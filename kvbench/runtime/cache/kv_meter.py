@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.runtime.kv_geometry import block_bytes, blocks_for_tokens
+from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens
 
 
 class KVMeter:

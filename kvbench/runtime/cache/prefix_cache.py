@@ -31,8 +31,8 @@ from typing import Sequence
 
 import torch
 
-from kvbench.runtime.block_pool import BlockPool
-from kvbench.runtime.kv_cache import PagedKVCache
+from kvbench.runtime.cache.block_pool import BlockPool
+from kvbench.runtime.cache.kv_cache import PagedKVCache
 
 
 class PrefixCache:

@@ -59,11 +59,11 @@ import torch
 
 from kvbench.runtime import huge_pages
 from kvbench.runtime.backends import triton as triton_backend
-from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
-from kvbench.runtime.kv_geometry import block_bytes, kv_elements
-from kvbench.runtime.quantized_packing import PackedStorage
-from kvbench.runtime.quantized_pool import RoutedBlockPool
-from kvbench.runtime.quantized_reading import PackedReading
+from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
+from kvbench.runtime.cache.kv_geometry import block_bytes, kv_elements
+from kvbench.runtime.cache.quantized_packing import PackedStorage
+from kvbench.runtime.cache.quantized_pool import RoutedBlockPool
+from kvbench.runtime.cache.quantized_reading import PackedReading
 
 __all__ = ["QuantizedPagedKVCache", "RoutedBlockPool"]
 

@@ -17,10 +17,9 @@ from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.threads import StepThreads
 from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.runtime.hooks import CacheHooks
-from kvbench.runtime.kv_cache import AppendPlan, PagedKVCache
-from kvbench.runtime.kv_eviction import MethodCacheView
-from kvbench.runtime.rope import RotaryTable, apply_rotary
+from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
+from kvbench.runtime.hooks import CacheHooks, LayerContext
+from kvbench.runtime.model.rope import RotaryTable, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -54,20 +53,6 @@ class LayerWeights:
     down: Linear  # I -> E
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
-
-
-@dataclass
-class LayerContext:
-    """What a compression method sees after one layer's attention of one forward step."""
-
-    layer: int
-    cache: MethodCacheView  # what a method may call on the cache (kvbench.runtime.kv_eviction)
-    plan: AppendPlan
-    phase: str  # "prefill" or "decode"
-    last_chunk: bool  # the final chunk of a prefill (always True in decode)
-    q: torch.Tensor | None  # [S, Hq, Q, D] queries as used for attention (None: see hooks.decode_reads_attention)
-    key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
-    rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
 
 
 @dataclass

@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from kvbench.runtime.host_sync import HostSyncCounter
-from kvbench.runtime.kv_cache import SCRATCH_BLOCK, AppendPlan
-from kvbench.runtime.model import LayerContext, LlamaFamilyModel, RaggedGroup
+from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan
+from kvbench.runtime.hooks import LayerContext
+from kvbench.runtime.model.forward import LlamaFamilyModel, RaggedGroup
+from kvbench.runtime.serving.host_sync import HostSyncCounter
 
 Capture = Callable[[Callable[[], None], Any], Callable[[], None]]
 

@@ -21,9 +21,9 @@ import torch
 
 from kvbench.console import say
 from kvbench.errors import UserError, first_line
-from kvbench.runtime.model import LlamaFamilyModel, build_from_transformers
 from kvbench.runtime.measured_times import quoted
-from kvbench.runtime.model_files import check_model_path
+from kvbench.runtime.model.forward import LlamaFamilyModel, build_from_transformers
+from kvbench.runtime.model.model_files import check_model_path
 from kvbench.spec import dtype_name
 
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

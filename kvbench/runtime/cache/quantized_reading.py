@@ -1,20 +1,16 @@
-"""Reading a codec's blocks (kvbench.runtime.quantized_cache): attention over a layer, read in place by the backend
-where it has a kernel for the codec, else over the layer's blocks dequantized into a dense buffer; and the dense
+"""Reading a codec's blocks (kvbench.runtime.cache.quantized_cache): attention over a layer, read in place by the
+backend where it has a kernel for the codec, else over the layer's blocks dequantized into a dense buffer; and the dense
 (dequantized) K/V of one sequence's layer for methods.
 
 `PackedReading` is mixed into `QuantizedPagedKVCache`: its tables, lengths, pools and codec are the cache's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvbench.runtime.backends import triton as triton_backend
-from kvbench.runtime.kv_geometry import blocks_for_tokens
-
-if TYPE_CHECKING:  # annotations only
-    from kvbench.runtime.kv_cache import AppendPlan
+from kvbench.runtime.cache.append_plan import AppendPlan
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 
 
 class PackedReading:

@@ -2,24 +2,20 @@
 
     k_pool, v_pool: [num_blocks, block_size, head_dim] in the cache dtype (block SCRATCH_BLOCK: zeros, never handed out)
 
-`FullPrecisionLayout` is mixed into `PagedKVCache` (kvbench.runtime.kv_cache); a storage codec's cache
-(kvbench.runtime.quantized_cache) overrides the members that touch the bytes with its own packed layout: the pool
+`FullPrecisionLayout` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache); a storage codec's cache
+(kvbench.runtime.cache.quantized_cache) overrides the members that touch the bytes with its own packed layout: the pool
 and the bytes (`_make_storage`), writing a step's K/V, attention over a layer, the dense K/V of a sequence, how far
 one step may append, and the bytes of blocks in the cache's layout (what swap space copies to host memory and
 back). `layer_tables`, which reads a layer's tables only (for kernels), is the same for both.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvbench.runtime import huge_pages
-from kvbench.runtime.block_pool import BlockPool
-from kvbench.runtime.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
-
-if TYPE_CHECKING:  # annotations only: kv_cache mixes this class in
-    from kvbench.runtime.kv_cache import AppendPlan
+from kvbench.runtime.cache.append_plan import AppendPlan
+from kvbench.runtime.cache.block_pool import BlockPool
+from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
 
 
 class FullPrecisionLayout:

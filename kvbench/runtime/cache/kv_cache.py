@@ -16,49 +16,16 @@ once. Slot order is original-position order (appends go to the end; eviction kee
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
-
 import numpy as np
 import torch
 
-from kvbench.runtime.kv_accounting import KVAccounting
-from kvbench.runtime.kv_eviction import KVEviction
-from kvbench.runtime.kv_geometry import SCRATCH_BLOCK, blocks_for_tokens
-from kvbench.runtime.kv_layout import FullPrecisionLayout
+from kvbench.runtime.cache.append_plan import AppendPlan
+from kvbench.runtime.cache.kv_accounting import KVAccounting
+from kvbench.runtime.cache.kv_eviction import KVEviction
+from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, blocks_for_tokens
+from kvbench.runtime.cache.kv_layout import FullPrecisionLayout
 
 __all__ = ["SCRATCH_BLOCK", "AppendPlan", "PagedKVCache"]
-
-
-@dataclass
-class AppendPlan:
-    """Where the new tokens of one forward step go, for every layer and head."""
-
-    slots: torch.Tensor  # [S] int64 sequence slots
-    write_index: torch.Tensor  # [S, L, H, Q] int64 flat row in k_pool.view(-1, D)
-    tables: torch.Tensor  # [S, L, H, nb] int32 snapshot after allocation (nb = most blocks any table holds)
-    lengths: torch.Tensor  # [S, L, H] int64 after the append
-    query_positions: torch.Tensor  # [S, Q] int64
-    # [S, L, H, nb*bs] int32 snapshot of key positions after the append, read through `positions`; or a function
-    # that takes the snapshot at that first read (the CPU decode kernels never read it: an O(context) copy saved)
-    key_positions: torch.Tensor | Callable[[], torch.Tensor]
-    slot_list: list[int]
-    host_lengths: Optional[np.ndarray] = field(default=None, repr=False)  # [S, L, H] lengths, on the host
-    max_position: Optional[int] = None  # the largest query position, when the caller knows it on the host
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[S, L, H, nb*bs] int32: the original position of every key slot of the step's tables (-1: none)."""
-        if callable(self.key_positions):
-            self.key_positions = self.key_positions()
-        return self.key_positions
-
-    def table_lengths(self, i: int, layer: int) -> list[int]:
-        """lengths[i, layer] (one per kv-head) as Python ints, from the host copy the cache keeps (no device
-        read). Exact for a layer until its own hook evicts: layers never change each other's tables."""
-        if self.host_lengths is None:
-            self.host_lengths = self.lengths.cpu().numpy()
-        return self.host_lengths[i, layer].tolist()
 
 
 class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):

@@ -6,7 +6,7 @@
 `kv_memory_bytes` is the KV memory the pool may hold at once, in bytes, whatever the layout: a full-precision cache
 gets kv_memory_bytes // bytes-per-block blocks; a codec's cache may spend the same bytes on packed and
 full-precision blocks in any mix, so a compressed cache holds more tokens in the same memory. The sizes are
-kvbench.runtime.kv_geometry's.
+kvbench.runtime.cache.kv_geometry's.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import torch
 
-from kvbench.runtime import kv_geometry
-from kvbench.runtime.kv_cache import PagedKVCache
-from kvbench.runtime.quantized_cache import QuantizedPagedKVCache
+from kvbench.runtime.cache import kv_geometry
+from kvbench.runtime.cache.kv_cache import PagedKVCache
+from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
 
 
 def codec_block_size(codec: Any, block_size: int) -> int:

@@ -1,0 +1,61 @@
+"""The Hydra task function: one composed config, run by kvbench.app.run in whichever process Hydra (or its
+launcher) runs the job; bad input and failures become one line and an exit code noted on the exit channel, so a sweep
+goes on; only SIGINT/SIGTERM escape.
+
+    python -m kvbench ...    -> kvbench.__main__ -> hydra_task.main(cfg) -> app.run(cfg)
+"""
+from __future__ import annotations
+
+import errno
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from kvbench import app
+from kvbench.console import RUN_LOG, report
+from kvbench.errors import UserError
+from kvbench.exit_channel import note_exit
+from kvbench.hydra_folders import discard_unstarted
+
+
+def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
+    """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on.
+
+    run_kwargs go to kvbench.app.run (tests pass their fake loader, engine and method builder). SIGTERM is turned
+    into Terminated by the caller (kvbench.cli.install_sigterm_handler: `python -m kvbench` and its launcher workers)."""
+    run_dir = None
+    try:
+        if HydraConfig.initialized():
+            run_dir = HydraConfig.get().runtime.output_dir
+    except Exception:  # pragma: no cover
+        pass
+    RUN_LOG.disabled = False  # kvbench's lines go to this run's kvbench.log (Hydra's file handler) while it runs
+    try:
+        return _run_and_note(cfg, run_dir, run_kwargs)
+    finally:
+        RUN_LOG.disabled = True
+
+
+def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> Optional[dict]:
+    try:
+        record = app.run(cfg, run_dir=run_dir, **run_kwargs)
+    except UserError as exc:
+        report(str(exc))
+        note_exit(2)
+        if run_dir is not None:
+            discard_unstarted(run_dir)
+        return None
+    except OSError as exc:  # e.g. a full disk before config.yaml, or while even the failure could not be recorded
+        where = exc.filename or run_dir or "the results folder"
+        report(f"run failed: could not write {where}: {exc.strerror or exc}"
+               + (f" ({errno.errorcode[exc.errno]})" if exc.errno in errno.errorcode else ""))
+        note_exit(1)
+        return None
+    except Exception as exc:
+        report(f"run failed: {type(exc).__name__}: {exc}")
+        note_exit(1)
+        return None
+    folder = record.get("run_dir") if record.get("status") != "claimed" else None
+    note_exit(0 if record.get("status") in ("ok", "claimed") else 1, folder)
+    return record
