@@ -22,7 +22,7 @@ class Method(NoCompression):
       after_attention(ctx)          after every layer's attention of every forward step (prefill chunks and
                                     decode steps) when `acts_after_attention`; evict here through the cache's
                                     named operations (keep_tokens, evict_blocks, drop_slots): the cache is a
-                                    kvbench.runtime.kv_eviction.MethodCacheView, and a method calls nothing
+                                    kvbench.runtime.cache.kv_eviction.MethodCacheView, and a method calls nothing
                                     else on it (tests/runtime/test_method_cache_surface.py); a method whose
                                     decode-step hook reads only the cache sets `decode_reads_attention = False`
                                     (ctx.q is then None in decode steps, and the call may come after the step)

@@ -153,7 +153,7 @@ class EvictionMethod:
 
     def on_rollback(self, slot: int) -> None:
         """Speculative decoding cut `slot`'s tables back to fewer tokens (their newest slots went): the per-slot
-        scores of the slots dropped go too (kvbench.runtime.speculative.rollback calls this)."""
+        scores of the slots dropped go too (kvbench.runtime.serving.speculative.rollback calls this)."""
         for (s, layer), st in self._state.items():
             scores = st.get("scores") if s == slot else None
             if scores is None:

@@ -15,9 +15,9 @@ from kvbench.errors import UserError
 from kvbench.methods import METHODS, BlockScorerMethod, ScorerMethod, available_methods, build_method
 from kvbench.registry import Registry
 from kvbench.runtime.contract import NoCompression
-from kvbench.runtime.engine import Engine
-from kvbench.runtime.scoring import Scorer
-from kvbench.runtime.speculative import SpeculativeDecoder
+from kvbench.runtime.serving.engine import Engine
+from kvbench.runtime.serving.scoring import Scorer
+from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from tests.tiny_models import DISTINCT_SCORES, ByteTokenizer, tiny_model
 
 BS, CHUNK, BUDGET, NEW = 8, 32, 40, 12
@@ -107,8 +107,8 @@ def _tp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from kvbench.runtime import distributed
-    from kvbench.runtime.tensor_parallel import shard_model
+    from kvbench.runtime.model import distributed
+    from kvbench.runtime.model.tensor_parallel import shard_model
 
     _register_user_method()
     layout = distributed.init_from_env(tensor_parallel=world)

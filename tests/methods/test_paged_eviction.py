@@ -222,7 +222,7 @@ def test_before_attention_timing_cuts_the_prompt_before_it_attends():
     so the prompt's queries attend only to the kept tokens; after_attention (default) attends over all of them.
     Layer 0 keeps the same tokens either way (its K/V do not depend on attention); the logits differ; a budget the
     prompt fits in changes nothing."""
-    from kvbench.runtime.kv_layout import FullPrecisionLayout
+    from kvbench.runtime.cache.kv_layout import FullPrecisionLayout
     from tests.tiny_models import DISTINCT_SCORES, ByteTokenizer, tiny_model
 
     model = tiny_model(vocab=256, tokenizer=ByteTokenizer(), **DISTINCT_SCORES)
