@@ -9,8 +9,7 @@ window (SnapKV's observation window, H2O's recent tokens) stays in every head.
 
 The recent window is kept in every head as kvpress keeps SnapKV's (it pads the window with the largest score + 1).
 Nothing else is protected at prefill, as in kvpress: over a windowless base (expected_attention, knorm, random) the
-prompt's last token stays in a head only if it scores high enough (ScorerWrapper.recent_kept; kvbench kept it in
-every head until 2026-12, which was the whole of its departure from kvpress: NLL and greedy output differed).
+prompt's last token stays in a head only if it scores high enough (ScorerWrapper.recent_kept), as in kvpress.
 
 Where kvpress masks the dropped pairs with fake keys (nothing freed), kvbench's per-(layer, kv-head) tables really
 hold different numbers of tokens: a head keeping fewer tokens holds fewer blocks, and the pool gets the rest back.

@@ -2,9 +2,8 @@
 
 Why: a batch-1 decode step reads every weight and every cached K/V row once, hundreds of MB, from DRAM. On 4 KiB
 pages that is a TLB miss every 4 KiB (the paged K/V blocks sit anywhere in the pool, so the walk is not even
-sequential); on 2 MiB pages one in 512. On the 2-core dev VM (THP in `madvise` mode, the common default) a C GEMV
-over 453 MB of fp32 weights read 21.6 GB/s on 4 KiB pages and 23.6-24.3 on huge pages, a plain sum 21.3 against
-25.6-26.3 (bench/profile_decode.py shows the effect on whole decode steps).
+sequential); on 2 MiB pages one in 512, and a weight or K/V stream reads measurably faster (bench/profile_decode.py
+shows the effect on whole decode steps; the figures are in docs/benchmark-results.md).
 
 `empty(shape, dtype, device)` returns an uninitialised tensor whose bytes start on a 2 MiB boundary of a fresh
 anonymous mapping (its own mmap, never touched before: the allocator may hand back memory already faulted in on 4

@@ -199,8 +199,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
     def _prepare_decode_append_host(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
         """prepare_append of one token per sequence on a CPU cache with no shared blocks: the same plan, built with
         numpy on views of the tables. After a decode step's weights have flushed the caches, each of the general
-        path's two dozen small torch ops costs tens of microseconds: 1.07 ms of a 33-37 ms batch-1 step at context
-        4,096 on the 2-core dev VM, against 0.28 ms here (both timed around the call in a decode run)."""
+        path's two dozen small torch ops costs tens of microseconds; numpy on views costs a fraction of that (the
+        figures: docs/benchmark-results.md)."""
         bs = self.block_size
         sl = np.asarray(slots, dtype=np.int64)  # [S]
         old_len_h = self.host_lengths[sl]  # [S, L, H]

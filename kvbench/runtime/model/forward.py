@@ -203,8 +203,8 @@ class LlamaFamilyModel:
             last = [off + (i + 1) * g.tokens.shape[1] - 1 for g, off in zip(groups, offsets)
                     for i in range(g.tokens.shape[0])]
             x = x[torch.tensor(last, dtype=torch.int64, device=x.device)] if N != len(last) else x
-        # a pure decode step's head takes the C GEMV too, as its layers do: at 16 rows 7.4 ms against oneDNN's 7.9
-        # on the dev VM, with the next weight tile prefetched (csrc/decode_ops.h, prefetch_share_l2)
+        # a pure decode step's head takes the C GEMV too, as its layers do (faster than oneDNN at up to 16 rows, with
+        # the next weight tile prefetched: csrc/decode_ops.h, prefetch_share_l2; figures in docs/benchmark-results.md)
         logits = self.lm_head(norm(x.contiguous(), self.final_norm, eps), gemv_rows)  # [rows, V]
         if logits_for == "last":
             return list(logits.split([g.tokens.shape[0] for g in groups]))

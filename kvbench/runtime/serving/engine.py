@@ -396,8 +396,7 @@ class Engine:
 
 def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
     """Rows [V] as one [n, V] tensor: the matrix they are views of when they are its rows 0..n-1 in order (a pure
-    decode step's logits: no copy, which cost 0.4 ms for 16 rows of 49,152 logits after a step had flushed the
-    caches), else a stacked copy."""
+    decode step's logits: no copy, which is costly once a step has flushed the caches), else a stacked copy."""
     base = rows[0]._base
     if (base is not None and base.dim() == 2 and base.shape[0] == len(rows)
             and all(r._base is base and r.storage_offset() == base.storage_offset() + i * base.stride(0)

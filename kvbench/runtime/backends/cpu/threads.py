@@ -88,8 +88,8 @@ class StepThreads:
     every `explore_every` steps; an exploration that loses multiplies the wait by `backoff` (up to
     `max_explore_every` steps), a switch resets it. Two steps in a row of the best count slower than `trigger` x
     its average (load has come) are followed by an exploration at once. An exploration costs about one step at half speed on
-    an idle machine: with a wait of 8 doubling to 64, 32-token generations ran 10% slower than with two threads
-    throughout (37.3 against 41.2 tok/s on the dev VM); the trigger keeps the reaction to load within three steps
+    an idle machine (with a wait of 8 doubling to 64, short generations ran measurably slower than with two threads
+    throughout: docs/benchmark-results.md); the trigger keeps the reaction to load within three steps
     while the periodic tries grow rare. Larger steps (prefill) always use every thread. After each step the
     previous count is restored, so code between steps (and other libraries in the process) sees the configured
     threads."""
