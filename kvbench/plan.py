@@ -28,7 +28,7 @@ from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.methods import METHODS, build_method
-from kvbench.model_info import kv_pool_bytes, model_shape
+from kvbench.model_info import check_runnable, kv_pool_bytes, model_shape
 from kvbench.runtime.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
 from kvbench.runtime.model_files import check_model_path, read_gguf_header
 from kvbench.quant.registry import check_codec, storage_geometry
@@ -342,6 +342,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     device = _resolve_device(settings.model.device)
     if settings.model.path is not None:  # None: the packaged model
         check_model_path(settings.model.path, settings.model.gguf_file, check_hub=True)
+        check_runnable(settings.model)  # config.json (model type, sizes, window) and the tensors against it
     shape = model_shape(settings.model)
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
     # the codec's options (its name was resolved by validate), without the model: kvquant's calibration needs it,

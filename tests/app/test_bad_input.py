@@ -224,14 +224,46 @@ CASES = [
     (["results_dir=''"], "invalid results_dir=''"),
     (["-m", "results_dir=''"], "invalid results_dir=''"),
     (["task=ruler", "task.lengths=100000"], "task.lengths=[100000]"),  # a bare length is a list of one
+    # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
+    (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
+                                  "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
+    (["model.path={badtype}"], ("unsupported model_type 'gpt2'", "supported: llama, mistral, qwen2, qwen3")),
+    (["model.path={kvzero}"], "invalid num_key_value_heads=0 in config.json"),
+    (["model.path={negpos}"], "invalid max_position_embeddings=-1 in config.json"),
+    (["model.path={oddhidden}"], "hidden_size=66 in config.json is not divisible by num_attention_heads=4"),
+    (["model.path={custom}"], ("config.json names custom code (auto_map: AutoModelForCausalLM)",)),
+    (["model.path={window}"], ("sliding attention window (sliding_window=4096", "not supported yet")),
 ]
 if not CUDA:
     CASES += [(["model.device=cuda"], "model.device='cuda'"),
               (["runtime.attention_backend=triton"], "attention_backend=triton")]
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny Llama model folder in the hub's format (2 layers, safetensors, a tokenizer.json), saved once."""
+    from tests.tiny_models import tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_hf_model("llama", layers=2).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
+    return folder
+
+
+def _model_variant(src, dest, **config_changes):
+    """A copy of the model folder src with its config.json changed (a value None removes the key)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(config_changes)
+    (dest / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return str(dest)
+
+
 @pytest.fixture
-def paths(tmp_path):
+def paths(tmp_path, tiny_llama_dir):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
@@ -243,7 +275,12 @@ def paths(tmp_path):
     (other / "config.json").write_text('{"num_hidden_layers": 2, "model_type": "llama"}')
     (other / "model.safetensors").write_bytes(b"")
     (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
-    return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
+    models = {name: _model_variant(tiny_llama_dir, tmp_path / name, **changes) for name, changes in {
+        "fewlayers": {"num_hidden_layers": 4}, "badtype": {"model_type": "gpt2"},
+        "kvzero": {"num_key_value_heads": 0}, "negpos": {"max_position_embeddings": -1},
+        "oddhidden": {"hidden_size": 66}, "custom": {"auto_map": {"AutoModelForCausalLM": "m.M"}},
+        "window": {"model_type": "mistral", "sliding_window": 4096}}.items()}
+    return {**models, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
 
@@ -372,7 +409,7 @@ def test_a_cached_hub_model_is_checked_against_its_config(cli, tmp_path, monkeyp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _hub_cache_with(tmp_path / "hub", "org/tiny-llama", {
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
         "max_position_embeddings": 512})
     shape = model_shape(SimpleNamespace(path="org/tiny-llama", gguf_file=None))
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_positions) == (2, 2, 16, 512)
