@@ -3,6 +3,7 @@ results_dir, and no model loaded. The one table of such cases (CASES) runs the r
 process; a few more (SUBPROCESS_CASES, one per kind of error) run `python -m kvbench` as real subprocesses."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -233,6 +234,19 @@ CASES = [
     (["model.path={oddhidden}"], "hidden_size=66 in config.json is not divisible by num_attention_heads=4"),
     (["model.path={custom}"], ("config.json names custom code (auto_map: AutoModelForCausalLM)",)),
     (["model.path={window}"], ("sliding attention window (sliding_window=4096", "not supported yet")),
+    # issue 56: data rows checked against the task's schema (types) and encodings, before the model loads
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbnull}"],
+     ("task.data_dir file {lbnull}/trec.jsonl:2: field 'context' is null; expected a string",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbdict}"],
+     ("trec.jsonl:1: field 'answers' is an object; expected a non-empty list of strings",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbempty}"], ("trec.jsonl holds no rows",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbutf16}"], ("trec.jsonl: UTF-16",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbbadline}"], ("trec.jsonl:2: invalid JSON",)),
+    (["task=govreport", "task.data_dir={lbgov}"], ("gov_report.jsonl:1: field 'context' is a number (7)",)),
+    (["task.corpus=wikitext", "task.data_path={wtnotext}"], ("no 'text' column", "it has content")),
+    (["task.corpus=wikitext", "task.data_path={wtnumbers}"],
+     ("line 2: column 'text' is a JSON int (5); expected text",)),
+    (["task.text_file={utf16}"], "is UTF-16 text (byte order mark fffe)"),
 ]
 if not CUDA:
     CASES += [(["model.device=cuda"], "model.device='cuda'"),
@@ -275,12 +289,33 @@ def paths(tmp_path, tiny_llama_dir):
     (other / "config.json").write_text('{"num_hidden_layers": 2, "model_type": "llama"}')
     (other / "model.safetensors").write_bytes(b"")
     (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
+    data = {}
+    row = {"input": "q", "context": "c", "answers": ["a"], "length": 1, "dataset": "trec", "language": "en",
+           "all_classes": ["a", "b"], "_id": "x"}
+    for name, file, text in (
+            ("lbnull", "trec.jsonl", json.dumps(row) + "\n" + json.dumps({**row, "context": None}) + "\n"),
+            ("lbdict", "trec.jsonl", json.dumps({**row, "answers": {"a": "0"}}) + "\n"),
+            ("lbempty", "trec.jsonl", "\n"),
+            ("lbutf16", "trec.jsonl", None),
+            ("lbbadline", "trec.jsonl", json.dumps(row) + "\n{\"context\": \n"),
+            ("lbgov", "gov_report.jsonl", json.dumps({**row, "context": 7}) + "\n"),
+            ("wtnotext", "test.jsonl", json.dumps({"content": "x"}) + "\n"),
+            ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n")):
+        (tmp_path / name).mkdir()
+        target = tmp_path / name / file
+        if text is None:
+            target.write_bytes((json.dumps(row) + "\n").encode("utf-16"))
+        else:
+            target.write_text(text)
+        data[name] = str(tmp_path / name)
+    (tmp_path / "utf16.txt").write_bytes("some text to score".encode("utf-16"))
+    data["utf16"] = str(tmp_path / "utf16.txt")
     models = {name: _model_variant(tiny_llama_dir, tmp_path / name, **changes) for name, changes in {
         "fewlayers": {"num_hidden_layers": 4}, "badtype": {"model_type": "gpt2"},
         "kvzero": {"num_key_value_heads": 0}, "negpos": {"max_position_embeddings": -1},
         "oddhidden": {"hidden_size": 66}, "custom": {"auto_map": {"AutoModelForCausalLM": "m.M"}},
         "window": {"model_type": "mistral", "sliding_window": 4096}}.items()}
-    return {**models, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
+    return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
 
