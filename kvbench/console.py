@@ -4,6 +4,7 @@ so the runtime, the store and the commands all print the same way."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -29,14 +30,23 @@ def say(message: str, *, stream: Any = None, level: int = logging.INFO) -> None:
             pass
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """The text with control characters (an ESC sequence from a user's name or path, CR, BEL) shown as \\xNN,
+    so a printed line never acts on the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
 def warn(message: str) -> None:
     """One warning line on stderr (and in the run's kvbench.log)."""
-    say("kvbench: warning: " + " ".join(str(message).split()), level=logging.WARNING)
+    say("kvbench: warning: " + visible(" ".join(str(message).split())), level=logging.WARNING)
 
 
 def report(message: str) -> None:
     """Print one error line to stderr."""
-    line = " ".join(str(message).split())  # one line, whatever the message
+    line = visible(" ".join(str(message).split()))  # one line, whatever the message
     say(PREFIX + line, level=logging.ERROR)
 
 

@@ -1,13 +1,11 @@
-"""Text from run records made safe for where it is shown: a Markdown verdict, a terminal.
+"""Text from run records made safe for a Markdown verdict (for the terminal: kvbench.console.visible).
 
     markdown_text(s)  -> one line of Markdown that renders as the literal text (no link, image, HTML, table cell
-                         break, heading or emphasis; line breaks become spaces)
-    terminal_text(s)  -> the text with control characters (ESC sequences, carriage returns, bells) shown as
-                         visible escapes instead of acting on the terminal
+                         break, heading or emphasis; line breaks become spaces; control characters as \\xNN)
 
 A run's `error` text, a model or method name, a folder name: any of them can hold what a user (or an exception
-message) put there, so kvbench-compare's Markdown (pasted into a CI summary) and kvbench-report's printed lines pass
-them through these first. JSON output keeps the raw text.
+message) put there, so kvbench-compare's Markdown (pasted into a CI summary) passes them through this first. JSON
+output keeps the raw text.
 """
 from __future__ import annotations
 
@@ -27,7 +25,3 @@ def markdown_text(text: object) -> str:
     s = s.replace("&", "&amp;")  # no HTML entities
     return _AUTOLINK.sub(lambda m: (m.group(1) or m.group(3)) + _ZWSP + (m.group(2) or m.group(4)), s)
 
-
-def terminal_text(text: object) -> str:
-    """The text with every control character (ESC, CR, BEL, ...; not tab or newline) shown as \\xNN."""
-    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", str(text))

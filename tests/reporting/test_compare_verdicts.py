@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from kvbench.reporting.escape import markdown_text, terminal_text
+from kvbench.console import visible
+from kvbench.reporting.escape import markdown_text
 from kvbench.reporting.judge import one_verdict
 from tests import results_fixtures as fx
 from tests.reporting.test_compare import regression_lines, run_cli, verdict_of
@@ -138,4 +139,18 @@ def test_new_error_text_is_escaped_in_the_markdown(tmp_path):
 def test_escapes():
     assert markdown_text("a\nb\r\nc") == "a b  c"
     assert markdown_text("[a](b)") == "\\[a\\](b)"
-    assert terminal_text("x\x1b[31mred\x07") == "x\\x1b[31mred\\x07"
+    assert visible("x\x1b[31mred\x07") == "x\\x1b[31mred\\x07"
+
+
+def test_report_prints_names_without_terminal_escapes(tmp_path, capsys):
+    # item 7: a run folder or name holding an ESC sequence is printed as \x1b..., never sent to the terminal
+    pytest.importorskip("matplotlib")
+    from kvbench import report
+
+    ppl_run(tmp_path / "r", 4)
+    bad = tmp_path / "r" / "evil\x1b[2J\x1b[31mrun"
+    bad.mkdir()
+    (bad / "metrics.json").write_text('{"run_id": "x", "status": "ok"')  # corrupt: named on the terminal
+    assert report.main([str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "evil\\x1b[2J\\x1b[31mrun" in out, out
