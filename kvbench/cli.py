@@ -27,10 +27,10 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from kvbench import app
-from kvbench.config import bool_keys
+from kvbench.config import bool_keys, int_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
-from kvbench.spec import check_bool_spellings
+from kvbench.spec import check_bool_spellings, integral_spellings
 
 # What a value must look like, for the keys where Hydra's own wording would not say it.
 VALUE_HINTS = {
@@ -271,6 +271,7 @@ def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     sys.argv[:] = multirun_flag_first(sys.argv)
     try:
         check_bool_spellings(sys.argv[1:], bool_keys())
+        sys.argv[1:] = integral_spellings(sys.argv[1:], int_keys())  # budget=1e12, block_size=16.0: integers
     except UserError as ex:
         exit_usage(str(ex))
     sys.argv[:] = launch_rank_overrides(sys.argv)

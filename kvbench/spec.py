@@ -148,6 +148,55 @@ def check_bool_spellings(overrides: list, bool_keys: Any) -> None:
             check_bool(key, value)
 
 
+def integral_spellings(overrides: list, int_keys: Any) -> list:
+    """The command-line overrides with integral floats of integer settings (`int_keys`, dotted) spelled as integers
+    (`budget=1e12` -> `budget=1000000000000`, `runtime.block_size=16.0` -> `16`, each value of a sweep), as the docs
+    promise: Hydra's typed schema would refuse them as "expected an integer". An integral float beyond 2**53 (not an
+    exact integer) is refused as too large, naming it; other values are left to Hydra and the checks."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:
+            out.append(text)
+            continue
+        try:
+            (override,) = parser.parse_overrides([text])
+        except (HydraException, ValueError):
+            out.append(text)
+            continue
+        key, value = override.key_or_group, override.value()
+        if key not in int_keys or value is None:
+            out.append(text)
+            continue
+        if override.is_sweep_override():
+            if not isinstance(value, ChoiceSweep):
+                out.append(text)
+                continue
+            values = list(override.sweep_iterator())
+        else:
+            values = [value]
+        spelled = [_as_int(key, v) for v in values]
+        if all(a is b for a, b in zip(spelled, values)):
+            out.append(text)
+        else:
+            out.append(text.split("=", 1)[0] + "=" + ",".join(str(v) for v in spelled))
+    return out
+
+
+def _as_int(key: str, value: Any) -> Any:
+    """An integral float as an int; UserError naming one too large to be an exact integer; anything else as given."""
+    if not isinstance(value, float) or not math.isfinite(value) or not value.is_integer():
+        return value
+    if abs(value) > EXACT_FLOAT_INT:
+        raise UserError(f"invalid {key}={value!r}: too large (beyond 2**53 = {EXACT_FLOAT_INT:,}, a float is not an "
+                        f"exact integer); expected an integer")
+    return int(value)
+
+
 def _canonical_bool(value: Any) -> Any:
     """1 / 0 and "true" / "false" as True / False; anything else as given."""
     if isinstance(value, str) and value.lower() in BOOL_WORDS:

@@ -151,7 +151,7 @@ CASES = [
     (["quant=kvquant", "quant.calibration_tokens=100000"], "quant.calibration_tokens=100000"),
     (["quant=kvquant", "quant.bits=3.5"], "quant.bits=3.5"),
     (["quant=kivi", "quant.group_size=32.5"], "quant.group_size=32.5"),
-    (["runtime.num_blocks=1e12"], "runtime.num_blocks=1000000000000.0"),
+    (["runtime.num_blocks=1e12"], "invalid runtime.num_blocks=1000000000000: 1000000000000 blocks"),
     (["runtime.num_blocks=1000000000000"], "runtime.num_blocks=1000000000000"),
     (["runtime.kv_memory_bytes=1000000000000000"], "runtime.kv_memory_bytes=1000000000000000"),
     (["task.max_tokens=1e12"], "task.max_tokens=1000000000000"),
@@ -247,6 +247,12 @@ CASES = [
     (["task.corpus=wikitext", "task.data_path={wtnumbers}"],
      ("line 2: column 'text' is a JSON int (5); expected text",)),
     (["task.text_file={utf16}"], "is UTF-16 text (byte order mark fffe)"),
+    # issue 56: integral floats are integers; one too large to be exact says so, and a bound names the bound
+    (["budget=1e20"], ("invalid budget=1e+20: too large", "2**53")),
+    (["seed=1e20"], "invalid seed=1e+20: too large"),
+    (["runtime.speculative.num_tokens=1e9"],
+     "invalid runtime.speculative.num_tokens=1000000000: expected an integer from 0 to 64"),
+    (["-m", "method=h2o", "budget=64.0,1e20"], "invalid budget=1e+20: too large"),
 ]
 if not CUDA:
     CASES += [(["model.device=cuda"], "model.device='cuda'"),
