@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 import kvbench
 from kvbench import config as _config
 from kvbench import parallel_run
-from kvbench.console import RUN_LOG, report, say, warn
+from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
 from kvbench.errors import Terminated, UserError
 from kvbench.estimate import measured_speed, plan_line, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
@@ -212,7 +212,7 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
     try:
         record = run(cfg, run_dir=run_dir, **run_kwargs)
     except UserError as exc:
-        report(str(exc))
+        report_bad_input(str(exc))  # the same on every rank of a launch: rank 0 says it
         _note_exit(2)
         if run_dir is not None:
             _discard_unstarted(run_dir)

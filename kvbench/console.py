@@ -4,6 +4,7 @@ so the runtime, the store and the commands all print the same way."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from typing import Any, Callable, NoReturn
@@ -50,9 +51,21 @@ def report(message: str) -> None:
     say(PREFIX + line, level=logging.ERROR)
 
 
+def follower_rank() -> bool:
+    """Whether this process is a rank other than 0 of a torchrun launch (WORLD_SIZE set, RANK not 0)."""
+    return os.environ.get("WORLD_SIZE") is not None and os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
+def report_bad_input(message: str) -> None:
+    """The one line for bad input, printed by one process: every rank of a launch checks the same config, so
+    rank 0 says it and the others exit 2 quietly (one line, not one per rank)."""
+    if not follower_rank():
+        report(message)
+
+
 def exit_usage(message: str) -> NoReturn:
-    """One error line, then exit EXIT_USAGE (bad input)."""
-    report(message)
+    """One error line (rank 0 of a launch only: report_bad_input), then exit EXIT_USAGE (bad input)."""
+    report_bad_input(message)
     raise SystemExit(EXIT_USAGE)
 
 
