@@ -49,7 +49,7 @@ from kvbench.runtime.speculative import SpeculativeDecoder
 from kvbench.spec import method_evicts
 from kvbench.store import faults
 from kvbench.store.files import read_json
-from kvbench.store.folder import METRICS_FILE, RunFolder, repair_index
+from kvbench.store.folder import METRICS_FILE, IndexNotWritten, RunFolder, complete_record, repair_index
 from kvbench.store.naming import config_hash, experiment_key
 from kvbench.summary import format_summary, format_sweep_table
 from kvbench.tasks import make_progress
@@ -698,6 +698,10 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     try:
         folder.write_samples(samples)
         record = folder.finish(record)
+    except IndexNotWritten as exc:  # metrics.json holds the record: the run is what it says, the index catches up
+        record = complete_record(record)
+        warn(f"run {folder.run_id} is recorded in {folder.file(METRICS_FILE)}, but its runs.jsonl line could not "
+             f"be written ({exc.strerror or exc}); the next kvbench process or load_runs over {folder.results_dir} adds it")
     except OSError as exc:
         record["status"] = "failed"
         record["error"] = f"{type(exc).__name__}: {exc}"
