@@ -243,6 +243,8 @@ CASES = [
     (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbutf16}"], ("trec.jsonl: UTF-16",)),
     (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbbadline}"], ("trec.jsonl:2: invalid JSON",)),
     (["task=govreport", "task.data_dir={lbgov}"], ("gov_report.jsonl:1: field 'context' is a number (7)",)),
+    (["task=govreport", "task.source=ccdv", "task.data_dir={ccdvbad}"],
+     ("task.data_dir file", "test.jsonl, line 2: column 'summary' is null; expected text")),
     (["task.corpus=wikitext", "task.data_path={wtnotext}"], ("no 'text' column", "it has content")),
     (["task.corpus=wikitext", "task.data_path={wtnumbers}"],
      ("line 2: column 'text' is a JSON int (5); expected text",)),
@@ -306,6 +308,8 @@ def paths(tmp_path, tiny_llama_dir):
             ("lbbadline", "trec.jsonl", json.dumps(row) + "\n{\"context\": \n"),
             ("lbgov", "gov_report.jsonl", json.dumps({**row, "context": 7}) + "\n"),
             ("wtnotext", "test.jsonl", json.dumps({"content": "x"}) + "\n"),
+            ("ccdvbad", "test.jsonl", json.dumps({"report": "r", "summary": "s"}) + "\n"
+             + json.dumps({"report": "r", "summary": None}) + "\n"),
             ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n")):
         (tmp_path / name).mkdir()
         target = tmp_path / name / file
