@@ -701,7 +701,8 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     except IndexNotWritten as exc:  # metrics.json holds the record: the run is what it says, the index catches up
         record = complete_record(record)
         warn(f"run {folder.run_id} is recorded in {folder.file(METRICS_FILE)}, but its runs.jsonl line could not "
-             f"be written ({exc.strerror or exc}); the next kvbench process or load_runs over {folder.results_dir} adds it")
+             f"be written ({exc.strerror or exc}); the next kvbench process or load_runs over "
+             f"{folder.results_dir} adds it")
     except OSError as exc:
         record["status"] = "failed"
         record["error"] = f"{type(exc).__name__}: {exc}"

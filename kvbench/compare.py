@@ -442,7 +442,8 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
                   + ", ".join(f"`{k}`" for k in verdict["ignored_keys"])]
     for side, label in (("only_base", f"Only in {base_label}"), ("only_new", f"Only in {new_label}")):
         if verdict[side]:
-            lines += ["", f"{_escape(label)} ({len(verdict[side])}):", *[f"- {_escape(name)}" for name in verdict[side]]]
+            lines += ["", f"{_escape(label)} ({len(verdict[side])}):",
+                      *[f"- {_escape(name)}" for name in verdict[side]]]
     return "\n".join(lines) + "\n"
 
 

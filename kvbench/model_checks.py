@@ -9,8 +9,8 @@ kvbench runs the model's forward itself (kvbench/runtime/model.py: Llama, Mistra
 honour would give numbers without a word of warning. Refused from config.json alone: an unsupported `model_type`,
 custom code (`auto_map`), sizes that are not positive integers (num_key_value_heads 0, a negative
 max_position_embeddings), a hidden size its heads do not divide (unless a Mistral or Qwen3 head_dim is given),
-kv-heads that do not divide the heads, an activation other than SiLU, MLP biases, and a sliding window (Mistral's `sliding_window`,
-Qwen's `use_sliding_window`, sliding `layer_types`): the runtime attends over the whole cache, so beyond the
+kv-heads that do not divide the heads, an activation other than SiLU, MLP biases, and a sliding window (Mistral's
+`sliding_window`, Qwen's `use_sliding_window`, sliding `layer_types`): the runtime attends over the whole cache, so beyond the
 window perplexity would differ from the model's own. Any `sliding_window` that is set (not null) on Mistral is
 refused, whatever the run's context: the window is a property of the model, and a refusal that depends on
 task.max_tokens would let one sweep mix honoured and ignored windows.

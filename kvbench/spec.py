@@ -15,7 +15,8 @@ tasks and the results store import.
   (kvbench.data_digest), so an edited data file at the same path is a new run.
 
 This module imports only kvbench.errors, kvbench.data_digest and kvbench.registry: the registries load methods
-and codecs by name when first asked, so the store and the reporting can import the rules without importing any method or codec.
+and codecs by name when first asked, so the store and the reporting can import the rules without importing any
+method or codec.
 """
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ def untrusted_above(folder: Path) -> str | None:
 
 def _compile() -> tuple[Path, Path | None]:
     """(the library to load, a private folder to delete once it is loaded, or None). A cached library is used only
-    if it and its folder pass `untrusted` and the folders above pass `untrusted_above`; otherwise the kernels are built into a fresh private folder, with a
+    if it and its folder pass `untrusted` and the folders above pass `untrusted_above`; otherwise the kernels are
+    built into a fresh private folder, with a
     warning, and that folder is deleted after loading (the loaded library stays mapped)."""
     out = _library_path()
     folder = out.parent
