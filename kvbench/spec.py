@@ -11,10 +11,12 @@ tasks and the results store import.
   relations, such as sinks < budget).
 - numbers: integral floats are ints (`group_size=32.0` is `group_size=32`: one setting, one run id).
 - the hashed config (`hashable_config`): the sections in HASHED_SECTIONS, resolved as above, so two spellings of
-  one run get one run id.
+  one run get one run id; plus `data_sha256`, the digest of the local data files the task names
+  (kvbench.data_digest), so an edited data file at the same path is a new run.
 
-This module imports only kvbench.errors and kvbench.registry: the registries load methods and codecs by name when
-first asked, so the store and the reporting can import the rules without importing any method or codec.
+This module imports only kvbench.errors, kvbench.data_digest and kvbench.registry: the registries load methods
+and codecs by name when first asked, so the store and the reporting can import the rules without importing any
+method or codec.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kvbench.data_digest import data_sha256
 from kvbench.errors import UserError
 from kvbench.registry import CODECS, METHODS, unknown_choice
 
@@ -44,6 +47,9 @@ SPECULATIVE_MAX_TOKENS = 64  # runtime.speculative.num_tokens: the most draft to
 TASK_LENGTH_LISTS = ("lengths",)
 TASK_RANGES = ("input_tokens", "output_tokens")
 TASK_RATES = ("request_rate",)
+# (option, default value it implies another) -> that option's value: task.text_file=PATH selects corpus=text_file
+# (perplexity), so `task.text_file=x` and `task.text_file=x task.corpus=text_file` are one run, recorded alike.
+TASK_IMPLIED = {("text_file", "corpus", "pg_essays"): "text_file"}
 INF_WORDS = ("inf", "+inf", ".inf", "+.inf", "infinity", "+infinity")
 BOOL_WORDS = {"true": True, "false": False}
 # The most a count may be (docs/configuration.md lists them): past these a run would take days or hang, so the
@@ -143,6 +149,55 @@ def check_bool_spellings(overrides: list, bool_keys: Any) -> None:
             check_bool(key, value)
 
 
+def integral_spellings(overrides: list, int_keys: Any) -> list:
+    """The command-line overrides with integral floats of integer settings (`int_keys`, dotted) spelled as integers
+    (`budget=1e12` -> `budget=1000000000000`, `runtime.block_size=16.0` -> `16`, each value of a sweep), as the docs
+    promise: Hydra's typed schema would refuse them as "expected an integer". An integral float beyond 2**53 (not an
+    exact integer) is refused as too large, naming it; other values are left to Hydra and the checks."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:
+            out.append(text)
+            continue
+        try:
+            (override,) = parser.parse_overrides([text])
+        except (HydraException, ValueError):
+            out.append(text)
+            continue
+        key, value = override.key_or_group, override.value()
+        if key not in int_keys or value is None:
+            out.append(text)
+            continue
+        if override.is_sweep_override():
+            if not isinstance(value, ChoiceSweep):
+                out.append(text)
+                continue
+            values = list(override.sweep_iterator())
+        else:
+            values = [value]
+        spelled = [_as_int(key, v) for v in values]
+        if all(a is b for a, b in zip(spelled, values)):
+            out.append(text)
+        else:
+            out.append(text.split("=", 1)[0] + "=" + ",".join(str(v) for v in spelled))
+    return out
+
+
+def _as_int(key: str, value: Any) -> Any:
+    """An integral float as an int; UserError naming one too large to be an exact integer; anything else as given."""
+    if not isinstance(value, float) or not math.isfinite(value) or not value.is_integer():
+        return value
+    if abs(value) > EXACT_FLOAT_INT:
+        raise UserError(f"invalid {key}={value!r}: too large (beyond 2**53 = {EXACT_FLOAT_INT:,}, a float is not an "
+                        f"exact integer); expected an integer")
+    return int(value)
+
+
 def _canonical_bool(value: Any) -> Any:
     """1 / 0 and "true" / "false" as True / False; anything else as given."""
     if isinstance(value, str) and value.lower() in BOOL_WORDS:
@@ -165,7 +220,8 @@ def normalise_runtime(runtime: dict) -> dict:
 def normalise_task(task: dict) -> dict:
     """A task's options in their one spelling, so two spellings of one run get one run id and the task sees one
     form: integral floats as ints; `lengths=4096` is `[4096]` and `[1024, 1024]` is `[1024]`; a range
-    `input_tokens=[512, 512]` is `512`; `request_rate=.inf` (or inf, infinity) is the float inf. Values that are
+    `input_tokens=[512, 512]` is `512`; `request_rate=.inf` (or inf, infinity) is the float inf; `text_file`
+    set with the default corpus is `corpus=text_file` (TASK_IMPLIED). Values that are
     none of these are left for the task to refuse."""
     out = normalise_numbers(dict(task))
     for key in TASK_LENGTH_LISTS:
@@ -184,6 +240,9 @@ def normalise_task(task: dict) -> dict:
         value = out.get(key)
         if isinstance(value, str) and value.strip().lower() in INF_WORDS:
             out[key] = math.inf
+    for (key, implied, default), value in TASK_IMPLIED.items():
+        if isinstance(out.get(key), str) and out[key].strip() and out.get(implied) == default:
+            out[implied] = value
     return out
 
 
@@ -332,4 +391,7 @@ def hashable_config(root: Any) -> dict:
             data.pop("compression_ratio", None)
     except Exception:
         pass
+    digest = data_sha256(data.get("task"))  # the content of the data files the task names (kvbench.data_digest)
+    if digest is not None:  # absent without local data files: those runs keep their ids
+        data["data_sha256"] = digest
     return data

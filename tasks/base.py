@@ -99,6 +99,24 @@ class LogProgress(_NoBar):
         self.written_n = self.n
 
 
+def growing_total(bar: Any) -> Callable[[int], None]:
+    """The bar's update, with the total raised to the work done when the work outgrows it (recompute preemption runs
+    a preempted prompt again), so the bar never reads over 100% (tqdm and LogProgress both have `total`)."""
+    done = [0]
+
+    def update(n: int = 1) -> None:
+        done[0] += n
+        total = getattr(bar, "total", None)
+        if total is not None and done[0] > total:
+            try:
+                bar.total = done[0]
+            except AttributeError:  # pragma: no cover  (a bar without a settable total)
+                pass
+        bar.update(n)
+
+    return update
+
+
 Progress = Callable[..., Any]
 LOG_INTERVAL_S = 20.0  # seconds between progress lines when stderr is not a terminal ($KVBENCH_PROGRESS_INTERVAL)
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from kvbench.data.govreport import GOVREPORT_SPLITS, check_data_dir as check_govreport_dir, load_govreport_full, load_govreport_longbench
 from kvbench.data.hub import require_hub
-from kvbench.data.longbench import check_data_dir, prompt_template
+from kvbench.data.longbench import check_data_dir, check_data_rows, prompt_template
 from kvbench.errors import UserError
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import check_chat_template_option, wants_chat_template
@@ -69,6 +69,7 @@ class GovReport(Task):
             require_hub(f"GovReport ({opts.source})", "task.data_dir")
         elif opts.source == "longbench":
             check_data_dir(opts.data_dir, ["gov_report"])
+            check_data_rows(opts.data_dir, ["gov_report"], opts.limit)
         else:
             check_govreport_dir(opts.data_dir, opts.split)
 

@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 
 from kvbench.data import longbench as lb
 from kvbench.data.hub import require_hub
-from kvbench.data.longbench import LONGBENCH_E_DATASETS, check_data_dir, language, load_longbench
+from kvbench.data.longbench import LONGBENCH_E_DATASETS, check_data_dir, check_data_rows, language, load_longbench
 from kvbench.errors import UserError
 from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket, score_sample
 from kvbench.spec import check_positive
@@ -156,9 +156,11 @@ class LongBench(Task):
     Options = LongBenchOptions
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
-        """Before the model loads: task.data_dir holds every dataset's file, or (null) the hub is reachable."""
+        """Before the model loads: task.data_dir holds every dataset's file, each row the run reads of LongBench's
+        types (file:line and field named otherwise), or (null) the hub is reachable."""
         if self.options.data_dir is not None:
             check_data_dir(self.options.data_dir, self.options.datasets)
+            check_data_rows(self.options.data_dir, self.options.datasets, self.options.limit)
         else:
             require_hub("LongBench data", "task.data_dir")
 
@@ -173,6 +175,8 @@ class LongBench(Task):
                 records = load_longbench(ds, data_dir=opts.data_dir, limit=opts.limit)
             except FileNotFoundError as exc:
                 raise UserError(f"LongBench data for {ds!r} not found: {exc}") from None
+            except ValueError as exc:  # a row of the hub's that is not of LongBench's types (file:line, field)
+                raise UserError(f"LongBench data for {ds!r}: {exc}") from None
             for i, rec in enumerate(records):
                 rec.setdefault("_index", i)
                 if rec.get("_id") is None:

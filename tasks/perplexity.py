@@ -196,7 +196,8 @@ class Perplexity(Task):
         if opts.corpus == "text_file":
             check_text_file(opts.text_file)
         elif opts.corpus in HUB_CORPORA and opts.data_path is not None:
-            check_data_path(opts.data_path, opts.split, WIKITEXT_CONFIG if opts.corpus == "wikitext" else None)
+            check_data_path(opts.data_path, opts.split, WIKITEXT_CONFIG if opts.corpus == "wikitext" else None,
+                            columns=("text",), string_columns=("text",))
         elif opts.corpus in HUB_CORPORA:
             require_hub(f"task.corpus={opts.corpus}", "task.data_path")
         if getattr(settings, "budget", None) is None and model_shape is not None:

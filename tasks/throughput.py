@@ -33,7 +33,7 @@ from kvbench.data.essays import essay_corpus_text
 from kvbench.errors import UserError
 from kvbench.runtime.model import distributed
 from kvbench.runtime.serving.requests import Request
-from kvbench.tasks.base import Task, TaskResult, Workload, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, growing_total, register_task
 
 TIMELINE_CSV, TIMELINE_PNG = "timeline.csv", "timeline.png"
 MAX_ARRIVAL_SPAN_S = 3600.0  # a Poisson trace whose arrivals would span longer than this is refused
@@ -296,11 +296,12 @@ class ThroughputTask(Task):
             raise UserError(f"invalid task.input_tokens={opts.input_tokens!r}: input + output exceed the model's "
                             f"{limit} positions")
         reqs = [Request(t.prompt_ids, t.output_tokens, arrival_s=t.arrival_s, ignore_eos=True) for t in trace]
-        # the bar counts every token a step runs, prompt chunks included, so it moves from the first prefill chunk
+        # the bar counts every token a step runs, prompt chunks included, so it moves from the first prefill chunk;
+        # a prompt recomputed after preemption is more work: the total grows with it (never over 100%)
         bar = progress(total=sum(len(t.prompt_ids) + t.output_tokens for t in trace), desc="serve (prompt + output)",
                        unit="tok")
         try:
-            outcome = engine.serve(reqs, on_step=bar.update)
+            outcome = engine.serve(reqs, on_step=growing_total(bar))
         finally:
             bar.close()
         metrics = serving_metrics(outcome)

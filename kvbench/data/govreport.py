@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvbench.data.local_rows import check_rows
 from kvbench.data.longbench import load_longbench
 from kvbench.errors import UserError
 
@@ -58,21 +59,26 @@ def _local_files(root: Path, split: str) -> tuple[str, list[Path]]:
 
 def check_data_dir(data_dir: Any, split: str, option: str = "task.data_dir") -> None:
     """UserError (one line) unless data_dir is a folder with the split's files (what `load_govreport_full`
-    reads), checked without reading them."""
+    reads), each readable with `report` and `summary` text in its rows (kvbench.data.local_rows)."""
     if not str(data_dir).strip():
         raise UserError(f"invalid {option}={data_dir!r}: expected a folder with the {split!r} split "
                         f"(null: the hub)")
     try:
-        _local_files(Path(data_dir).expanduser(), split)
+        _, files = _local_files(Path(data_dir).expanduser(), split)
     except FileNotFoundError as exc:
         raise UserError(f"{option}={str(data_dir)!r}: {exc}") from None
+    for path in files:  # readable, rows with text in report and summary (a bad line, UTF-16, numbers: one line)
+        try:
+            check_rows(str(path), ("report", "summary"), ("report", "summary"))
+        except UserError as exc:
+            raise UserError(str(exc).replace("task.data_path file", f"{option} file", 1)) from None
 
 
 def _iter_local(root: Path, split: str) -> Iterator[dict[str, Any]]:
     kind, files = _local_files(root, split)
     for path in files:
         if kind == "jsonl":
-            with path.open(encoding="utf-8") as fh:
+            with path.open(encoding="utf-8-sig") as fh:  # a byte order mark is not text
                 for line in fh:
                     if line.strip():
                         yield json.loads(line)

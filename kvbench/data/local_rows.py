@@ -36,14 +36,21 @@ def _check_columns(path: str, keys: Iterable[str], columns: tuple[str, ...], lin
                             f"(expected {', '.join(columns)}; it has {', '.join(keys) or 'none'})", line)
 
 
-def _check_object(path: str, row: Any, columns: tuple[str, ...], line: Optional[int]) -> None:
+def _check_object(path: str, row: Any, columns: tuple[str, ...], line: Optional[int],
+                  strings: tuple[str, ...] = ()) -> None:
     if not isinstance(row, dict):
         raise _refuse(path, f"a JSON {type(row).__name__}, not an object (one row per line: {{\"column\": value}})",
                       line)
     _check_columns(path, row, columns, line)
+    for column in strings:
+        value = row.get(column)
+        if column in row and not isinstance(value, str):
+            shown = "null" if value is None else f"a JSON {type(value).__name__} ({json.dumps(value)[:40]})"
+            raise _refuse(path, f"column {column!r} is {shown}; expected text", line)
 
 
-def _check_json_lines(path: str, text: str, columns: tuple[str, ...], truncated: bool) -> None:
+def _check_json_lines(path: str, text: str, columns: tuple[str, ...], truncated: bool,
+                      strings: tuple[str, ...] = ()) -> None:
     lines = text.splitlines()
     if truncated and lines:
         lines = lines[:-1]  # the last line read may be cut off
@@ -56,13 +63,14 @@ def _check_json_lines(path: str, text: str, columns: tuple[str, ...], truncated:
         except ValueError as exc:
             raise _refuse(path, f"not JSON ({getattr(exc, 'msg', str(exc))}, column {getattr(exc, 'colno', '?')})",
                           n) from None
-        _check_object(path, row, columns, n)
+        _check_object(path, row, columns, n, strings)
         rows += 1
     if not rows:
         raise _refuse(path, "holds no rows (only blank lines)")
 
 
-def _check_json(path: str, text: str, columns: tuple[str, ...], truncated: bool) -> None:
+def _check_json(path: str, text: str, columns: tuple[str, ...], truncated: bool,
+                strings: tuple[str, ...] = ()) -> None:
     head = text.lstrip()
     if head.startswith("[") and truncated:
         return  # a large JSON array: parsed by `datasets` when the run reads it
@@ -74,13 +82,13 @@ def _check_json(path: str, text: str, columns: tuple[str, ...], truncated: bool)
         if not data:
             raise _refuse(path, "holds an empty JSON array (no rows)")
         for row in data:
-            _check_object(path, row, columns, None)
+            _check_object(path, row, columns, None, strings)
         return
-    _check_json_lines(path, text, columns, truncated)
+    _check_json_lines(path, text, columns, truncated, strings)
 
 
 def _check_csv(path: str, columns: tuple[str, ...]) -> None:
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if not header:
@@ -90,7 +98,7 @@ def _check_csv(path: str, columns: tuple[str, ...]) -> None:
     _check_columns(path, header, columns, 1)
 
 
-def _check_arrow_schema(path: str, parquet: bool, columns: tuple[str, ...]) -> None:
+def _check_arrow_schema(path: str, parquet: bool, columns: tuple[str, ...], strings: tuple[str, ...] = ()) -> None:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -98,27 +106,34 @@ def _check_arrow_schema(path: str, parquet: bool, columns: tuple[str, ...]) -> N
         return
     try:
         if parquet:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
         else:
             try:
-                names = pa.ipc.open_stream(path).schema.names
+                schema = pa.ipc.open_stream(path).schema
             except pa.ArrowInvalid:
-                names = pa.ipc.open_file(path).schema.names
+                schema = pa.ipc.open_file(path).schema
+        names = schema.names
     except Exception as exc:  # pyarrow's own errors: not a parquet / arrow file
         raise _refuse(path, f"cannot be read as {'parquet' if parquet else 'arrow'} ({first_line(exc)})") from None
     _check_columns(path, names, columns)
+    for column in strings:
+        if column in names:
+            kind = schema.field(column).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise _refuse(path, f"column {column!r} holds {kind}, not text; expected text")
 
 
-def check_rows(path: str, columns: tuple[str, ...] = ()) -> None:
-    """UserError (one line naming `path`) unless the file is readable, not empty, well formed and every row has
-    `columns`."""
+def check_rows(path: str, columns: tuple[str, ...] = (), string_columns: tuple[str, ...] = ()) -> None:
+    """UserError (one line naming `path`) unless the file is readable, not empty, well formed, every row has
+    `columns` and text (a string) in each of `string_columns`. A UTF-8 byte order mark is allowed (the readers
+    drop it); UTF-16 is refused."""
     try:
         size = os.path.getsize(path)
         if size == 0:
             raise _refuse(path, "is empty" + (f" (expected rows with {', '.join(columns)})" if columns else ""))
         ext = os.path.splitext(path)[1].lower()
         if ext in (".parquet", ".arrow"):
-            _check_arrow_schema(path, ext == ".parquet", columns)
+            _check_arrow_schema(path, ext == ".parquet", columns, string_columns)
             return
         if ext == ".csv":
             _check_csv(path, columns)
@@ -128,15 +143,17 @@ def check_rows(path: str, columns: tuple[str, ...] = ()) -> None:
     except OSError as exc:
         raise _refuse(path, f"cannot be read: {exc.strerror or exc}") from None
     truncated = size > len(data)
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise _refuse(path, f"is UTF-16 text (byte order mark {data[:2].hex()}); expected UTF-8")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         if not truncated or exc.start < len(data) - 4:
             raise _refuse(path, f"is not UTF-8 text (byte {exc.start})") from None
-        text = data[:exc.start].decode("utf-8")
+        text = data[:exc.start].decode("utf-8-sig")
     if not text.strip():
         raise _refuse(path, "holds only whitespace" + (f" (expected rows with {', '.join(columns)})" if columns else ""))
     if ext == ".jsonl":
-        _check_json_lines(path, text, columns, truncated)
+        _check_json_lines(path, text, columns, truncated, string_columns)
     else:
-        _check_json(path, text, columns, truncated)
+        _check_json(path, text, columns, truncated, string_columns)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from kvbench.data.longbench_schema import check_record
 from kvbench.errors import UserError
 
 HUB_REPO = "THUDM/LongBench"
@@ -351,10 +352,10 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
 
 
 # --------------------------------------------------------------------------- loaders
-def _normalize_record(raw: dict[str, Any], dataset: str) -> dict[str, Any]:
-    """Return a record with every hub field present (missing optional ones filled, answers a list)."""
-    if "context" not in raw or "answers" not in raw:
-        raise ValueError(f"LongBench record of {dataset!r} lacks 'context' or 'answers': keys {sorted(raw)}")
+def _normalize_record(raw: dict[str, Any], dataset: str, where: str = "") -> dict[str, Any]:
+    """Return a record with every hub field present (missing optional ones filled, answers a list); ValueError
+    naming `where` (file:line) and the field for a row whose types are not LongBench's (longbench_schema)."""
+    check_record(raw, where or f"LongBench record of {dataset!r}")
     rec = dict(raw)
     answers = rec["answers"]
     rec["answers"] = [answers] if isinstance(answers, str) else list(answers)
@@ -367,13 +368,49 @@ def _normalize_record(raw: dict[str, Any], dataset: str) -> dict[str, Any]:
     return rec
 
 
-def _parse_jsonl(lines: Iterable[str], source: str) -> Iterator[dict[str, Any]]:
+def _parse_jsonl(lines: Iterable[str], source: str) -> Iterator[tuple[str, Any]]:
+    """(file:line, parsed row) of each non-blank line; ValueError naming the line for one that is not JSON."""
     for lineno, line in enumerate(lines, 1):
         if line.strip():
             try:
-                yield json.loads(line)
+                yield f"{source}:{lineno}", json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{source}:{lineno}: invalid JSON ({err.msg})") from err
+
+
+def _decode_text(data: bytes, source: str) -> str:
+    """UTF-8 text (a leading byte order mark dropped); ValueError naming a UTF-16/32 or other non-UTF-8 file."""
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or data[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
+        raise ValueError(f"{source}: UTF-16/UTF-32 text (byte order mark {data[:2].hex()}); expected UTF-8")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+
+
+def check_data_rows(data_dir: Any, datasets: Sequence[str], limit: Optional[int] = None,
+                    option: str = "task.data_dir") -> None:
+    """UserError (one line naming file:line and the field) unless every row the run will read (the first `limit`
+    of each dataset) is JSON with LongBench's fields and types, and each file has rows; after check_data_dir."""
+    for ds in datasets:
+        rows = 0
+        try:
+            for where, raw in _read_local(ds, data_dir):
+                if limit is not None and rows >= limit:
+                    break
+                check_record(raw, where)
+                rows += 1
+        except (ValueError, OSError) as exc:
+            raise UserError(f"{option} file {exc}" if not isinstance(exc, OSError) else
+                            f"{option}: cannot read {ds}.jsonl: {exc.strerror or exc}") from None
+        if not rows and limit != 0:
+            raise UserError(f"{option} file {_local_name(ds, data_dir)} holds no rows (expected one JSON object "
+                            f"per line with context and answers)")
+
+
+def _local_name(dataset: str, data_dir: Any) -> str:
+    root = Path(data_dir).expanduser()
+    return f"{root}!data/{dataset}.jsonl" if root.is_file() else str(root / f"{dataset}.jsonl")
 
 
 def check_data_dir(data_dir: Any, datasets: Sequence[str], option: str = "task.data_dir") -> None:
@@ -407,8 +444,7 @@ def _read_local(dataset: str, data_dir: str | Path) -> Iterator[dict[str, Any]]:
     path = root / f"{dataset}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"LongBench file not found: {path}")
-    with path.open(encoding="utf-8") as fh:
-        yield from _parse_jsonl(fh, str(path))
+    yield from _parse_jsonl(_decode_text(path.read_bytes(), str(path)).splitlines(), str(path))
 
 
 def _read_zip(zip_path: Path, dataset: str) -> Iterator[dict[str, Any]]:
@@ -417,7 +453,7 @@ def _read_zip(zip_path: Path, dataset: str) -> Iterator[dict[str, Any]]:
         member = next((m for m in (f"data/{dataset}.jsonl", f"{dataset}.jsonl") if m in names), None)
         if member is None:
             raise FileNotFoundError(f"LongBench file not found: {zip_path}!data/{dataset}.jsonl")
-        text = zf.read(member).decode("utf-8")
+        text = _decode_text(zf.read(member), f"{zip_path}!{member}")
     yield from _parse_jsonl(text.splitlines(), f"{zip_path}!{member}")
 
 
@@ -434,7 +470,7 @@ def _read_hub(dataset: str, hub_repo: str) -> Iterator[dict[str, Any]]:
         zip_path = hf_hub_download(repo_id=hub_repo, filename="data.zip", repo_type="dataset")
         yield from _read_zip(Path(zip_path), dataset)
         return
-    yield from (dict(row) for row in ds)
+    yield from ((f"{hub_repo} {dataset} row {i}", dict(row)) for i, row in enumerate(ds))
 
 
 def load_longbench(
@@ -450,8 +486,8 @@ def load_longbench(
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     rows = _read_local(dataset, data_dir) if data_dir is not None else _read_hub(dataset, hub_repo)
     out: list[dict[str, Any]] = []
-    for raw in rows:
+    for where, raw in rows:
         if limit is not None and len(out) >= limit:
             break
-        out.append(_normalize_record(raw, dataset))
+        out.append(_normalize_record(raw, dataset, where))
     return out

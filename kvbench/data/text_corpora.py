@@ -32,10 +32,13 @@ def check_text_file(path: str) -> Path:
         what = "is not a regular file" if p.exists() else "no such file"
         raise UserError(f"task.text_file={str(path)!r}: {what}: expected a UTF-8 text file")
     data = p.read_bytes()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise UserError(f"task.text_file={str(path)!r} is UTF-16 text (byte order mark {data[:2].hex()}): "
+                        f"convert it to UTF-8, e.g. iconv -f utf-16 -t utf-8")
     if b"\x00" in data[:65536]:
         raise UserError(f"task.text_file={str(path)!r} is a binary file (NUL bytes): give a UTF-8 text file")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a UTF-8 byte order mark is not text: dropped
     except UnicodeDecodeError as exc:
         raise UserError(f"task.text_file={str(path)!r} is not UTF-8 text (byte {exc.start}): "
                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
@@ -46,18 +49,19 @@ def check_text_file(path: str) -> Path:
 
 
 def load_text_file(path: str) -> str:
-    """The text of a local UTF-8 text file (binary or other encodings are refused: check_text_file)."""
-    return check_text_file(path).read_text(encoding="utf-8")
+    """The text of a local UTF-8 text file, without a leading byte order mark (binary or other encodings are
+    refused: check_text_file)."""
+    return check_text_file(path).read_text(encoding="utf-8-sig")
 
 
 def check_data_path(data_path: str, split: str, config: Optional[str] = None,
-                    columns: tuple[str, ...] = ()) -> None:
+                    columns: tuple[str, ...] = (), string_columns: tuple[str, ...] = ()) -> None:
     """UserError (one line) unless data_path is a local copy with the split's files (see _local_files), each one
-    readable, not empty, and (jsonl / json / csv / parquet) with every one of `columns` in each row
-    (kvbench.data.local_rows)."""
+    readable, not empty, and (jsonl / json / csv / parquet) with every one of `columns` in each row, and text in
+    each of `string_columns` (kvbench.data.local_rows)."""
     _, files = _local_files(data_path, split, config)
     for path in files:
-        check_rows(path, columns)
+        check_rows(path, columns, string_columns)
 
 
 def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str, list[str]]:

@@ -18,7 +18,8 @@ from typing import Any, Optional
 from kvbench.store.runs import flatten
 
 # Config sections that determine a result (kvbench.config.hashable_config) and keys in them that do not.
-RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "compression_ratio", "seed")
+RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "compression_ratio", "seed",
+                   "data_sha256")  # data_sha256: the digest of local data files (absent for packaged or hub data)
 NOT_RESULT_KEYS = {"model": ("cache_dir",), "runtime": ("threads",)}
 
 
@@ -35,7 +36,9 @@ def _result_config(run: dict) -> dict:
                                                           if k.startswith("quant_")}},
             "task": {"name": m.get("task")}, "budget": m.get("budget"),
             "compression_ratio": m.get("compression_ratio"), "seed": m.get("seed"),
-            "_config_hash": m.get("config_hash")}
+            "_config_hash": m.get("config_hash"), "data_sha256": m.get("data_sha256")}
+    if out.get("data_sha256") is None:  # no local data files, or a run from before the digest was recorded
+        out.pop("data_sha256", None)
     out = json.loads(json.dumps(out, default=str))
     for section, keys in NOT_RESULT_KEYS.items():
         if isinstance(out.get(section), dict):

@@ -34,6 +34,11 @@ REQUIRED_FIELDS = (
 )
 
 
+class IndexNotWritten(OSError):
+    """The run's metrics.json is written (the folder is the truth: the run finished), only its runs.jsonl line is
+    not (a full disk): the next run or load_runs adds it (repair_index). Never reported as a failed run."""
+
+
 def finished_metrics(run_dir: str) -> Optional[dict]:
     """The metrics of a run that finished successfully in run_dir, else None."""
     data = read_json(os.path.join(run_dir, METRICS_FILE))
@@ -142,19 +147,22 @@ class RunFolder:
 
     def finish(self, record: dict) -> dict:
         """metrics.json, then its runs.jsonl line, both under the index's lock (so a concurrent repair_index never
-        sees the folder finished but unindexed and adds the line twice)."""
+        sees the folder finished but unindexed and adds the line twice). IndexNotWritten when only the line failed."""
         record = complete_record(record)
         path = os.path.join(self.results_dir, RUNS_FILE)
         try:
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError:
+        except OSError as exc:
             write_json(self.file(METRICS_FILE), record)  # the folder is the truth; the index is repaired later
-            raise
+            raise IndexNotWritten(exc.errno, exc.strerror or str(exc), path) from exc
         try:
             lock(fd, fcntl.LOCK_EX)
             write_json(self.file(METRICS_FILE), record)
             faults.reach("before_index")
-            append_locked(fd, path, [(dumps(record) + "\n").encode("utf-8")])
+            try:
+                append_locked(fd, path, [(dumps(record) + "\n").encode("utf-8")])
+            except OSError as exc:
+                raise IndexNotWritten(exc.errno, exc.strerror or str(exc), path) from exc
         finally:
             os.close(fd)
         return record

@@ -33,8 +33,9 @@ def config_hash(hashable: dict) -> str:
 
 def slug(value: Any) -> str:
     """The value as a file-name- and URL-safe word: letters, digits, `.`, `_` and `-` kept (configured names such as
-    `paged_eviction` stay as written), runs of other characters become one `-`."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-") or "x"
+    `paged_eviction` stay as written), runs of other characters become one `-`; never empty and never starting with
+    `.` or `-` (`..` or `.hidden` would name a hidden folder that report and compare skip, `-x` reads as an option)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).lstrip(".-").rstrip("-") or "x"
 
 
 def model_label(model: dict) -> str:
@@ -42,7 +43,9 @@ def model_label(model: dict) -> str:
     packaged model (model.path=/x/Llama-3.2-1B under the default model config names the run Llama-3.2-1B)."""
     name, path = model.get("name"), model.get("path")
     if path and (not name or name == PACKAGED_MODEL_NAME):
-        base = os.path.basename(os.path.normpath(str(path)))
+        local = os.path.expanduser(str(path))
+        base = os.path.basename(os.path.abspath(local) if os.path.isabs(local) or os.path.exists(local)
+                                else os.path.normpath(local))  # `.` or `..`: the folder's own name
         if model.get("gguf_file"):
             base = os.path.splitext(str(model["gguf_file"]))[0]
         return base or "model"

@@ -3,6 +3,7 @@ results_dir, and no model loaded. The one table of such cases (CASES) runs the r
 process; a few more (SUBPROCESS_CASES, one per kind of error) run `python -m kvbench` as real subprocesses."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -150,7 +151,7 @@ CASES = [
     (["quant=kvquant", "quant.calibration_tokens=100000"], "quant.calibration_tokens=100000"),
     (["quant=kvquant", "quant.bits=3.5"], "quant.bits=3.5"),
     (["quant=kivi", "quant.group_size=32.5"], "quant.group_size=32.5"),
-    (["runtime.num_blocks=1e12"], "runtime.num_blocks=1000000000000.0"),
+    (["runtime.num_blocks=1e12"], "invalid runtime.num_blocks=1000000000000: 1000000000000 blocks"),
     (["runtime.num_blocks=1000000000000"], "runtime.num_blocks=1000000000000"),
     (["runtime.kv_memory_bytes=1000000000000000"], "runtime.kv_memory_bytes=1000000000000000"),
     (["task.max_tokens=1e12"], "task.max_tokens=1000000000000"),
@@ -224,14 +225,67 @@ CASES = [
     (["results_dir=''"], "invalid results_dir=''"),
     (["-m", "results_dir=''"], "invalid results_dir=''"),
     (["task=ruler", "task.lengths=100000"], "task.lengths=[100000]"),  # a bare length is a list of one
+    # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
+    (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
+                                  "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
+    (["model.path={badtype}"], ("unsupported model_type 'gpt2'", "supported: llama, mistral, qwen2, qwen3")),
+    (["model.path={kvzero}"], "invalid num_key_value_heads=0 in config.json"),
+    (["model.path={negpos}"], "invalid max_position_embeddings=-1 in config.json"),
+    (["model.path={oddhidden}"], "hidden_size=66 in config.json is not divisible by num_attention_heads=4"),
+    (["model.path={custom}"], ("config.json names custom code (auto_map: AutoModelForCausalLM)",)),
+    (["model.path={window}"], ("sliding attention window (sliding_window=4096", "not supported yet")),
+    # issue 56: data rows checked against the task's schema (types) and encodings, before the model loads
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbnull}"],
+     ("task.data_dir file {lbnull}/trec.jsonl:2: field 'context' is null; expected a string",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbdict}"],
+     ("trec.jsonl:1: field 'answers' is an object; expected a non-empty list of strings",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbempty}"], ("trec.jsonl holds no rows",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbutf16}"], ("trec.jsonl: UTF-16",)),
+    (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbbadline}"], ("trec.jsonl:2: invalid JSON",)),
+    (["task=govreport", "task.data_dir={lbgov}"], ("gov_report.jsonl:1: field 'context' is a number (7)",)),
+    (["task=govreport", "task.source=ccdv", "task.data_dir={ccdvbad}"],
+     ("task.data_dir file", "test.jsonl, line 2: column 'summary' is null; expected text")),
+    (["task.corpus=wikitext", "task.data_path={wtnotext}"], ("no 'text' column", "it has content")),
+    (["task.corpus=wikitext", "task.data_path={wtnumbers}"],
+     ("line 2: column 'text' is a JSON int (5); expected text",)),
+    (["task.text_file={utf16}"], "is UTF-16 text (byte order mark fffe)"),
+    # issue 56: integral floats are integers; one too large to be exact says so, and a bound names the bound
+    (["budget=1e20"], ("invalid budget=1e+20: too large", "2**53")),
+    (["seed=1e20"], "invalid seed=1e+20: too large"),
+    (["runtime.speculative.num_tokens=1e9"],
+     "invalid runtime.speculative.num_tokens=1000000000: expected an integer from 0 to 64"),
+    (["-m", "method=h2o", "budget=64.0,1e20"], "invalid budget=1e+20: too large"),
 ]
 if not CUDA:
     CASES += [(["model.device=cuda"], "model.device='cuda'"),
               (["runtime.attention_backend=triton"], "attention_backend=triton")]
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny Llama model folder in the hub's format (2 layers, safetensors, a tokenizer.json), saved once."""
+    from tests.tiny_models import tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_hf_model("llama", layers=2).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
+    return folder
+
+
+def _model_variant(src, dest, **config_changes):
+    """A copy of the model folder src with its config.json changed (a value None removes the key)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(config_changes)
+    (dest / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return str(dest)
+
+
 @pytest.fixture
-def paths(tmp_path):
+def paths(tmp_path, tiny_llama_dir):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
@@ -243,7 +297,35 @@ def paths(tmp_path):
     (other / "config.json").write_text('{"num_hidden_layers": 2, "model_type": "llama"}')
     (other / "model.safetensors").write_bytes(b"")
     (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
-    return {"empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
+    data = {}
+    row = {"input": "q", "context": "c", "answers": ["a"], "length": 1, "dataset": "trec", "language": "en",
+           "all_classes": ["a", "b"], "_id": "x"}
+    for name, file, text in (
+            ("lbnull", "trec.jsonl", json.dumps(row) + "\n" + json.dumps({**row, "context": None}) + "\n"),
+            ("lbdict", "trec.jsonl", json.dumps({**row, "answers": {"a": "0"}}) + "\n"),
+            ("lbempty", "trec.jsonl", "\n"),
+            ("lbutf16", "trec.jsonl", None),
+            ("lbbadline", "trec.jsonl", json.dumps(row) + "\n{\"context\": \n"),
+            ("lbgov", "gov_report.jsonl", json.dumps({**row, "context": 7}) + "\n"),
+            ("wtnotext", "test.jsonl", json.dumps({"content": "x"}) + "\n"),
+            ("ccdvbad", "test.jsonl", json.dumps({"report": "r", "summary": "s"}) + "\n"
+             + json.dumps({"report": "r", "summary": None}) + "\n"),
+            ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n")):
+        (tmp_path / name).mkdir()
+        target = tmp_path / name / file
+        if text is None:
+            target.write_bytes((json.dumps(row) + "\n").encode("utf-16"))
+        else:
+            target.write_text(text)
+        data[name] = str(tmp_path / name)
+    (tmp_path / "utf16.txt").write_bytes("some text to score".encode("utf-16"))
+    data["utf16"] = str(tmp_path / "utf16.txt")
+    models = {name: _model_variant(tiny_llama_dir, tmp_path / name, **changes) for name, changes in {
+        "fewlayers": {"num_hidden_layers": 4}, "badtype": {"model_type": "gpt2"},
+        "kvzero": {"num_key_value_heads": 0}, "negpos": {"max_position_embeddings": -1},
+        "oddhidden": {"hidden_size": 66}, "custom": {"auto_map": {"AutoModelForCausalLM": "m.M"}},
+        "window": {"model_type": "mistral", "sliding_window": 4096}}.items()}
+    return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
 
@@ -372,7 +454,7 @@ def test_a_cached_hub_model_is_checked_against_its_config(cli, tmp_path, monkeyp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _hub_cache_with(tmp_path / "hub", "org/tiny-llama", {
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
         "max_position_embeddings": 512})
     shape = model_shape(SimpleNamespace(path="org/tiny-llama", gguf_file=None))
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_positions) == (2, 2, 16, 512)

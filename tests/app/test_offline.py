@@ -44,7 +44,7 @@ def test_local_data_needs_no_hub(offline, task, options, tmp_path):
     from kvbench.data.longbench import LONGBENCH_DATASETS
 
     for name in [*LONGBENCH_DATASETS, "test"]:  # a local copy: LongBench's <dataset>.jsonl, WikiText's test split
-        (tmp_path / f"{name}.jsonl").write_text("")
+        (tmp_path / f"{name}.jsonl").write_text('{"context": "c", "input": "q", "answers": ["a"]}\n')  # rows are read
     (tmp_path / "test.jsonl").write_text('{"text": "a line of WikiText"}\n')  # a data_path file is read for rows
     options = {k: v.format(copy=tmp_path) for k, v in options.items()}
     build_task(task, options).preflight(None, None)

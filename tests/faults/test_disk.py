@@ -136,3 +136,29 @@ def test_a_full_disk_before_config_yaml_names_the_folder(tmp_path, monkeypatch, 
     assert len(lines) == 1 and "No space left on device (ENOSPC)" in lines[0], lines
     assert f"could not write {tmp_path}{os.sep}" in lines[0], lines  # the run's folder under results_dir
     assert exit_channel.exit_code() == 1
+
+
+def test_a_run_recorded_ok_is_not_reported_failed_when_only_its_index_line_fails(tmp_path, monkeypatch, capsys):
+    # issue 56: near a full disk, metrics.json said ok while the CLI said "run failed": the folder is the truth
+    import kvbench.store.folder as folder_mod
+
+    monkeypatch.setattr(exit_channel, "_exit_code", 0)
+
+    def no_space(fd, path, lines):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
+    base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "method=h2o"]
+    with monkeypatch.context() as m:
+        m.setattr(folder_mod, "append_locked", no_space)
+        capsys.readouterr()
+        record = hydra_task.main(compose([*base, "budget=8"]), **fakes)
+    err = capsys.readouterr().err
+    assert record["status"] == "ok" and exit_channel.exit_code() == 0, err
+    assert json.loads(open(os.path.join(record["run_dir"], "metrics.json")).read())["status"] == "ok"
+    assert "run failed" not in err and "runs.jsonl line could not be written (No space left on device)" in err
+    assert not os.path.exists(tmp_path / "runs.jsonl") or read_jsonl(str(tmp_path / "runs.jsonl")) == []
+    from kvbench.store.runs import load_runs
+
+    assert [r["metrics"]["budget"] for r in load_runs(str(tmp_path))] == [8]  # load_runs repairs the index
+    assert [r["budget"] for r in read_jsonl(str(tmp_path / "runs.jsonl"))] == [8]

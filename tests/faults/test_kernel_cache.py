@@ -109,3 +109,21 @@ def test_a_fresh_build_says_so_first_and_is_private(cache, capsys, monkeypatch):
     assert quoted("compile") and quoted("compile") in said[0]
     assert cpu_kernels.untrusted(path) is None and cpu_kernels.untrusted(path.parent) is None
     assert cpu_kernels._compile() == (path, None) and len(builds) == 1  # trusted next time: built once
+
+
+@pytest.mark.parametrize("mode,trusted", [(0o777, False), (0o775, False), (0o1777, True), (0o700, True)])
+def test_a_cache_root_others_can_write_is_not_trusted(cache, capsys, mode, trusted):
+    # issue 56: whoever can write a folder above ext/ can rename ext/ and plant another library in its place
+    root, builds = cache
+    planted = _plant()
+    os.chmod(root, mode)
+    try:
+        path, private = cpu_kernels._compile()
+    finally:
+        os.chmod(root, 0o700)
+    err = capsys.readouterr().err
+    if trusted:  # this user's, or sticky (as /tmp): no one else can rename ext/
+        assert (path, private) == (planted, None) and builds == [] and "warning" not in err
+    else:
+        assert private is not None and path != planted and len(builds) == 1
+        assert f"{root} is writable by group or others" in err and "not loading the cached CPU kernels" in err

@@ -202,21 +202,27 @@ def test_injected_accuracy_drop_fails_with_exit_1(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "| accuracy |" in proc.stdout and "REGRESSION" in proc.stdout
     (line,) = regression_lines(proc.stdout)
-    assert "method=h2o" in line and "accuracy 0.8 -> 0.5 (-0.3 (-37.50%); tolerance 0.2, paired bootstrap" in line
+    assert "method=h2o" in line and "accuracy 0.8 -> 0.5 (-0.3 (-37.50%); 95% interval [-0.5, -0.1], paired " \
+                                    "bootstrap 95% over 20 samples; min effect 0.008)" in line
     data = json.loads((tmp_path / "v.json").read_text())
     regs = [(r["metric"], r["base"], r["new"]) for r in data["regressions"]]
     assert regs == [("accuracy", pytest.approx(np.mean(NEEDLE)), pytest.approx(np.mean(dropped)))]
     assert data["regressions"][0]["source"] == "paired bootstrap 95% over 20 samples"
 
 
-def test_small_drop_inside_the_bootstrap_interval_passes_but_not_without_samples(tmp_path):
+def test_small_drop_inside_the_bootstrap_interval_is_inconclusive_but_a_regression_without_samples(tmp_path):
     make_folder(tmp_path / "a")
     one_less = list(NEEDLE)
-    one_less[0] = 0  # 0.80 -> 0.75: inside the 95% interval of 20 samples (about +-0.18)
+    one_less[0] = 0  # 0.80 -> 0.75: inside the 95% interval of 20 samples, which also holds a 1% drop
     make_folder(tmp_path / "b", needle_scores=one_less)
     v = verdict_of(tmp_path / "a", tmp_path / "b")
     acc = [r for r in v["rows"] if r["metric"] == "accuracy"][0]
-    assert v["ok"] and acc["verdict"] == "ok" and 0.05 < acc["tolerance"] < 0.3
+    assert not v["ok"] and v["gate"] == "inconclusive" and acc["verdict"] == "inconclusive", acc
+    assert acc["interval"][0] < -0.008 and acc["interval"][1] >= 0 and not v["regressions"]
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 3 and "**INCONCLUSIVE**" in proc.stdout and "PASS" not in proc.stdout
+    assert "- INCONCLUSIVE: budget=256, method=h2o, task=needle: accuracy 0.8 -> 0.75" in proc.stdout
+    assert verdict_of(tmp_path / "a", tmp_path / "b", min_effect=0.5)["ok"]  # only a 50% drop matters: ruled out
     # without samples.jsonl the tolerance is 1e-4 relative: the same drop is a regression, unless --max-drop
     for run in os.listdir(tmp_path / "a"):
         if "needle" in run:
@@ -235,7 +241,9 @@ def test_one_document_perplexity_float_noise_passes_and_1_5x_fails(tmp_path, sam
     one_document(tmp_path / "noise", nll=3.2648 + 1e-7, samples=samples)  # every window's nll + 1e-7: ppl x(1+1e-7)
     proc = run_cli(tmp_path / "a", tmp_path / "noise")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| ppl | 26.175 | 26.175 | +2.617e-06 (+1.0e-05%) | 0.0026175 | relative 0.0001 | ok |" in proc.stdout
+    noise_source = "paired bootstrap 95% over 16 windows" if samples else "relative 0.0001"
+    assert f"| ppl | 26.175 | 26.175 | +2.617e-06 (+1.0e-05%) | [-0.002615, +0.00262] | 0.26175 | {noise_source} " \
+           "| ok |" in proc.stdout, proc.stdout
     one_document(tmp_path / "worse", nll=3.2648 + math.log(1.5), samples=samples)
     proc = run_cli(tmp_path / "a", tmp_path / "worse")
     assert proc.returncode == 1, proc.stdout
@@ -268,8 +276,11 @@ def test_paired_bootstrap_finds_a_shift_on_every_window_that_bases_own_interval_
     fx.write_run(str(tmp_path / "d"), cfg, {"ppl": ppl}, mixed)
     v = verdict_of(tmp_path / "a", tmp_path / "d")
     (row,) = v["rows"]
-    assert v["ok"] and row["change_pct"] == pytest.approx(100 * (math.exp(0.05) - 1))
+    # the interval holds both no change and a 1% rise: inconclusive (issue 56: never PASS on what it cannot tell)
+    assert v["gate"] == "inconclusive" and row["verdict"] == "inconclusive"
+    assert row["change_pct"] == pytest.approx(100 * (math.exp(0.05) - 1))
     assert row["source"] == "paired bootstrap 95% over 16 windows" and row["tolerance"] > row["change"]
+    assert row["interval"][0] <= 0 and row["interval"][1] >= row["min_effect"]
 
 
 def test_perplexity_rise_is_a_regression_and_fall_is_not(tmp_path):
@@ -352,9 +363,12 @@ def test_corrupt_new_files_are_regressions_named_with_their_folder(tmp_path, fil
     v = json.loads((tmp_path / "v.json").read_text())
     assert not v["only_new"] and v["corrupt_new"][0][0] == rec["run_id"]
     assert v["pairs"] == 3 and len(v["only_base"]) == 1  # the corrupt run is not compared, its BASE run is listed
-    # BASE's corrupt folders are a warning, not a regression
+    # BASE's corrupt folders fail the gate too: their settings would go ungated (issue 56)
     proc = run_cli(tmp_path / "b", tmp_path / "a")
-    assert f"warning: BASE run folder {rec['run_id']} is corrupt" in proc.stdout
+    assert proc.returncode == 1, proc.stdout
+    (line,) = regression_lines(proc.stdout)
+    assert line.startswith(f"- REGRESSION: BASE run folder {rec['run_id']}: BASE run folder {rec['run_id']} "
+                           f"cannot be read ({reason}") and "its setting is not gated" in line
 
 
 def test_empty_or_missing_new_and_nothing_paired_are_exit_2_one_line(tmp_path):
@@ -378,7 +392,7 @@ def test_speeds_warn_by_default_and_gate_when_asked(tmp_path):
     make_folder(tmp_path / "a")
     make_folder(tmp_path / "b", decode=8.0)  # -60% decode tok/s
     proc = run_cli(tmp_path / "a", tmp_path / "b")
-    assert proc.returncode == 0 and "0 regressions, 1 warnings: **PASS**" in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and "0 regressions, 0 inconclusive, 1 warnings: **PASS**" in proc.stdout, proc.stdout
     assert "- warning: budget=256, method=h2o, task=needle: decode_tokens_per_s 20 -> 8 (-60.00%, 60% slower; " \
            "limit 50% slowdown)" in proc.stdout
     assert "| decode_tokens_per_s | 20 | 8 | -60.00% | 50% slowdown |" in proc.stdout
@@ -413,12 +427,12 @@ def test_runs_on_one_side_are_listed_and_missing_in_new_fails_unless_allowed(tmp
     make_folder(tmp_path / "b", drop_needle=True)
     proc = run_cli(tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a crashed sweep never passes
-    assert "2 paired runs, 2 missing in NEW, 2 regressions, 0 warnings: **FAIL**" in proc.stdout
+    assert "2 paired runs, 2 missing in NEW, 2 regressions, 0 inconclusive, 0 warnings: **FAIL**" in proc.stdout
     assert sorted(_method(line) for line in regression_lines(proc.stdout)) == ["h2o", "snapkv"]
     assert all("missing in NEW (BASE folder " in line for line in regression_lines(proc.stdout))
     proc = run_cli(tmp_path / "a", tmp_path / "b", "--allow-missing")  # a deliberate subset: listed, counted
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 paired runs, 2 missing in NEW (allowed), 0 regressions, 0 warnings: **PASS**" in proc.stdout
+    assert "2 paired runs, 2 missing in NEW (allowed), 0 regressions, 0 inconclusive, 0 warnings: **PASS**" in proc.stdout
     v = verdict_of(tmp_path / "a", tmp_path / "b")
     assert v["pairs"] == 2 and v["missing"] == 2 and not v["only_new"]
     assert sorted(_method(name) for name in v["only_base"]) == ["h2o", "snapkv"]

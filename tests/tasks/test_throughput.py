@@ -127,3 +127,21 @@ def test_decode_prefill_share_counts_the_steps_with_prompt_tokens_in_each_decode
     shares = decode_prefill_shares([a, b, quiet, single], steps)
     assert shares == pytest.approx([2 / 4, 2 / 3, 0.0])
     assert decode_prefill_shares([single], steps) == []
+
+
+def test_progress_never_reads_over_100_percent_under_recompute_preemption(tmp_path, monkeypatch):
+    # issue 56: a prompt recomputed after preemption is counted again; the total grows with it (it read 104%)
+    import io
+    import re
+
+    from kvbench.tasks import make_progress
+
+    monkeypatch.setenv("KVBENCH_PROGRESS_INTERVAL", "0")  # a line per step (stderr not a terminal: LogProgress)
+    out = io.StringIO()
+    task = build_task("throughput", {"num_requests": 8, "input_tokens": [60, 160], "output_tokens": [20, 40]})
+    task.output_dir = str(tmp_path)
+    engine = tiny_engine(None, block_size=8, kv_memory_bytes=30 * 8 * 2 * 16 * 4 * 4)
+    res = task.run(engine, smollm2_tokenizer(), SimpleNamespace(seed=0), make_progress(True, stream=out))
+    assert res.metrics["preemptions"] > 0  # the case: a pool small enough to preempt (by recompute)
+    pcts = [int(p) for p in re.findall(r"\((\d+)%\)", out.getvalue())]
+    assert pcts and max(pcts) <= 100 and pcts[-1] == 100, out.getvalue()[-500:]

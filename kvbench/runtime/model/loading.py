@@ -3,7 +3,8 @@
 transformers reads weights, config and tokenizer; `build_from_transformers` copies the weights into
 kvbench's own forward. A GGUF checkpoint is de-quantized once and cached as a normal
 safetensors folder, keyed by the file's content, so later loads (from any checkout) take seconds.
-`load_hf` first refuses a path that cannot be a model with one line (`runtime.model_files.check_model_path`).
+`load_hf` first refuses a path that cannot be a model with one line (`runtime.model_files.check_model_path`), and
+a checkpoint whose tensors are not its config's (transformers' load report, `kvbench.model_checks.loading_report`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from kvbench.console import say
 from kvbench.errors import UserError, first_line
+from kvbench.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
 from kvbench.runtime.model.forward import LlamaFamilyModel, build_from_transformers
 from kvbench.runtime.model.model_files import check_model_path
@@ -80,10 +82,13 @@ def load_hf(path: str, *, gguf_file: str | None = None, cache_dir: str | os.Path
 
         try:
             tok = AutoTokenizer.from_pretrained(path)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            hf, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
         except (OSError, ValueError) as exc:
             first = first_line(exc)
             raise UserError(f"cannot load model {path!r}: {first}") from None
+    mismatch = loading_report(info, f"model {path!r}")  # a tensor missing or unexpected: never random weights
+    if mismatch is not None:
+        raise UserError(mismatch)
     hf.eval()
     hf.kvbench_source = path  # the folder or hub id transformers loaded (a GGUF's converted folder)
     return hf, tok

@@ -109,14 +109,31 @@ def untrusted(path: Path) -> str | None:
     return None
 
 
+def untrusted_above(folder: Path) -> str | None:
+    """Why a folder above the cache (its real path's ancestors: $KVBENCH_CACHE_DIR, ~/.cache, ...) makes the cache
+    unsafe, or None: each must be this user's or root's and writable by no one else, unless sticky (/tmp), since
+    whoever can write a folder above ext/ can rename it and put another library in its place."""
+    for parent in Path(os.path.realpath(folder)).parents:
+        try:
+            st = os.stat(parent)
+        except OSError as exc:
+            return f"{parent} cannot be checked ({exc.strerror or exc})"
+        if st.st_uid not in (0, os.getuid()):
+            return f"{parent} is owned by uid {st.st_uid}, not by this user ({os.getuid()}) or root"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return f"{parent} is writable by group or others"
+    return None
+
+
 def _compile() -> tuple[Path, Path | None]:
     """(the library to load, a private folder to delete once it is loaded, or None). A cached library is used only
-    if it and its folder pass `untrusted`; otherwise the kernels are built into a fresh private folder, with a
+    if it and its folder pass `untrusted` and the folders above pass `untrusted_above`; otherwise the kernels are
+    built into a fresh private folder, with a
     warning, and that folder is deleted after loading (the loaded library stays mapped)."""
     out = _library_path()
     folder = out.parent
-    why = None
-    if os.path.lexists(folder):
+    why = untrusted_above(folder)  # the folders above ext/ too: a writable cache root can swap ext/ for another
+    if why is None and os.path.lexists(folder):
         why = untrusted(folder) and f"{folder} {untrusted(folder)}"
         if why is None and os.path.lexists(out):
             why = untrusted(out) and f"{out} {untrusted(out)}"

@@ -1,0 +1,197 @@
+"""Can kvbench run this model, and do its weights match its config: checked from the files, before any load.
+
+    check_config(cfg, where, supported)      -> UserError (one line) for a config.json kvbench cannot run
+    check_gguf_architecture(meta, where, supported) -> UserError for a GGUF of another architecture
+    check_weights(folder, where)             -> UserError naming missing / unexpected / mismatched tensors
+    loading_report(info, where)              -> the same line from transformers' load report, or None
+
+kvbench runs the model's forward itself (kvbench/runtime/model/forward.py: Llama, Mistral, Qwen2, Qwen3): a config it cannot
+honour would give numbers without a word of warning. Refused from config.json alone: an unsupported `model_type`,
+custom code (`auto_map`), sizes that are not positive integers (num_key_value_heads 0, a negative
+max_position_embeddings), a hidden size its heads do not divide (unless a Mistral or Qwen3 head_dim is given),
+kv-heads that do not divide the heads, an activation other than SiLU, MLP biases, and a sliding window (Mistral's
+`sliding_window`, Qwen's `use_sliding_window`, sliding `layer_types`): the runtime attends over the whole cache, so beyond the
+window perplexity would differ from the model's own. Any `sliding_window` that is set (not null) on Mistral is
+refused, whatever the run's context: the window is a property of the model, and a refusal that depends on
+task.max_tokens would let one sweep mix honoured and ignored windows.
+
+Weights: a safetensors folder's tensor names and shapes (read from the files' headers, never the tensors) against
+those of the model its config.json describes (built by transformers on the meta device: no memory, no weights).
+A folder of .bin files is checked by the loader instead (`loading_report` on transformers' own report).
+
+This module imports only kvbench.errors at import time (transformers when a check needs it), so both the app's
+plan and the runtime's loader use it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Any, Iterable, Optional
+
+from kvbench.errors import UserError
+
+_POSITIVE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+# null or absent: the model type's default (transformers'), or, for num_key_value_heads, the number of heads
+_POSITIVE_OR_NULL = ("num_key_value_heads", "max_position_embeddings", "head_dim", "intermediate_size", "vocab_size")
+_SHOWN = 4  # tensor names shown per kind
+OWN_HEAD_DIM = ("mistral", "qwen3")  # model types whose head_dim may differ from hidden_size / heads
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_config(cfg: Any, where: str, supported: Iterable[str]) -> None:
+    """Refuse (UserError, one line starting with `where`) a config.json that kvbench cannot run as written."""
+    supported = tuple(supported)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{where}: config.json is not a JSON object")
+    if cfg.get("auto_map"):
+        raise UserError(f"{where}: config.json names custom code (auto_map: {', '.join(sorted(cfg['auto_map']))}); "
+                        f"kvbench runs its own forward and supports the model types {', '.join(supported)} only")
+    model_type = cfg.get("model_type")
+    if model_type not in supported:
+        raise UserError(f"{where}: unsupported model_type {model_type!r} in config.json; supported: "
+                        f"{', '.join(supported)}")
+    for key in _POSITIVE + _POSITIVE_OR_NULL:
+        value = cfg.get(key)
+        if value is None and key in _POSITIVE_OR_NULL:
+            continue
+        if not _is_int(value) or value < 1:
+            raise UserError(f"{where}: invalid {key}={value!r} in config.json: expected a positive integer")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if cfg["hidden_size"] % heads and (cfg.get("head_dim") is None or cfg["model_type"] not in OWN_HEAD_DIM):
+        raise UserError(f"{where}: hidden_size={cfg['hidden_size']} in config.json is not divisible by "
+                        f"num_attention_heads={heads}"
+                        + (f" (a head_dim of its own is honoured for {', '.join(OWN_HEAD_DIM)} only)"
+                           if cfg.get("head_dim") is not None else ""))
+    if heads % kv_heads:
+        raise UserError(f"{where}: num_attention_heads={heads} in config.json is not a multiple of "
+                        f"num_key_value_heads={kv_heads}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{where}: hidden_act={act!r} in config.json: kvbench's forward uses silu only")
+    if cfg.get("mlp_bias"):
+        raise UserError(f"{where}: mlp_bias=true in config.json: kvbench's forward has no MLP biases")
+    _check_window(cfg, where)
+
+
+def _check_window(cfg: dict, where: str) -> None:
+    """A sliding-window model is refused until the runtime honours windows (see the module docstring)."""
+    window = cfg.get("sliding_window")
+    sliding_layers = [t for t in (cfg.get("layer_types") or []) if t != "full_attention"]
+    uses = cfg.get("use_sliding_window")
+    if sliding_layers or (window is not None and (cfg["model_type"] == "mistral" or uses)):
+        raise UserError(f"{where}: config.json sets a sliding attention window (sliding_window={window!r}"
+                        + (f", use_sliding_window={uses!r}" if uses is not None else "")
+                        + (f", {len(sliding_layers)} sliding layer_types" if sliding_layers else "")
+                        + "); kvbench attends over the whole cache and would give another model's perplexity "
+                          "beyond the window: not supported yet")
+
+
+def check_gguf_architecture(meta: dict, where: str, supported: Iterable[str]) -> None:
+    """Refuse a GGUF whose general.architecture is not one kvbench's forward runs."""
+    arch = meta.get("general.architecture")
+    if arch not in tuple(supported):
+        raise UserError(f"{where}: unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)}")
+
+
+# --------------------------------------------------------------------------- weights against config
+def safetensors_shapes(folder: str) -> Optional[dict[str, list[int]]]:
+    """{tensor name: shape} over the folder's *.safetensors files, from their headers; None without any."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not names:
+        return None
+    out: dict[str, list[int]] = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100_000_000:
+                    raise ValueError("header too large")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as exc:
+            raise UserError(f"{path!r} is not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+        for key, value in header.items():
+            if key != "__metadata__" and isinstance(value, dict):
+                out[key] = list(value.get("shape") or [])
+    return out
+
+
+def expected_shapes(folder: str) -> tuple[dict[str, list[int]], set, list]:
+    """({name: shape} of the model config.json describes, names that may be absent (tied to another), regexes of
+    names transformers ignores), built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    may_miss = set(tied) if getattr(config, "tie_word_embeddings", False) else set()
+    ignore = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ignore += list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+    ignore.append(r"rotary_emb\.inv_freq$")
+    return shapes, may_miss, ignore
+
+
+def _summary(names: list[str]) -> str:
+    """The first names and how many more; a run of layers as its range."""
+    layers = sorted({int(m.group(1)) for n in names for m in [re.search(r"\.layers\.(\d+)\.", n)] if m})
+    shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+    if len(layers) > 1:
+        shown += f" (layers {layers[0]}-{layers[-1]})"
+    return shown
+
+
+def mismatch_line(missing: list[str], unexpected: list[str], mismatched: list[str]) -> Optional[str]:
+    """'missing N tensors: ...; unexpected ...; mismatched ...', or None when all three are empty."""
+    parts = []
+    for label, names in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)):
+        if names:
+            parts.append(f"{label} {len(names)} tensor{'s' if len(names) > 1 else ''}: {_summary(sorted(names))}")
+    return "; ".join(parts) or None
+
+
+def check_weights(folder: str, where: str) -> None:
+    """Refuse (UserError, one line) a safetensors folder whose tensors are not those of its config.json."""
+    found = safetensors_shapes(folder)
+    if found is None:
+        return
+    try:
+        shapes, may_miss, ignore = expected_shapes(folder)
+    except Exception as exc:  # transformers cannot build it: the loader reports that in its own words
+        raise UserError(f"{where}: config.json cannot be built by transformers ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if found and not any(k.startswith("model.") for k in found):  # a base model's checkpoint (no "model." prefix)
+        shapes = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    skip = [re.compile(p) for p in ignore]
+
+    def ignored(name: str) -> bool:
+        return any(p.search(name) for p in skip)
+
+    missing = [k for k in shapes if k not in found and k not in may_miss and not ignored(k)]
+    unexpected = [k for k in found if k not in shapes and not ignored(k)]
+    mismatched = [f"{k} {found[k]} vs {shapes[k]}" for k in shapes if k in found and found[k] != shapes[k]]
+    line = mismatch_line(missing, unexpected, mismatched)
+    if line is not None:
+        raise UserError(f"{where}: its weights do not match its config.json ({line}); expected the checkpoint "
+                        f"that config.json describes")
+
+
+def loading_report(info: Any, where: str) -> Optional[str]:
+    """The one-line refusal for transformers' load report (output_loading_info=True), or None when it is clean."""
+    if not isinstance(info, dict):
+        return None
+    mismatched = [" ".join(str(x) for x in (m if isinstance(m, (tuple, list)) else [m]))
+                  for m in info.get("mismatched_keys") or []]
+    line = mismatch_line(sorted(map(str, info.get("missing_keys") or [])),
+                         sorted(map(str, info.get("unexpected_keys") or [])), mismatched)
+    if line is None:
+        return None
+    return f"{where}: its weights do not match its config.json ({line}); expected the checkpoint that config.json " \
+           f"describes"
