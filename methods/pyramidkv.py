@@ -13,6 +13,11 @@ prompt queries' attention, pooled (`kernel_size`, `pooling`), top per kv-head pl
 is cut to the layer's budget, so upper layers really free their blocks. Defaults are kvpress's: window 64, kernel 5,
 avgpool, beta 20 (with them, budgets below 20 * 64 = 1280 tokens fall back to SnapKV, as in kvpress). The prompt is
 compressed once (decode="none"), as in the paper and kvpress.
+
+Per-layer budgets are a wrapper (methods/wrappers.py): `method.base` takes any plain scorer (`method=pyramidkv
+method.base=knorm`, its options under `method.base_options`); the pyramid's window is then the base's observation
+window (`query_window`) or else its recent window. `window`, `kernel_size` and `pooling` are the SnapKV base's
+options (the default base), kept here as kvpress's PyramidKVPress has them.
 """
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvbench.methods.base import register_method
-from kvbench.methods.checks import check_int
-from kvbench.methods.scorer import ScorerMethod
+from kvbench.methods.checks import check_choice, check_int
+from kvbench.methods.observers import POOLINGS
 from kvbench.methods.selection import top_tokens
-from kvbench.methods.snapkv import SnapKVScores
+from kvbench.methods.wrappers import ScorerWrapper
 from kvbench.runtime.contract import Observation
 
 
@@ -52,23 +57,43 @@ def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, be
 
 @register_method("pyramidkv")
 @dataclass
-class PyramidKV(SnapKVScores, ScorerMethod):
-    """SnapKV's selection with a pyramid of per-layer budgets (average `budget`)."""
+class PyramidKV(ScorerWrapper):
+    """A scorer's selection (SnapKV's by default) with a pyramid of per-layer budgets (average `budget`)."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     decode: str = "none"
+    base: str = "snapkv"
+    window: int = 64
+    kernel_size: int = 5
+    pooling: str = "avgpool"
     beta: int = 20
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         check_int(self.name, "beta", self.beta, 1)
+        if self.base == "snapkv":  # the default base takes its options from here (kvpress's PyramidKVPress)
+            check_int(self.name, "window", self.window, 1)
+            check_int(self.name, "kernel_size", self.kernel_size, 1)
+            check_choice(self.name, "pooling", self.pooling, POOLINGS)
+            if isinstance(self.base_options, dict):
+                self.base_options = {"window": self.window, "kernel_size": self.kernel_size, "pooling": self.pooling,
+                                     **self.base_options}
+        super().__post_init__()
+
+    @property
+    def head_adaptive(self) -> bool:
+        return False
+
+    def pyramid_window(self, budget: int) -> int:
+        """The window the pyramid's allocation keeps out of the budgets: the base's observation window (SnapKV's
+        `window`), else its recent window."""
+        return self.inner.query_window or self.inner.recent_window(budget)
 
     def layer_budget(self, layer: int, n_tokens: int, budget: int | None = None) -> int:
         """Tokens layer `layer` keeps per kv-head once a prompt of n_tokens is compressed (average `budget`, by
         default the configured one)."""
         L = self.model_config.num_layers
         budget = self.budget if budget is None else budget
-        return pyramid_budgets(budget, n_tokens, L, self.window, self.beta)[layer]
+        return pyramid_budgets(budget, n_tokens, L, self.pyramid_window(budget), self.beta)[layer]
 
     def table_budget(self, layer: int, head: int) -> int | None:
         """The most tokens a table of `layer` holds for any prompt length: the uncapped pyramid's value for the layer
@@ -78,7 +103,7 @@ class PyramidKV(SnapKVScores, ScorerMethod):
         B, L = self.budget, self.model_config.num_layers
         lo = B / self.beta
         hi = 2 * B - lo
-        if L == 1 or not hi >= lo >= self.window:
+        if L == 1 or not hi >= lo >= self.pyramid_window(B):
             return B
         return max(B, math.ceil(hi - layer * (hi - lo) / (L - 1)))
 
@@ -86,5 +111,5 @@ class PyramidKV(SnapKVScores, ScorerMethod):
         lengths = obs.lengths  # [H]
         b = self.layer_budget(obs.layer, obs.tokens_seen, budget)
         if int(lengths.max()) > b:
-            scores = self.score(obs)  # [H, T] SnapKV's, the window's own columns +inf
-            self.keep(obs, top_tokens(scores, b, lengths, recent=min(self.window, b)))
+            scores = self.score(obs)  # [H, T] the base's (SnapKV's: the window's own columns +inf)
+            self.keep(obs, top_tokens(scores, b, lengths, recent=min(self.inner.recent_window(b), b)))
