@@ -1,4 +1,4 @@
-/* Paged decode attention over a codec cache (kvbench/runtime/quantized_cache.py), read in place, so the layer is
+/* Paged decode attention over a codec cache (kvbench/runtime/cache/quantized_cache.py), read in place, so the layer is
  * never dequantized into a dense scratch copy. KIVI's 2- and 4-bit blocks are read straight from their codes
  * (score_packed_keys, accumulate_packed_values: the scale and minimum are folded into the query and the
  * probabilities); every other block (full precision, 8-bit, int8, per-token keys) is decoded into a small fp32

@@ -1,5 +1,5 @@
 /* Llama-family decoder layers of a decode step (one new token for each of M sequences), fp32, in a single OpenMP
- * parallel region. The unfused path (kvbench/runtime/model.py) makes about ten calls per layer, each a parallel
+ * parallel region. The unfused path (kvbench/runtime/model/forward.py) makes about ten calls per layer, each a parallel
  * region of its own or a torch op: on the 2-core dev machine that overhead was a third of a batch-1 decode step,
  * because a worker thread that sleeps between regions (kvbench's short-spin policy, kvbench/runtime/threads.py)
  * must be woken for each. Here the phases (and the layers) are separated by barriers, which both threads reach
