@@ -138,8 +138,9 @@ class EvictionMethod:
                 push_queries(st, obs, window)
             if attention:
                 accumulate_attention(st, obs, self.name)
-        st = self._state.get((slot, ctx.layer), {})
-        obs.queries, obs.query_positions, obs.attention = st.get("q"), st.get("q_pos"), st.get("scores")
+        st = self._state.get((slot, ctx.layer))
+        if st:
+            obs.queries, obs.query_positions, obs.attention = st.get("q"), st.get("q_pos"), st.get("scores")
         return obs
 
     def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
