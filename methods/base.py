@@ -10,7 +10,6 @@ from kvbench.errors import UserError
 from kvbench.registry import METHODS
 from kvbench.runtime.contract import NoCompression
 from kvbench.spec import check_budget, check_compression
-from kvbench.runtime.contract import LayerContext
 
 
 @dataclass

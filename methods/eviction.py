@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from kvbench.errors import UserError
 from kvbench.methods.budgets import KeptStats, SequenceBudgets
