@@ -311,6 +311,12 @@ def method_evicts(name: str) -> bool:
     return bool(METHODS.get(name).evicts)
 
 
+def method_uses_budget(name: str) -> bool:
+    """Whether `budget` means something to method `name`: tokens kept (an eviction method) or tokens read per decode
+    step (a retrieval method, `Method.retrieves`: quest)."""
+    return method_evicts(name) or bool(getattr(METHODS.get(name), "retrieves", False))
+
+
 def check_budget(budget: Any) -> Optional[int]:
     """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
     check_positive("budget", budget, allow_none=True)
@@ -337,7 +343,7 @@ def kept_budget(method_name: str, budget: Optional[int],
                 compression_ratio: Optional[float]) -> tuple[Optional[int], Optional[float]]:
     """(budget, compression_ratio) as a run of `method_name` keeps them (checked before: check_budget,
     check_compression): both None for a method that evicts nothing (every budget of it is the same run)."""
-    if not method_evicts(method_name):
+    if not method_uses_budget(method_name):
         return None, None
     return budget, compression_ratio
 
@@ -385,7 +391,7 @@ def hashable_config(root: Any) -> dict:
             data["task"] = normalise_task(data["task"])
         if isinstance(data.get("runtime"), dict):
             data["runtime"] = normalise_runtime(data["runtime"])
-        if not method_evicts(m_name):
+        if not method_uses_budget(m_name):
             if data.get("budget") is not None:
                 data["budget"] = None
             data.pop("compression_ratio", None)

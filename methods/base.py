@@ -39,6 +39,7 @@ class Method(NoCompression):
     name: ClassVar[str] = "base"
     needs_key_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = False
+    retrieves: ClassVar[bool] = False  # reads only some blocks per decode step (`budget`: tokens read; quest.py)
     acts_after_attention: ClassVar[bool] = False
     decode_reads_attention: ClassVar[bool] = True
     budget: int | None = None

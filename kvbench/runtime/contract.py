@@ -9,6 +9,8 @@ A method (methods/*.py, or a researcher's own file) imports the runtime from her
   RotaryTable, apply_rotary, rotate_half       RoPE, for methods that undo or redo it
   tensor-parallel helpers       for methods that rank tokens across kv-heads on a sharded model
   Engine                        for methods that run passes of their own (DuoAttention's calibration)
+  PageRetrieval                 what a retrieval method (Quest) sets as `page_retrieval`: decode steps then read
+                                only each query head's top blocks by their key summaries
 
 Nothing in kvbench/runtime imports this module: it sits on top of the runtime, as the door methods come in by.
 """
@@ -20,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from kvbench.runtime.cache.kv_eviction import MethodCacheView
+from kvbench.runtime.cache.page_retrieval import PageRetrieval
 from kvbench.runtime.hooks import CacheHooks, LayerContext, NoCompression
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary, rotate_half
 from kvbench.runtime.model.tensor_parallel import (full_kv_heads, gather_head_scores, local_keep, sum_over_ranks,
@@ -29,6 +32,7 @@ from kvbench.runtime.serving.engine import Engine
 __all__ = [
     "CacheHooks", "NoCompression", "LayerContext", "MethodCacheView", "Observation", "RotaryTable", "apply_rotary",
     "rotate_half", "full_kv_heads", "gather_head_scores", "local_keep", "sum_over_ranks", "tp_size_of", "Engine",
+    "PageRetrieval",
 ]
 
 

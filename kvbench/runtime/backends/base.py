@@ -28,6 +28,10 @@ class FusedDecode:
         (then one call per layer), or None (all layers in one call)."""
         raise NotImplementedError
 
+    def count_reads(self, reads) -> None:
+        """Add this step's blocks read to `reads` (kvbench.runtime.cache.kv_meter.DecodeReads), after `run`."""
+        raise NotImplementedError
+
 
 class AttentionBackend:
     """What the core calls. `attend` is required; the other two return None where a backend has no such kernel."""
@@ -48,7 +52,8 @@ class AttentionBackend:
         return None
 
     def fused_decode(self, model, tokens, cache, plan, rope_mode: str, cos, sin,
-                     need_scores: bool) -> Optional[FusedDecode]:
+                     need_scores: bool, retrieval=None) -> Optional[FusedDecode]:
         """A FusedDecode for this step (tokens [S, 1]; cos, sin [S, 1, D] of the new tokens), or None: the model
-        runs the layers op by op."""
+        runs the layers op by op. `retrieval`: the method's kvbench.runtime.cache.page_retrieval.PageRetrieval (the
+        step reads only the selected blocks of its layers) or None."""
         return None

@@ -41,3 +41,9 @@ class AppendPlan:
         if self.host_lengths is None:
             self.host_lengths = self.lengths.cpu().numpy()
         return self.host_lengths[i, layer].tolist()
+
+    def table_lengths_array(self, layer: int) -> np.ndarray:
+        """lengths[:, layer] [S, H] from the host copy (no device read; see table_lengths)."""
+        if self.host_lengths is None:
+            self.host_lengths = self.lengths.cpu().numpy()
+        return self.host_lengths[:, layer]

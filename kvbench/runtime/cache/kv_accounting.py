@@ -16,7 +16,14 @@ class KVAccounting:
     # ------------------------------------------------------------------ bytes
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block occupies in the pool (K and V)."""
+        """Bytes one block occupies in the pool (K and V, and its key summary when the cache keeps them)."""
+        summaries = getattr(self, "summaries", None)
+        extra = summaries.bytes_per_block if summaries is not None else 0
+        return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype) + extra
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """K and V bytes of one block (what attention reads of it)."""
         return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype)
 
     @property

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 from kvbench.runtime.cache.append_plan import AppendPlan
+from kvbench.runtime.cache.block_summaries import BlockSummaries
+from kvbench.runtime.cache.kv_meter import DecodeReads
+from kvbench.runtime.cache.page_retrieval import PageRetrieval
 from kvbench.runtime.cache.kv_accounting import KVAccounting
 from kvbench.runtime.cache.kv_eviction import KVEviction
 from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, blocks_for_tokens
@@ -44,6 +47,9 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope
+        self.summaries: BlockSummaries | None = None  # per-block min / max keys (enable_block_summaries)
+        self.decode_reads = DecodeReads()  # blocks the decode steps' attention read (kv_meter)
+        self.page_retrieval: PageRetrieval | None = None  # decode steps read selected blocks (enable_page_retrieval)
         self._make_storage(num_blocks)
         self.max_seqs = max_seqs
         self.max_blocks = initial_max_blocks
@@ -63,6 +69,20 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         # evict_blocks_on_device leaves the ids on the device until take_pending_frees (an engine sets this: it
         # takes them with each step's sampled tokens); False: they go back to the pool at once (a host read)
         self.defer_frees = False
+
+    def enable_page_retrieval(self, retrieval: PageRetrieval) -> None:
+        """Decode steps read only the blocks `retrieval` selects (page_retrieval.py): keep every block's element-wise
+        min / max key from now on (block_summaries.py), before any token is written. Their bytes count with the
+        blocks' (kv_accounting.bytes_per_block)."""
+        if self.pool.in_use:
+            raise ValueError("enable_page_retrieval: the cache already holds tokens")
+        if not self.plain_pools:
+            raise ValueError("page retrieval reads full-precision pools only (no storage codec)")
+        if self.store_pre_rope:
+            raise ValueError("page retrieval needs keys cached after RoPE (store_pre_rope=False)")
+        if self.summaries is None:
+            self.summaries = BlockSummaries(self.pool.num_blocks, self.block_size, self.head_dim, self.device)
+        self.page_retrieval = retrieval
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self) -> int:
@@ -272,6 +292,9 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.lengths[slot] = new_len
         self.host_lengths[slot] = new_len.cpu().numpy()  # the host copy follows every change
         self.pool.free(freed)
+        if self.summaries is not None:  # a last block that kept some of its slots: its min / max without the rest
+            for layer in range(self.num_layers):
+                self.summaries.recompute(self.k_pool, self.tables[slot, layer], new_len[layer])
         return len(freed)
 
     # ------------------------------------------------------------------ internals
@@ -305,6 +328,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         new = torch.tensor(new_ids, dtype=torch.int64, device=self.device)
         self.k_pool[new] = self.k_pool[old]
         self.v_pool[new] = self.v_pool[old]
+        if self.summaries is not None:
+            self.summaries.copy(new, old)
         flat[rows, cols] = new.to(torch.int32)
         self.pool.free(old.tolist())
 

@@ -16,6 +16,7 @@ from kvbench.runtime import huge_pages
 from kvbench.runtime.cache.append_plan import AppendPlan
 from kvbench.runtime.cache.block_pool import BlockPool
 from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
+from kvbench.runtime.cache.page_retrieval import select_pages
 
 
 class FullPrecisionLayout:
@@ -43,6 +44,8 @@ class FullPrecisionLayout:
         D = self.head_dim
         self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype, copy=False))
         self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
+        if self.summaries is not None:  # the blocks' min / max keys, from the keys as stored
+            self.summaries.update(rows, self.k_pool.view(-1, D)[rows])
 
     def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, backend,
                return_key_scores: bool = False, rotate_keys=None, causal: bool = True):
@@ -55,6 +58,21 @@ class FullPrecisionLayout:
             plan.positions[:, layer], plan.query_positions, scale,
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
+
+    def attend_pages(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int, *,
+                     backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of q [S, Hq, 1, D] over only the blocks `page_retrieval.select_pages` picks (each query
+        head's top `pages` blocks by their key summaries, united per kv-head): the kernel is given the compacted
+        tables and reads nothing else. Returns (out [S, Hq, 1, D], the lengths it read [S, H])."""
+        tables, lengths = select_pages(q[:, :, 0], self.summaries.summary, plan.tables[:, layer],
+                                       plan.lengths[:, layer], self.block_size, pages)
+        # keys are cached after RoPE (a retrieval method asks so) and no mask applies (causal=False): decode
+        # attention reads no key position; the argument is only shaped as the backends check it
+        no_positions = torch.zeros(*tables.shape[:2], tables.shape[2] * self.block_size, dtype=torch.int32,
+                                   device=tables.device)
+        out, _ = backend.attend(q, self.k_pool, self.v_pool, tables, lengths, no_positions, plan.query_positions,
+                                scale, causal=False)
+        return out, lengths
 
     def layer_tables(self, layer: int, slots: torch.Tensor):
         """(tables [S, H, MB] int32, lengths [S, H] int64, positions [S, H, MB*bs] int32) of one layer."""
@@ -82,6 +100,8 @@ class FullPrecisionLayout:
     def block_payload(self, ids: list[int]) -> list[torch.Tensor]:
         """The bytes of blocks `ids`, in this cache's layout (copies): what swap space moves to host memory."""
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if self.summaries is not None:
+            return [self.k_pool[idx], self.v_pool[idx], self.summaries.summary[idx]]
         return [self.k_pool[idx], self.v_pool[idx]]
 
     def allocate_like(self, ids: list[int]) -> list[int]:
@@ -93,3 +113,6 @@ class FullPrecisionLayout:
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
         self.k_pool[idx] = payload[0]
         self.v_pool[idx] = payload[1]
+        if self.summaries is not None:
+            self.summaries.summary[idx] = payload[2]
+

@@ -13,6 +13,39 @@ from typing import Any
 from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens
 
 
+class DecodeReads:
+    """K/V blocks the decode steps' attention kernels were given, counted as the steps run (one-token decode steps;
+    prefill chunks and multi-token verification steps are not counted), and the blocks full attention would have
+    read for the same steps (every block of every table). Selected counts stay on the device until `stats`."""
+
+    def __init__(self):
+        self.tokens = 0  # tokens the counted steps decoded (one per sequence per step)
+        self.full_blocks = 0  # blocks every table of the counted steps holds (what full attention reads)
+        self.dense_blocks = 0  # blocks read by layers that read every block
+        self.selected_blocks = None  # blocks read by retrieving layers (a device tensor, summed lazily)
+        self.summary_blocks = 0  # blocks whose key summaries the retrieving layers scored
+
+    def dense(self, blocks: int) -> None:
+        self.full_blocks += blocks
+        self.dense_blocks += blocks
+
+    def selected(self, held_blocks: int, read_blocks) -> None:
+        """A retrieving layer's step: its tables held `held_blocks` (all scored); `read_blocks` (a tensor) read."""
+        self.full_blocks += held_blocks
+        self.summary_blocks += held_blocks
+        self.selected_blocks = read_blocks if self.selected_blocks is None else self.selected_blocks + read_blocks
+
+    def stats(self, kv_block_bytes: int, summary_block_bytes: int) -> dict:
+        """kv_read_bytes_per_token (K/V bytes given to the decode kernels per decoded token), kv_read_fraction (of
+        what full attention reads for the same steps), summary_read_bytes_per_token (key summaries scored)."""
+        if self.tokens == 0:
+            return {"kv_read_bytes_per_token": None, "kv_read_fraction": None, "summary_read_bytes_per_token": None}
+        read = self.dense_blocks + (int(self.selected_blocks) if self.selected_blocks is not None else 0)
+        return {"kv_read_bytes_per_token": read * kv_block_bytes / self.tokens,
+                "kv_read_fraction": read / self.full_blocks if self.full_blocks else None,
+                "summary_read_bytes_per_token": self.summary_blocks * summary_block_bytes / self.tokens}
+
+
 class KVMeter:
     """Peaks of one cache's uncompressed and held bytes (sizes are kv_geometry's)."""
 
@@ -48,7 +81,11 @@ class KVMeter:
         at that moment (held_kv_bytes) and the most bytes forks shared at once (fork_shared_kv_bytes: referenced
         by several tables, held once in the pool)."""
         c = self.cache
+        summaries = getattr(c, "summaries", None)
+        reads = c.decode_reads.stats(getattr(c, "kv_block_bytes", c.bytes_per_block),
+                                     summaries.bytes_per_block if summaries is not None else 0)
         return {
+            **reads,
             "peak_kv_bytes": c.peak_kv_bytes(),
             "full_kv_bytes": self.peak_full_bytes,
             "held_kv_bytes": self.held_at_full_peak,

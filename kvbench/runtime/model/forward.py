@@ -18,6 +18,7 @@ from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.threads import StepThreads
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 from kvbench.runtime.hooks import CacheHooks, LayerContext
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary
 
@@ -156,9 +157,14 @@ class LlamaFamilyModel:
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         fused = None
         before = hook is not None and getattr(hook, "acts_before_attention", False)
+        for g in groups:
+            if g.phase == "decode" and g.tokens.shape[1] == 1:  # the decode tokens whose reads are counted
+                cache.decode_reads.tokens += g.tokens.shape[0]
+        retrieval = getattr(cache, "page_retrieval", None)  # the method's, set by the engine (page_retrieval.py)
         if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill"):
             g = groups[0]
-            fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores)
+            fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores,
+                                         retrieval=retrieval)
         if fused is not None:  # whole layers per C call, x updated in place
             g = groups[0]
             # a hook that reads only the cache in decode steps runs after the step, for each layer (one C call)
@@ -167,6 +173,7 @@ class LlamaFamilyModel:
             after = None if hook is None or after_step else lambda li, q, key_scores: hook.after_attention(
                 LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
             fused.run(x, after)
+            fused.count_reads(cache.decode_reads)
             if after_step:
                 for li in range(cfg.num_layers):
                     hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, None, None,
@@ -249,10 +256,20 @@ class LlamaFamilyModel:
             # the method cuts the layer's K/V before its attention: the chunk attends to what it keeps
             hook.before_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, None, self.rotary))
             cache.refresh_plan_layer(plan, li)
-        out, key_scores = cache.attend(
-            li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
-            rotate_keys=rotate_keys, causal=Q > 1,
-        )
+        retrieval = getattr(cache, "page_retrieval", None)
+        pages = retrieval.pages_for(li) if retrieval is not None and g.phase == "decode" and Q == 1 else 0
+        if pages:  # the method's top blocks only (kvbench.runtime.cache.page_retrieval)
+            out, read = cache.attend_pages(li, q, plan, cfg.head_dim ** -0.5, pages, backend=backend)
+            key_scores = None
+            cache.decode_reads.selected(int(blocks_for_tokens(plan.table_lengths_array(li), cache.block_size).sum()),
+                                        blocks_for_tokens(read, cache.block_size).sum())
+        else:
+            out, key_scores = cache.attend(
+                li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
+                rotate_keys=rotate_keys, causal=Q > 1,
+            )
+            if g.phase == "decode" and Q == 1:
+                cache.decode_reads.dense(int(blocks_for_tokens(plan.table_lengths_array(li), cache.block_size).sum()))
         if hook is not None:
             hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
         return out

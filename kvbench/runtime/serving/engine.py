@@ -117,6 +117,9 @@ class Engine:
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
         method.attach(self.cache, cfg)
+        retrieval = getattr(method, "page_retrieval", None)  # a retrieval method: decode reads its blocks only
+        if retrieval is not None:
+            self.cache.enable_page_retrieval(retrieval)
         self.backend = select_backend(attention_backend, model.device, self.cache)
         self.attention_backend = self.backend.name
         self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)

@@ -98,6 +98,12 @@ class FusedDecodeStep(FusedDecode):
                 key_scores = b.key_scores[:, :, :t_layer]
             after_layer(li, q, key_scores)
 
+    def count_reads(self, reads) -> None:
+        """Every layer read every block of its tables (kv_meter.DecodeReads)."""
+        bs = self.cache.block_size
+        lengths = self.plan.host_lengths if self.plan.host_lengths is not None else self.plan.lengths.numpy()
+        reads.dense(int(((lengths + bs - 1) // bs).sum()))
+
 
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
                       rope_mode: str, cos: torch.Tensor, sin: torch.Tensor, need_scores: bool,

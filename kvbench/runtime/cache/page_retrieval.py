@@ -1,0 +1,76 @@
+"""Query-aware page retrieval in decode steps: the runtime's "read only these blocks" operation.
+
+A method that retrieves (methods/quest.py) sets `page_retrieval` on itself (a `PageRetrieval`): per layer, how many
+pages each query head picks (0: the layer reads every block). The cache then keeps per-block key summaries
+(block_summaries.py), and every decode step (one query per sequence) of such a layer scores each block of each
+(sequence, kv-head) table with the upper bound of q.k over its keys,
+
+    bound[s, hq, j] = sum_d max(q_d * kmin[j, d], q_d * kmax[j, d])            (Quest, Tang et al. 2024)
+
+keeps each query head's top `pages` blocks, and gives the attention kernel, per (sequence, kv-head), the union of
+its query heads' blocks as a compacted table (ascending table order, so a partly filled last block stays last and
+the usual `lengths` describe it). Every query head of the kv-head attends over that union: a kv-head's blocks are
+read once for its whole GQA group. Prefill chunks and multi-token steps (speculative verification) read every
+block. The selection runs on the device, with no host read (`select_pages`); the fused CPU decode step does the
+same in C (csrc/decode_layer.c).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PageRetrieval:
+    """What a retrieval method asks of decode attention: `pages[layer]` top blocks per query head (0: dense)."""
+
+    pages: tuple[int, ...]
+
+    def pages_for(self, layer: int) -> int:
+        return self.pages[layer] if layer < len(self.pages) else 0
+
+
+def page_bounds(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q.k over each block's keys: q [S, Hq, D], summary [N, 2, D] (min, max), tables [S, H, MB] ->
+    [S, Hq, MB] fp32 (every column of the tables, valid or not)."""
+    S, Hq, D = q.shape
+    H, MB = tables.shape[1], tables.shape[2]
+    G = Hq // H
+    summ = summary[tables.reshape(-1).to(torch.int64)].view(S, H, MB, 2, D)
+    qg = q.float().reshape(S, H, G, D)
+    pos, neg = qg.clamp(min=0), qg.clamp(max=0)  # q_d > 0 takes the max key, q_d < 0 the min
+    bound = pos @ summ[..., 1, :].transpose(-1, -2) + neg @ summ[..., 0, :].transpose(-1, -2)  # [S, H, G, MB]
+    return bound.reshape(S, Hq, MB)
+
+
+def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                 block_size: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks a decode step reads: each query head's top `pages` blocks by `page_bounds` (of the blocks its
+    table holds), united per kv-head. q [S, Hq, D]; tables [S, H, MB] int32; lengths [S, H]. Returns (tables
+    [S, H, U] int32, lengths [S, H] int64): the selected blocks in table order, U = min(G * pages, MB) columns
+    (entries past a row's selection are unused: its length ends before them). No shape depends on a value."""
+    S, Hq, _ = q.shape
+    H, MB = tables.shape[1], tables.shape[2]
+    G = Hq // H
+    k = min(pages, MB)
+    col = torch.arange(MB, device=tables.device)
+    held = col[None, None, :] * block_size < lengths[..., None]  # [S, H, MB] blocks the table holds
+    bound = page_bounds(q, summary, tables).view(S, H, G, MB)
+    bound = bound.masked_fill(~held[:, :, None, :], float("-inf"))
+    top = bound.topk(k, dim=-1).indices  # [S, H, G, k]
+    chosen = torch.zeros(S, H, MB, dtype=torch.bool, device=tables.device)
+    chosen.scatter_(-1, top.reshape(S, H, G * k), True)
+    chosen &= held  # a table of fewer than `pages` blocks: topk also named empty columns
+    U = min(G * k, MB)
+    # chosen columns first, in ascending order: key MB - col for chosen, 0 otherwise
+    order = torch.where(chosen, MB - col, 0).topk(U, dim=-1).indices  # [S, H, U]
+    sel_tables = tables.gather(-1, order.to(torch.int64)).to(torch.int32)
+    block_len = (lengths[..., None] - col * block_size).clamp(0, block_size)  # [S, H, MB] tokens in each block
+    sel_lengths = (block_len * chosen).sum(-1)
+    return sel_tables, sel_lengths.to(torch.int64)
+
+
+def pages_of(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Blocks a table of `lengths` tokens spans (any shape)."""
+    return (lengths + block_size - 1) // block_size

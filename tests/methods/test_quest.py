@@ -1,0 +1,268 @@
+"""Quest (methods/quest.py) and the runtime's page retrieval (kvbench.runtime.cache.page_retrieval, block_summaries).
+
+  * the page bound is never below the true page maximum of q.k (random tensors, every dtype the pool holds);
+  * the selected pages equal a transcription of the official evaluation code's selection (quest_attention.py:
+    repeat_kv, the sign trick, chunk max, local_heavy_hitter_mask's top-k), united per kv-head;
+  * the decode kernels given a compacted block list equal attention over those blocks gathered by torch;
+  * a budget covering every page gives exactly full attention's greedy tokens and NLL (op by op and fused);
+  * kv_read_bytes_per_token equals selected blocks x block bytes on a hand-counted case (G = 1: each query head's
+    pages are its kv-head's);
+  * summaries follow eviction (keep_tokens) and swap round trips; bad settings are one-line UserErrors.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.errors import UserError
+from kvbench.methods import build_method
+from kvbench.runtime.backends.cpu import kernels
+from kvbench.runtime.backends.torch.attention import paged_decode_torch
+from kvbench.runtime.cache.block_summaries import BlockSummaries
+from kvbench.runtime.cache.kv_cache import PagedKVCache
+from kvbench.runtime.cache.page_retrieval import page_bounds, select_pages
+from kvbench.runtime.serving.engine import Engine
+from methods.quest import quest_pages
+from tests.fixtures.task_fixtures import one_thread as _one_thread
+from tests.tiny_models import tiny_model
+
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
+
+
+def _paged(keys: torch.Tensor, bs: int, dtype: torch.dtype, seed: int = 0):
+    """keys [H, T, D] -> (k_pool [N, bs, D] in dtype, tables [1, H, MB] int32 with shuffled block ids, lengths
+    [1, H], summaries built by BlockSummaries.update as the keys are written in chunks)."""
+    H, T, D = keys.shape
+    MB = -(-T // bs)
+    N = 1 + H * MB
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randperm(N - 1, generator=g) + 1)[: H * MB].view(1, H, MB).to(torch.int32)
+    pool = torch.zeros(N, bs, D, dtype=dtype)
+    summ = BlockSummaries(N, bs, D, torch.device("cpu"))
+    t = torch.arange(T)
+    rows = ids[0][:, t // bs].to(torch.int64) * bs + t % bs  # [H, T]
+    for start in range(0, T, 7):  # written in uneven chunks, as prefill chunks and decode steps would
+        r = rows[:, start:start + 7].reshape(-1)
+        pool.view(-1, D)[r] = keys[:, start:start + 7].reshape(-1, D).to(dtype)
+        summ.update(r, pool.view(-1, D)[r])
+    return pool, ids, torch.full((1, H), T, dtype=torch.int64), summ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_page_bound_is_never_below_the_true_page_max(dtype):
+    g = torch.Generator().manual_seed(3)
+    H, G, T, D, bs = 2, 3, 101, 64, 16
+    keys = torch.randn(H, T, D, generator=g) * 2
+    pool, tables, lengths, summ = _paged(keys, bs, dtype)
+    for trial in range(5):
+        q = torch.randn(1, H * G, D, generator=g) * (trial + 1)
+        bound = page_bounds(q, summ.summary, tables)[0]  # [Hq, MB]
+        k = pool.float()[tables[0].long()].view(H, -1, D)[:, :T]  # the keys as stored, [H, T, D]
+        dots = torch.einsum("hgd,htd->hgt", q[0].view(H, G, D).double(), k.double())  # exact
+        pad = -(-T // bs) * bs - T
+        dots = torch.nn.functional.pad(dots, (0, pad), value=-math.inf)
+        true_max = dots.view(H, G, -1, bs).amax(-1).reshape(H * G, -1)
+        # the bound is summed in fp32: allow that rounding, relative to sum |q||k|
+        slack = 1e-5 * (q[0].abs().double() @ k.abs().amax(1).double().T.repeat_interleave(1, 0)).amax()
+        assert bool((bound.double() >= true_max - slack).all())
+        assert bool((bound.double() <= true_max.abs().max() * 64 + 1e4).all())  # finite, not a blanket +inf
+
+
+def _official_selection(q: torch.Tensor, keys: torch.Tensor, budget: int, chunk: int) -> torch.Tensor:
+    """Transcription of mit-han-lab/Quest evaluation/quest_attention.py (decode, one query): per query head, the
+    boolean mask of its selected chunks [Hq, n_chunks]. q [Hq, D], keys [H, T, D] (after RoPE)."""
+    Hq, D = q.shape
+    H, T, _ = keys.shape
+    key_states = keys.repeat_interleave(Hq // H, dim=0)[None]  # repeat_kv: [1, Hq, T, D]
+    query_states = q[None, :, None, :]  # [1, Hq, 1, D]
+    sign = (query_states > 0) + (~(query_states > 0)) * -1
+    max_key = key_states * sign
+    postive_query = query_states * sign
+    padding_length = chunk - ((T - 1) % chunk + 1)
+    max_key = torch.cat([max_key, torch.ones((1, Hq, padding_length, D)) * torch.tensor(torch.finfo(max_key.dtype).min)],
+                        dim=-2)
+    chunk_max_key = max_key.reshape(1, Hq, max_key.shape[2] // chunk, chunk, D).amax(dim=-2)
+    chunk_max_key = chunk_max_key.unsqueeze(-2).repeat(1, 1, 1, chunk, 1).reshape(1, Hq, -1, D)[:, :, :T, :]
+    quantized_weight = torch.matmul(postive_query.float(), chunk_max_key.transpose(2, 3))  # [1, Hq, 1, T]
+    token_budget = min(T, budget)
+    # local_heavy_hitter_mask
+    attn_weights = quantized_weight
+    attn_weights = torch.cat([attn_weights, torch.ones((1, Hq, 1, padding_length))
+                              * torch.tensor(torch.finfo(attn_weights.dtype).min)], dim=-1)
+    chunk_attn_weights = attn_weights.reshape(1, Hq, 1, attn_weights.shape[3] // chunk, chunk).amax(dim=-1)
+    k = min(max(3, token_budget // chunk), chunk_attn_weights.size(-1))
+    _, topk = chunk_attn_weights.topk(k=k, dim=-1)
+    mask = torch.zeros(Hq, chunk_attn_weights.shape[-1], dtype=torch.bool)
+    mask.scatter_(-1, topk[0, :, 0], True)
+    return mask
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("T,budget", [(300, 64), (257, 128), (1000, 512), (40, 512)])
+def test_selection_equals_the_official_code(G, T, budget):
+    bs, H, D = 16, 2, 64
+    g = torch.Generator().manual_seed(T + G)
+    keys = torch.randn(H, T, D, generator=g)
+    q = torch.randn(H * G, D, generator=g)
+    pool, tables, lengths, summ = _paged(keys, bs, torch.float32, seed=T)
+    sel_tables, sel_lengths = select_pages(q[None], summ.summary, tables, lengths, bs, quest_pages(budget, bs))
+    want = _official_selection(q, keys, budget, bs)  # [Hq, MB]
+    nb = -(-T // bs)
+    if budget < T:  # the official code clamps the budget to the context first (quest.py: the one difference)
+        union = want.view(H, G, -1).any(1)  # [H, MB]
+    else:
+        union = torch.ones(H, nb, dtype=torch.bool)
+    for h in range(H):
+        cols = union[h].nonzero().flatten()
+        n = len(cols)
+        assert sel_tables[0, h, :n].tolist() == tables[0, h, cols].tolist()
+        last_full = bool(cols[-1] < nb - 1) or T % bs == 0
+        assert int(sel_lengths[0, h]) == n * bs - (0 if last_full else bs - T % bs)
+
+
+def _gathered_attention(q, k_pool, v_pool, tables, lengths, scale):
+    """Reference: the listed blocks' K/V gathered by torch, softmax over the first `lengths` slots."""
+    S, Hq, _, D = q.shape
+    H = tables.shape[1]
+    G = Hq // H
+    bs = k_pool.shape[1]
+    out = torch.zeros(S, Hq, 1, D, dtype=torch.float64)
+    for s in range(S):
+        for h in range(H):
+            n = int(lengths[s, h])
+            ids = tables[s, h, : -(-n // bs)].long()
+            k = k_pool[ids].reshape(-1, D)[:n].double()
+            v = v_pool[ids].reshape(-1, D)[:n].double()
+            for j in range(G):
+                w = torch.softmax(k @ q[s, h * G + j, 0].double() * scale, 0)
+                out[s, h * G + j, 0] = w @ v
+    return out
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_kernel_given_a_block_list_equals_gathered_attention(backend):
+    g = torch.Generator().manual_seed(7)
+    S, H, G, D, bs, T = 2, 2, 3, 64, 16, 333
+    k_all = torch.randn(H, T, D, generator=g)
+    pool_k, tables, lengths, summ = _paged(k_all, bs, torch.float32, seed=1)
+    pool_v = torch.randn_like(pool_k)
+    tables, lengths = tables.expand(S, -1, -1).contiguous(), lengths.expand(S, -1).contiguous()
+    q = torch.randn(S, H * G, 1, D, generator=g)
+    sel_t, sel_l = select_pages(q[:, :, 0], summ.summary, tables, lengths, bs, 4)
+    assert bool((sel_l < lengths).all())  # a real selection
+    scale = D ** -0.5
+    if backend == "cpu":
+        if not kernels.available():
+            pytest.skip("no C kernels")
+        out, _ = kernels.paged_decode_attention_cpu(q, pool_k, pool_v, sel_t, sel_l, scale)
+    else:
+        out, _ = paged_decode_torch(q, pool_k, pool_v, sel_t, sel_l, scale)
+    ref = _gathered_attention(q, pool_k, pool_v, sel_t, sel_l, scale)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- on a tiny model
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(layers=4, vocab=256, hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=256,
+                      max_positions=2048)
+
+
+def _decode_nll(engine, prompt: list[int], steps: int) -> tuple[list[int], float]:
+    """Greedy tokens of `steps` decode steps after `prompt`, and their NLL under the engine (sum of -log p of the
+    token chosen at each step)."""
+    slot = engine.new_sequence()
+    logits = engine.forward_chunk(slot, prompt, 0)
+    tokens, nll = [], 0.0
+    pos = len(prompt)
+    for _ in range(steps):
+        lp = torch.log_softmax(logits[0].double(), -1)
+        t = int(lp.argmax())
+        tokens.append(t)
+        nll -= float(lp[t])
+        logits = engine.runner.forward([slot], torch.tensor([[t]]), torch.tensor([[pos]]), phase="decode",
+                                       last_chunk=True, logits_for="last", max_position=pos)
+        pos += 1
+    engine.end_sequence(slot)
+    return tokens, nll
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_full_budget_equals_full(model, fused):
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (203,), generator=g).tolist()
+    model.fuse_decode_layers = fused
+    try:
+        runs = {}
+        for name, budget in (("full", None), ("quest", 4096)):
+            engine = Engine(model, build_method(name, budget), block_size=16, num_blocks=1024,
+                            attention_backend="cpu" if kernels.available() else "torch")
+            runs[name] = _decode_nll(engine, prompt, 12)
+            stats = engine.memory_stats()
+            assert stats["kv_read_fraction"] == pytest.approx(1.0)
+        assert runs["quest"][0] == runs["full"][0]
+        assert runs["quest"][1] == pytest.approx(runs["full"][1], rel=1e-6, abs=1e-6)
+        # a small budget reads fewer blocks, and says so
+        engine = Engine(model, build_method("quest", 48), block_size=16, num_blocks=1024)
+        _decode_nll(engine, prompt, 4)
+        assert engine.memory_stats()["kv_read_fraction"] < 0.8
+    finally:
+        model.fuse_decode_layers = True
+
+
+def test_read_bytes_per_token_hand_count():
+    """G = 1 (6 heads over 6 kv-heads): a retrieving layer reads exactly `pages` blocks per kv-head."""
+    m = tiny_model(layers=4, vocab=256, hidden=384, heads=6, kv_heads=6, head_dim=64, intermediate=256,
+                   max_positions=2048)
+    bs, prompt_len, steps, budget = 16, 160, 3, 64  # 10 full blocks, then blocks 11 (tokens 161..163)
+    engine = Engine(m, build_method("quest", budget), block_size=bs, num_blocks=1024)
+    prompt = list(range(5, 5 + prompt_len))
+    _decode_nll(engine, prompt, steps)
+    L, H, D = 4, 6, 64
+    pages = quest_pages(budget, bs)  # 4
+    assert pages == 4
+    # decode step i appends token prompt_len + i: tables of prompt_len + i + 1 tokens = 11 blocks each step
+    dense_blocks = sum(2 * H * math.ceil((prompt_len + i + 1) / bs) for i in range(steps))  # layers 0, 1
+    quest_blocks = steps * 2 * H * pages  # layers 2, 3
+    block_kv_bytes = 2 * bs * D * 4  # K and V, fp32
+    stats = engine.memory_stats()
+    assert stats["kv_read_bytes_per_token"] == (dense_blocks + quest_blocks) * block_kv_bytes / steps
+    full = sum(L * H * math.ceil((prompt_len + i + 1) / bs) for i in range(steps))
+    assert stats["kv_read_fraction"] == pytest.approx((dense_blocks + quest_blocks) / full)
+    # the summaries are memory: counted with every block in peak_kv_bytes
+    assert stats["peak_kv_bytes"] == stats["peak_blocks_in_use"] * (block_kv_bytes + 2 * D * 4)
+
+
+def test_summaries_follow_eviction():
+    """keep_tokens moves keys between slots: the touched tables' summaries are recomputed from the pool."""
+    cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64)
+    from kvbench.runtime.cache.page_retrieval import PageRetrieval
+    cache.enable_page_retrieval(PageRetrieval((1,)))
+    slot = cache.add_sequence()
+    plan = cache.prepare_append([slot], torch.arange(13)[None])
+    k = torch.randn(1, 2, 13, 8)
+    cache.write(0, plan, k, torch.randn(1, 2, 13, 8))
+    keep = torch.tensor([[0, 2, 5, 6, 9, 12], [1, 3, 4, 7, 8, 11]])
+    cache.keep_tokens(0, slot, keep)
+    for h in range(2):
+        kept = k[0, h, keep[h]]
+        for b in range(2):
+            ids = int(cache.tables[slot, 0, h, b])
+            blk = kept[4 * b: 4 * b + 4]
+            torch.testing.assert_close(cache.summaries.summary[ids, 0], blk.amin(0))
+            torch.testing.assert_close(cache.summaries.summary[ids, 1], blk.amax(0))
+
+
+def test_bad_settings_are_user_errors():
+    with pytest.raises(UserError, match="needs a budget"):
+        build_method("quest")
+    with pytest.raises(UserError, match="compression_ratio"):
+        build_method("quest", compression_ratio=0.5)
+    with pytest.raises(UserError, match="evict_budget"):
+        build_method("quest", 512, evict="snapkv")
+    with pytest.raises(UserError, match="choose an eviction method"):
+        build_method("quest", 512, evict="full", evict_budget=64)
+    with pytest.raises(UserError, match="without quest.evict"):
+        build_method("quest", 512, evict_budget=64)
