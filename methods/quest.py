@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from kvbench.errors import UserError
-from kvbench.methods.base import Method, build_method, register_method
+from kvbench.methods.base import METHODS, Method, build_method, register_method
 from kvbench.runtime.contract import PageRetrieval
 
 MIN_PAGES = 3  # the official code reads at least 3 pages
@@ -70,7 +70,6 @@ class Quest(Method):
                 raise UserError("quest.evict_budget / evict_options set without quest.evict: name the eviction "
                                 "method underneath (method.evict=snapkv)")
             return
-        from kvbench.registry import METHODS
         if self.evict not in METHODS.names() or not METHODS[self.evict].evicts:
             choices = ", ".join(n for n in METHODS.names() if METHODS[n].evicts)
             raise UserError(f"invalid quest.evict={self.evict!r}: choose an eviction method: {choices}")
@@ -80,6 +79,10 @@ class Quest(Method):
         if not isinstance(self.evict_options, dict):
             raise UserError(f"invalid quest.evict_options={self.evict_options!r}: expected a mapping")
         self.inner = build_method(self.evict, self.evict_budget, **dict(self.evict_options))
+        if self.inner.needs_key_scores:
+            raise UserError(f"quest.evict={self.evict}: {self.evict} reads every step's attention mass per key, "
+                            "which a retrieving layer does not compute; choose a method that scores from its own "
+                            "window (snapkv, pyramidkv, adakv, knorm, streaming_llm, ...)")
         if self.inner.store_pre_rope or self.inner.rope_mode != "original":
             raise UserError(f"quest.evict={self.evict}: Quest bounds keys cached after RoPE at their positions; "
                             f"{self.evict} caches them otherwise")

@@ -266,3 +266,29 @@ def test_bad_settings_are_user_errors():
         build_method("quest", 512, evict="full", evict_budget=64)
     with pytest.raises(UserError, match="without quest.evict"):
         build_method("quest", 512, evict_budget=64)
+
+
+def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
+    """The C selection inside the fused decode step (csrc/page_select.c) reads the same blocks as select_pages: the
+    same tokens, log-probabilities and blocks read, at a budget well below the context."""
+    if not kernels.available():
+        pytest.skip("no C kernels")
+    built = []
+    of = kernels.PageSelect.of
+    monkeypatch.setattr(kernels.PageSelect, "of", classmethod(lambda cls, *a: built.append(1) or of(*a)))
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (301,), generator=g).tolist()
+    runs = {}
+    for fused in (False, True):
+        model.fuse_decode_layers = fused
+        try:
+            engine = Engine(model, build_method("quest", 64), block_size=16, num_blocks=1024, attention_backend="cpu")
+            runs[fused] = (*_decode_nll(engine, prompt, 10), engine.memory_stats())
+        finally:
+            model.fuse_decode_layers = True
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-5)
+    for key in ("kv_read_bytes_per_token", "kv_read_fraction", "summary_read_bytes_per_token", "peak_kv_bytes"):
+        assert runs[True][2][key] == runs[False][2][key], key
+    assert runs[True][2]["kv_read_fraction"] < 0.8
+    assert built, "the fused step never ran with page retrieval"

@@ -78,14 +78,12 @@ class CpuBackend(AttentionBackend):
         return self._formats[cache]
 
     def fused_decode(self, model, tokens, cache, plan, rope_mode, cos, sin, need_scores, retrieval=None):
-        if retrieval is not None:  # page retrieval runs op by op for now
-            return None
         formats = None
         if not cache.plain_pools:  # a codec cache: fused where the codec decode kernel reads it (as attend_packed)
             formats = self.codec_formats(cache, model.config.num_heads)
             if formats is None:
                 return None
-        return fused_decode_step(model, tokens, cache, plan, rope_mode, cos, sin, need_scores, formats)
+        return fused_decode_step(model, tokens, cache, plan, rope_mode, cos, sin, need_scores, formats, retrieval)
 
 
 CPU = CpuBackend()

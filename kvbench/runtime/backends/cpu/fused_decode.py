@@ -57,7 +57,8 @@ class FusedDecodeStep(FusedDecode):
     step's longest table."""
 
     def __init__(self, model: "LlamaFamilyModel", weights: ctypes.Array, cache: PagedKVCache, plan: AppendPlan,
-                 cos: torch.Tensor, sin: torch.Tensor, need_scores: bool, formats: tuple | None = None):
+                 cos: torch.Tensor, sin: torch.Tensor, need_scores: bool, formats: tuple | None = None,
+                 retrieval=None):
         cfg = model.config
         S = plan.lengths.shape[0]
         H, D = cfg.num_kv_heads, cfg.head_dim
@@ -71,13 +72,19 @@ class FusedDecodeStep(FusedDecode):
         self.scratch = (torch.empty(S, cfg.hidden_size), torch.empty(S, cfg.intermediate_size))
         self.need_scores = need_scores
         self.scale = D ** -0.5
+        self.pages = None  # page retrieval (kvbench.runtime.cache.page_retrieval): summaries and selection in C
+        if retrieval is not None:
+            L = cfg.num_layers
+            self.page_counts = [retrieval.pages_for(li) for li in range(L)]
+            self.pages = kernels.PageSelect.of(cache.summaries.summary, self.page_counts, S, H, cfg.num_heads // H,
+                                               D, plan.tables.shape[-1], cache.block_size, self.buffers.threads)
 
     def _layers(self, x: torch.Tensor, first: int, n: int) -> torch.Tensor:
         cfg, plan = self.model.config, self.plan
         return kernels.decode_layers(
             x, self.weights, first, n, cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin,
             self.cache.k_pool, self.cache.v_pool, self.write_rows, plan.tables, plan.lengths, cfg.num_heads,
-            self.scale, self.buffers, self.scratch, self.codec)
+            self.scale, self.buffers, self.scratch, self.codec, self.pages)
 
     def run(self, x: torch.Tensor, after_layer: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None
             ) -> None:
@@ -99,15 +106,25 @@ class FusedDecodeStep(FusedDecode):
             after_layer(li, q, key_scores)
 
     def count_reads(self, reads) -> None:
-        """Every layer read every block of its tables (kv_meter.DecodeReads)."""
+        """The blocks each layer's attention read (kv_meter.DecodeReads): every block of its tables, or its
+        selection (page retrieval)."""
         bs = self.cache.block_size
         lengths = self.plan.host_lengths if self.plan.host_lengths is not None else self.plan.lengths.numpy()
-        reads.dense(int(((lengths + bs - 1) // bs).sum()))
+        held = (lengths + bs - 1) // bs  # [S, L, H]
+        if self.pages is None:
+            reads.dense(int(held.sum()))
+            return
+        sel = self.pages.selected_lengths  # [L, S, H]
+        for li, n in enumerate(self.page_counts):
+            if n:
+                reads.selected(int(held[:, li].sum()), ((sel[li] + bs - 1) // bs).sum())
+            else:
+                reads.dense(int(held[:, li].sum()))
 
 
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
                       rope_mode: str, cos: torch.Tensor, sin: torch.Tensor, need_scores: bool,
-                      formats: tuple | None = None) -> FusedDecodeStep | None:
+                      formats: tuple | None = None, retrieval=None) -> FusedDecodeStep | None:
     """A FusedDecodeStep when this step can run fused (see the module docstring), else None. `formats`: the (key,
     value) kernels.BlockFormat of a codec cache's packed rows (None: a plain cache, or one the kernels cannot
     read)."""
@@ -121,7 +138,9 @@ def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: Pa
             and cache.v_pool.dtype == cache.k_pool.dtype and cache.k_pool.is_contiguous()
             and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= kernels._MAX_GROUP):
         return None
+    if retrieval is not None and (formats is not None or need_scores or cache.summaries is None):
+        return None  # page retrieval runs fused over plain pools, without per-key attention mass
     weights = layer_weights(model)
     if weights is None:
         return None
-    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores, formats)
+    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores, formats, retrieval)

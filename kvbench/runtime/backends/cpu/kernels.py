@@ -49,7 +49,8 @@ from kvbench.runtime.measured_times import quoted
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode.c", "codec_decode.c", "decode_ops.c", "decode_layer.c")]
+_SOURCES = [_CSRC / name for name in ("paged_decode.c", "codec_decode.c", "decode_ops.c", "decode_layer.c",
+                                            "page_select.c")]
 _HEADERS = [_CSRC / name for name in ("decode_common.h", "decode_ops.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 ITEMS_PER_THREAD = 2  # work items (sequence, kv-head, chunk of keys) per thread: fewer chunks run faster,
@@ -204,7 +205,7 @@ def load_kernel():
         fn.restype = None
     lib.decode_layers_f32.argtypes = [p, i64, i64, i64, p, i32, f32, p, p, p, p, p, i64,
                                       p, i64, i64, i64, i64, p, i64, i64, i64, i32, i32, i32, i32, f32, i64, i32,
-                                      p, p, p, p, p, p, p, p, i32]
+                                      p, p, p, p, p, p, p, p, p, i32]
     lib.decode_layers_f32.restype = None
     fmt = ctypes.POINTER(BlockFormat)
     lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
@@ -527,6 +528,50 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     return out.tolist()
 
 
+class PageSelect(ctypes.Structure):
+    """Page retrieval in the fused decode step (`page_select` in csrc/decode_ops.h). `of` keeps the tensors alive on
+    the instance."""
+
+    _fields_ = [("summary", ctypes.c_void_p), ("pages", ctypes.c_void_p), ("sel_tables", ctypes.c_void_p),
+                ("sel_lengths", ctypes.c_void_p), ("bounds", ctypes.c_void_p), ("chosen", ctypes.c_void_p),
+                ("U", ctypes.c_int64), ("MB", ctypes.c_int64), ("T", ctypes.c_int64), ("chunk", ctypes.c_int64),
+                ("scores", ctypes.c_void_p), ("partials", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, summary: torch.Tensor, pages: list[int], M: int, H: int, G: int, D: int, MB: int, bs: int,
+           threads: int) -> "PageSelect":
+        """Buffers for a step of M sequences whose tables span MB blocks; pages[l] top blocks per query head in
+        layer l (0: dense). The attention over a selection splits U * bs slots as _DecodeBuffers would."""
+        assert summary.dtype == torch.float32 and summary.is_contiguous()
+        L = len(pages)
+        U = max(1, min(G * max(pages), MB))
+        chunks_per_table = -(-ITEMS_PER_THREAD * threads // (M * H))
+        chunk = max(16, -(-U * bs // chunks_per_table))
+        chunk = -(-chunk // 16) * 16
+        T = -(-U * bs // chunk) * chunk
+        keep = dict(summary=summary, pages=torch.tensor(pages, dtype=torch.int32),
+                    sel_tables=torch.zeros(M, H, U, dtype=torch.int32),
+                    sel_lengths=torch.zeros(L, M, H, dtype=torch.int64),
+                    bounds=torch.empty(M, H, G + 1, MB, dtype=torch.float32),
+                    chosen=torch.empty(M, H, MB, dtype=torch.uint8),
+                    scores=torch.empty(M, H, G, T, dtype=torch.float32),
+                    partials=torch.empty(M, H, T // chunk, G, D + 2, dtype=torch.float32))
+        ps = cls(**{k: t.data_ptr() for k, t in keep.items()}, U=U, MB=MB, T=T, chunk=chunk)
+        ps._keep = keep
+        return ps
+
+    def at_layer(self, first: int) -> None:
+        """Point `pages` and `sel_lengths` at layer `first` (a call running layers first.. reads them from 0)."""
+        k = self._keep
+        self.pages = k["pages"].data_ptr() + first * k["pages"].element_size()
+        self.sel_lengths = k["sel_lengths"][first].data_ptr()
+
+    @property
+    def selected_lengths(self) -> torch.Tensor:
+        """[L, M, H] tokens each layer's selections held (this step; dense layers: untouched)."""
+        return self._keep["sel_lengths"]
+
+
 class DecodeLayerWeights(ctypes.Structure):
     """Pointers to one layer's weights for ``decode_layers`` (`layer_weights` in csrc/decode_layer.c); biases may be
     NULL. The caller keeps the tensors alive."""
@@ -560,6 +605,7 @@ def decode_layers(
     buffers: "_DecodeBuffers",  # sized for the longest table; its `out` holds the attention output
     scratch: tuple[torch.Tensor, torch.Tensor],  # h [M, E], act [M, I]
     codec: CodecPools | None = None,  # a codec cache: its pools (k_pool / v_pool are its full-precision pools)
+    pages: PageSelect | None = None,  # page retrieval: summaries kept, retrieving layers read their selection
 ) -> torch.Tensor:
     """Decoder layers first..first+n-1 of a decode step in one call (csrc/decode_layer.c): x += each layer's output
     in turn, the new K/V written at write_rows, per-key attention mass into buffers.key_scores when it is set
@@ -575,11 +621,13 @@ def decode_layers(
     b = buffers
     ts, ls, ws = tables.stride(), lengths.stride(), write_rows.stride()
     size = ctypes.sizeof(DecodeLayerWeights)
+    if pages is not None:  # the layers of this call: their page counts and selection lengths
+        pages.at_layer(first)
     _lib.decode_layers_f32(
         x.data_ptr(), M, E, intermediate, ctypes.addressof(weights) + first * size, n, eps, cos.data_ptr(),
         sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), write_rows[first].data_ptr(), ws[0],
         tables[:, first].data_ptr(), ts[1], ts[0], ts[2], ts[3], lengths[:, first].data_ptr(), ls[1], ls[0], ls[2],
         H, G, D, bs, scale, b.Tp, b.chunk, None if codec is None else ctypes.addressof(codec), h.data_ptr(),
         qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(), b.key_scores_ptr(), b.scores.data_ptr(),
-        b.partials.data_ptr(), b.threads)
+        b.partials.data_ptr(), None if pages is None else ctypes.addressof(pages), b.threads)
     return qkv[:, : num_heads * D].view(M, num_heads, 1, D)

@@ -8,6 +8,8 @@
  *   h = RMSNorm(x) * ln_attn;  qkv = h @ W_qkv^T (+ b_qkv)            qkv [M, (Hq + 2H) * D]
  *   rotate q and k heads in place (RoPE, cos / sin rows [M, D]); write k, v rows to the pools at write_rows [M, H]
  *   attn = paged decode attention of q over the layer's tables (after this write)     attn [M, Hq * D]
+ *          (page retrieval, `ps` non-NULL and ps->pages[l] > 0: over the blocks page_select.c picks; the write also
+ *          keeps the blocks' key summaries)
  *          (over a codec cache, `codec` non-NULL: the codec decode kernel reads its packed and full-precision
  *          blocks; k_pool / v_pool are then its full-precision pools, where new tokens land, fp16 when
  *          codec->fp_is_half)
@@ -55,7 +57,7 @@ void decode_layers_f32(
     const int64_t *lengths, int64_t len_sl, int64_t len_ss, int64_t len_sh,
     int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
     const codec_pools *codec, float *h, float *qkv, float *attn, float *act, float *key_scores, float *scores,
-    float *partials, int nthreads)
+    float *partials, const page_select *ps, int nthreads)
 {
     const int64_t Hq = (int64_t)H * G, O_qkv = (Hq + 2 * H) * D, n_rot = Hq + H;
     const int half_pools = codec != NULL && codec->fp_is_half;  /* k_pool / v_pool hold fp16 bits */
@@ -89,12 +91,22 @@ void decode_layers_f32(
                 } else {
                     memcpy(k_pool + dst, kr, sizeof(float) * D);
                     memcpy(v_pool + dst, vr, sizeof(float) * D);
+                    if (ps != NULL)  /* page retrieval: the block's min / max key */
+                        page_summary_update(ps->summary, kr, rows[m * H + kh], bs, D);
                 }
             }
         }
         team_end();
         PHASE_END(PH_ROPE_WRITE);
-        if (codec)
+        const int pages = ps != NULL ? ps->pages[l] : 0;
+        if (pages > 0) {  /* only each query head's top blocks, united per kv-head (page_select.c) */
+            int64_t *sel_len = ps->sel_lengths + (int64_t)l * M * H;
+            page_select_team(qkv, O_qkv, ps, tables + l * tab_sl, tab_ss, tab_sh, tab_sj, lengths + l * len_sl,
+                             len_ss, len_sh, (int)M, H, G, D, bs, pages, sel_len);
+            paged_decode_attention_team(qkv, O_qkv, k_pool, v_pool, ps->sel_tables, H * ps->U, ps->U, 1, sel_len,
+                                        H, 1, (int)M, H, G, D, bs, scale, ps->T, (int)ps->chunk, attn, NULL,
+                                        ps->scores, ps->partials);
+        } else if (codec)
             codec_decode_attention_team(qkv, O_qkv, codec, tables + l * tab_sl, tab_ss, tab_sh, tab_sj,
                                         lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T,
                                         chunk_slots, attn, key_scores, scores, partials);

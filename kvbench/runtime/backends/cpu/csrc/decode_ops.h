@@ -171,4 +171,23 @@ void codec_decode_attention_team(
     int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
     int S, int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
     float *out, float *key_scores, float *scores, float *partials);
+/* Page retrieval in a decode step (page_select.c): the fused step's block summaries and selection buffers */
+typedef struct {
+    float *summary;  /* [N, 2, D] per block: min, max of its keys (updated as keys are written) */
+    const int32_t *pages;  /* [L] top blocks per query head of each layer (0: the layer reads every block) */
+    int32_t *sel_tables;  /* [M, H, U] the compacted tables the attention reads */
+    int64_t *sel_lengths;  /* [L, M, H] tokens each selection holds (out) */
+    float *bounds;  /* [M, H, G + 1, MB] scratch */
+    uint8_t *chosen;  /* [M, H, MB] scratch */
+    int64_t U, MB;  /* columns of sel_tables; table columns in use */
+    int64_t T;  /* slots the attention's work split covers over a selection (a multiple of chunk) */
+    int64_t chunk;
+    float *scores, *partials;  /* the attention's scratch for that split */
+} page_select;
+/* fold key k (D floats) written at flat pool row `row` into its block's summary (slot 0 starts it afresh) */
+void page_summary_update(float *summary, const float *k, int64_t row, int bs, int D);
+/* the selection of one layer: sel_tables and sel_lengths ([M, H]) from q rows q_ss floats apart */
+void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const int32_t *tables, int64_t tab_ss,
+                      int64_t tab_sh, int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
+                      int M, int H, int G, int D, int bs, int pages, int64_t *sel_lengths);
 #endif
