@@ -387,7 +387,8 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
     try:
         mem = engine.memory_stats()
         for key in ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
-                    "kv_bytes_per_token", "max_sequence_tokens"):
+                    "kv_bytes_per_token", "max_sequence_tokens", "kv_read_bytes_per_token", "kv_read_fraction",
+                    "summary_read_bytes_per_token"):
             record[key] = mem.get(key)
         spec = getattr(engine, "speculator", None)
         if spec is not None:

@@ -113,7 +113,8 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
     and in the paper's metric, the published value and the difference. Empty columns are left out when rendered."""
     keys = [k for k in varying_keys(runs) if k != "task.name"]
     columns = ["setting", "paper row", "model (dtype)", "metric", "ours", "vs full", "paper", "diff", "peak KV MiB",
-               "peak KV vs full", "decode tok/s", "status", "run", "versions", "commit"]
+               "peak KV vs full", "KV read MiB/token", "read vs full", "decode tok/s", "status", "run", "versions",
+               "commit"]
     rows, matched = [], []
     paper_metric = (paper or {}).get("metric")
     for run in sorted(runs, key=lambda r: setting_of(r, keys)):
@@ -140,9 +141,11 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
         rows.append([setting_of(run, keys), row.get("label", "") if row else "", model,
                      metric or "", _fmt(ours), _change(ours, fm.get(metric)) if metric else "", shown, diff,
                      _mib(m.get("peak_kv_bytes")), _change(m.get("peak_kv_bytes"), fm.get("peak_kv_bytes"), True),
+                     _mib(m.get("kv_read_bytes_per_token")),
+                     _change(m.get("kv_read_bytes_per_token"), fm.get("kv_read_bytes_per_token"), True),
                      _fmt(m.get("decode_tokens_per_s"), 3), str(m.get("status")),
                      (m.get("run_id") or "run", run_link(run, out_dir)), versions, commit])
-    return Table(title, columns, rows, numeric=(4, 5, 8, 9, 10)), matched
+    return Table(title, columns, rows, numeric=(4, 5, 8, 9, 10, 11, 12)), matched
 
 
 def _series_of(runs: list[dict]) -> list[dict]:
@@ -323,7 +326,8 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
             line_keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
             series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
             for title, png in ((f"{task}: {metric} vs budget", plots.metric_vs_budget(series, metric)),
-                               (f"{task}: {metric} vs KV memory (Pareto front)", plots.pareto(series, metric))):
+                               (f"{task}: {metric} vs KV memory (Pareto front)", plots.pareto(series, metric)),
+                               (f"{task}: KV resident vs KV read per token", plots.memory_and_reads(series, metric))):
                 if png:
                     out.append((_titled(title, group), png))
         swept = varying_keys(ok)

@@ -317,6 +317,14 @@ def method_uses_budget(name: str) -> bool:
     return method_evicts(name) or bool(getattr(METHODS.get(name), "retrieves", False))
 
 
+def check_retrieval_storage(method_name: str, quant_name: str) -> None:
+    """A retrieval method (quest) reads full-precision pools only: its page summaries are kept beside plain blocks."""
+    retrieves = method_name in METHODS and getattr(METHODS.get(method_name), "retrieves", False)
+    if quant_name not in ("none", "full") and retrieves:
+        raise UserError(f"method={method_name} with quant={quant_name}: page retrieval reads full-precision pools "
+                        "only (valid: quant=none)")
+
+
 def check_budget(budget: Any) -> Optional[int]:
     """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
     check_positive("budget", budget, allow_none=True)

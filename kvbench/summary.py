@@ -46,7 +46,8 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
-             "score_tasks_skipped", "output_tokens_per_s", "compression_ratio", "evicts"}
+             "score_tasks_skipped", "output_tokens_per_s", "compression_ratio", "evicts", "kv_read_bytes_per_token",
+             "kv_read_fraction", "summary_read_bytes_per_token"}
 # Speculative decoding's and the pool's health figures: their own summary lines (all of them in metrics.json).
 _SPEC_KEYS = {"acceptance_rate", "mean_accepted_tokens", "draft_tokens", "accepted_tokens", "speculative_rounds",
               "speculative_plain_steps", "draft_s", "verify_s", "draft_pool_failures", "draft_peak_kv_bytes",
@@ -145,6 +146,12 @@ def memory_lines(record: dict) -> list:
     if peak is not None:
         of_pool = f" of the {_bytes(pool)} pool ({100.0 * peak / pool:.1f}% used)" if pool else ""
         lines.append(f"KV pool   peak {_bytes(peak)}{of_pool}")
+    read, frac = _num(record.get("kv_read_bytes_per_token")), _num(record.get("kv_read_fraction"))
+    if read is not None:  # the second axis: what decode steps read, beside what is resident
+        summ = _num(record.get("summary_read_bytes_per_token"))
+        extra = f" + {_bytes(summ)} of page summaries" if summ else ""
+        lines += _wrapped(f"KV read   {_bytes(read)} per decoded token{extra}: {_percent(frac)} of what full "
+                          "attention reads (the blocks the decode kernels were given)")
     if record.get("storage_codec") not in (None, "full", "none"):
         lines.extend(textwrap.wrap("(B/token: one stored token, packed; held and pool peak also hold the "
                                    "full-precision window and part-filled blocks)", _WIDTH,
@@ -263,7 +270,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool 
 
 
 # Columns of the sweep table besides the task's own metrics (decode speed for generation, % saved for all).
-_SWEEP_EXTRA = ("decode_tokens_per_s", "output_tokens_per_s")
+_SWEEP_EXTRA = ("decode_tokens_per_s", "output_tokens_per_s", "kv_read_fraction")
 _SWEEP_MAX_METRICS = 6  # task metrics shown per run (the rest are in each run's metrics.json)
 
 

@@ -6,6 +6,7 @@ Every plot colours a run by its method (METHOD_COLORS: the same colour for a met
 by line style and marker) and uses a log axis only for data spanning more than a decade (wants_log). Callers pass
 comparable runs (same model, task and runtime settings: kvbench.report groups them).
     pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front as a line through its points only
+    memory_and_reads(runs, "ppl")     peak KV bytes resident against K/V bytes read per decoded token (two KV axes)
     longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
     throughput(runs)                  output tokens/s against the KV pool size (task=throughput runs)
@@ -238,6 +239,41 @@ def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     if wants_log([p[0] for p in pts]):
         _log(ax.xaxis, ax.set_xscale)
     ax.set_title(f"{metric} vs KV memory")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return _png(fig)
+
+
+def memory_and_reads(runs: Sequence[dict], metric: Optional[str] = None) -> Optional[bytes]:
+    """The two KV axes of every run on one figure: resident memory (peak_kv_bytes, measured from the pool) against
+    the K/V bytes its decode steps read per generated token (kv_read_bytes_per_token, from the blocks the kernels
+    were given). Eviction and codecs move a run left (less resident, and so less read); retrieval (quest) moves it
+    down only (everything stays resident, less is read). Each point is labelled with `metric` where given."""
+    pts = [(_num(r["metrics"].get("peak_kv_bytes")), _num(r["metrics"].get("kv_read_bytes_per_token")),
+            series_label(r), r) for r in runs]
+    pts = [p for p in pts if p[0] is not None and p[1] is not None and p[0] > 0 and p[1] > 0]
+    if len(pts) < 2 or len({(p[0], p[1]) for p in pts}) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    style = _Styler()
+    for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_BOARD_SERIES]:
+        mine = [p for p in pts if p[2] == label]
+        st = style(mine[0][3])
+        ax.scatter([p[0] / 2**20 for p in mine], [p[1] / 2**20 for p in mine], label=label, s=28, color=st["color"],
+                   marker=st["marker"])
+        for p in mine:
+            value = _num(p[3]["metrics"].get(metric)) if metric else None
+            if value is not None:
+                ax.annotate(f"{value:.3g}", (p[0] / 2**20, p[1] / 2**20), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+    ax.set_xlabel("peak KV memory resident (MiB, measured from the pool)")
+    ax.set_ylabel("K/V read per decoded token (MiB)")
+    if wants_log([p[0] for p in pts]):
+        _log(ax.xaxis, ax.set_xscale)
+    if wants_log([p[1] for p in pts]):
+        _log(ax.yaxis, ax.set_yscale)
+    ax.set_title("KV resident vs KV read" + (f" (labels: {metric})" if metric else ""))
     ax.grid(alpha=0.3)
     _legend(ax)
     return _png(fig)

@@ -292,3 +292,36 @@ def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
         assert runs[True][2][key] == runs[False][2][key], key
     assert runs[True][2]["kv_read_fraction"] < 0.8
     assert built, "the fused step never ran with page retrieval"
+
+
+def test_quest_over_snapkv_evicts_then_retrieves(model):
+    """method=quest method.evict=snapkv: the prompt is evicted to evict_budget (resident memory falls), then decode
+    steps read `budget` worth of pages of what stayed (bytes read fall further); the summaries follow the eviction
+    (every retrieving step's selection equals select_pages over a fresh recomputation of the summaries)."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 256, (400,), generator=g).tolist()
+    stats = {}
+    for name, method in (("full", build_method("full")),
+                         ("snapkv", build_method("snapkv", 160, window=8)),
+                         ("quest+snapkv", build_method("quest", 48, evict="snapkv", evict_budget=160,
+                                                       evict_options={"window": 8}))):
+        engine = Engine(model, method, block_size=16, num_blocks=1024)
+        if name == "quest+snapkv":
+            cache = engine.cache
+            slot = engine.new_sequence()
+            engine.forward_chunk(slot, prompt, 0)
+            assert int(cache.lengths[slot].max()) == 160  # evicted to evict_budget
+            fresh = BlockSummaries(cache.pool.num_blocks, 16, cache.head_dim, torch.device("cpu"))
+            for layer in range(cache.num_layers):
+                fresh.recompute(cache.k_pool, cache.tables[slot, layer], cache.lengths[slot, layer])
+                ids = cache.tables[slot, layer, :, :10].flatten().long()
+                torch.testing.assert_close(cache.summaries.summary[ids], fresh.summary[ids])
+            engine.end_sequence(slot)
+        _decode_nll(engine, prompt, 6)
+        stats[name] = engine.memory_stats()
+    # snapkv's peak is the whole prompt (it evicts after attending over it): what stays after is smaller
+    assert stats["quest+snapkv"]["held_kv_bytes"] < stats["full"]["held_kv_bytes"]
+    # snapkv alone reads all it keeps; quest over it reads less of the same cache
+    assert stats["quest+snapkv"]["kv_read_bytes_per_token"] < stats["snapkv"]["kv_read_bytes_per_token"]
+    assert stats["snapkv"]["kv_read_bytes_per_token"] < stats["full"]["kv_read_bytes_per_token"]
+    assert stats["quest+snapkv"]["kv_read_fraction"] < 1.0

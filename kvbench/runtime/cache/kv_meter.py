@@ -15,8 +15,9 @@ from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens
 
 class DecodeReads:
     """K/V blocks the decode steps' attention kernels were given, counted as the steps run (one-token decode steps;
-    prefill chunks and multi-token verification steps are not counted), and the blocks full attention would have
-    read for the same steps (every block of every table). Selected counts stay on the device until `stats`."""
+    prefill chunks and multi-token verification steps are not counted), and the blocks full attention over an
+    uncompressed cache would have read for the same steps (every block of every token appended to the sequences,
+    evicted ones included). Selected counts stay on the device until `stats`."""
 
     def __init__(self):
         self.tokens = 0  # tokens the counted steps decoded (one per sequence per step)
@@ -25,19 +26,24 @@ class DecodeReads:
         self.selected_blocks = None  # blocks read by retrieving layers (a device tensor, summed lazily)
         self.summary_blocks = 0  # blocks whose key summaries the retrieving layers scored
 
+    def step(self, tokens: int, uncompressed_blocks: int) -> None:
+        """A decode step of `tokens` sequences, whose uncompressed caches would span `uncompressed_blocks` blocks."""
+        self.tokens += tokens
+        self.full_blocks += uncompressed_blocks
+
     def dense(self, blocks: int) -> None:
-        self.full_blocks += blocks
+        """A layer's step read every block of its tables: `blocks`."""
         self.dense_blocks += blocks
 
     def selected(self, held_blocks: int, read_blocks) -> None:
         """A retrieving layer's step: its tables held `held_blocks` (all scored); `read_blocks` (a tensor) read."""
-        self.full_blocks += held_blocks
         self.summary_blocks += held_blocks
         self.selected_blocks = read_blocks if self.selected_blocks is None else self.selected_blocks + read_blocks
 
     def stats(self, kv_block_bytes: int, summary_block_bytes: int) -> dict:
         """kv_read_bytes_per_token (K/V bytes given to the decode kernels per decoded token), kv_read_fraction (of
-        what full attention reads for the same steps), summary_read_bytes_per_token (key summaries scored)."""
+        what full attention over an uncompressed cache reads for the same steps), summary_read_bytes_per_token (key
+        summaries scored)."""
         if self.tokens == 0:
             return {"kv_read_bytes_per_token": None, "kv_read_fraction": None, "summary_read_bytes_per_token": None}
         read = self.dense_blocks + (int(self.selected_blocks) if self.selected_blocks is not None else 0)

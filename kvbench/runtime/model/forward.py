@@ -159,7 +159,9 @@ class LlamaFamilyModel:
         before = hook is not None and getattr(hook, "acts_before_attention", False)
         for g in groups:
             if g.phase == "decode" and g.tokens.shape[1] == 1:  # the decode tokens whose reads are counted
-                cache.decode_reads.tokens += g.tokens.shape[0]
+                bs = cache.block_size
+                seen = sum(-(-cache.tokens_seen[s] // bs) for s in g.plan.slot_list)
+                cache.decode_reads.step(g.tokens.shape[0], seen * cfg.num_layers * cfg.num_kv_heads)
         retrieval = getattr(cache, "page_retrieval", None)  # the method's, set by the engine (page_retrieval.py)
         if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill"):
             g = groups[0]

@@ -24,6 +24,23 @@ void page_summary_update(float *summary, const float *k, int64_t row, int bs, in
     }
 }
 
+/* The bounds of one query head row qh over the summaries of four blocks s0..s3 ([2, D]: min, max), as
+ * sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min (max >= min), vectorized; D a multiple of VN. */
+static inline void bound4(const float *qh, const float *s0, const float *s1, const float *s2, const float *s3,
+                          const int D, float out[4]) {
+    vn a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    const vn zero = {0};
+    for (int c = 0; c < D; c += VN) {
+        const vn qv = *(const vn *)(qh + c);
+        const vn qp = (vn)((vni)qv & (qv > zero)), qn = qv - qp;  /* q+ and q- */
+        a0 += qp * *(const vn *)(s0 + D + c) + qn * *(const vn *)(s0 + c);
+        a1 += qp * *(const vn *)(s1 + D + c) + qn * *(const vn *)(s1 + c);
+        a2 += qp * *(const vn *)(s2 + D + c) + qn * *(const vn *)(s2 + c);
+        a3 += qp * *(const vn *)(s3 + D + c) + qn * *(const vn *)(s3 + c);
+    }
+    hsum4(a0, a1, a2, a3, out);
+}
+
 /* The k-th largest of v[0..n-1] (1 <= k <= n); v is reordered. */
 static float kth_largest(float *v, int64_t n, int64_t k) {
     int64_t lo = 0, hi = n - 1, want = k - 1;
@@ -59,6 +76,22 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
         const int64_t j0 = (item % per_table) * BOUND_BLOCKS;
         const int64_t j1 = j0 + BOUND_BLOCKS < nb ? j0 + BOUND_BLOCKS : nb;
         const int32_t *table = tables + m * tab_ss + kh * tab_sh;
+        if (D % VN == 0) {
+            for (int64_t j = j0; j < j1; j += 4) {  /* four blocks at a time (the last repeated past j1) */
+                const float *s[4];
+                for (int i = 0; i < 4; i++) {
+                    const int64_t jj = j + i < j1 ? j + i : j1 - 1;
+                    s[i] = ps->summary + (int64_t)table[jj * tab_sj] * 2 * D;
+                }
+                for (int g = 0; g < G; g++) {
+                    float out[4];
+                    bound4(q + m * q_ss + (kh * G + g) * D, s[0], s[1], s[2], s[3], D, out);
+                    float *b = ps->bounds + (r * (G + 1) + g) * MB + j;
+                    for (int i = 0; i < 4 && j + i < j1; i++) b[i] = out[i];
+                }
+            }
+            continue;
+        }
         for (int64_t j = j0; j < j1; j++) {
             const float *mn = ps->summary + (int64_t)table[j * tab_sj] * 2 * D, *mx = mn + D;
             for (int g = 0; g < G; g++) {
