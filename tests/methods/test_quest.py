@@ -148,18 +148,30 @@ def test_kernel_given_a_block_list_equals_gathered_attention(backend):
     k_all = torch.randn(H, T, D, generator=g)
     pool_k, tables, lengths, summ = _paged(k_all, bs, torch.float32, seed=1)
     pool_v = torch.randn_like(pool_k)
+    pool_v[0] = 0  # the scratch block
     tables, lengths = tables.expand(S, -1, -1).contiguous(), lengths.expand(S, -1).contiguous()
     q = torch.randn(S, H * G, 1, D, generator=g)
     sel_t, sel_l = select_pages(q[:, :, 0], summ.summary, tables, lengths, bs, 4)
     assert bool((sel_l < lengths).all())  # a real selection
     scale = D ** -0.5
+    ref = _gathered_attention(q, pool_k, pool_v, sel_t, sel_l, scale)
+    read = torch.zeros(pool_k.shape[0], dtype=torch.bool)
+    read[0] = True  # the scratch block (zeros): padding columns name it
+    for s in range(S):
+        for h in range(H):
+            read[sel_t[s, h, : -(-int(sel_l[s, h]) // bs)].long()] = True
+    pool_k[~read] = float("nan")  # every block not selected: the kernel must not read it
+    pool_v[~read] = float("nan")
     if backend == "cpu":
         if not kernels.available():
             pytest.skip("no C kernels")
         out, _ = kernels.paged_decode_attention_cpu(q, pool_k, pool_v, sel_t, sel_l, scale)
     else:
-        out, _ = paged_decode_torch(q, pool_k, pool_v, sel_t, sel_l, scale)
-    ref = _gathered_attention(q, pool_k, pool_v, sel_t, sel_l, scale)
+        # the torch reference reads every block of the table's width (masked): give it only the selected columns
+        width = -(-int(sel_l.max()) // bs)
+        out, _ = paged_decode_torch(q, pool_k, pool_v, sel_t[:, :, :width].contiguous(), sel_l, scale)
+        out = torch.nan_to_num(out, nan=float("inf"))  # a NaN read shows as a mismatch
+    assert bool(torch.isfinite(out).all()), "read a block that was not selected"
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -325,3 +337,45 @@ def test_quest_over_snapkv_evicts_then_retrieves(model):
     assert stats["quest+snapkv"]["kv_read_bytes_per_token"] < stats["snapkv"]["kv_read_bytes_per_token"]
     assert stats["snapkv"]["kv_read_bytes_per_token"] < stats["full"]["kv_read_bytes_per_token"]
     assert stats["quest+snapkv"]["kv_read_fraction"] < 1.0
+
+
+def test_reads_counted_alike_from_decode_graphs(model):
+    """Decode steps replayed from (stand-in) graphs count the blocks they read as eager steps do (the capture pass
+    is not a step); page retrieval runs eagerly."""
+    from kvbench.runtime.serving import decode_graphs as dg
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (45, 70)]
+    stats = []
+    for graphs in (False, True):
+        engine = Engine(model, None, block_size=8, num_blocks=1024, attention_backend="torch", max_num_seqs=4)
+        if graphs:
+            assert engine.use_decode_graphs(capture=dg.cpu_standin_capture) is not None
+        engine.generate(prompts, max_new_tokens=6)
+        if graphs:
+            assert engine.decode_graphs.replays > 0
+        stats.append(engine.memory_stats())
+    for key in ("kv_read_bytes_per_token", "kv_read_fraction"):
+        assert stats[0][key] == stats[1][key] and stats[0][key] is not None, key
+    engine = Engine(model, build_method("quest", 32), block_size=8, num_blocks=1024, attention_backend="torch")
+    assert engine.use_decode_graphs(capture=dg.cpu_standin_capture) is None
+
+
+def test_codec_reads_counted_at_their_packed_size(model):
+    """A codec cache's decode steps read its packed blocks at their packed size: KIVI-2 reads less per token than
+    full precision, and quest refuses a codec (one line, before any model loads)."""
+    from kvbench.quant.registry import build_codec
+    from kvbench.spec import check_retrieval_storage
+
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 256, (300,), generator=g).tolist()
+    stats = {}
+    for name, codec in (("full", None), ("kivi", build_codec("kivi", model, bits=2))):
+        engine = Engine(model, None, codec=codec, block_size=32, num_blocks=1024, attention_backend="torch")
+        _decode_nll(engine, prompt, 4)
+        stats[name] = engine.memory_stats()
+    assert stats["full"]["kv_read_fraction"] == pytest.approx(1.0)
+    assert stats["kivi"]["kv_read_bytes_per_token"] < 0.5 * stats["full"]["kv_read_bytes_per_token"]
+    with pytest.raises(UserError, match="quant=none"):
+        check_retrieval_storage("quest", "kivi")
+    check_retrieval_storage("snapkv", "kivi")

@@ -29,8 +29,8 @@ class FusedDecode:
         raise NotImplementedError
 
     def count_reads(self, reads) -> None:
-        """Add this step's blocks read to `reads` (kvbench.runtime.cache.kv_meter.DecodeReads), after `run`."""
-        raise NotImplementedError
+        """Add what this step's retrieving layers read to `reads` (kvbench.runtime.cache.kv_meter.DecodeReads), after
+        `run` (the model counts the layers that read every block)."""
 
 
 class AttentionBackend:

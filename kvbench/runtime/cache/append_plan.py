@@ -42,8 +42,8 @@ class AppendPlan:
             self.host_lengths = self.lengths.cpu().numpy()
         return self.host_lengths[i, layer].tolist()
 
-    def table_lengths_array(self, layer: int) -> np.ndarray:
-        """lengths[:, layer] [S, H] from the host copy (no device read; see table_lengths)."""
+    def host_lengths_array(self) -> np.ndarray:
+        """lengths [S, L, H] from the host copy (no device read; see table_lengths)."""
         if self.host_lengths is None:
             self.host_lengths = self.lengths.cpu().numpy()
-        return self.host_lengths[:, layer]
+        return self.host_lengths

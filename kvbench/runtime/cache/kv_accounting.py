@@ -31,6 +31,19 @@ class KVAccounting:
         """Bytes an uncompressed cache needs per token (all layers, kv-heads, K and V)."""
         return token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
+    def decode_read_bytes(self, plan, layers: list[int]):
+        """K/V bytes a decode step's attention reads over `layers` when it reads every block of the plan's tables
+        (from the host copy of the lengths: an int)."""
+        held = blocks_for_tokens(plan.host_lengths_array()[:, layers], self.block_size)
+        return int(held.sum()) * self.kv_block_bytes
+
+    def uncompressed_read_bytes(self, slots: list[int]) -> int:
+        """Bytes full attention reads per decode step over uncompressed caches of these sequences (every block of
+        every token they appended, all layers and kv-heads, model dtype)."""
+        bs = self.block_size
+        blocks = sum(-(-self.tokens_seen[s] // bs) for s in slots) * self.num_layers * self.num_kv_heads
+        return blocks * block_bytes(bs, self.head_dim, self.dtype)
+
     def kv_bytes_in_use(self) -> int:
         """K/V bytes the pool holds now (blocks in use x bytes per block)."""
         return self.pool.in_use * self.bytes_per_block

@@ -14,42 +14,40 @@ from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens
 
 
 class DecodeReads:
-    """K/V blocks the decode steps' attention kernels were given, counted as the steps run (one-token decode steps;
-    prefill chunks and multi-token verification steps are not counted), and the blocks full attention over an
+    """K/V bytes the decode steps' attention kernels were given, counted as the steps run (one-token decode steps;
+    prefill chunks and multi-token verification steps are not counted), and the bytes full attention over an
     uncompressed cache would have read for the same steps (every block of every token appended to the sequences,
-    evicted ones included). Selected counts stay on the device until `stats`."""
+    evicted ones included, in the model dtype). Counts computed on the device stay there until `stats`."""
 
     def __init__(self):
         self.tokens = 0  # tokens the counted steps decoded (one per sequence per step)
-        self.full_blocks = 0  # blocks every table of the counted steps holds (what full attention reads)
-        self.dense_blocks = 0  # blocks read by layers that read every block
-        self.selected_blocks = None  # blocks read by retrieving layers (a device tensor, summed lazily)
-        self.summary_blocks = 0  # blocks whose key summaries the retrieving layers scored
+        self.full_bytes = 0  # what full attention over uncompressed caches reads for the same steps
+        self.read_bytes = 0  # K/V bytes given to the kernels (an int, or a device tensor once one was added)
+        self.summary_bytes = 0  # key summaries the retrieving layers scored
 
-    def step(self, tokens: int, uncompressed_blocks: int) -> None:
-        """A decode step of `tokens` sequences, whose uncompressed caches would span `uncompressed_blocks` blocks."""
+    def step(self, tokens: int, uncompressed_bytes: int) -> None:
+        """A decode step of `tokens` sequences, whose uncompressed caches would span `uncompressed_bytes`."""
         self.tokens += tokens
-        self.full_blocks += uncompressed_blocks
+        self.full_bytes += uncompressed_bytes
 
-    def dense(self, blocks: int) -> None:
-        """A layer's step read every block of its tables: `blocks`."""
-        self.dense_blocks += blocks
+    def read(self, nbytes) -> None:
+        """K/V bytes the step's attention was given (an int, or a device tensor: no host read)."""
+        self.read_bytes = self.read_bytes + nbytes
 
-    def selected(self, held_blocks: int, read_blocks) -> None:
-        """A retrieving layer's step: its tables held `held_blocks` (all scored); `read_blocks` (a tensor) read."""
-        self.summary_blocks += held_blocks
-        self.selected_blocks = read_blocks if self.selected_blocks is None else self.selected_blocks + read_blocks
+    def scored(self, nbytes: int) -> None:
+        """Key-summary bytes a retrieving layer scored."""
+        self.summary_bytes += nbytes
 
-    def stats(self, kv_block_bytes: int, summary_block_bytes: int) -> dict:
+    def stats(self) -> dict:
         """kv_read_bytes_per_token (K/V bytes given to the decode kernels per decoded token), kv_read_fraction (of
         what full attention over an uncompressed cache reads for the same steps), summary_read_bytes_per_token (key
         summaries scored)."""
         if self.tokens == 0:
             return {"kv_read_bytes_per_token": None, "kv_read_fraction": None, "summary_read_bytes_per_token": None}
-        read = self.dense_blocks + (int(self.selected_blocks) if self.selected_blocks is not None else 0)
-        return {"kv_read_bytes_per_token": read * kv_block_bytes / self.tokens,
-                "kv_read_fraction": read / self.full_blocks if self.full_blocks else None,
-                "summary_read_bytes_per_token": self.summary_blocks * summary_block_bytes / self.tokens}
+        read = float(self.read_bytes)
+        return {"kv_read_bytes_per_token": read / self.tokens,
+                "kv_read_fraction": read / self.full_bytes if self.full_bytes else None,
+                "summary_read_bytes_per_token": self.summary_bytes / self.tokens}
 
 
 class KVMeter:
@@ -87,9 +85,7 @@ class KVMeter:
         at that moment (held_kv_bytes) and the most bytes forks shared at once (fork_shared_kv_bytes: referenced
         by several tables, held once in the pool)."""
         c = self.cache
-        summaries = getattr(c, "summaries", None)
-        reads = c.decode_reads.stats(getattr(c, "kv_block_bytes", c.bytes_per_block),
-                                     summaries.bytes_per_block if summaries is not None else 0)
+        reads = c.decode_reads.stats()
         return {
             **reads,
             "peak_kv_bytes": c.peak_kv_bytes(),

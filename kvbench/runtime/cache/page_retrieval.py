@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK
+
 
 @dataclass(frozen=True)
 class PageRetrieval:
@@ -49,7 +51,8 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     """The blocks a decode step reads: each query head's top `pages` blocks by `page_bounds` (of the blocks its
     table holds), united per kv-head. q [S, Hq, D]; tables [S, H, MB] int32; lengths [S, H]. Returns (tables
     [S, H, U] int32, lengths [S, H] int64): the selected blocks in table order, U = min(G * pages, MB) columns
-    (entries past a row's selection are unused: its length ends before them). No shape depends on a value."""
+    (entries past a row's selection name SCRATCH_BLOCK; its length ends before them). No shape depends on a
+    value."""
     S, Hq, _ = q.shape
     H, MB = tables.shape[1], tables.shape[2]
     G = Hq // H
@@ -65,7 +68,11 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     U = min(G * k, MB)
     # chosen columns first, in ascending order: key MB - col for chosen, 0 otherwise
     order = torch.where(chosen, MB - col, 0).topk(U, dim=-1).indices  # [S, H, U]
-    sel_tables = tables.gather(-1, order.to(torch.int64)).to(torch.int32)
+    n_chosen = chosen.sum(-1, keepdim=True)  # [S, H, 1]
+    # columns past a row's selection name the scratch block (zeros): a kernel that reads a table's whole width
+    # (the torch reference) touches no block that was not selected
+    sel_tables = torch.where(torch.arange(U, device=tables.device) < n_chosen,
+                             tables.gather(-1, order.to(torch.int64)), SCRATCH_BLOCK).to(torch.int32)
     block_len = (lengths[..., None] - col * block_size).clamp(0, block_size)  # [S, H, MB] tokens in each block
     sel_lengths = (block_len * chosen).sum(-1)
     return sel_tables, sel_lengths.to(torch.int64)

@@ -60,7 +60,7 @@ import torch
 from kvbench.runtime import huge_pages
 from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
-from kvbench.runtime.cache.kv_geometry import block_bytes, kv_elements
+from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens, kv_elements
 from kvbench.runtime.cache.quantized_packing import PackedStorage
 from kvbench.runtime.cache.quantized_pool import RoutedBlockPool
 from kvbench.runtime.cache.quantized_reading import PackedReading
@@ -141,6 +141,15 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
 
     def kv_bytes_in_use(self) -> int:
         return self.pool.bytes_in_use()
+
+    def decode_read_bytes(self, plan: AppendPlan, layers: list[int]) -> torch.Tensor:
+        """K/V bytes a decode step's attention reads over `layers` of the plan's tables: each held block at its
+        kind's size (full-precision or packed), counted on the device (no host read)."""
+        tables = plan.tables[:, layers]  # [S, n, H, MB]
+        held = blocks_for_tokens(plan.lengths[:, layers], self.block_size)  # [S, n, H]
+        valid = torch.arange(tables.shape[-1], device=tables.device) < held[..., None]
+        fp = (valid & (tables < self.num_fp_blocks)).sum()
+        return fp * self.pool.fp_block_bytes + (valid.sum() - fp) * self.pool.packed_block_bytes
 
     def peak_kv_bytes(self) -> int:
         return self.pool.peak_bytes

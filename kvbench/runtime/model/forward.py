@@ -157,12 +157,14 @@ class LlamaFamilyModel:
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         fused = None
         before = hook is not None and getattr(hook, "acts_before_attention", False)
-        for g in groups:
-            if g.phase == "decode" and g.tokens.shape[1] == 1:  # the decode tokens whose reads are counted
-                bs = cache.block_size
-                seen = sum(-(-cache.tokens_seen[s] // bs) for s in g.plan.slot_list)
-                cache.decode_reads.step(g.tokens.shape[0], seen * cfg.num_layers * cfg.num_kv_heads)
         retrieval = getattr(cache, "page_retrieval", None)  # the method's, set by the engine (page_retrieval.py)
+        for g in groups:  # the K/V bytes one-token decode steps read, beside what full attention would (a plan with
+            # no host lengths is a captured graph's static one: the replays are counted by serving.decode_graphs)
+            if g.phase == "decode" and g.tokens.shape[1] == 1 and g.plan.host_lengths is not None:
+                cache.decode_reads.step(g.tokens.shape[0], cache.uncompressed_read_bytes(g.plan.slot_list))
+                dense = [li for li in range(cfg.num_layers) if retrieval is None or not retrieval.pages_for(li)]
+                if dense:  # every block of these layers' tables (a retrieving layer counts its own selection)
+                    cache.decode_reads.read(cache.decode_read_bytes(g.plan, dense))
         if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill"):
             g = groups[0]
             fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores,
@@ -175,7 +177,7 @@ class LlamaFamilyModel:
             after = None if hook is None or after_step else lambda li, q, key_scores: hook.after_attention(
                 LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
             fused.run(x, after)
-            fused.count_reads(cache.decode_reads)
+            fused.count_reads(cache.decode_reads)  # its retrieving layers' selections
             if after_step:
                 for li in range(cfg.num_layers):
                     hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, None, None,
@@ -263,15 +265,15 @@ class LlamaFamilyModel:
         if pages:  # the method's top blocks only (kvbench.runtime.cache.page_retrieval)
             out, read = cache.attend_pages(li, q, plan, cfg.head_dim ** -0.5, pages, backend=backend)
             key_scores = None
-            cache.decode_reads.selected(int(blocks_for_tokens(plan.table_lengths_array(li), cache.block_size).sum()),
-                                        blocks_for_tokens(read, cache.block_size).sum())
+            bs = cache.block_size
+            held = int(blocks_for_tokens(plan.host_lengths_array()[:, li], bs).sum())
+            cache.decode_reads.scored(held * cache.summaries.bytes_per_block)
+            cache.decode_reads.read(blocks_for_tokens(read, bs).sum() * cache.kv_block_bytes)
         else:
             out, key_scores = cache.attend(
                 li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
                 rotate_keys=rotate_keys, causal=Q > 1,
             )
-            if g.phase == "decode" and Q == 1:
-                cache.decode_reads.dense(int(blocks_for_tokens(plan.table_lengths_array(li), cache.block_size).sum()))
         if hook is not None:
             hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
         return out

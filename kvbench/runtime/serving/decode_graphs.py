@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan
+from kvbench.runtime.cache.kv_meter import DecodeReads
 from kvbench.runtime.hooks import LayerContext
 from kvbench.runtime.model.forward import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.serving.host_sync import HostSyncCounter
@@ -120,6 +121,8 @@ class DecodeGraphs:
         """None when decode steps may run from graphs, else why not."""
         if self.cache.store_pre_rope:
             return "keys cached before RoPE are rotated as they are read (host-dependent shapes)"
+        if getattr(self.cache, "page_retrieval", None) is not None:
+            return "page retrieval (its blocks read are counted per step, on the host)"
         return None
 
     def run(self, tokens: torch.Tensor, plan: AppendPlan) -> torch.Tensor | None:
@@ -138,10 +141,15 @@ class DecodeGraphs:
         width = max(8, 1 << (nb - 1).bit_length())
         g = self.graphs.get((batch, width))
         if g is None:
-            g = self._capture(batch, width)
+            reads, self.cache.decode_reads = self.cache.decode_reads, DecodeReads()  # the capture's pass: not a step
+            try:
+                g = self._capture(batch, width)
+            finally:
+                self.cache.decode_reads = reads
         self._fill(g, tokens, plan)
         g.replay()
         self.replays += 1
+        self._count_reads(plan)
         if self.hook is not None:
             for li in range(self.cache.num_layers):
                 ks = g.key_scores[li, :S] if g.key_scores is not None else None
@@ -150,6 +158,13 @@ class DecodeGraphs:
         return g.logits[:S].clone()  # the static buffer is overwritten by the next replay
 
     # ------------------------------------------------------------------ internals
+    def _count_reads(self, plan: AppendPlan) -> None:
+        """The replayed step's decode reads (kv_meter.DecodeReads; the captured forward counts only at capture):
+        every block of every table, against uncompressed caches of the tokens seen."""
+        c = self.cache
+        c.decode_reads.step(len(plan.slot_list), c.uncompressed_read_bytes(plan.slot_list))
+        c.decode_reads.read(c.decode_read_bytes(plan, list(range(c.num_layers))))
+
     def _fill(self, g: _Graph, tokens: torch.Tensor, plan: AppendPlan) -> None:
         """Copy this step's inputs into the graph's static buffers; padded rows read nothing (length 0) and write
         to the scratch block."""

@@ -106,20 +106,18 @@ class FusedDecodeStep(FusedDecode):
             after_layer(li, q, key_scores)
 
     def count_reads(self, reads) -> None:
-        """The blocks each layer's attention read (kv_meter.DecodeReads): every block of its tables, or its
-        selection (page retrieval)."""
-        bs = self.cache.block_size
-        lengths = self.plan.host_lengths if self.plan.host_lengths is not None else self.plan.lengths.numpy()
-        held = (lengths + bs - 1) // bs  # [S, L, H]
+        """The K/V bytes its retrieving layers' selections held (kv_meter.DecodeReads; the model counts the layers
+        that read every block)."""
         if self.pages is None:
-            reads.dense(int(held.sum()))
             return
+        c = self.cache
+        bs = c.block_size
+        held = self.plan.host_lengths_array()  # [S, L, H]
         sel = self.pages.selected_lengths  # [L, S, H]
         for li, n in enumerate(self.page_counts):
             if n:
-                reads.selected(int(held[:, li].sum()), ((sel[li] + bs - 1) // bs).sum())
-            else:
-                reads.dense(int(held[:, li].sum()))
+                reads.scored(int(((held[:, li] + bs - 1) // bs).sum()) * c.summaries.bytes_per_block)
+                reads.read(int(((sel[li] + bs - 1) // bs).sum()) * c.kv_block_bytes)
 
 
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,

@@ -140,6 +140,7 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
             const int64_t in_block = len - j * bs;
             tokens += in_block < bs ? in_block : bs;
         }
+        for (int64_t j = n; j < U; j++) out[j] = 0;  /* the scratch block, as select_pages */
         sel_lengths[m * H + kh] = tokens;
     }
     team_end();
