@@ -318,11 +318,16 @@ def method_uses_budget(name: str) -> bool:
 
 
 def check_retrieval_storage(method_name: str, quant_name: str) -> None:
-    """A retrieval method (quest) reads full-precision pools only: its page summaries are kept beside plain blocks."""
+    """A retrieval method (quest) bounds keys cached after RoPE: a codec that stores keys before RoPE (kvquant) is
+    refused; the others (kivi, int8, fp8) keep page summaries of the keys as their blocks decode."""
     retrieves = method_name in METHODS and getattr(METHODS.get(method_name), "retrieves", False)
-    if quant_name not in ("none", "full") and retrieves:
-        raise UserError(f"method={method_name} with quant={quant_name}: page retrieval reads full-precision pools "
-                        "only (valid: quant=none)")
+    if not retrieves or quant_name in ("none", "full") or quant_name not in CODECS.names():
+        return
+    if getattr(CODECS.get(quant_name).codec_cls, "pre_rope_keys", False):
+        ok = [n for n in CODECS.names() if n not in ("full", "none")
+              and not getattr(CODECS.get(n).codec_cls, "pre_rope_keys", False)]
+        raise UserError(f"method={method_name} with quant={quant_name}: {quant_name} stores keys before RoPE, and "
+                        f"page retrieval bounds keys after it; valid quants: none, {', '.join(ok)}")
 
 
 def check_budget(budget: Any) -> Optional[int]:

@@ -325,7 +325,8 @@ def test_quest_over_snapkv_evicts_then_retrieves(model):
             assert int(cache.lengths[slot].max()) == 160  # evicted to evict_budget
             fresh = BlockSummaries(cache.pool.num_blocks, 16, cache.head_dim, torch.device("cpu"))
             for layer in range(cache.num_layers):
-                fresh.recompute(cache.k_pool, cache.tables[slot, layer], cache.lengths[slot, layer])
+                table = cache.tables[slot, layer]
+                fresh.recompute(cache.k_pool[table.long()], table, cache.lengths[slot, layer])
                 ids = cache.tables[slot, layer, :, :10].flatten().long()
                 torch.testing.assert_close(cache.summaries.summary[ids], fresh.summary[ids])
             engine.end_sequence(slot)
@@ -363,7 +364,7 @@ def test_reads_counted_alike_from_decode_graphs(model):
 
 def test_codec_reads_counted_at_their_packed_size(model):
     """A codec cache's decode steps read its packed blocks at their packed size: KIVI-2 reads less per token than
-    full precision, and quest refuses a codec (one line, before any model loads)."""
+    full precision; quest refuses a codec that stores keys before RoPE (one line, before any model loads)."""
     from kvbench.quant.registry import build_codec
     from kvbench.spec import check_retrieval_storage
 
@@ -376,6 +377,42 @@ def test_codec_reads_counted_at_their_packed_size(model):
         stats[name] = engine.memory_stats()
     assert stats["full"]["kv_read_fraction"] == pytest.approx(1.0)
     assert stats["kivi"]["kv_read_bytes_per_token"] < 0.5 * stats["full"]["kv_read_bytes_per_token"]
-    with pytest.raises(UserError, match="quant=none"):
-        check_retrieval_storage("quest", "kivi")
-    check_retrieval_storage("snapkv", "kivi")
+    with pytest.raises(UserError, match="before RoPE"):
+        check_retrieval_storage("quest", "kvquant")
+    check_retrieval_storage("quest", "kivi")
+    check_retrieval_storage("snapkv", "kvquant")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_quest_over_kivi2(model, backend):
+    """quest over KIVI-2 pages: a budget covering every page equals KIVI-2 alone (tokens and NLL); a small budget
+    reads fewer bytes than KIVI-2 alone; the packed blocks' summaries are the min / max of their decoded keys; the
+    summaries are counted in the codec pool's bytes."""
+    from kvbench.quant.registry import build_codec
+
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 256, (300,), generator=g).tolist()
+    runs = {}
+    for name, method in (("kivi", None), ("quest-all", build_method("quest", 4096)), ("quest", build_method("quest", 64))):
+        engine = Engine(model, method, codec=build_codec("kivi", model, bits=2), block_size=32, num_blocks=1024,
+                        attention_backend=backend)
+        runs[name] = (*_decode_nll(engine, prompt, 6), engine.memory_stats())
+        if name == "quest":
+            cache = engine.cache
+            slot = engine.new_sequence()
+            engine.forward_chunk(slot, prompt, 0)
+            cache.pack_pending()
+            table = cache.tables[slot, 3]  # [H, MB]
+            packed = table[table >= cache.num_fp_blocks][:4].long()
+            assert packed.numel() > 0
+            for b in packed.tolist():
+                h = int((table == b).nonzero()[0, 0])
+                keys = cache._decode("key", cache.kq_pool[b - cache.num_fp_blocks][None], 3,
+                                     torch.tensor([h]))[0].float()
+                torch.testing.assert_close(cache.summaries.summary[b, 0], keys.amin(0))
+                torch.testing.assert_close(cache.summaries.summary[b, 1], keys.amax(0))
+            engine.end_sequence(slot)
+    assert runs["quest-all"][0] == runs["kivi"][0]
+    assert runs["quest-all"][1] == pytest.approx(runs["kivi"][1], rel=1e-6, abs=1e-6)
+    assert runs["quest"][2]["kv_read_bytes_per_token"] < 0.8 * runs["kivi"][2]["kv_read_bytes_per_token"]
+    assert runs["quest"][2]["peak_kv_bytes"] > runs["kivi"][2]["peak_kv_bytes"]  # the summaries are memory

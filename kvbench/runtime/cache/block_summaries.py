@@ -43,21 +43,27 @@ class BlockSummaries:
         self.summary[:, 0].scatter_reduce_(0, idx, kf, "amin")  # include_self: earlier slots of the block count
         self.summary[:, 1].scatter_reduce_(0, idx, kf, "amax")
 
-    def recompute(self, k_pool: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Summaries of every block of the tables `table` [H, MB] (lengths [H]) from the pool's keys, slots past a
-        table's length excluded (after an operation that moved keys between slots)."""
+    def recompute(self, keys: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Summaries of every block of the tables `table` [H, MB] (lengths [H]) from their keys [H, MB, bs, D] as
+        attention reads them (a codec's decoded), slots past a table's length excluded (after an operation that
+        moved keys between slots or re-stored them)."""
         bs = self.block_size
         nb = int(((lengths + bs - 1) // bs).max()) if lengths.numel() else 0
         if nb == 0:
             return
         ids = table[:, :nb].to(torch.int64)  # [H, nb]
-        keys = k_pool[ids].to(SUMMARY_DTYPE)  # [H, nb, bs, D]
+        keys = keys[:, :nb].to(SUMMARY_DTYPE)  # [H, nb, bs, D]
         slot = torch.arange(nb * bs, device=ids.device).view(1, nb, bs, 1)
         valid = slot < lengths.view(-1, 1, 1, 1)
         mn = torch.where(valid, keys, float("inf")).amin(2)  # [H, nb, D]
         mx = torch.where(valid, keys, float("-inf")).amax(2)
         held = (torch.arange(nb, device=ids.device)[None, :] * bs) < lengths[:, None]  # [H, nb] blocks in use
         self.summary[ids[held]] = torch.stack([mn[held], mx[held]], dim=1)
+
+    def set_full_blocks(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
+        """Blocks `ids` [n], every slot valid, hold keys [n, bs, D] (a codec's packed blocks, decoded)."""
+        k = keys.to(SUMMARY_DTYPE)
+        self.summary[ids] = torch.stack([k.amin(1), k.amax(1)], dim=1)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Blocks dst got src's contents (copy-on-write, swap-in): their summaries too."""

@@ -76,13 +76,16 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         blocks' (kv_accounting.bytes_per_block)."""
         if self.pool.in_use:
             raise ValueError("enable_page_retrieval: the cache already holds tokens")
-        if not self.plain_pools:
-            raise ValueError("page retrieval reads full-precision pools only (no storage codec)")
         if self.store_pre_rope:
             raise ValueError("page retrieval needs keys cached after RoPE (store_pre_rope=False)")
         if self.summaries is None:
             self.summaries = BlockSummaries(self.pool.num_blocks, self.block_size, self.head_dim, self.device)
+            self._count_summary_bytes()
         self.page_retrieval = retrieval
+
+    def _count_summary_bytes(self) -> None:
+        """The summaries are memory: counted per block in use (kv_accounting.bytes_per_block here; a codec's pool
+        counts them in its blocks' sizes)."""
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self) -> int:
@@ -294,7 +297,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.pool.free(freed)
         if self.summaries is not None:  # a last block that kept some of its slots: its min / max without the rest
             for layer in range(self.num_layers):
-                self.summaries.recompute(self.k_pool, self.tables[slot, layer], new_len[layer])
+                self._summarize_table(layer, slot)
         return len(freed)
 
     # ------------------------------------------------------------------ internals

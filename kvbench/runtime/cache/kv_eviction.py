@@ -96,7 +96,7 @@ class KVEviction:
         self.lengths[slot, layer] = new_len
         self.host_lengths[slot, layer] = new_len.cpu().numpy()
         if self.summaries is not None and bool(moved.any()):  # keys changed blocks: their min / max again
-            self.summaries.recompute(self.k_pool, table, new_len)
+            self._summarize_table(layer, slot)
 
     def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
         """Block-level eviction: drop whole logical blocks of one (layer, kv-head) table without
@@ -206,7 +206,7 @@ class KVEviction:
         pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
         self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a + 1, device=self.device))
         if self.summaries is not None:  # block a received keys from block a + 1
-            self.summaries.recompute(self.k_pool, self.tables[slot, layer], self.lengths[slot, layer])
+            self._summarize_table(layer, slot)
 
     def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
         """(blocks to drop, sorted; blocks kept, in order) of an n-token table; only full blocks may be dropped."""

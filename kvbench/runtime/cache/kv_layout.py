@@ -72,7 +72,17 @@ class FullPrecisionLayout:
                                    device=tables.device)
         out, _ = backend.attend(q, self.k_pool, self.v_pool, tables, lengths, no_positions, plan.query_positions,
                                 scale, causal=False)
-        return out, lengths
+        return out, self.selection_read_bytes(tables, lengths)
+
+    def selection_read_bytes(self, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """K/V bytes of the blocks of compacted tables [S, H, U] with `lengths` [S, H] (on the device)."""
+        return ((lengths + self.block_size - 1) // self.block_size).sum() * self.kv_block_bytes
+
+    def _summarize_table(self, layer: int, slot: int) -> None:
+        """Recompute the key summaries of one sequence's layer from its keys (after keys moved between slots)."""
+        table = self.tables[slot, layer]  # [H, MB]
+        keys = self.k_pool[table.to(torch.int64)]  # [H, MB, bs, D]
+        self.summaries.recompute(keys, table, self.lengths[slot, layer])
 
     def layer_tables(self, layer: int, slots: torch.Tensor):
         """(tables [S, H, MB] int32, lengths [S, H] int64, positions [S, H, MB*bs] int32) of one layer."""

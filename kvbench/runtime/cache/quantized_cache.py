@@ -54,6 +54,8 @@ figures here, over PagedKVCache's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -61,6 +63,7 @@ from kvbench.runtime import huge_pages
 from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens, kv_elements
+from kvbench.runtime.cache.page_retrieval import select_pages
 from kvbench.runtime.cache.quantized_packing import PackedStorage
 from kvbench.runtime.cache.quantized_pool import RoutedBlockPool
 from kvbench.runtime.cache.quantized_reading import PackedReading
@@ -109,6 +112,7 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         self.vq_pool = huge_pages.empty((n_packed, self.value_nbytes), torch.uint8, self.device)
         self.num_fp_blocks = n_fp
         self.pool = RoutedBlockPool(n_fp, n_packed, fp_block_bytes, packed_block_bytes, self.max_bytes)
+        self.kv_fp_block_bytes, self.kv_packed_block_bytes = fp_block_bytes, packed_block_bytes  # K/V only
 
     def free_blocks(self) -> int:
         return self.pool.free_fp_blocks()
@@ -145,11 +149,43 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
     def decode_read_bytes(self, plan: AppendPlan, layers: list[int]) -> torch.Tensor:
         """K/V bytes a decode step's attention reads over `layers` of the plan's tables: each held block at its
         kind's size (full-precision or packed), counted on the device (no host read)."""
-        tables = plan.tables[:, layers]  # [S, n, H, MB]
-        held = blocks_for_tokens(plan.lengths[:, layers], self.block_size)  # [S, n, H]
+        return self.selection_read_bytes(plan.tables[:, layers], plan.lengths[:, layers])
+
+    def selection_read_bytes(self, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """K/V bytes of the blocks of tables [..., MB] holding `lengths` [...] tokens, each at its kind's size."""
+        held = blocks_for_tokens(lengths, self.block_size)
         valid = torch.arange(tables.shape[-1], device=tables.device) < held[..., None]
         fp = (valid & (tables < self.num_fp_blocks)).sum()
-        return fp * self.pool.fp_block_bytes + (valid.sum() - fp) * self.pool.packed_block_bytes
+        return fp * self.kv_fp_block_bytes + (valid.sum() - fp) * self.kv_packed_block_bytes
+
+    # ------------------------------------------------------------------ page retrieval (quest over a codec)
+    def _count_summary_bytes(self) -> None:
+        """Both kinds of block carry a key summary: counted in their sizes (the pool's bytes, peak and limit)."""
+        extra = self.summaries.bytes_per_block
+        self.pool.fp_block_bytes += extra
+        self.pool.packed_block_bytes += extra
+
+    def _summarize_table(self, layer: int, slot: int) -> None:
+        """Recompute one sequence's layer's key summaries from its keys as attention reads them (decoded)."""
+        table = self.tables[slot, layer]  # [H, MB]
+        H, MB = table.shape
+        keys = self._dense_table_blocks(layer, table[None])[0].view(H, MB, self.block_size, self.head_dim)
+        self.summaries.recompute(keys, table, self.lengths[slot, layer])
+
+    def attend_pages(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int, *,
+                     backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """PagedKVCache.attend_pages over this cache's blocks (full-precision and packed, read as `attend` reads
+        them): the selected blocks' compacted tables stand in for the layer's tables."""
+        tables, lengths = select_pages(q[:, :, 0], self.summaries.summary, plan.tables[:, layer],
+                                       plan.lengths[:, layer], self.block_size, pages)
+        S, H, U = tables.shape
+        L = plan.tables.shape[1]
+        view = dataclasses.replace(  # every layer's entry is the selection (views): attend reads `layer`'s
+            plan, tables=tables[:, None].expand(S, L, H, U), lengths=lengths[:, None].expand(S, L, H),
+            key_positions=torch.zeros(S, 1, H, U * self.block_size, dtype=torch.int32,
+                                      device=tables.device).expand(S, L, H, U * self.block_size))
+        out, _ = self.attend(layer, q, view, scale, backend=backend, causal=False)
+        return out, self.selection_read_bytes(tables, lengths)
 
     def peak_kv_bytes(self) -> int:
         return self.pool.peak_bytes
@@ -210,6 +246,8 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         D = self.head_dim
         self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.fp_dtype))
         self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.fp_dtype))
+        if self.summaries is not None:  # the blocks' min / max keys, from the keys as stored
+            self.summaries.update(rows, self.k_pool.view(-1, D)[rows])
 
     def free_sequence(self, slot: int) -> None:
         self._pack_seen.pop(slot, None)
@@ -224,7 +262,10 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
     def block_payload(self, ids: list[int]) -> list[torch.Tensor]:
         """Full-precision blocks' K, V and packed blocks' K, V rows (in `ids` order within each kind)."""
         fp, pk = self._split_ids(ids)
-        return [self.k_pool[fp], self.v_pool[fp], self.kq_pool[pk], self.vq_pool[pk]]
+        payload = [self.k_pool[fp], self.v_pool[fp], self.kq_pool[pk], self.vq_pool[pk]]
+        if self.summaries is not None:  # page retrieval: the key summaries travel with the blocks (ids order)
+            payload.append(self.summaries.summary[torch.tensor(ids, dtype=torch.int64, device=self.device)])
+        return payload
 
     def block_payload_bytes(self, ids: list[int]) -> int:
         n_fp = sum(1 for b in ids if b < self.num_fp_blocks)
@@ -242,6 +283,8 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         fp, pk = self._split_ids(ids)
         self.k_pool[fp], self.v_pool[fp] = payload[0], payload[1]
         self.kq_pool[pk], self.vq_pool[pk] = payload[2], payload[3]
+        if self.summaries is not None:
+            self.summaries.summary[torch.tensor(ids, dtype=torch.int64, device=self.device)] = payload[4]
 
     # ------------------------------------------------------------------ rollback
     def truncate(self, slot: int, num_tokens: int) -> int:

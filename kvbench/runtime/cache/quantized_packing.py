@@ -71,6 +71,11 @@ class PackedStorage:
         pid = new_ids - self.num_fp_blocks
         self.kq_pool[pid] = k_rows
         self.vq_pool[pid] = v_rows
+        if self.summaries is not None:  # page retrieval: the packed blocks' min / max keys, as attention decodes them
+            for layer in (torch.unique(l_u).tolist() if not self.codec.layer_independent else [0]):
+                sel = torch.arange(fp_ids.numel(), device=self.device) if self.codec.layer_independent else \
+                    torch.nonzero(l_u == layer).squeeze(1)
+                self.summaries.set_full_blocks(new_ids[sel], self._decode("key", k_rows[sel], layer, h_u[sel]))
         self.tables[st[s_i], l_i, h_i, c_i] = new_ids[inverse].to(torch.int32)
         return int(fp_ids.numel())
 
@@ -202,3 +207,5 @@ class PackedStorage:
             pos_row[h, n_new:] = -1
             self.lengths[slot, layer, h] = n_new
             self.host_lengths[slot, layer, h] = n_new
+        if self.summaries is not None:  # blocks re-stored (decoded, then packed or kept): their min / max again
+            self._summarize_table(layer, slot)

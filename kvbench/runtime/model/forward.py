@@ -268,7 +268,7 @@ class LlamaFamilyModel:
             bs = cache.block_size
             held = int(blocks_for_tokens(plan.host_lengths_array()[:, li], bs).sum())
             cache.decode_reads.scored(held * cache.summaries.bytes_per_block)
-            cache.decode_reads.read(blocks_for_tokens(read, bs).sum() * cache.kv_block_bytes)
+            cache.decode_reads.read(read)
         else:
             out, key_scores = cache.attend(
                 li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
