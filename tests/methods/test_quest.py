@@ -416,3 +416,19 @@ def test_quest_over_kivi2(model, backend):
     assert runs["quest-all"][1] == pytest.approx(runs["kivi"][1], rel=1e-6, abs=1e-6)
     assert runs["quest"][2]["kv_read_bytes_per_token"] < 0.8 * runs["kivi"][2]["kv_read_bytes_per_token"]
     assert runs["quest"][2]["peak_kv_bytes"] > runs["kivi"][2]["peak_kv_bytes"]  # the summaries are memory
+
+
+def test_ragged_steps_with_full_budget_equal_full(model):
+    """Ragged steps (prefill chunks and decode tokens of several sequences in one forward, the mixed schedule):
+    a budget covering every page gives full attention's greedy tokens; a small one still decodes every sequence."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 61, 233)]
+    outs = {}
+    for name, budget in (("full", None), ("quest", 4096), ("quest-small", 48)):
+        method = build_method("quest" if budget else "full", budget)
+        engine = Engine(model, method, block_size=16, num_blocks=2048, max_num_batched_tokens=96,
+                        prefill_chunk_size=64)
+        outs[name] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=8)]
+        assert engine.cache.pool.in_use == 0
+    assert outs["quest"] == outs["full"]
+    assert all(len(t) == 8 for t in outs["quest-small"])

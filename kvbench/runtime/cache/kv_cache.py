@@ -21,12 +21,12 @@ import torch
 
 from kvbench.runtime.cache.append_plan import AppendPlan
 from kvbench.runtime.cache.block_summaries import BlockSummaries
-from kvbench.runtime.cache.kv_meter import DecodeReads
-from kvbench.runtime.cache.page_retrieval import PageRetrieval
 from kvbench.runtime.cache.kv_accounting import KVAccounting
 from kvbench.runtime.cache.kv_eviction import KVEviction
 from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, blocks_for_tokens
 from kvbench.runtime.cache.kv_layout import FullPrecisionLayout
+from kvbench.runtime.cache.kv_meter import DecodeReads
+from kvbench.runtime.cache.page_retrieval import PageRetrieval
 
 __all__ = ["SCRATCH_BLOCK", "AppendPlan", "PagedKVCache"]
 
@@ -47,7 +47,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope
-        self.summaries: BlockSummaries | None = None  # per-block min / max keys (enable_block_summaries)
+        self.summaries: BlockSummaries | None = None  # per-block min / max keys (enable_page_retrieval)
         self.decode_reads = DecodeReads()  # blocks the decode steps' attention read (kv_meter)
         self.page_retrieval: PageRetrieval | None = None  # decode steps read selected blocks (enable_page_retrieval)
         self._make_storage(num_blocks)
