@@ -715,3 +715,22 @@ def test_leaderboard_peak_labels_never_overlap_where_scores_bunch(monkeypatch):
             assert upper.y0 - lower.y1 >= 2 * fig.dpi / 72, (lower, upper)  # 2 points apart (1.9 before)
     bottom, top = ax.get_ylim()
     assert all(bottom <= ann.xyann[1] <= top for ann in ax.texts)  # and inside the axes
+
+
+def test_resident_and_read_bytes_on_two_axes(monkeypatch):
+    """Eviction, codecs and retrieval on one figure: peak KV bytes resident (x) against K/V bytes read per decoded
+    token (y), each point at its run's measured figures and labelled with the metric; runs without read figures
+    are left out."""
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    pts = [("full", 100, 100, 20.0), ("snapkv", 50, 50, 21.0), ("quest", 106, 25, 20.5), ("h2o", 40, None, 22.0)]
+    runs = [{"cfg": {"method.name": m, "quant.name": "none", "task.name": "perplexity"},
+             "metrics": {"method": m, "ppl": y, "peak_kv_bytes": res * 2**20,
+                         "kv_read_bytes_per_token": None if rd is None else rd * 2**20}} for m, res, rd, y in pts]
+    assert plots.memory_and_reads(runs, "ppl") == b"png"
+    (ax,) = figs[0].axes
+    got = sorted((tuple(c.get_offsets()[0]), c.get_label()) for c in ax.collections)
+    assert got == [((50.0, 50.0), "snapkv"), ((100.0, 100.0), "full"), ((106.0, 25.0), "quest")]
+    assert sorted(t.get_text() for t in ax.texts) == ["20", "20.5", "21"]
+    assert plots.memory_and_reads(runs[:1], "ppl") is None  # one point: nothing to set side by side

@@ -148,3 +148,14 @@ def test_no_next_step_after_a_compressed_or_failed_run(record):
     rec = {"run_id": "r", "status": "ok", "task": "perplexity", "max_sequence_tokens": 4096, **record}
     assert next_step_lines(rec) == []
     assert NEXT not in format_summary(rec, "/tmp/r", next_step=True)
+
+
+def test_the_summary_shows_what_decode_read_beside_what_was_resident():
+    rec = {"run_id": "r", "status": "ok", "method": "quest", "budget": 512, "peak_kv_bytes": 1060 * 2**20,
+           "full_kv_bytes": 1000 * 2**20, "held_kv_bytes": 1000 * 2**20, "kv_read_bytes_per_token": 25 * 2**20,
+           "kv_read_fraction": 0.25, "summary_read_bytes_per_token": 6 * 2**20}
+    line = " ".join(format_summary(rec).split("KV read")[1].split())
+    assert line.startswith("25.0 MiB per decoded token + 6.0 MiB of page summaries: 25.0% of what full attention")
+    assert "KV read" not in format_summary({k: v for k, v in rec.items() if not k.startswith(("kv_read", "summ"))})
+    table = format_sweep_table([rec, dict(rec, budget=1024, kv_read_fraction=0.5)])
+    assert "kv_read_fraction" in table.splitlines()[1]
