@@ -10,7 +10,8 @@ speculative verification) read every page, as in the official code.
 `budget` here is the tokens READ per decode step per query head (Quest's token_budget), not tokens kept: nothing
 is evicted. With `evict=<method>`, an eviction method runs underneath with its own budget (`evict_budget`, tokens
 KEPT per kv-head) and options (`evict_options`): "evict at prefill, retrieve at decode" (RocketKV's shape), e.g.
-`method=quest budget=512 method.evict=snapkv method.evict_budget=2048`.
+`method=quest budget=512 method.evict=snapkv method.evict_budget=2048`. Over a storage codec (`quant=kivi`, int8,
+fp8; not kvquant, whose keys are stored before RoPE) the pages are the codec's blocks, summarized as they decode.
 
 Where this differs from the official evaluation code (and why):
   - GQA: the official code repeats the keys over the group, so each query head selects and attends over its own

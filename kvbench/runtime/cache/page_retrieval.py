@@ -12,7 +12,7 @@ its query heads' blocks as a compacted table (ascending table order, so a partly
 the usual `lengths` describe it). Every query head of the kv-head attends over that union: a kv-head's blocks are
 read once for its whole GQA group. Prefill chunks and multi-token steps (speculative verification) read every
 block. The selection runs on the device, with no host read (`select_pages`); the fused CPU decode step does the
-same in C (csrc/decode_layer.c).
+same in C (backends/cpu/csrc/page_select.c).
 """
 from __future__ import annotations
 
@@ -77,7 +77,3 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     sel_lengths = (block_len * chosen).sum(-1)
     return sel_tables, sel_lengths.to(torch.int64)
 
-
-def pages_of(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Blocks a table of `lengths` tokens spans (any shape)."""
-    return (lengths + block_size - 1) // block_size
