@@ -432,3 +432,17 @@ def test_ragged_steps_with_full_budget_equal_full(model):
         assert engine.cache.pool.in_use == 0
     assert outs["quest"] == outs["full"]
     assert all(len(t) == 8 for t in outs["quest-small"])
+
+
+def test_selection_reads_nothing_on_the_host(model):
+    """On the device's path (torch attention, appends built with torch) a decode step with retrieving layers reads
+    the device once (the sampled tokens), as full attention does: the selection and its counting stay on the
+    device; over KIVI too, except the steps that pack blocks."""
+    from tests.runtime.test_host_syncs import KIVI_SMALL, syncs_per_step
+    from kvbench.quant.registry import build_codec
+
+    for step, (calls, _) in enumerate(syncs_per_step(model, build_method("quest", 32))):
+        assert len(calls) <= 1, f"step {step}: {calls}"
+    rows = syncs_per_step(model, build_method("quest", 32), build_codec("kivi", model, **KIVI_SMALL), steps=18)
+    for step, (calls, packed) in enumerate(rows):
+        assert packed or len(calls) <= 1, f"step {step}: {calls}"

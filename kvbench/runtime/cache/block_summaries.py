@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK
+
 SUMMARY_DTYPE = torch.float32
 
 
@@ -35,10 +37,10 @@ class BlockSummaries:
         bs = self.block_size
         blocks = rows // bs
         kf = k.to(SUMMARY_DTYPE)
-        fresh = blocks[rows % bs == 0]
-        if fresh.numel():
-            self.summary[fresh, 0] = float("inf")
-            self.summary[fresh, 1] = float("-inf")
+        # a key written at slot 0 replaces its block's summary (no shape depends on a value: no host read; the other
+        # rows' copies land in the scratch block, whose summary nothing reads)
+        target = torch.where(rows % bs == 0, blocks, SCRATCH_BLOCK)
+        self.summary.index_copy_(0, target, torch.stack([kf, kf], dim=1))
         idx = blocks[:, None].expand(-1, self.head_dim)
         self.summary[:, 0].scatter_reduce_(0, idx, kf, "amin")  # include_self: earlier slots of the block count
         self.summary[:, 1].scatter_reduce_(0, idx, kf, "amax")
