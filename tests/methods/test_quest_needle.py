@@ -1,7 +1,7 @@
 """Quest on the packaged model (slow: 4,096-token needle runs through the CLI, depths 0, 50 and 100 %): full attention
 finds the needle at every depth; quest at budget 2,048 does too, reading about two thirds of the K/V; at budget 512
 (the issue's target) it does not on this 135M model: measured, it found the needle at depth 100 only (accuracy 1/3;
-at budget 1,024 at depths 50 and 100): a strict xfail, so the day it passes the test says so."""
+budget 1,024 found it at depth 50, not 0): a strict xfail, so the day it passes the test says so."""
 from __future__ import annotations
 
 import json
