@@ -15,9 +15,10 @@ fp8; not kvquant, whose keys are stored before RoPE) the pages are the codec's b
 
 Where this differs from the official evaluation code (and why):
   - GQA: the official code repeats the keys over the group, so each query head selects and attends over its own
-    pages. Here the selection is the same per query head, but a kv-head's kernel reads the union of its query
-    heads' pages once and every head of the group attends over that union (a superset of its own pages). Equal
-    for multi-head attention (G = 1).
+    pages. Here the selection is the same per query head; by default (`gqa=union`) a kv-head's kernel reads the
+    union of its query heads' pages once and every head of the group attends over that union (a superset of its
+    own pages; the fused CPU step runs it). `gqa=per_head` is the official rule exactly: one table per query head,
+    each head attending over its own pages only (op by op; full-precision pools). Equal for G = 1.
   - The page count is min(max(3, budget // block_size), pages held). The official code first clamps the budget to
     the sequence length (`min(kv_seq_len, token_budget)`), which drops one page whenever the budget covers a
     context that is not a whole number of pages: here a budget that covers every page reads every page (equal to
@@ -35,6 +36,7 @@ from kvbench.methods.base import METHODS, Method, build_method, register_method
 from kvbench.runtime.contract import PageRetrieval
 
 MIN_PAGES = 3  # the official code reads at least 3 pages
+GQA_MODES = ("union", "per_head")
 # optional hooks an eviction method underneath may have (looked up with getattr by the engine)
 _INNER_HOOKS = ("bind_engine", "after_prefill_chunk", "on_rollback")
 
@@ -51,6 +53,7 @@ class Quest(Method):
 
     retrieves: ClassVar[bool] = True
     dense_layers: int = 2  # the first layers read every page (official: layer_id < 2)
+    gqa: str = "union"  # union: a kv-head's query heads attend over the union of their pages | per_head (official)
     evict: Optional[str] = None  # an eviction method underneath (its name), or None
     evict_budget: Optional[int] = None  # tokens that method KEEPS per kv-head (budget is tokens READ)
     evict_options: dict = field(default_factory=dict)
@@ -65,6 +68,8 @@ class Quest(Method):
                             "head; nothing is evicted)")
         if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) or self.dense_layers < 0:
             raise UserError(f"invalid quest.dense_layers={self.dense_layers!r}: expected an integer >= 0")
+        if self.gqa not in GQA_MODES:
+            raise UserError(f"invalid quest.gqa={self.gqa!r}: choose one of {', '.join(GQA_MODES)}")
         self.inner: Method | None = None
         if self.evict is None:
             if self.evict_budget is not None or self.evict_options:
@@ -116,7 +121,8 @@ class Quest(Method):
         super().attach(cache, model_config)
         pages = quest_pages(self.budget, cache.block_size)
         self.page_retrieval = PageRetrieval(tuple(0 if layer < self.dense_layers else pages
-                                                  for layer in range(model_config.num_layers)))
+                                                  for layer in range(model_config.num_layers)),
+                                            per_head=self.gqa == "per_head")
         if self.inner is not None:
             self.inner.attach(cache, model_config)
 

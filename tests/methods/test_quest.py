@@ -122,6 +122,28 @@ def test_selection_equals_the_official_code(G, T, budget):
         assert int(sel_lengths[0, h]) == n * bs - (0 if last_full else bs - T % bs)
 
 
+@pytest.mark.parametrize("T,budget", [(300, 64), (257, 128), (1000, 512)])
+def test_per_head_selection_is_the_official_mask(T, budget):
+    """gqa=per_head: each query head's table lists exactly the chunks the official code's mask keeps for it."""
+    from kvbench.runtime.cache.page_retrieval import select_pages_per_head
+
+    bs, H, G, D = 16, 2, 3, 64
+    g = torch.Generator().manual_seed(T)
+    keys = torch.randn(H, T, D, generator=g)
+    q = torch.randn(H * G, D, generator=g)
+    pool, tables, lengths, summ = _paged(keys, bs, torch.float32, seed=T)
+    sel_t, sel_l = select_pages_per_head(q[None], summ.summary, tables, lengths, bs, quest_pages(budget, bs))
+    want = _official_selection(q, keys, budget, bs)  # [Hq, MB]
+    nb = -(-T // bs)
+    for hq in range(H * G):
+        cols = want[hq].nonzero().flatten()
+        n = len(cols)
+        assert sel_t[0, hq, :n].tolist() == tables[0, hq // G, cols].tolist()
+        assert bool((sel_t[0, hq, n:] == 0).all())  # padding: the scratch block
+        last_full = bool(cols[-1] < nb - 1) or T % bs == 0
+        assert int(sel_l[0, hq]) == n * bs - (0 if last_full else bs - T % bs)
+
+
 def _gathered_attention(q, k_pool, v_pool, tables, lengths, scale):
     """Reference: the listed blocks' K/V gathered by torch, softmax over the first `lengths` slots."""
     S, Hq, _, D = q.shape
@@ -446,3 +468,27 @@ def test_selection_reads_nothing_on_the_host(model):
     rows = syncs_per_step(model, build_method("quest", 32), build_codec("kivi", model, **KIVI_SMALL), steps=18)
     for step, (calls, packed) in enumerate(rows):
         assert packed or len(calls) <= 1, f"step {step}: {calls}"
+
+
+def test_per_head_attention(model):
+    """gqa=per_head: a budget covering every page equals full attention; at a small budget the kernels are given
+    one table of `pages` blocks per query head (hand-counted bytes), and the result differs from full attention."""
+    g = torch.Generator().manual_seed(10)
+    prompt = torch.randint(0, 256, (250,), generator=g).tolist()
+    runs = {}
+    for name, method in (("full", build_method("full")), ("per_head-all", build_method("quest", 4096, gqa="per_head")),
+                         ("per_head", build_method("quest", 48, gqa="per_head")),
+                         ("union", build_method("quest", 48))):
+        engine = Engine(model, method, block_size=16, num_blocks=1024)
+        runs[name] = (*_decode_nll(engine, prompt, 6), engine.memory_stats())
+    assert runs["per_head-all"][0] == runs["full"][0]
+    assert runs["per_head-all"][1] == pytest.approx(runs["full"][1], rel=1e-6, abs=1e-6)
+    # what the kernels were given, per step: layers 0-1 every block of their 2 kv-heads' tables; layers 2-3 one
+    # table of 3 pages per query head (6 query heads); blocks of 16 fp32 keys and values of 64
+    block = 2 * 16 * 64 * 4
+    steps = [250 + i + 1 for i in range(6)]  # table lengths of the 6 decode steps
+    want = sum(2 * 2 * math.ceil(n / 16) + 2 * 6 * 3 for n in steps) * block / 6
+    assert runs["per_head"][2]["kv_read_bytes_per_token"] == want
+    assert runs["per_head"][0] != runs["full"][0] or runs["per_head"][1] != pytest.approx(runs["full"][1])
+    with pytest.raises(UserError, match="gqa"):
+        build_method("quest", 64, gqa="mean")

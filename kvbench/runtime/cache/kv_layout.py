@@ -16,7 +16,7 @@ from kvbench.runtime import huge_pages
 from kvbench.runtime.cache.append_plan import AppendPlan
 from kvbench.runtime.cache.block_pool import BlockPool
 from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
-from kvbench.runtime.cache.page_retrieval import select_pages
+from kvbench.runtime.cache.page_retrieval import select_pages, select_pages_per_head
 
 
 class FullPrecisionLayout:
@@ -62,10 +62,12 @@ class FullPrecisionLayout:
     def attend_pages(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int, *,
                      backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of q [S, Hq, 1, D] over only the blocks `page_retrieval.select_pages` picks (each query
-        head's top `pages` blocks by their key summaries, united per kv-head): the kernel is given the compacted
-        tables and reads nothing else. Returns (out [S, Hq, 1, D], the lengths it read [S, H])."""
-        tables, lengths = select_pages(q[:, :, 0], self.summaries.summary, plan.tables[:, layer],
-                                       plan.lengths[:, layer], self.block_size, pages)
+        head's top `pages` blocks by their key summaries, united per kv-head; or, with `page_retrieval.per_head`, each
+        query head's own, one table per query head): the kernel is given the compacted tables and reads nothing
+        else. Returns (out [S, Hq, 1, D], the lengths it read [S, H])."""
+        select = select_pages_per_head if self.page_retrieval.per_head else select_pages
+        tables, lengths = select(q[:, :, 0], self.summaries.summary, plan.tables[:, layer], plan.lengths[:, layer],
+                                 self.block_size, pages)  # [S, H or Hq, U]: per kv-head, or per query head
         # keys are cached after RoPE (a retrieval method asks so) and no mask applies (causal=False): decode
         # attention reads no key position; the argument is only shaped as the backends check it
         no_positions = torch.zeros(*tables.shape[:2], tables.shape[2] * self.block_size, dtype=torch.int32,

@@ -25,9 +25,12 @@ from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK
 
 @dataclass(frozen=True)
 class PageRetrieval:
-    """What a retrieval method asks of decode attention: `pages[layer]` top blocks per query head (0: dense)."""
+    """What a retrieval method asks of decode attention: `pages[layer]` top blocks per query head (0: dense).
+    per_head: each query head attends over its own blocks only (the kernels then get one table per query head);
+    False: every query head of a kv-head attends over the union of the group's blocks (one table per kv-head)."""
 
     pages: tuple[int, ...]
+    per_head: bool = False
 
     def pages_for(self, layer: int) -> int:
         return self.pages[layer] if layer < len(self.pages) else 0
@@ -77,3 +80,28 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     sel_lengths = (block_len * chosen).sum(-1)
     return sel_tables, sel_lengths.to(torch.int64)
 
+
+
+def select_pages_per_head(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                          block_size: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query head's own top `pages` blocks (as select_pages, without the union): (tables [S, Hq, k] int32 in
+    table order, padded with SCRATCH_BLOCK; lengths [S, Hq] int64), k = min(pages, MB). A kernel given these reads
+    them as Hq tables of one query head each."""
+    S, Hq, _ = q.shape
+    H, MB = tables.shape[1], tables.shape[2]
+    G = Hq // H
+    k = min(pages, MB)
+    col = torch.arange(MB, device=tables.device)
+    held = (col[None, None, :] * block_size < lengths[..., None])  # [S, H, MB]
+    held_q = held[:, :, None, :].expand(S, H, G, MB).reshape(S, Hq, MB)
+    bound = page_bounds(q, summary, tables).masked_fill(~held_q, float("-inf"))  # [S, Hq, MB]
+    chosen = torch.zeros(S, Hq, MB, dtype=torch.bool, device=tables.device)
+    chosen.scatter_(-1, bound.topk(k, dim=-1).indices, True)
+    chosen &= held_q
+    order = torch.where(chosen, MB - col, 0).topk(k, dim=-1).indices  # [S, Hq, k] chosen columns ascending
+    tables_q = tables[:, :, None, :].expand(S, H, G, MB).reshape(S, Hq, MB)
+    sel_tables = torch.where(torch.arange(k, device=tables.device) < chosen.sum(-1, keepdim=True),
+                             tables_q.gather(-1, order), SCRATCH_BLOCK).to(torch.int32)
+    lengths_q = lengths[:, :, None].expand(S, H, G).reshape(S, Hq)
+    block_len = (lengths_q[..., None] - col * block_size).clamp(0, block_size)  # [S, Hq, MB]
+    return sel_tables, (block_len * chosen).sum(-1).to(torch.int64)

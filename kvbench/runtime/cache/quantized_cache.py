@@ -175,7 +175,10 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
     def attend_pages(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int, *,
                      backend) -> tuple[torch.Tensor, torch.Tensor]:
         """PagedKVCache.attend_pages over this cache's blocks (full-precision and packed, read as `attend` reads
-        them): the selected blocks' compacted tables stand in for the layer's tables."""
+        them): the selected blocks' compacted tables stand in for the layer's tables (per kv-head: the union)."""
+        if self.page_retrieval.per_head:
+            raise ValueError("page retrieval per query head reads full-precision pools only (quest.gqa=union over "
+                             "a codec)")
         tables, lengths = select_pages(q[:, :, 0], self.summaries.summary, plan.tables[:, layer],
                                        plan.lengths[:, layer], self.block_size, pages)
         S, H, U = tables.shape

@@ -136,8 +136,9 @@ def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: Pa
             and cache.v_pool.dtype == cache.k_pool.dtype and cache.k_pool.is_contiguous()
             and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= kernels._MAX_GROUP):
         return None
-    if retrieval is not None and (formats is not None or need_scores or cache.summaries is None):
-        return None  # page retrieval runs fused over plain pools, without per-key attention mass
+    if retrieval is not None and (formats is not None or need_scores or cache.summaries is None
+                                  or retrieval.per_head):
+        return None  # page retrieval runs fused over plain pools, per kv-head, without per-key attention mass
     weights = layer_weights(model)
     if weights is None:
         return None
