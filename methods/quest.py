@@ -71,6 +71,7 @@ class Quest(Method):
         if self.gqa not in GQA_MODES:
             raise UserError(f"invalid quest.gqa={self.gqa!r}: choose one of {', '.join(GQA_MODES)}")
         self.inner: Method | None = None
+        self._declare()
         if self.evict is None:
             if self.evict_budget is not None or self.evict_options:
                 raise UserError("quest.evict_budget / evict_options set without quest.evict: name the eviction "
@@ -92,23 +93,15 @@ class Quest(Method):
         if self.inner.store_pre_rope or self.inner.rope_mode != "original":
             raise UserError(f"quest.evict={self.evict}: Quest bounds keys cached after RoPE at their positions; "
                             f"{self.evict} caches them otherwise")
+        self._declare()
 
-    # --- what the eviction underneath declares (nothing without one) ------------------------------------------
-    @property
-    def needs_key_scores(self) -> bool:  # type: ignore[override]
-        return bool(self.inner is not None and self.inner.needs_key_scores)
-
-    @property
-    def acts_after_attention(self) -> bool:  # type: ignore[override]
-        return bool(self.inner is not None and self.inner.acts_after_attention)
-
-    @property
-    def acts_before_attention(self) -> bool:  # type: ignore[override]
-        return bool(self.inner is not None and getattr(self.inner, "acts_before_attention", False))
-
-    @property
-    def decode_reads_attention(self) -> bool:  # type: ignore[override]
-        return bool(self.inner is None or self.inner.decode_reads_attention)
+    def _declare(self) -> None:
+        """What the engine reads of the hook protocol: the eviction underneath's declarations (none without one)."""
+        inner = self.inner
+        self.needs_key_scores = bool(inner is not None and inner.needs_key_scores)
+        self.acts_after_attention = bool(inner is not None and inner.acts_after_attention)
+        self.acts_before_attention = bool(inner is not None and getattr(inner, "acts_before_attention", False))
+        self.decode_reads_attention = bool(inner is None or inner.decode_reads_attention)
 
     def __getattr__(self, name: str) -> Any:  # the optional hooks of the method underneath
         inner = self.__dict__.get("inner")

@@ -40,6 +40,7 @@ VARIANTS = [
     ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
     ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
     ("kvzip", {"chunk_size": 48}),
+    ("quest", {"dense_layers": 0}),  # retrieval, not eviction: every layer of the tiny models retrieves
 ]
 
 
