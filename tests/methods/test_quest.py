@@ -492,3 +492,38 @@ def test_per_head_attention(model):
     assert runs["per_head"][0] != runs["full"][0] or runs["per_head"][1] != pytest.approx(runs["full"][1])
     with pytest.raises(UserError, match="gqa"):
         build_method("quest", 64, gqa="mean")
+
+
+def test_eviction_codec_and_retrieval_in_one_run(model):
+    """quest over snapkv over KIVI-2: the prompt is evicted to evict_budget and packed, the summaries of the tables
+    snapkv re-stored are the min / max of the keys as attention decodes them, and decode reads less than KIVI-2 with
+    snapkv alone."""
+    from kvbench.quant.registry import build_codec
+
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 256, (400,), generator=g).tolist()
+    stats = {}
+    for name, method in (("snapkv", build_method("snapkv", 192, window=8)),
+                         ("quest", build_method("quest", 48, evict="snapkv", evict_budget=192,
+                                                evict_options={"window": 8}))):
+        engine = Engine(model, method, codec=build_codec("kivi", model, bits=2), block_size=32, num_blocks=1024,
+                        attention_backend="cpu" if kernels.available() else "torch")
+        if name == "quest":
+            cache = engine.cache
+            slot = engine.new_sequence()
+            engine.forward_chunk(slot, prompt, 0)
+            cache.pack_pending()
+            assert int(cache.lengths[slot].max()) == 192
+            for layer in range(cache.num_layers):
+                table = cache.tables[slot, layer]
+                H, MB = table.shape
+                keys = cache._dense_table_blocks(layer, table[None])[0].view(H, MB, 32, cache.head_dim).float()
+                for h in range(H):
+                    for c in range(192 // 32):
+                        b = int(table[h, c])
+                        torch.testing.assert_close(cache.summaries.summary[b, 0], keys[h, c].amin(0))
+                        torch.testing.assert_close(cache.summaries.summary[b, 1], keys[h, c].amax(0))
+            engine.end_sequence(slot)
+        _decode_nll(engine, prompt, 6)
+        stats[name] = engine.memory_stats()
+    assert stats["quest"]["kv_read_bytes_per_token"] < stats["snapkv"]["kv_read_bytes_per_token"]
