@@ -13,6 +13,7 @@ from tests.app.test_cli import kvbench
 
 
 def _needle(tmp_path, *method):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     proc = kvbench(*method, "task=needle", "task.lengths=[4096]", "task.depths=[0,50,100]", f"results_dir={tmp_path}",
                    "progress=false", "logger.mode=disabled", cwd=str(tmp_path), timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
