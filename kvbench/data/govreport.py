@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvbench.data.hub import note_revision_read
 from kvbench.data.local_rows import check_rows
 from kvbench.data.longbench import load_longbench
 from kvbench.errors import UserError
@@ -92,7 +93,6 @@ def _iter_local(root: Path, split: str) -> Iterator[dict[str, Any]]:
 def _iter_hub(split: str, hub_repo: str, revision: str | None = None) -> Iterator[dict[str, Any]]:
     import datasets  # lazy: heavy
 
-    from kvbench.data.hub import note_revision_read
 
     ds = datasets.load_dataset(hub_repo, split=split, revision=revision)
     note_revision_read(hub_repo, revision)

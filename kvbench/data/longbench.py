@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from kvbench.data.hub import note_revision_read
 from kvbench.data.longbench_schema import check_record
 from kvbench.errors import UserError
 
@@ -460,7 +461,6 @@ def _read_zip(zip_path: Path, dataset: str) -> Iterator[dict[str, Any]]:
 def _read_hub(dataset: str, hub_repo: str, revision: str | None = None) -> Iterator[dict[str, Any]]:
     import datasets  # lazy: heavy
 
-    from kvbench.data.hub import note_revision_read
 
     try:
         ds = datasets.load_dataset(hub_repo, dataset, split="test", revision=revision)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
+from kvbench.data.hub import note_revision_read
 from kvbench.data.essays import essay_corpus_text
 
 # --------------------------------------------------------------------------- RULER's task definitions
@@ -652,7 +653,6 @@ def load_hub_samples(length: int, tasks: Iterable[str], data_dir: Optional[str] 
     else:
         import datasets
 
-        from kvbench.data.hub import note_revision_read
 
         rows = list(datasets.load_dataset(HUB_DATASET, str(length), split="test", revision=revision))
         note_revision_read(HUB_DATASET, revision)
