@@ -40,6 +40,11 @@ VARIANTS = [
     ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
     ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
     ("kvzip", {"chunk_size": 48}),
+    ("compactor", {"chunk_size": 16}),
+    ("adakv_compactor", {"base_options": {"chunk_size": 16}}),
+    ("cur", {}),
+    ("cur", {"decode": "evict", "leverage_type": "kv_avg", "use_random_leverage": True}),
+    ("chunkkv", {"chunk_length": 8, "base_options": {"window": 8}}),
 ]
 
 
