@@ -17,7 +17,10 @@ kv_heads x budget best (kv-head, token) pairs jointly (`adakv_compactor`: kvpres
 Ada-KV's safeguard alpha 0.20). With `budget=N` instead of a ratio the blending is the prompt's realized ratio
 1 - N / prompt length. The sketch is drawn from `seed` and the layer (kvpress draws it from the global generator).
 Prefill only (kvpress: "Currently only supports prefill"): decode="none". prefill_mode="streaming" (not kvpress)
-scores what each table holds after every chunk, each kept token with its own query.
+scores what each table holds after every chunk, each kept token with its own query. The prefill queries are held
+per (sequence, layer) by position until the sequence ends (a later prompt of the same sequence, as the scorer's
+chunks, scores the tokens kept before with their queries; a token whose query was never seen, a generated token or
+a prefix-cache hit, attends as a zero query).
 """
 from __future__ import annotations
 
@@ -137,7 +140,7 @@ class CompactorScores:
 
     def observe(self, obs: Observation) -> None:
         """Keep every prompt query and its position (the non-causal attention needs the query of every cached
-        token); dropped once the prompt is compressed."""
+        token), for as long as the sequence lives."""
         if obs.phase != "prefill":
             return
         st = self.state(obs.slot, obs.layer)
@@ -157,27 +160,28 @@ class CompactorScores:
         k = self.sketch_dimension
         return (torch.randn(H, D, k, generator=g) / math.sqrt(k)).to(device)
 
-    def prompt_queries(self, obs: Observation) -> torch.Tensor:
-        """The prompt's queries [Hq, P, D] by position 0..P-1 (dropped from the state after the last chunk)."""
+    def prompt_queries(self, obs: Observation, n_pos: int) -> torch.Tensor:
+        """The prefill queries seen so far [Hq, n_pos, D] by position (zero rows for a position whose query was
+        never seen: a prefix-cache hit, a generated token); kept for the sequence's later prompts (a scorer's
+        chunks each end a prompt)."""
         st = self.state(obs.slot, obs.layer)
-        qs, pos = st.get("prompt_q"), st.get("prompt_q_pos")
-        if obs.last_chunk:
-            st.pop("prompt_q", None), st.pop("prompt_q_pos", None)
+        qs, ps = st.get("prompt_q", []), st.get("prompt_q_pos", [])
         if not qs:
-            raise RuntimeError(f"{self.name}: scores the prompt at prefill only (no prompt queries held)")
-        q, pos = torch.cat(qs, dim=1), torch.cat(pos)
-        if not bool((pos == torch.arange(pos.numel(), device=pos.device)).all()):
-            raise RuntimeError(f"{self.name}: needs the query of every prompt token (a prefix-cache hit skips some)")
-        if not obs.last_chunk:
-            st["prompt_q"], st["prompt_q_pos"] = [q], [pos]
-        return q
+            raise RuntimeError(f"{self.name}: scores a prompt at prefill (no prompt queries held)")
+        pos = torch.cat(ps).long()
+        q = torch.cat(qs, dim=1)
+        n = max(n_pos, int(pos.max()) + 1)
+        out = q.new_zeros(q.shape[0], n, q.shape[2])
+        out[:, pos] = q
+        st["prompt_q"], st["prompt_q_pos"] = [out], [torch.arange(n, device=pos.device)]
+        return out
 
     def score(self, obs: Observation) -> torch.Tensor:
         if obs.rotary is None:
             raise RuntimeError(f"{self.name}: the runtime gave no RoPE table (LayerContext.rotary)")
         k, v, pos = obs.keys, obs.values, obs.positions  # [H, T, D], [H, T, D], [H, T]
         H, T, D = k.shape
-        q = self.prompt_queries(obs)  # [Hq, P, D]
+        q = self.prompt_queries(obs, int(pos.max()) + 1)  # [Hq, P, D]
         G = q.shape[0] // H
         lengths = obs.table_lengths()
         qh, kr, kp, vh = [], [], [], []

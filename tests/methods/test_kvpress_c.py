@@ -1,0 +1,283 @@
+"""compactor, adakv_compactor, cur and chunkkv keep exactly the tokens of their definitions: kvpress's presses
+(CompactorPress = LeverageScorePress + NonCausalAttnPress, AdaKVPress, CURPress, ChunkKVPress over SnapKVPress)
+written out here in plain torch, batched as kvpress writes them, on random K/V and on a transformers model's own
+keys, values and pre-RoPE states; and each frees its evicted bytes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvbench.errors import UserError
+from kvbench.methods import build_method
+from kvbench.methods.chunkkv import chunk_keep
+from kvbench.methods.compactor import compactor_scores
+from kvbench.methods.cur import cur_scores
+from kvbench.runtime.contract import rotate_half
+from tests.fixtures.task_fixtures import one_thread as _one_thread
+from tests.methods.test_kvpress_a import kept_after_prefill, layer_kv, top_sets
+from tests.methods.test_snapkv_official import official_keep  # noqa: F401  (kept for symmetry with _a)
+from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model, tiny_model
+
+T, BUDGET = 230, 120
+
+one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(layers=2, vocab=256, max_positions=2048, eager=True, **DISTINCT_SCORES)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def hf_out(hf, ids):
+    with torch.no_grad():
+        return hf(ids[None], use_cache=True, output_attentions=True, output_hidden_states=True)
+
+
+# ------------------------------------------------------------------------ kvpress's presses, batched [B, H, S, D]
+def ref_leverage(keys, phi):  # LeverageScorePress.compute_leverage_scores, Phi given (kvpress draws it)
+    X = keys - keys.mean(dim=-2, keepdim=True)
+    X = torch.matmul(X, phi).to(torch.float32)
+    XT = X.transpose(-2, -1)
+    G = XT @ X
+    G = 0.5 * (G + G.transpose(-2, -1))
+    eye, cur = torch.eye(G.shape[-1]), 1e-2
+    for _ in range(5):
+        L, info = torch.linalg.cholesky_ex(G + cur * eye, upper=False)
+        if bool((info == 0).all()):
+            break
+        cur = max(1e-8, (1e-2 if cur == 0.0 else 10.0 * cur))
+    inv_Xt = torch.cholesky_solve(XT, L, upper=False)
+    s = (X * inv_Xt.transpose(-2, -1)).sum(dim=-1).clamp_min(0)
+    return (s - s.mean()) / s.std().clamp_min(1e-6)
+
+
+def ref_non_causal(q, k, chunk_size):  # NonCausalAttnPress.non_causal_chunked_attn
+    B, H, S, d = k.shape
+    S_pad = math.ceil(S / chunk_size) * chunk_size
+    pad_len = S_pad - S
+    if pad_len > 0:
+        q = torch.cat([q, torch.zeros(B, H, pad_len, d)], dim=2)
+        k = torch.cat([k, torch.zeros(B, H, pad_len, d)], dim=2)
+        last_chunk_start = (S // chunk_size) * chunk_size
+    else:
+        last_chunk_start = ((S - 1) // chunk_size) * chunk_size
+    in_valid = torch.arange(last_chunk_start, S_pad) >= S
+    mask = in_valid.view(1, 1, chunk_size).expand(B, H, chunk_size)
+    n = S_pad // chunk_size
+    dots = torch.matmul(q.view(B, H, n, chunk_size, d), k.view(B, H, n, chunk_size, d).transpose(-2, -1))
+    dots[:, :, -1].masked_fill_(mask.unsqueeze(-1), 0)
+    dots[:, :, -1].masked_fill_(mask.unsqueeze(-2), -1e-9)
+    attn = torch.softmax(dots.to(torch.float32), dim=-1)
+    return attn.sum(dim=-2).view(B, H, S_pad)[..., :S]
+
+
+def ref_compactor(q, keys, pre_keys, values, phi, ratio, chunk_size=256, sink_start=8, sink_end=4):
+    """CompactorPress.score: q [B, Hq, S, D] post-RoPE, keys post-RoPE, pre_keys pre-RoPE [B, H, S, D]."""
+    n = keys.shape[-2]
+    left = min(sink_start, n)
+    right = min(sink_end, max(0, n - left))
+    sl = slice(left, n - right)
+    lev = ref_leverage(pre_keys[:, :, sl], phi)
+    G = q.shape[1] // keys.shape[1]
+    A = ref_non_causal(q[:, :, sl], keys[:, :, sl].repeat_interleave(G, dim=1), chunk_size)
+    A = A.view(A.shape[0], keys.shape[1], -1, A.shape[-1]).mean(dim=-2)
+    s = A * values[:, :, sl].norm(dim=-1)
+    s = F.avg_pool1d(s, kernel_size=3, padding=1, stride=1)
+    att = (s - s.mean()) / s.std().clamp_min(1e-6)
+    scores = ratio * lev + att
+    return F.pad(scores, (left, right), value=float(scores.max()))
+
+
+def ref_cur(keys, values, num_sinks=4, leverage_type="kv_product", local=True, w=16, G=None):  # CURPress.score
+    if G is not None:
+        keys, values = keys @ G, values @ G
+    k2, v2 = (keys ** 2).sum(-1), (values ** 2).sum(-1)
+    if local:
+        b, h, n = k2.shape
+        k2 = F.pad(k2, (0, (w - n % w) % w)).reshape(b, h, -1, w)
+        k2 = (k2 / k2.sum(dim=-1, keepdim=True)).reshape(b, h, -1)[:, :, :n]
+        v2 = F.pad(v2, (0, (w - n % w) % w)).reshape(b, h, -1, w)
+        v2 = (v2 / v2.sum(dim=-1, keepdim=True)).reshape(b, h, -1)[:, :, :n]
+    s = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[leverage_type]
+    s = s / s.sum(dim=-1, keepdim=True)
+    s[:, :, :num_sinks] = 1.0
+    return s
+
+
+def ref_chunkkv(global_scores, ratio, chunk_length):  # ChunkKVPress.compress's indices (B = 1)
+    kv_len = global_scores.shape[-1]
+    complete, rest = kv_len // chunk_length, kv_len % chunk_length
+    main = global_scores[..., : complete * chunk_length].sum(dim=1).view(-1, complete, chunk_length).mean(-1)
+    if rest > 0:
+        main = torch.cat([main, global_scores[..., -rest:].sum(dim=1).mean(dim=-1, keepdim=True)], dim=-1)
+    n_kept = max(1, int((complete + (rest > 0)) * (1 - ratio)))
+    idx = []
+    for c in main.topk(n_kept, dim=-1).indices[0]:
+        idx.append(torch.arange(c * chunk_length, min((c + 1) * chunk_length, kv_len)))
+    return set(torch.cat(idx).tolist())
+
+
+def ref_snapkv(q_window, keys, window=64, kernel=5):  # SnapKVPress.score from the window's post-RoPE queries
+    B, H, k_len, D = keys.shape
+    G = q_window.shape[1] // H
+    kq = keys.repeat_interleave(G, dim=1)
+    w = torch.matmul(q_window, kq.transpose(2, 3)) / math.sqrt(D)
+    mask = torch.triu(torch.full_like(w, float("-inf")), diagonal=k_len - window + 1)
+    w = torch.softmax(w + mask, dim=-1, dtype=torch.float32)[..., :-window]
+    s = F.avg_pool1d(w.mean(dim=-2), kernel_size=kernel, padding=kernel // 2, stride=1)
+    s = s.view(B, H, G, k_len - window).mean(2)
+    return F.pad(s, (0, window), value=s.max().item() + 1)
+
+
+# ------------------------------------------------------------------------ the tiny model's states, as kvpress reads them
+def model_states(hf, out, layer):
+    """(post-RoPE queries [1, Hq, T, D], post-RoPE keys, pre-RoPE keys, values [1, H, T, D]) of one layer."""
+    attn = hf.model.layers[layer].self_attn
+    cfg = hf.config
+    Hq, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    with torch.no_grad():
+        h = hf.model.layers[layer].input_layernorm(out.hidden_states[layer])  # [1, T, E]
+        n = h.shape[1]
+        cos, sin = hf.model.rotary_emb(h, torch.arange(n)[None])
+        q = attn.q_proj(h).view(1, n, Hq, D).transpose(1, 2)
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        kp = attn.k_proj(h).view(1, n, H, D).transpose(1, 2)
+    k, v = layer_kv(out, layer)
+    return q.float(), k[None], kp.float(), v[None]
+
+
+def test_compactor_scores_are_kvpress_on_random_tensors():
+    g = torch.Generator().manual_seed(0)
+    H, G, S, D = 2, 3, 150, 16
+    q, k = torch.randn(1, H * G, S, D, generator=g), torch.randn(1, H, S, D, generator=g)
+    kp, v = torch.randn(1, H, S, D, generator=g), torch.randn(1, H, S, D, generator=g)
+    phi = torch.randn(1, H, D, 8, generator=g) / math.sqrt(8)
+    for chunk in (256, 32, 46):  # one padded chunk, several with a padded last one, a multiple of the length
+        want = ref_compactor(q, k, kp, v, phi, 0.5, chunk_size=chunk)[0]
+        got = compactor_scores([q[0, h * G:(h + 1) * G] for h in range(H)], list(k[0]), list(kp[0]), list(v[0]),
+                               phi[0], 0.5, chunk, 8, 4)
+        torch.testing.assert_close(torch.stack(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_cur_scores_are_kvpress_on_random_tensors():
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, 2, 101, 16, generator=g), torch.randn(1, 2, 101, 16, generator=g)
+    P = torch.randn(16, 20, generator=g) / math.sqrt(20)
+    for lt in ("kv_product", "key", "value", "kv_avg"):
+        for local in (True, False):
+            want = ref_cur(k, v, leverage_type=lt, local=local)[0]
+            got = cur_scores(k[0], v[0], torch.tensor([101, 101]), num_sinks=4, leverage_type=lt,
+                             local_window=16 if local else None)
+            torch.testing.assert_close(got, want)
+    torch.testing.assert_close(cur_scores(k[0], v[0], torch.tensor([101, 101]), num_sinks=4,
+                                          leverage_type="kv_product", local_window=16, projection=P),
+                               ref_cur(k, v, G=P)[0])
+
+
+@pytest.mark.parametrize("T_,ratio", [(100, 0.5), (110, 0.25), (117, 0.75), (15, 0.5)])
+def test_chunkkv_chunks_are_kvpress_on_random_scores(T_, ratio):
+    s = torch.rand(1, 2, T_, generator=torch.Generator().manual_seed(T_))
+    got = chunk_keep(s[0], 20, ratio, budget=T_)  # a budget that never binds: kvpress's chunks
+    if T_ < 20:
+        assert got is None  # shorter than a chunk: the base's own selection (kvpress delegates)
+        return
+    assert set(got.tolist()) == ref_chunkkv(s, ratio, 20)
+    tight = chunk_keep(s[0], 20, ratio, budget=int(T_ * (1 - ratio)))  # kvbench: never over the budget
+    assert tight is not None and tight.numel() <= int(T_ * (1 - ratio))
+
+
+@pytest.mark.parametrize("chunk_size", [256, 64])
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_compactor_keeps_kvpress_tokens_on_the_tiny_model(hf, ids, hf_out, chunk, chunk_size):
+    method = build_method("compactor", None, compression_ratio=0.5, chunk_size=chunk_size)
+    kept, engine = kept_after_prefill(hf, ids, method, chunk)
+    n_kept = int(T * 0.5)
+    for layer in range(2):
+        q, k, kp, v = model_states(hf, hf_out, layer)
+        phi = method.sketch(layer, k.shape[1], k.shape[-1], "cpu")[None]
+        want = ref_compactor(q, k, kp, v, phi, 0.5, chunk_size=chunk_size)[0]
+        assert kept[layer] == top_sets(want, n_kept), f"layer {layer}"
+        assert set(range(8)) | set(range(T - 4, T)) <= kept[layer][0]  # the sinks
+
+
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_adakv_compactor_keeps_kvpress_tokens_on_the_tiny_model(hf, ids, hf_out, chunk):
+    method = build_method("adakv_compactor", None, compression_ratio=0.5)
+    kept, _ = kept_after_prefill(hf, ids, method, chunk)
+    n_kept = int(T * 0.5)
+    for layer in range(2):
+        q, k, kp, v = model_states(hf, hf_out, layer)
+        phi = method.inner.sketch(layer, k.shape[1], k.shape[-1], "cpu")[None]
+        s = ref_compactor(q, k, kp, v, phi, 0.5)[0]  # [H, T]
+        H = s.shape[0]
+        # AdaKVPress: each head's int(n_kept * 0.2) best kept, then the layer's H * n_kept best pairs
+        s = s.clone()
+        s.scatter_(-1, s.topk(int(n_kept * 0.2), dim=-1).indices, torch.finfo(s.dtype).max)
+        flat = s.reshape(-1).topk(H * n_kept).indices
+        want = [set((flat[flat // T == h] % T).tolist()) for h in range(H)]
+        assert kept[layer] == want, f"layer {layer}"
+        assert sum(len(x) for x in kept[layer]) == H * n_kept
+
+
+@pytest.mark.parametrize("opts", [{}, {"leverage_type": "kv_avg", "local_window_size": 8, "num_sinks": 2}])
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_cur_keeps_kvpress_tokens_on_the_tiny_model(hf, ids, hf_out, opts, chunk):
+    kept, _ = kept_after_prefill(hf, ids, build_method("cur", BUDGET, **opts), chunk)
+    for layer in range(2):
+        k, v = layer_kv(hf_out, layer)
+        want = ref_cur(k[None], v[None], num_sinks=opts.get("num_sinks", 4),
+                       leverage_type=opts.get("leverage_type", "kv_product"), w=opts.get("local_window_size", 16))[0]
+        assert kept[layer] == top_sets(want, BUDGET), f"layer {layer}"
+
+
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_chunkkv_keeps_kvpress_chunks_on_the_tiny_model(hf, ids, hf_out, chunk):
+    # T = 230 = 11 x 20 + 10: kvpress keeps int(12 x 0.5) = 6 chunks
+    method = build_method("chunkkv", None, compression_ratio=0.5)
+    kept, _ = kept_after_prefill(hf, ids, method, chunk)
+    for layer in range(2):
+        q, k, _, _ = model_states(hf, hf_out, layer)
+        want = ref_chunkkv(ref_snapkv(q[:, :, -64:], k), 0.5, 20)
+        if len(want) > int(T * 0.5):  # kvbench keeps within the budget: the same chunks but one (see chunkkv.py)
+            assert all(h <= want for h in kept[layer])
+        else:
+            assert all(h == want for h in kept[layer]), f"layer {layer}"
+        assert kept[layer][0] == kept[layer][1]  # the same chunks in every kv-head
+
+
+@pytest.mark.parametrize("name,opts", [("compactor", {"chunk_size": 16}), ("adakv_compactor", {}), ("cur", {}),
+                                       ("chunkkv", {"chunk_length": 8})])
+def test_new_methods_free_their_evicted_bytes(name, opts):
+    """Peak KV bytes (measured from the pool) below full's at ratio 0.5, prefill in chunks (streaming)."""
+    from kvbench.runtime.serving.engine import Engine
+    from tests.tiny_models import ByteTokenizer
+    m = tiny_model(vocab=256, tokenizer=ByteTokenizer(256))
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (200, 150)]
+    peaks = {}
+    for label, method in (("full", None), (name, build_method(name, None, compression_ratio=0.5,
+                                                                prefill_mode="streaming", **opts))):
+        if method is not None and method.compression_ratio is not None:  # a ratio compresses at the last chunk:
+            method = build_method(name, 48, prefill_mode="streaming", **opts)  # a budget shows the streaming peak
+        engine = Engine(m, method, block_size=8, prefill_chunk_size=32, num_blocks=2048)
+        engine.generate(prompts, max_new_tokens=8)
+        peaks[label] = engine.memory_stats()["peak_kv_bytes"]
+    assert peaks[name] < 0.5 * peaks["full"], peaks
+
+
+def test_bad_options_are_refused_in_one_line():
+    for name, opts, word in [("compactor", {"chunk_size": 0}, "chunk_size"), ("cur", {"leverage_type": "x"},
+                             "leverage_type"), ("chunkkv", {"chunk_length": -1}, "chunk_length"),
+                             ("adakv_compactor", {"base": "snapkv"}, "base"), ("compactor", {"decode": "evict"},
+                             "decode")]:
+        with pytest.raises(UserError, match=word) as e:
+            build_method(name, 32, **opts)
+        assert "\n" not in str(e.value)
