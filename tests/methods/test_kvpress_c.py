@@ -255,7 +255,7 @@ def test_chunkkv_keeps_kvpress_chunks_on_the_tiny_model(hf, ids, hf_out, chunk):
 
 
 @pytest.mark.parametrize("name,opts", [("compactor", {"chunk_size": 16}), ("adakv_compactor", {}), ("cur", {}),
-                                       ("chunkkv", {"chunk_length": 8})])
+                                       ("chunkkv", {"chunk_length": 8}), ("finch", {"window": 8})])
 def test_new_methods_free_their_evicted_bytes(name, opts):
     """Peak KV bytes (measured from the pool) below full's at ratio 0.5, prefill in chunks (streaming)."""
     from kvbench.runtime.serving.engine import Engine
@@ -281,3 +281,107 @@ def test_bad_options_are_refused_in_one_line():
         with pytest.raises(UserError, match=word) as e:
             build_method(name, 32, **opts)
         assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------ finch
+def ref_finch(q_window, keys, normalize=True):  # FinchPress.score (window = the last W prompt tokens)
+    B, H, k_len, D = keys.shape
+    W = q_window.shape[2]
+    G = q_window.shape[1] // H
+    w = torch.matmul(q_window, keys.repeat_interleave(G, dim=1).transpose(2, 3)) / math.sqrt(D)
+    w = w + torch.triu(torch.full_like(w, float("-inf")), diagonal=k_len - W + 1)
+    w = torch.softmax(w, dim=-1, dtype=torch.float32)[..., :-W]
+    if normalize:
+        w = w * torch.arange(k_len - W, k_len)[None, None, :, None]
+    s = w.mean(dim=-2).view(B, H, G, k_len - W).mean(dim=2)
+    return F.pad(s, (0, W), value=s.max().item() + 1)
+
+
+def ref_rerotate(keys, indices, inv_freq):  # KeyRerotationPress.rerotate_keys, indices [B, H, n] sorted
+    B, H, n = indices.shape
+    delta = (torch.arange(n)[None, None, :].float() - indices.float()).unsqueeze(2)  # [B, H, 1, n]
+    freqs = (delta * inv_freq[None, None, :, None].float()).transpose(2, 3)  # [B, H, n, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    k = keys.gather(2, indices.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    return k * emb.cos() + rotate_half(k) * emb.sin()
+
+
+def test_finch_scores_are_kvpress_on_random_tensors():
+    from kvbench.methods.finch import finch_scores
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 6, 12, 16, generator=g), torch.randn(1, 2, 90, 16, generator=g)
+    for norm in (True, False):
+        torch.testing.assert_close(finch_scores(q[0], k[0], norm), ref_finch(q, k, norm)[0], rtol=1e-5, atol=1e-5)
+
+
+def finch_run(hf, ids, method, chunk, question=None):
+    """Prefill through generate (the question's extent passed as a task passes it); the tables of every layer right
+    after compression: {layer: (keys [H, n, D], positions [H, n])}."""
+    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+    got = {}
+    inner = method.after_attention
+
+    def after_attention(ctx):
+        inner(ctx)
+        if ctx.phase == "prefill" and ctx.last_chunk:
+            k, _, pos = ctx.cache.gather(ctx.layer, 0)
+            got[ctx.layer] = (k.clone(), pos.clone())
+
+    method.after_attention = after_attention
+    engine = Engine(build_from_transformers(hf), method, block_size=16, num_blocks=512, prefill_chunk_size=chunk,
+                    attention_backend="torch")
+    engine.generate([ids.tolist()], max_new_tokens=1, question_tokens=None if question is None else [question])
+    return got
+
+
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_finch_keeps_and_rerotates_as_kvpress_on_the_tiny_model(hf, ids, hf_out, chunk):
+    W = 20  # the question: the prompt's last 20 tokens
+    n_kept = int(T * 0.5)
+    kept, _ = kept_after_prefill(hf, ids, build_method("finch", None, compression_ratio=0.5, window=W,
+                                                       rerotate_keys=False), chunk)
+    rot = finch_run(hf, ids, build_method("finch", None, compression_ratio=0.5), chunk, question=W)
+    for layer in range(2):
+        q, k, _, _ = model_states(hf, hf_out, layer)
+        s = ref_finch(q[:, :, -W:], k)
+        idx = s.topk(n_kept, dim=-1).indices.sort(dim=-1).values  # [1, H, n]
+        assert kept[layer] == [set(r.tolist()) for r in idx[0]], f"layer {layer}"
+        assert set(range(T - W, T)) <= kept[layer][0]  # the question stays
+        keys, pos = rot[layer]
+        assert bool((pos == torch.arange(n_kept)).all())  # re-rotated to 0..n-1
+        want = ref_rerotate(k, idx, hf.model.rotary_emb.inv_freq)[0]
+        torch.testing.assert_close(keys.float(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_finch_chunked_selection_is_kvpress(hf, ids, hf_out):
+    W, L = 20, 60  # kvpress asserts chunk_length > window / (1 - ratio)
+    kept, _ = kept_after_prefill(hf, ids, build_method("finch", None, compression_ratio=0.5, window=W,
+                                                       chunk_length=L, rerotate_keys=False), T)
+    for layer in range(2):
+        q, k, _, _ = model_states(hf, hf_out, layer)
+        s = ref_finch(q[:, :, -W:], k)
+        idx = torch.cat([i + s[:, :, i: i + L].topk(max(1, int(s[:, :, i: i + L].shape[2] * 0.5)), dim=-1).indices
+                         for i in range(0, T, L)], dim=-1)
+        assert kept[layer] == [set(r.tolist()) for r in idx[0]], f"layer {layer}"
+
+
+def test_finch_takes_the_questions_extent_from_the_task():
+    """ruler with the question compressed: the request says how many tokens its question part has, and the engine
+    hands it to the method before the prompt's prefill (finch then keeps those tokens)."""
+    from kvbench.tasks.ruler import build_request
+    from tests.fixtures.task_fixtures import smollm2_tokenizer
+    tok = smollm2_tokenizer()
+    sample = {"context": "The sky is blue. " * 30, "question": "What colour is the sky?", "answer_prefix": " Answer:",
+              "answer": ["blue"], "task": "qa", "index": 0, "max_new_tokens": 4}
+    req = build_request(tok, sample, 4096, False, True, 4, ())
+    apart = tok("What colour is the sky?\n Answer:", add_special_tokens=False)["input_ids"]
+    assert req.uncompressed_tail == 0 and req.question_tokens == len(apart) > 0
+    assert req.token_ids[-len(apart) + 1:] == apart[1:]  # the same tokens (the first may merge with the context)
+    m = tiny_model(vocab=max(req.token_ids) + 1)
+    from kvbench.runtime.serving.engine import Engine
+    method = build_method("finch", None, compression_ratio=0.75)
+    engine = Engine(m, method, block_size=8, prefill_chunk_size=64, num_blocks=2048)
+    engine.generate([req.token_ids], max_new_tokens=2, question_tokens=[req.question_tokens])
+    with pytest.raises(UserError, match="compress_question"):  # no question and no window: refused, one line
+        Engine(m, build_method("finch", 32), block_size=8, num_blocks=2048).generate([req.token_ids], max_new_tokens=1)

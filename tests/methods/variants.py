@@ -45,6 +45,8 @@ VARIANTS = [
     ("cur", {}),
     ("cur", {"decode": "evict", "leverage_type": "kv_avg", "use_random_leverage": True}),
     ("chunkkv", {"chunk_length": 8, "base_options": {"window": 8}}),
+    ("finch", {"window": 8}),
+    ("finch", {"window": 8, "rerotate_keys": False, "chunk_length": 24}),
 ]
 
 
