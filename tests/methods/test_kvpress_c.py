@@ -255,7 +255,8 @@ def test_chunkkv_keeps_kvpress_chunks_on_the_tiny_model(hf, ids, hf_out, chunk):
 
 
 @pytest.mark.parametrize("name,opts", [("compactor", {"chunk_size": 16}), ("adakv_compactor", {}), ("cur", {}),
-                                       ("chunkkv", {"chunk_length": 8}), ("finch", {"window": 8})])
+                                       ("chunkkv", {"chunk_length": 8}), ("finch", {"window": 8}),
+                                       ("merge", {}), ("merge", {"decode": "cam", "compression_interval": 4})])
 def test_new_methods_free_their_evicted_bytes(name, opts):
     """Peak KV bytes (measured from the pool) below full's at ratio 0.5, prefill in chunks (streaming)."""
     from kvbench.runtime.serving.engine import Engine
@@ -316,7 +317,7 @@ def test_finch_scores_are_kvpress_on_random_tensors():
 
 def finch_run(hf, ids, method, chunk, question=None):
     """Prefill through generate (the question's extent passed as a task passes it); the tables of every layer right
-    after compression: {layer: (keys [H, n, D], positions [H, n])}."""
+    after compression: {layer: (keys [H, n, D], positions [H, n], values [H, n, D])}."""
     from kvbench.runtime.model.forward import build_from_transformers
     from kvbench.runtime.serving.engine import Engine
     got = {}
@@ -325,8 +326,8 @@ def finch_run(hf, ids, method, chunk, question=None):
     def after_attention(ctx):
         inner(ctx)
         if ctx.phase == "prefill" and ctx.last_chunk:
-            k, _, pos = ctx.cache.gather(ctx.layer, 0)
-            got[ctx.layer] = (k.clone(), pos.clone())
+            k, v, pos = ctx.cache.gather(ctx.layer, 0)
+            got[ctx.layer] = (k.clone(), pos.clone(), v.clone())
 
     method.after_attention = after_attention
     engine = Engine(build_from_transformers(hf), method, block_size=16, num_blocks=512, prefill_chunk_size=chunk,
@@ -348,7 +349,7 @@ def test_finch_keeps_and_rerotates_as_kvpress_on_the_tiny_model(hf, ids, hf_out,
         idx = s.topk(n_kept, dim=-1).indices.sort(dim=-1).values  # [1, H, n]
         assert kept[layer] == [set(r.tolist()) for r in idx[0]], f"layer {layer}"
         assert set(range(T - W, T)) <= kept[layer][0]  # the question stays
-        keys, pos = rot[layer]
+        keys, pos, _ = rot[layer]
         assert bool((pos == torch.arange(n_kept)).all())  # re-rotated to 0..n-1
         want = ref_rerotate(k, idx, hf.model.rotary_emb.inv_freq)[0]
         torch.testing.assert_close(keys.float(), want, rtol=1e-4, atol=1e-4)
@@ -385,3 +386,143 @@ def test_finch_takes_the_questions_extent_from_the_task():
     engine.generate([req.token_ids], max_new_tokens=2, question_tokens=[req.question_tokens])
     with pytest.raises(UserError, match="compress_question"):  # no question and no window: refused, one line
         Engine(m, build_method("finch", 32), block_size=8, num_blocks=2048).generate([req.token_ids], max_new_tokens=1)
+
+
+# ------------------------------------------------------------------------ merging
+def ref_merging(keys, values, indices, similarity_threshold=0.0, merge_fraction=1.0):  # MergingPress.merge
+    bsz, num_heads, seq_len, head_dim = keys.shape
+    n_kept = indices.shape[2]
+    n_evict = seq_len - n_kept
+    evict_mask = torch.ones(bsz, num_heads, seq_len, dtype=torch.bool)
+    evict_mask.scatter_(2, indices, False)
+    evict_idx = evict_mask.nonzero(as_tuple=False)[:, 2].reshape(bsz, num_heads, n_evict)
+    keep_idx = indices.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    evict_idx = evict_idx.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    kept_keys, evict_keys = keys.gather(2, keep_idx).float(), keys.gather(2, evict_idx).float()
+    kept_values, evict_values = values.gather(2, keep_idx), values.gather(2, evict_idx)
+    kept_keys = kept_keys / kept_keys.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    evict_keys = evict_keys / evict_keys.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    max_sim, target = (evict_keys @ kept_keys.transpose(-2, -1)).max(dim=-1)
+    merge_ok = max_sim >= similarity_threshold
+    if merge_fraction < 1.0 and merge_ok.any():
+        threshold = max_sim.masked_fill(~merge_ok, float("-inf")).quantile(1.0 - merge_fraction, dim=-1, keepdim=True)
+        merge_ok = merge_ok & (max_sim >= threshold)
+    weights = max_sim.clamp(min=0) * merge_ok.float()
+    target_norm = kept_values.float().norm(dim=-1).gather(2, target)
+    evict_norm = evict_values.float().norm(dim=-1)
+    weights = weights * evict_norm / (evict_norm + target_norm + 1e-6)
+    target = target.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    weights = weights.unsqueeze(-1)
+    value_accum = torch.zeros(bsz, num_heads, n_kept, head_dim).scatter_add_(2, target, weights * evict_values.float())
+    weight_accum = torch.zeros(bsz, num_heads, n_kept).scatter_add_(2, target[..., 0], weights[..., 0])
+    kept_values = torch.where((weight_accum > 0).unsqueeze(-1),
+                              ((kept_values.float() + value_accum) / (1.0 + weight_accum).unsqueeze(-1)),
+                              kept_values)
+    return kept_values, weight_accum  # the kept positions' values [B, H, n, D] (indices' order), weights
+
+
+@pytest.mark.parametrize("thr,frac", [(0.0, 1.0), (0.2, 1.0), (0.0, 0.75)])
+def test_merged_values_are_kvpress_on_random_tensors(thr, frac):
+    from kvbench.methods.merge import merged_values
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    idx = torch.rand(1, 2, 60, generator=g).topk(25, dim=-1).indices.sort(dim=-1).values
+    want, _ = ref_merging(k, v, idx, thr, frac)
+    for h in range(2):
+        got, _ = merged_values(k[0, h], v[0, h], idx[0, h], thr, frac)
+        torch.testing.assert_close(got, want[0, h])
+
+
+def test_merging_conserves_the_total_value_weight():
+    """Each kept value is a weighted mean; its weight (1 + W) times it, summed over the kept tokens, is the kept
+    values' sum plus every evicted value times the weight it merged with: no value mass lost or counted twice."""
+    from kvbench.methods.merge import merged_values
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(80, 16, generator=g), torch.randn(80, 16, generator=g)
+    keep = torch.rand(80, generator=g).topk(30).indices.sort().values
+    out, wsum = merged_values(k, v, keep)
+    evicted = torch.ones(80, dtype=torch.bool)
+    evicted[keep] = False
+    # the weights each evicted token merged with, recomputed from the definition
+    kn = F.normalize(k, dim=-1)
+    sim, tgt = (kn[evicted] @ kn[keep].T).max(-1)
+    e_norm = v[evicted].norm(dim=-1)
+    w = sim.clamp(min=0) * e_norm / (e_norm + v[keep].norm(dim=-1)[tgt] + 1e-6)
+    assert bool((wsum > 0).any()) and torch.allclose(wsum.sum(), w.sum(), atol=1e-5)
+    torch.testing.assert_close(((1 + wsum)[:, None] * out).sum(0), v[keep].sum(0) + (w[:, None] * v[evicted]).sum(0),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_merge_keeps_the_bases_tokens_with_kvpress_merged_values(hf, ids, hf_out, chunk):
+    kept, _ = kept_after_prefill(hf, ids, build_method("merge", BUDGET), chunk)
+    got = finch_run(hf, ids, build_method("merge", BUDGET), chunk)
+    for layer in range(2):
+        k, v = layer_kv(hf_out, layer)
+        want_sets = top_sets(-k.norm(dim=-1), BUDGET)  # the base: knorm
+        assert kept[layer] == want_sets, f"layer {layer}"
+        idx = torch.stack([torch.tensor(sorted(s)) for s in want_sets])[None]
+        want_v, _ = ref_merging(k[None], v[None], idx)
+        torch.testing.assert_close(got[layer][2], want_v[0], rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(got[layer][2], v[:, idx[0][0]])  # values really changed
+
+
+def ref_cam(scores, attentions, values, target_size, k, merge_budget, g):  # CAMPress.compress (B = 1)
+    bsz, H, seq_len, head_dim = values.shape
+    n_to_evict = seq_len - target_size
+    mean_scores = scores.mean(dim=1)
+    evict_indices = torch.sort(mean_scores.topk(n_to_evict, dim=-1, largest=False).indices, dim=-1).values
+    evict_scores = mean_scores.gather(-1, evict_indices)
+    order = evict_scores.flip(-1).argsort(dim=-1, descending=True, stable=True)[:, :k]
+    merge_indices = torch.sort(evict_indices.gather(-1, n_to_evict - 1 - order), dim=-1).values
+    kept_indices = torch.sort(mean_scores.topk(target_size, dim=-1).indices, dim=-1).values
+    n_to_merge = merge_indices.shape[1]
+    target_starts = torch.searchsorted(kept_indices, merge_indices, right=True)
+    window_idx = target_starts.unsqueeze(-1) + torch.arange(merge_budget).view(1, 1, -1)
+    valid_mask = window_idx < target_size
+    window_idx = window_idx.clamp(max=target_size - 1)
+    target_positions = kept_indices.gather(1, window_idx.view(bsz, -1)).view(bsz, n_to_merge, merge_budget)
+    actual_budget = valid_mask.sum(dim=-1)
+    window_attns = attentions.gather(2, target_positions.view(bsz, -1).unsqueeze(1).expand(-1, H, -1)).view(
+        bsz, H, n_to_merge, merge_budget)
+    window_attns = window_attns * valid_mask.view(bsz, 1, n_to_merge, merge_budget)
+    mean_attn = window_attns.sum(dim=-1) / actual_budget.clamp(min=1).unsqueeze(1)
+    merge_prob = attentions.gather(2, merge_indices.unsqueeze(1).expand(-1, H, -1)) / mean_attn
+    merge_prob = torch.where(torch.isnan(merge_prob), torch.zeros_like(merge_prob), merge_prob)
+    merge_prob = torch.where(torch.isinf(merge_prob), torch.ones_like(merge_prob), merge_prob).clamp(0, 1)
+    merge_mask = torch.bernoulli(merge_prob, generator=g)
+    merge_values = values.gather(2, merge_indices.view(bsz, 1, n_to_merge, 1).expand(-1, H, -1, head_dim))
+    scale = (merge_mask / actual_budget.unsqueeze(1)).unsqueeze(-1)
+    scale = torch.where(actual_budget.unsqueeze(1).unsqueeze(-1) == 0, torch.zeros_like(scale), scale)
+    contributions = (merge_values * scale).unsqueeze(3).expand(-1, -1, -1, merge_budget, -1)
+    contributions = contributions * valid_mask.view(bsz, 1, n_to_merge, merge_budget, 1)
+    contributions = contributions.reshape(bsz, H, n_to_merge * merge_budget, head_dim)
+    scatter_idx = target_positions.view(bsz, 1, n_to_merge * merge_budget, 1).expand(-1, H, -1, head_dim)
+    values = values.clone().scatter_add_(2, scatter_idx, contributions)
+    return kept_indices[0], values.gather(2, kept_indices.view(1, 1, -1, 1).expand(1, H, -1, head_dim))[0]
+
+
+@pytest.mark.parametrize("k,mb", [(1, 32), (6, 4), (20, 3)])
+def test_cam_merge_is_kvpress_on_random_tensors(k, mb):
+    from kvbench.methods.merge import cam_merge
+    g = torch.Generator().manual_seed(k)
+    s, a, v = torch.rand(1, 2, 70, generator=g), torch.rand(1, 2, 70, generator=g), torch.randn(1, 2, 70, 8, generator=g)
+    kept, got = cam_merge(s[0], a[0], v[0], 50, k, mb, torch.Generator().manual_seed(9))
+    want_kept, want = ref_cam(s, a, v, 50, k, mb, torch.Generator().manual_seed(9))
+    assert kept.tolist() == want_kept.tolist()
+    torch.testing.assert_close(got, want)
+
+
+def test_cam_merge_adds_each_merged_value_whole():
+    """With the merged tokens' attention at least their window's (probability 1), the kept values' sum grows by
+    exactly the merged values (the value is split over its window, nothing lost)."""
+    from kvbench.methods.merge import cam_merge
+    g = torch.Generator().manual_seed(3)
+    s, v = torch.rand(2, 40, generator=g), torch.randn(2, 40, 8, generator=g)
+    a = torch.ones(2, 40)  # every token attended alike: merge probability 1
+    kept, got = cam_merge(s, a, v, 30, 4, 5, torch.Generator().manual_seed(0))
+    ms = s.mean(0)
+    ev = ms.topk(10, largest=False).indices.sort().values
+    merged = ev[10 - 1 - ms[ev].flip(-1).argsort(descending=True, stable=True)[:4]]
+    has_window = torch.searchsorted(kept, merged, right=True) < 30
+    torch.testing.assert_close(got.sum(1), v[:, kept].sum(1) + v[:, merged[has_window]].sum(1), rtol=1e-5, atol=1e-5)

@@ -47,6 +47,9 @@ VARIANTS = [
     ("chunkkv", {"chunk_length": 8, "base_options": {"window": 8}}),
     ("finch", {"window": 8}),
     ("finch", {"window": 8, "rerotate_keys": False, "chunk_length": 24}),
+    ("merge", {}),
+    ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
+               "merge_budget": 4}),
 ]
 
 
