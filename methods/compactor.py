@@ -158,7 +158,7 @@ class CompactorScores:
         """The right Gaussian sketch Phi [H, D, k] / sqrt(k) of a layer, drawn from seed and layer."""
         g = torch.Generator().manual_seed((0 if self.seed is None else int(self.seed)) * 1_000_003 + layer)
         k = self.sketch_dimension
-        return (torch.randn(H, D, k, generator=g) / math.sqrt(k)).to(device)
+        return (torch.randn(H, D, k, generator=g) * (1 / math.sqrt(k))).to(device)  # kvpress's scaling
 
     def prompt_queries(self, obs: Observation, n_pos: int) -> torch.Tensor:
         """The prefill queries seen so far [Hq, n_pos, D] by position (zero rows for a position whose query was
