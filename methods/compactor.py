@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import UserError
-from kvbench.methods.adakv import AdaKV
 from kvbench.methods.base import register_method
 from kvbench.methods.checks import check_float, check_int
 from kvbench.methods.expected_attention import unrotate
 from kvbench.methods.scorer import ScorerMethod
+from kvbench.methods.wrappers import ScorerWrapper
 from kvbench.runtime.contract import Observation, rotate_half
 
 
@@ -218,14 +218,19 @@ class Compactor(CompactorScores, ScorerMethod):
 
 @register_method("adakv_compactor")
 @dataclass
-class AdaKVCompactor(AdaKV):
-    """The leaderboard's `adakv_compactor`: Ada-KV's joint allocation over Compactor's scores."""
+class AdaKVCompactor(ScorerWrapper):
+    """The leaderboard's `adakv_compactor`: Ada-KV's joint allocation (methods/adakv.py) over Compactor's scores."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     base: str = "compactor"
+    alpha_safeguard: float = 0.20
 
     def __post_init__(self) -> None:
         if self.base != "compactor":
             raise UserError(f"invalid adakv_compactor.base={self.base!r}: it is adakv over compactor (use "
                             "method=adakv method.base=... for another base)")
         super().__post_init__()
+        check_float(self.name, "alpha_safeguard", self.alpha_safeguard, 0.0, 1.0)
+
+    def min_tokens_per_head(self, budget: int) -> int:
+        return int(budget * self.alpha_safeguard)  # kvpress AdaKVPress: int(n_kept * alpha_safeguard)
