@@ -311,6 +311,18 @@ def method_evicts(name: str) -> bool:
     return bool(METHODS.get(name).evicts)
 
 
+def check_question_source(name: str, method_options: dict[str, Any], task_options: dict[str, Any]) -> None:
+    """A method that reads the prompt's question (its class's `reads_question`, Finch's window) needs a task that
+    compresses the question with its context (task.compress_question=true: the task tells the method its extent) or
+    its own `window`; refused in one line before the model loads otherwise."""
+    cls = METHODS.get(name) if name in METHODS else None
+    if cls is None or not getattr(cls, "reads_question", False) or method_options.get("window") is not None:
+        return
+    if task_options.get("compress_question") is not True:
+        raise UserError(f"method={name} reads the question's tokens: set task.compress_question=true (a task with a "
+                        f"question: ruler, longbench, needle) or method.window=N (the last N prompt tokens)")
+
+
 def check_budget(budget: Any) -> Optional[int]:
     """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
     check_positive("budget", budget, allow_none=True)

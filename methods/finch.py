@@ -63,6 +63,7 @@ class Finch(ScorerMethod):
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     keeps_newest_at_prefill: ClassVar[bool] = False
+    reads_question: ClassVar[bool] = True  # kvbench.spec.check_question_source: the task must say the question
     decode: str = "none"
     window: Optional[int] = None
     chunk_length: Optional[int] = None

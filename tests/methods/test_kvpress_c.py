@@ -525,3 +525,27 @@ def test_cam_merge_adds_each_merged_value_whole():
     merged = ev[10 - 1 - ms[ev].flip(-1).argsort(descending=True, stable=True)[:4]]
     has_window = torch.searchsorted(kept, merged, right=True) < 30
     torch.testing.assert_close(got.sum(1), v[:, kept].sum(1) + v[:, merged[has_window]].sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_finch_without_a_question_is_refused_before_the_model_loads():
+    import kvbench.config as kconfig
+    from tests.harness_fakes import compose
+    for args in (["method=finch", "compression_ratio=0.5"], ["method=finch", "budget=64", "task=ruler"]):
+        with pytest.raises(UserError, match="task.compress_question=true") as e:
+            kconfig.validate(compose(args))
+        assert "\n" not in str(e.value)
+    kconfig.validate(compose(["method=finch", "budget=64", "task=ruler", "task.compress_question=true"]))
+    kconfig.validate(compose(["method=finch", "budget=64", "method.window=32"]))  # any task: the last 32 tokens
+
+
+def test_new_methods_yaml_defaults_are_the_classes():
+    """Each YAML states the class's defaults (kvpress's): nothing drifts between the two."""
+    import yaml
+    from pathlib import Path
+    conf = Path(__file__).resolve().parents[2] / "conf" / "method"
+    for name in ("compactor", "adakv_compactor", "cur", "chunkkv", "finch", "merge"):
+        opts = yaml.safe_load((conf / f"{name}.yaml").read_text())
+        assert opts.pop("name") == name
+        m = build_method(name, 64)
+        for k, v in opts.items():
+            assert getattr(m, k) == v, (name, k)
