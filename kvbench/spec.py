@@ -323,6 +323,16 @@ def check_question_source(name: str, method_options: dict[str, Any], task_option
                         f"question: ruler, longbench, needle) or method.window=N (the last N prompt tokens)")
 
 
+def check_rewrite_storage(name: str, method_options: dict[str, Any], quant_name: str) -> None:
+    """A method that rewrites cached K/V in place (its class's `rewrites_cache(options)`: Finch's re-rotated keys,
+    merged values) needs full-precision storage: with a storage codec it is refused in one line."""
+    cls = METHODS.get(name) if name in METHODS else None
+    rewrites = getattr(cls, "rewrites_cache", None)
+    if quant_name != "none" and rewrites is not None and rewrites(method_options):
+        raise UserError(f"method={name} rewrites cached K/V in place, which quant={quant_name} stores packed: use "
+                        f"quant=none" + (" or method.rerotate_keys=false" if name == "finch" else ""))
+
+
 def check_budget(budget: Any) -> Optional[int]:
     """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
     check_positive("budget", budget, allow_none=True)

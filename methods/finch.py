@@ -80,6 +80,11 @@ class Finch(ScorerMethod):
         check_bool(self.name, "normalize_scores", self.normalize_scores)
         check_bool(self.name, "rerotate_keys", self.rerotate_keys)
 
+    @staticmethod
+    def rewrites_cache(options: dict) -> bool:
+        """kvbench.spec.check_rewrite_storage: re-rotation rewrites the kept keys in place."""
+        return options.get("rerotate_keys", True) is not False
+
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.pop("_questions", None)

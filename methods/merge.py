@@ -116,6 +116,11 @@ class Merge(ScorerWrapper):
         check_int(self.name, "merge_budget", self.merge_budget, 1)
         self._generator = torch.Generator().manual_seed(0 if self.seed is None else int(self.seed))
 
+    @staticmethod
+    def rewrites_cache(options: dict) -> bool:
+        """kvbench.spec.check_rewrite_storage: merged values are written in place."""
+        return True
+
     @property
     def head_adaptive(self) -> bool:
         return False

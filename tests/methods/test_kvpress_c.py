@@ -538,6 +538,18 @@ def test_finch_without_a_question_is_refused_before_the_model_loads():
     kconfig.validate(compose(["method=finch", "budget=64", "method.window=32"]))  # any task: the last 32 tokens
 
 
+def test_in_place_rewrites_over_a_codec_are_refused_before_the_model_loads():
+    import kvbench.config as kconfig
+    from tests.harness_fakes import compose
+    for args in (["method=merge", "budget=64", "quant=kivi"],
+                 ["method=finch", "budget=64", "method.window=16", "quant=int8"]):
+        with pytest.raises(UserError, match="rewrites cached K/V") as e:
+            kconfig.validate(compose(args))
+        assert "\n" not in str(e.value)
+    kconfig.validate(compose(["method=finch", "budget=64", "method.window=16", "method.rerotate_keys=false",
+                              "quant=int8"]))
+
+
 def test_new_methods_yaml_defaults_are_the_classes():
     """Each YAML states the class's defaults (kvpress's): nothing drifts between the two."""
     import yaml
