@@ -18,7 +18,6 @@ from kvbench.methods.cur import cur_scores
 from kvbench.runtime.contract import rotate_half
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_kvpress_a import kept_after_prefill, layer_kv, top_sets
-from tests.methods.test_snapkv_official import official_keep  # noqa: F401  (kept for symmetry with _a)
 from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model, tiny_model
 
 T, BUDGET = 230, 120
