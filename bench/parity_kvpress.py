@@ -83,7 +83,25 @@ METHODS = {
     "duo_attention": ("duo_attention", {"on_the_fly": True, "sinks": 128, "prefill_mode": "paper", "decode": "none",
                                         "on_the_fly_samples": 50, "on_the_fly_max_tokens": 8192},
                       "DuoAttentionPress", {"on_the_fly_scoring": True}),
+    # issue 57's presses. Compactor's Gaussian sketch is kvbench's (seeded per layer) on both sides (SKETCH)
+    "compactor": ("compactor", {}, "CompactorPress", {}),
+    "adakv_compactor": ("adakv_compactor", {}, "AdaKVPress", {"press": ["CompactorPress", {}]}),
+    "cur": ("cur", {}, "CURPress", {}),
+    "chunkkv": ("chunkkv", {"chunk_length": 20, "base": "snapkv"}, "ChunkKVPress",
+                {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}], "chunk_length": 20}),
+    # the question = the prompt's last 64 tokens on both sides (kvpress: window_size set, no delimiter in the text)
+    "finch": ("finch", {"window": 64}, "FinchPress", {}),
+    "merge_knorm": ("merge", {"base": "knorm"}, "MergingPress", {"press": ["KnormPress", {}]}),
+    "merge_snapkv": ("merge", {"base": "snapkv"}, "MergingPress",
+                     {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}]}),
 }
+# rows whose kvbench side takes the ratio itself (compression_ratio) rather than the budget int(T * (1 - r)): the
+# ratio enters their definition (Compactor's blending, ChunkKV's chunk count, Finch's n_kept)
+RATIO_KNOB = {"compactor", "adakv_compactor", "chunkkv", "finch"}
+# rows whose kvpress side needs a setting no constructor takes: Finch's window (FINCH_WINDOW tokens) with a delimiter
+# id that never occurs; Compactor's sketch drawn as kvbench draws it
+FINCH_WINDOW = 64
+SKETCH = {"compactor", "adakv_compactor"}
 # rows whose prompt is not the raw text: "chat" = the chat template's tokens before a user message's content, then
 # the text (kvpress's pipeline: apply_chat_template on the context, cut where the content ends; KVzipPress skips
 # exactly that prefix's length unscored, kvbench's kvzip skips it when the prompt starts with it)
@@ -103,6 +121,11 @@ NOTES = {
              "count over the sequence (NLL's T - 1 keeps up to L x H - 1 more)",
     "duo_attention": "ratio = share of streaming kv-heads (128 sinks + 256 recent), not of the KV removed; "
                      "calibration: kvbench's essays fed to kvpress's estimate",
+    "compactor": "the leverage sketch is kvbench's seeded one on both sides (kvpress draws torch.randn)",
+    "adakv_compactor": "as compactor",
+    "chunkkv": "kvbench never keeps more than int(T * (1 - r)) tokens: a chosen chunk that would overflow is passed "
+               "over (T not a multiple of chunk_length)",
+    "finch": "window = the prompt's last 64 tokens on both sides (no delimiter); kept keys re-rotated on both",
 }
 
 
@@ -140,6 +163,10 @@ def kvpress_side(job: dict) -> dict:
         text = job["texts"][PROMPTS.get(name, "raw")]
         prompt, cont = text["prompt"], text["continuation"]
         press = build_press(kvpress, cls, opts, ratio, RATIO_OPTION.get(name, (None, None))[1])
+        if cls == "FinchPress":  # the question's extent given, no delimiter to find (an id no text holds)
+            press.delimiter_token_id, press.window_size = -1, FINCH_WINDOW
+        if name in SKETCH:
+            kvbench_sketch(kvpress)
         kept = record_kept(press)
         extra = {}
         with torch.no_grad():
@@ -242,6 +269,39 @@ def build_press(kvpress, cls: str, opts: dict, ratio: float, ratio_option: str |
     return press
 
 
+def kvbench_sketch(kvpress) -> None:
+    """LeverageScorePress draws its Gaussian sketch from torch's global generator: make it draw kvbench's
+    (methods/compactor.py: Compactor.sketch, seed 0, per layer; kvpress scales it by 1 / sqrt(k) itself), so both
+    sides score with the same sketch."""
+    import torch
+
+    lev = kvpress.LeverageScorePress
+    if getattr(lev, "_kvbench_sketch", False):
+        return
+    compute, score = lev.compute_leverage_scores, lev.score
+
+    def scored(self, module, hidden_states, keys, values, attentions, kwargs):
+        layer = int(module.layer_idx)
+
+        def with_sketch(key_states, k):
+            real = torch.randn
+            gen = torch.Generator().manual_seed(layer)
+            torch.randn = lambda *shape, **kw: real(*shape[1:], generator=gen).view(*shape).to(
+                dtype=kw.get("dtype") or torch.float32, device=kw.get("device"))
+            try:
+                return compute(key_states, k)
+            finally:
+                torch.randn = real
+
+        self.compute_leverage_scores = with_sketch
+        try:
+            return score(self, module, hidden_states, keys, values, attentions, kwargs)
+        finally:
+            del self.compute_leverage_scores
+
+    lev.score, lev._kvbench_sketch = scored, True
+
+
 def record_kept(press) -> dict:
     """Wrap press.compress: which input positions each layer's output keys came from -> {layer: [[pos] per head]}.
     Keys are matched by their exact bits (compress gathers rows, so every kept row is a bit-exact copy)."""
@@ -249,11 +309,26 @@ def record_kept(press) -> dict:
 
     kept: dict[int, list[list[int]]] = {}
     inner = press.compress
+    rerotated: dict[int, list[list[int]]] = {}  # presses that re-rotate the kept keys (Finch): the indices
+    if type(press).__name__ == "FinchPress":
+        import kvpress.presses.finch_press as finch
+
+        rerotate = finch.KeyRerotationPress.rerotate_keys
+
+        class Rerotation(finch.KeyRerotationPress):
+            @staticmethod
+            def rerotate_keys(module, indices, keys):
+                rerotated[module.layer_idx] = [sorted(r.tolist()) for r in indices[0]]
+                return rerotate(module, indices, keys)
+
+        finch.KeyRerotationPress = Rerotation
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         k_out, v_out = inner(module, hidden_states, keys, values, attentions, kwargs)
         masked = getattr(module, "masked_key_indices", None)  # head-wise presses (AdaKV) mask instead of removing
-        if masked is not None and k_out.shape[2] == keys.shape[2]:
+        if module.layer_idx in rerotated:
+            kept[module.layer_idx] = rerotated.pop(module.layer_idx)
+        elif masked is not None and k_out.shape[2] == keys.shape[2]:
             b, h, t = (x.cpu() for x in masked)
             drop = torch.zeros(keys.shape[1], keys.shape[2], dtype=torch.bool)
             drop[h[b == 0], t[b == 0]] = True
@@ -307,9 +382,22 @@ def kvbench_side(job: dict, loaded) -> dict:
 
         def engine_for(n_prompt: int, record_kept: bool):
             budget = FIXED_BUDGET.get(name, max(1, int(n_prompt * (1 - ratio))))
-            method = build_method(method_name, budget, **opts)
+            if name in RATIO_KNOB:
+                method = build_method(method_name, None, compression_ratio=ratio, **opts)
+            else:
+                method = build_method(method_name, budget, **opts)
             built.append(method)
-            if record_kept:
+            if record_kept and hasattr(method, "rerotate"):  # finch: the kept positions before re-rotation
+                rerotate = method.rerotate
+
+                def rerotate_recorded(obs):
+                    lengths = obs.lengths
+                    kept[str(obs.layer)] = [sorted(obs.positions[h, : int(lengths[h])].tolist())
+                                            for h in range(lengths.shape[0])]
+                    rerotate(obs)
+
+                method.rerotate = rerotate_recorded
+            elif record_kept:
                 inner = method.after_attention
 
                 def after_attention(ctx):

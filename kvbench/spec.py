@@ -311,6 +311,28 @@ def method_evicts(name: str) -> bool:
     return bool(METHODS.get(name).evicts)
 
 
+def check_question_source(name: str, method_options: dict[str, Any], task_options: dict[str, Any]) -> None:
+    """A method that reads the prompt's question (its class's `reads_question`, Finch's window) needs a task that
+    compresses the question with its context (task.compress_question=true: the task tells the method its extent) or
+    its own `window`; refused in one line before the model loads otherwise."""
+    cls = METHODS.get(name) if name in METHODS else None
+    if cls is None or not getattr(cls, "reads_question", False) or method_options.get("window") is not None:
+        return
+    if task_options.get("compress_question") is not True:
+        raise UserError(f"method={name} reads the question's tokens: set task.compress_question=true (a task with a "
+                        f"question: ruler, longbench, needle) or method.window=N (the last N prompt tokens)")
+
+
+def check_rewrite_storage(name: str, method_options: dict[str, Any], quant_name: str) -> None:
+    """A method that rewrites cached K/V in place (its class's `rewrites_cache(options)`: Finch's re-rotated keys,
+    merged values) needs full-precision storage: with a storage codec it is refused in one line."""
+    cls = METHODS.get(name) if name in METHODS else None
+    rewrites = getattr(cls, "rewrites_cache", None)
+    if quant_name != "none" and rewrites is not None and rewrites(method_options):
+        raise UserError(f"method={name} rewrites cached K/V in place, which quant={quant_name} stores packed: use "
+                        f"quant=none" + (" or method.rerotate_keys=false" if name == "finch" else ""))
+
+
 def check_budget(budget: Any) -> Optional[int]:
     """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
     check_positive("budget", budget, allow_none=True)

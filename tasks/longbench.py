@@ -35,7 +35,8 @@ from kvbench.errors import UserError
 from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket, score_sample
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_option, check_chat_template_option,
-                                       kept_stats, model_context_length, run_generation, stop_token_ids,
+                                       kept_stats, model_context_length, question_count, run_generation,
+                                       stop_token_ids,
                                        template_and_split, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
@@ -111,6 +112,8 @@ def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, c
         id=str(rid) if rid is not None else f"{dataset}-{record.get('_index', 0)}", dataset=dataset, prompt=prompt,
         token_ids=ids, max_new_tokens=lb.max_new_tokens(dataset), references=list(record["answers"]),
         stop_ids=stops, uncompressed_tail=tail,
+        question_tokens=question_count(tokenizer, prompt, question_part(dataset, record), templated) if tail == 0
+        else 0,
         extra={"length": record.get("length"), "language": record.get("language"), "truncated": truncated,
                "chat_template": templated, "_all_classes": record.get("all_classes"),
                "question_compressed": tail == 0},

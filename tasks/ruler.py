@@ -109,14 +109,16 @@ def ruler_prompt(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, int]:
 def build_request(tokenizer: Any, sample: dict, length: int, chat: bool, compress_question: bool,
                   max_new_tokens: Optional[int], stops: tuple[int, ...]) -> GenRequest:
     prompt, question_start = ruler_prompt(tokenizer, sample, chat)
-    if compress_question:
+    question = 0
+    if compress_question:  # the question's token count (its part tokenized apart, as kvpress's Finch delimiter splits)
         ids, tail = encode(tokenizer, prompt, chat), 0
+        question = split_prompt(tokenizer, prompt, question_start, chat)[1]
     else:
         ids, tail = split_prompt(tokenizer, prompt, question_start, chat)
     return GenRequest(
         id=f"{sample['task']}-{length}-{sample['index']}", dataset=sample["task"], prompt=prompt, token_ids=ids,
         max_new_tokens=max_new_tokens or int(sample["max_new_tokens"]), references=list(sample["answer"]),
-        stop_ids=stops, uncompressed_tail=tail, extra={"length": length, "answer_prefix": sample["answer_prefix"]})
+        stop_ids=stops, uncompressed_tail=tail, question_tokens=question, extra={"length": length, "answer_prefix": sample["answer_prefix"]})
 
 
 def score_results(samples: list[dict], tasks: list[str], lengths: list[int]) -> dict:

@@ -63,6 +63,9 @@ class CacheHooks(Protocol):
     #                                               after every Engine.forward_chunk step, with the chunk's tokens
     #                                               (not after a scratch=True chunk: the method's own pass)
     #   keep_uncompressed(slot, num_tokens)         the next num_tokens appended to slot stay uncompressed
+    #   question_tokens(slot, num_tokens)           before each prefill chunk of a prompt whose last num_tokens
+    #                                               are its question, compressed with it (query-aware; Finch's
+    #                                               window)
 
 
 class NoCompression:

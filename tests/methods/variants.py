@@ -40,6 +40,16 @@ VARIANTS = [
     ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
     ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
     ("kvzip", {"chunk_size": 48}),
+    ("compactor", {"chunk_size": 16}),
+    ("adakv_compactor", {"base_options": {"chunk_size": 16}}),
+    ("cur", {}),
+    ("cur", {"decode": "evict", "leverage_type": "kv_avg", "use_random_leverage": True}),
+    ("chunkkv", {"chunk_length": 8, "base_options": {"window": 8}}),
+    ("finch", {"window": 8}),
+    ("finch", {"window": 8, "rerotate_keys": False, "chunk_length": 24}),
+    ("merge", {}),
+    ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
+               "merge_budget": 4}),
 ]
 
 

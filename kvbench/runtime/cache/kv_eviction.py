@@ -12,6 +12,8 @@ cache carries out the same operations on its own layout. METHOD_SURFACE lists th
     evict_blocks_on_device(layer, slot, n, drop [H,k]) the same with the choice left on the device (no host sync);
                                                        the ids wait as pending frees until the engine takes them
     drop_slots(layer, slot, start, stop)               drop a range of slots of every kv-head (StreamingLLM's window)
+    rewrite_tokens(layer, slot, keys=, values=, positions=)  overwrite what the held slots store (re-rotated keys,
+                                                       merged values), nothing evicted (full-precision caches only)
 
 `KVEviction` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache): these operations and the pending frees.
 """
@@ -46,6 +48,9 @@ class MethodCacheView(Protocol):
     def evict_blocks_on_device(self, layer: int, slot: int, n: int, drop: torch.Tensor) -> None: ...
 
     def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None: ...
+
+    def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None: ...
 
 
 # The names of MethodCacheView's members: the whole of the cache a method may touch.
@@ -241,6 +246,34 @@ class KVEviction:
             if b > a:
                 freed.extend(table[h, a:b].tolist())
         self.pool.free(freed)
+
+    def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+        """Overwrite the held slots of one sequence's layer in place: keys / values [H, T, D] and positions [H, T]
+        (T >= the longest table; slot t of head h is written where t < its length). Shared blocks are copied
+        first (copy-on-write); nothing is evicted or freed."""
+        self._check_live(slot)
+        bs, D = self.block_size, self.head_dim
+        lengths = self.lengths[slot, layer].clone()  # [H]
+        T = int(lengths.max()) if lengths.numel() else 0
+        if T == 0:
+            return
+        table = self.tables[slot, layer]  # [H, MB] view
+        t = torch.arange(T, device=self.device)
+        valid = t[None, :] < lengths[:, None]  # [H, T]
+        if keys is not None or values is not None:
+            if self._shared:
+                self._unshare_table(table, lengths)
+            if self.block_listeners:
+                nb = self._num_blocks(lengths)
+                self._modifying([int(table[h, c]) for h in range(table.shape[0]) for c in range(int(nb[h]))])
+            rows = (table[:, t // bs].to(torch.int64) * bs + t % bs)[valid]  # [N] rows of the flat pools
+            for src, pool in ((keys, self.k_pool), (values, self.v_pool)):
+                if src is not None:
+                    pool.view(-1, D)[rows] = src[:, :T].to(pool.dtype)[valid]
+        if positions is not None:
+            pos_row = self.positions[slot, layer]
+            pos_row[:, :T] = torch.where(valid, positions[:, :T].to(pos_row.dtype), pos_row[:, :T])
 
     def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor, only: torch.Tensor | None = None) -> None:
         """Give a (layer) table private copies of its shared blocks (those where `only` [H, MB] is True, or all)

@@ -239,14 +239,16 @@ class Engine:
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  chunk_size: int | None = None,
                  should_stop: Callable[[int, list[int]], bool] | None = None,
-                 uncompressed_tails: Sequence[int] | None = None) -> list[Generation]:
+                 uncompressed_tails: Sequence[int] | None = None,
+                 question_tokens: Sequence[int] | None = None) -> list[Generation]:
         """Generate for a batch of prompts of any lengths, through the continuous-batching scheduler (all
         submitted at once; it decides how many run together). Greedy when temperature == 0.
 
         should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string). A prompt
         that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish.
         uncompressed_tails[i] > 0: prompt i's last tokens (a question) go in uncompressed after the method
-        compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail)."""
+        compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail). question_tokens[i] > 0:
+        prompt i's last tokens are its question, compressed with it (Request.question_tokens)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
@@ -256,7 +258,11 @@ class Engine:
         tails = list(uncompressed_tails) if uncompressed_tails is not None else [0] * len(prompts)
         if len(tails) != len(prompts):
             raise ValueError(f"{len(tails)} uncompressed_tails for {len(prompts)} prompts")
-        reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n)) for p, n in zip(prompts, tails)]
+        questions = list(question_tokens) if question_tokens is not None else [0] * len(prompts)
+        if len(questions) != len(prompts):
+            raise ValueError(f"{len(questions)} question_tokens for {len(prompts)} prompts")
+        reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n), question_tokens=int(qn))
+                for p, n, qn in zip(prompts, tails, questions)]
         self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
                    chunk_size=chunk_size, should_stop=should_stop)
         return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,

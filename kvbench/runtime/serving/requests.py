@@ -22,6 +22,9 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens (throughput traces)
     # the last n prompt tokens (a question) go in uncompressed after the rest (its context) was compressed
     uncompressed_tail: int = 0
+    # the last n prompt tokens are its question, compressed with the context (query-aware): a method that needs the
+    # question's extent (Finch's window) is told through its optional question_tokens(slot, n) hook
+    question_tokens: int = 0
     index: int = 0  # position in the submitted list
     # outcome
     output: list[int] = field(default_factory=list)
