@@ -26,6 +26,10 @@ HOST_BOUND = {
     "duo_attention-patterns_path": "streaming heads trimmed token by token every step",
     "knorm-decode=evict": "token-level eviction every step (the smallest key norms, tokens compacted per table)",
     "rkv-buffer=4-window=4": "token-level compression every `buffer` tokens (tables compacted to the budget)",
+    "cur-decode=evict-leverage_type=kv_avg-use_random_leverage=True":
+        "token-level eviction every step (the lowest CUR leverage, tokens compacted per table)",
+    "merge-base=snapkv-base_options={'window': 8}-decode=cam-compression_interval=1-merge_budget=4":
+        "CaM merges and evicts tokens every step",
 }
 
 
