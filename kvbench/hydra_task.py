@@ -18,6 +18,7 @@ from kvbench.console import RUN_LOG, report, report_bad_input
 from kvbench.errors import UserError
 from kvbench.exit_channel import note_exit
 from kvbench.hydra_folders import discard_unstarted
+from kvbench.plan import plan_run
 
 
 def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
@@ -42,8 +43,6 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
 
 def _check_only(cfg: DictConfig, run_dir: Optional[str]) -> None:
     """Check the config as a run does before its model loads, run nothing; bad input: one line, exit code 2."""
-    from kvbench.plan import plan_run
-
     try:
         plan_run(cfg)
     except UserError as exc:

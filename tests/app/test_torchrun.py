@@ -40,6 +40,7 @@ def test_the_workers_run_kvbench_under_torchrun():
 
 def _launch(*args, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("HYDRA_FULL_ERROR", None)  # set by in-process CLI tests (kvbench.cli.run_cli); a user's choice here
     return subprocess.run([sys.executable, "-m", "kvbench.torchrun", *args, f"results_dir={tmp_path}/res"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 

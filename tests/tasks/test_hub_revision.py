@@ -37,6 +37,7 @@ def fake_hub(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(HfApi=FakeApi))
     monkeypatch.setattr(hub, "require_hub", lambda *a, **k: None)
+    monkeypatch.setattr(hub, "hub_unreachable_reason", lambda *a, **k: None)
     hub.revisions_read(clear=True)
     yield asked
     hub.revisions_read(clear=True)
