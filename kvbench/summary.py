@@ -202,7 +202,8 @@ _TURN_KEY = re.compile(r"^(score|ttft_s)_turn_(\d+)$")
 def turn_lines(record: dict) -> list:
     """Multi-turn tasks (task=scbench): the score of each turn side by side, and turn 1's TTFT against the later
     turns'."""
-    turns = sorted((int(m.group(2)), v) for k, v in record.items() if (m := _TURN_KEY.match(k)) and m.group(1) == "score")
+    turns = sorted((int(m.group(2)), v) for k, v in record.items()
+                   if (m := _TURN_KEY.match(k)) and m.group(1) == "score")
     if not turns:
         return []
     text = "turns     score by turn: " + " | ".join(f"{k} {_fmt(v)}" for k, v in turns)

@@ -162,7 +162,8 @@ def multi_turn_prompts(tokenizer: Any, sample: dict, chat: bool, compress_questi
     return out
 
 
-def multi_request_prompts(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, list[int], list[tuple[str, list[int]]]]:
+def multi_request_prompts(tokenizer: Any, sample: dict,
+                          chat: bool) -> tuple[str, list[int], list[tuple[str, list[int]]]]:
     """create_scdq_prompt: the context prompt (text, ids with special tokens) and each question's (text, ids)."""
     context = CONTEXT_ONLY.get(sample["task"], "{context}").format(context=sample["context"])
     queries = [t["input"] for t in sample["multi_turns"]]
