@@ -137,3 +137,21 @@ def test_bad_fork_requests_refused(model):
     with pytest.raises(ValueError, match="fork_tokens"):
         engine.serve([Request(ctx, 2, fork_of=pre.slot, fork_tokens=40)])
     engine.end_sequence(pre.slot)
+
+
+@pytest.mark.parametrize("schedule", ["mixed", "prefill_first"])
+def test_forks_preempted_by_recompute_fork_again(model, schedule):
+    """A pool that holds the context and about one fork: the forks preempt each other (recompute), come back as
+    forks of the same context and still give independent generations' tokens."""
+    ctx, qs = _ids(CTX, 8), _questions()
+    engine = Engine(model, prefill_chunk_size=32, prefix_caching=False, num_blocks=40 + 20, schedule=schedule,
+                    admission_watermark=0.0)
+    pre = engine.prefill_context(ctx)
+    reqs = [Request(ctx + q, 24, fork_of=pre.slot, fork_tokens=len(ctx), uncompressed_tail=len(q)) for q in qs]
+    out = engine.serve(reqs)
+    engine.end_sequence(pre.slot)
+    assert out.preemptions > 0 and all(r.finish_reason == "length" for r in out.requests)
+    alone = Engine(model, prefill_chunk_size=32, prefix_caching=False)
+    for r, q in zip(out.requests, qs):
+        assert r.output == alone.generate([ctx + q], max_new_tokens=24)[0].token_ids
+    assert engine.cache.pool.in_use == 0

@@ -79,6 +79,7 @@ class Scheduled:
     n: int
     kind: str  # prefill | decode
     revived: int = 0  # cached free blocks its admission took back from the pool (prefix cache)
+    copies: int = 0  # blocks its chunk copies first (a fork's shared, partly filled last blocks: copy-on-write)
 
     @property
     def emits(self) -> bool:

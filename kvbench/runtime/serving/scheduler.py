@@ -20,6 +20,9 @@ and steps are in `requests.py`.
 A request is admitted when the pool has free blocks for its first chunk plus a reserve (admission_watermark x the
 pool) and fewer than max_num_seqs are admitted. With a prefix cache (`prefix_cache.PrefixCache`), a newly admitted
 request first takes the cached blocks of its prompt's longest cached prefix and prefills only the rest.
+A request with `fork_of` (a live sequence holding its prompt's first `fork_tokens` tokens: a context compressed once)
+is admitted as a copy-on-write fork of that sequence (the `fork` callable, Engine.fork_sequence) and prefills only the
+rest; its admission counts the copies of the shared, partly filled last blocks its first chunk makes.
 When the decode tokens of a step cannot get their blocks, the most recently admitted sequence is preempted
 (`preemption.py`: by recompute, or by swapping its blocks to host memory) and goes back to the waiting head; a
 swapped-out request at the head comes back before any new admission. A sequence that cannot get blocks while it is
@@ -171,7 +174,7 @@ class Scheduler:
             return None
         req = self.waiting[0]
         if req.fork_of is not None:
-            return self._admit_fork(req, budget, free)
+            return self._admit_fork(req, budget, free, whole_prompt)
         cached = revived = 0
         if self.prefix_cache is not None:
             found = self.prefix_cache.lookup(req.tokens[:req.compressed_end])  # never past the compressed part
@@ -208,20 +211,22 @@ class Scheduler:
         self._enter(req)
         return Scheduled(req, n, "prefill", revived)
 
-    def _admit_fork(self, req: Request, budget: int, free: int) -> Optional[Scheduled]:
+    def _admit_fork(self, req: Request, budget: int, free: int, whole_prompt: bool) -> Optional[Scheduled]:
         """Admit the waiting head `req` (Request.fork_of) as a copy-on-write fork of its live sequence, for its
-        first chunk after the forked prefix; None when the chunk (and the copy of a shared, partly filled last
-        block in every table) does not fit in `free` blocks with the reserve."""
+        first chunk after the forked prefix; None when the chunk (whole_prompt: the whole rest of its prompt) and
+        the copies of the shared, partly filled last blocks (one per such table) do not fit in `free` blocks with
+        the reserve."""
         parent, fed = req.fork_of, req.fork_tokens
         n = min(self.chunk, budget, req.prefill_stop(fed) - fed)
         c = self.cache
-        partial = bool((c.host_lengths[parent] % c.block_size).any())
-        first = c.blocks_for_append([parent], n) + (c.num_layers * c.num_kv_heads if partial else 0)
+        copies = int((c.host_lengths[parent] % c.block_size != 0).sum())  # the fork's first append copies them
+        first = c.blocks_for_append([parent], n) + copies
         if first > free and not self.admitted:  # nothing admitted could free room for it
             self.waiting.popleft()
             self.fail_too_large(req)
             return None
-        need = first if not self.admitted else max(first, req.resume_blocks) + self.reserve
+        want = c.blocks_for_append([parent], len(req.tokens) - fed) + copies if whole_prompt else first
+        need = first if not self.admitted else max(want, req.resume_blocks) + self.reserve
         if need > free:
             return None
         self.waiting.popleft()
@@ -232,7 +237,7 @@ class Scheduler:
         req.fed, req.cached_tokens = fed, 0
         req.registered_blocks = fed // c.block_size  # the parent's blocks are not offered again
         self._enter(req)
-        return Scheduled(req, n, "prefill")
+        return Scheduled(req, n, "prefill", copies=copies)
 
     def decode_batch(self, budget: int) -> Optional[list[Request]]:
         """One decode token for each decoding sequence (rotated when more than `budget`), preempting the newest
