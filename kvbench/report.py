@@ -337,7 +337,9 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
                 png = plots.metric_vs_budget(relabeled, metric, k)
                 if png:
                     out.append((_titled(f"{task}: {metric} vs {k}", group), png))
-    for group, runs in comparable_groups(ok):  # multi-turn tasks (scbench): score against turn, a line per method
+    # multi-turn tasks (scbench): score against turn, a line per method; whether the question was compressed is a
+    # line of its own beside full's, not a separate plot
+    for group, runs in comparable_groups(ok, free=("task.compress_question",)):
         line_keys = [k for k in varying_keys(runs) if k != "task.name"]
         series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
         png = plots.score_vs_turn(series)
