@@ -32,7 +32,9 @@ hub (files in the hub's format in `data_dir`, or microsoft/SCBench from the hub)
 (kvbench.metrics.scbench). Metrics: score_<task>, score_<task>_turn_<k>, score_turn_<k>, score (100 x mean);
 compressions_per_context (the method's own count); context_shared_kv_bytes (the most bytes forks shared at once,
 from the pool); prefix_cache_hit_rate (multi_request with the prefix cache: contexts served from a kept compressed
-copy); shared_prompt_fraction; ttft_s_turn_<k>, ttft_s_turn_1 against ttft_s_later_turns.
+copy); shared_prompt_fraction; ttft_s_turn_<k>, ttft_s_turn_1 against ttft_s_later_turns. samples.jsonl holds a
+record per (context, turn): its `prompt` is the text that turn appended (multi_request: the first question's record
+also carries the context prompt), `turn`, `context_id`, and in multi_request `repeat` and `context_hit`.
 """
 from __future__ import annotations
 
