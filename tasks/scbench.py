@@ -32,7 +32,7 @@ hub (files in the hub's format in `data_dir`, or microsoft/SCBench from the hub)
 (kvbench.metrics.scbench). Metrics: score_<task>, score_<task>_turn_<k>, score_turn_<k>, score (100 x mean);
 compressions_per_context (the method's own count); context_shared_kv_bytes (the most bytes forks shared at once,
 from the pool); prefix_cache_hit_rate (multi_request with the prefix cache: contexts served from a kept compressed
-copy); shared_prompt_fraction; ttft_s_turn_<k>, ttft_s_turn_1 against ttft_s_later_turns. samples.jsonl holds a
+copy); shared_prompt_fraction; max_concurrent_requests; ttft_s_turn_<k>, ttft_s_turn_1 against ttft_s_later_turns. samples.jsonl holds a
 record per (context, turn): its `prompt` is the text that turn appended (multi_request: the first question's record
 also carries the context prompt), `turn`, `context_id`, and in multi_request `repeat` and `context_hit`.
 """
@@ -419,7 +419,7 @@ class _MultiRequest(_Runner):
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        self.forked = self.admitted = self.cached = 0
+        self.forked = self.admitted = self.cached = self.max_running = 0
 
     def run_sample(self, sample: dict, max_new: int) -> list[dict]:
         engine = self.engine
@@ -439,6 +439,7 @@ class _MultiRequest(_Runner):
             self.forked += served.forked_prompt_tokens
             self.admitted += served.admitted_prompt_tokens
             self.cached += served.cached_prompt_tokens
+            self.max_running = max(self.max_running, served.max_running)
             for k, (r, (q_text, _)) in enumerate(zip(served.requests, queries), 1):
                 if r.finish_reason == "failed":
                     raise UserError(f"{r.error} (task sample {sample['id']}, question {k})")
@@ -459,6 +460,7 @@ class _MultiRequest(_Runner):
         lookups = getattr(e, "context_lookups", 0)
         out["prefix_cache_hit_rate"] = round(e.context_hits / lookups, 4) if lookups else None
         out["shared_prompt_fraction"] = round((self.forked + self.cached) / self.admitted, 4) if self.admitted else None
+        out["max_concurrent_requests"] = self.max_running  # the questions of a context served together
         return out
 
 

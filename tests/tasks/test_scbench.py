@@ -165,6 +165,7 @@ def test_multi_request_with_full_equals_independent_runs(single_thread):
             rec = next(s for s in r.samples if s["context_id"] == sample["id"] and s["turn"] == k)
             assert rec["prediction"] == decode(tok, [x for x in g.token_ids if x not in stops])
     assert r.metrics["context_shared_kv_bytes"] > 0 and r.metrics["shared_prompt_fraction"] > 0.5
+    assert r.metrics["max_concurrent_requests"] == 3  # every question of a context served at once
     assert engine.cache.pool.in_use == 0  # every context and fork ended
 
 
