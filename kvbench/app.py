@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench import parallel_run
 from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
+from kvbench.data.hub import revisions_read as hub_revisions_read
 from kvbench.errors import Terminated, UserError
 from kvbench.engines import build_engine, build_run_codec, build_speculator
 from kvbench.estimate import measured_speed, plan_line, record_speed
@@ -378,7 +379,11 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
     faults.reach("before_task")
     task = plan.task
     task.output_dir = output_dir  # where a task may save artifacts (e.g. the needle heatmap)
+    hub_revisions_read(clear=True)
     result = task.run(engine, loaded.tokenizer, plan.settings, make_progress(plan.settings.progress))
+    revision = hub_revisions_read(clear=True)  # the hub data read, by commit (absent for local or packaged data)
+    if revision is not None:
+        record["data_revision"] = revision
     samples = list(result.samples or [])
     metrics = result.metrics or {}
     record.update(metrics)

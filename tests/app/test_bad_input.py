@@ -257,6 +257,21 @@ CASES = [
     (["task=govreport", "task.source=ccdv", "task.data_dir={ccdvbad}"],
      ("task.data_dir file", "test.jsonl, line 2: column 'summary' is null; expected text")),
     (["task.corpus=wikitext", "task.data_path={wtnotext}"], ("no 'text' column", "it has content")),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulernull}", "task.lengths=[1024]"],
+     ("task.data_dir file {rulernull}/1024.jsonl:3: field 'context' is null; expected a string",)),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulerdict}", "task.lengths=[1024]"],
+     ("1024.jsonl:1: field 'answer' is an object; expected a non-empty list of strings",)),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulernew}", "task.lengths=[1024]"],
+     ("1024.jsonl:1: field 'max_new_tokens' is a string ('8'); expected a whole number >= 1",)),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulerutf16}", "task.lengths=[1024]"],
+     ("1024.jsonl: not UTF-8 text",)),
+    # issue 56: hub data pinned by revision (task.revision), refused where it pins nothing
+    (["task=longbench", "task.revision=main", "task.data_dir={empty}"],
+     "task.revision='main' pins the hub's data but task.data_dir="),
+    (["task=ruler", "task.revision=main"], "task.revision is set but task.source='generate' reads no hub data"),
+    (["task.revision=main"], "task.revision is set but task.corpus='pg_essays' is not read from the hub"),
+    (["task=longbench_v2", "task.revision='a b'"], "invalid task.revision='a b'"),
+    (["task=aime", "task.sets=[2024,2025]", "task.revision=main"], "names one revision but task.sets="),
     (["task.corpus=wikitext", "task.data_path={wtnumbers}"],
      ("line 2: column 'text' is a JSON int (5); expected text",)),
     (["task.text_file={utf16}"], "is UTF-16 text (byte order mark fffe)"),
@@ -311,6 +326,8 @@ def paths(tmp_path, tiny_llama_dir):
     data = {}
     row = {"input": "q", "context": "c", "answers": ["a"], "length": 1, "dataset": "trec", "language": "en",
            "all_classes": ["a", "b"], "_id": "x"}
+    ruler_row = {"context": "c", "question": "q", "answer_prefix": "A:", "answer": ["7"], "task": "niah_single_1",
+                 "max_new_tokens": 8}
     for name, file, text in (
             ("lbnull", "trec.jsonl", json.dumps(row) + "\n" + json.dumps({**row, "context": None}) + "\n"),
             ("lbdict", "trec.jsonl", json.dumps({**row, "answers": {"a": "0"}}) + "\n"),
@@ -324,7 +341,11 @@ def paths(tmp_path, tiny_llama_dir):
             ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n"),
             ("scbnoturns", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c", "turns": []}) + "\n"),
             ("scbnoanswer", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c",
-                                                             "multi_turns": [{"input": "q"}]}) + "\n")):
+                                                             "multi_turns": [{"input": "q"}]}) + "\n"),
+            ("rulernull", "1024.jsonl", json.dumps(ruler_row) + "\n\n" + json.dumps({**ruler_row, "context": None})),
+            ("rulerdict", "1024.jsonl", json.dumps({**ruler_row, "answer": {"a": "0"}}) + "\n"),
+            ("rulernew", "1024.jsonl", json.dumps({**ruler_row, "max_new_tokens": "8"}) + "\n"),
+            ("rulerutf16", "1024.jsonl", None)):
         (tmp_path / name).mkdir()
         target = tmp_path / name / file
         if text is None:
