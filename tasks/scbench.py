@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvbench.data import scbench as sd
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.errors import UserError
 from kvbench.metrics.scbench import SCORERS, score_one
 from kvbench.runtime.serving.requests import Request
@@ -89,6 +89,7 @@ class ScbenchOptions:
     limit: Optional[int] = 10  # samples (contexts) per task (null: all of the data; generated: 10)
     source: str = "generate"
     data_dir: Optional[str] = None
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     seed: int = 42
     max_new_tokens: Optional[int] = None  # null: SCBench's per task (kv 150, vt 30, ...)
     chat_template: Any = "auto"
@@ -108,6 +109,10 @@ class ScbenchOptions:
             raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 1 or null")
         if self.source not in SOURCES:
             raise UserError(f"invalid task.source={self.source!r}: choices are {', '.join(SOURCES)}")
+        if self.revision is not None and self.source != "hub":
+            raise UserError(f"task.revision is set but task.source={self.source!r} reads no hub data: "
+                            "revision is for task.source=hub")
+        check_revision(self.revision, "data_dir", self.data_dir)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UserError(f"invalid task.seed={self.seed!r}: expected an integer >= 0")
         check_positive("task.max_new_tokens", self.max_new_tokens, allow_none=True)
@@ -240,7 +245,7 @@ class Scbench(Task):
             for t in opts.tasks:
                 if opts.source == "hub":
                     try:
-                        rows = sd.load_hub_samples(t, opts.data_dir, opts.limit)
+                        rows = sd.load_hub_samples(t, opts.data_dir, opts.limit, opts.revision)
                     except (FileNotFoundError, ValueError) as exc:
                         raise UserError(f"SCBench data: {exc}") from None
                     for r in rows:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvbench.data.essays import essay_corpus_text
+from kvbench.data.hub import note_revision_read
 
 GENERATED_TASKS = ("scbench_kv", "scbench_prefix_suffix", "scbench_vt", "scbench_multi_hop")
 # SCBench's released tasks, readable from files in the hub's format (eval_utils.DATA_NAME_TO_PATH)
@@ -111,15 +112,21 @@ def check_file(data_dir: str, task: str) -> None:
         check_record(row, f"{files[0]}, row {i + 1}")
 
 
-def load_hub_samples(task: str, data_dir: Optional[str], limit: Optional[int]) -> list[dict]:
+HUB_DATASET = "microsoft/SCBench"
+
+
+def load_hub_samples(task: str, data_dir: Optional[str], limit: Optional[int],
+                     revision: Optional[str] = None) -> list[dict]:
     """`task`'s records from data_dir's files (task_files), or from the hub (`datasets.load_dataset(
-    "microsoft/SCBench", task, split="test")`) when data_dir is None; each checked, `limit` first kept."""
+    "microsoft/SCBench", task, split="test", revision=revision)`, the commit read recorded as data_revision) when
+    data_dir is None; each checked, `limit` first kept."""
     if data_dir is not None:
         rows = [r for p in task_files(Path(data_dir), task) for r in _read_rows(p)]
     else:  # pragma: no cover - needs the network; the file path above reads the same records
         from datasets import load_dataset
 
-        rows = list(load_dataset("microsoft/SCBench", task, split="test"))
+        rows = list(load_dataset(HUB_DATASET, task, split="test", revision=revision))
+        note_revision_read(HUB_DATASET, revision)
     rows = rows[:limit] if limit else rows
     out = []
     for i, row in enumerate(rows):

@@ -32,7 +32,8 @@ def test_options_and_bad_values():
     assert build_task("scbench", {"tasks": ["kv", "scbench_vt"]}).options.tasks == ["scbench_kv", "scbench_vt"]
     for bad, text in (({"mode": "chat"}, "task.mode='chat'"), ({"turns": 0}, "task.turns=0"),
                       ({"tasks": ["nope"]}, "unknown SCBench task 'nope'"), ({"length": -1}, "task.length=-1"),
-                      ({"repeats": 2}, "task.repeats=2")):
+                      ({"repeats": 2}, "task.repeats=2"),
+                      ({"revision": "main"}, "task.revision is set but task.source='generate'")):
         with pytest.raises(UserError, match=text.replace("[", r"\[").replace("(", r"\(")):
             build_task("scbench", bad)
 
