@@ -138,7 +138,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
         # compressed contexts kept for prefill_context (prefix caching on): exact token list -> a kept fork
         self._contexts: OrderedDict[tuple, int] = OrderedDict()
-        self.max_kept_contexts = 4
+        self.max_kept_contexts = 1  # each holds a whole compressed context's blocks
         self.context_lookups = self.context_hits = 0
         # a kvbench.runtime.serving.speculative.SpeculativeDecoder: decode steps become rounds
         self.speculator = speculator
@@ -259,6 +259,9 @@ class Engine:
                 child = self.fork_sequence(kept)
                 self.meter.track()
                 return ContextPrefill(child, True, len(ids), 0.0)
+        if self.prefix_cache is not None:  # room first: the least recently used kept copy goes before this prefill
+            while self._contexts and len(self._contexts) >= self.max_kept_contexts:
+                self.end_sequence(self._contexts.popitem(last=False)[1])
         t0 = time.perf_counter()
         slot = self.new_sequence()
         chunk = chunk_size or self.prefill_chunk_size
@@ -273,9 +276,7 @@ class Engine:
         self.meter.track()
         self._synchronize()
         dt = time.perf_counter() - t0
-        if self.prefix_cache is not None:
-            while len(self._contexts) >= self.max_kept_contexts:
-                self.end_sequence(self._contexts.popitem(last=False)[1])
+        if self.prefix_cache is not None and self.max_kept_contexts > 0:
             self._contexts[key] = self.fork_sequence(slot)
         return ContextPrefill(slot, False, len(ids), dt)
 
