@@ -260,9 +260,7 @@ class Scbench(Task):
                 try:
                     out += sd.generate_samples(t, opts.length, tokens, opts.limit or 10, opts.turns, opts.seed,
                                                None if bar is None else bar.update)
-                except ValueError as exc:
-                    raise UserError(f"task=scbench: {exc}") from None
-                except ImportError as exc:
+                except (ValueError, ImportError) as exc:  # a length too short; the essays' package missing
                     raise UserError(f"task=scbench: {exc}") from None
         finally:
             if bar is not None:
@@ -315,8 +313,8 @@ class Scbench(Task):
 
 
 def _compressions(engine: Any) -> Optional[int]:
-    """Prompts the method compressed so far (its own count: (prompt, layer) records over the layers), or None for a
-    method that keeps no such count (full: it never compresses)."""
+    """Prompts the method compressed so far (its own count: (prompt, layer) records over the layers); 0 for a method
+    that never evicts (full, a codec alone); None for one that evicts but keeps no such count."""
     totals = getattr(getattr(engine, "method", None), "prefill_totals", None)
     if not callable(totals):
         return 0 if getattr(getattr(engine, "method", None), "evicts", False) is False else None
