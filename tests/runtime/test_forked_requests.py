@@ -82,6 +82,8 @@ def test_context_compressed_once_and_shared(model, name, budget):
     one_copy = cfg.num_layers * cfg.num_kv_heads * 3
     most, shared = max(peaks)
     assert shared >= one_copy  # the context's blocks referenced by more than one table
+    # in bytes, as the run records it (the pool's shared references x its block bytes, tracked every step)
+    assert engine.memory_stats()["fork_shared_kv_bytes"] >= one_copy * engine.cache.bytes_per_block
     # three independent copies of the compressed context would need 3 x one_copy blocks for the context alone
     assert most < 3 * one_copy + len(qs) * cfg.num_layers * cfg.num_kv_heads * 4
     # each fork equals a fork of a context compressed for it alone
