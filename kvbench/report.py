@@ -337,6 +337,14 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
                 png = plots.metric_vs_budget(relabeled, metric, k)
                 if png:
                     out.append((_titled(f"{task}: {metric} vs {k}", group), png))
+    # multi-turn tasks (scbench): score against turn, a line per method; whether the question was compressed is a
+    # line of its own beside full's, not a separate plot
+    for group, runs in comparable_groups(ok, free=("task.compress_question",)):
+        line_keys = [k for k in varying_keys(runs) if k != "task.name"]
+        series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
+        png = plots.score_vs_turn(series)
+        if png:
+            out.append((_titled(f"{task}: score by turn", group), png))
     ok_pairs = [(r, row) for r, row in matched if r["metrics"].get("status") == "ok"]
     # per-dataset bars (score_<dataset>): LongBench's datasets, or the tasks of another multi-part task (RULER)
     bars_title = "LongBench per dataset" if task.startswith("longbench") else f"{task}: score per task" + (

@@ -402,6 +402,32 @@ def acceptance_vs_draft_budget(runs: Sequence[dict]) -> Optional[bytes]:
                          "speculative decoding: acceptance vs draft budget")
 
 
+def turn_scores(run: dict) -> list[tuple[int, float]]:
+    """A multi-turn run's (turn, score) points from its score_turn_<k> metrics (task=scbench), by turn."""
+    pts = []
+    for key, value in run["metrics"].items():
+        if key.startswith("score_turn_") and key[len("score_turn_"):].isdigit() and _num(value) is not None:
+            pts.append((int(key[len("score_turn_"):]), float(value)))
+    return sorted(pts)
+
+
+def score_vs_turn(runs: Sequence[dict]) -> Optional[bytes]:
+    """The score of each turn (score_turn_<k>) against the turn, one line per series (method and the settings that
+    vary), coloured by method: what a compression kept for the first question and lost for the later ones."""
+    lines = [(r, turn_scores(r)) for r in runs]
+    lines = [(r, pts) for r, pts in lines if len(pts) >= 2]
+    if not lines:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    style = _Styler()
+    for run, pts in lines[:MAX_SERIES]:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=series_label(run), **style(run))
+    turns = sorted({p[0] for _, pts in lines for p in pts})
+    ax.set_xticks(turns)
+    return _percent_plot(fig, ax, "turn (question k over the same context)", "score", "score by turn")
+
+
 def _percent_plot(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> bytes:
     """Labels, a 0-105 % y axis, grid and legend; the PNG."""
     ax.set_xlabel(xlabel)

@@ -225,6 +225,17 @@ CASES = [
     (["results_dir=''"], "invalid results_dir=''"),
     (["-m", "results_dir=''"], "invalid results_dir=''"),
     (["task=ruler", "task.lengths=100000"], "task.lengths=[100000]"),  # a bare length is a list of one
+    # scbench (SCBench's two modes)
+    (["task=scbench", "task.mode=multi_chat"], "invalid task.mode='multi_chat': choices are multi_turn, multi_request"),
+    (["task=scbench", "task.turns=0"], "invalid task.turns=0: expected an integer >= 1"),
+    (["task=scbench", "task.tasks=[passkey]"], ("unknown SCBench task 'passkey'", "kv, prefix_suffix, vt")),
+    (["task=scbench", "task.length=100000"], ("invalid task.length=100000", "model's 8192 positions")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbnoturns}", "task.tasks=[kv]"],
+     ("scbench_kv.jsonl, row 1", "no 'multi_turns' field")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbnoanswer}", "task.tasks=[kv]"],
+     ("multi_turns[0] needs 'input' and 'answer'",)),
+    (["task=scbench", "task.source=hub", "task.data_dir={empty}", "task.tasks=[kv]"], "no scbench_kv.jsonl"),
+    (["task=scbench", "task.repeats=2"], "invalid task.repeats=2"),
     # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
     (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
                                   "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
@@ -328,6 +339,9 @@ def paths(tmp_path, tiny_llama_dir):
             ("ccdvbad", "test.jsonl", json.dumps({"report": "r", "summary": "s"}) + "\n"
              + json.dumps({"report": "r", "summary": None}) + "\n"),
             ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n"),
+            ("scbnoturns", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c", "turns": []}) + "\n"),
+            ("scbnoanswer", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c",
+                                                             "multi_turns": [{"input": "q"}]}) + "\n"),
             ("rulernull", "1024.jsonl", json.dumps(ruler_row) + "\n\n" + json.dumps({**ruler_row, "context": None})),
             ("rulerdict", "1024.jsonl", json.dumps({**ruler_row, "answer": {"a": "0"}}) + "\n"),
             ("rulernew", "1024.jsonl", json.dumps({**ruler_row, "max_new_tokens": "8"}) + "\n"),

@@ -73,6 +73,8 @@ def test_sweep_sizes():
     assert size("budget_sweep", "paper") == 11 * 5 * 2 and size("budget_sweep", "smoke") == 11 * 2 * 2
     # 15 rows (full and every board method kvbench has) x 9 ratios; smoke: 3 ratios (full runs once: 43 runs)
     assert size("kvpress_leaderboard", "paper") == 15 * 9 and size("kvpress_leaderboard", "smoke") == 15 * 3
+    # 2 modes x 6 rows (full, streaming_llm, snapkv with and without the question, expected_attention, kvzip) x 2 budgets
+    assert size("scbench_turns", "paper") == size("scbench_turns", "smoke") == 2 * 6 * 2
 
 
 SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores

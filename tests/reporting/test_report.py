@@ -715,3 +715,33 @@ def test_leaderboard_peak_labels_never_overlap_where_scores_bunch(monkeypatch):
             assert upper.y0 - lower.y1 >= 2 * fig.dpi / 72, (lower, upper)  # 2 points apart (1.9 before)
     bottom, top = ax.get_ylim()
     assert all(bottom <= ann.xyann[1] <= top for ann in ax.texts)  # and inside the axes
+
+
+def test_score_by_turn_plot_one_line_per_method(tmp_path, monkeypatch):
+    """scbench runs (score_turn_<k>): a score-by-turn plot per comparable group (task.mode), a line per method and
+    setting (task.compress_question is a line, not a group)."""
+    from kvbench.reporting import plots
+
+    drawn = []
+    real = plots.score_vs_turn
+
+    def spy(runs):
+        drawn.append(sorted(plots.series_label(r) for r in runs if len(plots.turn_scores(r)) >= 2))
+        return real(runs)
+
+    monkeypatch.setattr(plots, "score_vs_turn", spy)
+    for mode in ("multi_turn", "multi_request"):
+        for method, budget, turns, cq in (("full", None, [60.0, 60.0, 60.0], False),
+                                          ("snapkv", 128, [50.0, 20.0, 10.0], False),
+                                          ("snapkv", 128, [55.0, 10.0, 5.0], True)):
+            cfg = fx.config(method=method, budget=budget, task="scbench", experiment="scbench_turns",
+                            task_options={"mode": mode, "turns": 3, "compress_question": cq})
+            metrics = {"score": sum(turns) / 3, **{f"score_turn_{k}": v for k, v in enumerate(turns, 1)}}
+            fx.write_run(str(tmp_path), cfg, metrics, fx.score_samples([0.5, 0.5], "scbench_kv"))
+    sec = section(tmp_path, "scbench_turns")
+    titles = [t for t, _ in sec.plots]
+    assert "scbench: score by turn [task.mode=multi_request]" in titles
+    assert "scbench: score by turn [task.mode=multi_turn]" in titles, titles
+    # one plot per mode, the question compressed or not a line of its own beside full's
+    assert len(drawn) == 2 and all(len(d) == 3 for d in drawn), drawn
+    assert real([]) is None  # no multi-turn runs: no plot

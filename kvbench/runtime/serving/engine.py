@@ -19,6 +19,8 @@ preemption may move blocks to host memory, in a swap space of swap_bytes, the po
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -60,6 +62,18 @@ class Generation:
     decode_s: float
     preemptions: int = 0
     error: str | None = None
+
+
+@dataclass
+class ContextPrefill:
+    """A context prefilled (and compressed by the method at its last chunk) for requests to fork
+    (`Engine.prefill_context`): the live sequence holding it, whether it came from the kept compressed contexts
+    (a hit: nothing computed), the tokens it holds and the seconds it took."""
+
+    slot: int
+    hit: bool
+    tokens: int
+    prefill_s: float
 
 
 def kv_memory_bytes_for(model: LlamaFamilyModel, block_size: int, num_blocks: int | None,
@@ -122,6 +136,10 @@ class Engine:
         self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)
         self.runner = ModelRunner(model, self.cache, self.backend, method, self.meter)  # one forward step
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
+        # compressed contexts kept for prefill_context (prefix caching on): exact token list -> a kept fork
+        self._contexts: OrderedDict[tuple, int] = OrderedDict()
+        self.max_kept_contexts = 1  # each holds a whole compressed context's blocks
+        self.context_lookups = self.context_hits = 0
         # a kvbench.runtime.serving.speculative.SpeculativeDecoder: decode steps become rounds
         self.speculator = speculator
         self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.cache.swap.should_swap)
@@ -219,6 +237,54 @@ class Engine:
             on_fork(slot, child)
         return child
 
+    @torch.no_grad()
+    def prefill_context(self, token_ids: Sequence[int], *, chunk_size: int | None = None) -> ContextPrefill:
+        """Prefill a context in chunks on a new sequence, the method compressing it at its last chunk, for
+        requests to fork (`Request.fork_of`, `fork_tokens=len(token_ids)`); the caller ends the returned slot.
+
+        With the prefix cache on (`prefix_caching`), the compressed context is also kept (a fork of it, keyed by
+        its exact token list; at most `max_kept_contexts`, the least recently used dropped first), and a later call
+        with the same tokens returns a fork of that copy: a hit, no token computed and no compression run, the
+        blocks shared in the pool. A kept copy holds its blocks until it is dropped (`release_contexts`)."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("empty context")
+        key = tuple(ids)
+        if self.prefix_cache is not None:
+            self.context_lookups += 1
+            kept = self._contexts.get(key)
+            if kept is not None:
+                self._contexts.move_to_end(key)
+                self.context_hits += 1
+                child = self.fork_sequence(kept)
+                self.meter.track()
+                return ContextPrefill(child, True, len(ids), 0.0)
+        if self.prefix_cache is not None:  # room first: the least recently used kept copy goes before this prefill
+            while self._contexts and len(self._contexts) >= self.max_kept_contexts:
+                self.end_sequence(self._contexts.popitem(last=False)[1])
+        t0 = time.perf_counter()
+        slot = self.new_sequence()
+        chunk = chunk_size or self.prefill_chunk_size
+        try:
+            for a in range(0, len(ids), chunk):
+                b = min(len(ids), a + chunk)
+                self.forward_chunk(slot, ids[a:b], a, last_chunk=b == len(ids))
+            self.flush_pending_frees()
+        except BaseException:
+            self.end_sequence(slot)
+            raise
+        self.meter.track()
+        self._synchronize()
+        dt = time.perf_counter() - t0
+        if self.prefix_cache is not None and self.max_kept_contexts > 0:
+            self._contexts[key] = self.fork_sequence(slot)
+        return ContextPrefill(slot, False, len(ids), dt)
+
+    def release_contexts(self) -> None:
+        """Drop the compressed contexts prefill_context kept: their blocks go back to the pool."""
+        while self._contexts:
+            self.end_sequence(self._contexts.popitem()[1])
+
     def end_sequence(self, slot: int) -> None:
         """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
         self.meter.saw_sequence(slot)
@@ -285,7 +351,8 @@ class Engine:
                           chunk_size=chunk_size or self.prefill_chunk_size, schedule=self.schedule,
                           prefix_cache=self.prefix_cache, stop_token_ids=stop_token_ids, should_stop=should_stop,
                           on_token=on_token, lookahead=self.speculator.lookahead if self.speculator else 1,
-                          swap=self.swap, preemption=self.preemption, on_swap_out=self._on_swap_out)
+                          swap=self.swap, preemption=self.preemption, on_swap_out=self._on_swap_out,
+                          fork=self.fork_sequence)
         gen = torch.Generator(device="cpu")
         if seed is not None:
             gen.manual_seed(seed)
