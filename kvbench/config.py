@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.errors import UserError, first_line
 from kvbench.registry import did_you_mean
 from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
-                          SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive, check_task_counts,
+                          SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive, check_task_counts, check_threshold,
                           dtype_name, hashable_config, kept_budget, normalise_runtime,
                           normalise_task, raw_value, resolve_storage, results_path)
 from kvbench.store.naming import model_label, run_id_for
@@ -290,6 +290,7 @@ def validate(cfg: Any) -> Settings:
     method_name, method_options, quant_name, quant_options = resolve_storage(
         str(method.pop("name")), method, str(quant.pop("name", "none")), quant)
     budget, compression_ratio = kept_budget(method_name, budget, compression_ratio)
+    check_threshold(method_options, budget, compression_ratio)
     results_dir = results_path(cfg.get("results_dir", "results"))
     return Settings(
         model=_build(ModelConfig, "model", model),
