@@ -44,6 +44,7 @@ class DMS(ScorerWrapper):
     """Evict every token scored below `threshold` once it leaves the sliding window of the newest tokens."""
 
     needs_budget: ClassVar[bool] = False
+    base: str = "kvzap"  # the board's (kvpress kvzap_linear / kvzap_mlp)
     threshold: Optional[float] = None
     sliding_window_size: int = 128
     decode: str = "none"
