@@ -483,7 +483,7 @@ def main() -> None:
         METHODS["duo_attention"][1]["on_the_fly_samples"] = args.duo_samples
     kvzap_dir = args.kvzap_dir
     if kvzap_dir is None and KVZAP_ROWS & set(args.methods):
-        from kvbench.methods.kvzap import packaged_folder
+        from kvbench.methods.kvzap_surrogate import packaged_folder
         from kvbench.methods.kvzap_train import ensure_packaged
 
         ensure_packaged(loaded.model, loaded.tokenizer, "mlp")

@@ -16,7 +16,6 @@ the held-out MSE of both is printed. Output: <output_dir>/{linear,mlp} in the hu
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -26,9 +25,14 @@ from typing import Any, Optional
 
 import torch
 
+from kvbench import data
+from kvbench.console import say
 from kvbench.errors import UserError
-from kvbench.methods.kvzap import KVzapSurrogate, load_surrogate, packaged_folder
+from kvbench.methods.kvzap_surrogate import KVzapSurrogate, load_surrogate, packaged_folder
 from kvbench.runtime.contract import NoCompression, Observation
+from kvbench.runtime.measured_times import quoted
+from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.serving.engine import Engine
 
 REPEAT = "\n\nRepeat the previous context exactly."
 # the packaged model's training run (CPU, minutes): kvpress uses 500 texts per subset of 750-1250 tokens, 500 each
@@ -109,8 +113,6 @@ class KVzipPlusCollector(NoCompression):
 def collect(model: Any, tokenizer: Any, texts: list[str], n_tokens: int, seed: int = 0,
             progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """X [N, L, E] attention inputs and y [N, L, H] KVzip+ log-scores, n_tokens drawn per text (kvpress collect)."""
-    from kvbench.runtime.serving.engine import Engine
-
     hook = KVzipPlusCollector(model)
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
@@ -172,9 +174,7 @@ def train_mlp(X: torch.Tensor, y: torch.Tensor, hidden_dim: int = 512, max_epoch
 
 def essay_texts(tokenizer: Any, n_texts: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[str]:
     """n_texts passages of the packaged essays, each between min_tokens and max_tokens tokens long."""
-    from kvbench.data import essay_corpus_text
-
-    ids = list(tokenizer.encode(essay_corpus_text(), add_special_tokens=False))
+    ids = list(tokenizer.encode(data.essay_corpus_text(), add_special_tokens=False))
     g = torch.Generator().manual_seed(seed)
     out, at = [], 0
     while len(out) < n_texts:
@@ -212,9 +212,6 @@ def train(model: Any, tokenizer: Any, output_dir: str | os.PathLike, *, n_texts:
 
 def ensure_packaged(model: Any, tokenizer: Any, surrogate: str) -> KVzapSurrogate:
     """The packaged model's surrogate from the cache, trained there first if missing (announced with its time)."""
-    from kvbench.console import say
-    from kvbench.runtime.measured_times import quoted
-
     folder = packaged_folder(surrogate)
     if (folder / "config.json").exists():
         return load_surrogate(str(folder))
@@ -253,8 +250,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dtype", default="float32")
     a = p.parse_args(argv)
     try:
-        from kvbench.runtime.model.loading import load_model
-
         out = a.output_dir
         if out is None:
             if a.model is not None:
