@@ -114,7 +114,7 @@ NOTES = {
     "streaming_llm": "kvbench's default evicts after every chunk and while decoding (here paper / none)",
     "kvzip": "prompt = chat-template prefix (unscored but 4 sinks) + text on both sides; kvpress rounds the pruned "
              "count over the sequence (NLL's T - 1 keeps up to L x H - 1 more)",
-    "kvzip_plus": "as kvzip; sinks: kvbench keeps them (+inf), kvpress 0.5.5 scores them as any token",
+    "kvzip_plus": "as kvzip; the sinks always kept on both sides (kvpress: max + 1, kvbench: +inf)",
     "duo_attention": "ratio = share of streaming kv-heads (128 sinks + 256 recent), not of the KV removed; "
                      "calibration: kvbench's essays fed to kvpress's estimate",
 }
