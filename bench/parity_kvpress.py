@@ -78,6 +78,7 @@ METHODS = {
     # scores when kvpress's context manager exits (kept sets from module.masked_key_indices after the `with`); the
     # prompt is the chat template's prefix + text (PROMPTS), as kvpress's pipeline feeds a context
     "kvzip": ("kvzip", {}, "KVzipPress", {}),
+    "kvzip_plus": ("kvzip", {"kvzip_plus_normalization": True}, "KVzipPress", {"kvzip_plus_normalization": True}),
     # the ratio is the share of streaming kv-heads on both sides (RATIO_OPTION), which keep 128 sinks + 256 recent
     # tokens (FIXED_BUDGET); head scores from the on-the-fly estimate over the packaged essays on both sides
     "duo_attention": ("duo_attention", {"on_the_fly": True, "sinks": 128, "prefill_mode": "paper", "decode": "none",
@@ -94,6 +95,15 @@ METHODS = {
     "merge_knorm": ("merge", {"base": "knorm"}, "MergingPress", {"press": ["KnormPress", {}]}),
     "merge_snapkv": ("merge", {"base": "snapkv"}, "MergingPress",
                      {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}]}),
+    # KVzap: the packaged model's surrogates (trained into the cache by kvbench-train-kvzap; kvpress loads the same
+    # folder with KVzapModel.from_pretrained instead of nvidia/KVzap-<type>-<model>). kvzap_mlp_head: KVzapPress alone
+    # at a ratio (the registry's kvzap_mlp_head); kvzap_linear / kvzap_mlp: DMSPress(KVzapPress) by threshold (the
+    # board's rows: --thresholds, not --ratios)
+    "kvzap_mlp_head": ("kvzap", {"surrogate": "mlp"}, "KVzapPress", {"model_type": "mlp"}),
+    "kvzap_linear": ("dms", {"base": "kvzap", "base_options": {"surrogate": "linear"}}, "DMSPress",
+                     {"press": ["KVzapPress", {"model_type": "linear"}]}),
+    "kvzap_mlp": ("dms", {"base": "kvzap", "base_options": {"surrogate": "mlp"}}, "DMSPress",
+                  {"press": ["KVzapPress", {"model_type": "mlp"}]}),
 }
 # rows whose kvbench side takes the ratio itself (compression_ratio) rather than the budget int(T * (1 - r)): the
 # ratio enters their definition (Compactor's blending, ChunkKV's chunk count, Finch's n_kept)
@@ -102,10 +112,13 @@ RATIO_KNOB = {"compactor", "adakv_compactor", "chunkkv", "finch"}
 # id that never occurs; Compactor's sketch drawn as kvbench draws it
 FINCH_WINDOW = 64
 SKETCH = {"compactor", "adakv_compactor"}
+# rows swept by threshold (kvpress DMSPress: evict every token scored below it outside the newest 128), not ratio
+THRESHOLD_ROWS = {"kvzap_linear", "kvzap_mlp"}
+KVZAP_ROWS = {"kvzap_mlp_head", "kvzap_linear", "kvzap_mlp"}
 # rows whose prompt is not the raw text: "chat" = the chat template's tokens before a user message's content, then
 # the text (kvpress's pipeline: apply_chat_template on the context, cut where the content ends; KVzipPress skips
 # exactly that prefix's length unscored, kvbench's kvzip skips it when the prompt starts with it)
-PROMPTS = {"kvzip": "chat"}
+PROMPTS = {"kvzip": "chat", "kvzip_plus": "chat"}
 # rows where the ratio is not the share of each table removed: (kvbench option, kvpress option) it sets instead
 RATIO_OPTION = {"duo_attention": ("head_compression_ratio", "head_compression_ratio")}
 # rows with a budget per table that does not follow the ratio (kvpress's duo_attention_on_the_fly: 128 + 256)
@@ -119,6 +132,7 @@ NOTES = {
     "streaming_llm": "kvbench's default evicts after every chunk and while decoding (here paper / none)",
     "kvzip": "prompt = chat-template prefix (unscored but 4 sinks) + text on both sides; kvpress rounds the pruned "
              "count over the sequence (NLL's T - 1 keeps up to L x H - 1 more)",
+    "kvzip_plus": "as kvzip; the sinks always kept on both sides (kvpress: max + 1, kvbench: +inf)",
     "duo_attention": "ratio = share of streaming kv-heads (128 sinks + 256 recent), not of the KV removed; "
                      "calibration: kvbench's essays fed to kvpress's estimate",
     "compactor": "the leverage sketch is kvbench's seeded one on both sides (kvpress draws torch.randn)",
@@ -162,11 +176,14 @@ def kvpress_side(job: dict) -> dict:
         _, _, cls, opts = METHODS[name]
         text = job["texts"][PROMPTS.get(name, "raw")]
         prompt, cont = text["prompt"], text["continuation"]
-        press = build_press(kvpress, cls, opts, ratio, RATIO_OPTION.get(name, (None, None))[1])
+        press = build_press(kvpress, cls, opts, ratio, "threshold" if name in THRESHOLD_ROWS
+                            else RATIO_OPTION.get(name, (None, None))[1])
         if cls == "FinchPress":  # the question's extent given, no delimiter to find (an id no text holds)
             press.delimiter_token_id, press.window_size = -1, FINCH_WINDOW
         if name in SKETCH:
             kvbench_sketch(kvpress)
+        if name in KVZAP_ROWS:
+            local_kvzap(press, job["kvzap_dir"])
         kept = record_kept(press)
         extra = {}
         with torch.no_grad():
@@ -199,6 +216,16 @@ def kvpress_side(job: dict) -> dict:
                 nll -= float(torch.log_softmax(logits.float(), -1)[cont[j]]) / len(cont)
         out["results"][f"{name}@{ratio}"] = {"kept": layers, "greedy": tokens, "nll": nll, **extra}
     return out
+
+
+def local_kvzap(press, kvzap_dir: str) -> None:
+    """The KVzapPress of `press` (itself or a DMSPress's) loads its surrogate from kvzap_dir/<model_type> (the hub's
+    format, written by kvbench-train-kvzap) instead of nvidia/KVzap-<type>-<model>."""
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    inner = getattr(press, "press", press)
+    inner.kvzap_model = KVzapModel.from_pretrained(os.path.join(kvzap_dir, inner.model_type))
+    inner.post_init_from_model = lambda model: None
 
 
 def feed_booksum(model_dir: str, samples: list[dict]) -> None:
@@ -264,6 +291,8 @@ def build_press(kvpress, cls: str, opts: dict, ratio: float, ratio_option: str |
     inner = opts.pop("press", None)
     if inner is None:
         return getattr(kvpress, cls)(**{ratio_option or "compression_ratio": ratio}, **opts)
+    if ratio_option == "threshold":  # DMSPress: its compression ratio is read-only (realized)
+        return getattr(kvpress, cls)(press=getattr(kvpress, inner[0])(**inner[1]), threshold=ratio, **opts)
     press = getattr(kvpress, cls)(press=getattr(kvpress, inner[0])(**inner[1]), **opts)
     press.compression_ratio = ratio
     return press
@@ -371,6 +400,14 @@ def kvbench_side(job: dict, loaded) -> dict:
         opts = dict(opts)
         if name in RATIO_OPTION:
             opts[RATIO_OPTION[name][0]] = ratio
+        if name in KVZAP_ROWS:  # the same surrogate folder as kvpress's side
+            if "base_options" in opts:
+                opts["base_options"] = dict(opts["base_options"], path=os.path.join(
+                    job["kvzap_dir"], opts["base_options"]["surrogate"]))
+            else:
+                opts["path"] = os.path.join(job["kvzap_dir"], opts["surrogate"])
+        if name in THRESHOLD_ROWS:
+            opts["threshold"] = ratio
         kept: dict[str, list[list[int]]] = {}
         built = []
 
@@ -381,7 +418,7 @@ def kvbench_side(job: dict, loaded) -> dict:
                                     for h in range(lengths.shape[0])]
 
         def engine_for(n_prompt: int, record_kept: bool):
-            budget = FIXED_BUDGET.get(name, max(1, int(n_prompt * (1 - ratio))))
+            budget = None if name in THRESHOLD_ROWS else FIXED_BUDGET.get(name, max(1, int(n_prompt * (1 - ratio))))
             if name in RATIO_KNOB:
                 method = build_method(method_name, None, compression_ratio=ratio, **opts)
             else:
@@ -501,6 +538,10 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=64, help="text tokens scored for the NLL")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[-3.0, -4.0, -5.0],
+                    help="the threshold rows' (kvzap_linear, kvzap_mlp) thresholds, in place of --ratios")
+    ap.add_argument("--kvzap-dir", help="folder with the packaged model's KVzap surrogates {linear,mlp} (default: "
+                    "kvbench's cache, trained there first if missing)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--duo-samples", type=int, help="duo_attention's on-the-fly samples on both sides (default 50, "
@@ -528,8 +569,16 @@ def main() -> None:
         texts["chat"] = chat_prompt(loaded.tokenizer, ids, args.tokens, args.continuation)
     if "duo_attention" in args.methods and args.duo_samples is not None:
         METHODS["duo_attention"][1]["on_the_fly_samples"] = args.duo_samples
-    job = {"model_dir": str(loaded.hf_dir), "texts": texts, "new_tokens": args.new_tokens,
-           "threads": args.threads, "runs": [(m, r) for m in args.methods for r in args.ratios],
+    kvzap_dir = args.kvzap_dir
+    if kvzap_dir is None and KVZAP_ROWS & set(args.methods):
+        from kvbench.methods.kvzap_surrogate import packaged_folder
+        from kvbench.methods.kvzap_train import ensure_packaged
+
+        ensure_packaged(loaded.model, loaded.tokenizer, "mlp")
+        kvzap_dir = str(packaged_folder("mlp").parent)
+    runs = [(m, r) for m in args.methods for r in (args.thresholds if m in THRESHOLD_ROWS else args.ratios)]
+    job = {"model_dir": str(loaded.hf_dir), "texts": texts, "new_tokens": args.new_tokens, "kvzap_dir": kvzap_dir,
+           "threads": args.threads, "runs": runs,
            "duo_samples": duo_samples(loaded, METHODS["duo_attention"][1]) if "duo_attention" in args.methods
            else None}
     with tempfile.TemporaryDirectory() as tmp:
@@ -543,9 +592,9 @@ def main() -> None:
     print(f"kvpress {theirs['kvpress_version']} (transformers {theirs['transformers_version']}) vs kvbench; "
           f"model {loaded.name}; prompt {args.tokens} tokens, NLL over {args.continuation}, greedy {args.new_tokens}")
     print(f"{'method':<20} {'ratio':>5} {'jaccard':>8} {'min':>6} {'greedy':>8} {'nll kvbench':>12} "
-          f"{'nll kvpress':>12}")
+          f"{'nll kvpress':>12}   (threshold rows: the threshold in the ratio column, then the kept fraction)")
     for m in args.methods:
-        for r in args.ratios:
+        for r in (args.thresholds if m in THRESHOLD_ROWS else args.ratios):
             a, b = ours[f"{m}@{r}"], theirs["results"][f"{m}@{r}"]
             mean_j, min_j = jaccard(a["kept"], b["kept"])
             diff = first_difference(a["greedy"], b["greedy"])
@@ -554,6 +603,12 @@ def main() -> None:
                    "note": NOTES.get(m, "")}
             rows.append(row)
             greedy = "same" if diff is None else f"@{diff}"
+            if m in THRESHOLD_ROWS:  # what each side kept of the prompt, over every (layer, kv-head)
+                row["kept_fraction_kvbench"], row["kept_fraction_kvpress"] = (
+                    round(sum(len(h) for hs in side["kept"].values() for h in hs)
+                          / (len(job["texts"]["raw"]["prompt"]) * sum(len(hs) for hs in side["kept"].values())), 4)
+                    for side in (a, b))
+                row["note"] = (f"kept {row['kept_fraction_kvbench']:.4f} (kvpress {row['kept_fraction_kvpress']:.4f})")
             print(f"{m:<20} {r:>5.2f} {mean_j:>8.3f} {min_j:>6.3f} {greedy:>8} {a['nll']:>12.4f} {b['nll']:>12.4f}"
                   + (f"  ({row['note']})" if row["note"] else ""))
             assert math.isfinite(a["nll"]) and math.isfinite(b["nll"])

@@ -341,6 +341,8 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
     if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
         try:  # codecs that calibrate (kvquant) tokenize their calibration text with it
             loaded.model.tokenizer = loaded.tokenizer
+            # the model's hub id or folder (None: the packaged model), for methods with per-model files (kvzap)
+            loaded.model.name_or_path = s.model.path
         except AttributeError:
             pass
     record["loaded_from"] = getattr(loaded, "name", None)

@@ -355,6 +355,20 @@ def check_compression(budget: Any, compression_ratio: Any) -> Optional[float]:
     return float(r)
 
 
+def check_threshold(method_options: dict, budget: Optional[int], compression_ratio: Optional[float]) -> None:
+    """`method.threshold` (a threshold rule, methods/dms.py: evict every token scored below it): a number, and
+    exclusive with `budget` and `compression_ratio` (it decides how much stays); UserError otherwise."""
+    t = method_options.get("threshold")
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+        raise UserError(f"invalid method.threshold={t!r}: expected a number (tokens scored below it are evicted)")
+    if budget is not None or compression_ratio is not None:
+        knob = f"budget={budget}" if budget is not None else f"compression_ratio={compression_ratio}"
+        raise UserError(f"method.threshold={t} and {knob} are both set: a threshold decides how much is kept; "
+                        "choose one")
+
+
 def kept_budget(method_name: str, budget: Optional[int],
                 compression_ratio: Optional[float]) -> tuple[Optional[int], Optional[float]]:
     """(budget, compression_ratio) as a run of `method_name` keeps them (checked before: check_budget,

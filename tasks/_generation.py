@@ -148,6 +148,7 @@ class GenOutput:
     ttft_s: float
     prefill_s: float
     decode_s: float
+    kv_kept_fraction: Optional[float] = None  # the prompt's KV kept after compression (None: nothing compressed)
 
     def record(self, **metrics: Any) -> dict:
         """The sample record: id, dataset, prompt, prediction, references, lengths, the generated tokens'
@@ -160,6 +161,8 @@ class GenOutput:
             "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
         }
+        if self.kv_kept_fraction is not None:  # realized per sample (threshold rules keep what the input decides)
+            out["kv_kept_fraction"] = self.kv_kept_fraction
         out.update(r.extra)
         out.update(metrics)
         return out
@@ -288,7 +291,8 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
                 raise UserError(f"{failed[0].error} (task sample {batch[gens.index(failed[0])].id})")
             meter.add_batch(gens)
             done = [GenOutput(r, decode(tokenizer, g.token_ids), list(g.token_ids), g.finish_reason, g.ttft_s,
-                              g.prefill_s, g.decode_s) for r, g in zip(batch, gens)]
+                              g.prefill_s, g.decode_s, getattr(g, "kv_kept_fraction", None))
+                    for r, g in zip(batch, gens)]
             outputs.extend(done)
             if on_batch is not None:
                 on_batch(done)

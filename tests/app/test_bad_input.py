@@ -208,6 +208,17 @@ CASES = [
     (["method=adakv", "method.base=h2o", "budget=64", "runtime.prefix_caching=true"],
      "runtime.prefix_caching=true with method=adakv"),
     (["method=h2o", "budget=64", "runtime.prefix_caching=1"], "runtime.prefix_caching=true"),
+    # threshold eviction (methods/dms.py) and KVzap
+    (["method=dms", "method.threshold=abc"], "invalid method.threshold='abc': expected a number"),
+    (["method=dms", "method.threshold=-3", "budget=64"], "method.threshold=-3 and budget=64 are both set"),
+    (["method=dms", "method.threshold=-3", "compression_ratio=0.5"],
+     "method.threshold=-3 and compression_ratio=0.5 are both set"),
+    (["method=dms"], "invalid dms.threshold=None: expected a number"),
+    (["method=dms", "method.threshold=-3", "+method.base_options.surrogate=quadratic"],
+     "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
+    (["method=kvzap", "method.surrogate=quadratic", "compression_ratio=0.5"],
+     "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
+    (["-m", "method=dms", "method.threshold=-3,x"], "invalid method.threshold='x'"),
     # every job of a sweep is checked before the first starts (the first would load the model: no_loading fails it)
     (["-m", "method=streaming_llm", "budget=64,-5"], "invalid budget=-5"),
     (["method=streaming_llm", "-m", "budget=64,-5"], "invalid budget=-5"),  # -m after an override

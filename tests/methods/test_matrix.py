@@ -20,7 +20,7 @@ import torch
 
 from kvbench.errors import UserError
 from tests.fixtures.task_fixtures import one_thread as _one_thread
-from tests.methods.variants import VARIANTS, variant_id
+from tests.methods.variants import VARIANTS, budgeted, variant_id
 from tests.tiny_models import ByteTokenizer, tiny_model
 from kvbench.methods import available_methods, build_method
 from kvbench.runtime.serving.engine import Engine
@@ -179,7 +179,7 @@ BUDGET_BLOCK_PAIRS = [pytest.param(budget, bs, marks=[pytest.mark.slow] if (budg
 
 @pytest.mark.parametrize("budget,bs", BUDGET_BLOCK_PAIRS)
 @pytest.mark.parametrize("mode", ["paper", "streaming"])
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", budgeted(VARIANTS), ids=variant_id)
 def test_budget_and_blocks_hold_after_every_step(model, prompts, variant, mode, budget, bs):
     name, opts = variant
     if name == "full" and (mode, budget) != ("paper", BUDGETS[0]):
@@ -209,7 +209,7 @@ def test_budget_and_blocks_hold_after_every_step(model, prompts, variant, mode, 
 
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", budgeted(VARIANTS), ids=variant_id)
 def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
     """Methods evict no more than they must: at the end of decoding every table is full to the budget
     (token-level) or within one block below it (block-level)."""
@@ -247,7 +247,7 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
 
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("variant", budgeted(VARIANTS), ids=variant_id)
 def test_budget_above_sequence_length_equals_full_cache(model, prompts, variant, bs):
     name, opts = variant
     budget = 4096

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+KVZAP = os.path.join(FIXTURES, "kvzap_tiny")  # random surrogates in the hub's format for tiny_model's shapes
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -50,7 +51,27 @@ VARIANTS = [
     ("merge", {}),
     ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
                "merge_budget": 4}),
+    ("kvzap", {"path": os.path.join(KVZAP, "mlp")}),
+    ("kvzap", {"surrogate": "linear", "path": os.path.join(KVZAP, "linear"), "decode": "evict"}),
+    ("dms", {"base_options": {"path": os.path.join(KVZAP, "mlp")}, "threshold": 0.0, "sliding_window_size": 8}),
+    ("dms", {"base": "knorm", "threshold": -6.0, "sliding_window_size": 8, "decode": "evict"}),
 ]
+
+
+def knobs(name: str, budget=None, compression_ratio=None) -> dict:
+    """The budget knobs to build method `name` with: none for a threshold rule (dms), which refuses them."""
+    from kvbench.methods import METHODS
+
+    if not getattr(METHODS[name], "needs_budget", True):
+        return {"budget": None}
+    return {"budget": budget} if compression_ratio is None else {"budget": None, "compression_ratio": compression_ratio}
+
+
+def budgeted(variants):
+    """The variants a budget bounds (the budget-centric tests' matrix): all but threshold rules."""
+    from kvbench.methods import METHODS
+
+    return [v for v in variants if getattr(METHODS[v[0]], "needs_budget", True)]
 
 
 def variant_id(variant) -> str:

@@ -541,6 +541,37 @@ def test_leaderboard_table_and_figure(tmp_path):
     assert base64.b64encode(png).decode() in html
 
 
+def test_threshold_runs_sit_at_their_realized_ratio(tmp_path, monkeypatch):
+    """kvzap rows (dms by threshold, no ratio): one line per surrogate on the board's figure, each run at
+    1 - kv_kept_fraction, and a table of them (threshold, realized ratio, score, peak)."""
+    ruler_board_folder(tmp_path)
+    opts = {"lengths": [1024], "tasks": ["niah_single_1", "vt"], "compress_question": False}
+    for surrogate, kept, score in (("linear", 0.4, 30.0), ("linear", 0.6, 45.0), ("mlp", 0.4, 35.0)):
+        threshold = -3 if kept == 0.4 else -4
+        cfg = fx.config(method="dms", task="ruler", task_options=opts, experiment="kvpress_leaderboard",
+                        method_options={"base": "kvzap", "base_options": {"surrogate": surrogate},
+                                        "threshold": threshold, "decode": "none"})
+        fx.write_run(str(tmp_path), cfg, {"score": score, "peak_kv_bytes": 100 * 2**20, "kv_kept_fraction": kept},
+                     fx.score_samples([0, 1], "vt"))
+    drawn = {}
+    inner = report.plots.leaderboard
+
+    def spy(runs, metric):
+        for r in runs:
+            drawn.setdefault(r["series"], set()).add(report.plots.board_ratio(r))
+        return inner(runs, metric)
+
+    monkeypatch.setattr(report.plots, "leaderboard", spy)
+    sec = section(tmp_path, "kvpress_leaderboard")
+    lines = [k for k in drawn if "linear" in k or "mlp" in k]
+    assert len(lines) == 2, drawn  # one line per surrogate, not per threshold
+    assert {frozenset(drawn[k]) for k in lines} == {frozenset({0.6, 0.4}), frozenset({0.6})}
+    (table,) = [t for t in sec.tables if "threshold runs" in t.title]
+    assert table.columns == ["method", "threshold", "realized ratio", "score", "peak KV MiB"]
+    assert [r[1:4] for r in table.rows] == [["-4", "0.400", "45"], ["-3", "0.600", "30"], ["-3", "0.600", "35"]]
+    assert any("leaderboard" in t for t, _ in sec.plots)
+
+
 def test_leaderboard_never_sets_an_11_task_score_beside_a_13_task_one(tmp_path):
     """One method's runs scored without two tasks (as RULER without its QA data): a leaderboard of their own."""
     ruler_board_folder(tmp_path)

@@ -156,7 +156,8 @@ class LlamaFamilyModel:
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         fused = None
         before = hook is not None and getattr(hook, "acts_before_attention", False)
-        if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill"):
+        hidden = hook is not None and getattr(hook, "reads_hidden_states", False)  # ctx.hidden: no fused layers
+        if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill") and not hidden:
             g = groups[0]
             fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores)
         if fused is not None:  # whole layers per C call, x updated in place
@@ -191,7 +192,7 @@ class LlamaFamilyModel:
                 rows = slice(off, off + n)
                 o = self._attend_group(li, lw, g, q[rows], k[rows], v[rows], cos[rows].view(S, Q, D),
                                        sin[rows].view(S, Q, D), rotated, cache, backend, hook, need_scores,
-                                       rope_mode)  # [S, Hq, Q, D]
+                                       rope_mode, h[rows].view(S, Q, -1) if hidden else None)  # [S, Hq, Q, D]
                 out[rows] = o.transpose(1, 2).reshape(n, Hq * D)
             x = x + lw.o(out, gemv_rows)
             h = norm(x, lw.ln_mlp, eps)
@@ -213,10 +214,10 @@ class LlamaFamilyModel:
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
                       backend: AttentionBackend, hook: CacheHooks | None, need_scores: bool,
-                      rope_mode: str) -> torch.Tensor:
+                      rope_mode: str, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
-        applied when `rotated`), cos / sin [S, Q, D]; writes its K/V, attends, calls the hook; returns out
-        [S, Hq, Q, D]."""
+        applied when `rotated`), cos / sin [S, Q, D], hidden [S, Q, E] the attention input for a hook that reads it;
+        writes its K/V, attends, calls the hook; returns out [S, Hq, Q, D]."""
         cfg = self.config
         Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = Hq // H
@@ -254,7 +255,8 @@ class LlamaFamilyModel:
             rotate_keys=rotate_keys, causal=Q > 1,
         )
         if hook is not None:
-            hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
+            hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary,
+                                              hidden))
         return out
 
     def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,8 @@ class DecodeGraphs:
         """None when decode steps may run from graphs, else why not."""
         if self.cache.store_pre_rope:
             return "keys cached before RoPE are rotated as they are read (host-dependent shapes)"
+        if self.hook is not None and getattr(self.hook, "reads_hidden_states", False):
+            return "the method reads each layer's attention input (kept by no captured graph)"
         return None
 
     def run(self, tokens: torch.Tensor, plan: AppendPlan) -> torch.Tensor | None:

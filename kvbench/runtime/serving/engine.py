@@ -62,6 +62,7 @@ class Generation:
     decode_s: float
     preemptions: int = 0
     error: str | None = None
+    kv_kept_fraction: float | None = None  # the method's prompt_kept_fraction at the first generated token
 
 
 @dataclass
@@ -329,11 +330,18 @@ class Engine:
             raise ValueError(f"{len(questions)} question_tokens for {len(prompts)} prompts")
         reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n), question_tokens=int(qn))
                 for p, n, qn in zip(prompts, tails, questions)]
+        kept_of = getattr(self.method, "prompt_kept_fraction", None)  # the hook protocol's optional read
+        kept: dict[int, float | None] = {}
+
+        def on_token(r: Request) -> None:  # the prompt is compressed before its first token
+            if len(r.output) == 1 and r.slot is not None:
+                kept[r.index] = kept_of(r.slot)
+
         self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
-                   chunk_size=chunk_size, should_stop=should_stop)
+                   chunk_size=chunk_size, should_stop=should_stop, on_token=on_token if kept_of else None)
         return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,
-                           r.prefill_tokens, r.prefill_s, r.decode_tokens, r.decode_s, r.preemptions, r.error)
-                for r in reqs]
+                           r.prefill_tokens, r.prefill_s, r.decode_tokens, r.decode_s, r.preemptions, r.error,
+                           kept.get(r.index)) for r in reqs]
 
     @torch.no_grad()
     def serve(self, requests: list[Request], *, stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
