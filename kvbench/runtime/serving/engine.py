@@ -114,6 +114,7 @@ class Engine:
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
+            pruned_key_channels=_pruned_key_channels(method, cfg.head_dim),
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
         method.attach(self.cache, cfg)
@@ -409,3 +410,9 @@ def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
                     and r.stride() == base.stride()[1:] and r.shape == base.shape[1:] for i, r in enumerate(rows))):
         return base
     return torch.stack(rows)
+
+
+def _pruned_key_channels(method, head_dim: int) -> int:
+    """Key channels per kv-head `method` prunes (its optional pruned_key_channels(head_dim); 0 without it)."""
+    prune = getattr(method, "pruned_key_channels", None)
+    return int(prune(head_dim)) if callable(prune) else 0
