@@ -67,7 +67,7 @@ class PrunedKeyRows:
     def row_channels(self, rows: torch.Tensor) -> torch.Tensor:
         """The kept channels [n, kept] (int64) that key rows [n, key bytes] name."""
         split = rows.shape[1] - self.kept * self.index_bytes
-        return rows[:, split:].contiguous().view(self.index_dtype).to(torch.int64)
+        return _bytes_as(rows[:, split:], self.index_dtype).view(rows.shape[0], self.kept).to(torch.int64)
 
     def encode_value_rows(self, values: torch.Tensor) -> torch.Tensor:
         """values [n, bs, D] -> rows [n, value bytes] uint8 (the values as they are)."""
@@ -78,7 +78,7 @@ class PrunedKeyRows:
         """rows [n, key bytes] -> keys [n, bs, D] in `dtype`, zeros in the pruned channels."""
         n = rows.shape[0]
         split = block_size * self.kept * element_bytes(self.dtype)
-        kept = rows[:, :split].contiguous().view(self.dtype).view(n, block_size, self.kept)
+        kept = _bytes_as(rows[:, :split], self.dtype).view(n, block_size, self.kept)
         idx = self.row_channels(rows)  # [n, kept]
         out = torch.zeros(n, block_size, head_dim, dtype=dtype, device=rows.device)
         return out.scatter_(-1, idx[:, None, :].expand(n, block_size, self.kept), kept.to(dtype))
@@ -86,10 +86,19 @@ class PrunedKeyRows:
     def decode_values(self, rows: torch.Tensor, block_size: int, head_dim: int, layer=None, heads=None, *,
                       dtype: torch.dtype) -> torch.Tensor:
         """rows [n, value bytes] -> values [n, bs, D] in `dtype`."""
-        return rows.contiguous().view(self.dtype).view(rows.shape[0], block_size, head_dim).to(dtype)
+        return _bytes_as(rows, self.dtype).view(rows.shape[0], block_size, head_dim).to(dtype)
 
     def encode_keys(self, keys: torch.Tensor, layer=None, heads=None) -> torch.Tensor:
         """Packing without a channel set is never asked for (packed_block_range is empty; no pack rule)."""
         raise RuntimeError("pruned key rows are written only by prune_key_channels, which names the channels")
 
     encode_values = encode_keys
+
+
+def _bytes_as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes b [n, m] uint8 read as `dtype`, flat: copied where a row's offset or stride does not allow a view
+    (a row width that is not a multiple of the element size)."""
+    flat = b.reshape(-1)
+    if flat.storage_offset() % element_bytes(dtype) or b.stride(0) != b.shape[1]:
+        flat = flat.clone()
+    return flat.view(dtype)
