@@ -216,6 +216,8 @@ CASES = [
     (["method=adakv", "method.base=h2o", "budget=64", "runtime.prefix_caching=true"],
      "runtime.prefix_caching=true with method=adakv"),
     (["method=h2o", "budget=64", "runtime.prefix_caching=1"], "runtime.prefix_caching=true"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=0.5", "runtime.prefix_caching=true"],
+     "runtime.prefix_caching=true with method=think"),
     # every job of a sweep is checked before the first starts (the first would load the model: no_loading fails it)
     (["-m", "method=streaming_llm", "budget=64,-5"], "invalid budget=-5"),
     (["method=streaming_llm", "-m", "budget=64,-5"], "invalid budget=-5"),  # -m after an override

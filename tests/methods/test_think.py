@@ -226,6 +226,14 @@ def test_bad_ratio_is_refused_in_one_line(value):
     assert "\n" not in str(err.value) and "[0, 1)" in str(err.value)
 
 
+def test_prefix_caching_true_is_refused(tiny):
+    with pytest.raises(ValueError, match="prunes key channels"):
+        Engine(tiny, build_method("think", 64, key_channel_compression_ratio=0.5), block_size=8, num_blocks=256,
+               prefix_caching=True)
+    Engine(tiny, build_method("think", 64, key_channel_compression_ratio=0.5), block_size=8, num_blocks=256,
+           prefix_caching="auto")
+
+
 def test_bad_options_are_refused():
     with pytest.raises(UserError, match="think.base"):
         build_method("think", 64, base="nope")

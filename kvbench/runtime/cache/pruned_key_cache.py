@@ -12,13 +12,14 @@ Nothing is packed by a rule (`pack_pending` packs nothing): a method calls `prun
 [H, P])` once a prompt is in the cache, and that layer's full blocks of that sequence become packed rows that keep
 each kv-head's D - P other channels (the full-precision blocks are freed before the rows are allocated, so pruning
 never raises the bytes in use); the pruned channels of the tokens left in a partly filled full-precision block are
-written as zeros. Tokens appended later keep full keys (kvpress's ThinKPress prunes the prompt only). Reading
+written as zeros. Tokens appended later keep full keys (kvpress's ThinKPress prunes the prompt only) until a later
+prompt end prunes again (streamed scoring), which zeroes the new channels in every held token as well. Reading
 decodes the rows with zeros in the pruned channels, so attention computes what it computes over zeroed keys.
 Token-level eviction after pruning stores the tokens it moves in full-precision blocks (pruned channels still
 zero); whole-block eviction and blocks that stay put keep their packed rows. Bytes (`peak_kv_bytes` and the rest)
 are counted from both pools, as for any codec cache.
 
-A shared block (fork, prefix cache) is packed for the pruning table alone: that table's reference is dropped and
+A block that forks share is packed for the pruning table alone: that table's reference is dropped and
 it gets its own row; the other holders keep the full-precision block as it was.
 """
 from __future__ import annotations

@@ -158,11 +158,16 @@ class Engine:
     def _prefix_caching_on(self, setting: bool | str) -> bool:
         """auto: on for methods that never act after attention (full precision, storage codecs), whose result does
         not depend on which forward computed a shared block; true: on for any method except those that accumulate
-        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip."""
+        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip, and
+        those that prune key channels (a pruned-key cache: ThinK)."""
         if setting not in ("auto", True, False):
             raise ValueError(f"prefix_caching must be auto, true or false, got {setting!r}")
         if setting == "auto":
             return not getattr(self.method, "acts_after_attention", True)
+        if setting and getattr(self.cache, "pruned_channels", 0):
+            raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} prunes key channels "
+                             "chosen by each whole prompt, which a shared prefix would take from another; use false "
+                             "or auto")
         if setting and getattr(self.method, "needs_key_scores", False):
             raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} accumulates "
                              "attention over every prompt query, which a shared prefix skips; use false or auto")
