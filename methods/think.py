@@ -23,6 +23,7 @@ RoPE (a base that stores them before RoPE is refused); a storage codec (`quant=`
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from kvbench.errors import UserError
@@ -32,7 +33,8 @@ from kvbench.methods.wrappers import ScorerWrapper
 from kvbench.runtime.contract import Observation
 
 
-def think_channel_scores(queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def think_channel_scores(queries: torch.Tensor, keys: torch.Tensor,
+                         lengths: torch.Tensor | None = None) -> torch.Tensor:
     """ThinKPress's channel scores [H, D]: queries [Hq, W, D] (the window's, after RoPE), keys [H, T, D] (after RoPE;
     slots past lengths [H], when given, are left out of each head's mean)."""
     Hq, _, D = queries.shape

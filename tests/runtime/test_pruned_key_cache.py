@@ -70,7 +70,7 @@ def test_pruned_layout_reads_as_zeroed_keys_through_every_operation():
     assert plain.kv_bytes_in_use() - pruned.kv_bytes_in_use() == L * H * 4 * (BS * P * 4 - (D - P))
 
     # token-level eviction over packed and full-precision blocks (moved tokens are stored again)
-    keep = torch.stack([torch.tensor([0, 1, 2, 3, 5, 8, 9, 13, 17, 18]), torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 12, -1])])
+    keep = torch.tensor([[0, 1, 2, 3, 5, 8, 9, 13, 17, 18], [4, 5, 6, 7, 8, 9, 10, 11, 12, -1]])
     for c, s in zip(caches, slots):
         c.keep_tokens(0, s, keep)
     _same(caches, slots)
