@@ -51,6 +51,23 @@ def test_rows_round_trip():
     assert rows.packed_block_bytes(BS, D, "key") == BS * (D - P) * 4 + (D - P)
 
 
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 300)])
+def test_rows_round_trip_in_model_dtypes(dtype, head_dim):
+    """bf16 / fp16 rows, and 2-byte channel indices past head dim 256; rows read from slices of the pool."""
+    kept_n = head_dim - head_dim // 2 - 1  # an odd row width: rows not aligned to the element size
+    rows = PrunedKeyRows(head_dim, kept_n, dtype)
+    k, v = torch.randn(3, BS, head_dim).to(dtype), torch.randn(3, BS, head_dim).to(dtype)
+    kept = torch.stack([torch.randperm(head_dim)[:kept_n].sort().values for _ in range(3)])
+    pool = torch.zeros(5, rows.packed_block_bytes(BS, head_dim, "key"), dtype=torch.uint8)
+    pool[1:4] = rows.encode_key_rows(k, kept)
+    mask = torch.zeros(3, head_dim, dtype=torch.bool).scatter_(1, kept, True)
+    for i in range(3):
+        back = rows.decode_keys(pool[i + 1: i + 2], BS, head_dim, dtype=dtype)
+        assert torch.equal(back[0], torch.where(mask[i][None, :], k[i], 0))
+    assert torch.equal(rows.decode_values(rows.encode_value_rows(v), BS, head_dim, dtype=dtype), v)
+    assert rows.index_bytes == (2 if head_dim > 256 else 1)
+
+
 def test_pruned_layout_reads_as_zeroed_keys_through_every_operation():
     g = torch.Generator().manual_seed(0)
     plain, pruned = _pair()
