@@ -91,11 +91,23 @@ def test_pruned_layout_reads_as_zeroed_keys_through_every_operation():
     for c, s in zip(caches, slots):
         c.keep_tokens(0, s, keep)
     _same(caches, slots)
+    # layer 0: head 0's first block stays, its moved full block [5, 8, 9, 13] is packed again (pruned tokens only);
+    # head 1's blocks [4..7], [8..11] stay; each head's partly filled block stays full precision
+    assert pruned.block_counts() == {"fp": L * H, "packed": 4 + H * 4}
     # whole-block eviction, more tokens, pruning again (the union of the channels is zero)
     for c, s in zip(caches, slots):
         c.evict_head_blocks(1, s, [[1], [0, 2]])
     _append(caches, slots, 7, 19, g)
     _same(caches, slots)
+    # a token-level eviction that moves generated tokens into a full block: stored in full precision
+    before = pruned.block_counts()["packed"]
+    ns = pruned.host_lengths[slots[1], 0].tolist()  # [H] (the same in both caches)
+    rows = [[t for t in range(n) if t != n - 9] for n in ns]  # one slot before the generated tokens dropped
+    keep = torch.tensor([r + [-1] * (max(ns) - 1 - len(r)) for r in rows])
+    for c, s in zip(caches, slots):
+        c.keep_tokens(0, s, keep)
+    _same(caches, slots)
+    assert pruned.block_counts()["packed"] <= before
     for layer in range(L):
         ch = _channels(g)
         for c, s in zip(caches, slots):

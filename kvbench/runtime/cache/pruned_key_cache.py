@@ -15,8 +15,10 @@ never raises the bytes in use); the pruned channels of the tokens left in a part
 written as zeros. Tokens appended later keep full keys (kvpress's ThinKPress prunes the prompt only) until a later
 prompt end prunes again (streamed scoring), which zeroes the new channels in every held token as well. Reading
 decodes the rows with zeros in the pruned channels, so attention computes what it computes over zeroed keys.
-Token-level eviction after pruning stores the tokens it moves in full-precision blocks (pruned channels still
-zero); whole-block eviction and blocks that stay put keep their packed rows. Bytes (`peak_kv_bytes` and the rest)
+Token-level eviction after pruning keeps the blocks that stay put as they are and stores the tokens it moves again:
+a full block whose keys are all zero in its kv-head's latest pruned channels (pruned tokens only) as a packed row,
+any other (with a generated token, or a partly filled one) in full precision, its pruned channels still zero.
+Whole-block eviction moves nothing. Bytes (`peak_kv_bytes` and the rest)
 are counted from both pools, as for any codec cache.
 
 A block that forks share is packed for the pruning table alone: that table's reference is dropped and
@@ -38,6 +40,7 @@ class PrunedKeyKVCache(QuantizedPagedKVCache):
         if not 0 < pruned_channels < head_dim:
             raise ValueError(f"pruned_channels must be in [1, {head_dim - 1}], got {pruned_channels}")
         self.pruned_channels = int(pruned_channels)
+        self._latest: dict[tuple[int, int], torch.Tensor] = {}  # (slot, layer) -> the latest pruned channels [H, P]
         rows = PrunedKeyRows(head_dim, head_dim - pruned_channels, dtype)
         super().__init__(codec=rows, head_dim=head_dim, dtype=dtype, **kwargs)
 
@@ -67,9 +70,7 @@ class PrunedKeyKVCache(QuantizedPagedKVCache):
         if tuple(pruned.shape) != (H, self.pruned_channels):
             raise ValueError(f"prune_key_channels: expected [{H}, {self.pruned_channels}] channels, got "
                              f"{list(pruned.shape)}")
-        keep_mask = torch.ones(H, D, dtype=torch.bool, device=self.device)
-        keep_mask.scatter_(1, pruned, False)
-        kept = keep_mask.nonzero()[:, 1].view(H, D - self.pruned_channels)  # [H, kept] ascending
+        self._latest[slot, layer] = pruned
         lengths = self.host_lengths[slot, layer].tolist()  # [H]
         table = self.tables[slot, layer]  # [H, MB] view
         width = max(blocks_for_tokens(n, bs) for n in lengths) if lengths else 0
@@ -86,20 +87,75 @@ class PrunedKeyKVCache(QuantizedPagedKVCache):
                     ids.append(b)
                 else:  # the partly filled last block stays full precision
                     self._zero_channels(table, h, c, pruned[h])
+        self._pack_blocks(table, heads, cols, ids, pruned)
+
+    @torch.no_grad()
+    def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
+        """QuantizedPagedKVCache.keep_tokens (moved tokens are stored again in full-precision blocks), then every
+        full-precision full block of the layer whose keys are exactly zero in its kv-head's latest pruned channels
+        (pruned tokens moved by this eviction; never a generated token's block, whose keys are not zero there) is
+        packed again with those channels left out: lossless, so a decode-time eviction keeps the saving."""
+        super().keep_tokens(layer, slot, keep)
+        pruned = self._latest.get((slot, layer))
+        if pruned is None:
+            return
+        bs = self.block_size
+        lengths = self.host_lengths[slot, layer].tolist()  # [H]
+        table = self.tables[slot, layer]  # [H, MB] view
+        width = max(blocks_for_tokens(n, bs) for n in lengths) if lengths else 0
+        rows = table[:, :width].tolist()
+        heads, cols, ids = [], [], []
+        for h, n in enumerate(lengths):
+            for c in range(n // bs):
+                if rows[h][c] < self.num_fp_blocks:
+                    heads.append(h)
+                    cols.append(c)
+                    ids.append(rows[h][c])
         if not ids:
             return
+        fid = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        ch = pruned[torch.tensor(heads, dtype=torch.int64, device=self.device)]  # [n, P]
+        keys = self.k_pool[fid]  # [n, bs, D]
+        zero = (keys.gather(-1, ch[:, None, :].expand(-1, bs, -1)) == 0).flatten(1).all(1).tolist()  # [n]
+        sel = [i for i, z in enumerate(zero) if z]
+        self._pack_blocks(table, [heads[i] for i in sel], [cols[i] for i in sel], [ids[i] for i in sel], pruned)
+
+    def _pack_blocks(self, table: torch.Tensor, heads: list[int], cols: list[int], ids: list[int],
+                     pruned: torch.Tensor) -> None:
+        """Pack the full-precision blocks `ids` (column cols[i] of table row heads[i]) into rows that leave out
+        their head's channels pruned [H, P]; their table references are dropped first, so packing never raises
+        the bytes in use (a block other tables share stays theirs)."""
+        if not ids:
+            return
+        H, D = self.num_kv_heads, self.head_dim
+        keep_mask = torch.ones(H, D, dtype=torch.bool, device=self.device)
+        keep_mask.scatter_(1, pruned, False)
+        kept = keep_mask.nonzero()[:, 1].view(H, D - self.pruned_channels)  # [H, kept] ascending
         fid = torch.tensor(ids, dtype=torch.int64, device=self.device)
         head_t = torch.tensor(heads, dtype=torch.int64, device=self.device)
         k_rows = self.codec.encode_key_rows(self.k_pool[fid], kept[head_t])
         v_rows = self.codec.encode_value_rows(self.v_pool[fid])
         self._check_room(0, len(ids), ids)
-        self.pool.free(ids)  # this table's references: freed first, so pruning never raises the bytes in use
+        self.pool.free(ids)
         new_ids = self._allocate_packed(len(ids))
         pid = torch.tensor(new_ids, dtype=torch.int64, device=self.device) - self.num_fp_blocks
         self.kq_pool[pid] = k_rows
         self.vq_pool[pid] = v_rows
         table[head_t, torch.tensor(cols, dtype=torch.int64, device=self.device)] = torch.tensor(
             new_ids, dtype=table.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ per-sequence state: the latest channels
+    def free_sequence(self, slot: int) -> None:
+        for key in [k for k in self._latest if k[0] == slot]:
+            del self._latest[key]
+        super().free_sequence(slot)
+
+    def fork(self, slot: int) -> int:
+        child = super().fork(slot)
+        for (s, layer), pruned in list(self._latest.items()):
+            if s == slot:
+                self._latest[child, layer] = pruned
+        return child
 
     def _zero_packed_channels(self, table: torch.Tensor, head: int, col: int, channels: torch.Tensor) -> None:
         """Zero `channels` of the keys in packed block `col` of table row `head`, in place in its row (a private

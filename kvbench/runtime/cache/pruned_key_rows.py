@@ -47,8 +47,8 @@ class PrunedKeyRows:
         return block_size * head_dim * e
 
     def packed_block_range(self, n_tokens: int, block_size: int) -> range:
-        """Blocks that a re-store (token-level eviction after pruning) packs: none. Re-stored tokens go to
-        full-precision blocks, their pruned channels still zero (the saving of those blocks is given up)."""
+        """Blocks that the codec cache's re-store (token-level eviction) packs by its own rule: none. Moved tokens go
+        to full-precision blocks first; PrunedKeyKVCache.keep_tokens then packs those holding pruned tokens only."""
         return range(0)
 
     def describe(self) -> dict:
