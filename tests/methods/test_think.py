@@ -239,3 +239,23 @@ def test_bad_options_are_refused():
         build_method("think", 64, base="nope")
     with pytest.raises(UserError, match="window_size"):
         build_method("think", 64, window_size=0)
+
+
+def test_yaml_defaults_are_the_class_and_compose():
+    """conf/method/think.yaml states the class's defaults (kvpress's), and an override reaches the method."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvbench.config import validate
+    from tests.harness_fakes import compose
+
+    opts = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "method" / "think.yaml").read_text())
+    assert opts.pop("name") == "think"
+    m = build_method("think", 64)
+    for k, v in opts.items():
+        assert getattr(m, k) == v, k
+    s = validate(compose(["method=think", "compression_ratio=0", "method.key_channel_compression_ratio=0.5"]))
+    method = build_method(s.method_name, s.budget, compression_ratio=s.compression_ratio, **s.method_options)
+    assert method.key_channel_compression_ratio == 0.5 and method.pruned_key_channels(64) == 32
+    assert method.compression_ratio == 0.0
