@@ -104,7 +104,16 @@ METHODS = {
                      {"press": ["KVzapPress", {"model_type": "linear"}]}),
     "kvzap_mlp": ("dms", {"base": "kvzap", "base_options": {"surrogate": "mlp"}}, "DMSPress",
                   {"press": ["KVzapPress", {"model_type": "mlp"}]}),
+    # ComposedPress([SnapKVPress(r), ThinKPress(0.5)]) (kvpress's `snap_think`): the ratio goes to the token press;
+    # the channels each (layer, kv-head) pruned are compared too (CHANNELS)
+    "think": ("think", {"base": "snapkv", "base_options": {"window": 64, "kernel_size": 5},
+                        "key_channel_compression_ratio": 0.5, "window_size": 32}, "ComposedPress",
+              {"presses": [["SnapKVPress", {"window_size": 64, "kernel_size": 5}],
+                           ["ThinKPress", {"key_channel_compression_ratio": 0.5, "window_size": 32}]]}),
 }
+# rows that prune key channels: the channels whose keys are all zero once the prompt is compressed, per layer and
+# kv-head, compared by Jaccard
+CHANNELS = {"think"}
 # rows whose kvbench side takes the ratio itself (compression_ratio) rather than the budget int(T * (1 - r)): the
 # ratio enters their definition (Compactor's blending, ChunkKV's chunk count, Finch's n_kept)
 RATIO_KNOB = {"compactor", "adakv_compactor", "chunkkv", "finch"}
@@ -140,6 +149,8 @@ NOTES = {
     "chunkkv": "kvbench never keeps more than int(T * (1 - r)) tokens: a chosen chunk that would overflow is passed "
                "over (T not a multiple of chunk_length)",
     "finch": "window = the prompt's last 64 tokens on both sides (no delimiter); kept keys re-rotated on both",
+    "think": "ratio = SnapKV's token ratio; then half of each kv-head's key channels pruned on both sides (the "
+             "channels' Jaccard below the table)",
 }
 
 
@@ -184,7 +195,9 @@ def kvpress_side(job: dict) -> dict:
             kvbench_sketch(kvpress)
         if name in KVZAP_ROWS:
             local_kvzap(press, job["kvzap_dir"])
-        kept = record_kept(press)
+        composed = getattr(press, "presses", None)
+        kept = record_kept(composed[0] if composed else press)  # the token press of a composition
+        channels = record_zero_channels(composed[-1]) if name in CHANNELS else {}
         extra = {}
         with torch.no_grad():
             cache = DynamicCache()
@@ -204,6 +217,8 @@ def kvpress_side(job: dict) -> dict:
                 tokens.append(int(logits.argmax()))
             layers = {str(k): v for k, v in kept.items()}
             kept.clear()
+            if name in CHANNELS:
+                extra["channels"] = {str(k): v for k, v in channels.items()}
             cache = DynamicCache()  # NLL: the prompt but its last token compressed, then one plain chunk
             with press(model):
                 model(torch.tensor([prompt[:-1]]), past_key_values=cache)
@@ -286,8 +301,14 @@ def kept_from_masks(model, n: int) -> dict:
 
 def build_press(kvpress, cls: str, opts: dict, ratio: float, ratio_option: str | None = None):
     """The press of METHODS[...]: a wrapper gets its inner press ("press": [class, options]) and the ratio through
-    its compression_ratio property; ratio_option names the option the ratio sets instead of compression_ratio."""
+    its compression_ratio property; ratio_option names the option the ratio sets instead of compression_ratio; a
+    composition ("presses": [[class, options], ...]) gives the ratio to its first press."""
     opts = dict(opts)
+    if "presses" in opts:
+        (first, first_opts), *rest = opts.pop("presses")
+        presses = [getattr(kvpress, first)(compression_ratio=ratio, **first_opts)]
+        presses += [getattr(kvpress, c)(**o) for c, o in rest]
+        return getattr(kvpress, cls)(presses, **opts)
     inner = opts.pop("press", None)
     if inner is None:
         return getattr(kvpress, cls)(**{ratio_option or "compression_ratio": ratio}, **opts)
@@ -381,6 +402,22 @@ def record_kept(press) -> dict:
     return kept
 
 
+def record_zero_channels(press) -> dict:
+    """Wrap press.compress (ThinKPress): the channels whose output keys are all zero -> {layer: [[channel] per
+    head]} (ThinK zeroes the pruned ones)."""
+    channels: dict[int, list[list[int]]] = {}
+    inner = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        k_out, v_out = inner(module, hidden_states, keys, values, attentions, kwargs)
+        zero = (k_out[0] == 0).all(dim=1)  # [H, D]
+        channels[module.layer_idx] = [row.nonzero().flatten().tolist() for row in zero]
+        return k_out, v_out
+
+    press.compress = compress
+    return channels
+
+
 # ------------------------------------------------------------------------------------------------ kvbench side
 def kvbench_side(job: dict, loaded) -> dict:
     import torch
@@ -409,6 +446,7 @@ def kvbench_side(job: dict, loaded) -> dict:
         if name in THRESHOLD_ROWS:
             opts["threshold"] = ratio
         kept: dict[str, list[list[int]]] = {}
+        channels: dict[str, list[list[int]]] = {}  # CHANNELS rows: the all-zero key channels after the prompt
         built = []
 
         def record(cache, slot: int) -> None:
@@ -441,6 +479,10 @@ def kvbench_side(job: dict, loaded) -> dict:
                     inner(ctx)
                     if ctx.phase == "prefill" and ctx.last_chunk:
                         record(ctx.cache, ctx.plan.slot_list[0])
+                        if name in CHANNELS:
+                            keys, _, pos = ctx.cache.gather(ctx.layer, ctx.plan.slot_list[0])  # [H, T, D]
+                            zero = ((keys == 0) | (pos < 0)[..., None]).all(dim=1)  # [H, D]
+                            channels[str(ctx.layer)] = [row.nonzero().flatten().tolist() for row in zero]
 
                 method.after_attention = after_attention
                 after_chunk = getattr(method, "after_prefill_chunk", None)
@@ -459,6 +501,8 @@ def kvbench_side(job: dict, loaded) -> dict:
             gen = engine_for(len(prompt), True).generate([prompt], max_new_tokens=job["new_tokens"])[0]
             lps, _ = Scorer(engine_for(len(prompt) - 1, False)).score_continuation(prompt, cont)
         out[f"{name}@{ratio}"] = {"kept": kept, "greedy": list(gen.token_ids), "nll": -sum(lps) / len(lps)}
+        if name in CHANNELS:
+            out[f"{name}@{ratio}"]["channels"] = channels
         mask = getattr(built[0], "mask", None)
         if name == "duo_attention" and mask is not None:
             out[f"{name}@{ratio}"].update(streaming=mask.tolist(), head_scores=built[0].head_scores.tolist())
@@ -612,6 +656,12 @@ def main() -> None:
             print(f"{m:<20} {r:>5.2f} {mean_j:>8.3f} {min_j:>6.3f} {greedy:>8} {a['nll']:>12.4f} {b['nll']:>12.4f}"
                   + (f"  ({row['note']})" if row["note"] else ""))
             assert math.isfinite(a["nll"]) and math.isfinite(b["nll"])
+            if "channels" in a and "channels" in b:
+                row["channels_jaccard"], row["channels_jaccard_min"] = jaccard(a["channels"], b["channels"])
+                n_pruned = sum(len(h) for heads in a["channels"].values() for h in heads)
+                extras.append(f"  {m} @ {r:.2f}: pruned key channels, Jaccard over (layer, kv-head) "
+                              f"{row['channels_jaccard']:.3f} (min {row['channels_jaccard_min']:.3f}); "
+                              f"{n_pruned} pruned by kvbench in all")
             if "streaming" in a and "streaming" in b:
                 row.update(duo_heads(a, b, len(job["duo_samples"])))
                 extras.append(f"  {m} @ {r:.2f}: {row['streaming_heads_kvbench']} streaming kv-heads of "

@@ -318,12 +318,21 @@ def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
         raise UserError(f"invalid settings for method {settings.method_name!r}: {exc}") from None
 
 
-def _check_prefix_caching(settings: _config.Settings, method: Any) -> None:
+def _check_prefix_caching(settings: _config.Settings, method: Any, shape: Any = None) -> None:
     """runtime.prefix_caching=true with a method that accumulates attention over every prompt query (H2O, and
-    methods built over it): a shared prefix would skip those queries. The engine refuses it too (its own API)."""
-    if settings.runtime.prefix_caching is True and getattr(method, "needs_key_scores", False):
+    methods built over it): a shared prefix would skip those queries; or with one that prunes key channels (ThinK):
+    the channels follow the whole prompt's window, which a shared prefix would take from another prompt. The engine
+    refuses both too (its own API)."""
+    if settings.runtime.prefix_caching is not True:
+        return
+    if getattr(method, "needs_key_scores", False):
         raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it accumulates "
                         "attention over every prompt query, which a shared prefix skips; choices are auto, false")
+    prunes = getattr(method, "pruned_key_channels", None)
+    if callable(prunes) and prunes(shape.head_dim if shape is not None else 1 << 16) > 0:
+        raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it prunes key "
+                        "channels chosen by each whole prompt, which a shared prefix would take from another "
+                        "prompt; choices are auto, false")
 
 
 def _check_results_dir(path: str) -> None:
@@ -354,7 +363,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     if build_method_fn is None:
         build_method_fn = build_method
     method = _build_method(build_method_fn, settings)
-    _check_prefix_caching(settings, method)
+    _check_prefix_caching(settings, method, shape)
     _check_parallel(settings, shape, method)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):

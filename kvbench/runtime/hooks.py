@@ -67,6 +67,8 @@ class CacheHooks(Protocol):
     #   after_prefill_chunk(slot, token_ids, start_pos, last_chunk)
     #                                               after every Engine.forward_chunk step, with the chunk's tokens
     #                                               (not after a scratch=True chunk: the method's own pass)
+    #   pruned_key_channels(head_dim) -> int        key channels per kv-head pruned by cache.prune_key_channels
+    #                                               (ThinK): > 0 builds a cache storing pruned blocks in fewer bytes
     #   keep_uncompressed(slot, num_tokens)         the next num_tokens appended to slot stay uncompressed
     #   question_tokens(slot, num_tokens)           before each prefill chunk of a prompt whose last num_tokens
     #                                               are its question, compressed with it (query-aware; Finch's
@@ -87,6 +89,11 @@ class NoCompression:
     reads_hidden_states = False
     store_pre_rope = False
     rope_mode = "original"
+
+    def pruned_key_channels(self, head_dim: int) -> int:
+        """Key channels per kv-head this method prunes with cache.prune_key_channels (ThinK) on a model of
+        `head_dim`; > 0 builds a cache that stores pruned blocks in fewer bytes (runtime.cache.pruned_key_cache)."""
+        return 0
 
     def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         """Keep the cache (as the view a method may call: kvbench.runtime.cache.kv_eviction) and the model's config."""

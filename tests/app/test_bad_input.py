@@ -111,6 +111,14 @@ CASES = [
     (["method=snapkv", "budget=64", "method.decode=slide"], "snapkv.decode='slide'"),
     (["method=h2o", "budget=64", "method.decode=block"], "h2o.decode='block'"),
     (["method=snapkv", "budget=64", "method.pooling=median"], "median"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=1.0"],
+     ("think.key_channel_compression_ratio=1:", "[0, 1)")),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=-0.25"],
+     "think.key_channel_compression_ratio=-0.25"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=abc"],
+     "think.key_channel_compression_ratio='abc'"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=0.5", "quant=int8"],
+     ("method=think", "quant=int8")),
     (["method=paged_eviction", "budget=16"], "budget=16"),
     # sweeps: the bad value is refused, the good ones are not run
     (["-m", "budget=64,abc"], "budget='abc'"),
@@ -219,6 +227,8 @@ CASES = [
     (["method=kvzap", "method.surrogate=quadratic", "compression_ratio=0.5"],
      "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
     (["-m", "method=dms", "method.threshold=-3,x"], "invalid method.threshold='x'"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=0.5", "runtime.prefix_caching=true"],
+     "runtime.prefix_caching=true with method=think"),
     # every job of a sweep is checked before the first starts (the first would load the model: no_loading fails it)
     (["-m", "method=streaming_llm", "budget=64,-5"], "invalid budget=-5"),
     (["method=streaming_llm", "-m", "budget=64,-5"], "invalid budget=-5"),  # -m after an override

@@ -14,6 +14,9 @@ cache carries out the same operations on its own layout. METHOD_SURFACE lists th
     drop_slots(layer, slot, start, stop)               drop a range of slots of every kv-head (StreamingLLM's window)
     rewrite_tokens(layer, slot, keys=, values=, positions=)  overwrite what the held slots store (re-rotated keys,
                                                        merged values), nothing evicted (full-precision caches only)
+    prune_key_channels(layer, slot, pruned [H, P])     key channels pruned per kv-head (ThinK): a cache built for it
+                                                       (pruned_key_cache) stores the held blocks in fewer bytes; a
+                                                       plain cache writes zeros in those channels
 
 `KVEviction` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache): these operations and the pending frees.
 """
@@ -51,6 +54,8 @@ class MethodCacheView(Protocol):
 
     def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
                        values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None: ...
+
+    def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None: ...
 
 
 # The names of MethodCacheView's members: the whole of the cache a method may touch.
@@ -274,6 +279,19 @@ class KVEviction:
         if positions is not None:
             pos_row = self.positions[slot, layer]
             pos_row[:, :T] = torch.where(valid, positions[:, :T].to(pos_row.dtype), pos_row[:, :T])
+
+    def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None:
+        """Prune key channels `pruned` [H, P] (each kv-head's own) of the tokens one sequence's layer holds. A
+        full-precision cache keeps its layout and writes zeros in those channels (what attention then computes is the
+        same as over a pruned layout, nothing is saved); kvbench.runtime.cache.pruned_key_cache stores them in fewer
+        bytes."""
+        self._check_live(slot)
+        T = int(self.host_lengths[slot, layer].max()) if self.num_kv_heads else 0
+        if T == 0:
+            return
+        keys, _, _ = self.gather(layer, slot)  # [H, T, D] (a copy)
+        keys = keys.scatter(-1, pruned.to(keys.device, torch.int64)[:, None, :].expand(-1, T, -1), 0)
+        self.rewrite_tokens(layer, slot, keys=keys)
 
     def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor, only: torch.Tensor | None = None) -> None:
         """Give a (layer) table private copies of its shared blocks (those where `only` [H, MB] is True, or all)

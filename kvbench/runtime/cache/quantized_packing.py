@@ -137,6 +137,11 @@ class PackedStorage:
         raise RuntimeError("rewrite_tokens (re-rotated keys, merged values) needs a full-precision cache; "
                            "this one stores blocks through a codec")
 
+    def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None:
+        """Not on a codec's layout (a cache for pruned keys is built when the method asks: pruned_key_cache)."""
+        raise RuntimeError("prune_key_channels needs a full-precision cache or one built for pruned keys; this one "
+                           "stores blocks through a codec")
+
     @torch.no_grad()
     def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
         """Token-level eviction: keep only slots `keep` [H, n] (sorted ascending per head; -1 pads a shorter

@@ -129,6 +129,7 @@ class Engine:
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
+            pruned_key_channels=_pruned_key_channels(method, cfg.head_dim),
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
         method.attach(self.cache, cfg)
@@ -176,11 +177,16 @@ class Engine:
     def _prefix_caching_on(self, setting: bool | str) -> bool:
         """auto: on for methods that never act after attention (full precision, storage codecs), whose result does
         not depend on which forward computed a shared block; true: on for any method except those that accumulate
-        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip."""
+        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip, and
+        those that prune key channels (a pruned-key cache: ThinK)."""
         if setting not in ("auto", True, False):
             raise ValueError(f"prefix_caching must be auto, true or false, got {setting!r}")
         if setting == "auto":
             return not getattr(self.method, "acts_after_attention", True)
+        if setting and getattr(self.cache, "pruned_channels", 0):
+            raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} prunes key channels "
+                             "chosen by each whole prompt, which a shared prefix would take from another; use false "
+                             "or auto")
         if setting and getattr(self.method, "needs_key_scores", False):
             raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} accumulates "
                              "attention over every prompt query, which a shared prefix skips; use false or auto")
@@ -484,3 +490,9 @@ def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
                     and r.stride() == base.stride()[1:] and r.shape == base.shape[1:] for i, r in enumerate(rows))):
         return base
     return torch.stack(rows)
+
+
+def _pruned_key_channels(method, head_dim: int) -> int:
+    """Key channels per kv-head `method` prunes (its optional pruned_key_channels(head_dim); 0 without it)."""
+    prune = getattr(method, "pruned_key_channels", None)
+    return int(prune(head_dim)) if callable(prune) else 0
