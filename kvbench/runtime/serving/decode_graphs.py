@@ -120,6 +120,8 @@ class DecodeGraphs:
         """None when decode steps may run from graphs, else why not."""
         if self.cache.store_pre_rope:
             return "keys cached before RoPE are rotated as they are read (host-dependent shapes)"
+        if not self.model.config.plain:
+            return "the model has per-layer attention variants (windows, sinks, soft-capping) or a non-Llama layer"
         return None
 
     def run(self, tokens: torch.Tensor, plan: AppendPlan) -> torch.Tensor | None:

@@ -1,0 +1,135 @@
+"""Weights of a transformers causal LM copied into the kvbench runtime, one reader per family.
+
+    build_model(hf_model, dtype=None, device=None) -> LlamaFamilyModel
+
+Families (the config's model_type):
+    llama, mistral, qwen2, qwen3   separate q/k/v and gate/up projections fused here; Qwen2's qkv bias; Qwen3's QK-norm
+    phi3                           qkv_proj and gate_up_proj already fused; partial rotary (partial_rotary_factor)
+    gemma2, gemma3_text, gemma3    (1 + w) RMSNorms, sandwich norms, sqrt(hidden) embedding scale, gelu-tanh MLP,
+                                   query_pre_attn_scalar, local/global layers (Gemma 3: their own RoPE bases),
+                                   Gemma 3's QK-norm, Gemma 2's soft-capping (attention and final logits); gemma3 is
+                                   the multimodal checkpoint, whose language model is read (text only)
+Every family's per-layer attention type (full or sliding(window)) comes from the config
+(attention_types.layer_windows_from_hf). Weights are read from the modules (not state-dict names), so a
+multimodal checkpoint's language model reads like a text-only one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.runtime.backends.cpu.linear import Linear
+from kvbench.runtime.model.attention_types import LayerAttention, layer_windows_from_hf
+from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES, LayerWeights, LlamaFamilyModel, ModelConfig
+from kvbench.runtime.model.rope import RotaryTable
+
+GEMMA = ("gemma2", "gemma3_text", "gemma3")
+ROPE_TABLE_POSITIONS = 8192  # positions precomputed (the table grows on demand)
+
+
+def text_config(hc: Any) -> Any:
+    """The decoder's config (a multimodal checkpoint's text_config)."""
+    get = getattr(hc, "get_text_config", None)
+    return get() if get is not None else hc
+
+
+def decoder(hf_model: Any) -> Any:
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb) of a causal LM, or of a multimodal model's
+    language model."""
+    base = hf_model.model
+    return getattr(base, "language_model", base)
+
+
+def build_model(hf_model: Any, dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None) -> LlamaFamilyModel:
+    """A LlamaFamilyModel with the weights of `hf_model` (cast to dtype, moved to device)."""
+    mt = getattr(hf_model.config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    hc = text_config(hf_model.config)
+    dm = decoder(hf_model)
+    ref = dm.embed_tokens.weight
+    dtype = dtype or ref.dtype
+    device = torch.device(device) if device is not None else ref.device
+
+    def t(w: torch.Tensor) -> torch.Tensor:
+        return w.detach().to(device=device, dtype=dtype).contiguous()
+
+    def linear(*mods: Any) -> Linear:  # [out, in] weights concatenated (biases too, where present)
+        biases = [m.bias for m in mods if getattr(m, "bias", None) is not None]
+        bias = torch.cat([t(b) for b in biases]) if len(biases) == len(mods) else None
+        return Linear(torch.cat([t(m.weight) for m in mods]), bias)
+
+    gemma = mt in GEMMA
+    num_heads = hc.num_attention_heads
+    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // num_heads
+    windows = layer_windows_from_hf(hc)
+    attn_softcap = getattr(hc, "attn_logit_softcapping", None) if mt == "gemma2" else None  # Gemma 3: not applied
+    layer_attention = tuple(LayerAttention(window=w, softcap=attn_softcap) for w in windows)
+    if all(a.plain for a in layer_attention):
+        layer_attention = ()
+    cfg = ModelConfig(
+        model_type=mt, vocab_size=hc.vocab_size, hidden_size=hc.hidden_size, num_layers=hc.num_hidden_layers,
+        num_heads=num_heads, num_kv_heads=getattr(hc, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
+        intermediate_size=hc.intermediate_size, rms_norm_eps=hc.rms_norm_eps,
+        qkv_bias=mt == "qwen2" or bool(getattr(hc, "attention_bias", False)),
+        qk_norm=mt in ("qwen3", "gemma3_text", "gemma3"),
+        tie_word_embeddings=bool(getattr(hc, "tie_word_embeddings", False) or
+                                 getattr(hf_model.config, "tie_word_embeddings", False)),
+        max_position_embeddings=getattr(hc, "max_position_embeddings", 4096),
+        family="gemma" if gemma else "llama", layer_attention=layer_attention,
+        attn_scale=hc.query_pre_attn_scalar ** -0.5 if gemma else None,
+        final_softcap=getattr(hc, "final_logit_softcapping", None) if gemma else None,
+        embed_scale=hc.hidden_size ** 0.5 if gemma else None,
+        mlp_act="gelu_tanh" if gemma else "silu",
+    )
+
+    def norm_weight(mod: Any) -> torch.Tensor:  # Gemma's RMSNorm scales by 1 + w: stored so
+        w = mod.weight.detach().float()
+        return t(w + 1.0 if gemma else w)
+
+    layers = []
+    for layer in dm.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        if mt == "phi3":  # already fused: q, k, v rows and gate, up rows in kvbench's order
+            qkv, gate_up = linear(at.qkv_proj), linear(mlp.gate_up_proj)
+        else:
+            qkv, gate_up = linear(at.q_proj, at.k_proj, at.v_proj), linear(mlp.gate_proj, mlp.up_proj)
+        layers.append(LayerWeights(
+            ln_attn=norm_weight(layer.input_layernorm),
+            qkv=qkv,
+            o=linear(at.o_proj),
+            # Gemma: the pre-MLP norm is pre_feedforward_layernorm; post_attention_layernorm is the sandwich's
+            ln_mlp=norm_weight(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+            gate_up=gate_up,
+            down=linear(mlp.down_proj),
+            q_norm=norm_weight(at.q_norm) if cfg.qk_norm else None,
+            k_norm=norm_weight(at.k_norm) if cfg.qk_norm else None,
+            post_attn_norm=norm_weight(layer.post_attention_layernorm) if gemma else None,
+            post_mlp_norm=norm_weight(layer.post_feedforward_layernorm) if gemma else None,
+        ))
+    embed = t(dm.embed_tokens.weight)
+    head = hf_model.get_output_embeddings()
+    lm_head = Linear(embed) if cfg.tie_word_embeddings or head is None else linear(head)
+    rotary, rotary_local = rope_tables(dm.rotary_emb, hc, dtype, device)
+    cfg.rotary_dim = rotary.inv_freq.numel() * 2
+    return LlamaFamilyModel(cfg, embed, layers, norm_weight(dm.norm), lm_head, rotary, rotary_local)
+
+
+def rope_tables(rot: Any, hc: Any, dtype: torch.dtype, device: torch.device) -> tuple[RotaryTable,
+                                                                                        RotaryTable | None]:
+    """(the full layers' RoPE table, the sliding layers' where it differs) from transformers' rotary module: one
+    inv_freq for most models; Gemma 3's one per layer type (rope_local_base_freq for the sliding layers)."""
+    n = min(getattr(hc, "max_position_embeddings", 4096) or 4096, ROPE_TABLE_POSITIONS)
+
+    def table(inv_freq: torch.Tensor, scaling: float) -> RotaryTable:
+        return RotaryTable(inv_freq.to(device), scaling, dtype, max_positions=n)
+
+    if hasattr(rot, "inv_freq"):
+        return table(rot.inv_freq, getattr(rot, "attention_scaling", 1.0)), None
+    full = table(getattr(rot, "full_attention_inv_freq"), getattr(rot, "full_attention_attention_scaling", 1.0))
+    local = None
+    if hasattr(rot, "sliding_attention_inv_freq"):
+        local = table(rot.sliding_attention_inv_freq, getattr(rot, "sliding_attention_attention_scaling", 1.0))
+    return full, local
