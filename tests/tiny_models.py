@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import transformers as tf
 
-from kvbench.runtime.model.forward import LlamaFamilyModel, build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
+from kvbench.runtime.model.forward import LlamaFamilyModel
 
 FAMILIES = ["llama", "llama3", "tied", "mistral", "qwen2", "qwen3"]
 # The architectures of issue 60, each with a window shorter than its tests' contexts (WINDOW tokens) where it has one:

@@ -1,6 +1,6 @@
 """Weights of a transformers causal LM copied into the kvbench runtime, one reader per family.
 
-    build_model(hf_model, dtype=None, device=None) -> LlamaFamilyModel
+    build_from_transformers(hf_model, dtype=None, device=None) -> LlamaFamilyModel
 
 Families (the config's model_type):
     llama, mistral, qwen2, qwen3   separate q/k/v and gate/up projections fused here; Qwen2's qkv bias; Qwen3's QK-norm
@@ -41,7 +41,7 @@ def decoder(hf_model: Any) -> Any:
     return getattr(base, "language_model", base)
 
 
-def build_model(hf_model: Any, dtype: torch.dtype | None = None,
+def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
                 device: str | torch.device | None = None) -> LlamaFamilyModel:
     """A LlamaFamilyModel with the weights of `hf_model` (cast to dtype, moved to device)."""
     mt = getattr(hf_model.config, "model_type", None)

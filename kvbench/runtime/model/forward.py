@@ -9,6 +9,7 @@ sliding(window), sinks, soft-capping): kvbench.runtime.model.attention_types.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,13 +311,13 @@ class LlamaFamilyModel:
             k = rope(k, cos_q, sin_q)
         elif rope_mode == "original":
             q = rope(q, cos_q, sin_q)
-            rotate_keys = self._rotate_at
+            rotate_keys = functools.partial(self._rotate_at, table=self._rotary_of(li))
         else:  # re-indexed: query at its slot in the cache, keys at their slot index
             lens = plan.lengths[:, li]  # [S, H]
             qslot = lens.unsqueeze(-1) - Q + torch.arange(Q, device=lens.device)  # [S, H, Q]
-            cq, sq = self.rotary.lookup(qslot, plan.tables.shape[-1] * cache.block_size - 1)  # [S, H, Q, D]
+            cq, sq = self._rotary_of(li).lookup(qslot, plan.tables.shape[-1] * cache.block_size - 1)  # [S, H, Q, Dr]
             q = rope(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
-            rotate_keys = self._rotate_at_slot
+            rotate_keys = functools.partial(self._rotate_at_slot, table=self._rotary_of(li))
         cache.write(li, plan, k, v)
         if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
             # the method cuts the layer's K/V before its attention: the chunk attends to what it keeps
@@ -330,16 +331,22 @@ class LlamaFamilyModel:
             hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
         return out
 
-    def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotary_of(self, layer: int) -> RotaryTable:
+        """The RoPE table of `layer`: the sliding layers' own where the model has one (Gemma 3), else the model's."""
+        if self.rotary_local is not None and self.config.attention(layer).window is not None:
+            return self.rotary_local
+        return self.rotary
+
+    def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T] (none past the
         step's queries, whose lookup already sized the table: no device read)."""
-        cos, sin = self.rotary.lookup(positions, self.rotary.cos.shape[0] - 1)
+        cos, sin = table.lookup(positions, table.cos.shape[0] - 1)
         return rope(k, cos, sin)
 
-    def _rotate_at_slot(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotate_at_slot(self, k: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at slot index 0..T-1 (StreamingLLM re-indexing)."""
         T = k.shape[2]
-        cos, sin = self.rotary.lookup(torch.arange(T, device=k.device), T - 1)
+        cos, sin = table.lookup(torch.arange(T, device=k.device), T - 1)
         return rope(k, cos, sin)
 
 
@@ -350,12 +357,3 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if Dr == x.shape[-1]:
         return apply_rotary(x, cos, sin)
     return torch.cat([apply_rotary(x[..., :Dr], cos, sin), x[..., Dr:]], dim=-1)
-
-
-def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
-                            device: str | torch.device | None = None) -> LlamaFamilyModel:
-    """Copy the weights of a transformers causal LM of a supported model type into the kvbench runtime
-    (kvbench.runtime.model.families)."""
-    from kvbench.runtime.model.families import build_model
-
-    return build_model(hf_model, dtype=dtype, device=device)

@@ -1,0 +1,178 @@
+"""Issue 60: the architectures beyond the Llama family on the same paged runtime, against transformers' eager forward.
+
+For each family of tests/tiny_models.ARCH_FAMILIES (Mistral with its window set, Gemma 3, Gemma 2, Phi-3, Phi-4-mini's
+partial rotary, an MQA Llama; tiny random weights, a window of WINDOW tokens shorter than the context):
+  * kvbench's logits equal transformers' eager logits to 1e-4 (fp32) over a prompt longer than the window, prefilled
+    in chunks, and over 32 decode steps after it; the window matters (transformers without it differs), so the
+    comparison can fail;
+  * a sliding layer's tables hold at most its ring (window - 1 + block_size - 1 tokens) after every step, and the pool's
+    bytes in use are exactly the full layers' blocks plus those rings (measured from the pool);
+  * metrics split the KV bytes by layer type; a method's budget binds the full layers only (the sliding layers keep
+    their ring), and every method equals the full cache when its budget covers the context.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
+from kvbench.runtime.model.families import build_from_transformers
+from kvbench.runtime.serving.engine import Engine
+from tests.tiny_models import ARCH_FAMILIES, WINDOW, tiny_hf_model
+
+PROMPT, DECODE, CHUNK = 70, 32, 32
+WINDOWED = ["mistral_window", "gemma3", "gemma2", "phi4mini"]
+
+
+def _ids(hf, n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, hf.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def kvbench_logits(engine: Engine, ids: list[int], prompt: int, chunk: int = CHUNK, check=None) -> torch.Tensor:
+    """Logits [len(ids), V] of kvbench: the first `prompt` ids prefilled in chunks, the rest one decode step each;
+    check(engine, slot) after every step."""
+    slot = engine.new_sequence()
+    out = []
+    with torch.no_grad():
+        for s0 in range(0, prompt, chunk):
+            part = ids[s0:min(prompt, s0 + chunk)]
+            out.append(engine.forward_chunk(slot, part, s0, last_chunk=s0 + chunk >= prompt, logits_for="all")[0])
+            if check is not None:
+                check(engine, slot)
+        for t in range(prompt, len(ids)):
+            out.append(engine.runner.forward([slot], torch.tensor([[ids[t]]]), torch.tensor([[t]]), phase="decode",
+                                             last_chunk=True, logits_for="last", max_position=t))
+            if check is not None:
+                check(engine, slot)
+    return torch.cat(out)
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("family", ARCH_FAMILIES)
+def test_logits_equal_transformers_in_prefill_and_decode(family):
+    hf = tiny_hf_model(family, seed=1, eager=True, qk_scale=3)
+    model = build_from_transformers(hf)
+    ids = _ids(hf, PROMPT + DECODE)
+    ref = hf_logits(hf, ids)
+    got = kvbench_logits(Engine(model, prefill_chunk_size=CHUNK, block_size=8, num_blocks=512), ids, PROMPT)
+    assert (got[:PROMPT] - ref[:PROMPT]).abs().max().item() <= 1e-4  # prefill
+    assert (got[PROMPT:] - ref[PROMPT:]).abs().max().item() <= 1e-4  # 32 decode steps
+    if family in WINDOWED:  # the window is exercised: without it the model's logits differ
+        windows = model.config.layer_windows
+        assert WINDOW in windows and PROMPT > WINDOW
+        hf.config.sliding_window = 10 ** 6
+        assert (hf_logits(hf, ids)[WINDOW:] - ref[WINDOW:]).abs().max().item() > 1e-3
+
+
+def test_layer_types_read_from_the_configs():
+    gemma3 = build_from_transformers(tiny_hf_model("gemma3"))
+    assert gemma3.config.layer_windows == (WINDOW, WINDOW, WINDOW, None)
+    assert gemma3.rotary_local is not None  # local layers' RoPE base differs from the global layers'
+    assert not torch.equal(gemma3.rotary_local.inv_freq, gemma3.rotary.inv_freq)
+    gemma2 = build_from_transformers(tiny_hf_model("gemma2"))
+    assert gemma2.config.layer_windows == (WINDOW, None)
+    assert [a.softcap for a in gemma2.config.layer_attention] == [2.0, 2.0] and gemma2.config.final_softcap == 3.0
+    assert build_from_transformers(tiny_hf_model("mistral_window")).config.layer_windows == (WINDOW, WINDOW)
+    phi4 = build_from_transformers(tiny_hf_model("phi4mini"))
+    assert phi4.config.rotary_dim == 12 and phi4.config.head_dim == 16  # partial_rotary_factor 0.75
+    assert build_from_transformers(tiny_hf_model("mqa")).config.num_kv_heads == 1
+    assert build_from_transformers(tiny_hf_model("mistral")).config.plain  # no window: every fast path
+
+
+@pytest.mark.parametrize("family,bs", [("gemma3", 8), ("gemma2", 16), ("mistral_window", 8)])
+def test_sliding_layer_pool_bytes_stay_bounded_by_the_window(family, bs):
+    """Measured from the tables and the pool after every step of a prompt 8x the window and 32 decode steps."""
+    hf = tiny_hf_model(family, seed=2)
+    model = build_from_transformers(hf)
+    windows = model.config.layer_windows
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    full = [i for i, w in enumerate(windows) if w is None]
+    ring = WINDOW - 1 + bs - 1  # the most tokens a sliding table keeps between steps
+    engine = Engine(model, prefill_chunk_size=CHUNK, block_size=bs, num_blocks=1024)
+    H = model.config.num_kv_heads
+    seen = []
+
+    def check(eng, slot):
+        lengths = eng.cache.host_lengths[slot]  # [L, H]
+        n = eng.cache.tokens_seen[slot]
+        assert (lengths[sliding] <= min(n, ring)).all(), lengths
+        assert (lengths[full] == n).all()  # full layers keep every token (no method)
+        want = (len(full) * H * blocks_for_tokens(n, bs)
+                + int(blocks_for_tokens(lengths[sliding], bs).sum()))
+        assert eng.cache.pool.in_use == want  # the pool holds exactly that: the freed ring blocks went back
+        seen.append(int(blocks_for_tokens(lengths[sliding], bs).sum()))
+
+    ids = _ids(hf, 8 * WINDOW + DECODE)
+    kvbench_logits(engine, ids, 8 * WINDOW, check=check)
+    engine.meter.track()
+    stats = engine.memory_stats()
+    bound = len(sliding) * H * blocks_for_tokens(ring, bs) * engine.cache.bytes_per_block
+    assert max(seen) * engine.cache.bytes_per_block <= bound
+    assert 0 < stats["peak_kv_bytes_sliding_layers"] <= bound
+    n = len(ids)
+    assert stats["peak_kv_bytes_full_layers"] == len(full) * H * blocks_for_tokens(n, bs) * engine.cache.bytes_per_block
+    assert stats["full_kv_bytes"] == stats["full_kv_bytes_full_layers"] + stats["full_kv_bytes_sliding_layers"]
+    assert (stats["full_layers"], stats["sliding_layers"]) == (len(full), len(sliding))
+
+
+def test_methods_act_on_full_layers_only():
+    """SnapKV with a budget below the context: the full layer holds the budget, the sliding layers their ring, and
+    the method's hook never sees a sliding layer."""
+    from kvbench.methods import build_method
+
+    hf = tiny_hf_model("gemma3", seed=4)
+    model = build_from_transformers(hf)
+    method = build_method("snapkv", 40)
+    layers_seen = set()
+    inner = method.after_attention
+
+    def spy(ctx):
+        layers_seen.add(ctx.layer)
+        inner(ctx)
+
+    method.after_attention = spy
+    engine = Engine(model, method, block_size=8, prefill_chunk_size=CHUNK, num_blocks=1024)
+    assert engine.cache.method_layers == (3,)
+    prompt = _ids(hf, 150)
+    gen = engine.generate([prompt], max_new_tokens=1)[0]
+    assert layers_seen == {3} and gen.finish_reason == "length"
+    stats = engine.memory_stats()
+    assert stats["full_kv_bytes_full_layers"] > stats["peak_kv_bytes_full_layers"]  # the method saved on layer 3
+
+
+def _methods_with_full_budget():
+    from tests.methods.variants import VARIANTS, variant_id
+
+    # duo_attention's fixture patterns are the tiny Llama's (2 layers); kvzip's own passes span every layer
+    return [pytest.param(v, id=variant_id(v)) for v in VARIANTS if v[0] not in ("duo_attention", "kvzip")]
+
+
+@pytest.mark.parametrize("variant", _methods_with_full_budget())
+def test_every_method_equals_full_when_its_budget_covers_the_context(variant):
+    from kvbench.methods import build_method
+
+    name, opts = variant
+    hf = tiny_hf_model("gemma3", seed=5)
+    model = build_from_transformers(hf)
+    prompt = _ids(hf, 90)
+
+    def run(method):
+        engine = Engine(model, method, block_size=8, prefill_chunk_size=CHUNK, num_blocks=1024)
+        return engine.generate([prompt], max_new_tokens=12)[0].token_ids
+
+    assert run(build_method(name, 4096, **opts)) == run(None)
+
+
+def test_kvzip_is_refused_on_a_model_with_sliding_layers():
+    from kvbench.errors import UserError
+    from kvbench.methods import build_method
+    from tests.tiny_models import ByteTokenizer
+
+    model = build_from_transformers(tiny_hf_model("gemma3"))
+    model.tokenizer = ByteTokenizer(256)
+    with pytest.raises(UserError, match="kvzip.*sliding layers"):
+        Engine(model, build_method("kvzip", 64), block_size=8, num_blocks=256)
