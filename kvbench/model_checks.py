@@ -39,7 +39,7 @@ _POSITIVE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 _POSITIVE_OR_NULL = ("num_key_value_heads", "max_position_embeddings", "head_dim", "intermediate_size", "vocab_size")
 _SHOWN = 4  # tensor names shown per kind
 # model types whose head_dim may differ from hidden_size / heads
-OWN_HEAD_DIM = ("mistral", "qwen3", "gemma2", "gemma3_text", "gemma3")
+OWN_HEAD_DIM = ("mistral", "qwen3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
 GEMMA = ("gemma2", "gemma3_text", "gemma3")
 HONOURED_LAYER_TYPES = ("full_attention", "sliding_attention")  # kvbench.runtime.model.attention_types
 

@@ -20,7 +20,7 @@ FAMILIES = ["llama", "llama3", "tied", "mistral", "qwen2", "qwen3"]
 # Mistral with its sliding_window set, Gemma 3 (five local layers per global one, here 3 + 1) and Gemma 2 (alternating,
 # soft-capped), Phi-3 (fused projections) and Phi-4-mini's shape (partial rotary), an MQA Llama (one kv-head)
 WINDOW = 24
-ARCH_FAMILIES = ["mistral_window", "gemma3", "gemma2", "phi3", "phi4mini", "mqa"]
+ARCH_FAMILIES = ["mistral_window", "gemma3", "gemma2", "phi3", "phi4mini", "mqa", "gpt_oss"]
 
 # family -> (transformers config class, the family's own config settings)
 _FAMILY_CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -43,6 +43,11 @@ _FAMILY_CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     "phi3": (tf.Phi3Config, {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
     "phi4mini": (tf.Phi3Config, {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1, "partial_rotary_factor": 0.75, "sliding_window": WINDOW}),
     "mqa": (tf.LlamaConfig, {"num_key_value_heads": 1}),
+    "gpt_oss": (tf.GptOssConfig, {"head_dim": 16, "sliding_window": WINDOW, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1,
+                                  "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "rope_theta": 150000.0, "truncate": False,
+                                                      "original_max_position_embeddings": 32}}),
 }
 # families whose layers need more than 2 to show their layer types (Gemma 3's 3 local + 1 global)
 _FAMILY_LAYERS = {"gemma3": 4}
@@ -96,6 +101,8 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, *, qk_scale: float | Non
             if family in ("qwen3", "gemma3"):
                 attn.q_norm.weight.normal_(1, 0.3)
                 attn.k_norm.weight.normal_(1, 0.3)
+            if family == "gpt_oss":  # sinks that matter (the init's are ~0.02)
+                attn.sinks.normal_(0, 1)
             if family.startswith("gemma"):  # Gemma norms scale by 1 + w (w = 0 at init): random w
                 for name, mod in layer.named_modules():
                     if name.endswith("layernorm"):

@@ -1,7 +1,7 @@
 """Issue 60: the architectures beyond the Llama family on the same paged runtime, against transformers' eager forward.
 
 For each family of tests/tiny_models.ARCH_FAMILIES (Mistral with its window set, Gemma 3, Gemma 2, Phi-3, Phi-4-mini's
-partial rotary, an MQA Llama; tiny random weights, a window of WINDOW tokens shorter than the context):
+partial rotary, an MQA Llama, GPT-OSS with its sinks and experts; tiny random weights, a window of WINDOW tokens shorter than the context):
   * kvbench's logits equal transformers' eager logits to 1e-4 (fp32) over a prompt longer than the window, prefilled
     in chunks, and over 32 decode steps after it; the window matters (transformers without it differs), so the
     comparison can fail;
@@ -21,7 +21,7 @@ from kvbench.runtime.serving.engine import Engine
 from tests.tiny_models import ARCH_FAMILIES, WINDOW, tiny_hf_model
 
 PROMPT, DECODE, CHUNK = 70, 32, 32
-WINDOWED = ["mistral_window", "gemma3", "gemma2", "phi4mini"]
+WINDOWED = ["mistral_window", "gemma3", "gemma2", "phi4mini", "gpt_oss"]
 
 
 def _ids(hf, n: int, seed: int = 1) -> list[int]:
@@ -80,10 +80,14 @@ def test_layer_types_read_from_the_configs():
     phi4 = build_from_transformers(tiny_hf_model("phi4mini"))
     assert phi4.config.rotary_dim == 12 and phi4.config.head_dim == 16  # partial_rotary_factor 0.75
     assert build_from_transformers(tiny_hf_model("mqa")).config.num_kv_heads == 1
+    oss = build_from_transformers(tiny_hf_model("gpt_oss"))
+    assert oss.config.layer_windows == (WINDOW, None)
+    assert all(a.has_sinks for a in oss.config.layer_attention) and oss.layers[0].sinks.shape == (4,)
+    assert oss.layers[0].moe is not None and oss.layers[0].gate_up is None
     assert build_from_transformers(tiny_hf_model("mistral")).config.plain  # no window: every fast path
 
 
-@pytest.mark.parametrize("family,bs", [("gemma3", 8), ("gemma2", 16), ("mistral_window", 8)])
+@pytest.mark.parametrize("family,bs", [("gemma3", 8), ("gemma2", 16), ("mistral_window", 8), ("gpt_oss", 8)])
 def test_sliding_layer_pool_bytes_stay_bounded_by_the_window(family, bs):
     """Measured from the tables and the pool after every step of a prompt 8x the window and 32 decode steps."""
     hf = tiny_hf_model(family, seed=2)

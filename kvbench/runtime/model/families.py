@@ -9,6 +9,8 @@ Families (the config's model_type):
                                    query_pre_attn_scalar, local/global layers (Gemma 3: their own RoPE bases),
                                    Gemma 3's QK-norm, Gemma 2's soft-capping (attention and final logits); gemma3 is
                                    the multimodal checkpoint, whose language model is read (text only)
+    gpt_oss                        learned attention sinks per head, alternating sliding / full layers, qkv and o
+                                   biases, yarn RoPE, a mixture-of-experts MLP (runtime.model.moe: a plain loop)
 Every family's per-layer attention type (full or sliding(window)) comes from the config
 (attention_types.layer_windows_from_hf). Weights are read from the modules (not state-dict names), so a
 multimodal checkpoint's language model reads like a text-only one.
@@ -22,6 +24,7 @@ import torch
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.model.attention_types import LayerAttention, layer_windows_from_hf
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES, LayerWeights, LlamaFamilyModel, ModelConfig
+from kvbench.runtime.model.moe import MoEMLP
 from kvbench.runtime.model.rope import RotaryTable
 
 GEMMA = ("gemma2", "gemma3_text", "gemma3")
@@ -66,7 +69,8 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
     head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // num_heads
     windows = layer_windows_from_hf(hc)
     attn_softcap = getattr(hc, "attn_logit_softcapping", None) if mt == "gemma2" else None  # Gemma 3: not applied
-    layer_attention = tuple(LayerAttention(window=w, softcap=attn_softcap) for w in windows)
+    sinks = mt == "gpt_oss"
+    layer_attention = tuple(LayerAttention(window=w, softcap=attn_softcap, has_sinks=sinks) for w in windows)
     if all(a.plain for a in layer_attention):
         layer_attention = ()
     cfg = ModelConfig(
@@ -78,7 +82,7 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
         tie_word_embeddings=bool(getattr(hc, "tie_word_embeddings", False) or
                                  getattr(hf_model.config, "tie_word_embeddings", False)),
         max_position_embeddings=getattr(hc, "max_position_embeddings", 4096),
-        family="gemma" if gemma else "llama", layer_attention=layer_attention,
+        family="gemma" if gemma else "gpt_oss" if mt == "gpt_oss" else "llama", layer_attention=layer_attention,
         attn_scale=hc.query_pre_attn_scalar ** -0.5 if gemma else None,
         final_softcap=getattr(hc, "final_logit_softcapping", None) if gemma else None,
         embed_scale=hc.hidden_size ** 0.5 if gemma else None,
@@ -92,10 +96,19 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
     layers = []
     for layer in dm.layers:
         at, mlp = layer.self_attn, layer.mlp
+        moe = down = None
         if mt == "phi3":  # already fused: q, k, v rows and gate, up rows in kvbench's order
             qkv, gate_up = linear(at.qkv_proj), linear(mlp.gate_up_proj)
+        elif mt == "gpt_oss":
+            qkv, gate_up = linear(at.q_proj, at.k_proj, at.v_proj), None
+            ex = mlp.experts
+            moe = MoEMLP(t(mlp.router.weight), t(mlp.router.bias), t(ex.gate_up_proj), t(ex.gate_up_proj_bias),
+                         t(ex.down_proj), t(ex.down_proj_bias), hc.num_experts_per_tok, float(ex.alpha),
+                         float(ex.limit))
         else:
             qkv, gate_up = linear(at.q_proj, at.k_proj, at.v_proj), linear(mlp.gate_proj, mlp.up_proj)
+        if moe is None:
+            down = linear(mlp.down_proj)
         layers.append(LayerWeights(
             ln_attn=norm_weight(layer.input_layernorm),
             qkv=qkv,
@@ -103,11 +116,13 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
             # Gemma: the pre-MLP norm is pre_feedforward_layernorm; post_attention_layernorm is the sandwich's
             ln_mlp=norm_weight(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
             gate_up=gate_up,
-            down=linear(mlp.down_proj),
+            down=down,
             q_norm=norm_weight(at.q_norm) if cfg.qk_norm else None,
             k_norm=norm_weight(at.k_norm) if cfg.qk_norm else None,
             post_attn_norm=norm_weight(layer.post_attention_layernorm) if gemma else None,
             post_mlp_norm=norm_weight(layer.post_feedforward_layernorm) if gemma else None,
+            sinks=t(at.sinks) if sinks else None,
+            moe=moe,
         ))
     embed = t(dm.embed_tokens.weight)
     head = hf_model.get_output_embeddings()

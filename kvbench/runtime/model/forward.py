@@ -26,7 +26,7 @@ from kvbench.runtime.hooks import CacheHooks, LayerContext
 from kvbench.runtime.model.attention_types import LayerAttention, VariantBackend
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
 
 
 @dataclass
@@ -47,7 +47,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     # "llama": pre-norm layers, RMSNorm x.to(dtype) * w; "gemma": sandwich norms (post-attention and post-MLP norms
-    # too), RMSNorm (x * w).to(dtype) over weights stored as 1 + w, embeddings scaled by embed_scale
+    # too), RMSNorm (x * w).to(dtype) over weights stored as 1 + w, embeddings scaled by embed_scale; "gpt_oss":
+    # pre-norm layers, RMSNorm (x * w).to(dtype), a mixture-of-experts MLP
     family: str = "llama"
     layer_attention: tuple = ()  # LayerAttention per layer (empty: every layer full, plain attention)
     attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
@@ -83,13 +84,14 @@ class LayerWeights:
     qkv: Linear  # E -> (Hq + 2H) * D, q/k/v fused (with Qwen2's bias)
     o: Linear  # Hq * D -> E
     ln_mlp: torch.Tensor  # [E]
-    gate_up: Linear  # E -> 2I, gate and up fused
-    down: Linear  # I -> E
+    gate_up: Linear | None  # E -> 2I, gate and up fused (None: a MoE MLP, `moe`)
+    down: Linear | None  # I -> E
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
     post_attn_norm: torch.Tensor | None = None  # [E] sandwich norm of the attention output (Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [E] sandwich norm of the MLP output (Gemma)
     sinks: torch.Tensor | None = None  # [Hq] learned sink logits (GPT-OSS)
+    moe: Any = None  # a mixture-of-experts MLP h [N, E] -> [N, E] in place of gate_up / down (runtime.model.moe)
 
 
 @dataclass
@@ -142,7 +144,8 @@ class LlamaFamilyModel:
         self.lm_head = lm_head  # E -> V (a copy of embed when tied)
         self.rotary = rotary  # the full layers' RoPE (what methods see: they act on full layers)
         self.rotary_local = rotary_local  # the sliding layers' RoPE where it differs (Gemma 3's local base)
-        self._norm = gemma_rms_norm if config.family == "gemma" else rms_norm
+        # Gemma and GPT-OSS scale in fp32 before the cast back (Llama: after it)
+        self._norm = gemma_rms_norm if config.family in ("gemma", "gpt_oss") else rms_norm
         # the attention backend of each layer with a variant (window, sinks, soft-capping): the torch reference
         self._variant_backends = {li: VariantBackend(a.window, a.softcap, layers[li].sinks)
                                   for li, a in enumerate(config.layer_attention) if not a.plain}
@@ -161,7 +164,7 @@ class LlamaFamilyModel:
         n = self.lm_head.nbytes + self.final_norm.nbytes
         for lw in self.layers:
             for t in (lw.ln_attn, lw.qkv, lw.o, lw.ln_mlp, lw.gate_up, lw.down, lw.q_norm, lw.k_norm,
-                      lw.post_attn_norm, lw.post_mlp_norm, lw.sinks):
+                      lw.post_attn_norm, lw.post_mlp_norm, lw.sinks, lw.moe):
                 if t is not None:
                     n += t.nbytes
         return n
@@ -266,9 +269,12 @@ class LlamaFamilyModel:
             a = lw.o(out, gemv_rows)
             x = x + (a if lw.post_attn_norm is None else norm(a, lw.post_attn_norm, eps))
             h = norm(x, lw.ln_mlp, eps)
-            gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
-            act = F.silu(gate) if cfg.mlp_act == "silu" else F.gelu(gate, approximate="tanh")
-            m = lw.down(act * up, gemv_rows)
+            if lw.moe is not None:
+                m = lw.moe(h)
+            else:
+                gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
+                act = F.silu(gate) if cfg.mlp_act == "silu" else F.gelu(gate, approximate="tanh")
+                m = lw.down(act * up, gemv_rows)
             x = x + (m if lw.post_mlp_norm is None else norm(m, lw.post_mlp_norm, eps))
         if logits_for == "none":
             return [None] * len(groups)
