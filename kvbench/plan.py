@@ -231,6 +231,10 @@ def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None
         fits = [d for d in range(1, shape.num_kv_heads + 1) if shape.num_kv_heads % d == 0]
         raise UserError(f"{where}: the model's {shape.num_kv_heads} kv-heads are not divisible by {tp} (each rank "
                         f"holds whole kv-heads); choices: {', '.join(map(str, fits))}")
+    if shape is not None and not shape.plain:
+        raise UserError(f"{where}: the model ({shape.model_type}, {shape.sliding_layers} sliding-window layers) is "
+                        f"not sharded: tensor parallelism runs Llama-family models (llama, mistral, qwen2, qwen3) with "
+                        f"full attention only")
     refusal = getattr(method, "tensor_parallel_refusal", None)
     why = refusal() if callable(refusal) else None
     if why:
@@ -256,6 +260,9 @@ def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: C
     if not spec.enabled:
         return None, ("none", {})
     k = f"runtime.speculative.num_tokens={spec.num_tokens}"
+    if shape is not None and getattr(shape, "sliding_layers", 0):
+        raise UserError(f"{k} cannot run with a model with sliding-window layers: a rollback needs tokens the "
+                        f"layers' rings have already freed; set runtime.speculative.num_tokens=0")
     if METHODS.get(settings.method_name).acts_after_attention:
         raise UserError(f"{k} cannot run with method={settings.method_name}: it evicts inside the steps that "
                         "verification batches, so the target would not be the model that plain decoding runs; use "

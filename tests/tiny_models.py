@@ -79,7 +79,8 @@ def tiny_config(family: str = "llama", *, layers: int = 2, hidden: int = 64, hea
     settings.update(family_settings)
     if head_dim is not None:
         settings["head_dim"] = head_dim
-    cfg = config_class(**settings, **extra)
+    settings.update(extra)  # the caller's fields win over the family's (token ids)
+    cfg = config_class(**settings)
     if eager:
         cfg._attn_implementation = "eager"
     return cfg

@@ -12,6 +12,8 @@ partial rotary, an MQA Llama, GPT-OSS with its sinks and experts; tiny random we
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -180,3 +182,40 @@ def test_kvzip_is_refused_on_a_model_with_sliding_layers():
     model.tokenizer = ByteTokenizer(256)
     with pytest.raises(UserError, match="kvzip.*sliding layers"):
         Engine(model, build_method("kvzip", 64), block_size=8, num_blocks=256)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "phi4mini"])
+def test_every_attention_backend_runs_the_new_families(family, backend):
+    """The CPU backend (C kernels, its fused decode step where the model is plain) and Triton (interpreted here) run
+    the full plain layers; a layer with a window, sinks or soft-capping attends through the torch reference
+    (attention_types.VariantBackend). Same logits as transformers either way."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("Triton attention on CPU needs TRITON_INTERPRET=1 (run: TRITON_INTERPRET=1 pytest "
+                        "tests/runtime/test_architectures.py -k triton)")
+    hf = tiny_hf_model(family, seed=6, eager=True, qk_scale=3)
+    model = build_from_transformers(hf)
+    ids = _ids(hf, 48 + 8)
+    engine = Engine(model, prefill_chunk_size=CHUNK, block_size=8, num_blocks=512, attention_backend=backend)
+    assert engine.attention_backend == backend
+    got = kvbench_logits(engine, ids, 48)
+    assert (got - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+def test_a_storage_codec_runs_over_sliding_layers():
+    """A codec (kivi, 4 bits) stores every layer, the rings included (a storage format, not a method): the ring
+    still frees its blocks and the run stays close to the full-precision one."""
+    from kvbench.quant.registry import build_codec
+
+    hf = tiny_hf_model("gemma3", seed=7)
+    model = build_from_transformers(hf)
+    ids = _ids(hf, 8 * WINDOW + 8)
+    engine = Engine(model, codec=build_codec("kivi", bits=4), prefill_chunk_size=CHUNK, block_size=16,
+                    num_blocks=512)
+    got = kvbench_logits(engine, ids, 8 * WINDOW)
+    slot = next(iter(engine.cache.live))
+    assert (engine.cache.host_lengths[slot][:3] < 2 * WINDOW).all()
+    ref = hf_logits(hf, ids)
+    assert (got - ref).abs().max().item() < 0.5
