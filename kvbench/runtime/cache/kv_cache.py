@@ -145,7 +145,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         for s in slots:
             self._check_live(s)
         if Q == 1 and self.device.type == "cpu" and not self._shared and self.host_decode_appends:
-            return self._prepare_decode_append_host(slots, query_positions)
+            return self._noted(self._prepare_decode_append_host(slots, query_positions))
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
         # block counts from the host copy of the lengths: allocating reads no device value
         old_len_h = self.host_lengths[slots]  # [S, L, H]
@@ -193,8 +193,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.host_lengths[slots] = new_len_h
         for s in slots:
             self.tokens_seen[s] += Q
-        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), positions_snapshot, list(slots),
-                          host_lengths=new_len_h)
+        return self._noted(AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), positions_snapshot,
+                                      list(slots), host_lengths=new_len_h))
 
     def _prepare_decode_append_host(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
         """prepare_append of one token per sequence on a CPU cache with no shared blocks: the same plan, built with

@@ -292,6 +292,21 @@ class KVEviction:
                 freed += k * self.num_kv_heads
         return freed
 
+    def _noted(self, plan):
+        """`plan`, after noting the blocks each layer type's tables hold (a model with sliding layers): right after
+        a step's allocation is when they hold the most within the step (every later change of the step frees:
+        ring trims, evictions), so these maxima are the peaks by layer type (KVMeter.by_layer_type)."""
+        w = self.layer_windows
+        if not w or not any(x is not None for x in w):
+            return plan
+        live = sorted(self.live)
+        held = blocks_for_tokens(self.host_lengths[live], self.block_size)  # [S, L, H]
+        peaks = self.__dict__.setdefault("layer_type_peak_blocks", {"full": 0, "sliding": 0})
+        for kind, layers in (("full", [i for i, x in enumerate(w) if x is None]),
+                             ("sliding", [i for i, x in enumerate(w) if x is not None])):
+            peaks[kind] = max(peaks[kind], int(held[:, layers].sum()))
+        return plan
+
     # ------------------------------------------------------------------ pending frees (evict_blocks_on_device)
     def has_pending_frees(self) -> bool:
         """Whether evicted block ids wait on the device (see evict_blocks_on_device)."""

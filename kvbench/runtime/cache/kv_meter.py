@@ -10,7 +10,8 @@ A model with sliding-window layers (cache.layer_windows) keeps a ring of each wi
 method: an uncompressed cache holds there what the ring holds, so full_kv_bytes counts the sliding layers' tables as
 they are (measured) and the full layers' at every token seen; the figures are also split by layer type
 (`by_layer_type`: the full and sliding layers' uncompressed bytes at the peak, and the most bytes each type's tables
-held at once, read from the tables after each step), so "KV saved" is the method's saving on the full layers.
+held at once, read from the tables after each step and right after each step's allocation), so "KV saved" is the
+method's saving on the full layers.
 """
 from __future__ import annotations
 
@@ -90,14 +91,17 @@ class KVMeter:
     def by_layer_type(self) -> dict:
         """{} for a model whose layers are all full; else the split (flat keys, as metrics.json records them):
         full_kv_bytes_{full,sliding}_layers (uncompressed bytes at the peak of full_kv_bytes) and
-        peak_kv_bytes_{full,sliding}_layers (the most bytes each type's tables held after a step), with the layer
+        peak_kv_bytes_{full,sliding}_layers (the most bytes each type's tables held at once: within a step, right
+        after its allocation, a sliding layer also holds the step's new tokens, a prefill chunk), with the layer
         counts."""
         if not self.sliding:
             return {}
         out = {"full_layers": len(self.full_layers), "sliding_layers": len(self.sliding)}
+        in_step = getattr(self.cache, "layer_type_peak_blocks", {})  # right after each step's allocation
         for kind in ("full", "sliding"):
             out[f"full_kv_bytes_{kind}_layers"] = self.type_full_at_peak[kind]
-            out[f"peak_kv_bytes_{kind}_layers"] = self.type_peak_held[kind]
+            out[f"peak_kv_bytes_{kind}_layers"] = max(self.type_peak_held[kind],
+                                                      in_step.get(kind, 0) * self.cache.bytes_per_block)
         return out
 
     def sequence(self, slot: int) -> dict:
