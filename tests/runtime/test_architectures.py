@@ -231,3 +231,28 @@ def test_a_storage_codec_runs_over_sliding_layers():
     assert (engine.cache.host_lengths[slot][:3] < 2 * WINDOW).all()
     ref = hf_logits(hf, ids)
     assert (got - ref).abs().max().item() < 0.5
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model():
+    """model_type gemma3 (Gemma-3-4B's checkpoint: Gemma3ForConditionalGeneration): kvbench reads the language
+    model's weights and runs text only; logits equal transformers' on text input in prefill and decode."""
+    import transformers as tf
+
+    from tests.tiny_models import tiny_config
+
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)
+    cfg = tf.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=300, boi_token_index=301, eoi_token_index=302)
+    cfg._attn_implementation = cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if "language_model" in name and name.endswith(("layernorm", "q_norm", "k_norm")):
+                mod.weight.normal_(0, 0.3)
+    model = build_from_transformers(hf)
+    assert model.config.model_type == "gemma3" and model.config.layer_windows == (WINDOW, WINDOW, WINDOW, None)
+    ids = torch.randint(0, 290, (PROMPT + 8,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = kvbench_logits(Engine(model, prefill_chunk_size=CHUNK, block_size=8, num_blocks=512), ids, PROMPT)
+    assert (got - hf_logits(hf, ids)).abs().max().item() <= 1e-4
