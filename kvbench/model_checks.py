@@ -15,7 +15,8 @@ attention_types: `layer_types` of full_attention / sliding_attention with a posi
 Phi-3's `sliding_window` on every layer, Qwen2's `use_sliding_window` through the layer_types transformers derives);
 refused: other layer types (chunked attention, ...), a window that is not a positive integer, Gemma 3's bidirectional
 attention.
-Multimodal configs (Gemma 3's) are checked on their text_config.
+Multimodal configs (Gemma 3's) are checked on their text_config. DeepSeek-V2's hub configs keep an `auto_map` to their
+original code: transformers' native class is what loads (kvbench never passes trust_remote_code), so it passes.
 
 Weights: a safetensors folder's tensor names and shapes (read from the files' headers, never the tensors) against
 those of the model its config.json describes (built by transformers on the meta device: no memory, no weights).
@@ -41,6 +42,9 @@ _SHOWN = 4  # tensor names shown per kind
 # model types whose head_dim may differ from hidden_size / heads
 OWN_HEAD_DIM = ("mistral", "qwen3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
 GEMMA = ("gemma2", "gemma3_text", "gemma3")
+# model types whose hub configs still name their original custom code (auto_map) although transformers has the
+# class natively: kvbench loads the native class (it never passes trust_remote_code), so the custom code never runs
+NATIVE_DESPITE_AUTO_MAP = ("deepseek_v2",)
 HONOURED_LAYER_TYPES = ("full_attention", "sliding_attention")  # kvbench.runtime.model.attention_types
 
 
@@ -53,7 +57,7 @@ def check_config(cfg: Any, where: str, supported: Iterable[str]) -> None:
     supported = tuple(supported)
     if not isinstance(cfg, dict):
         raise UserError(f"{where}: config.json is not a JSON object")
-    if cfg.get("auto_map"):
+    if cfg.get("auto_map") and cfg.get("model_type") not in NATIVE_DESPITE_AUTO_MAP:
         raise UserError(f"{where}: config.json names custom code (auto_map: {', '.join(sorted(cfg['auto_map']))}); "
                         f"kvbench runs its own forward and supports the model types {', '.join(supported)} only")
     model_type = cfg.get("model_type")
@@ -178,7 +182,7 @@ def mismatch_line(missing: list[str], unexpected: list[str], mismatched: list[st
 def check_weights(folder: str, where: str) -> None:
     """Refuse (UserError, one line) a safetensors folder whose tensors are not those of its config.json."""
     found = safetensors_shapes(folder)
-    if found is None:
+    if found is None or _renamed_on_load(folder):
         return
     try:
         shapes, may_miss, ignore = expected_shapes(folder)
@@ -199,6 +203,19 @@ def check_weights(folder: str, where: str) -> None:
     if line is not None:
         raise UserError(f"{where}: its weights do not match its config.json ({line}); expected the checkpoint "
                         f"that config.json describes")
+
+
+def _renamed_on_load(folder: str) -> bool:
+    """True when transformers converts this model type's checkpoint names on load (its conversion mapping: DeepSeek's
+    per-expert tensors fused, Gemma 3's multimodal names): the files' names are not the modules', so only the
+    loader's report after the conversion can tell (`loading_report`)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except (OSError, ValueError, ImportError, AttributeError):
+        return False
+    return get_checkpoint_conversion_mapping(model_type) is not None
 
 
 def loading_report(info: Any, where: str) -> Optional[str]:

@@ -40,6 +40,7 @@ class ModelShape:
     max_positions: Optional[int]
     model_type: Optional[str] = None
     layer_windows: tuple = ()  # the window of each layer (None: full attention); empty: every layer full
+    latent: bool = False  # MLA: one cached row (latent + RoPE key) of head_dim per token and layer, values inside
 
     @property
     def sliding_layers(self) -> int:
@@ -115,6 +116,10 @@ def _shape_from_hf(cfg: dict) -> ModelShape:
     model_type = cfg.get("model_type")
     windows = _layer_windows(cfg)
     cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    if model_type == "deepseek_v2":  # MLA: the cache row is the latent and the decoupled RoPE key
+        row = int(cfg.get("kv_lora_rank") or 512) + int(cfg.get("qk_rope_head_dim") or 64)
+        return ModelShape(int(cfg["num_hidden_layers"]), 1, row, cfg.get("max_position_embeddings"), model_type,
+                          windows, latent=True)
     heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
     return ModelShape(int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or heads), int(head_dim),
@@ -144,7 +149,7 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str, tokens: Optional[int] = No
     are what is cached). A sliding layer holds its window at most: at `tokens` of context it costs
     min(tokens, window) / tokens of a full layer's bytes per token (tokens=None: the full layers alone, the cost of a
     token once every window is full)."""
-    per_layer = 2 * shape.num_kv_heads * shape.head_dim * element_bytes(dtype)
+    per_layer = (1 if shape.latent else 2) * shape.num_kv_heads * shape.head_dim * element_bytes(dtype)
     full = shape.full_layers * per_layer
     if tokens is None or not shape.sliding_layers:
         return float(full)
@@ -162,8 +167,14 @@ def describe_shape(shape: ModelShape, dtype: str) -> list[str]:
         types = ", ".join("full" if w is None else f"sliding({w})" for w in shape.layer_windows)
         lines.append(f"layer types: {types}")
         lines.append(f"sliding windows: {', '.join(map(str, kinds))} tokens (a ring each, never compressed)")
-    lines.append(f"kv_bytes_per_token: {kv_bytes_per_token(shape, dtype):.0f} (2 x {shape.full_layers} full layers x "
-                 f"{shape.num_kv_heads} kv-heads x {shape.head_dim} x {element_bytes(dtype)} bytes)")
+    if shape.latent:
+        lines.append(f"MLA latent cache: one row of {shape.head_dim} (kv_lora_rank + qk_rope_head_dim) per token "
+                     f"and layer, values read inside it")
+        lines.append(f"kv_bytes_per_token: {kv_bytes_per_token(shape, dtype):.0f} ({shape.num_layers} layers x "
+                     f"{shape.head_dim} x {element_bytes(dtype)} bytes)")
+    else:
+        lines.append(f"kv_bytes_per_token: {kv_bytes_per_token(shape, dtype):.0f} (2 x {shape.full_layers} full "
+                     f"layers x {shape.num_kv_heads} kv-heads x {shape.head_dim} x {element_bytes(dtype)} bytes)")
     if shape.sliding_layers:
         ring = sum(w for w in shape.layer_windows if w is not None)
         lines.append(f"sliding layers: {2 * ring * shape.num_kv_heads * shape.head_dim * element_bytes(dtype)} "
@@ -201,7 +212,7 @@ def kv_pool_tokens(settings: Any, shape: Any) -> Optional[int]:
     pool = kv_pool_bytes(rt, shape, settings.model.dtype) if shape is not None else None
     if pool is None or settings.quant_name not in FULL_PRECISION:
         return None
-    blocks = pool // block_bytes(rt.block_size, shape.head_dim, settings.model.dtype)
+    blocks = pool // block_bytes(rt.block_size, shape.head_dim, settings.model.dtype, getattr(shape, "latent", False))
     windows = [w for w in getattr(shape, "layer_windows", ()) if w is not None]
     if windows:  # each sliding layer keeps a ring of its window (PagedKVCache.slide_window); the rest is the full layers'
         bs = rt.block_size

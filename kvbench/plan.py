@@ -34,7 +34,8 @@ from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min
 from kvbench.runtime.model.distributed import env_world_size
 from kvbench.runtime.model.loading import packaged_smollm2
 from kvbench.runtime.model.model_files import check_model_path, read_gguf_header
-from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime, resolve_storage
+from kvbench.spec import (FULL_PRECISION, SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime,
+                          resolve_storage)
 from kvbench.store.naming import run_id_for
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
@@ -214,6 +215,20 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
 
 
+def _check_latent(settings: _config.Settings, shape: Any, method: Any) -> None:
+    """An MLA model (its cache the latent rows): methods whose scores are defined there, no storage codec yet."""
+    if shape is None or not getattr(shape, "latent", False):
+        return
+    if settings.quant_name not in FULL_PRECISION:
+        raise UserError(f"quant={settings.quant_name!r} cannot run on an MLA model ({shape.model_type}): a storage "
+                        f"codec cannot store its latent cache yet; use quant=none")
+    from kvbench.methods.base import latent_refusal
+
+    why = latent_refusal(method)
+    if why is not None:
+        raise UserError(why)
+
+
 def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None:
     """runtime.tensor_parallel against the launch (torchrun's WORLD_SIZE), the model's kv-heads and what the method
     and codec can do on a kv-head shard (kvbench/runtime/model/tensor_parallel.py); before anything loads."""
@@ -232,9 +247,9 @@ def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None
         raise UserError(f"{where}: the model's {shape.num_kv_heads} kv-heads are not divisible by {tp} (each rank "
                         f"holds whole kv-heads); choices: {', '.join(map(str, fits))}")
     if shape is not None and not shape.plain:
-        raise UserError(f"{where}: the model ({shape.model_type}, {shape.sliding_layers} sliding-window layers) is "
-                        f"not sharded: tensor parallelism runs Llama-family models (llama, mistral, qwen2, qwen3) with "
-                        f"full attention only")
+        what = "an MLA latent cache" if shape.latent else f"{shape.sliding_layers} sliding-window layers"
+        raise UserError(f"{where}: the model ({shape.model_type}, {what}) is not sharded: tensor parallelism runs "
+                        f"Llama-family models (llama, mistral, qwen2, qwen3) with full attention only")
     refusal = getattr(method, "tensor_parallel_refusal", None)
     why = refusal() if callable(refusal) else None
     if why:
@@ -363,6 +378,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     method = _build_method(build_method_fn, settings)
     _check_prefix_caching(settings, method)
     _check_parallel(settings, shape, method)
+    _check_latent(settings, shape, method)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):
         method_preflight(settings, shape)

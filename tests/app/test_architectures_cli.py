@@ -25,7 +25,7 @@ def _save(family: str, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("family,sliding", [("gemma3", 3), ("gpt_oss", 1), ("mistral_window", 2), ("phi4mini", 2),
-                                            ("gemma2", 1), ("phi3", 0), ("mqa", 0)])
+                                            ("gemma2", 1), ("phi3", 0), ("mqa", 0), ("deepseek_v2", 0)])
 def test_each_architecture_runs_from_the_command_line(cli, tmp_path, family, sliding):  # noqa: F811
     folder = _save(family, tmp_path / family)
     code, out, err = cli(["model=hf", f"model.path={folder}", *TASK, "method=snapkv", "budget=48",
@@ -56,3 +56,18 @@ def test_kvbench_info_prints_layer_types_and_bytes_per_token(tmp_path, capsys):
     assert f"sliding layers: {3 * WINDOW * 2 * 2 * 16 * 4} bytes per sequence" in out
     assert info_main([str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_mla_model_from_the_command_line(cli, tmp_path, capsys):  # noqa: F811
+    """DeepSeek-V2-Lite's shape: kvbench-info prints the latent's bytes per token; methods whose scores are not
+    defined on latent tokens, and storage codecs, are refused in one line (exit 2) before the model loads."""
+    folder = _save("deepseek_v2", tmp_path / "ds")
+    assert info_main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "MLA latent cache: one row of 40" in out and "kv_bytes_per_token: 320 (2 layers x 40 x 4 bytes)" in out
+    for args, needle in ((["method=knorm", "budget=48"], "method 'knorm' scores key or value geometry"),
+                         (["method=kivi"], "quant='kivi' cannot run on an MLA model"),
+                         (["method=streaming_llm", "budget=48", "method.position_mode=reindex"], "before RoPE")):
+        code, out, err = cli(["model=hf", f"model.path={folder}", *TASK, *args, f"results_dir={tmp_path / 'r'}"])
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists() or not list((tmp_path / "r").glob("*/metrics.json"))

@@ -197,7 +197,7 @@ def test_kvzip_is_refused_on_a_model_with_sliding_layers():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "phi4mini"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "phi4mini", "deepseek_v2"])
 def test_every_attention_backend_runs_the_new_families(family, backend):
     """The CPU backend (C kernels, its fused decode step where the model is plain) and Triton (interpreted here) run
     the full plain layers; a layer with a window, sinks or soft-capping attends through the torch reference
@@ -256,3 +256,79 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model():
     ids = torch.randint(0, 290, (PROMPT + 8,), generator=torch.Generator().manual_seed(1)).tolist()
     got = kvbench_logits(Engine(model, prefill_chunk_size=CHUNK, block_size=8, num_blocks=512), ids, PROMPT)
     assert (got - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+# --------------------------------------------------------------------------- MLA (DeepSeek-V2-Lite's shape)
+def test_mla_pool_holds_the_latent_per_token():
+    """One cached row per token and layer: kv_lora_rank + qk_rope_head_dim (32 + 8) fp32 values, no separate V;
+    measured from the pool: its blocks in use x bytes per block."""
+    hf = tiny_hf_model("deepseek_v2", seed=2)
+    model = build_from_transformers(hf)
+    cfg = model.config
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.mla.kv_lora_rank) == (1, 40, 32)
+    engine = Engine(model, prefill_chunk_size=CHUNK, block_size=8, num_blocks=256)
+    ids = _ids(hf, 100)
+    kvbench_logits(engine, ids, 90)
+    L, row = cfg.num_layers, 32 + 8
+    assert engine.memory_stats()["kv_bytes_per_token"] == L * row * 4
+    assert engine.cache.pool.in_use * engine.cache.bytes_per_block == L * blocks_for_tokens(100, 8) * 8 * row * 4
+    assert engine.cache.v_pool.data_ptr() == engine.cache.k_pool.data_ptr()  # values read inside the rows
+
+
+def _latent_variants():
+    from kvbench.methods.base import LATENT_METHODS
+    from tests.methods.variants import VARIANTS, variant_id
+
+    ok = [v for v in VARIANTS if v[0] in LATENT_METHODS and v[1].get("position_mode") != "reindex"]
+    refused = [v for v in VARIANTS if v not in ok]
+    return ([pytest.param(v, id=variant_id(v)) for v in ok], [pytest.param(v, id=variant_id(v)) for v in refused])
+
+
+@pytest.mark.parametrize("variant", _latent_variants()[0])
+def test_mla_methods_equal_full_when_the_budget_covers_the_context(variant):
+    """The methods whose scores are defined on latent tokens (attention mass over the one latent row, positions,
+    chance) run on MLA; with a budget over the context they equal the full cache, with a small one they evict."""
+    from kvbench.methods import build_method
+    from tests.tiny_models import ByteTokenizer
+
+    name, opts = variant
+    model = build_from_transformers(tiny_hf_model("deepseek_v2", seed=5, lm_head_scale=20))
+    model.tokenizer = ByteTokenizer(256)  # kvzip writes its reconstruction prompt
+    prompt = _ids(tiny_hf_model("deepseek_v2"), 90)
+
+    def run(method):
+        engine = Engine(model, method, block_size=8, prefill_chunk_size=CHUNK, num_blocks=1024)
+        return engine.generate([prompt], max_new_tokens=12)[0].token_ids, engine
+
+    ref, _ = run(None)
+    assert run(build_method(name, 4096, **opts))[0] == ref
+    if name != "full":
+        _, engine = run(build_method(name, 40, **opts))
+        assert engine.memory_stats()["held_kv_bytes"] < engine.memory_stats()["full_kv_bytes"]
+
+
+@pytest.mark.parametrize("variant", _latent_variants()[1])
+def test_mla_refuses_methods_whose_scores_are_not_defined_on_latents(variant):
+    from kvbench.errors import UserError
+    from kvbench.methods import build_method
+
+    name, opts = variant
+    model = build_from_transformers(tiny_hf_model("deepseek_v2"))
+    try:
+        method = build_method(name, 64, **opts)
+    except UserError:  # duo_attention's fixture patterns are another model's
+        pytest.skip("the variant does not build for this model")
+    with pytest.raises(UserError) as info:
+        Engine(model, method, block_size=8, num_blocks=256)
+    assert "\n" not in str(info.value) and "MLA" in str(info.value)
+
+
+def test_mla_refuses_codecs_and_tensor_parallel_in_one_line():
+    from kvbench.quant.registry import build_codec
+    from kvbench.runtime.model.tensor_parallel import shard_model
+
+    model = build_from_transformers(tiny_hf_model("deepseek_v2"))
+    with pytest.raises(ValueError, match="cannot store MLA's latent cache"):
+        Engine(model, codec=build_codec("kivi", bits=4), block_size=16, num_blocks=256)
+    with pytest.raises(ValueError, match="cannot shard the model over 2 ranks: model_type 'deepseek_v2'"):
+        shard_model(model, 0, 2, None)

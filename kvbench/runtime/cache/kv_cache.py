@@ -37,10 +37,14 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16, num_blocks: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", max_seqs: int = 64,
-                 initial_max_blocks: int = 64, store_pre_rope: bool = False):
+                 initial_max_blocks: int = 64, store_pre_rope: bool = False, value_dim: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if value_dim is not None and not 0 < value_dim <= head_dim:
+            raise ValueError(f"value_dim={value_dim} must be in 1..head_dim={head_dim}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        # a latent cache (MLA): values are the first value_dim dims of each key row (kv_layout)
+        self.value_dim, self.latent = value_dim, value_dim is not None
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope

@@ -98,9 +98,11 @@ class KVEviction:
         dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
         if bool(moved.any()):
             src_rows, dst_rows = src_rows[moved], dst_rows[moved]
-            kf, vf = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
+            kf = self.k_pool.view(-1, D)
             kf[dst_rows] = kf[src_rows]  # gathered first, so overlapping moves are safe
-            vf[dst_rows] = vf[src_rows]
+            if not self.latent:  # a latent cache's values moved with its keys
+                vf = self.v_pool.view(-1, D)
+                vf[dst_rows] = vf[src_rows]
         pos_row = self.positions[slot, layer]
         new_pos = pos_row.gather(-1, k_src.to(torch.int64))
         pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 
 
 class KVMeter:
@@ -43,7 +43,7 @@ class KVMeter:
         """Update the peaks from the live sequences' tokens and the pool, now."""
         c = self.cache
         bs = c.block_size
-        per_block = block_bytes(bs, c.head_dim, c.dtype)  # model dtype
+        per_block = c.uncompressed_block_bytes()  # model dtype
         blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * len(self.full_layers) * c.num_kv_heads
         full = blocks * per_block
         sliding_full = 0

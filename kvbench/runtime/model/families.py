@@ -11,12 +11,15 @@ Families (the config's model_type):
                                    the multimodal checkpoint, whose language model is read (text only)
     gpt_oss                        learned attention sinks per head, alternating sliding / full layers, qkv and o
                                    biases, yarn RoPE, a mixture-of-experts MLP (runtime.model.moe: a plain loop)
+    deepseek_v2                    multi-head latent attention (runtime.model.mla: the cache holds the latent and the
+                                   RoPE key), interleaved yarn RoPE; its MoE MLP is transformers' module (HFModule)
 Every family's per-layer attention type (full or sliding(window)) comes from the config
 (attention_types.layer_windows_from_hf). Weights are read from the modules (not state-dict names), so a
 multimodal checkpoint's language model reads like a text-only one.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ import torch
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.model.attention_types import LayerAttention, layer_windows_from_hf
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES, LayerWeights, LlamaFamilyModel, ModelConfig
+from kvbench.runtime.model.mla import MLAConfig, MLAWeights
 from kvbench.runtime.model.moe import MoEMLP
 from kvbench.runtime.model.rope import RotaryTable
 
@@ -67,6 +71,10 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
     gemma = mt in GEMMA
     num_heads = hc.num_attention_heads
     head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // num_heads
+    mla = None
+    if mt == "deepseek_v2":  # one cached row per token: the latent and the RoPE key
+        mla = MLAConfig(hc.kv_lora_rank, hc.qk_nope_head_dim, hc.qk_rope_head_dim, hc.v_head_dim, hc.q_lora_rank)
+        head_dim = mla.row_dim
     windows = layer_windows_from_hf(hc)
     attn_softcap = getattr(hc, "attn_logit_softcapping", None) if mt == "gemma2" else None  # Gemma 3: not applied
     sinks = mt == "gpt_oss"
@@ -75,7 +83,8 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
         layer_attention = ()
     cfg = ModelConfig(
         model_type=mt, vocab_size=hc.vocab_size, hidden_size=hc.hidden_size, num_layers=hc.num_hidden_layers,
-        num_heads=num_heads, num_kv_heads=getattr(hc, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
+        num_heads=num_heads, head_dim=head_dim,
+        num_kv_heads=1 if mla is not None else getattr(hc, "num_key_value_heads", None) or num_heads,
         intermediate_size=hc.intermediate_size, rms_norm_eps=hc.rms_norm_eps,
         qkv_bias=mt == "qwen2" or bool(getattr(hc, "attention_bias", False)),
         qk_norm=mt in ("qwen3", "gemma3_text", "gemma3"),
@@ -83,7 +92,9 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
                                  getattr(hf_model.config, "tie_word_embeddings", False)),
         max_position_embeddings=getattr(hc, "max_position_embeddings", 4096),
         family="gemma" if gemma else "gpt_oss" if mt == "gpt_oss" else "llama", layer_attention=layer_attention,
-        attn_scale=hc.query_pre_attn_scalar ** -0.5 if gemma else None,
+        attn_scale=(hc.query_pre_attn_scalar ** -0.5 if gemma else
+                    float(dm.layers[0].self_attn.scaling) if mla is not None else None),  # MLA: yarn's mscale in it
+        mla=mla,
         final_softcap=getattr(hc, "final_logit_softcapping", None) if gemma else None,
         embed_scale=hc.hidden_size ** 0.5 if gemma else None,
         mlp_act="gelu_tanh" if gemma else "silu",
@@ -96,8 +107,15 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
     layers = []
     for layer in dm.layers:
         at, mlp = layer.self_attn, layer.mlp
-        moe = down = None
-        if mt == "phi3":  # already fused: q, k, v rows and gate, up rows in kvbench's order
+        moe = down = mla_w = None
+        if mla is not None:
+            qkv = gate_up = None
+            mla_w = mla_weights(at, mla, num_heads, t, linear)
+            if hasattr(mlp, "experts"):  # transformers' MoE module (shared and routed experts), cast and moved
+                moe = HFModule(copy.deepcopy(mlp).to(device=device, dtype=dtype))
+            else:
+                gate_up = linear(mlp.gate_proj, mlp.up_proj)
+        elif mt == "phi3":  # already fused: q, k, v rows and gate, up rows in kvbench's order
             qkv, gate_up = linear(at.qkv_proj), linear(mlp.gate_up_proj)
         elif mt == "gpt_oss":
             qkv, gate_up = linear(at.q_proj, at.k_proj, at.v_proj), None
@@ -107,7 +125,7 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
                          float(ex.limit))
         else:
             qkv, gate_up = linear(at.q_proj, at.k_proj, at.v_proj), linear(mlp.gate_proj, mlp.up_proj)
-        if moe is None:
+        if gate_up is not None:
             down = linear(mlp.down_proj)
         layers.append(LayerWeights(
             ln_attn=norm_weight(layer.input_layernorm),
@@ -123,6 +141,7 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
             post_mlp_norm=norm_weight(layer.post_feedforward_layernorm) if gemma else None,
             sinks=t(at.sinks) if sinks else None,
             moe=moe,
+            mla=mla_w,
         ))
     embed = t(dm.embed_tokens.weight)
     head = hf_model.get_output_embeddings()
@@ -130,6 +149,32 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
     rotary, rotary_local = rope_tables(dm.rotary_emb, hc, dtype, device)
     cfg.rotary_dim = rotary.inv_freq.numel() * 2
     return LlamaFamilyModel(cfg, embed, layers, norm_weight(dm.norm), lm_head, rotary, rotary_local)
+
+
+class HFModule:
+    """A transformers MLP module (cast to the model dtype, on its device) as h [N, E] -> [N, E]: DeepSeek's MoE,
+    whose routing (group-limited top-k, shared experts) is transformers' own."""
+
+    def __init__(self, module: Any):
+        self.module = module.eval()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.module.parameters())
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.module(h[None])[0]
+
+
+def mla_weights(at: Any, mla: MLAConfig, num_heads: int, t: Any, linear: Any) -> MLAWeights:
+    """MLA's projections from a DeepseekV2Attention: kv_b_proj split per head into W_UK [Hq, nope, r] and W_UV
+    [Hq, v, r] (the absorbed form's)."""
+    kv_b = t(at.kv_b_proj.weight).view(num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+    w_uk, w_uv = kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+    q = dict(q=linear(at.q_proj)) if mla.q_lora_rank is None else dict(
+        q_a=linear(at.q_a_proj), q_a_norm=t(at.q_a_layernorm.weight), q_b=linear(at.q_b_proj))
+    return MLAWeights(kv_a=linear(at.kv_a_proj_with_mqa), kv_a_norm=t(at.kv_a_layernorm.weight),
+                      w_uk=w_uk.contiguous(), w_uv=w_uv.contiguous(), **q)
 
 
 def rope_tables(rot: Any, hc: Any, dtype: torch.dtype, device: torch.device) -> tuple[RotaryTable,

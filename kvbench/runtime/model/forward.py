@@ -24,9 +24,12 @@ from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.hooks import CacheHooks, LayerContext
 from kvbench.runtime.model.attention_types import LayerAttention, VariantBackend
+from kvbench.runtime.model.mla import expand_out as mla_expand_out
+from kvbench.runtime.model.mla import project as mla_project
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "gpt_oss",
+                         "deepseek_v2")
 
 
 @dataclass
@@ -56,6 +59,9 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings x this (Gemma: sqrt(hidden_size), in the model dtype)
     mlp_act: str = "silu"  # "silu" | "gelu_tanh"
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all; Phi partial rotary)
+    # multi-head latent attention (DeepSeek-V2/V3): the cache holds one row of kv_lora_rank + rope dims per token
+    # (num_kv_heads 1, head_dim = that row's width, values inside it); runtime.model.mla
+    mla: Any = None
 
     def attention(self, layer: int) -> LayerAttention:
         """Layer `layer`'s attention type (full and plain when the config lists none)."""
@@ -70,7 +76,8 @@ class ModelConfig:
     def plain(self) -> bool:
         """A Llama-shaped model whose every layer is plain attention: the fused CPU decode step, CUDA graphs and
         tensor parallelism apply (the others run the op-by-op torch path)."""
-        return (self.family == "llama" and all(a.plain for a in self.layer_attention) and self.mlp_act == "silu"
+        return (self.family == "llama" and self.mla is None and all(a.plain for a in self.layer_attention)
+                and self.mlp_act == "silu"
                 and self.rotary_dim in (None, self.head_dim) and self.embed_scale is None
                 and self.final_softcap is None)
 
@@ -81,7 +88,7 @@ _FULL = LayerAttention()
 @dataclass
 class LayerWeights:
     ln_attn: torch.Tensor  # [E]
-    qkv: Linear  # E -> (Hq + 2H) * D, q/k/v fused (with Qwen2's bias)
+    qkv: Linear | None  # E -> (Hq + 2H) * D, q/k/v fused (with Qwen2's bias); None with MLA
     o: Linear  # Hq * D -> E
     ln_mlp: torch.Tensor  # [E]
     gate_up: Linear | None  # E -> 2I, gate and up fused (None: a MoE MLP, `moe`)
@@ -92,6 +99,7 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None  # [E] sandwich norm of the MLP output (Gemma)
     sinks: torch.Tensor | None = None  # [Hq] learned sink logits (GPT-OSS)
     moe: Any = None  # a mixture-of-experts MLP h [N, E] -> [N, E] in place of gate_up / down (runtime.model.moe)
+    mla: Any = None  # MLA's projections (runtime.model.mla.MLAWeights); qkv is then None
 
 
 @dataclass
@@ -149,6 +157,8 @@ class LlamaFamilyModel:
         # the attention backend of each layer with a variant (window, sinks, soft-capping): the torch reference
         self._variant_backends = {li: VariantBackend(a.window, a.softcap, layers[li].sinks)
                                   for li, a in enumerate(config.layer_attention) if not a.plain}
+        if config.mla is not None:  # keys wider than values: the torch reference (the kernels take one width)
+            self._variant_backends.update({li: TORCH for li in range(config.num_layers)})
         self.dtype = embed.dtype
         self.device = embed.device
         # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths), whatever the attention
@@ -164,7 +174,7 @@ class LlamaFamilyModel:
         n = self.lm_head.nbytes + self.final_norm.nbytes
         for lw in self.layers:
             for t in (lw.ln_attn, lw.qkv, lw.o, lw.ln_mlp, lw.gate_up, lw.down, lw.q_norm, lw.k_norm,
-                      lw.post_attn_norm, lw.post_mlp_norm, lw.sinks, lw.moe):
+                      lw.post_attn_norm, lw.post_mlp_norm, lw.sinks, lw.moe, lw.mla):
                 if t is not None:
                     n += t.nbytes
         return n
@@ -245,6 +255,11 @@ class LlamaFamilyModel:
             la = cfg.attention(li)
             lcos, lsin = local if (local is not None and la.window is not None) else (cos, sin)
             h = norm(x, lw.ln_attn, eps)
+            if lw.mla is not None:
+                out = self._mla_attention(li, lw, h, groups, offsets, sizes, lcos, lsin, cache, hook, need_scores)
+                x = x + lw.o(out, gemv_rows)
+                x = x + self._mlp(lw, norm(x, lw.ln_mlp, eps), gemv_rows, norm, eps)
+                continue
             qkv = lw.qkv(h, gemv_rows)  # [N, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
             q, k, v = q.view(N, Hq, D), k.view(N, H, D), v.view(N, H, D)  # views of qkv
@@ -268,14 +283,7 @@ class LlamaFamilyModel:
                 cache.slide_window(li, [s for g in groups for s in g.plan.slot_list], la.window)
             a = lw.o(out, gemv_rows)
             x = x + (a if lw.post_attn_norm is None else norm(a, lw.post_attn_norm, eps))
-            h = norm(x, lw.ln_mlp, eps)
-            if lw.moe is not None:
-                m = lw.moe(h)
-            else:
-                gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
-                act = F.silu(gate) if cfg.mlp_act == "silu" else F.gelu(gate, approximate="tanh")
-                m = lw.down(act * up, gemv_rows)
-            x = x + (m if lw.post_mlp_norm is None else norm(m, lw.post_mlp_norm, eps))
+            x = x + self._mlp(lw, norm(x, lw.ln_mlp, eps), gemv_rows, norm, eps)
         if logits_for == "none":
             return [None] * len(groups)
         if logits_for == "last":  # the last token of every sequence
@@ -289,6 +297,42 @@ class LlamaFamilyModel:
         if logits_for == "last":
             return list(logits.split([g.tokens.shape[0] for g in groups]))
         return [part.view(*g.tokens.shape, -1) for g, part in zip(groups, logits.split(sizes))]
+
+    def _mlp(self, lw: LayerWeights, h: torch.Tensor, gemv_rows: int | None, norm: Any, eps: float) -> torch.Tensor:
+        """The MLP of one layer on h [N, E] (already normed), its sandwich norm applied (Gemma)."""
+        if lw.moe is not None:
+            m = lw.moe(h)
+        else:
+            gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
+            act = F.silu(gate) if self.config.mlp_act == "silu" else F.gelu(gate, approximate="tanh")
+            m = lw.down(act * up, gemv_rows)
+        return m if lw.post_mlp_norm is None else norm(m, lw.post_mlp_norm, eps)
+
+    def _mla_attention(self, li: int, lw: LayerWeights, h: torch.Tensor, groups: list[RaggedGroup],
+                       offsets: list[int], sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                       cache: PagedKVCache, hook: CacheHooks | None, need_scores: bool) -> torch.Tensor:
+        """One MLA layer (runtime.model.mla) over h [N, E]: each token's latent row written to the cache, the
+        absorbed queries attend over the rows, the latent output expanded per head. Returns [N, Hq * v]."""
+        cfg = self.config
+        Hq, D, r = cfg.num_heads, cfg.head_dim, cfg.mla.kv_lora_rank
+        q, row = mla_project(cfg.mla, lw.mla, h, cos, sin, self._norm, cfg.rms_norm_eps, Hq)  # [N, Hq, D], [N, D]
+        out = torch.empty(h.shape[0], Hq, r, dtype=h.dtype, device=h.device)
+        for g, off, n in zip(groups, offsets, sizes):
+            S, Q = g.tokens.shape
+            rows = slice(off, off + n)
+            qg = q[rows].reshape(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
+            kg = row[rows].reshape(S, Q, 1, D).transpose(1, 2)  # [S, 1, Q, D]
+            cache.write(li, g.plan, kg, kg[..., :r])
+            if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
+                hook.before_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, None, self.rotary))
+                cache.refresh_plan_layer(g.plan, li)
+            o, key_scores = cache.attend(li, qg, g.plan, cfg.attn_scale, backend=TORCH,
+                                         return_key_scores=need_scores, causal=Q > 1)  # [S, Hq, Q, r]
+            if hook is not None:
+                hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, key_scores,
+                                                  self.rotary))
+            out[rows] = o.transpose(1, 2).reshape(n, Hq, r)
+        return mla_expand_out(lw.mla, out)
 
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,

@@ -114,6 +114,7 @@ class Engine:
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
+            value_dim=cfg.mla.kv_lora_rank if cfg.mla is not None else None,  # MLA: the latent cache
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
         windows = cfg.layer_windows

@@ -74,6 +74,7 @@ def paged_attention_torch(
         if bool((kp == query_positions[:, None, :]).all()):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
             return out, None
+    Dv = v.shape[-1]  # the values' width (MLA's latent: narrower than the keys)
     ragged = Tp != T or bool((lengths != T).any())
     mask = None  # [S, H, G*Q or 1, Tp] True = visible
     if causal:
@@ -90,7 +91,7 @@ def paged_attention_torch(
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         if causal:  # rows that see no key (only possible for padded queries) give NaN in SDPA
             out = torch.nan_to_num(out, nan=0.0)
-        return out.reshape(S, Hq, Q, D), None  # SDPA with a mask may return a non-contiguous layout on CUDA
+        return out.reshape(S, Hq, Q, Dv), None  # SDPA with a mask may return a non-contiguous layout on CUDA
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [S, H, G*Q, Tp]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -103,7 +104,7 @@ def paged_attention_torch(
         probs = torch.softmax(scores, dim=-1)
     if causal:
         probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.matmul(probs.to(v.dtype), v).reshape(S, Hq, Q, D)
+    out = torch.matmul(probs.to(v.dtype), v).reshape(S, Hq, Q, Dv)
     key_scores = probs.sum(dim=2)[:, :, :T] if return_key_scores else None
     return out, key_scores
 
@@ -139,5 +140,5 @@ def paged_decode_torch(
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [S, H, G, Tp]
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # empty tables: zeros
-    out = torch.matmul(probs.to(v.dtype), v).reshape(S, Hq, 1, D)
+    out = torch.matmul(probs.to(v.dtype), v).reshape(S, Hq, 1, v.shape[-1])
     return out, (probs.sum(dim=2) if return_key_scores else None)
