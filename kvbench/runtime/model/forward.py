@@ -3,7 +3,8 @@
 Covers Llama 2/3/3.x (llama3 rope scaling), Mistral (its sliding window honoured), Qwen2/2.5 (qkv bias), Qwen3 (q/k
 RMSNorm), SmolLM2 and tied embeddings, Phi-3 / Phi-4-mini (fused qkv and gate_up, partial rotary), and Gemma 2 / 3
 (local/global layers with their own RoPE bases, QK-norm, sandwich norms, embedding scale, query_pre_attn_scalar,
-soft-capping). Weights are taken from a loaded transformers model (kvbench.runtime.model.families); the forward is
+soft-capping), GPT-OSS (sinks, experts) and DeepSeek-V2 (multi-head latent attention: runtime.model.mla). Weights are
+taken from a loaded transformers model (kvbench.runtime.model.families); the forward is
 our own so every token's K/V goes through the paged cache and the method hooks. Per-layer attention types (full or
 sliding(window), sinks, soft-capping): kvbench.runtime.model.attention_types.
 """
