@@ -14,6 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvbench.errors import UserError
+from kvbench.model_info import describe_shape, model_shape
+from kvbench.runtime.model.model_files import check_model_path
 from kvbench.spec import dtype_name
 
 PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
@@ -31,9 +33,6 @@ def resolve(model: str) -> tuple[str | None, str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvbench.model_info import describe_shape, model_shape
-    from kvbench.runtime.model.model_files import check_model_path
-
     ap = argparse.ArgumentParser(prog="kvbench-info", description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a conf/model preset name, a local model folder or .gguf file, or a cached hub id")
     ap.add_argument("--dtype", default=None, help="the KV dtype (default: the preset's, else float32)")

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from kvbench.errors import UserError
 from kvbench.runtime.cache.kv_geometry import block_bytes, element_bytes, pool_bytes
+from kvbench.runtime.model.attention_types import layer_windows_from_hf
 from kvbench.runtime.model.model_files import cached_hub_config, is_hub_id, read_gguf_header
 from kvbench.runtime.serving.engine import DEFAULT_KV_MEMORY_BYTES
 from kvbench.model_checks import check_config, check_gguf_architecture, check_weights
@@ -132,8 +133,6 @@ def _layer_windows(cfg: dict) -> tuple:
     transformers cannot build it (the checks report that)."""
     try:
         from transformers import AutoConfig
-
-        from kvbench.runtime.model.attention_types import layer_windows_from_hf
 
         fields = {k: v for k, v in cfg.items() if k != "model_type"}
         hc = AutoConfig.for_model(cfg["model_type"], **fields)

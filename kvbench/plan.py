@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
+from kvbench.methods.base import latent_refusal
 from kvbench.model_info import check_runnable, kv_pool_bytes, model_shape
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.registry import did_you_mean as _did_you_mean
@@ -222,8 +223,6 @@ def _check_latent(settings: _config.Settings, shape: Any, method: Any) -> None:
     if settings.quant_name not in FULL_PRECISION:
         raise UserError(f"quant={settings.quant_name!r} cannot run on an MLA model ({shape.model_type}): a storage "
                         f"codec cannot store its latent cache yet; use quant=none")
-    from kvbench.methods.base import latent_refusal
-
     why = latent_refusal(method)
     if why is not None:
         raise UserError(why)
