@@ -396,6 +396,10 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
         for key in ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",
                     "kv_bytes_per_token", "max_sequence_tokens"):
             record[key] = mem.get(key)
+        for key in ("full_layers", "sliding_layers", "full_kv_bytes_full_layers", "full_kv_bytes_sliding_layers",
+                    "peak_kv_bytes_full_layers", "peak_kv_bytes_sliding_layers"):  # a model with sliding layers
+            if key in mem:
+                record[key] = mem[key]
         spec = getattr(engine, "speculator", None)
         if spec is not None:
             record.update(spec.stats.as_metrics())

@@ -121,7 +121,7 @@ class EvictionMethod:
             obs = self.observation(ctx, i, slot)
             self.observe(obs)
             if held:  # appended uncompressed: observed, never evicted in its own step
-                if ctx.layer == cache.num_layers - 1:
+                if ctx.layer == cache.method_layers[-1]:
                     self._budgets.release(slot)
             elif ctx.phase == "decode":
                 self.evict_decode(obs, budget)

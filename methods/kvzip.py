@@ -141,6 +141,9 @@ class KVzip(EvictionMethod, Method):
         return bool(self.kvzip_plus_normalization)
 
     def bind_engine(self, engine: Any) -> None:
+        if len(engine.cache.method_layers) != engine.cache.num_layers:
+            raise UserError("kvzip's reconstruction pass runs through every layer, and a sliding-window layer's ring "
+                            "would lose its window to the pass's tokens: not supported for a model with sliding layers")
         tok = getattr(engine.model, "tokenizer", None)
         if tok is None:
             raise UserError("kvzip needs the model's tokenizer (to write its reconstruction prompt)")

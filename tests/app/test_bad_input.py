@@ -260,12 +260,12 @@ CASES = [
     # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
     (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
                                   "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
-    (["model.path={badtype}"], ("unsupported model_type 'gpt2'", "supported: llama, mistral, qwen2, qwen3")),
+    (["model.path={badtype}"], ("unsupported model_type 'gpt2'", "supported: llama, mistral, qwen2, qwen3, phi3")),
     (["model.path={kvzero}"], "invalid num_key_value_heads=0 in config.json"),
     (["model.path={negpos}"], "invalid max_position_embeddings=-1 in config.json"),
     (["model.path={oddhidden}"], "hidden_size=66 in config.json is not divisible by num_attention_heads=4"),
     (["model.path={custom}"], ("config.json names custom code (auto_map: AutoModelForCausalLM)",)),
-    (["model.path={window}"], ("sliding attention window (sliding_window=4096", "not supported yet")),
+    (["model.path={window}"], ("invalid sliding_window=0 in config.json: expected a positive integer",)),
     # issue 56: data rows checked against the task's schema (types) and encodings, before the model loads
     (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbnull}"],
      ("task.data_dir file {lbnull}/trec.jsonl:2: field 'context' is null; expected a string",)),
@@ -380,7 +380,7 @@ def paths(tmp_path, tiny_llama_dir):
         "fewlayers": {"num_hidden_layers": 4}, "badtype": {"model_type": "gpt2"},
         "kvzero": {"num_key_value_heads": 0}, "negpos": {"max_position_embeddings": -1},
         "oddhidden": {"hidden_size": 66}, "custom": {"auto_map": {"AutoModelForCausalLM": "m.M"}},
-        "window": {"model_type": "mistral", "sliding_window": 4096}}.items()}
+        "window": {"model_type": "mistral", "sliding_window": 0}}.items()}
     return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}

@@ -39,6 +39,8 @@ class MethodCacheView(Protocol):
     store_pre_rope: bool  # keys are cached before RoPE (rotated at read time)
     lengths: torch.Tensor  # [max_seqs, L, H] int64 tokens in each table (read only)
     tokens_seen: list[int]  # tokens appended to each sequence slot, before any eviction (read only)
+    method_layers: tuple[int, ...]  # the layers a method acts on: the full-attention ones (sliding layers are the
+    # runtime's ring, never compressed; their after_attention is never called)
 
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -69,6 +71,16 @@ class KVEviction:
     """The eviction operations of a PagedKVCache and the block ids they leave pending (its tables, lengths,
     positions and pool are the cache's)."""
 
+    # the window of each layer (None: full attention; empty: every layer full), set by the engine from the model's
+    # config (kvbench.runtime.model.attention_types)
+    layer_windows: tuple = ()
+
+    @property
+    def method_layers(self) -> tuple[int, ...]:
+        """The layers a method acts on: every full-attention layer (all of them in a model without windows)."""
+        w = self.layer_windows
+        return tuple(i for i in range(self.num_layers) if not w or w[i] is None)
+
     # ------------------------------------------------------------------ the operations a method may call
     def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
         """Token-level eviction: keep only slots `keep` [H, n] (sorted ascending per head; -1 pads a
@@ -96,9 +108,11 @@ class KVEviction:
         dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
         if bool(moved.any()):
             src_rows, dst_rows = src_rows[moved], dst_rows[moved]
-            kf, vf = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
+            kf = self.k_pool.view(-1, D)
             kf[dst_rows] = kf[src_rows]  # gathered first, so overlapping moves are safe
-            vf[dst_rows] = vf[src_rows]
+            if not self.latent:  # a latent cache's values moved with its keys
+                vf = self.v_pool.view(-1, D)
+                vf[dst_rows] = vf[src_rows]
         pos_row = self.positions[slot, layer]
         new_pos = pos_row.gather(-1, k_src.to(torch.int64))
         pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))
@@ -313,6 +327,38 @@ class KVEviction:
         """Blocks about to be written in place (not appended to): listeners drop what they knew of them."""
         for listener in self.block_listeners:
             listener.modified(ids)
+
+    # ------------------------------------------------------------------ sliding layers (the runtime's, not a method's)
+    def slide_window(self, layer: int, slots: list[int], window: int) -> int:
+        """Free the leading blocks of sliding layer `layer` that no later query can see: right after a step's
+        attention of that layer, the newest slot of each table holds the step's last position p, so the next query
+        (p + 1 or later) sees the last window - 1 slots at most; whole full blocks before those leave (no data
+        moves: the table stays compact). A sliding layer is never compressed, so its slots hold consecutive
+        positions. Bounds the layer's table to window - 1 + block_size tokens between steps. Returns blocks freed."""
+        bs = self.block_size
+        freed = 0
+        for slot in slots:
+            n = int(self.host_lengths[slot, layer].max())
+            k = max(0, n - window + 1) // bs
+            if k:
+                self.evict_head_blocks(layer, slot, [list(range(k))] * self.num_kv_heads)
+                freed += k * self.num_kv_heads
+        return freed
+
+    def _noted(self, plan):
+        """`plan`, after noting the blocks each layer type's tables hold (a model with sliding layers): right after
+        a step's allocation is when they hold the most within the step (every later change of the step frees:
+        ring trims, evictions), so these maxima are the peaks by layer type (KVMeter.by_layer_type)."""
+        w = self.layer_windows
+        if not w or not any(x is not None for x in w):
+            return plan
+        live = sorted(self.live)
+        held = blocks_for_tokens(self.host_lengths[live], self.block_size)  # [S, L, H]
+        peaks = self.__dict__.setdefault("layer_type_peak_blocks", {"full": 0, "sliding": 0})
+        for kind, layers in (("full", [i for i, x in enumerate(w) if x is None]),
+                             ("sliding", [i for i, x in enumerate(w) if x is not None])):
+            peaks[kind] = max(peaks[kind], int(held[:, layers].sum()))
+        return plan
 
     # ------------------------------------------------------------------ pending frees (evict_blocks_on_device)
     def has_pending_frees(self) -> bool:

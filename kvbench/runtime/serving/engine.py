@@ -130,8 +130,19 @@ class Engine:
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
             pruned_key_channels=_pruned_key_channels(method, cfg.head_dim),
+            value_dim=cfg.mla.kv_lora_rank if cfg.mla is not None else None,  # MLA: the latent cache
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
+        windows = cfg.layer_windows
+        if any(w is not None for w in windows):  # sliding layers: a ring of their window (PagedKVCache.slide_window)
+            self.cache.layer_windows = windows
+            if speculator is not None:
+                raise ValueError("speculative decoding rolls back tokens a sliding layer's ring has already freed: "
+                                 "not supported for a model with sliding-window layers")
+            if prefix_caching is True:
+                raise ValueError("prefix_caching=true: a sliding layer's ring frees a shared prefix's first blocks; "
+                                 "use false or auto for a model with sliding-window layers")
+            prefix_caching = False
         method.attach(self.cache, cfg)
         self.backend = select_backend(attention_backend, model.device, self.cache)
         self.attention_backend = self.backend.name
