@@ -72,12 +72,17 @@ class Method(NoCompression):
     def __post_init__(self) -> None:
         pass
 
-    def attach(self, cache: Any, model_config: Any) -> None:
-        """NoCompression's attach, after refusing an MLA model's latent cache where the scores are not defined."""
+    def check_model(self, model_config: Any) -> None:
+        """UserError (one line) for a model this method cannot run on: an MLA model's latent cache where its scores
+        are not defined. The engine asks before it builds the cache (the hook protocol's optional check_model)."""
         if getattr(model_config, "mla", None) is not None:
             why = latent_refusal(self)
             if why is not None:
                 raise UserError(why)
+
+    def attach(self, cache: Any, model_config: Any) -> None:
+        """NoCompression's attach, after check_model."""
+        self.check_model(model_config)
         super().attach(cache, model_config)
 
     # --- runtime points -------------------------------------------------------------

@@ -69,6 +69,8 @@ class CacheHooks(Protocol):
     #                                               (not after a scratch=True chunk: the method's own pass)
     #   pruned_key_channels(head_dim) -> int        key channels per kv-head pruned by cache.prune_key_channels
     #                                               (ThinK): > 0 builds a cache storing pruned blocks in fewer bytes
+    #   check_model(model_config)                   before the engine builds its cache: raise (one line) for a
+    #                                               model the method cannot run on
     #   keep_uncompressed(slot, num_tokens)         the next num_tokens appended to slot stay uncompressed
     #   question_tokens(slot, num_tokens)           before each prefill chunk of a prompt whose last num_tokens
     #                                               are its question, compressed with it (query-aware; Finch's

@@ -316,7 +316,7 @@ def test_finch_scores_are_kvpress_on_random_tensors():
 def finch_run(hf, ids, method, chunk, question=None):
     """Prefill through generate (the question's extent passed as a task passes it); the tables of every layer right
     after compression: {layer: (keys [H, n, D], positions [H, n], values [H, n, D])}."""
-    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.model.families import build_from_transformers
     from kvbench.runtime.serving.engine import Engine
     got = {}
     inner = method.after_attention

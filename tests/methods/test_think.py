@@ -12,7 +12,7 @@ from kvbench.methods import build_method
 from kvbench.methods.think import ThinK, pruned_channels, think_channel_scores
 from kvbench.runtime.cache.kv_cache import PagedKVCache
 from kvbench.runtime.cache.pruned_key_cache import PrunedKeyKVCache
-from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.scoring import Scorer
 from tests.fixtures.task_fixtures import one_thread as _one_thread

@@ -14,7 +14,7 @@ from kvbench.methods import build_method
 from kvbench.methods.kvzap import KVzapSurrogate, hub_id, load_surrogate
 from kvbench.methods.kvzip import FIRST_PROMPT
 from kvbench.methods import kvzap_train
-from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_hf_model

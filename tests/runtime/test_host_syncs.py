@@ -31,6 +31,8 @@ HOST_BOUND = {
     "merge-base=snapkv-base_options={'window': 8}-decode=cam-compression_interval=1-merge_budget=4":
         "CaM merges and evicts tokens every step",
     "kvzap-surrogate=linear-path": "token-level eviction every step (decode=evict: surrogate scores, top-k)",
+    "think-key_channel_compression_ratio=0.25-base=knorm-decode=evict":
+        "token-level eviction every step (its base knorm's decode=evict)",
     "dms-base=knorm-threshold=-6.0-sliding_window_size=8-decode=evict":
         "a token judged by its threshold every step (the one leaving the window; tables compacted)",
 }

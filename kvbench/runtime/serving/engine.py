@@ -124,6 +124,9 @@ class Engine:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; choose one of: {', '.join(PREEMPTION_MODES)}")
         self.schedule = schedule
+        check_model = getattr(method, "check_model", None)  # the hook protocol's optional refusal of the model,
+        if callable(check_model):  # before the cache is built for it (an MLA latent cache, a pruned-key layout)
+            check_model(cfg)
         self.kv_memory_bytes = kv_memory_bytes_for(model, block_size, num_blocks, kv_memory_bytes)
         self.cache = build_cache(
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
