@@ -28,7 +28,7 @@ import torch
 def _model(args, device: str, dtype: torch.dtype):
     import transformers as tf
 
-    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.model.families import build_from_transformers
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,

@@ -11,10 +11,18 @@ tokens each, decoded together. Printed per method, each with its ratio to `full`
                  over the whole prompt before evicting)
   agree          mean length of the generated prefix identical to full's, over --new-tokens
 The last line is one JSON object keyed by method name; each entry holds at least
-decode_speedup_vs_full and kv_bytes_ratio_vs_full (KV end over full's).
+decode_speedup_vs_full and kv_bytes_ratio_vs_full (KV end over full's). For a model with sliding-window layers
+(Gemma 2/3, GPT-OSS, Mistral's window) each entry also splits the KV bytes by layer type (full_kv_bytes_full_layers,
+full_kv_bytes_sliding_layers, peak_kv_bytes_full_layers, peak_kv_bytes_sliding_layers): the methods compress the
+full layers only, the sliding layers keep a ring of their window.
 
-    python bench/bench_methods.py [--prompt-tokens 4096] [--new-tokens 256] [--methods full,paged_eviction]
-                                  [--budget 1024] [--batch 4] [--threads N]
+    python bench/bench_methods.py [--model smollm2-135m] [--prompt-tokens 4096] [--new-tokens 256]
+                                  [--methods full,paged_eviction] [--budget 1024] [--batch 4] [--threads N]
+
+--model: a conf/model preset (smollm2-135m, gemma-3-1b, ...), a model folder or hub id, or tiny-gemma3 (a random
+Gemma-3-shaped model: 5 sliding layers of a 512-token window per global one, 6 layers, 1 kv-head of 64, built from
+transformers' config with the packaged SmolLM2 tokenizer: the layer-type split without a download; its speeds and
+agreement say nothing about a real model).
 """
 from __future__ import annotations
 
@@ -76,7 +84,7 @@ def run_method(model, name: str, budget: int, prompts: list[list[int]], new_toke
     cache = engine.cache
     held: list[int] = []  # pool bytes after each decode step
     end: list[int] = []
-    last_layer = cfg.num_layers - 1
+    last_layer = cache.method_layers[-1] if cache.method_layers else -1  # hooks see the full layers only
     inner_after, inner_end = method.after_attention, method.on_sequence_end
 
     def after_attention(ctx):
@@ -91,6 +99,7 @@ def run_method(model, name: str, budget: int, prompts: list[list[int]], new_toke
 
     method.after_attention, method.on_sequence_end = after_attention, on_sequence_end
     method.acts_after_attention = True  # sample the pool after every decode step, `full` included
+    engine.runner.layer_hook = method  # the runner read acts_after_attention when the engine was built
     t0 = time.perf_counter()
     gens = engine.generate(prompts, max_new_tokens=new_tokens)
     wall = time.perf_counter() - t0
@@ -106,12 +115,43 @@ def run_method(model, name: str, budget: int, prompts: list[list[int]], new_toke
         "kv_bytes_end": end[0] if end else 0,
         "kv_bytes_mean": sum(held) / len(held) if held else 0,
         "peak_kv_bytes": stats["peak_kv_bytes"], "full_kv_bytes": stats["full_kv_bytes"],
+        **{k: v for k, v in stats.items() if k.endswith("_layers")},  # the split by layer type, where there is one
         "wall_s": wall, "settings": method.describe(),
         "_tokens": [g.token_ids for g in gens],
     }
     del engine
     gc.collect()
     return row
+
+
+TINY_GEMMA3 = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
+                   max_position_embeddings=32768)
+
+
+def load_bench_model(spec: str, dtype: str):
+    """(kvbench model, tokenizer, name) for --model: a preset, a path / hub id, or tiny-gemma3."""
+    from kvbench.runtime.model.loading import load_model
+
+    if spec == "tiny-gemma3":
+        import transformers as tf
+
+        from kvbench.runtime.model.families import build_from_transformers
+        from kvbench.runtime.model.loading import resolve_dtype
+
+        tok = load_model(dtype=dtype).tokenizer  # the packaged SmolLM2's
+        torch.manual_seed(0)
+        cfg = tf.Gemma3TextConfig(vocab_size=len(tok), **TINY_GEMMA3)
+        hf = tf.AutoModelForCausalLM.from_config(cfg).eval()
+        return build_from_transformers(hf, dtype=resolve_dtype(dtype)), tok, spec
+    if spec == "smollm2-135m":
+        loaded = load_model(dtype=dtype)
+    else:
+        from kvbench.info import resolve
+
+        path, _, gguf = resolve(spec)
+        loaded = load_model(path, gguf_file=gguf, dtype=dtype)
+    return loaded.model, loaded.tokenizer, loaded.name
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -136,11 +176,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a conf/model preset, a model folder or hub id, or tiny-gemma3 (see the module docstring)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvbench.runtime.model.loading import load_model
-
     if args.methods is None:
         names = default_methods()
         print(f"bench-methods: the seed methods ({', '.join(names)}); every registered eviction method: "
@@ -155,14 +195,17 @@ def main() -> None:
 
     for n in names:  # fail on a bad name before the minutes of `full`
         build_method(n, args.budget)
-    loaded = load_model(dtype=args.dtype)
-    prompts = essay_prompts(loaded.tokenizer, args.batch, args.prompt_tokens)
-    print(f"bench-methods: {loaded.name}, {args.dtype}, {torch.get_num_threads()} threads; batch {args.batch} x "
+    model, tokenizer, model_name = load_bench_model(args.model, args.dtype)
+    prompts = essay_prompts(tokenizer, args.batch, args.prompt_tokens)
+    windows = sorted({w for w in model.config.layer_windows if w is not None})
+    layer_note = f" ({sum(w is not None for w in model.config.layer_windows)} of {model.config.num_layers} layers " \
+                 f"sliding, window {', '.join(map(str, windows))}: methods compress the full layers only)" if windows else ""
+    print(f"bench-methods: {model_name}{layer_note}, {args.dtype}, {torch.get_num_threads()} threads; batch {args.batch} x "
           f"{args.prompt_tokens} prompt tokens + {args.new_tokens} new, budget {args.budget}, "
           f"block {args.block_size}, prefill chunk {args.chunk}", flush=True)
     rows = {}
     for name in ["full"] + names:
-        rows[name] = run_method(loaded.model, name, args.budget, prompts, args.new_tokens, args.block_size,
+        rows[name] = run_method(model, name, args.budget, prompts, args.new_tokens, args.block_size,
                                 args.chunk, {})
         r = rows[name]
         print(f"  {name}: {r['decode_tokens_per_s']:.2f} decode tok/s, {r['wall_s']:.0f} s", flush=True)

@@ -8,7 +8,9 @@ Each figure is timed here, in fresh folders, and printed as one JSON line (date,
                    converted model and kernels warm), with its wall time and whether it finished within --limit;
                    a command marked "GPU-sized" or needing the network (model=hf) is listed, not run
   install_s        (--install only) `make install` into a fresh virtualenv, with the pip cache as it is
-With --write the convert and compile figures go to kvbench/runtime/measured_times.json, which the first-run
+  kvzap_train_s    (--only kvzap_train) the packaged model's KVzap surrogates trained into a fresh cache (the first
+                   kvzap run's training, kvbench-train-kvzap; the model converted there first, untimed)
+With --write the convert, compile and kvzap_train figures go to kvbench/runtime/measured_times.json, which the first-run
 messages quote ("about N s here, measured DATE"), so no time in a message is typed by hand.
 
     python bench/first_hour.py [--only convert,compile,first_runs,install] [--limit 600] [--write]
@@ -76,6 +78,15 @@ def compile_kernels(tmp: str, timeout: float) -> dict:
     return emit("compile_s", seconds=round(seconds, 1), ok=rc == 0)
 
 
+def kvzap_train(tmp: str, timeout: float) -> dict:
+    cache = os.path.join(tmp, "kvzap-cache")
+    warm = [sys.executable, "-c", "from kvbench.runtime.model.loading import load_model; load_model()"]
+    _timed(warm, _env(cache), tmp, timeout)  # the conversion, not timed
+    code = "import sys; from kvbench.methods.kvzap_train import main; sys.exit(main([]))"
+    seconds, rc = _timed([sys.executable, "-c", code], _env(cache), tmp, timeout)
+    return emit("kvzap_train_s", seconds=round(seconds, 1), ok=rc == 0)
+
+
 def readme_first_runs() -> list[str]:
     """The command lines of README.md's "First runs" block (comments kept: they say GPU-sized)."""
     text = (REPO / "README.md").read_text()
@@ -110,9 +121,10 @@ def install(tmp: str, timeout: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="convert,compile,first_runs", help="figures to measure (also: install)")
+    ap.add_argument("--only", default="convert,compile,first_runs",
+                    help="figures to measure (also: install, kvzap_train)")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds a first-run command may take")
-    ap.add_argument("--write", action="store_true", help="store convert/compile in " + str(MEASURED))
+    ap.add_argument("--write", action="store_true", help="store convert/compile/kvzap_train in " + str(MEASURED))
     args = ap.parse_args()
     only = set(args.only.split(","))
     with tempfile.TemporaryDirectory(prefix="kvbench-first-hour-") as tmp:
@@ -125,6 +137,8 @@ def main() -> None:
             first_runs(tmp, args.limit)
         if "install" in only:
             install(tmp, 3600)
+        if "kvzap_train" in only:
+            measured["kvzap_train"] = kvzap_train(tmp, 3600)
     if args.write and measured:
         data = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
         for name, line in measured.items():

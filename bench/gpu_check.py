@@ -64,7 +64,7 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------- correctness
 @section("model_vs_transformers")
 def model_vs_transformers(device: str) -> dict:
-    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.model.families import build_from_transformers
     from kvbench.runtime.serving.engine import Engine
     from kvbench.runtime.serving.scoring import Scorer
     from tests.tiny_models import FAMILIES, tiny_hf_model
@@ -102,7 +102,7 @@ VARIANTS = [  # (method, method options, codec, codec options)
 def tiny_llama(device, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.model.families import build_from_transformers
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -162,7 +162,7 @@ def smollm2_shaped(device: str, dtype: torch.dtype):
     """SmolLM2-135M's architecture (30 layers, 9 heads, 3 kv-heads, head_dim 64), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.model.families import build_from_transformers
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -284,7 +284,7 @@ def llama8b_shaped(device: str, quick: bool):
     """A Llama-3.1-8B-shaped model (random bf16 weights, created on the device), transformers' and kvbench's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.runtime.model.forward import build_from_transformers
+    from kvbench.runtime.model.families import build_from_transformers
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     torch.manual_seed(0)

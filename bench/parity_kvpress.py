@@ -78,16 +78,56 @@ METHODS = {
     # scores when kvpress's context manager exits (kept sets from module.masked_key_indices after the `with`); the
     # prompt is the chat template's prefix + text (PROMPTS), as kvpress's pipeline feeds a context
     "kvzip": ("kvzip", {}, "KVzipPress", {}),
+    "kvzip_plus": ("kvzip", {"kvzip_plus_normalization": True}, "KVzipPress", {"kvzip_plus_normalization": True}),
     # the ratio is the share of streaming kv-heads on both sides (RATIO_OPTION), which keep 128 sinks + 256 recent
     # tokens (FIXED_BUDGET); head scores from the on-the-fly estimate over the packaged essays on both sides
     "duo_attention": ("duo_attention", {"on_the_fly": True, "sinks": 128, "prefill_mode": "paper", "decode": "none",
                                         "on_the_fly_samples": 50, "on_the_fly_max_tokens": 8192},
                       "DuoAttentionPress", {"on_the_fly_scoring": True}),
+    # issue 57's presses. Compactor's Gaussian sketch is kvbench's (seeded per layer) on both sides (SKETCH)
+    "compactor": ("compactor", {}, "CompactorPress", {}),
+    "adakv_compactor": ("adakv_compactor", {}, "AdaKVPress", {"press": ["CompactorPress", {}]}),
+    "cur": ("cur", {}, "CURPress", {}),
+    "chunkkv": ("chunkkv", {"chunk_length": 20, "base": "snapkv"}, "ChunkKVPress",
+                {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}], "chunk_length": 20}),
+    # the question = the prompt's last 64 tokens on both sides (kvpress: window_size set, no delimiter in the text)
+    "finch": ("finch", {"window": 64}, "FinchPress", {}),
+    "merge_knorm": ("merge", {"base": "knorm"}, "MergingPress", {"press": ["KnormPress", {}]}),
+    "merge_snapkv": ("merge", {"base": "snapkv"}, "MergingPress",
+                     {"press": ["SnapKVPress", {"window_size": 64, "kernel_size": 5}]}),
+    # KVzap: the packaged model's surrogates (trained into the cache by kvbench-train-kvzap; kvpress loads the same
+    # folder with KVzapModel.from_pretrained instead of nvidia/KVzap-<type>-<model>). kvzap_mlp_head: KVzapPress alone
+    # at a ratio (the registry's kvzap_mlp_head); kvzap_linear / kvzap_mlp: DMSPress(KVzapPress) by threshold (the
+    # board's rows: --thresholds, not --ratios)
+    "kvzap_mlp_head": ("kvzap", {"surrogate": "mlp"}, "KVzapPress", {"model_type": "mlp"}),
+    "kvzap_linear": ("dms", {"base": "kvzap", "base_options": {"surrogate": "linear"}}, "DMSPress",
+                     {"press": ["KVzapPress", {"model_type": "linear"}]}),
+    "kvzap_mlp": ("dms", {"base": "kvzap", "base_options": {"surrogate": "mlp"}}, "DMSPress",
+                  {"press": ["KVzapPress", {"model_type": "mlp"}]}),
+    # ComposedPress([SnapKVPress(r), ThinKPress(0.5)]) (kvpress's `snap_think`): the ratio goes to the token press;
+    # the channels each (layer, kv-head) pruned are compared too (CHANNELS)
+    "think": ("think", {"base": "snapkv", "base_options": {"window": 64, "kernel_size": 5},
+                        "key_channel_compression_ratio": 0.5, "window_size": 32}, "ComposedPress",
+              {"presses": [["SnapKVPress", {"window_size": 64, "kernel_size": 5}],
+                           ["ThinKPress", {"key_channel_compression_ratio": 0.5, "window_size": 32}]]}),
 }
+# rows that prune key channels: the channels whose keys are all zero once the prompt is compressed, per layer and
+# kv-head, compared by Jaccard
+CHANNELS = {"think"}
+# rows whose kvbench side takes the ratio itself (compression_ratio) rather than the budget int(T * (1 - r)): the
+# ratio enters their definition (Compactor's blending, ChunkKV's chunk count, Finch's n_kept)
+RATIO_KNOB = {"compactor", "adakv_compactor", "chunkkv", "finch"}
+# rows whose kvpress side needs a setting no constructor takes: Finch's window (FINCH_WINDOW tokens) with a delimiter
+# id that never occurs; Compactor's sketch drawn as kvbench draws it
+FINCH_WINDOW = 64
+SKETCH = {"compactor", "adakv_compactor"}
+# rows swept by threshold (kvpress DMSPress: evict every token scored below it outside the newest 128), not ratio
+THRESHOLD_ROWS = {"kvzap_linear", "kvzap_mlp"}
+KVZAP_ROWS = {"kvzap_mlp_head", "kvzap_linear", "kvzap_mlp"}
 # rows whose prompt is not the raw text: "chat" = the chat template's tokens before a user message's content, then
 # the text (kvpress's pipeline: apply_chat_template on the context, cut where the content ends; KVzipPress skips
 # exactly that prefix's length unscored, kvbench's kvzip skips it when the prompt starts with it)
-PROMPTS = {"kvzip": "chat"}
+PROMPTS = {"kvzip": "chat", "kvzip_plus": "chat"}
 # rows where the ratio is not the share of each table removed: (kvbench option, kvpress option) it sets instead
 RATIO_OPTION = {"duo_attention": ("head_compression_ratio", "head_compression_ratio")}
 # rows with a budget per table that does not follow the ratio (kvpress's duo_attention_on_the_fly: 128 + 256)
@@ -101,8 +141,16 @@ NOTES = {
     "streaming_llm": "kvbench's default evicts after every chunk and while decoding (here paper / none)",
     "kvzip": "prompt = chat-template prefix (unscored but 4 sinks) + text on both sides; kvpress rounds the pruned "
              "count over the sequence (NLL's T - 1 keeps up to L x H - 1 more)",
+    "kvzip_plus": "as kvzip; the sinks always kept on both sides (kvpress: max + 1, kvbench: +inf)",
     "duo_attention": "ratio = share of streaming kv-heads (128 sinks + 256 recent), not of the KV removed; "
                      "calibration: kvbench's essays fed to kvpress's estimate",
+    "compactor": "the leverage sketch is kvbench's seeded one on both sides (kvpress draws torch.randn)",
+    "adakv_compactor": "as compactor",
+    "chunkkv": "kvbench never keeps more than int(T * (1 - r)) tokens: a chosen chunk that would overflow is passed "
+               "over (T not a multiple of chunk_length)",
+    "finch": "window = the prompt's last 64 tokens on both sides (no delimiter); kept keys re-rotated on both",
+    "think": "ratio = SnapKV's token ratio; then half of each kv-head's key channels pruned on both sides (the "
+             "channels' Jaccard below the table)",
 }
 
 
@@ -139,8 +187,17 @@ def kvpress_side(job: dict) -> dict:
         _, _, cls, opts = METHODS[name]
         text = job["texts"][PROMPTS.get(name, "raw")]
         prompt, cont = text["prompt"], text["continuation"]
-        press = build_press(kvpress, cls, opts, ratio, RATIO_OPTION.get(name, (None, None))[1])
-        kept = record_kept(press)
+        press = build_press(kvpress, cls, opts, ratio, "threshold" if name in THRESHOLD_ROWS
+                            else RATIO_OPTION.get(name, (None, None))[1])
+        if cls == "FinchPress":  # the question's extent given, no delimiter to find (an id no text holds)
+            press.delimiter_token_id, press.window_size = -1, FINCH_WINDOW
+        if name in SKETCH:
+            kvbench_sketch(kvpress)
+        if name in KVZAP_ROWS:
+            local_kvzap(press, job["kvzap_dir"])
+        composed = getattr(press, "presses", None)
+        kept = record_kept(composed[0] if composed else press)  # the token press of a composition
+        channels = record_zero_channels(composed[-1]) if name in CHANNELS else {}
         extra = {}
         with torch.no_grad():
             cache = DynamicCache()
@@ -160,6 +217,8 @@ def kvpress_side(job: dict) -> dict:
                 tokens.append(int(logits.argmax()))
             layers = {str(k): v for k, v in kept.items()}
             kept.clear()
+            if name in CHANNELS:
+                extra["channels"] = {str(k): v for k, v in channels.items()}
             cache = DynamicCache()  # NLL: the prompt but its last token compressed, then one plain chunk
             with press(model):
                 model(torch.tensor([prompt[:-1]]), past_key_values=cache)
@@ -172,6 +231,16 @@ def kvpress_side(job: dict) -> dict:
                 nll -= float(torch.log_softmax(logits.float(), -1)[cont[j]]) / len(cont)
         out["results"][f"{name}@{ratio}"] = {"kept": layers, "greedy": tokens, "nll": nll, **extra}
     return out
+
+
+def local_kvzap(press, kvzap_dir: str) -> None:
+    """The KVzapPress of `press` (itself or a DMSPress's) loads its surrogate from kvzap_dir/<model_type> (the hub's
+    format, written by kvbench-train-kvzap) instead of nvidia/KVzap-<type>-<model>."""
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    inner = getattr(press, "press", press)
+    inner.kvzap_model = KVzapModel.from_pretrained(os.path.join(kvzap_dir, inner.model_type))
+    inner.post_init_from_model = lambda model: None
 
 
 def feed_booksum(model_dir: str, samples: list[dict]) -> None:
@@ -232,14 +301,55 @@ def kept_from_masks(model, n: int) -> dict:
 
 def build_press(kvpress, cls: str, opts: dict, ratio: float, ratio_option: str | None = None):
     """The press of METHODS[...]: a wrapper gets its inner press ("press": [class, options]) and the ratio through
-    its compression_ratio property; ratio_option names the option the ratio sets instead of compression_ratio."""
+    its compression_ratio property; ratio_option names the option the ratio sets instead of compression_ratio; a
+    composition ("presses": [[class, options], ...]) gives the ratio to its first press."""
     opts = dict(opts)
+    if "presses" in opts:
+        (first, first_opts), *rest = opts.pop("presses")
+        presses = [getattr(kvpress, first)(compression_ratio=ratio, **first_opts)]
+        presses += [getattr(kvpress, c)(**o) for c, o in rest]
+        return getattr(kvpress, cls)(presses, **opts)
     inner = opts.pop("press", None)
     if inner is None:
         return getattr(kvpress, cls)(**{ratio_option or "compression_ratio": ratio}, **opts)
+    if ratio_option == "threshold":  # DMSPress: its compression ratio is read-only (realized)
+        return getattr(kvpress, cls)(press=getattr(kvpress, inner[0])(**inner[1]), threshold=ratio, **opts)
     press = getattr(kvpress, cls)(press=getattr(kvpress, inner[0])(**inner[1]), **opts)
     press.compression_ratio = ratio
     return press
+
+
+def kvbench_sketch(kvpress) -> None:
+    """LeverageScorePress draws its Gaussian sketch from torch's global generator: make it draw kvbench's
+    (methods/compactor.py: Compactor.sketch, seed 0, per layer; kvpress scales it by 1 / sqrt(k) itself), so both
+    sides score with the same sketch."""
+    import torch
+
+    lev = kvpress.LeverageScorePress
+    if getattr(lev, "_kvbench_sketch", False):
+        return
+    compute, score = lev.compute_leverage_scores, lev.score
+
+    def scored(self, module, hidden_states, keys, values, attentions, kwargs):
+        layer = int(module.layer_idx)
+
+        def with_sketch(key_states, k):
+            real = torch.randn
+            gen = torch.Generator().manual_seed(layer)
+            torch.randn = lambda *shape, **kw: real(*shape[1:], generator=gen).view(*shape).to(
+                dtype=kw.get("dtype") or torch.float32, device=kw.get("device"))
+            try:
+                return compute(key_states, k)
+            finally:
+                torch.randn = real
+
+        self.compute_leverage_scores = with_sketch
+        try:
+            return score(self, module, hidden_states, keys, values, attentions, kwargs)
+        finally:
+            del self.compute_leverage_scores
+
+    lev.score, lev._kvbench_sketch = scored, True
 
 
 def record_kept(press) -> dict:
@@ -249,11 +359,26 @@ def record_kept(press) -> dict:
 
     kept: dict[int, list[list[int]]] = {}
     inner = press.compress
+    rerotated: dict[int, list[list[int]]] = {}  # presses that re-rotate the kept keys (Finch): the indices
+    if type(press).__name__ == "FinchPress":
+        import kvpress.presses.finch_press as finch
+
+        rerotate = finch.KeyRerotationPress.rerotate_keys
+
+        class Rerotation(finch.KeyRerotationPress):
+            @staticmethod
+            def rerotate_keys(module, indices, keys):
+                rerotated[module.layer_idx] = [sorted(r.tolist()) for r in indices[0]]
+                return rerotate(module, indices, keys)
+
+        finch.KeyRerotationPress = Rerotation
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         k_out, v_out = inner(module, hidden_states, keys, values, attentions, kwargs)
         masked = getattr(module, "masked_key_indices", None)  # head-wise presses (AdaKV) mask instead of removing
-        if masked is not None and k_out.shape[2] == keys.shape[2]:
+        if module.layer_idx in rerotated:
+            kept[module.layer_idx] = rerotated.pop(module.layer_idx)
+        elif masked is not None and k_out.shape[2] == keys.shape[2]:
             b, h, t = (x.cpu() for x in masked)
             drop = torch.zeros(keys.shape[1], keys.shape[2], dtype=torch.bool)
             drop[h[b == 0], t[b == 0]] = True
@@ -277,6 +402,22 @@ def record_kept(press) -> dict:
     return kept
 
 
+def record_zero_channels(press) -> dict:
+    """Wrap press.compress (ThinKPress): the channels whose output keys are all zero -> {layer: [[channel] per
+    head]} (ThinK zeroes the pruned ones)."""
+    channels: dict[int, list[list[int]]] = {}
+    inner = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        k_out, v_out = inner(module, hidden_states, keys, values, attentions, kwargs)
+        zero = (k_out[0] == 0).all(dim=1)  # [H, D]
+        channels[module.layer_idx] = [row.nonzero().flatten().tolist() for row in zero]
+        return k_out, v_out
+
+    press.compress = compress
+    return channels
+
+
 # ------------------------------------------------------------------------------------------------ kvbench side
 def kvbench_side(job: dict, loaded) -> dict:
     import torch
@@ -296,7 +437,16 @@ def kvbench_side(job: dict, loaded) -> dict:
         opts = dict(opts)
         if name in RATIO_OPTION:
             opts[RATIO_OPTION[name][0]] = ratio
+        if name in KVZAP_ROWS:  # the same surrogate folder as kvpress's side
+            if "base_options" in opts:
+                opts["base_options"] = dict(opts["base_options"], path=os.path.join(
+                    job["kvzap_dir"], opts["base_options"]["surrogate"]))
+            else:
+                opts["path"] = os.path.join(job["kvzap_dir"], opts["surrogate"])
+        if name in THRESHOLD_ROWS:
+            opts["threshold"] = ratio
         kept: dict[str, list[list[int]]] = {}
+        channels: dict[str, list[list[int]]] = {}  # CHANNELS rows: the all-zero key channels after the prompt
         built = []
 
         def record(cache, slot: int) -> None:
@@ -306,16 +456,33 @@ def kvbench_side(job: dict, loaded) -> dict:
                                     for h in range(lengths.shape[0])]
 
         def engine_for(n_prompt: int, record_kept: bool):
-            budget = FIXED_BUDGET.get(name, max(1, int(n_prompt * (1 - ratio))))
-            method = build_method(method_name, budget, **opts)
+            budget = None if name in THRESHOLD_ROWS else FIXED_BUDGET.get(name, max(1, int(n_prompt * (1 - ratio))))
+            if name in RATIO_KNOB:
+                method = build_method(method_name, None, compression_ratio=ratio, **opts)
+            else:
+                method = build_method(method_name, budget, **opts)
             built.append(method)
-            if record_kept:
+            if record_kept and hasattr(method, "rerotate"):  # finch: the kept positions before re-rotation
+                rerotate = method.rerotate
+
+                def rerotate_recorded(obs):
+                    lengths = obs.lengths
+                    kept[str(obs.layer)] = [sorted(obs.positions[h, : int(lengths[h])].tolist())
+                                            for h in range(lengths.shape[0])]
+                    rerotate(obs)
+
+                method.rerotate = rerotate_recorded
+            elif record_kept:
                 inner = method.after_attention
 
                 def after_attention(ctx):
                     inner(ctx)
                     if ctx.phase == "prefill" and ctx.last_chunk:
                         record(ctx.cache, ctx.plan.slot_list[0])
+                        if name in CHANNELS:
+                            keys, _, pos = ctx.cache.gather(ctx.layer, ctx.plan.slot_list[0])  # [H, T, D]
+                            zero = ((keys == 0) | (pos < 0)[..., None]).all(dim=1)  # [H, D]
+                            channels[str(ctx.layer)] = [row.nonzero().flatten().tolist() for row in zero]
 
                 method.after_attention = after_attention
                 after_chunk = getattr(method, "after_prefill_chunk", None)
@@ -334,6 +501,8 @@ def kvbench_side(job: dict, loaded) -> dict:
             gen = engine_for(len(prompt), True).generate([prompt], max_new_tokens=job["new_tokens"])[0]
             lps, _ = Scorer(engine_for(len(prompt) - 1, False)).score_continuation(prompt, cont)
         out[f"{name}@{ratio}"] = {"kept": kept, "greedy": list(gen.token_ids), "nll": -sum(lps) / len(lps)}
+        if name in CHANNELS:
+            out[f"{name}@{ratio}"]["channels"] = channels
         mask = getattr(built[0], "mask", None)
         if name == "duo_attention" and mask is not None:
             out[f"{name}@{ratio}"].update(streaming=mask.tolist(), head_scores=built[0].head_scores.tolist())
@@ -413,6 +582,10 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=64, help="text tokens scored for the NLL")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[-3.0, -4.0, -5.0],
+                    help="the threshold rows' (kvzap_linear, kvzap_mlp) thresholds, in place of --ratios")
+    ap.add_argument("--kvzap-dir", help="folder with the packaged model's KVzap surrogates {linear,mlp} (default: "
+                    "kvbench's cache, trained there first if missing)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--duo-samples", type=int, help="duo_attention's on-the-fly samples on both sides (default 50, "
@@ -440,8 +613,16 @@ def main() -> None:
         texts["chat"] = chat_prompt(loaded.tokenizer, ids, args.tokens, args.continuation)
     if "duo_attention" in args.methods and args.duo_samples is not None:
         METHODS["duo_attention"][1]["on_the_fly_samples"] = args.duo_samples
-    job = {"model_dir": str(loaded.hf_dir), "texts": texts, "new_tokens": args.new_tokens,
-           "threads": args.threads, "runs": [(m, r) for m in args.methods for r in args.ratios],
+    kvzap_dir = args.kvzap_dir
+    if kvzap_dir is None and KVZAP_ROWS & set(args.methods):
+        from kvbench.methods.kvzap_surrogate import packaged_folder
+        from kvbench.methods.kvzap_train import ensure_packaged
+
+        ensure_packaged(loaded.model, loaded.tokenizer, "mlp")
+        kvzap_dir = str(packaged_folder("mlp").parent)
+    runs = [(m, r) for m in args.methods for r in (args.thresholds if m in THRESHOLD_ROWS else args.ratios)]
+    job = {"model_dir": str(loaded.hf_dir), "texts": texts, "new_tokens": args.new_tokens, "kvzap_dir": kvzap_dir,
+           "threads": args.threads, "runs": runs,
            "duo_samples": duo_samples(loaded, METHODS["duo_attention"][1]) if "duo_attention" in args.methods
            else None}
     with tempfile.TemporaryDirectory() as tmp:
@@ -455,9 +636,9 @@ def main() -> None:
     print(f"kvpress {theirs['kvpress_version']} (transformers {theirs['transformers_version']}) vs kvbench; "
           f"model {loaded.name}; prompt {args.tokens} tokens, NLL over {args.continuation}, greedy {args.new_tokens}")
     print(f"{'method':<20} {'ratio':>5} {'jaccard':>8} {'min':>6} {'greedy':>8} {'nll kvbench':>12} "
-          f"{'nll kvpress':>12}")
+          f"{'nll kvpress':>12}   (threshold rows: the threshold in the ratio column, then the kept fraction)")
     for m in args.methods:
-        for r in args.ratios:
+        for r in (args.thresholds if m in THRESHOLD_ROWS else args.ratios):
             a, b = ours[f"{m}@{r}"], theirs["results"][f"{m}@{r}"]
             mean_j, min_j = jaccard(a["kept"], b["kept"])
             diff = first_difference(a["greedy"], b["greedy"])
@@ -466,9 +647,21 @@ def main() -> None:
                    "note": NOTES.get(m, "")}
             rows.append(row)
             greedy = "same" if diff is None else f"@{diff}"
+            if m in THRESHOLD_ROWS:  # what each side kept of the prompt, over every (layer, kv-head)
+                row["kept_fraction_kvbench"], row["kept_fraction_kvpress"] = (
+                    round(sum(len(h) for hs in side["kept"].values() for h in hs)
+                          / (len(job["texts"]["raw"]["prompt"]) * sum(len(hs) for hs in side["kept"].values())), 4)
+                    for side in (a, b))
+                row["note"] = (f"kept {row['kept_fraction_kvbench']:.4f} (kvpress {row['kept_fraction_kvpress']:.4f})")
             print(f"{m:<20} {r:>5.2f} {mean_j:>8.3f} {min_j:>6.3f} {greedy:>8} {a['nll']:>12.4f} {b['nll']:>12.4f}"
                   + (f"  ({row['note']})" if row["note"] else ""))
             assert math.isfinite(a["nll"]) and math.isfinite(b["nll"])
+            if "channels" in a and "channels" in b:
+                row["channels_jaccard"], row["channels_jaccard_min"] = jaccard(a["channels"], b["channels"])
+                n_pruned = sum(len(h) for heads in a["channels"].values() for h in heads)
+                extras.append(f"  {m} @ {r:.2f}: pruned key channels, Jaccard over (layer, kv-head) "
+                              f"{row['channels_jaccard']:.3f} (min {row['channels_jaccard_min']:.3f}); "
+                              f"{n_pruned} pruned by kvbench in all")
             if "streaming" in a and "streaming" in b:
                 row.update(duo_heads(a, b, len(job["duo_samples"])))
                 extras.append(f"  {m} @ {r:.2f}: {row['streaming_heads_kvbench']} streaming kv-heads of "

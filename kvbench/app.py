@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench import parallel_run
 from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
+from kvbench.data.hub import revisions_read as hub_revisions_read
 from kvbench.errors import Terminated, UserError
 from kvbench.engines import build_engine, build_run_codec, build_speculator
 from kvbench.estimate import measured_speed, plan_line, record_speed
@@ -340,6 +341,8 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
     if getattr(loaded, "model", None) is not None and getattr(loaded, "tokenizer", None) is not None:
         try:  # codecs that calibrate (kvquant) tokenize their calibration text with it
             loaded.model.tokenizer = loaded.tokenizer
+            # the model's hub id or folder (None: the packaged model), for methods with per-model files (kvzap)
+            loaded.model.name_or_path = s.model.path
         except AttributeError:
             pass
     record["loaded_from"] = getattr(loaded, "name", None)
@@ -378,7 +381,11 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
     faults.reach("before_task")
     task = plan.task
     task.output_dir = output_dir  # where a task may save artifacts (e.g. the needle heatmap)
+    hub_revisions_read(clear=True)
     result = task.run(engine, loaded.tokenizer, plan.settings, make_progress(plan.settings.progress))
+    revision = hub_revisions_read(clear=True)  # the hub data read, by commit (absent for local or packaged data)
+    if revision is not None:
+        record["data_revision"] = revision
     samples = list(result.samples or [])
     metrics = result.metrics or {}
     record.update(metrics)
@@ -390,6 +397,10 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
                     "kv_bytes_per_token", "max_sequence_tokens", "kv_read_bytes_per_token", "kv_read_fraction",
                     "summary_read_bytes_per_token"):
             record[key] = mem.get(key)
+        for key in ("full_layers", "sliding_layers", "full_kv_bytes_full_layers", "full_kv_bytes_sliding_layers",
+                    "peak_kv_bytes_full_layers", "peak_kv_bytes_sliding_layers"):  # a model with sliding layers
+            if key in mem:
+                record[key] = mem[key]
         spec = getattr(engine, "speculator", None)
         if spec is not None:
             record.update(spec.stats.as_metrics())

@@ -24,9 +24,10 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.errors import UserError, first_line
 from kvbench.registry import did_you_mean
 from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
-                          SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive, check_task_counts,
-                          check_retrieval_storage, dtype_name, hashable_config, kept_budget, normalise_runtime,
-                          normalise_task, raw_value, resolve_storage, results_path)
+                          SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive,
+                          check_question_source, check_retrieval_storage, check_rewrite_storage, check_task_counts,
+                          check_threshold, dtype_name, hashable_config, kept_budget, normalise_runtime, normalise_task,
+                          raw_value, resolve_storage, results_path)
 from kvbench.store.naming import model_label, run_id_for
 
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
@@ -291,6 +292,9 @@ def validate(cfg: Any) -> Settings:
         str(method.pop("name")), method, str(quant.pop("name", "none")), quant)
     budget, compression_ratio = kept_budget(method_name, budget, compression_ratio)
     check_retrieval_storage(method_name, quant_name)
+    check_question_source(method_name, method_options, task)
+    check_rewrite_storage(method_name, method_options, quant_name)
+    check_threshold(method_options, budget, compression_ratio)
     results_dir = results_path(cfg.get("results_dir", "results"))
     return Settings(
         model=_build(ModelConfig, "model", model),

@@ -7,6 +7,7 @@ goes on; only SIGINT/SIGTERM escape.
 from __future__ import annotations
 
 import errno
+import os
 from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
@@ -17,6 +18,7 @@ from kvbench.console import RUN_LOG, report, report_bad_input
 from kvbench.errors import UserError
 from kvbench.exit_channel import note_exit
 from kvbench.hydra_folders import discard_unstarted
+from kvbench.plan import plan_run
 
 
 def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
@@ -30,11 +32,25 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
             run_dir = HydraConfig.get().runtime.output_dir
     except Exception:  # pragma: no cover
         pass
+    if os.environ.get("KVBENCH_CHECK_ONLY") == "1":  # kvbench-torchrun's check before its launch (kvbench.torchrun)
+        return _check_only(cfg, run_dir)
     RUN_LOG.disabled = False  # kvbench's lines go to this run's kvbench.log (Hydra's file handler) while it runs
     try:
         return _run_and_note(cfg, run_dir, run_kwargs)
     finally:
         RUN_LOG.disabled = True
+
+
+def _check_only(cfg: DictConfig, run_dir: Optional[str]) -> None:
+    """Check the config as a run does before its model loads, run nothing; bad input: one line, exit code 2."""
+    try:
+        plan_run(cfg)
+    except UserError as exc:
+        report_bad_input(str(exc))
+        note_exit(2)
+    if run_dir is not None:
+        discard_unstarted(run_dir)
+    return None
 
 
 def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> Optional[dict]:

@@ -5,15 +5,18 @@
     check_weights(folder, where)             -> UserError naming missing / unexpected / mismatched tensors
     loading_report(info, where)              -> the same line from transformers' load report, or None
 
-kvbench runs the model's forward itself (kvbench/runtime/model/forward.py: Llama, Mistral, Qwen2, Qwen3): a config it cannot
-honour would give numbers without a word of warning. Refused from config.json alone: an unsupported `model_type`,
-custom code (`auto_map`), sizes that are not positive integers (num_key_value_heads 0, a negative
-max_position_embeddings), a hidden size its heads do not divide (unless a Mistral or Qwen3 head_dim is given),
-kv-heads that do not divide the heads, an activation other than SiLU, MLP biases, and a sliding window (Mistral's
-`sliding_window`, Qwen's `use_sliding_window`, sliding `layer_types`): the runtime attends over the whole cache, so beyond the
-window perplexity would differ from the model's own. Any `sliding_window` that is set (not null) on Mistral is
-refused, whatever the run's context: the window is a property of the model, and a refusal that depends on
-task.max_tokens would let one sweep mix honoured and ignored windows.
+kvbench runs the model's forward itself (kvbench/runtime/model/forward.py and families.py: Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Gemma 2 / 3): a config it cannot honour would give numbers without a word of warning. Refused from config.json
+alone: an unsupported `model_type`, custom code (`auto_map`), sizes that are not positive integers (num_key_value_heads
+0, a negative max_position_embeddings), a hidden size its heads do not divide (unless the model type takes a head_dim of
+its own), kv-heads that do not divide the heads, an activation other than the family's (SiLU; Gemma's tanh GELU), MLP
+biases, and an attention window kvbench cannot honour. Sliding windows are honoured (kvbench.runtime.model.
+attention_types: `layer_types` of full_attention / sliding_attention with a positive `sliding_window`, Mistral's and
+Phi-3's `sliding_window` on every layer, Qwen2's `use_sliding_window` through the layer_types transformers derives);
+refused: other layer types (chunked attention, ...), a window that is not a positive integer, Gemma 3's bidirectional
+attention.
+Multimodal configs (Gemma 3's) are checked on their text_config. DeepSeek-V2's hub configs keep an `auto_map` to their
+original code: transformers' native class is what loads (kvbench never passes trust_remote_code), so it passes.
 
 Weights: a safetensors folder's tensor names and shapes (read from the files' headers, never the tensors) against
 those of the model its config.json describes (built by transformers on the meta device: no memory, no weights).
@@ -36,7 +39,13 @@ _POSITIVE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 # null or absent: the model type's default (transformers'), or, for num_key_value_heads, the number of heads
 _POSITIVE_OR_NULL = ("num_key_value_heads", "max_position_embeddings", "head_dim", "intermediate_size", "vocab_size")
 _SHOWN = 4  # tensor names shown per kind
-OWN_HEAD_DIM = ("mistral", "qwen3")  # model types whose head_dim may differ from hidden_size / heads
+# model types whose head_dim may differ from hidden_size / heads
+OWN_HEAD_DIM = ("mistral", "qwen3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
+GEMMA = ("gemma2", "gemma3_text", "gemma3")
+# model types whose hub configs still name their original custom code (auto_map) although transformers has the
+# class natively: kvbench loads the native class (it never passes trust_remote_code), so the custom code never runs
+NATIVE_DESPITE_AUTO_MAP = ("deepseek_v2",)
+HONOURED_LAYER_TYPES = ("full_attention", "sliding_attention")  # kvbench.runtime.model.attention_types
 
 
 def _is_int(value: Any) -> bool:
@@ -48,13 +57,15 @@ def check_config(cfg: Any, where: str, supported: Iterable[str]) -> None:
     supported = tuple(supported)
     if not isinstance(cfg, dict):
         raise UserError(f"{where}: config.json is not a JSON object")
-    if cfg.get("auto_map"):
+    if cfg.get("auto_map") and cfg.get("model_type") not in NATIVE_DESPITE_AUTO_MAP:
         raise UserError(f"{where}: config.json names custom code (auto_map: {', '.join(sorted(cfg['auto_map']))}); "
                         f"kvbench runs its own forward and supports the model types {', '.join(supported)} only")
     model_type = cfg.get("model_type")
     if model_type not in supported:
         raise UserError(f"{where}: unsupported model_type {model_type!r} in config.json; supported: "
                         f"{', '.join(supported)}")
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:  # a multimodal checkpoint
+        cfg = {**cfg["text_config"], "model_type": model_type}
     for key in _POSITIVE + _POSITIVE_OR_NULL:
         value = cfg.get(key)
         if value is None and key in _POSITIVE_OR_NULL:
@@ -70,25 +81,36 @@ def check_config(cfg: Any, where: str, supported: Iterable[str]) -> None:
     if heads % kv_heads:
         raise UserError(f"{where}: num_attention_heads={heads} in config.json is not a multiple of "
                         f"num_key_value_heads={kv_heads}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UserError(f"{where}: hidden_act={act!r} in config.json: kvbench's forward uses silu only")
+    if model_type in GEMMA:
+        key, act = "hidden_activation", cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise UserError(f"{where}: {key}={act!r} in config.json: kvbench's Gemma forward uses gelu_pytorch_tanh "
+                            f"only")
+    else:
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UserError(f"{where}: hidden_act={act!r} in config.json: kvbench's forward uses silu only")
     if cfg.get("mlp_bias"):
         raise UserError(f"{where}: mlp_bias=true in config.json: kvbench's forward has no MLP biases")
     _check_window(cfg, where)
 
 
 def _check_window(cfg: dict, where: str) -> None:
-    """A sliding-window model is refused until the runtime honours windows (see the module docstring)."""
+    """Refuse an attention window kvbench cannot honour (see the module docstring); the others run as the model's."""
     window = cfg.get("sliding_window")
-    sliding_layers = [t for t in (cfg.get("layer_types") or []) if t != "full_attention"]
-    uses = cfg.get("use_sliding_window")
-    if sliding_layers or (window is not None and (cfg["model_type"] == "mistral" or uses)):
-        raise UserError(f"{where}: config.json sets a sliding attention window (sliding_window={window!r}"
-                        + (f", use_sliding_window={uses!r}" if uses is not None else "")
-                        + (f", {len(sliding_layers)} sliding layer_types" if sliding_layers else "")
-                        + "); kvbench attends over the whole cache and would give another model's perplexity "
-                          "beyond the window: not supported yet")
+    types = cfg.get("layer_types") or []
+    bad = sorted({str(t) for t in types if t not in HONOURED_LAYER_TYPES})
+    if bad:
+        raise UserError(f"{where}: layer_types {bad} in config.json cannot be honoured; kvbench runs "
+                        f"{', '.join(HONOURED_LAYER_TYPES)}")
+    uses = ("sliding_attention" in types or bool(cfg.get("use_sliding_window"))
+            or (window is not None and cfg["model_type"] in ("mistral", "phi3")))
+    if cfg["model_type"] in GEMMA and not types:
+        uses = window is not None  # transformers derives Gemma's local/global pattern
+    if uses and not (_is_int(window) and window >= 1):
+        raise UserError(f"{where}: invalid sliding_window={window!r} in config.json: expected a positive integer")
+    if cfg.get("use_bidirectional_attention"):
+        raise UserError(f"{where}: use_bidirectional_attention=true in config.json: kvbench runs causal decoders only")
 
 
 def check_gguf_architecture(meta: dict, where: str, supported: Iterable[str]) -> None:
@@ -160,7 +182,7 @@ def mismatch_line(missing: list[str], unexpected: list[str], mismatched: list[st
 def check_weights(folder: str, where: str) -> None:
     """Refuse (UserError, one line) a safetensors folder whose tensors are not those of its config.json."""
     found = safetensors_shapes(folder)
-    if found is None:
+    if found is None or _renamed_on_load(folder):
         return
     try:
         shapes, may_miss, ignore = expected_shapes(folder)
@@ -181,6 +203,19 @@ def check_weights(folder: str, where: str) -> None:
     if line is not None:
         raise UserError(f"{where}: its weights do not match its config.json ({line}); expected the checkpoint "
                         f"that config.json describes")
+
+
+def _renamed_on_load(folder: str) -> bool:
+    """True when transformers converts this model type's checkpoint names on load (its conversion mapping: DeepSeek's
+    per-expert tensors fused, Gemma 3's multimodal names): the files' names are not the modules', so only the
+    loader's report after the conversion can tell (`loading_report`)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except (OSError, ValueError, ImportError, AttributeError):
+        return False
+    return get_checkpoint_conversion_mapping(model_type) is not None
 
 
 def loading_report(info: Any, where: str) -> Optional[str]:

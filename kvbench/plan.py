@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from kvbench import config as _config
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
+from kvbench.methods.base import latent_refusal
 from kvbench.model_info import check_runnable, kv_pool_bytes, model_shape
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.registry import did_you_mean as _did_you_mean
@@ -34,7 +35,8 @@ from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min
 from kvbench.runtime.model.distributed import env_world_size
 from kvbench.runtime.model.loading import packaged_smollm2
 from kvbench.runtime.model.model_files import check_model_path, read_gguf_header
-from kvbench.spec import SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime, resolve_storage
+from kvbench.spec import (FULL_PRECISION, SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime,
+                          resolve_storage)
 from kvbench.store.naming import run_id_for
 from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
@@ -214,6 +216,18 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
 
 
+def _check_latent(settings: _config.Settings, shape: Any, method: Any) -> None:
+    """An MLA model (its cache the latent rows): methods whose scores are defined there, no storage codec yet."""
+    if shape is None or not getattr(shape, "latent", False):
+        return
+    if settings.quant_name not in FULL_PRECISION:
+        raise UserError(f"quant={settings.quant_name!r} cannot run on an MLA model ({shape.model_type}): a storage "
+                        f"codec cannot store its latent cache yet; use quant=none")
+    why = latent_refusal(method)
+    if why is not None:
+        raise UserError(why)
+
+
 def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None:
     """runtime.tensor_parallel against the launch (torchrun's WORLD_SIZE), the model's kv-heads and what the method
     and codec can do on a kv-head shard (kvbench/runtime/model/tensor_parallel.py); before anything loads."""
@@ -231,6 +245,10 @@ def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None
         fits = [d for d in range(1, shape.num_kv_heads + 1) if shape.num_kv_heads % d == 0]
         raise UserError(f"{where}: the model's {shape.num_kv_heads} kv-heads are not divisible by {tp} (each rank "
                         f"holds whole kv-heads); choices: {', '.join(map(str, fits))}")
+    if shape is not None and not shape.plain:
+        what = "an MLA latent cache" if shape.latent else f"{shape.sliding_layers} sliding-window layers"
+        raise UserError(f"{where}: the model ({shape.model_type}, {what}) is not sharded: tensor parallelism runs "
+                        f"Llama-family models (llama, mistral, qwen2, qwen3) with full attention only")
     refusal = getattr(method, "tensor_parallel_refusal", None)
     why = refusal() if callable(refusal) else None
     if why:
@@ -256,6 +274,9 @@ def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: C
     if not spec.enabled:
         return None, ("none", {})
     k = f"runtime.speculative.num_tokens={spec.num_tokens}"
+    if shape is not None and getattr(shape, "sliding_layers", 0):
+        raise UserError(f"{k} cannot run with a model with sliding-window layers: a rollback needs tokens the "
+                        f"layers' rings have already freed; set runtime.speculative.num_tokens=0")
     if METHODS.get(settings.method_name).acts_after_attention:
         raise UserError(f"{k} cannot run with method={settings.method_name}: it evicts inside the steps that "
                         "verification batches, so the target would not be the model that plain decoding runs; use "
@@ -318,12 +339,21 @@ def _build_method(build_method_fn: Callable, settings: _config.Settings) -> Any:
         raise UserError(f"invalid settings for method {settings.method_name!r}: {exc}") from None
 
 
-def _check_prefix_caching(settings: _config.Settings, method: Any) -> None:
+def _check_prefix_caching(settings: _config.Settings, method: Any, shape: Any = None) -> None:
     """runtime.prefix_caching=true with a method that accumulates attention over every prompt query (H2O, and
-    methods built over it): a shared prefix would skip those queries. The engine refuses it too (its own API)."""
-    if settings.runtime.prefix_caching is True and getattr(method, "needs_key_scores", False):
+    methods built over it): a shared prefix would skip those queries; or with one that prunes key channels (ThinK):
+    the channels follow the whole prompt's window, which a shared prefix would take from another prompt. The engine
+    refuses both too (its own API)."""
+    if settings.runtime.prefix_caching is not True:
+        return
+    if getattr(method, "needs_key_scores", False):
         raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it accumulates "
                         "attention over every prompt query, which a shared prefix skips; choices are auto, false")
+    prunes = getattr(method, "pruned_key_channels", None)
+    if callable(prunes) and prunes(shape.head_dim if shape is not None else 1 << 16) > 0:
+        raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it prunes key "
+                        "channels chosen by each whole prompt, which a shared prefix would take from another "
+                        "prompt; choices are auto, false")
 
 
 def _check_results_dir(path: str) -> None:
@@ -354,8 +384,9 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     if build_method_fn is None:
         build_method_fn = build_method
     method = _build_method(build_method_fn, settings)
-    _check_prefix_caching(settings, method)
+    _check_prefix_caching(settings, method, shape)
     _check_parallel(settings, shape, method)
+    _check_latent(settings, shape, method)
     method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
     if callable(method_preflight):
         method_preflight(settings, shape)

@@ -150,8 +150,8 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
 
 def _series_of(runs: list[dict]) -> list[dict]:
     """The runs with their line's name: the method, plus the settings that vary among runs of one method (not the
-    budget or ratio, the x axis)."""
-    keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "task.name")]
+    budget, ratio or threshold: the x axis)."""
+    keys = [k for k in varying_keys(runs) if k not in ("budget", "compression_ratio", "method.threshold", "task.name")]
     if keys == ["method.name"]:
         return [dict(r, series=plots.method_key(r)) for r in runs]
     return [dict(r, series=setting_of(r, keys) if keys else plots.method_key(r)) for r in runs]
@@ -191,17 +191,40 @@ def leaderboard_table(runs: list[dict], metric: str, title: str) -> Optional[Tab
     return Table(title, columns, rows, numeric=tuple(range(1, len(columns))))
 
 
+def threshold_table(runs: list[dict], metric: str, title: str) -> Optional[Table]:
+    """The threshold runs (method.threshold: kvpress's kvzap rows) one row each: their line, threshold, realized
+    compression ratio (1 - kv_kept_fraction), the metric and peak KV MiB, by line then threshold. None without
+    one."""
+    rows = []
+    for r in _series_of(runs):
+        realized, value = plots.realized_ratio(r), r["metrics"].get(metric)
+        if realized is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        peak = r["metrics"].get("peak_kv_bytes")
+        rows.append((r["series"], float(r["cfg"]["method.threshold"]), realized, value,
+                     "" if not isinstance(peak, (int, float)) else f"{peak / 2**20:.1f}"))
+    if not rows:
+        return None
+    rows.sort(key=lambda t: (t[0], t[1]))
+    return Table(title, ["method", "threshold", "realized ratio", metric, "peak KV MiB"],
+                 [[a, f"{b:g}", f"{c:.3f}", _fmt(d), e] for a, b, c, d, e in rows])
+
+
 def leaderboard_parts(task: str, ok: list[dict], metric: Optional[str]) -> tuple[list[Table], list[tuple]]:
     """The leaderboard table and figure of one task's ok runs, per comparable group, where runs have a
     compression_ratio (kvpress's protocol: task=ruler)."""
     tables, figures = [], []
-    if not metric or not any(plots.ratio_of(r) is not None for r in ok):
+    if not metric or not any(plots.board_ratio(r) is not None for r in ok):
         return tables, figures
     for group, runs in task_set_groups(comparable_groups(ok), metric):
-        if not any(plots.ratio_of(r) is not None for r in runs):
+        if not any(plots.board_ratio(r) is not None for r in runs):
             continue
         name = f"{task}: leaderboard, {metric} (peak KV MiB) per method and compression ratio"
         table = leaderboard_table(runs, metric, _titled(name, group))
+        if table is not None:
+            tables.append(table)
+        table = threshold_table(runs, metric, _titled(f"{task}: threshold runs, {metric} against the realized "
+                                                      "compression ratio", group))
         if table is not None:
             tables.append(table)
         png = plots.leaderboard(_series_of(runs), metric)
@@ -341,6 +364,14 @@ def task_plots(task: str, ok: list[dict], metric: Optional[str], matched: list) 
                 png = plots.metric_vs_budget(relabeled, metric, k)
                 if png:
                     out.append((_titled(f"{task}: {metric} vs {k}", group), png))
+    # multi-turn tasks (scbench): score against turn, a line per method; whether the question was compressed is a
+    # line of its own beside full's, not a separate plot
+    for group, runs in comparable_groups(ok, free=("task.compress_question",)):
+        line_keys = [k for k in varying_keys(runs) if k != "task.name"]
+        series = [dict(r, series=setting_of(r, line_keys) if line_keys else describe(r)) for r in runs]
+        png = plots.score_vs_turn(series)
+        if png:
+            out.append((_titled(f"{task}: score by turn", group), png))
     ok_pairs = [(r, row) for r, row in matched if r["metrics"].get("status") == "ok"]
     # per-dataset bars (score_<dataset>): LongBench's datasets, or the tasks of another multi-part task (RULER)
     bars_title = "LongBench per dataset" if task.startswith("longbench") else f"{task}: score per task" + (

@@ -330,6 +330,28 @@ def check_retrieval_storage(method_name: str, quant_name: str) -> None:
                         f"page retrieval bounds keys after it; valid quants: none, {', '.join(ok)}")
 
 
+def check_question_source(name: str, method_options: dict[str, Any], task_options: dict[str, Any]) -> None:
+    """A method that reads the prompt's question (its class's `reads_question`, Finch's window) needs a task that
+    compresses the question with its context (task.compress_question=true: the task tells the method its extent) or
+    its own `window`; refused in one line before the model loads otherwise."""
+    cls = METHODS.get(name) if name in METHODS else None
+    if cls is None or not getattr(cls, "reads_question", False) or method_options.get("window") is not None:
+        return
+    if task_options.get("compress_question") is not True:
+        raise UserError(f"method={name} reads the question's tokens: set task.compress_question=true (a task with a "
+                        f"question: ruler, longbench, needle) or method.window=N (the last N prompt tokens)")
+
+
+def check_rewrite_storage(name: str, method_options: dict[str, Any], quant_name: str) -> None:
+    """A method that rewrites cached K/V in place (its class's `rewrites_cache(options)`: Finch's re-rotated keys,
+    merged values) needs full-precision storage: with a storage codec it is refused in one line."""
+    cls = METHODS.get(name) if name in METHODS else None
+    rewrites = getattr(cls, "rewrites_cache", None)
+    if quant_name != "none" and rewrites is not None and rewrites(method_options):
+        raise UserError(f"method={name} rewrites cached K/V in place, which quant={quant_name} stores packed: use "
+                        f"quant=none" + (" or method.rerotate_keys=false" if name == "finch" else ""))
+
+
 def check_budget(budget: Any) -> Optional[int]:
     """`budget`: the most KV tokens kept per sequence, per layer, per kv-head; a positive integer or null."""
     check_positive("budget", budget, allow_none=True)
@@ -350,6 +372,20 @@ def check_compression(budget: Any, compression_ratio: Any) -> Optional[float]:
         raise UserError(f"budget={budget} and compression_ratio={r} are both set: choose one (budget = KV tokens "
                         "kept per sequence, layer and kv-head; compression_ratio = fraction of each prompt removed)")
     return float(r)
+
+
+def check_threshold(method_options: dict, budget: Optional[int], compression_ratio: Optional[float]) -> None:
+    """`method.threshold` (a threshold rule, methods/dms.py: evict every token scored below it): a number, and
+    exclusive with `budget` and `compression_ratio` (it decides how much stays); UserError otherwise."""
+    t = method_options.get("threshold")
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+        raise UserError(f"invalid method.threshold={t!r}: expected a number (tokens scored below it are evicted)")
+    if budget is not None or compression_ratio is not None:
+        knob = f"budget={budget}" if budget is not None else f"compression_ratio={compression_ratio}"
+        raise UserError(f"method.threshold={t} and {knob} are both set: a threshold decides how much is kept; "
+                        "choose one")
 
 
 def kept_budget(method_name: str, budget: Optional[int],

@@ -1,6 +1,7 @@
 """The one-screen summary printed at the end of each run."""
 from __future__ import annotations
 
+import re
 import textwrap
 from typing import Any, Optional
 
@@ -36,7 +37,7 @@ def _bytes(v: Any) -> str:
 # The option that makes a task's sequences longer, for the "budget never reached" note (lm_eval: none of its own).
 LONGER_INPUT = {"perplexity": "task.max_tokens", "needle": "task.lengths", "ruler": "task.lengths",
                 "throughput": "task.input_tokens", "longbench": "task.max_length", "longbench_e": "task.max_length",
-                "govreport": "task.max_length", "summarization": "task.max_length"}
+                "govreport": "task.max_length", "summarization": "task.max_length", "scbench": "task.length"}
 
 # Keys shown in their own section, not among the task metrics.
 _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "prefill_tokens_per_s",
@@ -202,6 +203,23 @@ def next_step_lines(record: dict) -> list:
                     f"compressed cache ({budget} tokens kept per sequence), to set beside this one")
 
 
+_TURN_KEY = re.compile(r"^(score|ttft_s)_turn_(\d+)$")
+
+
+def turn_lines(record: dict) -> list:
+    """Multi-turn tasks (task=scbench): the score of each turn side by side, and turn 1's TTFT against the later
+    turns'."""
+    turns = sorted((int(m.group(2)), v) for k, v in record.items()
+                   if (m := _TURN_KEY.match(k)) and m.group(1) == "score")
+    if not turns:
+        return []
+    text = "turns     score by turn: " + " | ".join(f"{k} {_fmt(v)}" for k, v in turns)
+    if record.get("ttft_s_turn_1") is not None and record.get("ttft_s_later_turns") is not None:
+        text += (f"; ttft turn 1 {_fmt(record.get('ttft_s_turn_1'))} s, later turns "
+                 f"{_fmt(record.get('ttft_s_later_turns'))} s")
+    return textwrap.wrap(text, _WIDTH, subsequent_indent=" " * 10)
+
+
 def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool = False) -> str:
     """A short table of one run's record (the metrics.json content); next_step adds, after an uncompressed run, the
     overrides that compress it."""
@@ -225,7 +243,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool 
         lines.append(f"experiment {record.get('experiment')}")
     storage = storage_line(record)
     metrics = [(k, v) for k, v in record.items() if k not in _RUN_KEYS and not k.startswith(_HIDDEN_PREFIXES)
-               and not isinstance(v, (dict, list))]
+               and not isinstance(v, (dict, list)) and not _TURN_KEY.match(k) and k != "ttft_s_later_turns"]
     if metrics:
         lines.append("-" * _WIDTH)
         cells = [f"{k} {_fmt(v)}" for k, v in metrics]
@@ -243,6 +261,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool 
         lines.extend(textwrap.wrap(
             f"score     the mean over {len(tasks)} task{'s' if len(tasks) != 1 else ''}: {', '.join(tasks)}"
             + (f" ({', '.join(skipped)} skipped: no data)" if skipped else ""), _WIDTH, subsequent_indent=" " * 10))
+    lines.extend(turn_lines(record))
     lines.append("-" * _WIDTH)
     lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
                  f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")

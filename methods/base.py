@@ -4,12 +4,37 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, ClassVar, Optional
 
 from kvbench.errors import UserError
 from kvbench.registry import METHODS
 from kvbench.runtime.contract import NoCompression
 from kvbench.spec import check_budget, check_compression
+
+
+# The methods whose scores are defined on MLA's latent tokens (one row per token: the compressed latent and the RoPE
+# key, read by every query head; docs/methods.md): attention mass over the latent row (the absorbed query's scores
+# are the model's own logits), positions, chance. The others score key or value geometry (norms, similarity, value
+# projections, RoPE statistics, calibrated heads) that the latent does not have per head: refused on an MLA model.
+LATENT_METHODS = frozenset({"full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "random", "kvzip"})
+
+
+def latent_refusal(method: Any) -> Optional[str]:
+    """Why `method` cannot run on an MLA model's latent cache, or None."""
+    name = getattr(method, "name", None)
+    if name not in LATENT_METHODS:
+        return (f"method {name!r} scores key or value geometry that MLA's latent cache does not hold per head; "
+                f"on an MLA model (DeepSeek-V2/V3) use one of {', '.join(sorted(LATENT_METHODS))}")
+    base = getattr(method, "base", None)  # a wrapper's base scorer (adakv)
+    if base is not None and not isinstance(base, str):
+        base = getattr(base, "name", None)
+    if base is not None and base not in LATENT_METHODS:
+        return f"method {name!r} over base {base!r}: " + latent_refusal(SimpleNamespace(name=base))
+    if method.store_pre_rope:
+        return (f"method {name!r} caches keys before RoPE (position re-indexing): MLA's RoPE key sits inside the "
+                f"latent row; use position_mode=original")
+    return None
 
 
 @dataclass
@@ -47,6 +72,19 @@ class Method(NoCompression):
 
     def __post_init__(self) -> None:
         pass
+
+    def check_model(self, model_config: Any) -> None:
+        """UserError (one line) for a model this method cannot run on: an MLA model's latent cache where its scores
+        are not defined. The engine asks before it builds the cache (the hook protocol's optional check_model)."""
+        if getattr(model_config, "mla", None) is not None:
+            why = latent_refusal(self)
+            if why is not None:
+                raise UserError(why)
+
+    def attach(self, cache: Any, model_config: Any) -> None:
+        """NoCompression's attach, after check_model."""
+        self.check_model(model_config)
+        super().attach(cache, model_config)
 
     # --- runtime points -------------------------------------------------------------
     @property

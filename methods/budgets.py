@@ -49,6 +49,8 @@ class SequenceBudgets:
         if seen == Q and not seq["hold"]:  # the first step of the sequence now in this slot
             seq.update(prompt=None, extra=0)
         held = bool(seq["hold"]) and seq["hold"] == Q and phase == "prefill"
+        if self.budget is None and self.compression_ratio is None:  # a threshold rule (methods.dms): no bound
+            return seen, held
         if self.compression_ratio is None:
             return self.budget + seq["extra"], held
         if phase == "prefill" and last_chunk and not held:
@@ -70,13 +72,27 @@ class KeptStats:
 
     def __init__(self) -> None:
         self.totals = [0.0, 0, 0]  # sum of tokens kept per kv-head, sum of prompt tokens, (prompt, layer) count
+        self.by_slot: dict[int, dict[int, tuple[float, int]]] = {}  # slot -> layer -> (kept per kv-head, prompt)
 
     def record(self, cache: Any, slot: int, layer: int, extra: int) -> None:
         """One layer of `slot` once its prompt is compressed (extra: its uncompressed tokens, not prompt)."""
         prompt = int(cache.tokens_seen[slot]) - int(extra)
-        self.totals[0] += float(cache.lengths[slot, layer].float().mean())  # mean over kv-heads
+        kept = float(cache.lengths[slot, layer].float().mean())  # mean over kv-heads
+        self.totals[0] += kept
         self.totals[1] += prompt
         self.totals[2] += 1
+        self.by_slot.setdefault(slot, {})[layer] = (kept, prompt)
+
+    def fraction(self, slot: int) -> float | None:
+        """The kept fraction of the prompt last compressed in `slot` (mean over its layers and kv-heads), or None."""
+        layers = self.by_slot.get(slot)
+        if not layers:
+            return None
+        kept, prompt = sum(k for k, _ in layers.values()), sum(p for _, p in layers.values())
+        return round(kept / prompt, 4) if prompt else None
+
+    def forget(self, slot: int) -> None:
+        self.by_slot.pop(slot, None)
 
     @staticmethod
     def stats(totals: list) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class EvictionMethod:
     """
 
     granularity: ClassVar[str] = "token"
+    needs_budget: ClassVar[bool] = True  # False: a threshold rule (methods.dms) bounds nothing by count
     budget_scope: ClassVar[str] = "table"
     evicts: ClassVar[bool] = True
     acts_after_attention: ClassVar[bool] = True
@@ -56,7 +57,7 @@ class EvictionMethod:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]
-        if self.budget is None and self.compression_ratio is None:
+        if self.needs_budget and self.budget is None and self.compression_ratio is None:
             raise UserError(f"method {self.name!r} needs a budget: set budget=N (KV tokens kept per sequence, "
                             "layer and kv-head) or compression_ratio=R (fraction of each prompt's KV removed)")
         check_choice(self.name, "prefill_mode", self.prefill_mode, PREFILL_MODES)
@@ -114,11 +115,13 @@ class EvictionMethod:
             seen = int(cache.tokens_seen[slot])
             if seen == Q:  # first step of the sequence now in this slot
                 self._state.pop((slot, ctx.layer), None)
+                if ctx.layer == 0:
+                    self._kept.forget(slot)
             budget, held = self._budgets.step(slot, seen, Q, ctx.phase, ctx.last_chunk, self.min_budget())
             obs = self.observation(ctx, i, slot)
             self.observe(obs)
             if held:  # appended uncompressed: observed, never evicted in its own step
-                if ctx.layer == cache.num_layers - 1:
+                if ctx.layer == cache.method_layers[-1]:
                     self._budgets.release(slot)
             elif ctx.phase == "decode":
                 self.evict_decode(obs, budget)
@@ -191,6 +194,11 @@ class EvictionMethod:
         """prefill_stats' figures for one layer of `slot` once its prompt is compressed (a method that compresses
         after the step, as KVzip does, calls this itself and overrides _record_kept)."""
         self._kept.record(cache, slot, layer, self._budgets.extra(slot))
+
+    def prompt_kept_fraction(self, slot: int) -> float | None:
+        """The hook protocol's optional read at a sequence's first generated token: the fraction of its prompt's KV
+        kept after compression (mean over layers and kv-heads), None before any compression of it."""
+        return self._kept.fraction(slot)
 
     def prefill_totals(self) -> list:
         """The sums prefill_stats averages: tokens kept, prompt tokens, (prompt, layer) count (summed over the

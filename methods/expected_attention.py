@@ -30,18 +30,27 @@ from kvbench.runtime.contract import Observation, RotaryTable, rotate_half
 
 
 def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo apply_rotary: q [..., Q, D] rotated by cos/sin [Q, D] (attention scaling s folded into both) -> pre-RoPE.
-    The inverse of x*c + rotate_half(x)*s is (y*c - rotate_half(y)*s) / (c^2 + s^2)."""
+    """Undo apply_rotary: q [..., Q, D] rotated by cos/sin [Q, Dr] (attention scaling s folded into both) -> pre-RoPE.
+    The inverse of x*c + rotate_half(x)*s is (y*c - rotate_half(y)*s) / (c^2 + s^2); with partial rotary (Dr < D,
+    Phi-4-mini) only the first Dr dims were rotated."""
+    Dr = cos.shape[-1]
+    if Dr < q.shape[-1]:
+        return torch.cat([unrotate(q[..., :Dr], cos, sin), q[..., Dr:]], dim=-1)
     return (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)
 
 
-def averaged_rope(rotary: RotaryTable, start: int, n: int) -> torch.Tensor:
-    """The RoPE matrix averaged over positions start..start+n-1 -> R [D, D] (float64), R x = mean_t rotate(x, t)."""
-    cos, sin = rotary.lookup(torch.arange(start, start + n, device=rotary.inv_freq.device))  # [n, D]
-    c, s = cos.double().mean(0), sin.double().mean(0)  # [D]
-    D = c.shape[0]
-    P = rotate_half(torch.eye(D, dtype=torch.float64, device=c.device)).T  # P x = rotate_half(x)
-    return torch.diag(c) + s[:, None] * P
+def averaged_rope(rotary: RotaryTable, start: int, n: int, head_dim: int | None = None) -> torch.Tensor:
+    """The RoPE matrix averaged over positions start..start+n-1 -> R [D, D] (float64), R x = mean_t rotate(x, t);
+    the identity on the dims past the rotary ones (partial rotary, head_dim > the table's width)."""
+    cos, sin = rotary.lookup(torch.arange(start, start + n, device=rotary.inv_freq.device))  # [n, Dr]
+    c, s = cos.double().mean(0), sin.double().mean(0)  # [Dr]
+    Dr = c.shape[0]
+    P = rotate_half(torch.eye(Dr, dtype=torch.float64, device=c.device)).T  # P x = rotate_half(x)
+    R = torch.diag(c) + s[:, None] * P
+    D = head_dim or Dr
+    if D > Dr:
+        R = torch.block_diag(R, torch.eye(D - Dr, dtype=torch.float64, device=c.device))
+    return R
 
 
 @register_method("expected_attention")
@@ -91,7 +100,7 @@ class ExpectedAttention(ScorerMethod):
         n = max(st.get("q_count", 0), 1)
         mu = st["q_sum"] / n  # [Hq, D]
         cov = st["q_outer"] / n - mu[:, :, None] * mu[:, None, :] if self.use_covariance else None
-        R = averaged_rope(obs.rotary, obs.tokens_seen, self.n_future_positions)  # [D, D]
+        R = averaged_rope(obs.rotary, obs.tokens_seen, self.n_future_positions, mu.shape[-1])  # [D, D]
         mu = mu @ R.T
         if cov is not None:
             cov = R @ cov @ R.T

@@ -23,7 +23,10 @@ budget, so the pool's peak includes one reconstruction chunk (as KVzip's own). T
 The template prefix follows kvpress, not KVzip's own code (snu-mllab/KVzip attention/kvcache.py, score.py): there
 the whole prefix (the system prompt) is kept outside the budget and is every chunk's softmax sink; kvpress and
 kvbench keep its first n_sink tokens, score the rest 0 (evicted first) and count it in the budget.
-kvpress also offers `kvzip_plus_normalization` (KVzip+), not implemented here. Timing: after every prompt
+`kvzip_plus_normalization` (KVzip+, kvpress's option, default false; the board's `kvzip_plus` and KVzap's training
+target): each reconstruction probability is divided by its query's ||h|| (the attention input) and multiplied by
+||W_o,head v|| of its key before the max; the sinks then score +inf (always kept; KVzip+ scores are not bounded
+by 1). Timing: after every prompt
 (prefill_mode=paper: once the last prefill chunk is in; streaming: after every chunk, each chunk reconstructed
 as it arrives); decoding appends (decode=none, the paper's and kvpress's). Needs the model's tokenizer.
 """
@@ -62,15 +65,28 @@ def template_parts(tokenizer: Any) -> tuple[list[int], list[int]]:
             list(tokenizer.encode(suffix, add_special_tokens=False)))
 
 
+def plus_weights(hidden: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVzip+'s normalisation factors (kvpress kvzip_plus_normalization): 1 / ||h|| of each query's attention
+    input [Q] and ||W_o,head v|| of each key for each query head [H, G, T] (L2 over the model dimension).
+
+    hidden [Q, E]; v [H, T, D] cached values; w_o [E, Hq * D] the output projection ([out, in])."""
+    H, T, D = v.shape
+    G = w_o.shape[1] // (H * D)
+    w = w_o.float().view(-1, H, G, D).permute(1, 2, 3, 0)  # [H, G, D, E]
+    wov = torch.stack([torch.matmul(v[h].float(), w[h]).norm(dim=-1) for h in range(H)])  # [H, G, T]
+    return 1.0 / hidden.float().norm(dim=-1), wov
+
+
 def reconstruction_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
                           lengths: torch.Tensor, scale: float, *, sinks: int, start: int, end: int,
-                          context_len: int) -> torch.Tensor:
+                          context_len: int, plus: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """KVzip's score of the keys of context chunk [start, end) from reconstruction queries -> [H, T] (0 elsewhere).
 
     q [Hq, Q, D] reconstruction queries (post-RoPE) at positions q_pos [Q] (>= context_len); k [H, T, D] cached keys
     at positions k_pos [H, T]; lengths [H]. Each query's softmax runs over the keys at positions < sinks, in
     [start, end), and the reconstruction keys (positions >= context_len) up to its own; the probabilities of the
-    chunk's keys are maxed over the queries and the query heads of each kv-head."""
+    chunk's keys are maxed over the queries and the query heads of each kv-head. plus = plus_weights(...): KVzip+,
+    each probability divided by its query's ||h|| and multiplied by its key's ||W_o,head v|| before the max."""
     Hq, Q, D = q.shape
     H, T, _ = k.shape
     G = Hq // H
@@ -80,6 +96,9 @@ def reconstruction_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
     seen = (kp < sinks) | chunk | ((kp >= context_len) & (kp <= q_pos.repeat(G)[None, :, None]))
     seen &= valid_mask(lengths, T)[:, None, :]
     probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+    if plus is not None:
+        inv_h, wov = plus  # [Q], [H, G, T]
+        probs = (probs.view(H, G, Q, T) * inv_h[None, None, :, None] * wov[:, :, None, :]).view(H, G * Q, T)
     return probs.masked_fill(~chunk, 0.0).amax(dim=1)  # [H, T]
 
 
@@ -98,10 +117,12 @@ class KVzip(EvictionMethod, Method):
     n_sink: int = 4
     chunk_size: int = 2048
     prev_postfix_size: int = 8
+    kvzip_plus_normalization: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bool(self.name, "layerwise", self.layerwise)
+        check_bool(self.name, "kvzip_plus_normalization", self.kvzip_plus_normalization)
         check_int(self.name, "n_sink", self.n_sink, 0)
         check_int(self.name, "chunk_size", self.chunk_size, 1)
         check_int(self.name, "prev_postfix_size", self.prev_postfix_size, 0)
@@ -114,7 +135,15 @@ class KVzip(EvictionMethod, Method):
     def budget_scope(self) -> str:  # type: ignore[override]
         return "layer" if self.layerwise else "sequence"
 
+    @property
+    def reads_hidden_states(self) -> bool:
+        """KVzip+ divides by each reconstruction query's ||h|| (its attention input)."""
+        return bool(self.kvzip_plus_normalization)
+
     def bind_engine(self, engine: Any) -> None:
+        if len(engine.cache.method_layers) != engine.cache.num_layers:
+            raise UserError("kvzip's reconstruction pass runs through every layer, and a sliding-window layer's ring "
+                            "would lose its window to the pass's tokens: not supported for a model with sliding layers")
         tok = getattr(engine.model, "tokenizer", None)
         if tok is None:
             raise UserError("kvzip needs the model's tokenizer (to write its reconstruction prompt)")
@@ -129,9 +158,12 @@ class KVzip(EvictionMethod, Method):
         if not self.reconstructing or p is None or p["slot"] != slot:
             return
         k, k_pos, lengths = obs.keys, obs.positions, obs.lengths  # [H, T, D], [H, T], [H]
+        plus = None
+        if self.kvzip_plus_normalization:
+            plus = plus_weights(obs.hidden_states, obs.values, self.engine.model.layers[obs.layer].o.dense_weight())
         s = reconstruction_scores(obs.step_queries, obs.step_query_positions, k, k_pos, lengths, obs.head_dim ** -0.5,
                                   sinks=min(self.n_sink, p["start"]), start=p["start"], end=p["end"],
-                                  context_len=p["context_len"])
+                                  context_len=p["context_len"], plus=plus)
         st = self.state(slot, obs.layer)
         n_ctx = int(((k_pos >= 0) & (k_pos < p["context_len"])).sum(-1).max())  # context slots come first
         old = st.get("scores")
@@ -235,7 +267,7 @@ class KVzip(EvictionMethod, Method):
         s = self.state(slot, layer).get("scores")
         s = torch.zeros(pos.shape, device=pos.device) if s is None else \
             torch.nn.functional.pad(s, (0, max(0, T - s.shape[-1])))[:, :T]
-        s = s.masked_fill((pos >= 0) & (pos < self.n_sink), 2.0)
+        s = s.masked_fill((pos >= 0) & (pos < self.n_sink), float("inf") if self.kvzip_plus_normalization else 2.0)
         self.state(slot, layer)["scores"] = s
         for a, b in held:
             s = s.masked_fill((pos >= a) & (pos < b), float("inf"))

@@ -99,6 +99,10 @@ class ScorerWrapper(EvictionMethod, Method):
         return self.inner.store_pre_rope
 
     @property
+    def reads_hidden_states(self) -> bool:
+        return bool(getattr(self.inner, "reads_hidden_states", False))
+
+    @property
     def rope_mode(self) -> str:
         return self.inner.rope_mode
 

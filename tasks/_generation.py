@@ -136,6 +136,7 @@ class GenRequest:
     stop_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)  # copied into the sample record
     uncompressed_tail: int = 0  # the last tokens of token_ids (the question) are appended after compression
+    question_tokens: int = 0  # query-aware: the last tokens of token_ids are the question, compressed with it
 
 
 @dataclass
@@ -147,6 +148,7 @@ class GenOutput:
     ttft_s: float
     prefill_s: float
     decode_s: float
+    kv_kept_fraction: Optional[float] = None  # the prompt's KV kept after compression (None: nothing compressed)
 
     def record(self, **metrics: Any) -> dict:
         """The sample record: id, dataset, prompt, prediction, references, lengths, the generated tokens'
@@ -159,6 +161,8 @@ class GenOutput:
             "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
         }
+        if self.kv_kept_fraction is not None:  # realized per sample (threshold rules keep what the input decides)
+            out["kv_kept_fraction"] = self.kv_kept_fraction
         out.update(r.extra)
         out.update(metrics)
         return out
@@ -243,6 +247,13 @@ def template_and_split(tokenizer: Any, prompt: str, question: str, templated: bo
     return prompt, encode(tokenizer, prompt, templated), 0
 
 
+def question_count(tokenizer: Any, prompt: str, question: str, templated: bool) -> int:
+    """Tokens of the prompt's part from its question on (tokenized apart, as kvpress's Finch delimiter splits the
+    prompt), for a query-aware request's question_tokens; 0 when the question is not found."""
+    split = prompt.rfind(question) if question else -1
+    return split_prompt(tokenizer, prompt, split, templated)[1] if split >= 0 else 0
+
+
 def kept_stats(engine: Any) -> dict:
     """The method's prefill_stats (tokens kept per layer and kv-head after each prompt's compression), or {}; in a
     data-parallel launch, over the prompts of every rank."""
@@ -273,13 +284,15 @@ def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], 
             split = batch[0].uncompressed_tail > 0 and getattr(engine, "speculator", None) is None
             gens = engine.generate([r.token_ids for r in batch], max_new_tokens=batch[0].max_new_tokens,
                                    stop_token_ids=batch[0].stop_ids, temperature=0.0,
-                                   uncompressed_tails=[r.uncompressed_tail for r in batch] if split else None)
+                                   uncompressed_tails=[r.uncompressed_tail for r in batch] if split else None,
+                                   question_tokens=[r.question_tokens for r in batch])
             failed = [g for g in gens if g.finish_reason == "failed"]
             if failed:  # an accuracy task needs every sample: a pool too small for its prompts is a setting
                 raise UserError(f"{failed[0].error} (task sample {batch[gens.index(failed[0])].id})")
             meter.add_batch(gens)
             done = [GenOutput(r, decode(tokenizer, g.token_ids), list(g.token_ids), g.finish_reason, g.ttft_s,
-                              g.prefill_s, g.decode_s) for r, g in zip(batch, gens)]
+                              g.prefill_s, g.decode_s, getattr(g, "kv_kept_fraction", None))
+                    for r, g in zip(batch, gens)]
             outputs.extend(done)
             if on_batch is not None:
                 on_batch(done)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvbench.data.govreport import GOVREPORT_SPLITS, check_data_dir as check_govreport_dir, load_govreport_full, load_govreport_longbench
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.longbench import check_data_dir, check_data_rows, prompt_template
 from kvbench.errors import UserError
 from kvbench.spec import check_positive
@@ -34,6 +34,7 @@ class GovReportOptions:
     name: str = "govreport"
     source: str = "longbench"
     data_dir: Optional[str] = None
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     split: str = "test"
     limit: Optional[int] = None
     max_length: int = 7500
@@ -47,6 +48,7 @@ class GovReportOptions:
             raise UserError(f"invalid task.split={self.split!r}: choices are {', '.join(GOVREPORT_SPLITS)}")
         if self.source == "longbench" and self.split != "test":
             raise UserError("task.source=longbench has only the test split (task.split=test)")
+        check_revision(self.revision, "data_dir", self.data_dir)
         check_limit(self.limit)
         check_max_length(self.max_length)
         check_positive("task.max_new_tokens", self.max_new_tokens)
@@ -77,9 +79,9 @@ class GovReport(Task):
         opts = self.options
         try:
             if opts.source == "longbench":
-                docs = load_govreport_longbench(opts.data_dir, limit=opts.limit)
+                docs = load_govreport_longbench(opts.data_dir, limit=opts.limit, revision=opts.revision)
             else:
-                docs = load_govreport_full(opts.split, data_dir=opts.data_dir, limit=opts.limit)
+                docs = load_govreport_full(opts.split, data_dir=opts.data_dir, limit=opts.limit, revision=opts.revision)
         except FileNotFoundError as exc:
             raise UserError(f"GovReport data not found: {exc}") from None
         chat = wants_chat_template(opts.chat_template, tokenizer)

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvbench.data import longbench as lb
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.longbench import LONGBENCH_E_DATASETS, check_data_dir, check_data_rows, language, load_longbench
 from kvbench.errors import UserError
 from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket, score_sample
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_option, check_chat_template_option,
-                                       kept_stats, model_context_length, run_generation, stop_token_ids,
+                                       kept_stats, model_context_length, question_count, run_generation,
+                                       stop_token_ids,
                                        template_and_split, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, register_task
 
@@ -67,6 +68,7 @@ class LongBenchOptions:
     name: str = "longbench"
     datasets: Union[list, str] = field(default_factory=lambda: ["all"])
     data_dir: Optional[str] = None
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     limit: Optional[int] = None
     max_length: Optional[int] = 7500
     chat_template: Any = "auto"
@@ -74,6 +76,7 @@ class LongBenchOptions:
 
     def __post_init__(self) -> None:
         self.datasets = _dataset_names(self.datasets)
+        check_revision(self.revision, "data_dir", self.data_dir)
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
                                        or self.limit < 1):
             raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 1 (samples per dataset) "
@@ -109,6 +112,8 @@ def build_request(tokenizer: Any, dataset: str, record: dict, max_length: int, c
         id=str(rid) if rid is not None else f"{dataset}-{record.get('_index', 0)}", dataset=dataset, prompt=prompt,
         token_ids=ids, max_new_tokens=lb.max_new_tokens(dataset), references=list(record["answers"]),
         stop_ids=stops, uncompressed_tail=tail,
+        question_tokens=question_count(tokenizer, prompt, question_part(dataset, record), templated) if tail == 0
+        else 0,
         extra={"length": record.get("length"), "language": record.get("language"), "truncated": truncated,
                "chat_template": templated, "_all_classes": record.get("all_classes"),
                "question_compressed": tail == 0},
@@ -172,7 +177,7 @@ class LongBench(Task):
         requests: list[GenRequest] = []
         for ds in opts.datasets:
             try:
-                records = load_longbench(ds, data_dir=opts.data_dir, limit=opts.limit)
+                records = load_longbench(ds, data_dir=opts.data_dir, limit=opts.limit, revision=opts.revision)
             except FileNotFoundError as exc:
                 raise UserError(f"LongBench data for {ds!r} not found: {exc}") from None
             except ValueError as exc:  # a row of the hub's that is not of LongBench's types (file:line, field)

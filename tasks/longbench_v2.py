@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvbench.data import longbench_v2 as lv2
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.longbench import truncate_prompt_middle
 from kvbench.errors import UserError
 from kvbench.spec import check_positive
@@ -32,6 +32,7 @@ from kvbench.tasks.base import Task, TaskResult, register_task
 @dataclass
 class LongBenchV2Options:
     name: str = "longbench_v2"
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     data_path: Optional[str] = None  # data.json (the hub's file), a jsonl / parquet copy or a folder; null = hub
     limit: Optional[int] = None
     max_length: Optional[int] = None  # prompt tokens kept (null: the model's positions minus max_new_tokens + 64)
@@ -40,6 +41,7 @@ class LongBenchV2Options:
     compress_question: bool = False
 
     def __post_init__(self) -> None:
+        check_revision(self.revision, "data_path", self.data_path)
         check_positive("task.limit", self.limit, allow_none=True)
         check_positive("task.max_length", self.max_length, allow_none=True, minimum=2)
         check_positive("task.max_new_tokens", self.max_new_tokens)
@@ -84,7 +86,7 @@ class LongBenchV2(Task):
         max_length = opts.max_length or max(2, model_context_length(engine) - opts.max_new_tokens - 64)
         chat = wants_chat_template(opts.chat_template, tokenizer)
         stops = stop_token_ids(tokenizer)
-        records = lv2.load_longbench_v2(opts.data_path, opts.limit)
+        records = lv2.load_longbench_v2(opts.data_path, opts.limit, opts.revision)
         if not records:
             raise UserError(f"no LongBench v2 items to run (limit {opts.limit})")
         requests = [self.build_request(tokenizer, r, max_length, chat, stops) for r in records]

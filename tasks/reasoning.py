@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvbench.data import reasoning as rd
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.errors import UserError
 from kvbench.metrics.reasoning import gsm8k_scores, math_verify_score
 from kvbench.runtime.model import distributed
@@ -56,6 +56,7 @@ def _check_number(where: str, value: Any, lo: float, hi: float, lo_open: bool = 
 @dataclass
 class ReasoningOptions:
     name: str = "math500"
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     data_path: Optional[str] = None  # a local copy in the hub's layout (folder or file); null = the hub
     limit: Optional[int] = None  # problems (null = all)
     num_samples: int = 1  # generations per problem (pass@1 averaged over them)
@@ -69,6 +70,7 @@ class ReasoningOptions:
     ignore_eos: bool = False  # true: generate exactly max_new_tokens (a memory smoke test: a long trace)
 
     def __post_init__(self) -> None:
+        check_revision(self.revision, "data_path", self.data_path)
         if self.limit is not None:
             check_positive("task.limit", self.limit)
         check_positive("task.num_samples", self.num_samples)
@@ -115,7 +117,7 @@ class ReasoningTask(Task):
     # ------------------------------------------------------------------------------------------ run
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         opts = self.options
-        records = [r for name in self.set_names() for r in rd.load_reasoning(name, self.set_path(name), opts.limit)]
+        records = [r for name in self.set_names() for r in rd.load_reasoning(name, self.set_path(name), opts.limit, opts.revision)]
         if not records:
             raise UserError(f"no {self.name} problems to run (limit {opts.limit})")
         chat = wants_chat_template(opts.chat_template, tokenizer)
@@ -292,6 +294,9 @@ class AIMEOptions(ReasoningOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.sets = _aime_sets(self.sets)
+        if self.revision is not None and len(self.sets) > 1:
+            raise UserError(f"task.revision={self.revision!r} names one revision but task.sets={list(self.sets)} "
+                            f"reads {len(self.sets)} hub datasets: run one set per revision")
 
 
 @register_task("aime")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from kvbench.data import ruler as rd
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.ruler import TASK_NAMES
 from kvbench.errors import UserError
 from kvbench.metrics.ruler import metric_for, postprocess
@@ -64,6 +64,7 @@ class RulerOptions:
     lengths: list = field(default_factory=lambda: [4096])
     limit: Optional[int] = None  # samples per task and length (null: all of the data; 500 generated, as RULER)
     source: str = "generate"
+    revision: Optional[str] = None  # the hub dataset's branch, tag or commit (null: default branch; kvbench.data.hub)
     data_dir: Optional[str] = None  # hub: kvpress's files; generate: RULER's squad.json / hotpotqa.json
     seed: int = 42  # RULER's random_seed
     max_new_tokens: Optional[int] = None  # null: each task's RULER tokens to generate
@@ -82,6 +83,10 @@ class RulerOptions:
             raise UserError(f"invalid task.limit={self.limit!r}: expected an integer >= 1 or null")
         if self.source not in SOURCES:
             raise UserError(f"invalid task.source={self.source!r}: choices are {', '.join(SOURCES)}")
+        if self.revision is not None and self.source != "hub":
+            raise UserError(f"task.revision is set but task.source={self.source!r} reads no hub data: "
+                            f"revision is for task.source=hub")
+        check_revision(self.revision, "data_dir", self.data_dir)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UserError(f"invalid task.seed={self.seed!r}: expected an integer >= 0")
         check_positive("task.max_new_tokens", self.max_new_tokens, allow_none=True)
@@ -104,14 +109,16 @@ def ruler_prompt(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, int]:
 def build_request(tokenizer: Any, sample: dict, length: int, chat: bool, compress_question: bool,
                   max_new_tokens: Optional[int], stops: tuple[int, ...]) -> GenRequest:
     prompt, question_start = ruler_prompt(tokenizer, sample, chat)
-    if compress_question:
+    question = 0
+    if compress_question:  # the question's token count (its part tokenized apart, as kvpress's Finch delimiter splits)
         ids, tail = encode(tokenizer, prompt, chat), 0
+        question = split_prompt(tokenizer, prompt, question_start, chat)[1]
     else:
         ids, tail = split_prompt(tokenizer, prompt, question_start, chat)
     return GenRequest(
         id=f"{sample['task']}-{length}-{sample['index']}", dataset=sample["task"], prompt=prompt, token_ids=ids,
         max_new_tokens=max_new_tokens or int(sample["max_new_tokens"]), references=list(sample["answer"]),
-        stop_ids=stops, uncompressed_tail=tail, extra={"length": length, "answer_prefix": sample["answer_prefix"]})
+        stop_ids=stops, uncompressed_tail=tail, question_tokens=question, extra={"length": length, "answer_prefix": sample["answer_prefix"]})
 
 
 def score_results(samples: list[dict], tasks: list[str], lengths: list[int]) -> dict:
@@ -208,6 +215,10 @@ class Ruler(Task):
             except FileNotFoundError as exc:
                 raise UserError(f"invalid task.data_dir={opts.data_dir!r}: {exc} (task.lengths={list(opts.lengths)})"
                                 ) from None
+        try:
+            rd.check_local_rows(Path(opts.data_dir), opts.lengths)  # every row's types, before the model loads
+        except (ValueError, OSError) as exc:
+            raise UserError(f"task.data_dir file {exc}") from None
 
     def samples_for(self, tokenizer: Any, length: int, on_sample: Any = None) -> dict[str, list[dict]]:
         """The samples of every task at one length; a QA task without its data is skipped with one line.
@@ -215,7 +226,7 @@ class Ruler(Task):
         opts = self.options
         if opts.source == "hub":
             try:
-                return rd.load_hub_samples(length, opts.tasks, opts.data_dir, opts.limit)
+                return rd.load_hub_samples(length, opts.tasks, opts.data_dir, opts.limit, opts.revision)
             except (FileNotFoundError, ValueError) as exc:
                 raise UserError(f"RULER data for length {length}: {exc}") from None
         out: dict[str, list[dict]] = {}

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvbench.data.hub import note_revision_read
 from kvbench.data.local_rows import check_rows
 from kvbench.data.longbench import load_longbench
 from kvbench.errors import UserError
@@ -26,7 +27,8 @@ GOVREPORT_HUB = "ccdv/govreport-summarization"
 GOVREPORT_SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
 
-def load_govreport_longbench(data_dir: str | Path | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+def load_govreport_longbench(data_dir: str | Path | None = None, limit: int | None = None,
+                             revision: str | None = None) -> list[dict[str, Any]]:
     """LongBench ``gov_report`` as summarisation records (document = ``context``, references = ``answers``)."""
     return [
         {
@@ -36,7 +38,7 @@ def load_govreport_longbench(data_dir: str | Path | None = None, limit: int | No
             "length": rec["length"],
             "source": "longbench/gov_report",
         }
-        for rec in load_longbench("gov_report", data_dir=data_dir, limit=limit)
+        for rec in load_longbench("gov_report", data_dir=data_dir, limit=limit, revision=revision)
     ]
 
 
@@ -88,21 +90,26 @@ def _iter_local(root: Path, split: str) -> Iterator[dict[str, Any]]:
             yield from pq.read_table(path).to_pylist()
 
 
-def _iter_hub(split: str, hub_repo: str) -> Iterator[dict[str, Any]]:
+def _iter_hub(split: str, hub_repo: str, revision: str | None = None) -> Iterator[dict[str, Any]]:
     import datasets  # lazy: heavy
 
-    yield from (dict(row) for row in datasets.load_dataset(hub_repo, split=split))
+
+    ds = datasets.load_dataset(hub_repo, split=split, revision=revision)
+    note_revision_read(hub_repo, revision)
+    yield from (dict(row) for row in ds)
 
 
 def load_govreport_full(
-    split: str = "test", data_dir: str | Path | None = None, limit: int | None = None, hub_repo: str = GOVREPORT_HUB
+    split: str = "test", data_dir: str | Path | None = None, limit: int | None = None, hub_repo: str = GOVREPORT_HUB,
+    revision: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The full GovReport split (973 test reports on the hub) as summarisation records, at most ``limit``."""
+    """The full GovReport split (973 test reports on the hub, at ``revision``) as summarisation records, at most
+    ``limit``."""
     if split not in GOVREPORT_SPLITS:
         raise ValueError(f"unknown GovReport split {split!r}; valid choices: {', '.join(GOVREPORT_SPLITS)}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    rows = _iter_local(Path(data_dir).expanduser(), split) if data_dir is not None else _iter_hub(split, hub_repo)
+    rows = _iter_local(Path(data_dir).expanduser(), split) if data_dir is not None else _iter_hub(split, hub_repo, revision)
     out: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         if limit is not None and len(out) >= limit:

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from kvbench.data.hub import note_revision_read
 from kvbench.data.longbench_schema import check_record
 from kvbench.errors import UserError
 
@@ -457,34 +458,38 @@ def _read_zip(zip_path: Path, dataset: str) -> Iterator[dict[str, Any]]:
     yield from _parse_jsonl(text.splitlines(), f"{zip_path}!{member}")
 
 
-def _read_hub(dataset: str, hub_repo: str) -> Iterator[dict[str, Any]]:
+def _read_hub(dataset: str, hub_repo: str, revision: str | None = None) -> Iterator[dict[str, Any]]:
     import datasets  # lazy: heavy
 
+
     try:
-        ds = datasets.load_dataset(hub_repo, dataset, split="test")
+        ds = datasets.load_dataset(hub_repo, dataset, split="test", revision=revision)
     except RuntimeError as err:  # datasets >= 4: "Dataset scripts are no longer supported"
         if "script" not in str(err).lower():
             raise
         from huggingface_hub import hf_hub_download
 
-        zip_path = hf_hub_download(repo_id=hub_repo, filename="data.zip", repo_type="dataset")
+        zip_path = hf_hub_download(repo_id=hub_repo, filename="data.zip", repo_type="dataset", revision=revision)
+        note_revision_read(hub_repo, revision)
         yield from _read_zip(Path(zip_path), dataset)
         return
+    note_revision_read(hub_repo, revision)
     yield from ((f"{hub_repo} {dataset} row {i}", dict(row)) for i, row in enumerate(ds))
 
 
 def load_longbench(
-    dataset: str, data_dir: str | Path | None = None, limit: int | None = None, hub_repo: str = HUB_REPO
+    dataset: str, data_dir: str | Path | None = None, limit: int | None = None, hub_repo: str = HUB_REPO,
+    revision: str | None = None,
 ) -> list[dict[str, Any]]:
     """Load the test records of one LongBench(-E) dataset, in file order, at most ``limit`` of them.
 
     ``data_dir``: a folder with ``<dataset>.jsonl``, the official ``data.zip``, or None for the hub (see the module
-    docstring). Raises ValueError for an unknown dataset, FileNotFoundError (with the path) for a missing file.
+    docstring); ``revision`` pins the hub dataset's branch, tag or commit. Raises ValueError for an unknown dataset, FileNotFoundError (with the path) for a missing file.
     """
     base_dataset(dataset)
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    rows = _read_local(dataset, data_dir) if data_dir is not None else _read_hub(dataset, hub_repo)
+    rows = _read_local(dataset, data_dir) if data_dir is not None else _read_hub(dataset, hub_repo, revision)
     out: list[dict[str, Any]] = []
     for where, raw in rows:
         if limit is not None and len(out) >= limit:

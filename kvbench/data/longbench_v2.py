@@ -54,9 +54,10 @@ def check_local(data_path: str) -> None:
     check_data_path(data_path, SPLIT, columns=FIELDS)
 
 
-def load_longbench_v2(data_path: Optional[str] = None, limit: Optional[int] = None) -> list[dict]:
-    """The records, in the hub's order (at most `limit`)."""
-    ds = load_hub_dataset(HUB_ID, None, SPLIT, data_path)
+def load_longbench_v2(data_path: Optional[str] = None, limit: Optional[int] = None,
+                      revision: Optional[str] = None) -> list[dict]:
+    """The records, in the hub's order (at most `limit`; the hub's data at `revision`)."""
+    ds = load_hub_dataset(HUB_ID, None, SPLIT, data_path, revision)
     out = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:

@@ -76,10 +76,12 @@ def check_local(name: str, data_path: str) -> None:
     check_data_path(local_path(data_path, name), s.split, s.config, columns=(s.question, s.answer))
 
 
-def load_reasoning(name: str, data_path: Optional[str] = None, limit: Optional[int] = None) -> list[dict]:
-    """Records {id, question, answer, set, ...the row's other columns} of set `name`, in the hub's order."""
+def load_reasoning(name: str, data_path: Optional[str] = None, limit: Optional[int] = None,
+                   revision: Optional[str] = None) -> list[dict]:
+    """Records {id, question, answer, set, ...the row's other columns} of set `name`, in the hub's order (the
+    hub's data at `revision`)."""
     s = SETS[name]
-    ds = load_hub_dataset(s.hub_id, s.config, s.split, local_path(data_path, name))
+    ds = load_hub_dataset(s.hub_id, s.config, s.split, local_path(data_path, name), revision)
     out: list[dict] = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:

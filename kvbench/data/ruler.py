@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
+from kvbench.data.hub import note_revision_read
 from kvbench.data.essays import essay_corpus_text
 
 # --------------------------------------------------------------------------- RULER's task definitions
@@ -562,19 +563,89 @@ def local_files(data_dir: Path, length: int) -> list[Path]:
     raise FileNotFoundError(f"no {length}.parquet/.jsonl or {length}/ folder in {data_dir}")
 
 
-def _read_rows(path: Path) -> list[dict]:
-    import pandas as pd
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
 
-    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_json(path, lines=path.suffix == ".jsonl")
-    rows = df.to_dict(orient="records")
-    for r in rows:  # parquet gives numpy arrays for the answer lists
-        if r.get("answer") is not None:
-            r["answer"] = [str(a) for a in r["answer"]]
-    return rows
+
+def check_hub_row(row: Any, where: str) -> None:
+    """ValueError naming `where` and the first field of a kvpress RULER row (HUB_COLUMNS) of the wrong type: text
+    fields (`task` too: rows of tasks the run does not name are skipped) strings, `answer` a non-empty list of
+    strings, `max_new_tokens` a whole number >= 1. A malformed row is refused before it is scored, never read as "None" or a list of dict keys."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a JSON {_kind(row)}, not an object (one row per line)")
+    missing = [c for c in HUB_COLUMNS if c not in row]
+    if missing:
+        raise ValueError(f"{where}: no {', '.join(map(repr, missing))} field (kvpress's format: "
+                         f"{', '.join(HUB_COLUMNS)})")
+    for field in ("context", "question", "answer_prefix", "task"):
+        if not isinstance(row[field], str):
+            raise ValueError(f"{where}: field {field!r} is {_kind(row[field])}; expected a string")
+    answer = row["answer"]
+    if not (isinstance(answer, list) and answer and all(isinstance(a, str) for a in answer)):
+        raise ValueError(f"{where}: field 'answer' is {_kind(answer)}; expected a non-empty list of strings")
+    n = row["max_new_tokens"]
+    whole = isinstance(n, int) or (isinstance(n, float) and n.is_integer())
+    if isinstance(n, bool) or not whole or n < 1:
+        raise ValueError(f"{where}: field 'max_new_tokens' is {_kind(n)} ({n!r:.40}); expected a whole number >= 1")
+
+
+def _rows_with_place(path: Path) -> Iterable[tuple[str, Any]]:
+    """(where, row) of a kvpress RULER file: `<file>:<line>` for JSON lines, `<file> row <i>` otherwise."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # lazy (datasets brings pyarrow)
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's errors do not name the file
+            raise ValueError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0][:120]})") from None
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", row
+        return
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a UTF-8 BOM is not part of the first row
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+    stripped = text.lstrip()
+    if path.suffix == ".json" and stripped.startswith("["):
+        try:
+            rows = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", row
+        return
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+        yield f"{path}:{n}", row
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The rows of one file, each checked (check_hub_row)."""
+    out = []
+    for where, row in _rows_with_place(path):
+        check_hub_row(row, where)
+        out.append(row)
+    return out
+
+
+def check_local_rows(data_dir: Path, lengths: Iterable[int]) -> None:
+    """ValueError naming file, row and field for the first malformed row of data_dir's files at `lengths`
+    (before the model loads; FileNotFoundError when a length has no file)."""
+    for length in lengths:
+        for path in local_files(data_dir, length):
+            _read_rows(path)
 
 
 def load_hub_samples(length: int, tasks: Iterable[str], data_dir: Optional[str] = None,
-                     limit: Optional[int] = None) -> dict[str, list[dict]]:
+                     limit: Optional[int] = None, revision: Optional[str] = None) -> dict[str, list[dict]]:
     """kvpress's RULER data for one length, per task (at most `limit` each, in file order): from data_dir
     (`<length>.parquet|.jsonl`, or a `<length>/` folder as the hub repository holds it) or from the hub."""
     if data_dir is not None:
@@ -582,11 +653,11 @@ def load_hub_samples(length: int, tasks: Iterable[str], data_dir: Optional[str] 
     else:
         import datasets
 
-        rows = list(datasets.load_dataset(HUB_DATASET, str(length), split="test"))
-    missing = [c for c in HUB_COLUMNS if rows and c not in rows[0]]
-    if missing:
-        raise ValueError(f"the data lacks the columns {', '.join(missing)} (kvpress's format: "
-                         f"{', '.join(HUB_COLUMNS)})")
+
+        rows = list(datasets.load_dataset(HUB_DATASET, str(length), split="test", revision=revision))
+        note_revision_read(HUB_DATASET, revision)
+        for i, r in enumerate(rows):
+            check_hub_row(r, f"{HUB_DATASET} {length} row {i}")
     out: dict[str, list[dict]] = {t: [] for t in tasks}
     for r in rows:
         t = str(r["task"])

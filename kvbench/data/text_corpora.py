@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from kvbench.data.hub import require_hub
+from kvbench.data.hub import note_revision_read, require_hub
 from kvbench.data.local_rows import check_rows
 from kvbench.errors import UserError, first_line
 
@@ -103,8 +103,10 @@ def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str
     return _BUILDERS[matches[0].suffix.lower()], [str(p) for p in matches]
 
 
-def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: Optional[str] = None) -> Any:
-    """A `datasets.Dataset` from a local copy (data_path) or the hub; UserError when it cannot be had."""
+def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: Optional[str] = None,
+                     revision: Optional[str] = None) -> Any:
+    """A `datasets.Dataset` from a local copy (data_path) or the hub at `revision` (null: the default branch; the
+    commit read is recorded, kvbench.data.hub.revisions_read); UserError when it cannot be had."""
     try:
         import datasets
     except ImportError:
@@ -117,12 +119,14 @@ def load_hub_dataset(hub_id: str, config: Optional[str], split: str, data_path: 
             raise UserError(f"cannot read task.data_path={str(data_path)!r}: {first_line(exc)}") from None
     require_hub(f"dataset {hub_id!r}", "task.data_path")  # fail at once offline, not after the hub's retries
     try:
-        return datasets.load_dataset(hub_id, config, split=split) if config else \
-            datasets.load_dataset(hub_id, split=split)
+        ds = datasets.load_dataset(hub_id, config, split=split, revision=revision) if config else \
+            datasets.load_dataset(hub_id, split=split, revision=revision)
     except Exception as exc:
         raise UserError(f"cannot load dataset {hub_id!r} (split {split!r}) from the hub: "
                         f"{first_line(exc)}; "
                         f"pass task.data_path=<local copy> to read it from disk") from None
+    note_revision_read(hub_id, revision)
+    return ds
 
 
 def _column(ds: Any, name: str, where: str) -> list:
@@ -131,15 +135,17 @@ def _column(ds: Any, name: str, where: str) -> list:
     return ds[name]
 
 
-def load_wikitext(data_path: Optional[str] = None, split: str = "test", config: str = WIKITEXT_CONFIG) -> str:
+def load_wikitext(data_path: Optional[str] = None, split: str = "test", config: str = WIKITEXT_CONFIG,
+                  revision: Optional[str] = None) -> str:
     """WikiText-2 (raw) as one string: the split's rows joined by "\\n\\n" (the usual perplexity setup)."""
-    ds = load_hub_dataset(WIKITEXT_HUB_ID, config, split, data_path)
+    ds = load_hub_dataset(WIKITEXT_HUB_ID, config, split, data_path, revision)
     return "\n\n".join(_column(ds, "text", "wikitext"))
 
 
-def iter_pg19(data_path: Optional[str] = None, split: str = "test") -> Iterator[tuple[str, str]]:
+def iter_pg19(data_path: Optional[str] = None, split: str = "test",
+              revision: Optional[str] = None) -> Iterator[tuple[str, str]]:
     """(id, text) per PG-19 book, in dataset order; id is the short book title (or the row number)."""
-    ds = load_hub_dataset(PG19_HUB_ID, None, split, data_path)
+    ds = load_hub_dataset(PG19_HUB_ID, None, split, data_path, revision)
     _column(ds, "text", "pg19")
     has_title = "short_book_title" in ds.column_names
     for i, row in enumerate(ds):

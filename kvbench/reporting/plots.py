@@ -13,7 +13,8 @@ comparable runs (same model, task and runtime settings: kvbench.report groups th
     kv_over_generation(runs)          one sequence's KV MiB against its generated tokens (kv_curve.csv of the
                                       reasoning tasks): decode-time compression flat, the full cache growing
     history(runs, metric)             a metric per commit, one line per setting (an asv-style regression dashboard)
-    leaderboard(runs, "score")        kvpress's leaderboard figure: the metric against compression_ratio, one line per
+    leaderboard(runs, "score")        kvpress's leaderboard figure: the metric against compression_ratio (a threshold
+                                      run's realized ratio, 1 - kv_kept_fraction), one line per
                                       method, no-eviction runs (full) as reference lines from ratio 0, each point's
                                       peak KV MiB (measured from the pool) written beside it
 """
@@ -438,6 +439,32 @@ def acceptance_vs_draft_budget(runs: Sequence[dict]) -> Optional[bytes]:
                          "speculative decoding: acceptance vs draft budget")
 
 
+def turn_scores(run: dict) -> list[tuple[int, float]]:
+    """A multi-turn run's (turn, score) points from its score_turn_<k> metrics (task=scbench), by turn."""
+    pts = []
+    for key, value in run["metrics"].items():
+        if key.startswith("score_turn_") and key[len("score_turn_"):].isdigit() and _num(value) is not None:
+            pts.append((int(key[len("score_turn_"):]), float(value)))
+    return sorted(pts)
+
+
+def score_vs_turn(runs: Sequence[dict]) -> Optional[bytes]:
+    """The score of each turn (score_turn_<k>) against the turn, one line per series (method and the settings that
+    vary), coloured by method: what a compression kept for the first question and lost for the later ones."""
+    lines = [(r, turn_scores(r)) for r in runs]
+    lines = [(r, pts) for r, pts in lines if len(pts) >= 2]
+    if not lines:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    style = _Styler()
+    for run, pts in lines[:MAX_SERIES]:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=series_label(run), **style(run))
+    turns = sorted({p[0] for _, pts in lines for p in pts})
+    ax.set_xticks(turns)
+    return _percent_plot(fig, ax, "turn (question k over the same context)", "score", "score by turn")
+
+
 def _percent_plot(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> bytes:
     """Labels, a 0-105 % y axis, grid and legend; the PNG."""
     ax.set_xlabel(xlabel)
@@ -483,6 +510,21 @@ def ratio_of(run: dict) -> Optional[float]:
     return _num(value)
 
 
+def realized_ratio(run: dict) -> Optional[float]:
+    """A threshold run's (method.threshold: methods/dms.py) realized compression ratio, 1 - kv_kept_fraction (how
+    much its inputs let it remove), None for any other run."""
+    if _num(run["cfg"].get("method.threshold")) is None:
+        return None
+    kept = _num(run["metrics"].get("kv_kept_fraction"))
+    return None if kept is None else round(1.0 - kept, 4)
+
+
+def board_ratio(run: dict) -> Optional[float]:
+    """The leaderboard's x of a run: its compression_ratio, else its realized one (a threshold run), else None."""
+    ratio = ratio_of(run)
+    return ratio if ratio is not None else realized_ratio(run)
+
+
 def _mib(run: dict) -> Optional[float]:
     value = _num(run["metrics"].get("peak_kv_bytes"))
     return None if value is None else value / 2**20
@@ -518,7 +560,7 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         by_series.setdefault(series_label(run), []).append(run)
     for label, rs in list(by_series.items())[:MAX_BOARD_SERIES]:
         for r in rs:
-            y, x = _num(r["metrics"].get(metric)), ratio_of(r)
+            y, x = _num(r["metrics"].get(metric)), board_ratio(r)  # threshold runs at their realized ratio
             if y is None:
                 continue
             if x is not None:
@@ -529,7 +571,8 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
     if not lines:
         return None
     xs = sorted({p[0] for pts in lines.values() for p in pts})
-    gap = min([b - a for a, b in zip([0.0] + xs, xs) if b > a] or [0.25])
+    set_xs = sorted({x for x in (ratio_of(r) for r in runs) if x is not None}) or xs  # the swept ratios
+    gap = min([b - a for a, b in zip([0.0] + set_xs, set_xs) if b > a] or [0.25])
     n = len(lines)
     spread = 0.12 * gap  # the sideways spread of one ratio's points
     dodge = {label: (i - (n - 1) / 2) * spread / max(1, n - 1) for i, label in enumerate(lines)}
@@ -556,11 +599,12 @@ def leaderboard(runs: Sequence[dict], metric: str) -> Optional[bytes]:
         ax.plot([0.0], [y], marker="o", color=color, markersize=6)
         if mib is not None:
             label_pts.setdefault(0.0, []).append((y, f"{mib:.1f}", color, (0.0, y)))
-    ticks = [0.0] + xs if xs[0] > 0 else xs
+    ticks = [0.0] + set_xs if set_xs[0] > 0 else set_xs
     ax.set_xlim(-0.5 * spread - 0.05 * gap, xs[-1] + spread / 2 + 0.4 * gap)
     ax.set_xticks(ticks)
     ax.set_xticklabels([f"{x:g}" for x in ticks])
-    ax.set_xlabel("compression ratio (share of each context's KV removed at prefill; 0 = full cache)")
+    ax.set_xlabel("compression ratio (share of each context's KV removed at prefill; 0 = full cache; threshold "
+                  "runs at their realized ratio, 1 - kv_kept_fraction)")
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better(metric) else ""))
     ax.set_title(f"{metric} vs compression ratio; beside each point its peak KV MiB (measured from the pool)")
     ax.grid(alpha=0.3)

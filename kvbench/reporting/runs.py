@@ -39,6 +39,8 @@ def _result_config(run: dict) -> dict:
             "_config_hash": m.get("config_hash"), "data_sha256": m.get("data_sha256")}
     if out.get("data_sha256") is None:  # no local data files, or a run from before the digest was recorded
         out.pop("data_sha256", None)
+    if run["metrics"].get("data_revision") is not None:  # hub data: the commits read (kvbench.data.hub)
+        out["data_revision"] = run["metrics"]["data_revision"]
     out = json.loads(json.dumps(out, default=str))
     for section, keys in NOT_RESULT_KEYS.items():
         if isinstance(out.get(section), dict):

@@ -52,7 +52,8 @@ class Observation:
     sequence's row in the step; tokens_seen: tokens appended to the sequence so far, evicted ones included;
     model_config; rotary: the RoPE table; step_queries [H_q, Q, D] / step_query_positions [Q]: this step's own
     queries (None where the runtime gave none: hooks.decode_reads_attention); key_scores [H_kv, T]: this step's
-    attention mass per key slot (when the method asked for it).
+    attention mass per key slot (when the method asked for it); hidden_states [Q, E]: this step's attention input
+    (when the method sets reads_hidden_states).
     """
 
     layer: int
@@ -125,6 +126,13 @@ class Observation:
     def step_query_positions(self) -> torch.Tensor:
         """[Q] positions of this step's tokens."""
         return self.context.plan.query_positions[self.row]
+
+    @property
+    def hidden_states(self) -> Optional[torch.Tensor]:
+        """[Q, E] this step's attention input of the layer (after its norm), when the method sets
+        `reads_hidden_states`; None otherwise."""
+        h = self.context.hidden
+        return None if h is None else h[self.row]
 
     @property
     def key_scores(self) -> Optional[torch.Tensor]:

@@ -29,6 +29,8 @@ class LayerContext:
     q: torch.Tensor | None  # [S, Hq, Q, D] queries as used for attention (None: see hooks.decode_reads_attention)
     key_scores: torch.Tensor | None  # [S, H, T] attention mass per key slot (if the method asked)
     rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
+    hidden: torch.Tensor | None = None  # [S, Q, E] the layer's attention input (after its norm), when the hook
+    #                                     sets reads_hidden_states (KVzap's surrogate reads it); None otherwise
 
 
 class CacheHooks(Protocol):
@@ -45,6 +47,9 @@ class CacheHooks(Protocol):
     decode_reads_attention: bool
     store_pre_rope: bool  # cache keys before RoPE
     rope_mode: str  # "original" | "cache"
+    # optional (getattr, default False): ctx.hidden holds the layer's attention input (after the layer's norm) in
+    # every step; the fused CPU decode step and CUDA-graph replays (which keep no per-layer input) are not used
+    reads_hidden_states: bool
 
     def attach(self, cache: MethodCacheView, model_config: Any) -> None: ...
 
@@ -62,7 +67,16 @@ class CacheHooks(Protocol):
     #   after_prefill_chunk(slot, token_ids, start_pos, last_chunk)
     #                                               after every Engine.forward_chunk step, with the chunk's tokens
     #                                               (not after a scratch=True chunk: the method's own pass)
+    #   pruned_key_channels(head_dim) -> int        key channels per kv-head pruned by cache.prune_key_channels
+    #                                               (ThinK): > 0 builds a cache storing pruned blocks in fewer bytes
+    #   check_model(model_config)                   before the engine builds its cache: raise (one line) for a
+    #                                               model the method cannot run on
     #   keep_uncompressed(slot, num_tokens)         the next num_tokens appended to slot stay uncompressed
+    #   question_tokens(slot, num_tokens)           before each prefill chunk of a prompt whose last num_tokens
+    #                                               are its question, compressed with it (query-aware; Finch's
+    #                                               window)
+    #   prompt_kept_fraction(slot) -> float | None  the fraction of slot's prompt KV kept after its compression
+    #                                               (read at the sequence's first generated token)
 
 
 class NoCompression:
@@ -74,8 +88,14 @@ class NoCompression:
     acts_after_attention = False
     acts_before_attention = False
     decode_reads_attention = True
+    reads_hidden_states = False
     store_pre_rope = False
     rope_mode = "original"
+
+    def pruned_key_channels(self, head_dim: int) -> int:
+        """Key channels per kv-head this method prunes with cache.prune_key_channels (ThinK) on a model of
+        `head_dim`; > 0 builds a cache that stores pruned blocks in fewer bytes (runtime.cache.pruned_key_cache)."""
+        return 0
 
     def attach(self, cache: MethodCacheView, model_config: Any) -> None:
         """Keep the cache (as the view a method may call: kvbench.runtime.cache.kv_eviction) and the model's config."""

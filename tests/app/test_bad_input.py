@@ -111,6 +111,14 @@ CASES = [
     (["method=snapkv", "budget=64", "method.decode=slide"], "snapkv.decode='slide'"),
     (["method=h2o", "budget=64", "method.decode=block"], "h2o.decode='block'"),
     (["method=snapkv", "budget=64", "method.pooling=median"], "median"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=1.0"],
+     ("think.key_channel_compression_ratio=1:", "[0, 1)")),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=-0.25"],
+     "think.key_channel_compression_ratio=-0.25"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=abc"],
+     "think.key_channel_compression_ratio='abc'"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=0.5", "quant=int8"],
+     ("method=think", "quant=int8")),
     (["method=paged_eviction", "budget=16"], "budget=16"),
     # sweeps: the bad value is refused, the good ones are not run
     (["-m", "budget=64,abc"], "budget='abc'"),
@@ -208,6 +216,19 @@ CASES = [
     (["method=adakv", "method.base=h2o", "budget=64", "runtime.prefix_caching=true"],
      "runtime.prefix_caching=true with method=adakv"),
     (["method=h2o", "budget=64", "runtime.prefix_caching=1"], "runtime.prefix_caching=true"),
+    # threshold eviction (methods/dms.py) and KVzap
+    (["method=dms", "method.threshold=abc"], "invalid method.threshold='abc': expected a number"),
+    (["method=dms", "method.threshold=-3", "budget=64"], "method.threshold=-3 and budget=64 are both set"),
+    (["method=dms", "method.threshold=-3", "compression_ratio=0.5"],
+     "method.threshold=-3 and compression_ratio=0.5 are both set"),
+    (["method=dms"], "invalid dms.threshold=None: expected a number"),
+    (["method=dms", "method.threshold=-3", "+method.base_options.surrogate=quadratic"],
+     "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
+    (["method=kvzap", "method.surrogate=quadratic", "compression_ratio=0.5"],
+     "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
+    (["-m", "method=dms", "method.threshold=-3,x"], "invalid method.threshold='x'"),
+    (["method=think", "budget=64", "method.key_channel_compression_ratio=0.5", "runtime.prefix_caching=true"],
+     "runtime.prefix_caching=true with method=think"),
     # every job of a sweep is checked before the first starts (the first would load the model: no_loading fails it)
     (["-m", "method=streaming_llm", "budget=64,-5"], "invalid budget=-5"),
     (["method=streaming_llm", "-m", "budget=64,-5"], "invalid budget=-5"),  # -m after an override
@@ -225,15 +246,26 @@ CASES = [
     (["results_dir=''"], "invalid results_dir=''"),
     (["-m", "results_dir=''"], "invalid results_dir=''"),
     (["task=ruler", "task.lengths=100000"], "task.lengths=[100000]"),  # a bare length is a list of one
+    # scbench (SCBench's two modes)
+    (["task=scbench", "task.mode=multi_chat"], "invalid task.mode='multi_chat': choices are multi_turn, multi_request"),
+    (["task=scbench", "task.turns=0"], "invalid task.turns=0: expected an integer >= 1"),
+    (["task=scbench", "task.tasks=[passkey]"], ("unknown SCBench task 'passkey'", "kv, prefix_suffix, vt")),
+    (["task=scbench", "task.length=100000"], ("invalid task.length=100000", "model's 8192 positions")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbnoturns}", "task.tasks=[kv]"],
+     ("scbench_kv.jsonl, row 1", "no 'multi_turns' field")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbnoanswer}", "task.tasks=[kv]"],
+     ("multi_turns[0] needs 'input' and 'answer'",)),
+    (["task=scbench", "task.source=hub", "task.data_dir={empty}", "task.tasks=[kv]"], "no scbench_kv.jsonl"),
+    (["task=scbench", "task.repeats=2"], "invalid task.repeats=2"),
     # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
     (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
                                   "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
-    (["model.path={badtype}"], ("unsupported model_type 'gpt2'", "supported: llama, mistral, qwen2, qwen3")),
+    (["model.path={badtype}"], ("unsupported model_type 'gpt2'", "supported: llama, mistral, qwen2, qwen3, phi3")),
     (["model.path={kvzero}"], "invalid num_key_value_heads=0 in config.json"),
     (["model.path={negpos}"], "invalid max_position_embeddings=-1 in config.json"),
     (["model.path={oddhidden}"], "hidden_size=66 in config.json is not divisible by num_attention_heads=4"),
     (["model.path={custom}"], ("config.json names custom code (auto_map: AutoModelForCausalLM)",)),
-    (["model.path={window}"], ("sliding attention window (sliding_window=4096", "not supported yet")),
+    (["model.path={window}"], ("invalid sliding_window=0 in config.json: expected a positive integer",)),
     # issue 56: data rows checked against the task's schema (types) and encodings, before the model loads
     (["task=longbench", "task.datasets=[trec]", "task.data_dir={lbnull}"],
      ("task.data_dir file {lbnull}/trec.jsonl:2: field 'context' is null; expected a string",)),
@@ -246,6 +278,21 @@ CASES = [
     (["task=govreport", "task.source=ccdv", "task.data_dir={ccdvbad}"],
      ("task.data_dir file", "test.jsonl, line 2: column 'summary' is null; expected text")),
     (["task.corpus=wikitext", "task.data_path={wtnotext}"], ("no 'text' column", "it has content")),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulernull}", "task.lengths=[1024]"],
+     ("task.data_dir file {rulernull}/1024.jsonl:3: field 'context' is null; expected a string",)),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulerdict}", "task.lengths=[1024]"],
+     ("1024.jsonl:1: field 'answer' is an object; expected a non-empty list of strings",)),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulernew}", "task.lengths=[1024]"],
+     ("1024.jsonl:1: field 'max_new_tokens' is a string ('8'); expected a whole number >= 1",)),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulerutf16}", "task.lengths=[1024]"],
+     ("1024.jsonl: not UTF-8 text",)),
+    # issue 56: hub data pinned by revision (task.revision), refused where it pins nothing
+    (["task=longbench", "task.revision=main", "task.data_dir={empty}"],
+     "task.revision='main' pins the hub's data but task.data_dir="),
+    (["task=ruler", "task.revision=main"], "task.revision is set but task.source='generate' reads no hub data"),
+    (["task.revision=main"], "task.revision is set but task.corpus='pg_essays' is not read from the hub"),
+    (["task=longbench_v2", "task.revision='a b'"], "invalid task.revision='a b'"),
+    (["task=aime", "task.sets=[2024,2025]", "task.revision=main"], "names one revision but task.sets="),
     (["task.corpus=wikitext", "task.data_path={wtnumbers}"],
      ("line 2: column 'text' is a JSON int (5); expected text",)),
     (["task.text_file={utf16}"], "is UTF-16 text (byte order mark fffe)"),
@@ -300,6 +347,8 @@ def paths(tmp_path, tiny_llama_dir):
     data = {}
     row = {"input": "q", "context": "c", "answers": ["a"], "length": 1, "dataset": "trec", "language": "en",
            "all_classes": ["a", "b"], "_id": "x"}
+    ruler_row = {"context": "c", "question": "q", "answer_prefix": "A:", "answer": ["7"], "task": "niah_single_1",
+                 "max_new_tokens": 8}
     for name, file, text in (
             ("lbnull", "trec.jsonl", json.dumps(row) + "\n" + json.dumps({**row, "context": None}) + "\n"),
             ("lbdict", "trec.jsonl", json.dumps({**row, "answers": {"a": "0"}}) + "\n"),
@@ -310,7 +359,14 @@ def paths(tmp_path, tiny_llama_dir):
             ("wtnotext", "test.jsonl", json.dumps({"content": "x"}) + "\n"),
             ("ccdvbad", "test.jsonl", json.dumps({"report": "r", "summary": "s"}) + "\n"
              + json.dumps({"report": "r", "summary": None}) + "\n"),
-            ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n")):
+            ("wtnumbers", "test.jsonl", json.dumps({"text": "x"}) + "\n" + json.dumps({"text": 5}) + "\n"),
+            ("scbnoturns", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c", "turns": []}) + "\n"),
+            ("scbnoanswer", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c",
+                                                             "multi_turns": [{"input": "q"}]}) + "\n"),
+            ("rulernull", "1024.jsonl", json.dumps(ruler_row) + "\n\n" + json.dumps({**ruler_row, "context": None})),
+            ("rulerdict", "1024.jsonl", json.dumps({**ruler_row, "answer": {"a": "0"}}) + "\n"),
+            ("rulernew", "1024.jsonl", json.dumps({**ruler_row, "max_new_tokens": "8"}) + "\n"),
+            ("rulerutf16", "1024.jsonl", None)):
         (tmp_path / name).mkdir()
         target = tmp_path / name / file
         if text is None:
@@ -324,7 +380,7 @@ def paths(tmp_path, tiny_llama_dir):
         "fewlayers": {"num_hidden_layers": 4}, "badtype": {"model_type": "gpt2"},
         "kvzero": {"num_key_value_heads": 0}, "negpos": {"max_position_embeddings": -1},
         "oddhidden": {"hidden_size": 66}, "custom": {"auto_map": {"AutoModelForCausalLM": "m.M"}},
-        "window": {"model_type": "mistral", "sliding_window": 4096}}.items()}
+        "window": {"model_type": "mistral", "sliding_window": 0}}.items()}
     return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}

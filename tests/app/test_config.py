@@ -12,6 +12,7 @@ import kvbench.config as kconfig
 from kvbench import spec
 from tests.harness_fakes import CONF_DIR, compose
 from kvbench.errors import UserError
+from kvbench.registry import METHODS
 from kvbench.store.naming import run_id_for
 
 
@@ -49,6 +50,8 @@ def test_hf_model_names_itself():
 def test_every_group_option_composes(group):
     for option in _choices(group):
         overrides = [f"{group}={option}"] + (["model.path=x"] if option == "hf" else [])
+        if group == "method" and option in METHODS and getattr(METHODS[option], "reads_question", False):
+            overrides += ["task=ruler", "task.compress_question=true"]  # finch: a task that says the question
         cfg = compose(overrides)
         if group in ("method", "task"):
             assert cfg[group].name, f"conf/{group}/{option}.yaml needs a name"

@@ -71,20 +71,40 @@ def test_sweep_sizes():
     assert size("kivi_longbench", "paper") == 6 and size("kivi_longbench", "smoke") == 3
     assert size("paged_eviction_longbench", "paper") == 5 * 4 * 3 * 2
     assert size("budget_sweep", "paper") == 11 * 5 * 2 and size("budget_sweep", "smoke") == 11 * 2 * 2
-    # 15 rows (full and every board method kvbench has) x 9 ratios; smoke: 3 ratios (full runs once: 43 runs)
-    assert size("kvpress_leaderboard", "paper") == 15 * 9 and size("kvpress_leaderboard", "smoke") == 15 * 3
+    # the board's 4 ratios x 27 rows (full, the board's methods, 8 kvzap thresholds, 4 query-aware rows); a
+    # threshold row and full are one run whatever the ratio. Smoke: 3 ratios x 25 rows (6 kvzap thresholds)
+    assert size("kvpress_leaderboard", "paper") == 4 * 27 and size("kvpress_leaderboard", "smoke") == 3 * 25
+    assert size("kvpress_leaderboard", "paper_llama") == 4 * 27
+    # 2 modes x 6 rows (full, streaming_llm, snapkv with and without the question, expected_attention, kvzip) x 2 budgets
+    assert size("scbench_turns", "paper") == size("scbench_turns", "smoke") == 2 * 6 * 2
 
 
 SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores
 
 
 def test_kvpress_leaderboard_has_every_board_method():
-    """Every method of kvpress's board that kvbench implements is a row of the sweep, at both scales."""
-    board = {"random", "knorm", "snapkv", "expected_attention", "streaming_llm", "tova", "pyramidkv", "lagkv",
-             "key_diff", "adakv", "criticalkv", "duo_attention", "kvzip", "h2o", "full"}
-    for scale in ("paper", "smoke"):
-        methods = {_compose(p).method.name for p in sweep_points("kvpress_leaderboard", scale)}
+    """Every method of kvpress's board (leaderboard.sh @8bb29b9) that kvbench implements is a row of the sweep, at
+    every scale, with the board's settings: the ratios 0.25 / 0.5 / 0.75 / 0.875, expected_attention as AdaKV over
+    Expected Attention with epsilon 1e-2, kvzap by threshold (-3..-6 on Qwen3-8B, -6..-9 on Llama-3.1-8B) with no
+    ratio, and the query-aware rows compressing the question."""
+    board = {"random", "knorm", "snapkv", "adakv", "streaming_llm", "tova", "pyramidkv", "lagkv", "key_diff", "cur",
+             "adakv_compactor", "kvzip", "dms", "duo_attention", "h2o", "finch", "chunkkv", "full"}
+    for scale in ("paper", "paper_llama", "smoke"):
+        configs = [_compose(p) for p in sweep_points("kvpress_leaderboard", scale)]
+        methods = {c.method.name for c in configs}
         assert methods == board, (scale, board ^ methods)
+        ratios = {c.compression_ratio for c in configs if c.method.name != "dms"}  # every point (with full)
+        assert ratios == ({0.25, 0.5, 0.75} if scale == "smoke" else {0.25, 0.5, 0.75, 0.875}), (scale, ratios)
+        ea = [c for c in configs if c.method.name == "adakv" and c.method.base == "expected_attention"]
+        assert ea and all(c.method.base_options.epsilon == 0.01 for c in ea)
+        dms = [c for c in configs if c.method.name == "dms"]
+        assert all(c.compression_ratio is None and c.method.base == "kvzap" for c in dms)
+        assert {c.method.base_options.surrogate for c in dms} == {"linear", "mlp"}
+        want = {"paper": {-3, -4, -5, -6}, "paper_llama": {-6, -7, -8, -9}, "smoke": {-3, -4, -5}}[scale]
+        assert {c.method.threshold for c in dms} == want, scale
+        aware = {(c.method.name, c.method.base if c.method.name == "adakv" else None) for c in configs
+                 if c.task.compress_question}
+        assert aware == {("snapkv", None), ("adakv", "snapkv"), ("finch", None), ("chunkkv", None)}, aware
     duo = [c for c in (_compose(p) for p in sweep_points("kvpress_leaderboard", "smoke"))
            if c.method.name == "duo_attention"]
     assert duo and all(c.method.on_the_fly and c.method.on_the_fly_samples <= 4 for c in duo)
@@ -136,7 +156,9 @@ def test_experiment_composes_at_both_scales(name):
 
 @pytest.mark.parametrize("name", EXPERIMENTS_BIG_SLOW)
 def test_paper_block_rows_match_runs_of_the_sweep(name):
-    configs = [_compose(o) for o in sweep_pairs(name, "paper")]
+    scales = [f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "experiment", "scales", name))
+              if f.startswith("paper") and f.endswith(".yaml")]  # paper, and a second paper model where there is one
+    configs = [_compose(o) for scale in sorted(scales) for o in sweep_pairs(name, scale)]
     paper = OmegaConf.to_container(configs[0].paper)
     for key in ("source", "model", "dataset", "metric", "rows"):
         assert paper.get(key) not in (None, ""), (name, key)

@@ -1,6 +1,7 @@
 """Issue 56, item 2: a model kvbench cannot run as its files describe it is refused before the weights load, in one
 line (kvbench.model_checks): weights that do not match config.json (missing, unexpected, mismatched tensors, named),
-configs of other model types, custom code, impossible sizes, a sliding window. Every supported family passes.
+configs of other model types, custom code, impossible sizes, a window that cannot be honoured (issue 60 honours sliding
+windows: Mistral's, Gemma's, Qwen2's layer_types). Every supported family passes.
 The CLI cases (exit 2, no run folder) are rows of tests/app/test_bad_input.py."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvbench.model_checks import check_config, loading_report
 from kvbench.model_info import check_runnable
 from kvbench.runtime.model.loading import load_hf
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
-from tests.tiny_models import FAMILIES, tiny_hf_model
+from tests.tiny_models import ARCH_FAMILIES, FAMILIES, tiny_hf_model
 
 TOKENIZER = '{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}'
 
@@ -41,7 +42,7 @@ def refusal(folder) -> str:
     return message
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ARCH_FAMILIES)
 def test_every_supported_family_passes(tmp_path, family):
     folder = save(tiny_hf_model(family, layers=2), tmp_path / family)
     check_runnable(SimpleNamespace(path=str(folder), gguf_file=None))
@@ -93,13 +94,17 @@ GOOD = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
     ({"max_position_embeddings": -1}, "invalid max_position_embeddings=-1"),
     ({"num_hidden_layers": 2.5}, "invalid num_hidden_layers=2.5"),
     ({"hidden_size": 66}, "hidden_size=66 in config.json is not divisible by num_attention_heads=4"),
-    ({"hidden_size": 66, "head_dim": 16}, "honoured for mistral, qwen3 only"),
+    ({"hidden_size": 66, "head_dim": 16}, "honoured for mistral, qwen3, gemma2, gemma3_text, gemma3, gpt_oss only"),
     ({"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "custom code"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
-    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, "use_sliding_window=True"),
-    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "1 sliding layer_types"),
+    ({"model_type": "mistral", "sliding_window": 0}, "invalid sliding_window=0"),
+    ({"model_type": "mistral", "sliding_window": "4k"}, "invalid sliding_window='4k'"),
+    ({"model_type": "qwen2", "sliding_window": None, "use_sliding_window": True}, "invalid sliding_window=None"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "chunked_attention"]},
+     "layer_types ['chunked_attention'] in config.json cannot be honoured"),
+    ({"model_type": "gemma3_text", "head_dim": 16, "use_bidirectional_attention": True}, "use_bidirectional"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
 ])
 def test_configs_kvbench_cannot_run_are_refused(changes, needle):
     with pytest.raises(UserError) as info:
@@ -110,6 +115,17 @@ def test_configs_kvbench_cannot_run_are_refused(changes, needle):
 def test_configs_it_can_run_pass():
     check_config(GOOD, "w", SUPPORTED_MODEL_TYPES)
     check_config({**GOOD, "model_type": "mistral", "sliding_window": None}, "w", SUPPORTED_MODEL_TYPES)
+    # issue 60: windows are honoured (Mistral's on every layer, layer_types, Qwen2's use_sliding_window)
+    check_config({**GOOD, "model_type": "mistral", "sliding_window": 4096}, "w", SUPPORTED_MODEL_TYPES)
+    check_config({**GOOD, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, "w",
+                 SUPPORTED_MODEL_TYPES)
+    check_config({**GOOD, "model_type": "qwen3", "sliding_window": 64,
+                  "layer_types": ["full_attention", "sliding_attention"]}, "w", SUPPORTED_MODEL_TYPES)
+    check_config({**GOOD, "model_type": "gemma3_text", "head_dim": 256, "sliding_window": 512,
+                  "hidden_activation": "gelu_pytorch_tanh"}, "w", SUPPORTED_MODEL_TYPES)
+    check_config({"model_type": "gemma3", "text_config": {**GOOD, "model_type": "gemma3_text", "sliding_window": 1024,
+                                                          "hidden_activation": "gelu_pytorch_tanh"}},
+                 "w", SUPPORTED_MODEL_TYPES)  # a multimodal checkpoint: its text_config is checked
     check_config({**GOOD, "model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False}, "w",
                  SUPPORTED_MODEL_TYPES)  # Qwen2.5's configs: a window that is not used
     check_config({**GOOD, "model_type": "qwen3", "hidden_size": 66, "head_dim": 16}, "w", SUPPORTED_MODEL_TYPES)

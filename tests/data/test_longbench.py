@@ -175,7 +175,7 @@ def test_load_from_official_zip(tmp_path):
 def test_hub_path_uses_datasets_load_dataset(monkeypatch):
     calls = []
 
-    def load_dataset(repo, name, split):
+    def load_dataset(repo, name, split, revision=None):
         calls.append((repo, name, split))
         return [_record(i) for i in range(4)]
 
@@ -188,10 +188,10 @@ def test_hub_path_uses_datasets_load_dataset(monkeypatch):
 def test_hub_script_error_falls_back_to_data_zip(monkeypatch, tmp_path):
     zpath = _official_zip(tmp_path, "samsum", 3)
 
-    def load_dataset(repo, name, split):
+    def load_dataset(repo, name, split, revision=None):
         raise RuntimeError("Dataset scripts are no longer supported, but found LongBench.py")
 
-    def hf_hub_download(repo_id, filename, repo_type):
+    def hf_hub_download(repo_id, filename, repo_type, revision=None):
         assert (repo_id, filename, repo_type) == ("THUDM/LongBench", "data.zip", "dataset")
         return str(zpath)
 

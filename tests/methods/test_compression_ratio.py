@@ -19,12 +19,12 @@ from tests.harness_fakes import compose
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_model
 from tests.methods.test_matrix import _over_budget
-from tests.methods.variants import VARIANTS
+from tests.methods.variants import VARIANTS, budgeted
 
 CHUNK = 64
 BS = 16
 PROMPTS = (200, 333)
-EVICTING = [v for v in VARIANTS if issubclass(METHODS[v[0]], EvictionMethod)]
+EVICTING = [v for v in budgeted(VARIANTS) if issubclass(METHODS[v[0]], EvictionMethod)]
 
 
 def _uniform_tables(method) -> bool:

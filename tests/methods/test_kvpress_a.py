@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.pyramidkv import pyramid_budgets
-from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_snapkv_official import official_keep

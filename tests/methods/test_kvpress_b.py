@@ -14,7 +14,7 @@ from kvbench.methods.criticalkv import projected_value_norms
 from kvbench.methods.duo_attention import on_the_fly_scores, streaming_mask
 from kvbench.methods.selection import top_tokens_in_layer
 from kvbench.methods.kvzip import FIRST_PROMPT
-from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_hf_model

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.methods import build_method
-from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+KVZAP = os.path.join(FIXTURES, "kvzap_tiny")  # random surrogates in the hub's format for tiny_model's shapes
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -40,8 +41,41 @@ VARIANTS = [
     ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
     ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
     ("kvzip", {"chunk_size": 48}),
+    ("compactor", {"chunk_size": 16}),
+    ("adakv_compactor", {"base_options": {"chunk_size": 16}}),
+    ("cur", {}),
+    ("cur", {"decode": "evict", "leverage_type": "kv_avg", "use_random_leverage": True}),
+    ("chunkkv", {"chunk_length": 8, "base_options": {"window": 8}}),
+    ("finch", {"window": 8}),
+    ("finch", {"window": 8, "rerotate_keys": False, "chunk_length": 24}),
+    ("think", {}),
+    ("think", {"key_channel_compression_ratio": 0.5, "window_size": 8}),
+    ("think", {"key_channel_compression_ratio": 0.25, "base": "knorm", "decode": "evict"}),
+    ("merge", {}),
+    ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
+               "merge_budget": 4}),
+    ("kvzap", {"path": os.path.join(KVZAP, "mlp")}),
+    ("kvzap", {"surrogate": "linear", "path": os.path.join(KVZAP, "linear"), "decode": "evict"}),
+    ("dms", {"base_options": {"path": os.path.join(KVZAP, "mlp")}, "threshold": 0.0, "sliding_window_size": 8}),
+    ("dms", {"base": "knorm", "threshold": -6.0, "sliding_window_size": 8, "decode": "evict"}),
     ("quest", {"dense_layers": 0}),  # retrieval, not eviction: every layer of the tiny models retrieves
 ]
+
+
+def knobs(name: str, budget=None, compression_ratio=None) -> dict:
+    """The budget knobs to build method `name` with: none for a threshold rule (dms), which refuses them."""
+    from kvbench.methods import METHODS
+
+    if not getattr(METHODS[name], "needs_budget", True):
+        return {"budget": None}
+    return {"budget": budget} if compression_ratio is None else {"budget": None, "compression_ratio": compression_ratio}
+
+
+def budgeted(variants):
+    """The variants a budget bounds (the budget-centric tests' matrix): all but threshold rules."""
+    from kvbench.methods import METHODS
+
+    return [v for v in variants if getattr(METHODS[v[0]], "needs_budget", True)]
 
 
 def variant_id(variant) -> str:

@@ -541,6 +541,37 @@ def test_leaderboard_table_and_figure(tmp_path):
     assert base64.b64encode(png).decode() in html
 
 
+def test_threshold_runs_sit_at_their_realized_ratio(tmp_path, monkeypatch):
+    """kvzap rows (dms by threshold, no ratio): one line per surrogate on the board's figure, each run at
+    1 - kv_kept_fraction, and a table of them (threshold, realized ratio, score, peak)."""
+    ruler_board_folder(tmp_path)
+    opts = {"lengths": [1024], "tasks": ["niah_single_1", "vt"], "compress_question": False}
+    for surrogate, kept, score in (("linear", 0.4, 30.0), ("linear", 0.6, 45.0), ("mlp", 0.4, 35.0)):
+        threshold = -3 if kept == 0.4 else -4
+        cfg = fx.config(method="dms", task="ruler", task_options=opts, experiment="kvpress_leaderboard",
+                        method_options={"base": "kvzap", "base_options": {"surrogate": surrogate},
+                                        "threshold": threshold, "decode": "none"})
+        fx.write_run(str(tmp_path), cfg, {"score": score, "peak_kv_bytes": 100 * 2**20, "kv_kept_fraction": kept},
+                     fx.score_samples([0, 1], "vt"))
+    drawn = {}
+    inner = report.plots.leaderboard
+
+    def spy(runs, metric):
+        for r in runs:
+            drawn.setdefault(r["series"], set()).add(report.plots.board_ratio(r))
+        return inner(runs, metric)
+
+    monkeypatch.setattr(report.plots, "leaderboard", spy)
+    sec = section(tmp_path, "kvpress_leaderboard")
+    lines = [k for k in drawn if "linear" in k or "mlp" in k]
+    assert len(lines) == 2, drawn  # one line per surrogate, not per threshold
+    assert {frozenset(drawn[k]) for k in lines} == {frozenset({0.6, 0.4}), frozenset({0.6})}
+    (table,) = [t for t in sec.tables if "threshold runs" in t.title]
+    assert table.columns == ["method", "threshold", "realized ratio", "score", "peak KV MiB"]
+    assert [r[1:4] for r in table.rows] == [["-4", "0.400", "45"], ["-3", "0.600", "30"], ["-3", "0.600", "35"]]
+    assert any("leaderboard" in t for t, _ in sec.plots)
+
+
 def test_leaderboard_never_sets_an_11_task_score_beside_a_13_task_one(tmp_path):
     """One method's runs scored without two tasks (as RULER without its QA data): a leaderboard of their own."""
     ruler_board_folder(tmp_path)
@@ -734,3 +765,33 @@ def test_resident_and_read_bytes_on_two_axes(monkeypatch):
     assert got == [((50.0, 50.0), "snapkv"), ((100.0, 100.0), "full"), ((106.0, 25.0), "quest")]
     assert sorted(t.get_text() for t in ax.texts) == ["20", "20.5", "21"]
     assert plots.memory_and_reads(runs[:1], "ppl") is None  # one point: nothing to set side by side
+
+
+def test_score_by_turn_plot_one_line_per_method(tmp_path, monkeypatch):
+    """scbench runs (score_turn_<k>): a score-by-turn plot per comparable group (task.mode), a line per method and
+    setting (task.compress_question is a line, not a group)."""
+    from kvbench.reporting import plots
+
+    drawn = []
+    real = plots.score_vs_turn
+
+    def spy(runs):
+        drawn.append(sorted(plots.series_label(r) for r in runs if len(plots.turn_scores(r)) >= 2))
+        return real(runs)
+
+    monkeypatch.setattr(plots, "score_vs_turn", spy)
+    for mode in ("multi_turn", "multi_request"):
+        for method, budget, turns, cq in (("full", None, [60.0, 60.0, 60.0], False),
+                                          ("snapkv", 128, [50.0, 20.0, 10.0], False),
+                                          ("snapkv", 128, [55.0, 10.0, 5.0], True)):
+            cfg = fx.config(method=method, budget=budget, task="scbench", experiment="scbench_turns",
+                            task_options={"mode": mode, "turns": 3, "compress_question": cq})
+            metrics = {"score": sum(turns) / 3, **{f"score_turn_{k}": v for k, v in enumerate(turns, 1)}}
+            fx.write_run(str(tmp_path), cfg, metrics, fx.score_samples([0.5, 0.5], "scbench_kv"))
+    sec = section(tmp_path, "scbench_turns")
+    titles = [t for t, _ in sec.plots]
+    assert "scbench: score by turn [task.mode=multi_request]" in titles
+    assert "scbench: score by turn [task.mode=multi_turn]" in titles, titles
+    # one plot per mode, the question compressed or not a line of its own beside full's
+    assert len(drawn) == 2 and all(len(d) == 3 for d in drawn), drawn
+    assert real([]) is None  # no multi-turn runs: no plot

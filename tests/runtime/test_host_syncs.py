@@ -11,7 +11,7 @@ from kvbench.methods import build_method
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.host_sync import HostSyncCounter
-from tests.methods.variants import VARIANTS, variant_id
+from tests.methods.variants import VARIANTS, knobs, variant_id
 from tests.tiny_models import ByteTokenizer, tiny_model
 
 STEPS = 12  # more than a block of 8: every block method evicts at least once per sequence
@@ -26,13 +26,22 @@ HOST_BOUND = {
     "duo_attention-patterns_path": "streaming heads trimmed token by token every step",
     "knorm-decode=evict": "token-level eviction every step (the smallest key norms, tokens compacted per table)",
     "rkv-buffer=4-window=4": "token-level compression every `buffer` tokens (tables compacted to the budget)",
+    "cur-decode=evict-leverage_type=kv_avg-use_random_leverage=True":
+        "token-level eviction every step (the lowest CUR leverage, tokens compacted per table)",
+    "merge-base=snapkv-base_options={'window': 8}-decode=cam-compression_interval=1-merge_budget=4":
+        "CaM merges and evicts tokens every step",
+    "kvzap-surrogate=linear-path": "token-level eviction every step (decode=evict: surrogate scores, top-k)",
+    "think-key_channel_compression_ratio=0.25-base=knorm-decode=evict":
+        "token-level eviction every step (its base knorm's decode=evict)",
+    "dms-base=knorm-threshold=-6.0-sliding_window_size=8-decode=evict":
+        "a token judged by its threshold every step (the one leaving the window; tables compacted)",
 }
 
 
 def _bound(variant):
     vid = variant_id(variant)
     return next((why for key, why in HOST_BOUND.items() if vid.startswith(key) and
-                 (vid == key or key.endswith("patterns_path"))), None)
+                 (vid == key or key.endswith("path"))), None)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +82,7 @@ def _variant_param(v):
 @pytest.mark.parametrize("variant", [_variant_param(v) for v in VARIANTS])
 def test_at_most_one_host_sync_per_decode_step(model, variant):
     name, opts = variant
-    method = None if name == "full" else build_method(name, budget=32, **opts)
+    method = None if name == "full" else build_method(name, **knobs(name, 32), **opts)
     for step, (calls, _) in enumerate(syncs_per_step(model, method)):
         assert len(calls) <= 1, f"step {step}: {calls}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.runtime.model.forward import build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.scoring import Scorer
 from tests.tiny_models import FAMILIES, hf_logprobs, tiny_hf_model

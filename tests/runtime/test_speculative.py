@@ -20,7 +20,7 @@ from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.requests import Request
 from kvbench.runtime.serving.speculative import SpeculativeDecoder, rejection_sample
 from tests.fixtures.task_fixtures import one_thread as _one_thread
-from tests.methods.variants import VARIANTS
+from tests.methods.variants import VARIANTS, knobs
 from tests.runtime.test_ragged import CODECS  # every codec (kvquant with uniform levels: no calibration)
 from tests.tiny_models import ByteTokenizer, tiny_model
 
@@ -69,8 +69,7 @@ def test_every_method_drafts():
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_greedy_output_is_the_targets_for_every_drafter(model, reference, name):
-    budget = None if name == "full" else 32
-    spec = _speculative(model, build_method(name, budget, **DRAFTERS[name]))
+    spec = _speculative(model, build_method(name, **knobs(name, None if name == "full" else 32), **DRAFTERS[name]))
     target = _engine(model, speculator=spec)
     free = target.cache.pool.num_free
     one = [g.token_ids for g in target.generate(_prompts()[:1], max_new_tokens=NEW)]

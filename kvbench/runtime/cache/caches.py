@@ -16,6 +16,7 @@ import torch
 
 from kvbench.runtime.cache import kv_geometry
 from kvbench.runtime.cache.kv_cache import PagedKVCache
+from kvbench.runtime.cache.pruned_key_cache import PrunedKeyKVCache
 from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
 
 
@@ -27,14 +28,31 @@ def codec_block_size(codec: Any, block_size: int) -> int:
 
 def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
                 block_size: int, dtype: torch.dtype, device: Any, max_seqs: int = 64,
-                store_pre_rope: bool = False) -> PagedKVCache:
-    """A PagedKVCache (codec None or "full") or a QuantizedPagedKVCache holding at most kv_memory_bytes."""
+                store_pre_rope: bool = False, pruned_key_channels: int = 0,
+                value_dim: Optional[int] = None) -> PagedKVCache:
+    """A PagedKVCache (codec None or "full"), a QuantizedPagedKVCache, or (pruned_key_channels > 0: a method
+    prunes that many key channels per kv-head, ThinK) a PrunedKeyKVCache, holding at most kv_memory_bytes.
+    value_dim: a latent cache (MLA: values inside the keys; full precision only)."""
     common = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                   device=device, max_seqs=max_seqs)
+    if pruned_key_channels:
+        if value_dim is not None:
+            raise ValueError("pruned key channels (ThinK) and MLA's latent cache both choose the layout")
+        if codec is not None and getattr(codec, "name", "full") != "full":
+            raise ValueError(f"pruned key channels and the storage codec {codec.name!r} both choose the layout")
+        if store_pre_rope:
+            raise ValueError("pruned key channels need keys cached after RoPE")
+        return PrunedKeyKVCache(pruned_channels=int(pruned_key_channels), block_size=block_size,
+                                max_bytes=int(kv_memory_bytes), **common)
     if codec is None or getattr(codec, "name", "full") == "full":
-        num_blocks = kv_geometry.pool_blocks(kv_memory_bytes, kv_geometry.block_bytes(block_size, head_dim, dtype))
+        latent = value_dim is not None
+        num_blocks = kv_geometry.pool_blocks(kv_memory_bytes,
+                                             kv_geometry.block_bytes(block_size, head_dim, dtype, latent))
         return PagedKVCache(block_size=block_size, num_blocks=int(num_blocks), store_pre_rope=store_pre_rope,
-                            **common)
+                            value_dim=value_dim, **common)
+    if value_dim is not None:
+        raise ValueError(f"quant {getattr(codec, 'name', codec)!r}: a storage codec cannot store MLA's latent cache "
+                         f"yet (its blocks hold K and V apart); run it with quant=none")
     pre_rope = store_pre_rope or bool(getattr(codec, "pre_rope_keys", False))
     return QuantizedPagedKVCache(codec=codec, block_size=codec_block_size(codec, block_size),
                                  max_bytes=int(kv_memory_bytes), store_pre_rope=pre_rope, **common)

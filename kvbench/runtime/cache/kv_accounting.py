@@ -16,19 +16,26 @@ class KVAccounting:
     # ------------------------------------------------------------------ bytes
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block occupies in the pool (K and V, and its key summary when the cache keeps them)."""
+        """Bytes one block occupies in the pool (K and V, a latent cache's one row per token, and its key summary
+        when the cache keeps them)."""
         summaries = getattr(self, "summaries", None)
         extra = summaries.bytes_per_block if summaries is not None else 0
-        return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype) + extra
+        return self.kv_block_bytes + extra
 
     @property
     def kv_block_bytes(self) -> int:
         """K and V bytes of one block (what attention reads of it)."""
-        return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype)
+        return block_bytes(self.block_size, self.head_dim, self.k_pool.dtype, getattr(self, "latent", False))
+
+    def uncompressed_block_bytes(self) -> int:
+        """Bytes one block takes uncompressed, in the model dtype (what full_kv_bytes counts)."""
+        return block_bytes(self.block_size, self.head_dim, self.dtype, getattr(self, "latent", False))
 
     @property
     def full_bytes_per_token(self) -> int:
         """Bytes an uncompressed cache needs per token (all layers, kv-heads, K and V)."""
+        if getattr(self, "latent", False):
+            return self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         return token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def decode_read_bytes(self, plan, layers: list[int]):

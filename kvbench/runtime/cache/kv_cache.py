@@ -40,10 +40,14 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16, num_blocks: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", max_seqs: int = 64,
-                 initial_max_blocks: int = 64, store_pre_rope: bool = False):
+                 initial_max_blocks: int = 64, store_pre_rope: bool = False, value_dim: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if value_dim is not None and not 0 < value_dim <= head_dim:
+            raise ValueError(f"value_dim={value_dim} must be in 1..head_dim={head_dim}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        # a latent cache (MLA): values are the first value_dim dims of each key row (kv_layout)
+        self.value_dim, self.latent = value_dim, value_dim is not None
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope
@@ -168,7 +172,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         for s in slots:
             self._check_live(s)
         if Q == 1 and self.device.type == "cpu" and not self._shared and self.host_decode_appends:
-            return self._prepare_decode_append_host(slots, query_positions)
+            return self._noted(self._prepare_decode_append_host(slots, query_positions))
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
         # block counts from the host copy of the lengths: allocating reads no device value
         old_len_h = self.host_lengths[slots]  # [S, L, H]
@@ -216,8 +220,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.host_lengths[slots] = new_len_h
         for s in slots:
             self.tokens_seen[s] += Q
-        return AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), positions_snapshot, list(slots),
-                          host_lengths=new_len_h)
+        return self._noted(AppendPlan(slot_t, write_index, tables, new_len, pos.to(torch.int64), positions_snapshot,
+                                      list(slots), host_lengths=new_len_h))
 
     def _prepare_decode_append_host(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
         """prepare_append of one token per sequence on a CPU cache with no shared blocks: the same plan, built with

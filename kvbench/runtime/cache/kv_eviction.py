@@ -12,6 +12,11 @@ cache carries out the same operations on its own layout. METHOD_SURFACE lists th
     evict_blocks_on_device(layer, slot, n, drop [H,k]) the same with the choice left on the device (no host sync);
                                                        the ids wait as pending frees until the engine takes them
     drop_slots(layer, slot, start, stop)               drop a range of slots of every kv-head (StreamingLLM's window)
+    rewrite_tokens(layer, slot, keys=, values=, positions=)  overwrite what the held slots store (re-rotated keys,
+                                                       merged values), nothing evicted (full-precision caches only)
+    prune_key_channels(layer, slot, pruned [H, P])     key channels pruned per kv-head (ThinK): a cache built for it
+                                                       (pruned_key_cache) stores the held blocks in fewer bytes; a
+                                                       plain cache writes zeros in those channels
 
 `KVEviction` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache): these operations and the pending frees.
 """
@@ -34,6 +39,8 @@ class MethodCacheView(Protocol):
     store_pre_rope: bool  # keys are cached before RoPE (rotated at read time)
     lengths: torch.Tensor  # [max_seqs, L, H] int64 tokens in each table (read only)
     tokens_seen: list[int]  # tokens appended to each sequence slot, before any eviction (read only)
+    method_layers: tuple[int, ...]  # the layers a method acts on: the full-attention ones (sliding layers are the
+    # runtime's ring, never compressed; their after_attention is never called)
 
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -47,6 +54,11 @@ class MethodCacheView(Protocol):
 
     def drop_slots(self, layer: int, slot: int, start: int, stop: int) -> None: ...
 
+    def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None: ...
+
+    def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None: ...
+
 
 # The names of MethodCacheView's members: the whole of the cache a method may touch.
 METHOD_SURFACE: frozenset[str] = frozenset(
@@ -58,6 +70,16 @@ METHOD_SURFACE: frozenset[str] = frozenset(
 class KVEviction:
     """The eviction operations of a PagedKVCache and the block ids they leave pending (its tables, lengths,
     positions and pool are the cache's)."""
+
+    # the window of each layer (None: full attention; empty: every layer full), set by the engine from the model's
+    # config (kvbench.runtime.model.attention_types)
+    layer_windows: tuple = ()
+
+    @property
+    def method_layers(self) -> tuple[int, ...]:
+        """The layers a method acts on: every full-attention layer (all of them in a model without windows)."""
+        w = self.layer_windows
+        return tuple(i for i in range(self.num_layers) if not w or w[i] is None)
 
     # ------------------------------------------------------------------ the operations a method may call
     def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
@@ -86,9 +108,11 @@ class KVEviction:
         dst_rows = table.gather(-1, (dst_slot // bs).to(torch.int64)).to(torch.int64) * bs + dst_slot % bs
         if bool(moved.any()):
             src_rows, dst_rows = src_rows[moved], dst_rows[moved]
-            kf, vf = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
+            kf = self.k_pool.view(-1, D)
             kf[dst_rows] = kf[src_rows]  # gathered first, so overlapping moves are safe
-            vf[dst_rows] = vf[src_rows]
+            if not self.latent:  # a latent cache's values moved with its keys
+                vf = self.v_pool.view(-1, D)
+                vf[dst_rows] = vf[src_rows]
         pos_row = self.positions[slot, layer]
         new_pos = pos_row.gather(-1, k_src.to(torch.int64))
         pos_row[:, :n] = torch.where(valid, new_pos, torch.full_like(new_pos, -1))
@@ -246,6 +270,47 @@ class KVEviction:
                 freed.extend(table[h, a:b].tolist())
         self.pool.free(freed)
 
+    def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+        """Overwrite the held slots of one sequence's layer in place: keys / values [H, T, D] and positions [H, T]
+        (T >= the longest table; slot t of head h is written where t < its length). Shared blocks are copied
+        first (copy-on-write); nothing is evicted or freed."""
+        self._check_live(slot)
+        bs, D = self.block_size, self.head_dim
+        lengths = self.lengths[slot, layer].clone()  # [H]
+        T = int(lengths.max()) if lengths.numel() else 0
+        if T == 0:
+            return
+        table = self.tables[slot, layer]  # [H, MB] view
+        t = torch.arange(T, device=self.device)
+        valid = t[None, :] < lengths[:, None]  # [H, T]
+        if keys is not None or values is not None:
+            if self._shared:
+                self._unshare_table(table, lengths)
+            if self.block_listeners:
+                nb = self._num_blocks(lengths)
+                self._modifying([int(table[h, c]) for h in range(table.shape[0]) for c in range(int(nb[h]))])
+            rows = (table[:, t // bs].to(torch.int64) * bs + t % bs)[valid]  # [N] rows of the flat pools
+            for src, pool in ((keys, self.k_pool), (values, self.v_pool)):
+                if src is not None:
+                    pool.view(-1, D)[rows] = src[:, :T].to(pool.dtype)[valid]
+        if positions is not None:
+            pos_row = self.positions[slot, layer]
+            pos_row[:, :T] = torch.where(valid, positions[:, :T].to(pos_row.dtype), pos_row[:, :T])
+
+    def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None:
+        """Prune key channels `pruned` [H, P] (each kv-head's own) of the tokens one sequence's layer holds. A
+        full-precision cache keeps its layout and writes zeros in those channels (what attention then computes is the
+        same as over a pruned layout, nothing is saved); kvbench.runtime.cache.pruned_key_cache stores them in fewer
+        bytes."""
+        self._check_live(slot)
+        T = int(self.host_lengths[slot, layer].max()) if self.num_kv_heads else 0
+        if T == 0:
+            return
+        keys, _, _ = self.gather(layer, slot)  # [H, T, D] (a copy)
+        keys = keys.scatter(-1, pruned.to(keys.device, torch.int64)[:, None, :].expand(-1, T, -1), 0)
+        self.rewrite_tokens(layer, slot, keys=keys)
+
     def _unshare_table(self, table: torch.Tensor, lengths: torch.Tensor, only: torch.Tensor | None = None) -> None:
         """Give a (layer) table private copies of its shared blocks (those where `only` [H, MB] is True, or all)
         before moving data in it."""
@@ -266,6 +331,38 @@ class KVEviction:
         """Blocks about to be written in place (not appended to): listeners drop what they knew of them."""
         for listener in self.block_listeners:
             listener.modified(ids)
+
+    # ------------------------------------------------------------------ sliding layers (the runtime's, not a method's)
+    def slide_window(self, layer: int, slots: list[int], window: int) -> int:
+        """Free the leading blocks of sliding layer `layer` that no later query can see: right after a step's
+        attention of that layer, the newest slot of each table holds the step's last position p, so the next query
+        (p + 1 or later) sees the last window - 1 slots at most; whole full blocks before those leave (no data
+        moves: the table stays compact). A sliding layer is never compressed, so its slots hold consecutive
+        positions. Bounds the layer's table to window - 1 + block_size tokens between steps. Returns blocks freed."""
+        bs = self.block_size
+        freed = 0
+        for slot in slots:
+            n = int(self.host_lengths[slot, layer].max())
+            k = max(0, n - window + 1) // bs
+            if k:
+                self.evict_head_blocks(layer, slot, [list(range(k))] * self.num_kv_heads)
+                freed += k * self.num_kv_heads
+        return freed
+
+    def _noted(self, plan):
+        """`plan`, after noting the blocks each layer type's tables hold (a model with sliding layers): right after
+        a step's allocation is when they hold the most within the step (every later change of the step frees:
+        ring trims, evictions), so these maxima are the peaks by layer type (KVMeter.by_layer_type)."""
+        w = self.layer_windows
+        if not w or not any(x is not None for x in w):
+            return plan
+        live = sorted(self.live)
+        held = blocks_for_tokens(self.host_lengths[live], self.block_size)  # [S, L, H]
+        peaks = self.__dict__.setdefault("layer_type_peak_blocks", {"full": 0, "sliding": 0})
+        for kind, layers in (("full", [i for i, x in enumerate(w) if x is None]),
+                             ("sliding", [i for i, x in enumerate(w) if x is not None])):
+            peaks[kind] = max(peaks[kind], int(held[:, layers].sum()))
+        return plan
 
     # ------------------------------------------------------------------ pending frees (evict_blocks_on_device)
     def has_pending_frees(self) -> bool:

@@ -5,7 +5,8 @@ loaded): plain arithmetic on ints (or on int tensors / arrays, where noted), no 
 
     element_bytes(dtype)                                   bytes per element: a torch dtype, or its name
     kv_elements(tokens, head_dim)                          K and V elements of `tokens` tokens of one table
-    block_bytes(block_size, head_dim, dtype)               one full-precision block: K and V of block_size tokens
+    block_bytes(block_size, head_dim, dtype, latent=False) one full-precision block: K and V of block_size tokens
+                                                           (latent: one row per token, V read inside K: MLA)
     token_bytes(num_layers, num_kv_heads, head_dim, dtype) one uncompressed token: K and V in every layer and kv-head
     blocks_for_tokens(tokens, block_size)                  blocks a table of `tokens` tokens holds (rounded up)
     codec_block_size(block_size, hint)                     tokens per block for a codec whose groups need `hint`
@@ -45,8 +46,11 @@ def kv_elements(tokens: Any, head_dim: int) -> Any:
     return 2 * tokens * head_dim
 
 
-def block_bytes(block_size: int, head_dim: int, dtype: Any) -> int:
-    """Bytes of one full-precision block: K and V of block_size tokens of one table."""
+def block_bytes(block_size: int, head_dim: int, dtype: Any, latent: bool = False) -> int:
+    """Bytes of one full-precision block: K and V of block_size tokens of one table. latent=True: MLA's cache, one
+    row of head_dim (the compressed latent and the decoupled RoPE key) per token, whose values are read inside it."""
+    if latent:
+        return block_size * head_dim * element_bytes(dtype)
     return kv_elements(block_size, head_dim) * element_bytes(dtype)
 
 

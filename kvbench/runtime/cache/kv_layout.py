@@ -2,6 +2,10 @@
 
     k_pool, v_pool: [num_blocks, block_size, head_dim] in the cache dtype (block SCRATCH_BLOCK: zeros, never handed out)
 
+A latent cache (value_dim set: MLA) stores one row per token, [latent ; rope key] of head_dim, in k_pool; v_pool is
+the view k_pool[..., :value_dim] (the latent, which MLA's absorbed attention reads as its values): no bytes of its
+own, never written apart.
+
 `FullPrecisionLayout` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache); a storage codec's cache
 (kvbench.runtime.cache.quantized_cache) overrides the members that touch the bytes with its own packed layout: the pool
 and the bytes (`_make_storage`), writing a step's K/V, attention over a layer, the dense K/V of a sequence, how far
@@ -33,7 +37,10 @@ class FullPrecisionLayout:
         self.pool = BlockPool(num_blocks, reserved=SCRATCH_BLOCKS)
         shape = (num_blocks, self.block_size, self.head_dim)
         self.k_pool = huge_pages.empty(shape, self.dtype, self.device)  # on CPU: huge pages (fewer TLB misses)
-        self.v_pool = huge_pages.empty(shape, self.dtype, self.device)
+        if self.latent:  # MLA: the values are the latent, the first value_dim dims of each key row
+            self.v_pool = self.k_pool[..., : self.value_dim]
+        else:
+            self.v_pool = huge_pages.empty(shape, self.dtype, self.device)
         self.k_pool[SCRATCH_BLOCK] = 0
         self.v_pool[SCRATCH_BLOCK] = 0
 
@@ -43,7 +50,8 @@ class FullPrecisionLayout:
         rows = plan.write_index[:, layer].reshape(-1)
         D = self.head_dim
         self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype, copy=False))
-        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
+        if not self.latent:  # a latent cache's values are inside its keys
+            self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
         if self.summaries is not None:  # the blocks' min / max keys, from the keys as stored
             self.summaries.update(rows, self.k_pool.view(-1, D)[rows])
 
@@ -98,7 +106,7 @@ class FullPrecisionLayout:
         idx = self.tables[slot, layer, :, :nb].to(torch.int64)  # [H, nb]
         H, D = self.num_kv_heads, self.head_dim
         k = self.k_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
-        v = self.v_pool[idx].reshape(H, nb * self.block_size, D)[:, :T]
+        v = self.v_pool[idx].reshape(H, nb * self.block_size, self.v_pool.shape[-1])[:, :T]
         pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
         pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
         return k, v, pos

@@ -5,12 +5,19 @@ live sequences at its peak (full_kv_bytes), what their tables held at that momen
 removed full - held), the most bytes forks shared at once, and the longest sequence (tokens appended to one
 sequence: was the budget ever reached). The engine calls `track` after each step's blocks are settled and
 `saw_sequence` when a sequence ends.
+
+A model with sliding-window layers (cache.layer_windows) keeps a ring of each window in those layers, whatever the
+method: an uncompressed cache holds there what the ring holds, so full_kv_bytes counts the sliding layers' tables as
+they are (measured) and the full layers' at every token seen; the figures are also split by layer type
+(`by_layer_type`: the full and sliding layers' uncompressed bytes at the peak, and the most bytes each type's tables
+held at once, read from the tables after each step and right after each step's allocation), so "KV saved" is the
+method's saving on the full layers.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens
+from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 
 
 class DecodeReads:
@@ -62,17 +69,35 @@ class KVMeter:
         self.held_at_full_peak = 0
         self.peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self.max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
+        windows = tuple(getattr(cache, "layer_windows", ()) or ())
+        self.sliding = [i for i, w in enumerate(windows) if w is not None]  # sliding layers (none: all full)
+        self.full_layers = [i for i in range(cache.num_layers) if i not in set(self.sliding)]
+        # by layer type: uncompressed bytes at the peak of full_kv_bytes, and the most bytes its tables held
+        self.type_full_at_peak = {"full": 0, "sliding": 0}
+        self.type_peak_held = {"full": 0, "sliding": 0}
 
     def track(self) -> None:
         """Update the peaks from the live sequences' tokens and the pool, now."""
         c = self.cache
         bs = c.block_size
-        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * c.num_layers * c.num_kv_heads
-        full = blocks * block_bytes(bs, c.head_dim, c.dtype)  # model dtype
+        per_block = c.uncompressed_block_bytes()  # model dtype
+        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * len(self.full_layers) * c.num_kv_heads
+        full = blocks * per_block
+        sliding_full = 0
+        if self.sliding:
+            live = sorted(c.live)
+            held = {kind: int(blocks_for_tokens(c.host_lengths[live][:, layers], bs).sum()) * c.bytes_per_block
+                    if live else 0 for kind, layers in (("full", self.full_layers), ("sliding", self.sliding))}
+            for kind, n in held.items():
+                self.type_peak_held[kind] = max(self.type_peak_held[kind], n)
+            # never compressed: what an uncompressed cache holds there is what the ring holds (in the model dtype)
+            sliding_full = (int(blocks_for_tokens(c.host_lengths[live][:, self.sliding], bs).sum()) * per_block
+                            if live else 0)
         shared = c.fork_shared_bytes()
         self.peak_fork_shared_bytes = max(self.peak_fork_shared_bytes, shared)
-        if full > self.peak_full_bytes:
-            self.peak_full_bytes = full
+        if full + sliding_full > self.peak_full_bytes:
+            self.peak_full_bytes = full + sliding_full
+            self.type_full_at_peak = {"full": full, "sliding": sliding_full}
             self.held_at_full_peak = c.kv_bytes_in_use() + shared
 
     def saw_sequence(self, slot: int) -> None:
@@ -99,7 +124,24 @@ class KVMeter:
             "peak_blocks_in_use": c.pool.peak_in_use,
             "kv_pool_bytes": c.pool_bytes(),
             "max_sequence_tokens": self.max_sequence_tokens,  # compare with the budget: was it ever reached?
+            **self.by_layer_type(),
         }
+
+    def by_layer_type(self) -> dict:
+        """{} for a model whose layers are all full; else the split (flat keys, as metrics.json records them):
+        full_kv_bytes_{full,sliding}_layers (uncompressed bytes at the peak of full_kv_bytes) and
+        peak_kv_bytes_{full,sliding}_layers (the most bytes each type's tables held at once: within a step, right
+        after its allocation, a sliding layer also holds the step's new tokens, a prefill chunk), with the layer
+        counts."""
+        if not self.sliding:
+            return {}
+        out = {"full_layers": len(self.full_layers), "sliding_layers": len(self.sliding)}
+        in_step = getattr(self.cache, "layer_type_peak_blocks", {})  # right after each step's allocation
+        for kind in ("full", "sliding"):
+            out[f"full_kv_bytes_{kind}_layers"] = self.type_full_at_peak[kind]
+            out[f"peak_kv_bytes_{kind}_layers"] = max(self.type_peak_held[kind],
+                                                      in_step.get(kind, 0) * self.cache.bytes_per_block)
+        return out
 
     def sequence(self, slot: int) -> dict:
         """What live sequence `slot` holds now, from its block tables: the most and the mean tokens of its

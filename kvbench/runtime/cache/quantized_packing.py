@@ -136,6 +136,17 @@ class PackedStorage:
             raise OutOfBlocksError(n_fp + n_packed, pool.free_fp_blocks(), pool.max_bytes // pool.fp_block_bytes)
 
     # ------------------------------------------------------------------ eviction (token level)
+    def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+        """Not on a codec's layout: its packed blocks would have to be re-encoded."""
+        raise RuntimeError("rewrite_tokens (re-rotated keys, merged values) needs a full-precision cache; "
+                           "this one stores blocks through a codec")
+
+    def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None:
+        """Not on a codec's layout (a cache for pruned keys is built when the method asks: pruned_key_cache)."""
+        raise RuntimeError("prune_key_channels needs a full-precision cache or one built for pruned keys; this one "
+                           "stores blocks through a codec")
+
     @torch.no_grad()
     def keep_tokens(self, layer: int, slot: int, keep: torch.Tensor) -> None:
         """Token-level eviction: keep only slots `keep` [H, n] (sorted ascending per head; -1 pads a shorter

@@ -1,11 +1,16 @@
-"""The Llama-family forward pass over the paged KV cache.
+"""The decoder forward pass over the paged KV cache.
 
-Covers Llama 2/3/3.x (llama3 rope scaling), Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k RMSNorm),
-SmolLM2 and tied embeddings. Weights are taken from a loaded transformers model; the forward is
-our own so every token's K/V goes through the paged cache and the method hooks.
+Covers Llama 2/3/3.x (llama3 rope scaling), Mistral (its sliding window honoured), Qwen2/2.5 (qkv bias), Qwen3 (q/k
+RMSNorm), SmolLM2 and tied embeddings, Phi-3 / Phi-4-mini (fused qkv and gate_up, partial rotary), and Gemma 2 / 3
+(local/global layers with their own RoPE bases, QK-norm, sandwich norms, embedding scale, query_pre_attn_scalar,
+soft-capping), GPT-OSS (sinks, experts) and DeepSeek-V2 (multi-head latent attention: runtime.model.mla). Weights are
+taken from a loaded transformers model (kvbench.runtime.model.families); the forward is
+our own so every token's K/V goes through the paged cache and the method hooks. Per-layer attention types (full or
+sliding(window), sinks, soft-capping): kvbench.runtime.model.attention_types.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +25,13 @@ from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 from kvbench.runtime.hooks import CacheHooks, LayerContext
+from kvbench.runtime.model.attention_types import LayerAttention, VariantBackend
+from kvbench.runtime.model.mla import expand_out as mla_expand_out
+from kvbench.runtime.model.mla import project as mla_project
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "gpt_oss",
+                         "deepseek_v2")
 
 
 @dataclass
@@ -42,18 +51,57 @@ class ModelConfig:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    # "llama": pre-norm layers, RMSNorm x.to(dtype) * w; "gemma": sandwich norms (post-attention and post-MLP norms
+    # too), RMSNorm (x * w).to(dtype) over weights stored as 1 + w, embeddings scaled by embed_scale; "gpt_oss":
+    # pre-norm layers, RMSNorm (x * w).to(dtype), a mixture-of-experts MLP
+    family: str = "llama"
+    layer_attention: tuple = ()  # LayerAttention per layer (empty: every layer full, plain attention)
+    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
+    final_softcap: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
+    embed_scale: float | None = None  # embeddings x this (Gemma: sqrt(hidden_size), in the model dtype)
+    mlp_act: str = "silu"  # "silu" | "gelu_tanh"
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all; Phi partial rotary)
+    # multi-head latent attention (DeepSeek-V2/V3): the cache holds one row of kv_lora_rank + rope dims per token
+    # (num_kv_heads 1, head_dim = that row's width, values inside it); runtime.model.mla
+    mla: Any = None
+
+    def attention(self, layer: int) -> LayerAttention:
+        """Layer `layer`'s attention type (full and plain when the config lists none)."""
+        return self.layer_attention[layer] if self.layer_attention else _FULL
+
+    @property
+    def layer_windows(self) -> tuple:
+        """The window of each layer (None: full attention)."""
+        return tuple(self.attention(i).window for i in range(self.num_layers))
+
+    @property
+    def plain(self) -> bool:
+        """A Llama-shaped model whose every layer is plain attention: the fused CPU decode step, CUDA graphs and
+        tensor parallelism apply (the others run the op-by-op torch path)."""
+        return (self.family == "llama" and self.mla is None and all(a.plain for a in self.layer_attention)
+                and self.mlp_act == "silu"
+                and self.rotary_dim in (None, self.head_dim) and self.embed_scale is None
+                and self.final_softcap is None)
+
+
+_FULL = LayerAttention()
 
 
 @dataclass
 class LayerWeights:
     ln_attn: torch.Tensor  # [E]
-    qkv: Linear  # E -> (Hq + 2H) * D, q/k/v fused (with Qwen2's bias)
+    qkv: Linear | None  # E -> (Hq + 2H) * D, q/k/v fused (with Qwen2's bias); None with MLA
     o: Linear  # Hq * D -> E
     ln_mlp: torch.Tensor  # [E]
-    gate_up: Linear  # E -> 2I, gate and up fused
-    down: Linear  # I -> E
+    gate_up: Linear | None  # E -> 2I, gate and up fused (None: a MoE MLP, `moe`)
+    down: Linear | None  # I -> E
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
+    post_attn_norm: torch.Tensor | None = None  # [E] sandwich norm of the attention output (Gemma)
+    post_mlp_norm: torch.Tensor | None = None  # [E] sandwich norm of the MLP output (Gemma)
+    sinks: torch.Tensor | None = None  # [Hq] learned sink logits (GPT-OSS)
+    moe: Any = None  # a mixture-of-experts MLP h [N, E] -> [N, E] in place of gate_up / down (runtime.model.moe)
+    mla: Any = None  # MLA's projections (runtime.model.mla.MLAWeights); qkv is then None
 
 
 @dataclass
@@ -79,31 +127,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Gemma RMSNorm over weight = 1 + w (stored so at load): scaled in fp32, then cast back."""
+    dtype = x.dtype
+    if dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping), or x when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
 class LlamaFamilyModel:
     """Weights plus a forward over the paged cache."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: Linear, rotary: RotaryTable):
+                 lm_head: Linear, rotary: RotaryTable, rotary_local: RotaryTable | None = None):
         self.config = config
         self.embed = embed  # [V, E]
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head  # E -> V (a copy of embed when tied)
-        self.rotary = rotary
+        self.rotary = rotary  # the full layers' RoPE (what methods see: they act on full layers)
+        self.rotary_local = rotary_local  # the sliding layers' RoPE where it differs (Gemma 3's local base)
+        # Gemma and GPT-OSS scale in fp32 before the cast back (Llama: after it)
+        self._norm = gemma_rms_norm if config.family in ("gemma", "gpt_oss") else rms_norm
+        # the attention backend of each layer with a variant (window, sinks, soft-capping): the torch reference
+        self._variant_backends = {li: VariantBackend(a.window, a.softcap, layers[li].sinks)
+                                  for li, a in enumerate(config.layer_attention) if not a.plain}
+        if config.mla is not None:  # keys wider than values: the torch reference (the kernels take one width)
+            self._variant_backends.update({li: TORCH for li in range(config.num_layers)})
         self.dtype = embed.dtype
         self.device = embed.device
         # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths), whatever the attention
         # backend
         self.use_cpu_kernels = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         self.step_threads = StepThreads() if self.device.type == "cpu" else None
-        self.fuse_decode_layers = True  # the backend's fused decode step where it has one (backends/cpu)
+        # the backend's fused decode step where it has one (backends/cpu): Llama-shaped models with plain attention
+        self.fuse_decode_layers = config.plain
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (embedding row lookups excluded unless tied)."""
         n = self.lm_head.nbytes + self.final_norm.nbytes
         for lw in self.layers:
-            for t in (lw.ln_attn, lw.qkv, lw.o, lw.ln_mlp, lw.gate_up, lw.down, lw.q_norm, lw.k_norm):
+            for t in (lw.ln_attn, lw.qkv, lw.o, lw.ln_mlp, lw.gate_up, lw.down, lw.q_norm, lw.k_norm,
+                      lw.post_attn_norm, lw.post_mlp_norm, lw.sinks, lw.moe, lw.mla):
                 if t is not None:
                     n += t.nbytes
         return n
@@ -147,14 +220,19 @@ class LlamaFamilyModel:
         pre_rope = cache.store_pre_rope
         need_scores = bool(hook is not None and hook.needs_key_scores)
         fast = self.use_cpu_kernels and not torch.is_grad_enabled()  # the C kernels have no backward
-        norm = cpu_kernels.rms_norm if fast else rms_norm
+        norm = cpu_kernels.rms_norm if fast else self._norm  # fp32: the same math for both norm styles
         sizes = [g.tokens.numel() for g in groups]
         offsets = [sum(sizes[:i]) for i in range(len(groups))]
         N = sum(sizes)
         qpos = torch.cat([g.plan.query_positions.reshape(-1) for g in groups])  # [N]
         known = [getattr(g.plan, "max_position", None) for g in groups]
-        cos, sin = self.rotary.lookup(qpos, None if None in known else max(known))  # [N, D]
+        max_pos = None if None in known else max(known)
+        cos, sin = self.rotary.lookup(qpos, max_pos)  # [N, Dr] (Dr = rotary dims: D unless partial)
+        local = self.rotary_local.lookup(qpos, max_pos) if self.rotary_local is not None else None
+        Dr = cos.shape[-1]
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
+        if cfg.embed_scale is not None:  # Gemma: the scale in the model dtype, as transformers applies it
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         fused = None
         before = hook is not None and getattr(hook, "acts_before_attention", False)
         retrieval = getattr(cache, "page_retrieval", None)  # the method's, set by the engine (page_retrieval.py)
@@ -165,7 +243,8 @@ class LlamaFamilyModel:
                 dense = [li for li in range(cfg.num_layers) if retrieval is None or not retrieval.pages_for(li)]
                 if dense:  # every block of these layers' tables (a retrieving layer counts its own selection)
                     cache.decode_reads.read(cache.decode_read_bytes(g.plan, dense))
-        if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill"):
+        hidden = hook is not None and getattr(hook, "reads_hidden_states", False)  # ctx.hidden: no fused layers
+        if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill") and not hidden:
             g = groups[0]
             fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores,
                                          retrieval=retrieval)
@@ -186,28 +265,39 @@ class LlamaFamilyModel:
         gemv_rows = cpu_kernels.GEMV_MAX_ROWS if (len(groups) == 1 and groups[0].phase == "decode"
                                                   and groups[0].tokens.shape[1] == 1) else None
         for li, lw in enumerate(self.layers if fused is None else ()):
+            la = cfg.attention(li)
+            lcos, lsin = local if (local is not None and la.window is not None) else (cos, sin)
             h = norm(x, lw.ln_attn, eps)
+            if lw.mla is not None:
+                out = self._mla_attention(li, lw, h, groups, offsets, sizes, lcos, lsin, cache, hook, need_scores)
+                x = x + lw.o(out, gemv_rows)
+                x = x + self._mlp(lw, norm(x, lw.ln_mlp, eps), gemv_rows, norm, eps)
+                continue
             qkv = lw.qkv(h, gemv_rows)  # [N, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
             q, k, v = q.view(N, Hq, D), k.view(N, H, D), v.view(N, H, D)  # views of qkv
             rotated = not pre_rope and not cfg.qk_norm  # q and k rotated here, once for every group
-            if rotated and fast:  # in place in qkv (q and k are views)
-                cpu_kernels.rotary_(qkv, Hq + H, D, cos, sin)
+            if rotated and fast and Dr == D:  # in place in qkv (q and k are views)
+                cpu_kernels.rotary_(qkv, Hq + H, D, lcos, lsin)
             elif rotated:  # q and k together: one pass
-                qk = apply_rotary(qkv[:, : (Hq + H) * D].view(N, Hq + H, D), cos[:, None], sin[:, None])
+                qk = rope(qkv[:, : (Hq + H) * D].view(N, Hq + H, D), lcos[:, None], lsin[:, None])
                 q, k = qk[:, :Hq], qk[:, Hq:]
             out = torch.empty(N, Hq * D, dtype=x.dtype, device=x.device)  # attention output
+            layer_backend = self._variant_backends.get(li, backend)
             for g, off, n in zip(groups, offsets, sizes):
                 S, Q = g.tokens.shape
                 rows = slice(off, off + n)
-                o = self._attend_group(li, lw, g, q[rows], k[rows], v[rows], cos[rows].view(S, Q, D),
-                                       sin[rows].view(S, Q, D), rotated, cache, backend, hook, need_scores,
-                                       rope_mode)  # [S, Hq, Q, D]
+                o = self._attend_group(li, lw, g, q[rows], k[rows], v[rows], lcos[rows].view(S, Q, Dr),
+                                       lsin[rows].view(S, Q, Dr), rotated, cache, layer_backend,
+                                       hook if la.window is None else None, need_scores and la.window is None,
+                                       rope_mode, h[rows].view(S, Q, -1) if hidden and la.window is None else None
+                                       )  # [S, Hq, Q, D]
                 out[rows] = o.transpose(1, 2).reshape(n, Hq * D)
-            x = x + lw.o(out, gemv_rows)
-            h = norm(x, lw.ln_mlp, eps)
-            gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up, gemv_rows)
+            if la.window is not None:  # the ring: blocks no later query of the layer can see go back to the pool
+                cache.slide_window(li, [s for g in groups for s in g.plan.slot_list], la.window)
+            a = lw.o(out, gemv_rows)
+            x = x + (a if lw.post_attn_norm is None else norm(a, lw.post_attn_norm, eps))
+            x = x + self._mlp(lw, norm(x, lw.ln_mlp, eps), gemv_rows, norm, eps)
         if logits_for == "none":
             return [None] * len(groups)
         if logits_for == "last":  # the last token of every sequence
@@ -216,18 +306,55 @@ class LlamaFamilyModel:
             x = x[torch.tensor(last, dtype=torch.int64, device=x.device)] if N != len(last) else x
         # a pure decode step's head takes the C GEMV too, as its layers do (faster than oneDNN at up to 16 rows, with
         # the next weight tile prefetched: csrc/decode_ops.h, prefetch_share_l2; figures in docs/benchmark-results.md)
-        logits = self.lm_head(norm(x.contiguous(), self.final_norm, eps), gemv_rows)  # [rows, V]
+        logits = softcap(self.lm_head(norm(x.contiguous(), self.final_norm, eps), gemv_rows),
+                         cfg.final_softcap)  # [rows, V]
         if logits_for == "last":
             return list(logits.split([g.tokens.shape[0] for g in groups]))
         return [part.view(*g.tokens.shape, -1) for g, part in zip(groups, logits.split(sizes))]
 
+    def _mlp(self, lw: LayerWeights, h: torch.Tensor, gemv_rows: int | None, norm: Any, eps: float) -> torch.Tensor:
+        """The MLP of one layer on h [N, E] (already normed), its sandwich norm applied (Gemma)."""
+        if lw.moe is not None:
+            m = lw.moe(h)
+        else:
+            gate, up = lw.gate_up(h, gemv_rows).chunk(2, dim=-1)
+            act = F.silu(gate) if self.config.mlp_act == "silu" else F.gelu(gate, approximate="tanh")
+            m = lw.down(act * up, gemv_rows)
+        return m if lw.post_mlp_norm is None else norm(m, lw.post_mlp_norm, eps)
+
+    def _mla_attention(self, li: int, lw: LayerWeights, h: torch.Tensor, groups: list[RaggedGroup],
+                       offsets: list[int], sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                       cache: PagedKVCache, hook: CacheHooks | None, need_scores: bool) -> torch.Tensor:
+        """One MLA layer (runtime.model.mla) over h [N, E]: each token's latent row written to the cache, the
+        absorbed queries attend over the rows, the latent output expanded per head. Returns [N, Hq * v]."""
+        cfg = self.config
+        Hq, D, r = cfg.num_heads, cfg.head_dim, cfg.mla.kv_lora_rank
+        q, row = mla_project(cfg.mla, lw.mla, h, cos, sin, self._norm, cfg.rms_norm_eps, Hq)  # [N, Hq, D], [N, D]
+        out = torch.empty(h.shape[0], Hq, r, dtype=h.dtype, device=h.device)
+        for g, off, n in zip(groups, offsets, sizes):
+            S, Q = g.tokens.shape
+            rows = slice(off, off + n)
+            qg = q[rows].reshape(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
+            kg = row[rows].reshape(S, Q, 1, D).transpose(1, 2)  # [S, 1, Q, D]
+            cache.write(li, g.plan, kg, kg[..., :r])
+            if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
+                hook.before_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, None, self.rotary))
+                cache.refresh_plan_layer(g.plan, li)
+            o, key_scores = cache.attend(li, qg, g.plan, cfg.attn_scale, backend=TORCH,
+                                         return_key_scores=need_scores, causal=Q > 1)  # [S, Hq, Q, r]
+            if hook is not None:
+                hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, key_scores,
+                                                  self.rotary))
+            out[rows] = o.transpose(1, 2).reshape(n, Hq, r)
+        return mla_expand_out(lw.mla, out)
+
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
                       backend: AttentionBackend, hook: CacheHooks | None, need_scores: bool,
-                      rope_mode: str) -> torch.Tensor:
+                      rope_mode: str, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
-        applied when `rotated`), cos / sin [S, Q, D]; writes its K/V, attends, calls the hook; returns out
-        [S, Hq, Q, D]."""
+        applied when `rotated`), cos / sin [S, Q, D], hidden [S, Q, E] the attention input for a hook that reads it;
+        writes its K/V, attends, calls the hook; returns out [S, Hq, Q, D]."""
         cfg = self.config
         Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = Hq // H
@@ -237,24 +364,24 @@ class LlamaFamilyModel:
         k = k.reshape(S, Q, H, D).transpose(1, 2)  # [S, H, Q, D]
         v = v.reshape(S, Q, H, D).transpose(1, 2)
         if cfg.qk_norm:
-            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        cos_q, sin_q = cos[:, None], sin[:, None]  # [S, 1, Q, D]
+            q = self._norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = self._norm(k, lw.k_norm, cfg.rms_norm_eps)
+        cos_q, sin_q = cos[:, None], sin[:, None]  # [S, 1, Q, Dr]
         rotate_keys = None
         if rotated:
             pass
-        elif not cache.store_pre_rope:  # after q/k norm (Qwen3)
-            q = apply_rotary(q, cos_q, sin_q)
-            k = apply_rotary(k, cos_q, sin_q)
+        elif not cache.store_pre_rope:  # after q/k norm (Qwen3, Gemma 3)
+            q = rope(q, cos_q, sin_q)
+            k = rope(k, cos_q, sin_q)
         elif rope_mode == "original":
-            q = apply_rotary(q, cos_q, sin_q)
-            rotate_keys = self._rotate_at
+            q = rope(q, cos_q, sin_q)
+            rotate_keys = functools.partial(self._rotate_at, table=self._rotary_of(li))
         else:  # re-indexed: query at its slot in the cache, keys at their slot index
             lens = plan.lengths[:, li]  # [S, H]
             qslot = lens.unsqueeze(-1) - Q + torch.arange(Q, device=lens.device)  # [S, H, Q]
-            cq, sq = self.rotary.lookup(qslot, plan.tables.shape[-1] * cache.block_size - 1)  # [S, H, Q, D]
-            q = apply_rotary(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
-            rotate_keys = self._rotate_at_slot
+            cq, sq = self._rotary_of(li).lookup(qslot, plan.tables.shape[-1] * cache.block_size - 1)  # [S, H, Q, Dr]
+            q = rope(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
+            rotate_keys = functools.partial(self._rotate_at_slot, table=self._rotary_of(li))
         cache.write(li, plan, k, v)
         if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
             # the method cuts the layer's K/V before its attention: the chunk attends to what it keeps
@@ -262,8 +389,9 @@ class LlamaFamilyModel:
             cache.refresh_plan_layer(plan, li)
         retrieval = getattr(cache, "page_retrieval", None)
         pages = retrieval.pages_for(li) if retrieval is not None and g.phase == "decode" and Q == 1 else 0
+        scale = cfg.attn_scale or cfg.head_dim ** -0.5
         if pages:  # the method's top blocks only (kvbench.runtime.cache.page_retrieval)
-            out, read = cache.attend_pages(li, q, plan, cfg.head_dim ** -0.5, pages, backend=backend)
+            out, read = cache.attend_pages(li, q, plan, scale, pages, backend=backend)
             key_scores = None
             bs = cache.block_size
             held = int(blocks_for_tokens(plan.host_lengths_array()[:, li], bs).sum())
@@ -271,84 +399,37 @@ class LlamaFamilyModel:
             cache.decode_reads.read(read)
         else:
             out, key_scores = cache.attend(
-                li, q, plan, cfg.head_dim ** -0.5, backend=backend, return_key_scores=need_scores,
+                li, q, plan, scale, backend=backend, return_key_scores=need_scores,
                 rotate_keys=rotate_keys, causal=Q > 1,
             )
         if hook is not None:
-            hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
+            hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary,
+                                              hidden))
         return out
 
-    def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotary_of(self, layer: int) -> RotaryTable:
+        """The RoPE table of `layer`: the sliding layers' own where the model has one (Gemma 3), else the model's."""
+        if self.rotary_local is not None and self.config.attention(layer).window is not None:
+            return self.rotary_local
+        return self.rotary
+
+    def _rotate_at(self, k: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at the keys' original positions [S, H, T] (none past the
         step's queries, whose lookup already sized the table: no device read)."""
-        cos, sin = self.rotary.lookup(positions, self.rotary.cos.shape[0] - 1)
-        return apply_rotary(k, cos, sin)
+        cos, sin = table.lookup(positions, table.cos.shape[0] - 1)
+        return rope(k, cos, sin)
 
-    def _rotate_at_slot(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotate_at_slot(self, k: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
         """k [S, H, T, D] stored before RoPE, rotated at slot index 0..T-1 (StreamingLLM re-indexing)."""
         T = k.shape[2]
-        cos, sin = self.rotary.lookup(torch.arange(T, device=k.device), T - 1)
-        return apply_rotary(k, cos, sin)
+        cos, sin = table.lookup(torch.arange(T, device=k.device), T - 1)
+        return rope(k, cos, sin)
 
 
-def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> LlamaFamilyModel:
-    """Copy the weights of a transformers Llama-family causal LM into a LlamaFamilyModel."""
-    hc = hf_model.config
-    mt = getattr(hc, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    num_heads = hc.num_attention_heads
-    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // num_heads
-    qkv_bias = mt == "qwen2" or bool(getattr(hc, "attention_bias", False))
-    cfg = ModelConfig(
-        model_type=mt,
-        vocab_size=hc.vocab_size,
-        hidden_size=hc.hidden_size,
-        num_layers=hc.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hc, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        intermediate_size=hc.intermediate_size,
-        rms_norm_eps=hc.rms_norm_eps,
-        qkv_bias=qkv_bias,
-        qk_norm=mt == "qwen3",
-        tie_word_embeddings=bool(getattr(hc, "tie_word_embeddings", False)),
-        max_position_embeddings=getattr(hc, "max_position_embeddings", 4096),
-    )
-    sd = hf_model.state_dict()
-    ref = sd["model.embed_tokens.weight"]
-    dtype = dtype or ref.dtype
-    device = torch.device(device) if device is not None else ref.device
-
-    def t(name: str) -> torch.Tensor:
-        return sd[name].to(device=device, dtype=dtype).contiguous()
-
-    def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:  # [out, in] weights concatenated
-        return Linear(torch.cat([t(n) for n in names]), bias)
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        b_qkv = None
-        if cfg.qkv_bias and (p + "self_attn.q_proj.bias") in sd:
-            b_qkv = torch.cat([t(p + "self_attn.q_proj.bias"), t(p + "self_attn.k_proj.bias"), t(p + "self_attn.v_proj.bias")])
-        layers.append(LayerWeights(
-            ln_attn=t(p + "input_layernorm.weight"),
-            qkv=linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
-                       bias=b_qkv),
-            o=linear(p + "self_attn.o_proj.weight"),
-            ln_mlp=t(p + "post_attention_layernorm.weight"),
-            gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=linear(p + "mlp.down_proj.weight"),
-            q_norm=t(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
-            k_norm=t(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
-        ))
-    embed = t("model.embed_tokens.weight")
-    if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
-        lm_head = Linear(embed)
-    else:
-        lm_head = linear("lm_head.weight")
-    rot = hf_model.model.rotary_emb
-    rotary = RotaryTable(rot.inv_freq.to(device), getattr(rot, "attention_scaling", 1.0), dtype,
-                         max_positions=min(cfg.max_position_embeddings, 8192))
-    return LlamaFamilyModel(cfg, embed, layers, t("model.norm.weight"), lm_head, rotary)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] rotated on its first Dr dims by cos / sin [..., Dr] (broadcastable); the rest passes through
+    (partial rotary: Phi-3's partial_rotary_factor, GPT-NeoX style)."""
+    Dr = cos.shape[-1]
+    if Dr == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :Dr], cos, sin), x[..., Dr:]], dim=-1)

@@ -24,7 +24,8 @@ from kvbench.console import say
 from kvbench.errors import UserError, first_line
 from kvbench.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
-from kvbench.runtime.model.forward import LlamaFamilyModel, build_from_transformers
+from kvbench.runtime.model.families import build_from_transformers
+from kvbench.runtime.model.forward import LlamaFamilyModel
 from kvbench.runtime.model.model_files import check_model_path
 from kvbench.spec import dtype_name
 

@@ -89,6 +89,9 @@ def shard_model(model: LlamaFamilyModel, tp_rank: int, tp_size: int, group: Any,
     """This rank's shard of `model` (column-parallel qkv and gate_up, row-parallel o and down), on `device` (default
     the model's). The full model is read, not changed; ValueError when the sizes do not divide (check_shardable)."""
     cfg = model.config
+    if not cfg.plain:
+        raise ValueError(f"cannot shard the model over {tp_size} ranks: model_type {cfg.model_type!r} has per-layer "
+                         f"attention variants or a non-Llama layer; tensor parallelism runs Llama-family models only")
     why = check_shardable(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp_size)
     if why is not None:
         raise ValueError(f"cannot shard the model over {tp_size} ranks: {why}")

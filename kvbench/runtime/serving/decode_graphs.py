@@ -123,6 +123,10 @@ class DecodeGraphs:
             return "keys cached before RoPE are rotated as they are read (host-dependent shapes)"
         if getattr(self.cache, "page_retrieval", None) is not None:
             return "page retrieval (its blocks read are counted per step, on the host)"
+        if self.hook is not None and getattr(self.hook, "reads_hidden_states", False):
+            return "the method reads each layer's attention input (kept by no captured graph)"
+        if not self.model.config.plain:
+            return "the model has per-layer attention variants (windows, sinks, soft-capping) or a non-Llama layer"
         return None
 
     def run(self, tokens: torch.Tensor, plan: AppendPlan) -> torch.Tensor | None:

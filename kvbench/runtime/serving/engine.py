@@ -19,6 +19,8 @@ preemption may move blocks to host memory, in a swap space of swap_bytes, the po
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -60,6 +62,19 @@ class Generation:
     decode_s: float
     preemptions: int = 0
     error: str | None = None
+    kv_kept_fraction: float | None = None  # the method's prompt_kept_fraction at the first generated token
+
+
+@dataclass
+class ContextPrefill:
+    """A context prefilled (and compressed by the method at its last chunk) for requests to fork
+    (`Engine.prefill_context`): the live sequence holding it, whether it came from the kept compressed contexts
+    (a hit: nothing computed), the tokens it holds and the seconds it took."""
+
+    slot: int
+    hit: bool
+    tokens: int
+    prefill_s: float
 
 
 def kv_memory_bytes_for(model: LlamaFamilyModel, block_size: int, num_blocks: int | None,
@@ -109,13 +124,28 @@ class Engine:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; choose one of: {', '.join(PREEMPTION_MODES)}")
         self.schedule = schedule
+        check_model = getattr(method, "check_model", None)  # the hook protocol's optional refusal of the model,
+        if callable(check_model):  # before the cache is built for it (an MLA latent cache, a pruned-key layout)
+            check_model(cfg)
         self.kv_memory_bytes = kv_memory_bytes_for(model, block_size, num_blocks, kv_memory_bytes)
         self.cache = build_cache(
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
+            pruned_key_channels=_pruned_key_channels(method, cfg.head_dim),
+            value_dim=cfg.mla.kv_lora_rank if cfg.mla is not None else None,  # MLA: the latent cache
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
+        windows = cfg.layer_windows
+        if any(w is not None for w in windows):  # sliding layers: a ring of their window (PagedKVCache.slide_window)
+            self.cache.layer_windows = windows
+            if speculator is not None:
+                raise ValueError("speculative decoding rolls back tokens a sliding layer's ring has already freed: "
+                                 "not supported for a model with sliding-window layers")
+            if prefix_caching is True:
+                raise ValueError("prefix_caching=true: a sliding layer's ring frees a shared prefix's first blocks; "
+                                 "use false or auto for a model with sliding-window layers")
+            prefix_caching = False
         method.attach(self.cache, cfg)
         retrieval = getattr(method, "page_retrieval", None)  # a retrieval method: decode reads its blocks only
         if retrieval is not None:
@@ -125,6 +155,10 @@ class Engine:
         self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)
         self.runner = ModelRunner(model, self.cache, self.backend, method, self.meter)  # one forward step
         self.prefix_cache = PrefixCache(self.cache) if self._prefix_caching_on(prefix_caching) else None
+        # compressed contexts kept for prefill_context (prefix caching on): exact token list -> a kept fork
+        self._contexts: OrderedDict[tuple, int] = OrderedDict()
+        self.max_kept_contexts = 1  # each holds a whole compressed context's blocks
+        self.context_lookups = self.context_hits = 0
         # a kvbench.runtime.serving.speculative.SpeculativeDecoder: decode steps become rounds
         self.speculator = speculator
         self.preemption = preemption  # recompute | swap | auto (kvbench.runtime.cache.swap.should_swap)
@@ -160,11 +194,16 @@ class Engine:
     def _prefix_caching_on(self, setting: bool | str) -> bool:
         """auto: on for methods that never act after attention (full precision, storage codecs), whose result does
         not depend on which forward computed a shared block; true: on for any method except those that accumulate
-        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip."""
+        attention over every prompt query (needs_key_scores: H2O-style), which a shared prefix would skip, and
+        those that prune key channels (a pruned-key cache: ThinK)."""
         if setting not in ("auto", True, False):
             raise ValueError(f"prefix_caching must be auto, true or false, got {setting!r}")
         if setting == "auto":
             return not getattr(self.method, "acts_after_attention", True)
+        if setting and getattr(self.cache, "pruned_channels", 0):
+            raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} prunes key channels "
+                             "chosen by each whole prompt, which a shared prefix would take from another; use false "
+                             "or auto")
         if setting and getattr(self.method, "needs_key_scores", False):
             raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} accumulates "
                              "attention over every prompt query, which a shared prefix skips; use false or auto")
@@ -222,6 +261,54 @@ class Engine:
             on_fork(slot, child)
         return child
 
+    @torch.no_grad()
+    def prefill_context(self, token_ids: Sequence[int], *, chunk_size: int | None = None) -> ContextPrefill:
+        """Prefill a context in chunks on a new sequence, the method compressing it at its last chunk, for
+        requests to fork (`Request.fork_of`, `fork_tokens=len(token_ids)`); the caller ends the returned slot.
+
+        With the prefix cache on (`prefix_caching`), the compressed context is also kept (a fork of it, keyed by
+        its exact token list; at most `max_kept_contexts`, the least recently used dropped first), and a later call
+        with the same tokens returns a fork of that copy: a hit, no token computed and no compression run, the
+        blocks shared in the pool. A kept copy holds its blocks until it is dropped (`release_contexts`)."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("empty context")
+        key = tuple(ids)
+        if self.prefix_cache is not None:
+            self.context_lookups += 1
+            kept = self._contexts.get(key)
+            if kept is not None:
+                self._contexts.move_to_end(key)
+                self.context_hits += 1
+                child = self.fork_sequence(kept)
+                self.meter.track()
+                return ContextPrefill(child, True, len(ids), 0.0)
+        if self.prefix_cache is not None:  # room first: the least recently used kept copy goes before this prefill
+            while self._contexts and len(self._contexts) >= self.max_kept_contexts:
+                self.end_sequence(self._contexts.popitem(last=False)[1])
+        t0 = time.perf_counter()
+        slot = self.new_sequence()
+        chunk = chunk_size or self.prefill_chunk_size
+        try:
+            for a in range(0, len(ids), chunk):
+                b = min(len(ids), a + chunk)
+                self.forward_chunk(slot, ids[a:b], a, last_chunk=b == len(ids))
+            self.flush_pending_frees()
+        except BaseException:
+            self.end_sequence(slot)
+            raise
+        self.meter.track()
+        self._synchronize()
+        dt = time.perf_counter() - t0
+        if self.prefix_cache is not None and self.max_kept_contexts > 0:
+            self._contexts[key] = self.fork_sequence(slot)
+        return ContextPrefill(slot, False, len(ids), dt)
+
+    def release_contexts(self) -> None:
+        """Drop the compressed contexts prefill_context kept: their blocks go back to the pool."""
+        while self._contexts:
+            self.end_sequence(self._contexts.popitem()[1])
+
     def end_sequence(self, slot: int) -> None:
         """Forget a sequence: the method drops its state, its blocks go back to the pool at once."""
         self.meter.saw_sequence(slot)
@@ -242,14 +329,16 @@ class Engine:
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  chunk_size: int | None = None,
                  should_stop: Callable[[int, list[int]], bool] | None = None,
-                 uncompressed_tails: Sequence[int] | None = None) -> list[Generation]:
+                 uncompressed_tails: Sequence[int] | None = None,
+                 question_tokens: Sequence[int] | None = None) -> list[Generation]:
         """Generate for a batch of prompts of any lengths, through the continuous-batching scheduler (all
         submitted at once; it decides how many run together). Greedy when temperature == 0.
 
         should_stop(i, token_ids) -> True ends prompt i after its latest token (e.g. a stop string). A prompt
         that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish.
         uncompressed_tails[i] > 0: prompt i's last tokens (a question) go in uncompressed after the method
-        compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail)."""
+        compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail). question_tokens[i] > 0:
+        prompt i's last tokens are its question, compressed with it (Request.question_tokens)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
@@ -259,12 +348,23 @@ class Engine:
         tails = list(uncompressed_tails) if uncompressed_tails is not None else [0] * len(prompts)
         if len(tails) != len(prompts):
             raise ValueError(f"{len(tails)} uncompressed_tails for {len(prompts)} prompts")
-        reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n)) for p, n in zip(prompts, tails)]
+        questions = list(question_tokens) if question_tokens is not None else [0] * len(prompts)
+        if len(questions) != len(prompts):
+            raise ValueError(f"{len(questions)} question_tokens for {len(prompts)} prompts")
+        reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n), question_tokens=int(qn))
+                for p, n, qn in zip(prompts, tails, questions)]
+        kept_of = getattr(self.method, "prompt_kept_fraction", None)  # the hook protocol's optional read
+        kept: dict[int, float | None] = {}
+
+        def on_token(r: Request) -> None:  # the prompt is compressed before its first token
+            if len(r.output) == 1 and r.slot is not None:
+                kept[r.index] = kept_of(r.slot)
+
         self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
-                   chunk_size=chunk_size, should_stop=should_stop)
+                   chunk_size=chunk_size, should_stop=should_stop, on_token=on_token if kept_of else None)
         return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,
-                           r.prefill_tokens, r.prefill_s, r.decode_tokens, r.decode_s, r.preemptions, r.error)
-                for r in reqs]
+                           r.prefill_tokens, r.prefill_s, r.decode_tokens, r.decode_s, r.preemptions, r.error,
+                           kept.get(r.index)) for r in reqs]
 
     @torch.no_grad()
     def serve(self, requests: list[Request], *, stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
@@ -282,7 +382,8 @@ class Engine:
                           chunk_size=chunk_size or self.prefill_chunk_size, schedule=self.schedule,
                           prefix_cache=self.prefix_cache, stop_token_ids=stop_token_ids, should_stop=should_stop,
                           on_token=on_token, lookahead=self.speculator.lookahead if self.speculator else 1,
-                          swap=self.swap, preemption=self.preemption, on_swap_out=self._on_swap_out)
+                          swap=self.swap, preemption=self.preemption, on_swap_out=self._on_swap_out,
+                          fork=self.fork_sequence)
         gen = torch.Generator(device="cpu")
         if seed is not None:
             gen.manual_seed(seed)
@@ -406,3 +507,9 @@ def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
                     and r.stride() == base.stride()[1:] and r.shape == base.shape[1:] for i, r in enumerate(rows))):
         return base
     return torch.stack(rows)
+
+
+def _pruned_key_channels(method, head_dim: int) -> int:
+    """Key channels per kv-head `method` prunes (its optional pruned_key_channels(head_dim); 0 without it)."""
+    prune = getattr(method, "pruned_key_channels", None)
+    return int(prune(head_dim)) if callable(prune) else 0

@@ -64,9 +64,12 @@ class ModelRunner:
         if not segments:
             return []
         keep = getattr(self.method, "keep_uncompressed", None)
+        question = getattr(self.method, "question_tokens", None)
         for s in segments:
             if not s.compress and keep is not None:
                 keep(s.slot, len(s.token_ids))
+            if s.question > 0 and s.phase == "prefill" and question is not None:
+                question(s.slot, s.question)
         dev = self.model.device
         if all(s.phase == "decode" and len(s.token_ids) == 1 for s in segments):
             toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]

@@ -77,7 +77,7 @@ def schedule_mixed(s: SchedulerView) -> list[Scheduled]:
         out.append(seg)
         r = seg.req
         need = s.cache.blocks_for_append([r.slot], seg.n)
-        free -= need + seg.revived
+        free -= need + seg.revived + seg.copies
         budget -= seg.n
         debt += s.cache.blocks_for_append([r.slot], len(r.tokens) - r.fed) - need
         _note_inflight(s, r, seg.n, inflight)

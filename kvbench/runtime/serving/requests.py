@@ -2,6 +2,9 @@
 request's share of a step (`Scheduled`), one step's record for the timeline (`StepRecord`) and a served trace's
 outcome (`Outcome`).
 
+A request with `fork_of` starts from a copy-on-write fork of a live sequence that holds its first `fork_tokens`
+prompt tokens (the multi-request protocol: one compressed context, many questions), instead of an empty one.
+
 A request with an `uncompressed_tail` (a question after its context, kvpress's query-agnostic protocol) is prefilled
 in two parts that no chunk crosses: the context, whose last chunk lets the method compress, then the tail (and, after
 a recompute, the tokens generated so far) in chunks the method keeps uncompressed (`Scheduled.compress`).
@@ -22,6 +25,14 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens (throughput traces)
     # the last n prompt tokens (a question) go in uncompressed after the rest (its context) was compressed
     uncompressed_tail: int = 0
+    # the last n prompt tokens are its question, compressed with the context (query-aware): a method that needs the
+    # question's extent (Finch's window) is told through its optional question_tokens(slot, n) hook
+    question_tokens: int = 0
+    # a live sequence whose cache holds this request's first fork_tokens prompt tokens (a context prefilled and
+    # compressed once): admission forks it copy-on-write (Engine.fork_sequence) and prefills only the rest; it
+    # must stay live until the request finishes (a request preempted by recompute forks it again)
+    fork_of: Optional[int] = None
+    fork_tokens: int = 0
     index: int = 0  # position in the submitted list
     # outcome
     output: list[int] = field(default_factory=list)
@@ -71,6 +82,7 @@ class Scheduled:
     n: int
     kind: str  # prefill | decode
     revived: int = 0  # cached free blocks its admission took back from the pool (prefix cache)
+    copies: int = 0  # blocks its chunk copies first (a fork's shared, partly filled last blocks: copy-on-write)
 
     @property
     def emits(self) -> bool:
@@ -118,3 +130,4 @@ class Outcome:
     admitted_prompt_tokens: int = 0  # prompt tokens of every admission (the prefix cache's lookups)
     swap_preemptions: int = 0  # of the preemptions, those that swapped the blocks out (the rest recomputed)
     swap: dict = field(default_factory=dict)  # the swap space's counters (SwapSpace.stats), when there is one
+    forked_prompt_tokens: int = 0  # prompt tokens that admissions took from a forked sequence (Request.fork_of)

@@ -20,6 +20,9 @@ and steps are in `requests.py`.
 A request is admitted when the pool has free blocks for its first chunk plus a reserve (admission_watermark x the
 pool) and fewer than max_num_seqs are admitted. With a prefix cache (`prefix_cache.PrefixCache`), a newly admitted
 request first takes the cached blocks of its prompt's longest cached prefix and prefills only the rest.
+A request with `fork_of` (a live sequence holding its prompt's first `fork_tokens` tokens: a context compressed once)
+is admitted as a copy-on-write fork of that sequence (the `fork` callable, Engine.fork_sequence) and prefills only the
+rest; its admission counts the copies of the shared, partly filled last blocks its first chunk makes.
 When the decode tokens of a step cannot get their blocks, the most recently admitted sequence is preempted
 (`preemption.py`: by recompute, or by swapping its blocks to host memory) and goes back to the waiting head; a
 swapped-out request at the head comes back before any new admission. A sequence that cannot get blocks while it is
@@ -51,12 +54,15 @@ class Scheduler:
                  on_token: Optional[Callable[[Request], None]] = None,
                  clock: Callable[[], float] = time.perf_counter,
                  schedule: str = "mixed", prefix_cache: Any = None, lookahead: int = 1, swap: Any = None,
-                 preemption: str = "recompute", on_swap_out: Optional[Callable[[int], None]] = None):
+                 preemption: str = "recompute", on_swap_out: Optional[Callable[[int], None]] = None,
+                 fork: Optional[Callable[[int], int]] = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or not 0 <= admission_watermark < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, admission_watermark in [0, 1)")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         self.cache, self.end_sequence = cache, end_sequence
+        self.fork = fork  # fork(slot) -> a copy-on-write child (Engine.fork_sequence): admits Request.fork_of
+        self.forked_prompt_tokens = 0
         # a decode step appends up to `lookahead` tokens per sequence (speculative decoding: k drafts + 1)
         self.lookahead = int(lookahead)
         self.preemptor = Preemptor(cache, end_sequence, mode=preemption, swap=swap, on_swap_out=on_swap_out)
@@ -87,6 +93,15 @@ class Scheduler:
                 raise ValueError("empty prompt")
             if r.max_new_tokens < 0:
                 raise ValueError(f"max_new_tokens must be >= 0, got {r.max_new_tokens}")
+            if r.fork_of is not None:
+                if self.fork is None:
+                    raise ValueError("Request.fork_of needs a scheduler with a fork callable (Engine.serve gives one)")
+                if r.fork_of not in self.cache.live:
+                    raise ValueError(f"Request.fork_of={r.fork_of}: no such live sequence")
+                if not 0 < r.fork_tokens < len(r.prompt):
+                    raise ValueError(f"Request.fork_tokens={r.fork_tokens} must be in [1, {len(r.prompt) - 1}]: "
+                                     "the forked sequence holds a prefix of the prompt, and at least its last "
+                                     "token is computed (for its logits)")
         self.requests = requests
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
         self.t0 = self.clock()
@@ -100,7 +115,8 @@ class Scheduler:
         """The requests with their outputs and timings, and the timeline."""
         pre = self.preemptor
         return Outcome(self.requests, self.timeline, pre.preemptions, self.now(), self.max_running,
-                       self.cached_prompt_tokens, self.admitted_prompt_tokens, pre.swap_preemptions, pre.swap_stats())
+                       self.cached_prompt_tokens, self.admitted_prompt_tokens, pre.swap_preemptions, pre.swap_stats(),
+                       self.forked_prompt_tokens)
 
     def release_all(self) -> None:
         """End every admitted sequence (the run stopped on an error)."""
@@ -157,6 +173,8 @@ class Scheduler:
         if not self.waiting or len(self.admitted) >= self.max_num_seqs or self.waiting[0].swapped_status:
             return None
         req = self.waiting[0]
+        if req.fork_of is not None:
+            return self._admit_fork(req, budget, free, whole_prompt)
         cached = revived = 0
         if self.prefix_cache is not None:
             found = self.prefix_cache.lookup(req.tokens[:req.compressed_end])  # never past the compressed part
@@ -192,6 +210,34 @@ class Scheduler:
             n = min(n, req.prefill_stop(req.fed) - req.fed)
         self._enter(req)
         return Scheduled(req, n, "prefill", revived)
+
+    def _admit_fork(self, req: Request, budget: int, free: int, whole_prompt: bool) -> Optional[Scheduled]:
+        """Admit the waiting head `req` (Request.fork_of) as a copy-on-write fork of its live sequence, for its
+        first chunk after the forked prefix; None when the chunk (whole_prompt: the whole rest of its prompt) and
+        the copies of the shared, partly filled last blocks (one per such table) do not fit in `free` blocks with
+        the reserve."""
+        parent, fed = req.fork_of, req.fork_tokens
+        n = min(self.chunk, budget, req.prefill_stop(fed) - fed)
+        c = self.cache
+        copies = int((c.host_lengths[parent] % c.block_size != 0).sum())  # the fork's first append copies them
+        first = c.blocks_for_append([parent], n) + copies
+        if first > free and not self.admitted:  # nothing admitted could free room for it
+            self.waiting.popleft()
+            self.fail_too_large(req)
+            return None
+        want = c.blocks_for_append([parent], len(req.tokens) - fed) + copies if whole_prompt else first
+        need = first if not self.admitted else max(want, req.resume_blocks) + self.reserve
+        if need > free:
+            return None
+        self.waiting.popleft()
+        self.admitted_prompt_tokens += len(req.tokens)
+        self.forked_prompt_tokens += fed
+        req.slot = self.fork(parent)
+        req.status = "prefilling"
+        req.fed, req.cached_tokens = fed, 0
+        req.registered_blocks = fed // c.block_size  # the parent's blocks are not offered again
+        self._enter(req)
+        return Scheduled(req, n, "prefill", copies=copies)
 
     def decode_batch(self, budget: int) -> Optional[list[Request]]:
         """One decode token for each decoding sequence (rotated when more than `budget`), preempting the newest

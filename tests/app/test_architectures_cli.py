@@ -1,0 +1,73 @@
+"""Issue 60 through the command line: `python -m kvbench model=hf model.path=<folder>` runs each new architecture (a
+tiny random-weight model saved in the hub's format with SmolLM2's tokenizer), metrics.json splits the KV bytes by
+layer type where the model has sliding layers, and `kvbench-info` prints the layer types and KV bytes per token."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.info import main as info_main
+from tests.app.test_bad_input import cli  # noqa: F401  (the in-process CLI fixture)
+from tests.fixtures.task_fixtures import smollm2_tokenizer
+from tests.tiny_models import SMOLLM2_TOKEN_IDS, WINDOW, tiny_hf_model
+
+TASK = ["task=perplexity", "task.num_documents=1", "task.max_tokens=96", "task.chunk_size=32", "logger=none",
+        "runtime.threads=1", "runtime.block_size=16", "progress=false"]
+
+
+def _save(family: str, folder: Path) -> Path:
+    tiny_hf_model(family, seed=0, vocab=len(smollm2_tokenizer()), max_positions=8192,
+                  **SMOLLM2_TOKEN_IDS).save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family,sliding", [("gemma3", 3), ("gpt_oss", 1), ("mistral_window", 2), ("phi4mini", 2),
+                                            ("gemma2", 1), ("phi3", 0), ("mqa", 0), ("deepseek_v2", 0)])
+def test_each_architecture_runs_from_the_command_line(cli, tmp_path, family, sliding):  # noqa: F811
+    folder = _save(family, tmp_path / family)
+    code, out, err = cli(["model=hf", f"model.path={folder}", *TASK, "method=snapkv", "budget=48",
+                          f"results_dir={tmp_path / 'runs'}"])
+    assert code == 0, err[-2000:]
+    (metrics_path,) = list((tmp_path / "runs").glob("*/metrics.json"))
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["status"] == "ok" and metrics["ppl"] > 0
+    if sliding:
+        assert metrics["sliding_layers"] == sliding
+        assert metrics["full_kv_bytes"] == metrics["full_kv_bytes_full_layers"] + metrics["full_kv_bytes_sliding_layers"]
+        # between steps each sliding table keeps at most WINDOW - 1 + 15 tokens: 3 blocks of 16 tokens (x 2 kv-heads x
+        # 16 dims x K, V in fp32); within a step also the step's chunk of 32 tokens: 5 blocks at most
+        block = 16 * 16 * 2 * 4
+        assert metrics["full_kv_bytes_sliding_layers"] <= sliding * 2 * 3 * block
+        assert 0 < metrics["peak_kv_bytes_sliding_layers"] <= sliding * 2 * 5 * block
+    else:
+        assert "sliding_layers" not in metrics
+
+
+def test_kvbench_info_prints_layer_types_and_bytes_per_token(tmp_path, capsys):
+    folder = _save("gemma3", tmp_path / "g")
+    assert info_main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    # 1 full layer x 2 kv-heads x 16 dims x 2 (K and V) x 4 bytes; the 3 sliding layers hold WINDOW tokens at most
+    assert "layers: 4 (1 full, 3 sliding)" in out and f"sliding({WINDOW})" in out
+    assert "kv_bytes_per_token: 256 " in out
+    assert f"sliding layers: {3 * WINDOW * 2 * 2 * 16 * 4} bytes per sequence" in out
+    assert info_main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_mla_model_from_the_command_line(cli, tmp_path, capsys):  # noqa: F811
+    """DeepSeek-V2-Lite's shape: kvbench-info prints the latent's bytes per token; methods whose scores are not
+    defined on latent tokens, and storage codecs, are refused in one line (exit 2) before the model loads."""
+    folder = _save("deepseek_v2", tmp_path / "ds")
+    assert info_main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "MLA latent cache: one row of 40" in out and "kv_bytes_per_token: 320 (2 layers x 40 x 4 bytes)" in out
+    for args, needle in ((["method=knorm", "budget=48"], "method 'knorm' scores key or value geometry"),
+                         (["method=kivi"], "quant='kivi' cannot run on an MLA model"),
+                         (["method=streaming_llm", "budget=48", "method.position_mode=reindex"], "before RoPE")):
+        code, out, err = cli(["model=hf", f"model.path={folder}", *TASK, *args, f"results_dir={tmp_path / 'r'}"])
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists() or not list((tmp_path / "r").glob("*/metrics.json"))
