@@ -110,11 +110,24 @@ class Quest(Method):
         raise AttributeError(name)
 
     # --- hooks ------------------------------------------------------------------------------------------------
+    def check_model(self, model_config) -> None:
+        """Besides Method's checks: the pages are read by the plain attention kernels, so a full layer with
+        soft-capping or attention sinks (Gemma 2, GPT-OSS) is refused in one line."""
+        super().check_model(model_config)
+        attention = getattr(model_config, "attention", None)
+        for layer in range(model_config.num_layers) if callable(attention) else ():
+            la = attention(layer)
+            if la.window is None and not la.plain:
+                raise UserError(f"method=quest reads pages through the plain attention kernels; layer {layer} of this "
+                                f"model is {la.describe()} with soft-capping or sinks, which they do not apply")
+
     def attach(self, cache, model_config) -> None:
         super().attach(cache, model_config)
         pages = quest_pages(self.budget, cache.block_size)
-        self.page_retrieval = PageRetrieval(tuple(0 if layer < self.dense_layers else pages
-                                                  for layer in range(model_config.num_layers)),
+        # sliding-window layers are never compressed (cache.method_layers): they attend over their ring densely
+        method_layers = set(getattr(cache, "method_layers", None) or range(model_config.num_layers))
+        self.page_retrieval = PageRetrieval(tuple(0 if layer < self.dense_layers or layer not in method_layers
+                                                  else pages for layer in range(model_config.num_layers)),
                                             per_head=self.gqa == "per_head")
         if self.inner is not None:
             self.inner.attach(cache, model_config)

@@ -24,7 +24,7 @@ from kvbench.runtime.cache.block_summaries import BlockSummaries
 from kvbench.runtime.cache.kv_cache import PagedKVCache
 from kvbench.runtime.cache.page_retrieval import page_bounds, select_pages
 from kvbench.runtime.serving.engine import Engine
-from methods.quest import quest_pages
+from kvbench.methods.quest import quest_pages
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import tiny_model
 
@@ -527,3 +527,19 @@ def test_eviction_codec_and_retrieval_in_one_run(model):
         _decode_nll(engine, prompt, 6)
         stats[name] = engine.memory_stats()
     assert stats["quest"]["kv_read_bytes_per_token"] < stats["snapkv"]["kv_read_bytes_per_token"]
+
+
+def test_quest_reads_pages_only_on_plain_full_layers():
+    """Sliding layers (never compressed) attend densely over their ring; a full layer with sinks or soft-capping
+    (GPT-OSS, Gemma 2), which the page kernels do not apply, is refused in one line."""
+    from kvbench.runtime.model.families import build_from_transformers
+    from tests.tiny_models import tiny_hf_model
+
+    gemma = build_from_transformers(tiny_hf_model("gemma3"))
+    eng = Engine(gemma, build_method("quest", 64, dense_layers=0), block_size=8, num_blocks=256)
+    full_layers = set(eng.cache.method_layers)
+    assert full_layers and all((eng.method.page_retrieval.pages_for(li) > 0) == (li in full_layers)
+                               for li in range(gemma.config.num_layers))
+    with pytest.raises(UserError, match="method=quest reads pages through the plain attention kernels; layer 1"):
+        Engine(build_from_transformers(tiny_hf_model("gpt_oss")), build_method("quest", 64), block_size=8,
+               num_blocks=256)
