@@ -75,8 +75,9 @@ def test_sweep_sizes():
     # threshold row and full are one run whatever the ratio. Smoke: every row once, at ratio 0.5 (2 kvzap thresholds)
     assert size("kvpress_leaderboard", "paper") == 4 * 27 and size("kvpress_leaderboard", "smoke") == 1 * 21
     assert size("kvpress_leaderboard", "paper_llama") == 4 * 27
-    # 2 modes x 6 rows (full, streaming_llm, snapkv with and without the question, expected_attention, kvzip) x 2 budgets
-    assert size("scbench_turns", "paper") == size("scbench_turns", "smoke") == 2 * 6 * 2
+    # 2 modes x 7 rows (full, streaming_llm, snapkv with and without the question, expected_attention, kvzip, quest) x 2
+    # budgets
+    assert size("scbench_turns", "paper") == size("scbench_turns", "smoke") == 2 * 7 * 2
 
 
 SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores
