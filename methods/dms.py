@@ -31,7 +31,7 @@ from kvbench.errors import UserError
 from kvbench.methods.base import build_method, register_method
 from kvbench.methods.checks import check_int
 from kvbench.methods.selection import gather_aligned
-from kvbench.methods.wrappers import ScorerWrapper, plain_scorers
+from kvbench.methods.wrappers import ScorerWrapper
 from kvbench.runtime.contract import LayerContext, Observation
 
 FROZEN = "dms_scores"  # state key: [H, T] each cached token's score at arrival (+inf: never evicted)
@@ -62,12 +62,7 @@ class DMS(ScorerWrapper):
         # ScorerWrapper's checks, with the base built to score only: compression_ratio 0.0 (it would keep every
         # token alone); the wrapper never calls its selection
         super(ScorerWrapper, self).__post_init__()
-        bases = plain_scorers()
-        if self.base not in bases:
-            raise UserError(f"invalid {self.name}.base={self.base!r}: choose one of {', '.join(bases)}")
-        if not isinstance(self.base_options, dict):
-            raise UserError(f"invalid {self.name}.base_options={self.base_options!r}: expected a mapping of "
-                            f"{self.base}'s options")
+        self.check_base()
         self.inner = build_method(self.base, None, compression_ratio=0.0, **dict(self.base_options))
         self.inner._state = self._state
 

@@ -63,18 +63,23 @@ class ScorerWrapper(EvictionMethod, Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_base()
+        ratio = getattr(self, "compression_ratio", None)  # the base gets the same knob as the wrapper
+        knob = {} if ratio is None else {"compression_ratio": ratio}
+        self.inner = build_method(self.base, self.budget, **knob, **dict(self.base_options))
+        self.inner._state = self._state  # one per-sequence state for both
+
+    def check_base(self) -> None:
+        """UserError (one line) unless `base` is a plain scorer and `base_options` a mapping."""
         bases = plain_scorers()
         if self.base not in bases:
             raise UserError(f"invalid {self.name}.base={self.base!r}: choose one of {', '.join(bases)}")
         if not isinstance(self.base_options, dict):
             raise UserError(f"invalid {self.name}.base_options={self.base_options!r}: expected a mapping of "
                             f"{self.base}'s options")
-        ratio = getattr(self, "compression_ratio", None)  # the base gets the same knob as the wrapper
-        knob = {} if ratio is None else {"compression_ratio": ratio}
-        self.inner = build_method(self.base, self.budget, **knob, **dict(self.base_options))
-        self.inner._state = self._state  # one per-sequence state for both
 
     # --- what the base declares -------------------------------------------------------------------
+
     @property
     def head_adaptive(self) -> bool:
         return True
