@@ -282,6 +282,13 @@ class Scbench(Task):
             if hub_only:
                 raise UserError(f"task.tasks={hub_only} are not generated: use task.source=hub")
             return
+        for t in opts.tasks:  # hub contexts are cut to length minus what the turns generate: leave room
+            sub = sd.SUB_MAX_NEW_TOKENS.get(t)
+            least = opts.max_new_tokens or (min(sub.values()) if sub else sd.MAX_NEW_TOKENS[t])
+            if least * opts.turns >= opts.length:
+                raise UserError(f"invalid task.length={opts.length}: {t}'s {opts.turns} turns generate up to "
+                                f"{least * opts.turns} tokens, leaving no room for the context; raise task.length, "
+                                "lower task.turns or set task.max_new_tokens")
         if not opts.data_dir:
             require_hub("SCBench data (microsoft/SCBench)", "task.data_dir")
             return
@@ -331,7 +338,11 @@ class Scbench(Task):
                     for r in rows:
                         r = dict(r, multi_turns=r["multi_turns"][:opts.turns])
                         keep = opts.length - sum(self.turn_max_new(r))
-                        out.append(_cut_middle(tokenizer, r, max(keep, 1)))
+                        if keep < 1:
+                            raise UserError(f"task.length={opts.length} leaves no room for {t} sample {r['id']}'s "
+                                            f"context: its turns generate up to {sum(self.turn_max_new(r))} tokens; "
+                                            "raise task.length, lower task.turns or set task.max_new_tokens")
+                        out.append(_cut_middle(tokenizer, r, keep))
                     continue
 
                 def tokens(sample: dict, task: str = t) -> int:

@@ -262,10 +262,12 @@ CASES = [
      ("scbench_choice_eng.jsonl, row 1", "multi_turns[0]: field 'options' must be a list of 4 texts")),
     (["task=scbench", "task.source=hub", "task.data_dir={scbmf}", "task.tasks=[mf]"],
      ("scbench_mf.jsonl, row 1", "multi_turns[0]", "a number 'answer'")),
-    (["task=scbench", "task.source=hub", "task.data_dir={scbrepo}", "task.tasks=[repoqa]"],
+    (["task=scbench", "task.source=hub", "task.data_dir={scbrepo}", "task.tasks=[repoqa]", "task.turns=1"],
      ("scbench_repoqa.jsonl, row 1", "needs a text field 'repo'")),
     (["task=scbench", "task.source=hub", "task.data_dir={scbmixed}", "task.tasks=[summary_with_needles]"],
      ("scbench_summary_with_needles.jsonl, row 1", "multi_turns[1]: field 'task' must be one of")),
+    (["task=scbench", "task.source=hub", "task.data_dir={empty}", "task.tasks=[repoqa]"],
+     ("invalid task.length=4096", "scbench_repoqa's 5 turns generate up to 5120 tokens")),
     (["task=scbench", "task.tasks=[qa_eng]"],
      "task.tasks=['scbench_qa_eng'] are not generated: use task.source=hub"),
     # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
