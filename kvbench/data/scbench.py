@@ -3,10 +3,12 @@ or read from files.
 
 A sample is a record of the hub dataset `microsoft/SCBench` (one config per task, split "test"):
     {"id": ..., "context": "<the shared context>", "multi_turns": [{"input": "<question>", "answer": <reference>}, ...]}
-`answer` is a string, or a list of strings (vt: every variable to name). Files: `<data_dir>/<task>.jsonl` (the name
-in SCBench's DATA_NAME_TO_PATH, e.g. scbench_kv.jsonl) or the hub's layout `<data_dir>/<task>/*.parquet|*.jsonl`;
-`load_hub_samples` reads them (or, without data_dir, the hub through `datasets`), and `check_file` refuses one
-without the expected fields in one line before the model loads.
+`answer` is a string, or a list of strings (vt: every variable to name), mf's a number. Tasks add the
+fields their prompts and scorers read: choice_eng a turn's `options` (A-D), repoqa a record's `repo` and `lang` and a
+turn's `name` (the function asked for), the mixed tasks (summary_with_needles, repoqa_and_kv) a turn's `task`.
+Files: `<data_dir>/<task>.jsonl` (the name in SCBench's DATA_NAME_TO_PATH, e.g. scbench_kv.jsonl) or the
+hub's layout `<data_dir>/<task>/*.parquet|*.jsonl`; `load_hub_samples` reads them (or, without data_dir, the
+hub through `datasets`), and `check_file` refuses one without the expected fields in one line before the model loads.
 
 `generate_samples(task, length, tokenizer, num, turns, seed)` makes the four synthetic (string retrieval) tasks
 here, offline, deterministic under the seed, the context grown to the largest size whose longest prompt (every
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -43,14 +46,37 @@ MAX_NEW_TOKENS = {"scbench_kv": 150, "scbench_prefix_suffix": 150, "scbench_vt":
                   "scbench_repoqa": 1024, "scbench_qa_eng": 40, "scbench_qa_chn": 40, "scbench_choice_eng": 40,
                   "scbench_many_shot": 10, "scbench_summary": 200, "scbench_mf": 5,
                   "scbench_summary_with_needles": 800, "scbench_repoqa_and_kv": 1024}
+# ... and per subtask of the mixed ones (DATA_NAME_TO_MAX_NEW_TOKENS' dicts, used per turn by its task)
+SUB_MAX_NEW_TOKENS = {"scbench_summary_with_needles": {"scbench_summary": 800, "scbench_passkey": 15},
+                      "scbench_repoqa_and_kv": {"scbench_repoqa": 1024, "scbench_kv": 80}}
 FIELDS = ("context", "multi_turns")
+# the mixed tasks: each turn names its subtask in a "task" field (run_scbench.py's case["task"])
+MIXED_TASKS = {"scbench_summary_with_needles": ("scbench_summary", "scbench_passkey"),
+               "scbench_repoqa_and_kv": ("scbench_repoqa", "scbench_kv")}
+# the fields a turn or a record keeps beside input and answer (prompts and scorers read them)
+TURN_EXTRA = ("options", "name", "task")
+ROW_EXTRA = ("repo", "lang")
 TURN_FIELDS = ("input", "answer")
 
 
 # --------------------------------------------------------------------------- files in the hub's format
-def check_record(row: Any, where: str) -> None:
-    """ValueError (one line naming `where`) unless row is an SCBench record: context text, multi_turns a non-empty
-    list of {input: text, answer: text or list of texts}."""
+def _is_texts(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(a, str) for a in v))
+
+
+def _is_number(v: Any) -> bool:
+    v = v[0] if isinstance(v, list) and len(v) == 1 else v
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+MF_TARGET = r"The .+ is"  # create_multiturn_prompt's re.findall for scbench_mf's question prefix
+
+
+def check_record(row: Any, where: str, task: Optional[str] = None) -> None:
+    """ValueError (one line naming `where` and the field) unless row is an SCBench record: context text,
+    multi_turns a non-empty list of {input: text, answer: text or list of texts}, and the fields `task`'s prompt
+    and scorer read (choice_eng: 4 options holding the answer; mf: a number answer, an input with "The ... is";
+    repoqa: repo, lang, each turn's function name; the mixed tasks: each turn's task)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object")
     missing = [f for f in FIELDS if f not in row]
@@ -62,14 +88,37 @@ def check_record(row: Any, where: str) -> None:
     turns = row["multi_turns"]
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: field 'multi_turns' must be a non-empty list of {{input, answer}}")
+    if task in ("scbench_repoqa", "scbench_repoqa_and_kv"):
+        for f in ("repo", "lang"):
+            if not isinstance(row.get(f), str):
+                raise ValueError(f"{where}: {task} needs a text field {f!r} (repo_qa_utils scores by it)")
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict) or any(f not in turn for f in TURN_FIELDS):
             have = ", ".join(turn) if isinstance(turn, dict) else type(turn).__name__
             raise ValueError(f"{where}: multi_turns[{k}] needs 'input' and 'answer' (it has {have})")
+        sub = turn.get("task") if task in MIXED_TASKS else task
+        if task in MIXED_TASKS and sub not in MIXED_TASKS[task]:
+            raise ValueError(f"{where}: multi_turns[{k}]: field 'task' must be one of "
+                             f"{', '.join(MIXED_TASKS[task])} in {task} (it is {sub!r})")
         ans = turn["answer"]
-        if not isinstance(turn["input"], str) or not (isinstance(ans, str) or (
-                isinstance(ans, list) and ans and all(isinstance(a, str) for a in ans))):
+        if sub == "scbench_mf":
+            if not isinstance(turn["input"], str) or not _is_number(ans):
+                raise ValueError(f"{where}: multi_turns[{k}]: scbench_mf needs text 'input' and a number 'answer' "
+                                 f"(math_find compares numbers; it is {ans!r})")
+            if not re.search(MF_TARGET, turn["input"]):
+                raise ValueError(f"{where}: multi_turns[{k}]: field 'input' has no 'The ... is' (scbench_mf's "
+                                 "prompt asks 'What is ...?' from it)")
+            continue
+        if not isinstance(turn["input"], str) or not _is_texts(ans):
             raise ValueError(f"{where}: multi_turns[{k}]: 'input' must be text and 'answer' text or a list of texts")
+        if sub == "scbench_choice_eng":
+            opts = turn.get("options")
+            if not (isinstance(opts, list) and len(opts) == 4 and all(isinstance(o, str) for o in opts)):
+                raise ValueError(f"{where}: multi_turns[{k}]: field 'options' must be a list of 4 texts (A-D)")
+            if ans not in opts:
+                raise ValueError(f"{where}: multi_turns[{k}]: field 'answer' {ans!r} is none of its 'options'")
+        if sub == "scbench_repoqa" and not isinstance(turn.get("name"), str):
+            raise ValueError(f"{where}: multi_turns[{k}]: field 'name' (the function asked for) must be text")
 
 
 def task_files(data_dir: Path, task: str) -> list[Path]:
@@ -109,7 +158,7 @@ def check_file(data_dir: str, task: str) -> None:
     if not rows:
         raise ValueError(f"{files[0]}: no rows")
     for i, row in enumerate(rows[:50]):
-        check_record(row, f"{files[0]}, row {i + 1}")
+        check_record(row, f"{files[0]}, row {i + 1}", task)
 
 
 HUB_DATASET = "microsoft/SCBench"
@@ -130,9 +179,12 @@ def load_hub_samples(task: str, data_dir: Optional[str], limit: Optional[int],
     rows = rows[:limit] if limit else rows
     out = []
     for i, row in enumerate(rows):
-        check_record(row, f"{task} row {i + 1}")
+        check_record(row, f"{task} row {i + 1}", task)
         out.append({"id": str(row.get("id", i)), "task": task, "context": row["context"],
-                    "multi_turns": [{"input": t["input"], "answer": t["answer"]} for t in row["multi_turns"]]})
+                    **{f: row[f] for f in ROW_EXTRA if f in row},
+                    "multi_turns": [{"input": t["input"], "answer": t["answer"],
+                                     **{f: t[f] for f in TURN_EXTRA if t.get(f) is not None}}
+                                    for t in row["multi_turns"]]})
     return out
 
 

@@ -257,6 +257,19 @@ CASES = [
      ("multi_turns[0] needs 'input' and 'answer'",)),
     (["task=scbench", "task.source=hub", "task.data_dir={empty}", "task.tasks=[kv]"], "no scbench_kv.jsonl"),
     (["task=scbench", "task.repeats=2"], "invalid task.repeats=2"),
+    # SCBench's hub tasks: the fields their prompts and scorers read
+    (["task=scbench", "task.source=hub", "task.data_dir={scbchoice}", "task.tasks=[choice_eng]"],
+     ("scbench_choice_eng.jsonl, row 1", "multi_turns[0]: field 'options' must be a list of 4 texts")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbmf}", "task.tasks=[mf]"],
+     ("scbench_mf.jsonl, row 1", "multi_turns[0]", "a number 'answer'")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbrepo}", "task.tasks=[repoqa]", "task.turns=1"],
+     ("scbench_repoqa.jsonl, row 1", "needs a text field 'repo'")),
+    (["task=scbench", "task.source=hub", "task.data_dir={scbmixed}", "task.tasks=[summary_with_needles]"],
+     ("scbench_summary_with_needles.jsonl, row 1", "multi_turns[1]: field 'task' must be one of")),
+    (["task=scbench", "task.source=hub", "task.data_dir={empty}", "task.tasks=[repoqa]"],
+     ("invalid task.length=4096", "scbench_repoqa's 5 turns generate up to 5120 tokens")),
+    (["task=scbench", "task.tasks=[qa_eng]"],
+     "task.tasks=['scbench_qa_eng'] are not generated: use task.source=hub"),
     # issue 56: a model kvbench cannot run as its files describe it, refused from config.json and the tensors' names
     (["model.path={fewlayers}"], ("its weights do not match its config.json", "missing 18 tensors",
                                   "model.layers.2.input_layernorm.weight", "(layers 2-3)")),
@@ -363,6 +376,18 @@ def paths(tmp_path, tiny_llama_dir):
             ("scbnoturns", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c", "turns": []}) + "\n"),
             ("scbnoanswer", "scbench_kv.jsonl", json.dumps({"id": 0, "context": "c",
                                                              "multi_turns": [{"input": "q"}]}) + "\n"),
+            ("scbchoice", "scbench_choice_eng.jsonl", json.dumps(
+                {"id": 0, "context": "c", "multi_turns": [{"input": "q", "answer": "a", "options": ["a", "b"]}]})
+             + "\n"),
+            ("scbmf", "scbench_mf.jsonl", json.dumps(
+                {"id": 0, "context": "c", "multi_turns": [{"input": "The max is", "answer": "7"}]}) + "\n"),
+            ("scbrepo", "scbench_repoqa.jsonl", json.dumps(
+                {"id": 0, "context": "c", "lang": "python", "multi_turns": [{"input": "q", "answer": "a",
+                                                                             "name": "f"}]}) + "\n"),
+            ("scbmixed", "scbench_summary_with_needles.jsonl", json.dumps(
+                {"id": 0, "context": "c", "multi_turns": [{"input": "q", "answer": "a", "task": "scbench_summary"},
+                                                          {"input": "q", "answer": "1", "task": "scbench_kv"}]})
+             + "\n"),
             ("rulernull", "1024.jsonl", json.dumps(ruler_row) + "\n\n" + json.dumps({**ruler_row, "context": None})),
             ("rulerdict", "1024.jsonl", json.dumps({**ruler_row, "answer": {"a": "0"}}) + "\n"),
             ("rulernew", "1024.jsonl", json.dumps({**ruler_row, "max_new_tokens": "8"}) + "\n"),
