@@ -384,12 +384,14 @@ def test_mla_refuses_methods_whose_scores_are_not_defined_on_latents(variant):
     assert "\n" not in str(info.value) and "MLA" in str(info.value)
 
 
-def test_mla_refuses_codecs_and_tensor_parallel_in_one_line():
-    from kvbench.quant.registry import build_codec
+def test_mla_refuses_kvquant_and_tensor_parallel_in_one_line():
+    """kvquant (levels calibrated per layer on pre-RoPE keys) cannot pack the latent rows; kivi, int8 and fp8 can
+    (tests/runtime/test_mla_codecs.py)."""
+    from kvbench.quant.codecs import KVQuantCodec
     from kvbench.runtime.model.tensor_parallel import shard_model
 
     model = build_from_transformers(tiny_hf_model("deepseek_v2"))
     with pytest.raises(ValueError, match="cannot store MLA's latent cache"):
-        Engine(model, codec=build_codec("kivi", bits=4), block_size=16, num_blocks=256)
+        Engine(model, codec=KVQuantCodec(bits=4, levels="uniform"), block_size=16, num_blocks=256)
     with pytest.raises(ValueError, match="cannot shard the model over 2 ranks: model_type 'deepseek_v2'"):
         shard_model(model, 0, 2, None)

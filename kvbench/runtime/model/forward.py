@@ -343,7 +343,7 @@ class LlamaFamilyModel:
         for g, off, n in zip(groups, offsets, sizes):
             S, Q = g.tokens.shape
             rows = slice(off, off + n)
-            expanded = Q > 1 and self.mla_prefill_form == "expanded" and cache.plain_pools
+            expanded = Q > 1 and self.mla_prefill_form == "expanded"
             qn = q_nope[rows].reshape(S, Q, Hq, -1).transpose(1, 2)  # [S, Hq, Q, nope]
             qp = q_pe[rows].reshape(S, Q, Hq, -1).transpose(1, 2)  # [S, Hq, Q, rope]
             qg = mla_absorb(lw.mla, qn.transpose(1, 2), qp.transpose(1, 2)).transpose(1, 2) \
@@ -356,8 +356,9 @@ class LlamaFamilyModel:
             if expanded:
                 self.mla_expanded_steps += 1
                 plan = g.plan
+                rows_pool, tables = cache.latent_rows(li, plan)  # the pool in place, or a codec's decoded blocks
                 o, key_scores = mla_attend_expanded(
-                    cfg.mla, lw.mla, qn, qp, cache.k_pool, plan.tables[:, li], plan.lengths[:, li],
+                    cfg.mla, lw.mla, qn, qp, rows_pool, tables, plan.lengths[:, li],
                     plan.positions[:, li], plan.query_positions, cfg.attn_scale, return_key_scores=need_scores,
                 )  # [S, Hq, Q, v]
                 out[rows] = o.transpose(1, 2).reshape(n, -1)
