@@ -23,6 +23,7 @@ from kvbench.runtime.cache.caches import build_cache
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from tests.runtime.test_architectures import _ids, kvbench_logits
+from tests.runtime.test_quantized_cache import triton_dequant  # noqa: F401  (the fixture)
 from tests.tiny_models import tiny_hf_model
 
 PROMPT, TOTAL, CHUNK, BS = 100, 200, 32, 8
@@ -113,3 +114,26 @@ def test_kvquant_is_refused_on_the_latent_cache_in_one_line():
         build_cache(codec=KVQuantCodec(bits=4, levels="uniform"), kv_memory_bytes=1 << 20, num_layers=1,
                     num_kv_heads=1, head_dim=40, block_size=32, dtype=torch.float32, device="cpu", value_dim=32)
     assert "\n" not in str(info.value)
+
+
+def test_triton_dequant_reads_the_latent_rows(triton_dequant):
+    """The Triton dequantizer (KIVI-2/4, what a GPU run picks) decodes packed latent rows (width 40: not a power of
+    two) as the torch decode does; the values are their latent part."""
+    from kvbench.quant.codecs import KiviCodec
+    from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = QuantizedPagedKVCache(codec=KiviCodec(4, group_size=16, residual=16), num_layers=1, num_kv_heads=1,
+                                  head_dim=40, block_size=16, max_bytes=1 << 20, value_dim=32, device=device)
+    slot = cache.add_sequence()
+    plan = cache.prepare_append([slot], torch.arange(64, device=device)[None])
+    rows = torch.randn(1, 1, 64, 40, generator=torch.Generator().manual_seed(1)).to(device)
+    cache.write(0, plan, rows, rows[..., :32])
+    cache.pack_pending()
+    assert cache.block_counts()["packed"] == 3
+    cache.dequant = "torch"
+    ref_k, _, _ = cache.gather(0, slot)
+    cache.dequant = "triton"
+    k, v, _ = cache.gather(0, slot)
+    torch.testing.assert_close(k, ref_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(v, k[..., :32])
