@@ -216,13 +216,18 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
 
 
+LATENT_CODECS = ("kivi", "int8", "fp8")  # the codecs that store MLA's latent rows
+
+
 def _check_latent(settings: _config.Settings, shape: Any, method: Any) -> None:
-    """An MLA model (its cache the latent rows): methods whose scores are defined there, no storage codec yet."""
+    """An MLA model (its cache the latent rows): methods whose scores are defined there, the codecs that pack the
+    rows (kivi, int8, fp8: runtime.cache.caches.latent_codec)."""
     if shape is None or not getattr(shape, "latent", False):
         return
-    if settings.quant_name not in FULL_PRECISION:
-        raise UserError(f"quant={settings.quant_name!r} cannot run on an MLA model ({shape.model_type}): a storage "
-                        f"codec cannot store its latent cache yet; use quant=none")
+    if settings.quant_name not in FULL_PRECISION + LATENT_CODECS:
+        raise UserError(f"quant={settings.quant_name!r} cannot run on an MLA model ({shape.model_type}): its levels "
+                        f"and ranges are calibrated per layer on keys before RoPE; use quant=none, "
+                        f"{', '.join(LATENT_CODECS)}")
     why = latent_refusal(method)
     if why is not None:
         raise UserError(why)

@@ -60,14 +60,34 @@ def test_kvbench_info_prints_layer_types_and_bytes_per_token(tmp_path, capsys):
 
 def test_mla_model_from_the_command_line(cli, tmp_path, capsys):  # noqa: F811
     """DeepSeek-V2-Lite's shape: kvbench-info prints the latent's bytes per token; methods whose scores are not
-    defined on latent tokens, and storage codecs, are refused in one line (exit 2) before the model loads."""
+    defined on latent tokens, and kvquant (calibrated per layer on pre-RoPE keys), are refused in one line (exit 2)
+    before the model loads."""
     folder = _save("deepseek_v2", tmp_path / "ds")
     assert info_main([str(folder)]) == 0
     out = capsys.readouterr().out
     assert "MLA latent cache: one row of 40" in out and "kv_bytes_per_token: 320 (2 layers x 40 x 4 bytes)" in out
     for args, needle in ((["method=knorm", "budget=48"], "method 'knorm' scores key or value geometry"),
-                         (["method=kivi"], "quant='kivi' cannot run on an MLA model"),
+                         (["quant=kvquant"], "quant='kvquant' cannot run on an MLA model"),
                          (["method=streaming_llm", "budget=48", "method.position_mode=reindex"], "before RoPE")):
         code, out, err = cli(["model=hf", f"model.path={folder}", *TASK, *args, f"results_dir={tmp_path / 'r'}"])
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists() or not list((tmp_path / "r").glob("*/metrics.json"))
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8", "kivi"])
+def test_mla_model_runs_a_storage_codec_over_its_latent_rows(cli, tmp_path, quant):  # noqa: F811
+    """quant=int8 / fp8 / kivi on an MLA model: the latent rows are packed, the run's peak KV bytes (from the pool) are
+    below the full-precision latent's, and the perplexity stays close to it."""
+    folder = _save("deepseek_v2", tmp_path / "ds")
+    runs = {}
+    for q in ("none", quant):
+        args = ["model=hf", f"model.path={folder}", *TASK, f"quant={q}", f"results_dir={tmp_path / q}"]
+        if q == "kivi":
+            args += ["quant.group_size=16", "quant.residual=16"]
+        code, out, err = cli(args)
+        assert code == 0, err[-2000:]
+        (metrics_path,) = list((tmp_path / q).glob("*/metrics.json"))
+        runs[q] = json.loads(metrics_path.read_text())
+    assert runs[quant]["status"] == "ok"
+    assert runs[quant]["peak_kv_bytes"] < runs["none"]["peak_kv_bytes"]
+    assert abs(runs[quant]["ppl"] / runs["none"]["ppl"] - 1) < 0.05

@@ -283,6 +283,59 @@ def test_mla_pool_holds_the_latent_per_token():
     assert engine.cache.v_pool.data_ptr() == engine.cache.k_pool.data_ptr()  # values read inside the rows
 
 
+def test_mla_prefill_takes_the_expanded_form_and_decode_the_absorbed_one():
+    """Prefill chunks attend in the expanded form (per-head K/V from the cached latents), decode steps in the absorbed
+    form: the model counts the expanded attentions (one per layer and chunk, none in decode), and the logits equal
+    those of the absorbed form at every step on the same inputs (and transformers', checked above)."""
+    hf = tiny_hf_model("deepseek_v2", seed=3, eager=True, qk_scale=3)
+    model = build_from_transformers(hf)
+    ids = _ids(hf, PROMPT + 8)
+    chunks = -(-PROMPT // CHUNK)
+
+    def logits(form):
+        model.mla_prefill_form, model.mla_expanded_steps = form, 0
+        return kvbench_logits(Engine(model, prefill_chunk_size=CHUNK, block_size=8, num_blocks=512), ids, PROMPT)
+
+    expanded = logits("expanded")
+    assert model.mla_expanded_steps == model.config.num_layers * chunks
+    absorbed = logits("absorbed")
+    assert model.mla_expanded_steps == 0
+    assert (expanded - absorbed).abs().max().item() <= 1e-4
+    assert (expanded - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+def test_mla_expanded_attention_equals_the_absorbed_one_on_ragged_sequences():
+    """mla.attend_expanded against the absorbed form through the torch reference (absorbed query over the rows, output
+    through W_UV) on random rows: two sequences of different lengths, three queries each at the end of their sequence,
+    a block table in random order; outputs and key scores (probability per row, summed over heads and queries)."""
+    from kvbench.runtime.backends.torch.attention import paged_attention_torch
+    from kvbench.runtime.model.mla import MLAConfig, MLAWeights, absorb, attend_expanded
+
+    g = torch.Generator().manual_seed(0)
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    Hq, bs, Q, r, D = 3, 4, 3, 16, 20
+    w = MLAWeights(kv_a=None, kv_a_norm=None, w_uk=torch.randn(Hq, 8, r, generator=g),
+                   w_uv=torch.randn(Hq, 6, r, generator=g))
+    pool = torch.randn(12, bs, D, generator=g)
+    tables = torch.randperm(12, generator=g)[:10].view(2, 1, 5).to(torch.int32)
+    lengths = torch.tensor([[17], [9]])
+    key_positions = torch.arange(20, dtype=torch.int32).expand(2, 1, 20).contiguous()
+    query_positions = lengths - Q + torch.arange(Q)  # [2, Q]
+    q_nope, q_pe = torch.randn(2, Hq, Q, 8, generator=g), torch.randn(2, Hq, Q, 4, generator=g)
+    scale = 0.3
+    out, scores = attend_expanded(mla, w, q_nope, q_pe, pool, tables, lengths, key_positions, query_positions, scale,
+                                  return_key_scores=True)
+    qa = absorb(w, q_nope.transpose(1, 2), q_pe.transpose(1, 2)).transpose(1, 2)  # [2, Hq, Q, r + rope]
+    lat, ref_scores = paged_attention_torch(qa, pool, pool[..., :r], tables, lengths, key_positions, query_positions,
+                                            scale, return_key_scores=True)
+    ref = torch.einsum("shqr,hvr->shqv", lat, w.w_uv)
+    assert out.shape == (2, Hq, Q, 6) and scores.shape == ref_scores.shape == (2, 1, 17)
+    assert torch.allclose(out, ref, atol=1e-4) and torch.allclose(scores, ref_scores, atol=1e-5)
+    no_scores, none = attend_expanded(mla, w, q_nope, q_pe, pool, tables, lengths, key_positions, query_positions,
+                                      scale)
+    assert none is None and torch.allclose(no_scores, ref, atol=1e-4)
+
+
 def _latent_variants():
     from kvbench.methods.base import LATENT_METHODS
     from tests.methods.variants import VARIANTS, variant_id
@@ -331,12 +384,14 @@ def test_mla_refuses_methods_whose_scores_are_not_defined_on_latents(variant):
     assert "\n" not in str(info.value) and "MLA" in str(info.value)
 
 
-def test_mla_refuses_codecs_and_tensor_parallel_in_one_line():
-    from kvbench.quant.registry import build_codec
+def test_mla_refuses_kvquant_and_tensor_parallel_in_one_line():
+    """kvquant (levels calibrated per layer on pre-RoPE keys) cannot pack the latent rows; kivi, int8 and fp8 can
+    (tests/runtime/test_mla_codecs.py)."""
+    from kvbench.quant.codecs import KVQuantCodec
     from kvbench.runtime.model.tensor_parallel import shard_model
 
     model = build_from_transformers(tiny_hf_model("deepseek_v2"))
     with pytest.raises(ValueError, match="cannot store MLA's latent cache"):
-        Engine(model, codec=build_codec("kivi", bits=4), block_size=16, num_blocks=256)
+        Engine(model, codec=KVQuantCodec(bits=4, levels="uniform"), block_size=16, num_blocks=256)
     with pytest.raises(ValueError, match="cannot shard the model over 2 ranks: model_type 'deepseek_v2'"):
         shard_model(model, 0, 2, None)

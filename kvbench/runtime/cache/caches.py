@@ -32,7 +32,7 @@ def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, 
                 value_dim: Optional[int] = None) -> PagedKVCache:
     """A PagedKVCache (codec None or "full"), a QuantizedPagedKVCache, or (pruned_key_channels > 0: a method
     prunes that many key channels per kv-head, ThinK) a PrunedKeyKVCache, holding at most kv_memory_bytes.
-    value_dim: a latent cache (MLA: values inside the keys; full precision only)."""
+    value_dim: a latent cache (MLA: values inside the keys; full precision or a codec that `latent_codec` accepts)."""
     common = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                   device=device, max_seqs=max_seqs)
     if pruned_key_channels:
@@ -50,9 +50,18 @@ def build_cache(*, codec: Optional[Any], kv_memory_bytes: int, num_layers: int, 
                                              kv_geometry.block_bytes(block_size, head_dim, dtype, latent))
         return PagedKVCache(block_size=block_size, num_blocks=int(num_blocks), store_pre_rope=store_pre_rope,
                             value_dim=value_dim, **common)
-    if value_dim is not None:
-        raise ValueError(f"quant {getattr(codec, 'name', codec)!r}: a storage codec cannot store MLA's latent cache "
-                         f"yet (its blocks hold K and V apart); run it with quant=none")
+    if value_dim is not None and not latent_codec(codec):
+        raise ValueError(f"quant {getattr(codec, 'name', codec)!r}: this storage codec cannot store MLA's latent "
+                         f"cache (its levels and ranges are calibrated per layer on keys before RoPE); "
+                         f"run it with quant=none, kivi, int8 or fp8")
     pre_rope = store_pre_rope or bool(getattr(codec, "pre_rope_keys", False))
     return QuantizedPagedKVCache(codec=codec, block_size=codec_block_size(codec, block_size),
-                                 max_bytes=int(kv_memory_bytes), store_pre_rope=pre_rope, **common)
+                                 max_bytes=int(kv_memory_bytes), store_pre_rope=pre_rope, value_dim=value_dim,
+                                 **common)
+
+
+def latent_codec(codec: Any) -> bool:
+    """Whether `codec` can store MLA's latent rows: one row [latent ; RoPE key] per token packed through its key
+    encoding (values decoded from the rows), which needs an encoding that ignores layer and head and reads keys after
+    RoPE (KIVI, int8, fp8; not KVQuant)."""
+    return bool(getattr(codec, "layer_independent", False)) and not getattr(codec, "pre_rope_keys", False)

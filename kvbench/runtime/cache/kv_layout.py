@@ -67,6 +67,11 @@ class FullPrecisionLayout:
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
+    def latent_rows(self, layer: int, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [N, bs, D], tables [S, H, MB]): the pool and this layer's tables, whose blocks are the cached rows
+        (MLA's expanded form reads them in place; a codec's cache returns its decoded blocks instead)."""
+        return self.k_pool, plan.tables[:, layer]
+
     def attend_pages(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int, *,
                      backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of q [S, Hq, 1, D] over only the blocks `page_retrieval.select_pages` picks (each query

@@ -98,18 +98,23 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         max_bytes on its own (virtual until written; on huge pages on CPU, kvbench.runtime.huge_pages); the router enforces max_bytes over both."""
         bs, D = self.block_size, self.head_dim
         self.fp_dtype = getattr(self.codec, "fp_block_dtype", None) or self.dtype
-        fp_block_bytes = block_bytes(bs, D, self.fp_dtype)
+        fp_block_bytes = block_bytes(bs, D, self.fp_dtype, self.latent)
         self.key_nbytes = self.codec.packed_block_bytes(bs, D, "key")
-        self.value_nbytes = self.codec.packed_block_bytes(bs, D, "value")
+        # a latent cache (MLA) packs one row per token, through the key codec: its values are read inside the rows
+        self.value_nbytes = 0 if self.latent else self.codec.packed_block_bytes(bs, D, "value")
         packed_block_bytes = self.key_nbytes + self.value_nbytes
         n_fp = max(2, self.max_bytes // fp_block_bytes + 1)  # + the scratch block
         n_packed = max(1, self.max_bytes // packed_block_bytes)
         self.k_pool = huge_pages.empty((n_fp, bs, D), self.fp_dtype, self.device)
-        self.v_pool = huge_pages.empty((n_fp, bs, D), self.fp_dtype, self.device)
+        if self.latent:  # the values: the rows' first value_dim dims (no bytes of their own)
+            self.v_pool = self.k_pool[..., : self.value_dim]
+            self.vq_pool = torch.empty((n_packed, 0), dtype=torch.uint8, device=self.device)
+        else:
+            self.v_pool = huge_pages.empty((n_fp, bs, D), self.fp_dtype, self.device)
+            self.vq_pool = huge_pages.empty((n_packed, self.value_nbytes), torch.uint8, self.device)
         self.k_pool[SCRATCH_BLOCK] = 0
         self.v_pool[SCRATCH_BLOCK] = 0
         self.kq_pool = huge_pages.empty((n_packed, self.key_nbytes), torch.uint8, self.device)
-        self.vq_pool = huge_pages.empty((n_packed, self.value_nbytes), torch.uint8, self.device)
         self.num_fp_blocks = n_fp
         self.pool = RoutedBlockPool(n_fp, n_packed, fp_block_bytes, packed_block_bytes, self.max_bytes)
         self.kv_fp_block_bytes, self.kv_packed_block_bytes = fp_block_bytes, packed_block_bytes  # K/V only
@@ -202,8 +207,10 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         return self.packed_block_bytes * self.num_layers * self.num_kv_heads / self.block_size
 
     def held_elements(self) -> int:
-        """K and V elements the live tables hold (2 x tokens x head_dim over all layers and heads)."""
-        return kv_elements(int(sum(int(self.lengths[s].sum()) for s in self.live)), self.head_dim)
+        """K and V elements the live tables hold (2 x tokens x head_dim over all layers and heads; a latent cache:
+        its rows, tokens x head_dim)."""
+        tokens = int(sum(int(self.lengths[s].sum()) for s in self.live))
+        return tokens * self.head_dim if self.latent else kv_elements(tokens, self.head_dim)
 
     def bits_per_element_in_use(self) -> float:
         """8 x pool bytes in use / K and V elements held now (full-precision window and all metadata included)."""
@@ -224,7 +231,9 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
             kv_dtype=_dtype_name(self.dtype), fp_block_dtype=_dtype_name(self.fp_dtype), block_size=bs,
             packed_key_bytes_per_block=self.key_nbytes,
             packed_value_bytes_per_block=self.value_nbytes,
-            packed_bits_per_element=round(8.0 * self.packed_block_bytes / kv_elements(bs, D), 4),
+            packed_bits_per_element=round(8.0 * self.packed_block_bytes / (bs * D if self.latent else
+                                                                           kv_elements(bs, D)), 4),
+            latent_rows=self.latent,
             pre_rope_keys=self.store_pre_rope, dequant=self.dequant,
         )
         return out
@@ -248,7 +257,8 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         rows = plan.write_index[:, layer].reshape(-1)
         D = self.head_dim
         self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.fp_dtype))
-        self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.fp_dtype))
+        if not self.latent:  # a latent cache's values are inside its rows
+            self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.fp_dtype))
         if self.summaries is not None:  # the blocks' min / max keys, from the keys as stored
             self.summaries.update(rows, self.k_pool.view(-1, D)[rows])
 

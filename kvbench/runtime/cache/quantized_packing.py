@@ -54,7 +54,7 @@ class PackedStorage:
         self._check_room(0, fp_ids.numel(), all_ids.tolist())
         if self.codec.layer_independent:  # KIVI, int8, fp8: every layer's blocks in one call
             k_rows = self.codec.encode_keys(self.k_pool[fp_ids].float())
-            v_rows = self.codec.encode_values(self.v_pool[fp_ids].float())
+            v_rows = self._encode_values(self.v_pool[fp_ids].float())
         else:  # per-layer levels / ranges (KVQuant)
             k_rows = torch.empty(fp_ids.numel(), self.key_nbytes, dtype=torch.uint8, device=self.device)
             v_rows = torch.empty(fp_ids.numel(), self.value_nbytes, dtype=torch.uint8, device=self.device)
@@ -62,7 +62,7 @@ class PackedStorage:
                 sel = torch.nonzero(l_u == layer).squeeze(1)
                 ids, heads = fp_ids[sel], h_u[sel]
                 k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
-                v_rows[sel] = self.codec.encode_values(self.v_pool[ids].float(), layer, heads)
+                v_rows[sel] = self._encode_values(self.v_pool[ids].float(), layer, heads)
         new_ids = torch.tensor(self._allocate_packed_for(fp_ids, all_ids.tolist()), dtype=torch.int64,
                                device=self.device)
         extra = torch.bincount(inverse, minlength=fp_ids.numel()) - 1  # more tables holding the same block
@@ -78,6 +78,13 @@ class PackedStorage:
                 self.summaries.set_full_blocks(new_ids[sel], self._decode("key", k_rows[sel], layer, h_u[sel]))
         self.tables[st[s_i], l_i, h_i, c_i] = new_ids[inverse].to(torch.int32)
         return int(fp_ids.numel())
+
+    def _encode_values(self, tile: torch.Tensor, layer: int = 0, head=0) -> torch.Tensor:
+        """The codec's value rows of tile [n, bs, D]; a latent cache's are empty [n, 0] (its values are decoded
+        from the rows, packed as keys)."""
+        if self.latent:
+            return torch.empty(tile.shape[0], 0, dtype=torch.uint8, device=self.device)
+        return self.codec.encode_values(tile, layer, head)
 
     def _may_need_packing(self, slots: list[int]) -> bool:
         """False when, from host numbers alone, no block of `slots` can have entered the packed range since
@@ -199,15 +206,16 @@ class PackedStorage:
                 for c, b in zip(fp_cols, ids):
                     sl = kh[c * bs: (c + 1) * bs]
                     self.k_pool[b].zero_()
-                    self.v_pool[b].zero_()
                     self.k_pool[b, : sl.numel()] = dense[0][h, sl].to(self.fp_dtype)
-                    self.v_pool[b, : sl.numel()] = dense[1][h, sl].to(self.fp_dtype)
+                    if not self.latent:  # a latent cache's values are inside the rows just written
+                        self.v_pool[b].zero_()
+                        self.v_pool[b, : sl.numel()] = dense[1][h, sl].to(self.fp_dtype)
                     table[h, c] = b
             if pk_cols:
                 sl = torch.stack([kh[c * bs: (c + 1) * bs] for c in pk_cols])  # [n, bs] (full blocks)
                 kt, vt = dense[0][h][sl].float(), dense[1][h][sl].float()
                 k_rows = self.codec.encode_keys(kt, layer, h)
-                v_rows = self.codec.encode_values(vt, layer, h)
+                v_rows = self._encode_values(vt, layer, h)
                 ids = self._allocate_packed(len(pk_cols))
                 pid = torch.tensor(ids, dtype=torch.int64, device=self.device) - self.num_fp_blocks
                 self.kq_pool[pid] = k_rows

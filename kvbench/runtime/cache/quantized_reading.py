@@ -30,18 +30,20 @@ class PackedReading:
         own = blocks_for_tokens(lengths, bs).reshape(-1, 1)  # [S*H, 1]
         valid = (torch.arange(nb, device=self.device) < own).reshape(-1)
         k = torch.zeros(S * H * nb, bs, D, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        v = k[..., : self.value_dim] if self.latent else torch.zeros_like(k)  # latent: the values inside the rows
         fp_pos = torch.nonzero(valid & (ids < self.num_fp_blocks)).squeeze(1)
         if fp_pos.numel():
             fid = ids[fp_pos]
             k.index_copy_(0, fp_pos, self.k_pool.index_select(0, fid).to(self.dtype))
-            v.index_copy_(0, fp_pos, self.v_pool.index_select(0, fid).to(self.dtype))
+            if not self.latent:
+                v.index_copy_(0, fp_pos, self.v_pool.index_select(0, fid).to(self.dtype))
         pk_pos = torch.nonzero(valid & (ids >= self.num_fp_blocks)).squeeze(1)
         if pk_pos.numel():
             pid = ids[pk_pos] - self.num_fp_blocks
             heads = (pk_pos // nb) % H
             k.index_copy_(0, pk_pos, self._decode("key", self.kq_pool.index_select(0, pid), layer, heads))
-            v.index_copy_(0, pk_pos, self._decode("value", self.vq_pool.index_select(0, pid), layer, heads))
+            if not self.latent:
+                v.index_copy_(0, pk_pos, self._decode("value", self.vq_pool.index_select(0, pid), layer, heads))
         return k, v, nb
 
     def _dense_table_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -56,10 +58,14 @@ class PackedReading:
         heads = (torch.arange(ids.numel(), device=self.device) // MB) % H
         zero = torch.zeros((), dtype=torch.uint8, device=self.device)
         out = []
-        for kind, fp_pool, q_pool in (("key", self.k_pool, self.kq_pool), ("value", self.v_pool, self.vq_pool)):
+        kinds = (("key", self.k_pool, self.kq_pool),) if self.latent else (
+            ("key", self.k_pool, self.kq_pool), ("value", self.v_pool, self.vq_pool))
+        for kind, fp_pool, q_pool in kinds:
             rows = torch.where(packed[:, None], q_pool.index_select(0, pid), zero)
             dec = self._decode(kind, rows, layer, heads)
             out.append(torch.where(packed[:, None, None], dec, fp_pool.index_select(0, fid).to(self.dtype)))
+        if self.latent:  # the values: the decoded rows' latent part
+            out.append(out[0][..., : self.value_dim])
         return out[0], out[1], MB
 
     def _decode(self, kind: str, rows: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
@@ -92,6 +98,14 @@ class PackedReading:
             return_key_scores=return_key_scores, rotate_keys=rotate_keys, causal=causal,
         )
 
+    def latent_rows(self, layer: int, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [N, bs, D], tables [S, H, nb]) such that the tables' blocks of `rows` are this layer's cached
+        rows as attention reads them (decoded): a dense buffer of the layer's blocks (MLA's expanded form)."""
+        tables, lengths = plan.tables[:, layer], plan.lengths[:, layer]
+        S, H = tables.shape[:2]
+        k, _, nb = self._dense_blocks(layer, tables, lengths)
+        return k, torch.arange(S * H * nb, dtype=torch.int32, device=self.device).view(S, H, nb)
+
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense (dequantized) K, V [H, T, D] and positions [H, T] of one sequence's layer (pad = -1)."""
         self._check_live(slot)
@@ -101,7 +115,7 @@ class PackedReading:
         nb = max(1, blocks_for_tokens(T, self.block_size))
         k, v, _ = self._dense_table_blocks(layer, self.tables[slot, layer, :, :nb][None])
         k = k.view(H, nb * self.block_size, D)[:, :T]
-        v = v.view(H, nb * self.block_size, D)[:, :T]
+        v = k[..., : self.value_dim] if self.latent else v.view(H, nb * self.block_size, D)[:, :T]
         pad = torch.arange(T, device=self.device)[None, :] >= lengths[:, None]
         pos = torch.where(pad, -1, self.positions[slot, layer, :, :T])
         return k, v, pos

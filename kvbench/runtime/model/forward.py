@@ -26,6 +26,8 @@ from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
 from kvbench.runtime.hooks import CacheHooks, LayerContext
 from kvbench.runtime.model.attention_types import LayerAttention, VariantBackend
+from kvbench.runtime.model.mla import absorb as mla_absorb
+from kvbench.runtime.model.mla import attend_expanded as mla_attend_expanded
 from kvbench.runtime.model.mla import expand_out as mla_expand_out
 from kvbench.runtime.model.mla import project as mla_project
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary
@@ -161,6 +163,10 @@ class LlamaFamilyModel:
                                   for li, a in enumerate(config.layer_attention) if not a.plain}
         if config.mla is not None:  # keys wider than values: the torch reference (the kernels take one width)
             self._variant_backends.update({li: TORCH for li in range(config.num_layers)})
+        # MLA's multi-token steps: "expanded" (per-head K/V from the cached latents) or "absorbed" (as decode; kept to
+        # compare the two forms); mla_expanded_steps counts the (layer, group) attentions taken in the expanded form
+        self.mla_prefill_form = "expanded"
+        self.mla_expanded_steps = 0
         self.dtype = embed.dtype
         self.device = embed.device
         # fp32 on CPU: RMSNorm and RoPE through the C kernels (tests compare both paths), whatever the attention
@@ -325,28 +331,45 @@ class LlamaFamilyModel:
     def _mla_attention(self, li: int, lw: LayerWeights, h: torch.Tensor, groups: list[RaggedGroup],
                        offsets: list[int], sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
                        cache: PagedKVCache, hook: CacheHooks | None, need_scores: bool) -> torch.Tensor:
-        """One MLA layer (runtime.model.mla) over h [N, E]: each token's latent row written to the cache, the
-        absorbed queries attend over the rows, the latent output expanded per head. Returns [N, Hq * v]."""
+        """One MLA layer (runtime.model.mla) over h [N, E]: each token's latent row written to the cache; a group of
+        one query per sequence (decode) attends in the absorbed form over the rows, a multi-token group (a prefill
+        chunk) in the expanded form (per-head K/V from the cached latents; `mla_prefill_form` "absorbed" turns that
+        off, for comparison). Hooks see the absorbed query, whose dot product with a row is the head's score.
+        Returns [N, Hq * v]."""
         cfg = self.config
         Hq, D, r = cfg.num_heads, cfg.head_dim, cfg.mla.kv_lora_rank
-        q, row = mla_project(cfg.mla, lw.mla, h, cos, sin, self._norm, cfg.rms_norm_eps, Hq)  # [N, Hq, D], [N, D]
-        out = torch.empty(h.shape[0], Hq, r, dtype=h.dtype, device=h.device)
+        q_nope, q_pe, row = mla_project(cfg.mla, lw.mla, h, cos, sin, self._norm, cfg.rms_norm_eps, Hq)
+        out = torch.empty(h.shape[0], Hq * cfg.mla.v_head_dim, dtype=h.dtype, device=h.device)
         for g, off, n in zip(groups, offsets, sizes):
             S, Q = g.tokens.shape
             rows = slice(off, off + n)
-            qg = q[rows].reshape(S, Q, Hq, D).transpose(1, 2)  # [S, Hq, Q, D]
+            expanded = Q > 1 and self.mla_prefill_form == "expanded"
+            qn = q_nope[rows].reshape(S, Q, Hq, -1).transpose(1, 2)  # [S, Hq, Q, nope]
+            qp = q_pe[rows].reshape(S, Q, Hq, -1).transpose(1, 2)  # [S, Hq, Q, rope]
+            qg = mla_absorb(lw.mla, qn.transpose(1, 2), qp.transpose(1, 2)).transpose(1, 2) \
+                if not expanded or hook is not None else None  # [S, Hq, Q, D]
             kg = row[rows].reshape(S, Q, 1, D).transpose(1, 2)  # [S, 1, Q, D]
             cache.write(li, g.plan, kg, kg[..., :r])
             if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
                 hook.before_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, None, self.rotary))
                 cache.refresh_plan_layer(g.plan, li)
-            o, key_scores = cache.attend(li, qg, g.plan, cfg.attn_scale, backend=TORCH,
-                                         return_key_scores=need_scores, causal=Q > 1)  # [S, Hq, Q, r]
+            if expanded:
+                self.mla_expanded_steps += 1
+                plan = g.plan
+                rows_pool, tables = cache.latent_rows(li, plan)  # the pool in place, or a codec's decoded blocks
+                o, key_scores = mla_attend_expanded(
+                    cfg.mla, lw.mla, qn, qp, rows_pool, tables, plan.lengths[:, li],
+                    plan.positions[:, li], plan.query_positions, cfg.attn_scale, return_key_scores=need_scores,
+                )  # [S, Hq, Q, v]
+                out[rows] = o.transpose(1, 2).reshape(n, -1)
+            else:
+                o, key_scores = cache.attend(li, qg, g.plan, cfg.attn_scale, backend=TORCH,
+                                             return_key_scores=need_scores, causal=Q > 1)  # [S, Hq, Q, r]
+                out[rows] = mla_expand_out(lw.mla, o.transpose(1, 2).reshape(n, Hq, r))
             if hook is not None:
                 hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, key_scores,
                                                   self.rotary))
-            out[rows] = o.transpose(1, 2).reshape(n, Hq, r)
-        return mla_expand_out(lw.mla, out)
+        return out
 
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
