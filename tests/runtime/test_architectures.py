@@ -395,3 +395,15 @@ def test_mla_refuses_kvquant_and_tensor_parallel_in_one_line():
         Engine(model, codec=KVQuantCodec(bits=4, levels="uniform"), block_size=16, num_blocks=256)
     with pytest.raises(ValueError, match="cannot shard the model over 2 ranks: model_type 'deepseek_v2'"):
         shard_model(model, 0, 2, None)
+
+
+def test_full_attention_on_mla_reads_what_an_uncompressed_latent_cache_holds():
+    """kv_read_fraction of full attention is 1: the uncompressed read counts MLA's one latent row per token (not a K
+    and a V row, which made it 0.5)."""
+    model = build_from_transformers(tiny_hf_model("deepseek_v2"))
+    engine = Engine(model, block_size=8, num_blocks=256)
+    engine.generate([list(range(1, 40))], max_new_tokens=6)
+    stats = engine.memory_stats()
+    assert stats["kv_read_fraction"] == pytest.approx(1.0)
+    rows = 39 + 6 - 1  # tokens in the cache when the last decode step reads
+    assert stats["kv_read_bytes_per_token"] <= blocks_for_tokens(rows, 8) * 8 * stats["kv_bytes_per_token"]

@@ -49,7 +49,7 @@ class KVAccounting:
         every token they appended, all layers and kv-heads, model dtype)."""
         bs = self.block_size
         blocks = sum(-(-self.tokens_seen[s] // bs) for s in slots) * self.num_layers * self.num_kv_heads
-        return blocks * block_bytes(bs, self.head_dim, self.dtype)
+        return blocks * self.uncompressed_block_bytes()  # a latent cache (MLA): one row per token
 
     def kv_bytes_in_use(self) -> int:
         """K/V bytes the pool holds now (blocks in use x bytes per block)."""
