@@ -1,6 +1,7 @@
 """The identity of the data a run reads: a digest of the bytes of every local data file its task names.
 
     data_sha256(task_options) -> "<64 hex>" or None
+    method_files_sha256(method_options) -> "<64 hex>" or None
 
 The run id covers the config; a file named in the config (`task.text_file`, `task.data_path`, `task.data_dir`) can
 change at the same path, so its content is hashed too (kvbench.spec.hashable_config adds the digest as
@@ -96,3 +97,31 @@ def data_sha256(task: Any) -> Optional[str]:
     if len(parts) == 1:
         return parts[0].split("=", 1)[1]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _path_options(options: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted option, value) of every option named `path` or `*_path` in a method's options, nested ones too
+    (a wrapper's base_options)."""
+    out = []
+    for key, value in (options.items() if isinstance(options, dict) else ()):
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += _path_options(value, f"{name}.")
+        elif isinstance(value, str) and (key == "path" or str(key).endswith("_path")):
+            out.append((name, value))
+    return sorted(out)
+
+
+def method_files_sha256(method: Any) -> Optional[str]:
+    """One digest over the local files a method's options name (`path`, `*_path`: KVzap's surrogate folder,
+    DuoAttention's patterns), or None when they name none (hub ids and missing paths add nothing). Like the data
+    files, a surrogate edited at the same path is another run."""
+    parts = []
+    for option, value in _path_options(method):
+        try:
+            digest = path_sha256(value)
+        except (OSError, ValueError):
+            digest = None
+        if digest is not None:
+            parts.append(f"{option}={digest}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest() if parts else None

@@ -414,8 +414,10 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
               **flat("runtime_", {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
                                   for k, v in vars(settings.runtime).items() if k not in ("threads", "cuda_graphs")}),
               "quant": settings.quant_name, **flat("quant_", settings.quant_options),
-              "data_sha256": hashable.get("data_sha256")}  # the data files' content (kvbench.data_digest)
-    if hashable.get("data_sha256") is not None:
-        resolved["data_sha256"] = hashable["data_sha256"]
+              "data_sha256": hashable.get("data_sha256"),  # the data files' content (kvbench.data_digest)
+              "method_files_sha256": hashable.get("method_files_sha256")}  # the method's own files' content
+    for key in ("data_sha256", "method_files_sha256"):
+        if hashable.get(key) is not None:
+            resolved[key] = hashable[key]
     return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields,
                    draft_method, draft_quant)

@@ -27,7 +27,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.data_digest import data_sha256
+from kvbench.data_digest import data_sha256, method_files_sha256
 from kvbench.errors import UserError
 from kvbench.registry import CODECS, METHODS, unknown_choice
 
@@ -449,4 +449,7 @@ def hashable_config(root: Any) -> dict:
     digest = data_sha256(data.get("task"))  # the content of the data files the task names (kvbench.data_digest)
     if digest is not None:  # absent without local data files: those runs keep their ids
         data["data_sha256"] = digest
+    files = method_files_sha256(data.get("method"))  # the files a method reads (KVzap's surrogate, DuoAttention's
+    if files is not None:  # patterns): absent when it names none
+        data["method_files_sha256"] = files
     return data

@@ -19,7 +19,7 @@ from kvbench.store.runs import flatten
 
 # Config sections that determine a result (kvbench.config.hashable_config) and keys in them that do not.
 RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "compression_ratio", "seed",
-                   "data_sha256")  # data_sha256: the digest of local data files (absent for packaged or hub data)
+                   "data_sha256", "method_files_sha256")  # digests of local data files and of a method's own files
 NOT_RESULT_KEYS = {"model": ("cache_dir",), "runtime": ("threads",)}
 
 
@@ -36,9 +36,11 @@ def _result_config(run: dict) -> dict:
                                                           if k.startswith("quant_")}},
             "task": {"name": m.get("task")}, "budget": m.get("budget"),
             "compression_ratio": m.get("compression_ratio"), "seed": m.get("seed"),
-            "_config_hash": m.get("config_hash"), "data_sha256": m.get("data_sha256")}
-    if out.get("data_sha256") is None:  # no local data files, or a run from before the digest was recorded
-        out.pop("data_sha256", None)
+            "_config_hash": m.get("config_hash"), "data_sha256": m.get("data_sha256"),
+            "method_files_sha256": m.get("method_files_sha256")}
+    for key in ("data_sha256", "method_files_sha256"):  # no local files, or a run from before the digest
+        if out.get(key) is None:
+            out.pop(key, None)
     if run["metrics"].get("data_revision") is not None:  # hub data: the commits read (kvbench.data.hub)
         out["data_revision"] = run["metrics"]["data_revision"]
     out = json.loads(json.dumps(out, default=str))

@@ -84,3 +84,18 @@ def test_text_file_alone_is_the_explicit_text_file_corpus(tmp_path):
     assert _run_id(f"task.text_file={f}") == _run_id(f"task.text_file={f}", "task.corpus=text_file")
     assert validate(short).task_options["corpus"] == "text_file"
     assert hashable_config(short)["task"]["corpus"] == "text_file"
+
+
+def test_a_methods_own_files_are_in_the_run_id(tmp_path):
+    """KVzap's surrogate folder (method.path, or a wrapper's base_options.path) edited at the same path is another
+    run; the same bytes are the same run; a method naming no local file keeps its id."""
+    folder = tmp_path / "surrogate"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"input_dim": 8}')
+    first = _run_id("method=kvzap", f"method.path={folder}", "compression_ratio=0.5")
+    assert first == _run_id("method=kvzap", f"method.path={folder}", "compression_ratio=0.5")
+    via_base = _run_id("method=dms", "method.threshold=-4", f"+method.base_options.path={folder}")
+    (folder / "config.json").write_text('{"input_dim": 16}')
+    assert _run_id("method=kvzap", f"method.path={folder}", "compression_ratio=0.5") != first
+    assert _run_id("method=dms", "method.threshold=-4", f"+method.base_options.path={folder}") != via_base
+    assert "method_files_sha256" not in hashable_config(compose(["method=kvzap", "compression_ratio=0.5"]))
