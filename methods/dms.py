@@ -77,21 +77,9 @@ class DMS(ScorerWrapper):
     def act(self, ctx: LayerContext) -> None:
         if ctx.phase == "decode" and self.decode == "none":
             return  # compressed after prefill only: generated tokens are appended
-        cache = ctx.cache
-        Q = ctx.plan.query_positions.shape[1]
-        for i, slot in enumerate(ctx.plan.slot_list):
-            seen = int(cache.tokens_seen[slot])
-            if seen == Q:  # first step of the sequence now in this slot
-                self._state.pop((slot, ctx.layer), None)
-                if ctx.layer == 0:
-                    self._kept.forget(slot)
-            _, held = self._budgets.step(slot, seen, Q, ctx.phase, ctx.last_chunk, 1)
-            obs = self.observation(ctx, i, slot)
-            self.observe(obs)
+        for obs, _, held in self.sequences(ctx, 1):
             if held:  # a question appended uncompressed: scored +inf, never evicted
                 self._freeze(obs, None)
-                if ctx.layer == cache.num_layers - 1:
-                    self._budgets.release(slot)
             elif ctx.phase == "decode" or ctx.last_chunk or self.prefill_mode == "streaming":
                 self._freeze(obs, self.inner.score(obs))
                 self._evict_below(obs)

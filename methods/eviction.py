@@ -19,7 +19,7 @@ kept aligned with the cache's slots whenever `keep` drops tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
@@ -105,25 +105,33 @@ class EvictionMethod:
         if not (self.acts_before_attention and ctx.phase == "prefill"):
             self.act(ctx)
 
-    def act(self, ctx: LayerContext) -> None:
-        """The driver, for each sequence of the step: its budget, its observation, then the eviction due."""
-        if ctx.phase == "decode" and self.decode == "none":
-            return  # compressed after prefill only: generated tokens are appended
+    def sequences(self, ctx: LayerContext, min_budget: int) -> Iterator[tuple[Observation, Optional[int], bool]]:
+        """The driver's walk over the step's sequences: (observation, budget, held) of each, its state reset on its
+        first step and `observe` called; a held step (tokens appended uncompressed) is released after the last
+        layer a method acts on."""
         cache = ctx.cache
         Q = ctx.plan.query_positions.shape[1]
         for i, slot in enumerate(ctx.plan.slot_list):
             seen = int(cache.tokens_seen[slot])
             if seen == Q:  # first step of the sequence now in this slot
                 self._state.pop((slot, ctx.layer), None)
-                if ctx.layer == 0:
+                if ctx.layer == cache.method_layers[0]:  # once per sequence (sliding layers see no method)
                     self._kept.forget(slot)
-            budget, held = self._budgets.step(slot, seen, Q, ctx.phase, ctx.last_chunk, self.min_budget())
+            budget, held = self._budgets.step(slot, seen, Q, ctx.phase, ctx.last_chunk, min_budget)
             obs = self.observation(ctx, i, slot)
             self.observe(obs)
+            yield obs, budget, held
+            if held and ctx.layer == cache.method_layers[-1]:
+                self._budgets.release(slot)
+
+    def act(self, ctx: LayerContext) -> None:
+        """The driver, for each sequence of the step: its budget, its observation, then the eviction due."""
+        if ctx.phase == "decode" and self.decode == "none":
+            return  # compressed after prefill only: generated tokens are appended
+        for obs, budget, held in self.sequences(ctx, self.min_budget()):
             if held:  # appended uncompressed: observed, never evicted in its own step
-                if ctx.layer == cache.method_layers[-1]:
-                    self._budgets.release(slot)
-            elif ctx.phase == "decode":
+                continue
+            if ctx.phase == "decode":
                 self.evict_decode(obs, budget)
             elif ctx.last_chunk or self.prefill_mode == "streaming":
                 self.evict_prefill(obs, budget)
