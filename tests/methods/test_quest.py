@@ -302,6 +302,54 @@ def test_bad_settings_are_user_errors():
         build_method("quest", 512, evict_budget=64)
 
 
+def _top_k_lowest_first(bound: torch.Tensor, k: int) -> torch.Tensor:
+    """Brute force: the k largest of bound [n] (ties at the k-th value taken lowest index first) as a bool mask."""
+    order = sorted(range(len(bound)), key=lambda j: (-float(bound[j]), j))[:k]
+    mask = torch.zeros(len(bound), dtype=torch.bool)
+    mask[order] = True
+    return mask
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("G", [1, 3, 4, 7, 9])
+@pytest.mark.parametrize("case", ["random", "ties", "all_equal", "negative_zero"])
+def test_c_selection_equals_a_brute_force_top_k(G, case):
+    """The fused step's C selection (bisection over order keys, ties lowest block first) against a brute-force
+    per-query-head top-k united per kv-head, including heavy ties, all-equal bounds and -0 / +0 bounds; G = 9 takes
+    the C code's generic (not unrolled) path."""
+    bs, H, D, pages = 16, 2, 64, 5
+    g = torch.Generator().manual_seed(G)
+    S, T = 2, 16 * 23 + 5
+    nb = -(-T // bs)
+    summary = torch.randn(1 + S * H * nb, 2, D, generator=g)
+    summary[:, 0], summary[:, 1] = summary.min(1).values, summary.max(1).values
+    q = torch.randn(S, H * G, D, generator=g)
+    if case == "ties":  # blocks share a few distinct summaries: many bounds equal at the k-th value
+        summary[1:] = summary[1 + torch.randint(0, 3, (S * H * nb,), generator=g)]
+    elif case == "all_equal":
+        q.zero_()
+    elif case == "negative_zero":  # bounds of -0.0 and +0.0 (equal) beside positive ones
+        summary[1:] = 0.0
+        summary[1::4, 1] = 1.0
+        q = q.abs() * torch.where(torch.rand(S, H * G, D, generator=g) < 0.5, -0.0, 1.0)
+    tables = (1 + torch.randperm(S * H * nb, generator=g)).view(S, H, nb).to(torch.int32)
+    lengths = torch.tensor([[T, T - 40], [T - 17, 3 * bs]])  # ragged, one table of exactly `pages` - 2 blocks
+    got_tables, got_lengths = kernels.select_pages_c(q, summary, tables, lengths, bs, pages)
+    bound = page_bounds(q, summary, tables).view(S, H, G, nb)
+    for s in range(S):
+        for h in range(H):
+            held = -(-int(lengths[s, h]) // bs)
+            union = torch.zeros(held, dtype=torch.bool)
+            for gi in range(G):
+                union |= _top_k_lowest_first(bound[s, h, gi, :held], min(pages, held))
+            cols = union.nonzero().flatten()
+            n = len(cols)
+            assert got_tables[s, h, :n].tolist() == tables[s, h, cols].tolist(), (s, h)
+            assert (got_tables[s, h, n:] == 0).all()
+            in_block = (int(lengths[s, h]) - cols * bs).clamp(max=bs)
+            assert int(got_lengths[s, h]) == int(in_block.sum())
+
+
 def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
     """The C selection inside the fused decode step (csrc/page_select.c) reads the same blocks as select_pages: the
     same tokens, log-probabilities and blocks read, at a budget well below the context."""

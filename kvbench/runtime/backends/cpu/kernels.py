@@ -219,6 +219,8 @@ def load_kernel():
     lib.vector_width.argtypes, lib.vector_width.restype = [], i32
     lib.set_phase_clock.argtypes, lib.set_phase_clock.restype = [p], None
     lib.phase_count.argtypes, lib.phase_count.restype = [], i32
+    lib.page_select_team.argtypes = [p, i64, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32, i32, p]
+    lib.page_select_team.restype = None
     _lib = lib
     return lib
 
@@ -233,7 +235,7 @@ def vector_width() -> int | None:
     return lib.vector_width() if lib is not None else None
 
 
-DECODE_PHASES = ("norm_attn", "qkv", "rope_write", "attention", "o_proj", "norm_mlp", "gate_up", "down")
+DECODE_PHASES = ("norm_attn", "qkv", "rope_write", "page_select", "attention", "o_proj", "norm_mlp", "gate_up", "down")
 
 
 class PhaseClock:
@@ -552,8 +554,8 @@ class PageSelect(ctypes.Structure):
         keep = dict(summary=summary, pages=torch.tensor(pages, dtype=torch.int32),
                     sel_tables=torch.zeros(M, H, U, dtype=torch.int32),
                     sel_lengths=torch.zeros(L, M, H, dtype=torch.int64),
-                    bounds=torch.empty(M, H, G + 1, MB, dtype=torch.float32),
-                    chosen=torch.empty(M, H, MB, dtype=torch.uint8),
+                    bounds=torch.empty(M, H, 2 * G, MB, dtype=torch.float32),
+                    chosen=torch.empty(M, H, G, MB, dtype=torch.uint8),
                     scores=torch.empty(M, H, G, T, dtype=torch.float32),
                     partials=torch.empty(M, H, T // chunk, G, D + 2, dtype=torch.float32))
         ps = cls(**{k: t.data_ptr() for k, t in keep.items()}, U=U, MB=MB, T=T, chunk=chunk)
@@ -570,6 +572,27 @@ class PageSelect(ctypes.Structure):
     def selected_lengths(self) -> torch.Tensor:
         """[L, M, H] tokens each layer's selections held (this step; dense layers: untouched)."""
         return self._keep["sel_lengths"]
+
+
+def select_pages_c(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                   block_size: int, pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused step's page selection (csrc/page_select.c) run alone, on one thread: the same arguments and result
+    as page_retrieval.select_pages (q [S, Hq, D] fp32, summary [N, 2, D], tables [S, H, MB] int32, lengths [S, H]),
+    for tests; None when the kernels are unavailable."""
+    lib = load_kernel()
+    if lib is None:
+        return None
+    S, Hq, D = q.shape
+    H, MB = tables.shape[1], tables.shape[2]
+    G = Hq // H
+    ps = PageSelect.of(summary.contiguous(), [pages], S, H, G, D, MB, block_size, 1)
+    qc = q.float().contiguous()
+    tab = tables.to(torch.int32).contiguous()
+    lens = lengths.to(torch.int64).contiguous()
+    sel_len = torch.zeros(S, H, dtype=torch.int64)
+    lib.page_select_team(qc.data_ptr(), Hq * D, ctypes.addressof(ps), tab.data_ptr(), H * MB, MB, 1, lens.data_ptr(), H,
+                         1, S, H, G, D, block_size, pages, sel_len.data_ptr())
+    return ps._keep["sel_tables"].clone(), sel_len
 
 
 class DecodeLayerWeights(ctypes.Structure):

@@ -25,7 +25,7 @@
 /* Per-phase wall time of decode_layers_f32, for profiling (bench/profile_decode.py): when set, thread 0 adds the
  * seconds of each phase of every layer to phase_seconds[phase] (phases end at a barrier, so thread 0's clock is the
  * team's); NULL (the default) skips the clock. */
-enum { PH_NORM_ATTN, PH_QKV, PH_ROPE_WRITE, PH_ATTENTION, PH_O, PH_NORM_MLP, PH_GATE_UP, PH_DOWN, N_PHASES };
+enum { PH_NORM_ATTN, PH_QKV, PH_ROPE_WRITE, PH_PAGE_SELECT, PH_ATTENTION, PH_O, PH_NORM_MLP, PH_GATE_UP, PH_DOWN, N_PHASES };
 static double *phase_seconds = NULL;
 _Thread_local team_sync *current_team_sync = NULL;
 void set_phase_clock(double *acc) { phase_seconds = acc; }
@@ -103,6 +103,7 @@ void decode_layers_f32(
             int64_t *sel_len = ps->sel_lengths + (int64_t)l * M * H;
             page_select_team(qkv, O_qkv, ps, tables + l * tab_sl, tab_ss, tab_sh, tab_sj, lengths + l * len_sl,
                              len_ss, len_sh, (int)M, H, G, D, bs, pages, sel_len);
+            PHASE_END(PH_PAGE_SELECT);
             paged_decode_attention_team(qkv, O_qkv, k_pool, v_pool, ps->sel_tables, H * ps->U, ps->U, 1, sel_len,
                                         H, 1, (int)M, H, G, D, bs, scale, ps->T, (int)ps->chunk, attn, NULL,
                                         ps->scores, ps->partials);

@@ -177,8 +177,8 @@ typedef struct {
     const int32_t *pages;  /* [L] top blocks per query head of each layer (0: the layer reads every block) */
     int32_t *sel_tables;  /* [M, H, U] the compacted tables the attention reads */
     int64_t *sel_lengths;  /* [L, M, H] tokens each selection holds (out) */
-    float *bounds;  /* [M, H, G + 1, MB] scratch */
-    uint8_t *chosen;  /* [M, H, MB] scratch */
+    float *bounds;  /* [M, H, 2 G, MB] scratch: each query head's bounds, then a selection scratch per head */
+    uint8_t *chosen;  /* [M, H, G, MB] scratch: each query head's top blocks */
     int64_t U, MB;  /* columns of sel_tables; table columns in use */
     int64_t T;  /* slots the attention's work split covers over a selection (a multiple of chunk) */
     int64_t chunk;

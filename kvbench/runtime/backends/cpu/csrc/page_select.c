@@ -5,11 +5,13 @@
  *   each query head's top `pages` blocks (of the blocks the table holds), united per kv-head, compacted in table
  *   order into sel_tables[m, kh, :] with the tokens they hold in sel_lengths[m, kh]
  *
- * Called by every thread of decode_layers_f32's region: two work-shared loops, each ending at team_end's barrier.
+ * Called by every thread of decode_layers_f32's region: three work-shared loops (bounds; per query head, its top blocks;
+ * per table, their union), each ending at team_end's barrier.
  * The block summaries are kept up to date by decode_layers_f32's K/V write (page_summary_update). */
 #include "decode_ops.h"
 
 #define BOUND_BLOCKS 64  /* blocks per work item of the bound loop */
+#define SUMMARY_PREFETCH 8  /* blocks ahead whose summaries the bound loop asks for */
 
 void page_summary_update(float *summary, const float *k, int64_t row, int bs, int D) {
     float *mn = summary + (row / bs) * 2 * D, *mx = mn + D;
@@ -24,42 +26,112 @@ void page_summary_update(float *summary, const float *k, int64_t row, int bs, in
     }
 }
 
-/* The bounds of one query head row qh over the summaries of four blocks s0..s3 ([2, D]: min, max), as
- * sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min (max >= min), vectorized; D a multiple of VN. */
-static inline void bound4(const float *qh, const float *s0, const float *s1, const float *s2, const float *s3,
-                          const int D, float out[4]) {
-    vn a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    const vn zero = {0};
+#define GROUP_SPECIALIZED 8  /* query heads per kv-head up to which the bound loop is unrolled */
+
+/* The bounds of blocks s0, s1 ([2, D]: min, max) for the G query heads of a kv-head: out0[g * ostride],
+ * out1[g * ostride]. qpn [G, 2, D] holds each head's q+ and q-. Each summary vector is loaded once for the whole
+ * group (G a constant after inlining: the 2 G accumulators stay in registers). */
+static inline __attribute__((always_inline)) void bounds2_group(const float *qpn, const float *s0, const float *s1,
+                                                                 const int G, const int D, float *out0, float *out1,
+                                                                 int64_t ostride) {
+    vn a0[GROUP_SPECIALIZED], a1[GROUP_SPECIALIZED];
+    for (int g = 0; g < G; g++) a0[g] = a1[g] = (vn){0};
     for (int c = 0; c < D; c += VN) {
-        const vn qv = *(const vn *)(qh + c);
-        const vn qp = (vn)((vni)qv & (qv > zero)), qn = qv - qp;  /* q+ and q- */
-        a0 += qp * *(const vn *)(s0 + D + c) + qn * *(const vn *)(s0 + c);
-        a1 += qp * *(const vn *)(s1 + D + c) + qn * *(const vn *)(s1 + c);
-        a2 += qp * *(const vn *)(s2 + D + c) + qn * *(const vn *)(s2 + c);
-        a3 += qp * *(const vn *)(s3 + D + c) + qn * *(const vn *)(s3 + c);
+        const vn mn0 = *(const vn *)(s0 + c), mx0 = *(const vn *)(s0 + D + c);
+        const vn mn1 = *(const vn *)(s1 + c), mx1 = *(const vn *)(s1 + D + c);
+        for (int g = 0; g < G; g++) {
+            const vn qp = *(const vn *)(qpn + g * 2 * D + c), qn = *(const vn *)(qpn + g * 2 * D + D + c);
+            a0[g] += qp * mx0 + qn * mn0;
+            a1[g] += qp * mx1 + qn * mn1;
+        }
     }
-    hsum4(a0, a1, a2, a3, out);
+    int g = 0;
+    for (; g + 1 < G; g += 2) {
+        float o[4];
+        hsum4(a0[g], a1[g], a0[g + 1], a1[g + 1], o);
+        out0[g * ostride] = o[0], out1[g * ostride] = o[1];
+        out0[(g + 1) * ostride] = o[2], out1[(g + 1) * ostride] = o[3];
+    }
+    if (g < G) {
+        float o[4];
+        hsum4(a0[g], a1[g], a0[g], a1[g], o);
+        out0[g * ostride] = o[0], out1[g * ostride] = o[1];
+    }
 }
 
-/* The k-th largest of v[0..n-1] (1 <= k <= n); v is reordered. */
-static float kth_largest(float *v, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1, want = k - 1;
-    while (lo < hi) {
-        const float pivot = v[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] > pivot) i++;
-            while (v[j] < pivot) j--;
-            if (i <= j) {
-                const float t = v[i]; v[i] = v[j]; v[j] = t;
-                i++; j--;
-            }
+/* bounds2_group for a run of blocks j0..j1-1 of one table; out: [G, ostride] from column j0 */
+static inline __attribute__((always_inline)) void bounds_run(const float *qpn, const float *summary,
+                                                              const int32_t *table, int64_t tab_sj, int64_t j0,
+                                                              int64_t j1, int64_t nb, const int G, const int D,
+                                                              float *out, int64_t ostride) {
+    for (int64_t j = j0; j < j1; j += 2) {  /* two blocks at a time (the last repeated past j1) */
+        const int64_t jn = j + 1 < j1 ? j + 1 : j;
+        const float *s0 = summary + (int64_t)table[j * tab_sj] * 2 * D, *s1 = summary + (int64_t)table[jn * tab_sj] * 2 * D;
+        /* the hardware prefetcher does not follow a table's blocks through the pool: ask for the summaries
+         * SUMMARY_PREFETCH blocks ahead */
+        for (int64_t jp = j + SUMMARY_PREFETCH; jp < j + SUMMARY_PREFETCH + 2 && jp < nb; jp++) {
+            const char *sp = (const char *)(summary + (int64_t)table[jp * tab_sj] * 2 * D);
+            for (int64_t c = 0; c < (int64_t)sizeof(float) * 2 * D; c += 64) __builtin_prefetch(sp + c, 0, 3);
         }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return v[want];
+        bounds2_group(qpn, s0, s1, G, D, out + j, out + jn, ostride);
     }
-    return v[want];
+}
+
+/* float -> uint32 with the same order (-0 taken as +0, so equal floats get equal keys); NaN not expected */
+static inline uint32_t order_key(float v) {
+    v += 0.0f;
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+}
+
+static inline int32_t count_at_least(const uint32_t *key, int64_t n, uint32_t t) {
+    int32_t c = 0;
+    for (int64_t j = 0; j < n; j++) c += key[j] >= t;  /* vectorized */
+    return c;
+}
+
+/* Mark in chosen[0..n-1] the k largest of b[0..n-1] (1 <= k < n), ties at the k-th value taken lowest index first
+ * (as select_pages' torch.topk over bounds the tests compare). The k-th largest is found by bisecting its order key
+ * (key[] scratch, n entries): each probe counts the keys at or above a value, a vectorized pass, and the search
+ * stops as soon as a probe counts exactly k. A quickselect over the floats (about 5 us per 1,024 on the dev VM,
+ * mispredicted branches) cost as much as computing the bounds. */
+static void mark_top_k(const float *b, int64_t n, int64_t k, uint32_t *key, uint8_t *chosen) {
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (int64_t j = 0; j < n; j++) {
+        key[j] = order_key(b[j]);
+        lo = key[j] < lo ? key[j] : lo;
+        hi = key[j] > hi ? key[j] : hi;
+    }
+    /* invariant: at least k keys >= lo, fewer than k keys >= top */
+    uint64_t top = (uint64_t)hi + 1;
+    uint32_t thr = lo;
+    int exact = 0;
+    while (top - lo > 1) {
+        const uint32_t mid = (uint32_t)(lo + (top - lo) / 2);
+        const int32_t c = count_at_least(key, n, mid);
+        if (c == k) {  /* the k largest are the keys >= mid: the k-th is the least of them */
+            uint32_t least = UINT32_MAX;
+            for (int64_t j = 0; j < n; j++) least = key[j] >= mid && key[j] < least ? key[j] : least;
+            thr = least;
+            exact = 1;
+            break;
+        }
+        if (c > k) lo = mid;
+        else top = mid;
+    }
+    if (!exact) thr = lo;
+    const int32_t at_least = count_at_least(key, n, thr);
+    if (at_least == k) {  /* no tie to break */
+        for (int64_t j = 0; j < n; j++) chosen[j] = key[j] >= thr;
+        return;
+    }
+    int64_t ties = k - (thr == UINT32_MAX ? 0 : count_at_least(key, n, thr + 1));
+    for (int64_t j = 0; j < n; j++) {
+        const int take_tie = (key[j] == thr) & (ties > 0);
+        chosen[j] = (key[j] > thr) | take_tie;
+        ties -= take_tie;
+    }
 }
 
 void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const int32_t *tables, int64_t tab_ss,
@@ -76,19 +148,19 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
         const int64_t j0 = (item % per_table) * BOUND_BLOCKS;
         const int64_t j1 = j0 + BOUND_BLOCKS < nb ? j0 + BOUND_BLOCKS : nb;
         const int32_t *table = tables + m * tab_ss + kh * tab_sh;
-        if (D % VN == 0) {
-            for (int64_t j = j0; j < j1; j += 4) {  /* four blocks at a time (the last repeated past j1) */
-                const float *s[4];
-                for (int i = 0; i < 4; i++) {
-                    const int64_t jj = j + i < j1 ? j + i : j1 - 1;
-                    s[i] = ps->summary + (int64_t)table[jj * tab_sj] * 2 * D;
+        if (D % VN == 0 && G <= GROUP_SPECIALIZED) {
+            float qpn[G * 2 * D] __attribute__((aligned(64)));  /* each query head's q+ and q- */
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d++) {
+                    const float v = q[m * q_ss + (kh * G + g) * D + d];
+                    qpn[g * 2 * D + d] = v > 0.f ? v : 0.f;
+                    qpn[g * 2 * D + D + d] = v > 0.f ? 0.f : v;
                 }
-                for (int g = 0; g < G; g++) {
-                    float out[4];
-                    bound4(q + m * q_ss + (kh * G + g) * D, s[0], s[1], s[2], s[3], D, out);
-                    float *b = ps->bounds + (r * (G + 1) + g) * MB + j;
-                    for (int i = 0; i < 4 && j + i < j1; i++) b[i] = out[i];
-                }
+            float *out = ps->bounds + r * 2 * G * MB;
+            switch (G) {  /* G a constant in each copy */
+#define BOUNDS_G(n) case n: bounds_run(qpn, ps->summary, table, tab_sj, j0, j1, nb, n, D, out, MB); break;
+                BOUNDS_G(1) BOUNDS_G(2) BOUNDS_G(3) BOUNDS_G(4) BOUNDS_G(5) BOUNDS_G(6) BOUNDS_G(7) BOUNDS_G(8)
+#undef BOUNDS_G
             }
             continue;
         }
@@ -101,37 +173,35 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
                     const float a = qh[d] * mn[d], b = qh[d] * mx[d];
                     s += a > b ? a : b;
                 }
-                ps->bounds[(r * (G + 1) + g) * MB + j] = s;
+                ps->bounds[(r * 2 * G + g) * MB + j] = s;
             }
         }
     }
     team_end();
-    /* 2. per table: each query head's top blocks, their union, compacted in table order */
+    /* 2. per (table, query head): its top blocks, marked in chosen[r, g] */
+#pragma omp for schedule(static) nowait
+    for (int64_t item = 0; item < rows * G; item++) {
+        const int64_t r = item / G, g = item % G, m = r / H, kh = r % H;
+        const int64_t nb = (lengths[m * len_ss + kh * len_sh] + bs - 1) / bs;
+        const int64_t k = pages < nb ? pages : nb;
+        uint8_t *chosen = ps->chosen + item * MB;
+        if (k == nb) {  /* every block (or none) */
+            memset(chosen, 1, (size_t)nb);
+            continue;
+        }
+        mark_top_k(ps->bounds + (r * 2 * G + g) * MB, nb, k, (uint32_t *)(ps->bounds + (r * 2 * G + G + g) * MB),
+                   chosen);
+    }
+    team_end();
+    /* 3. per table: the union of its query heads' blocks, compacted in table order */
 #pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < rows; r++) {
         const int64_t m = r / H, kh = r % H;
         const int64_t len = lengths[m * len_ss + kh * len_sh], nb = (len + bs - 1) / bs;
-        const int64_t k = pages < nb ? pages : nb;
         const int32_t *table = tables + m * tab_ss + kh * tab_sh;
-        uint8_t *chosen = ps->chosen + r * MB;
-        float *scratch = ps->bounds + (r * (G + 1) + G) * MB;
-        memset(chosen, 0, (size_t)nb);
-        for (int g = 0; g < G && k > 0; g++) {
-            const float *b = ps->bounds + (r * (G + 1) + g) * MB;
-            if (k == nb) {
-                memset(chosen, 1, (size_t)nb);
-                break;
-            }
-            memcpy(scratch, b, sizeof(float) * nb);
-            const float thr = kth_largest(scratch, nb, k);
-            int64_t above = 0;
-            for (int64_t j = 0; j < nb; j++) above += b[j] > thr;
-            int64_t ties = k - above;  /* blocks equal to the threshold taken, lowest first */
-            for (int64_t j = 0; j < nb; j++) {
-                if (b[j] > thr) chosen[j] = 1;
-                else if (b[j] == thr && ties > 0) { chosen[j] = 1; ties--; }
-            }
-        }
+        uint8_t *chosen = ps->chosen + r * G * MB;  /* query head 0's row collects the union */
+        for (int g = 1; g < G; g++)
+            for (int64_t j = 0; j < nb; j++) chosen[j] |= chosen[g * MB + j];
         int32_t *out = ps->sel_tables + r * U;
         int64_t n = 0, tokens = 0;
         for (int64_t j = 0; j < nb; j++) {
