@@ -23,6 +23,9 @@ Where this differs from the official evaluation code (and why):
     the sequence length (`min(kv_seq_len, token_budget)`), which drops one page whenever the budget covers a
     context that is not a whole number of pages: here a budget that covers every page reads every page (equal to
     full attention).
+  - The page min / max are kept in fp16, rounded outward (the official evaluation code holds them in the model's
+    dtype, fp16 in its runs): with an fp32 model the bound is a hair looser than from fp32 summaries, never below
+    the true page maximum, at half their bytes.
 The mechanics (summaries kept by the pool, the bound, the top-k and the compacted tables the kernels are given) are
 the runtime's (kvbench.runtime.cache.page_retrieval); this module decides which layers retrieve and how many pages.
 """

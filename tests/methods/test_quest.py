@@ -20,7 +20,7 @@ from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.runtime.backends.cpu import kernels
 from kvbench.runtime.backends.torch.attention import paged_decode_torch
-from kvbench.runtime.cache.block_summaries import BlockSummaries
+from kvbench.runtime.cache.block_summaries import BlockSummaries, round_down_half, round_up_half
 from kvbench.runtime.cache.kv_cache import PagedKVCache
 from kvbench.runtime.cache.page_retrieval import page_bounds, select_pages
 from kvbench.runtime.serving.engine import Engine
@@ -266,7 +266,7 @@ def test_read_bytes_per_token_hand_count():
     full = sum(L * H * math.ceil((prompt_len + i + 1) / bs) for i in range(steps))
     assert stats["kv_read_fraction"] == pytest.approx((dense_blocks + quest_blocks) / full)
     # the summaries are memory: counted with every block in peak_kv_bytes
-    assert stats["peak_kv_bytes"] == stats["peak_blocks_in_use"] * (block_kv_bytes + 2 * D * 4)
+    assert stats["peak_kv_bytes"] == stats["peak_blocks_in_use"] * (block_kv_bytes + 2 * D * 2)  # fp16 min, max
 
 
 def test_summaries_follow_eviction():
@@ -285,8 +285,8 @@ def test_summaries_follow_eviction():
         for b in range(2):
             ids = int(cache.tables[slot, 0, h, b])
             blk = kept[4 * b: 4 * b + 4]
-            torch.testing.assert_close(cache.summaries.summary[ids, 0], blk.amin(0))
-            torch.testing.assert_close(cache.summaries.summary[ids, 1], blk.amax(0))
+            torch.testing.assert_close(cache.summaries.summary[ids, 0], round_down_half(blk.amin(0)))
+            torch.testing.assert_close(cache.summaries.summary[ids, 1], round_up_half(blk.amax(0)))
 
 
 def test_bad_settings_are_user_errors():
@@ -323,6 +323,7 @@ def test_c_selection_equals_a_brute_force_top_k(G, case):
     nb = -(-T // bs)
     summary = torch.randn(1 + S * H * nb, 2, D, generator=g)
     summary[:, 0], summary[:, 1] = summary.min(1).values, summary.max(1).values
+    summary = summary.half()  # as the pool keeps them
     q = torch.randn(S, H * G, D, generator=g)
     if case == "ties":  # blocks share a few distinct summaries: many bounds equal at the k-th value
         summary[1:] = summary[1 + torch.randint(0, 3, (S * H * nb,), generator=g)]
@@ -348,6 +349,39 @@ def test_c_selection_equals_a_brute_force_top_k(G, case):
             assert (got_tables[s, h, n:] == 0).all()
             in_block = (int(lengths[s, h]) - cols * bs).clamp(max=bs)
             assert int(got_lengths[s, h]) == int(in_block.sum())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
+def test_c_summary_update_equals_the_torch_summaries():
+    """The fused step's summary update (csrc/page_select.c: page_summary_update, F16C's directed rounding) gives the
+    same fp16 min / max as BlockSummaries.update (torch, next-after on the bits): keys written one row at a time
+    into shuffled blocks, with values around fp16's rounding points, subnormals, -0 and beyond its range."""
+    import ctypes
+
+    lib = kernels.load_kernel()
+    lib.page_summary_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.page_summary_update.restype = None
+    g = torch.Generator().manual_seed(11)
+    N, bs, D = 9, 4, 64
+    n = (N - 1) * bs
+    keys = torch.randn(n, D, generator=g) * torch.logspace(-9, 5, D)
+    keys[0, :4] = torch.tensor([-0.0, 70000.0, -70000.0, 1e-8])
+    keys[1] = keys[0].half().float() * (1 + 2.0 ** -12)  # just past an fp16 value
+    # each block's slots written in order (slot 0 starts a block afresh), the blocks interleaved in a shuffled order;
+    # block 0 is the scratch block
+    order = 1 + torch.randperm(N - 1, generator=g)
+    rows = (order[None, :] * bs + torch.arange(bs)[:, None]).flatten().to(torch.int64)
+    ref = BlockSummaries(N, bs, D, torch.device("cpu"))
+    got = torch.zeros(N, 2, D, dtype=torch.float16)
+    for r, k in zip(rows.tolist(), keys):
+        ref.update(torch.tensor([r]), k[None])
+        kc = k.contiguous()
+        lib.page_summary_update(got.data_ptr(), kc.data_ptr(), r, bs, D)
+    assert torch.equal(got[1:].view(torch.int16), ref.summary[1:].view(torch.int16))
+    blocks = rows // bs
+    for b in range(1, N):
+        kb = keys[blocks == b]
+        assert (got[b, 0].float() <= kb.amin(0)).all() and (got[b, 1].float() >= kb.amax(0)).all()
 
 
 def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
@@ -479,8 +513,8 @@ def test_quest_over_kivi2(model, backend):
                 h = int((table == b).nonzero()[0, 0])
                 keys = cache._decode("key", cache.kq_pool[b - cache.num_fp_blocks][None], 3,
                                      torch.tensor([h]))[0].float()
-                torch.testing.assert_close(cache.summaries.summary[b, 0], keys.amin(0))
-                torch.testing.assert_close(cache.summaries.summary[b, 1], keys.amax(0))
+                torch.testing.assert_close(cache.summaries.summary[b, 0], round_down_half(keys.amin(0)))
+                torch.testing.assert_close(cache.summaries.summary[b, 1], round_up_half(keys.amax(0)))
             engine.end_sequence(slot)
     assert runs["quest-all"][0] == runs["kivi"][0]
     assert runs["quest-all"][1] == pytest.approx(runs["kivi"][1], rel=1e-6, abs=1e-6)
@@ -569,8 +603,8 @@ def test_eviction_codec_and_retrieval_in_one_run(model):
                 for h in range(H):
                     for c in range(192 // 32):
                         b = int(table[h, c])
-                        torch.testing.assert_close(cache.summaries.summary[b, 0], keys[h, c].amin(0))
-                        torch.testing.assert_close(cache.summaries.summary[b, 1], keys[h, c].amax(0))
+                        torch.testing.assert_close(cache.summaries.summary[b, 0], round_down_half(keys[h, c].amin(0)))
+                        torch.testing.assert_close(cache.summaries.summary[b, 1], round_up_half(keys[h, c].amax(0)))
             engine.end_sequence(slot)
         _decode_nll(engine, prompt, 6)
         stats[name] = engine.memory_stats()

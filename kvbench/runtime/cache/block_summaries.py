@@ -1,6 +1,12 @@
 """Per-block key summaries: the element-wise min and max of the keys each block holds (Quest's page metadata).
 
-    summary: [num_blocks, 2, head_dim] fp32     summary[b, 0] = min over b's valid slots, summary[b, 1] = max
+    summary: [num_blocks, 2, head_dim] fp16     summary[b, 0] <= min over b's valid slots, summary[b, 1] >= max
+
+Stored in fp16 (Quest's kernels keep page metadata in the model's fp16 too) and rounded outward: a key's fp16 min is
+rounded toward -inf and its max toward +inf, so for any query the bound computed from them is still >= q.k of every
+key of the block (exact where the keys are fp16 or bf16 values in fp16's range; a key beyond 65504 gives an infinite
+bound, which always selects its block). Half the bytes of fp32 summaries: a decode step reads every summary of every
+retrieving layer, 1/32 of an fp32 block's K/V.
 
 A block is one (sequence, layer, kv-head) table's page, so a block's summary is one kv-head's page summary. The
 cache keeps them only when a method asks (`PagedKVCache.enable_block_summaries`): they are memory, counted per block
@@ -15,7 +21,23 @@ import torch
 
 from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK
 
-SUMMARY_DTYPE = torch.float32
+SUMMARY_DTYPE = torch.float16
+_NEG_TINY = -32767  # int16 bits of the fp16 just below -0 (0x8001)
+
+
+def round_down_half(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32 or narrower) as fp16 rounded toward -inf: the greatest fp16 <= x (-65504 clamps to -inf below)."""
+    x = x.float()
+    h = x.to(torch.float16)
+    bits = h.view(torch.int16)
+    # the next fp16 toward -inf: a positive one loses an ulp, a negative one gains one, +0 steps to -tiny
+    lower = torch.where(bits > 0, bits - 1, torch.where(bits == 0, torch.full_like(bits, _NEG_TINY), bits + 1))
+    return torch.where(h.float() > x, lower, bits).view(torch.float16)
+
+
+def round_up_half(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32 or narrower) as fp16 rounded toward +inf: the least fp16 >= x."""
+    return round_down_half(-x.float()).neg()
 
 
 class BlockSummaries:
@@ -27,7 +49,7 @@ class BlockSummaries:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block's summary occupies (min and max, fp32)."""
+        """Bytes one block's summary occupies (min and max, fp16)."""
         return 2 * self.head_dim * self.summary.element_size()
 
     def update(self, rows: torch.Tensor, k: torch.Tensor) -> None:
@@ -36,14 +58,14 @@ class BlockSummaries:
         the id before)."""
         bs = self.block_size
         blocks = rows // bs
-        kf = k.to(SUMMARY_DTYPE)
+        lo, hi = round_down_half(k), round_up_half(k)
         # a key written at slot 0 replaces its block's summary (no shape depends on a value: no host read; the other
         # rows' copies land in the scratch block, whose summary nothing reads)
         target = torch.where(rows % bs == 0, blocks, SCRATCH_BLOCK)
-        self.summary.index_copy_(0, target, torch.stack([kf, kf], dim=1))
+        self.summary.index_copy_(0, target, torch.stack([lo, hi], dim=1))
         idx = blocks[:, None].expand(-1, self.head_dim)
-        self.summary[:, 0].scatter_reduce_(0, idx, kf, "amin")  # include_self: earlier slots of the block count
-        self.summary[:, 1].scatter_reduce_(0, idx, kf, "amax")
+        self.summary[:, 0].scatter_reduce_(0, idx, lo, "amin")  # include_self: earlier slots of the block count
+        self.summary[:, 1].scatter_reduce_(0, idx, hi, "amax")
 
     def recompute(self, keys: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> None:
         """Summaries of every block of the tables `table` [H, MB] (lengths [H]) from their keys [H, MB, bs, D] as
@@ -54,18 +76,18 @@ class BlockSummaries:
         if nb == 0:
             return
         ids = table[:, :nb].to(torch.int64)  # [H, nb]
-        keys = keys[:, :nb].to(SUMMARY_DTYPE)  # [H, nb, bs, D]
+        keys = keys[:, :nb].float()  # [H, nb, bs, D]
         slot = torch.arange(nb * bs, device=ids.device).view(1, nb, bs, 1)
         valid = slot < lengths.view(-1, 1, 1, 1)
         mn = torch.where(valid, keys, float("inf")).amin(2)  # [H, nb, D]
         mx = torch.where(valid, keys, float("-inf")).amax(2)
         held = (torch.arange(nb, device=ids.device)[None, :] * bs) < lengths[:, None]  # [H, nb] blocks in use
-        self.summary[ids[held]] = torch.stack([mn[held], mx[held]], dim=1)
+        self.summary[ids[held]] = torch.stack([round_down_half(mn[held]), round_up_half(mx[held])], dim=1)
 
     def set_full_blocks(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
         """Blocks `ids` [n], every slot valid, hold keys [n, bs, D] (a codec's packed blocks, decoded)."""
-        k = keys.to(SUMMARY_DTYPE)
-        self.summary[ids] = torch.stack([k.amin(1), k.amax(1)], dim=1)
+        k = keys.float()
+        self.summary[ids] = torch.stack([round_down_half(k.amin(1)), round_up_half(k.amax(1))], dim=1)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Blocks dst got src's contents (copy-on-write, swap-in): their summaries too."""

@@ -37,12 +37,13 @@ class PageRetrieval:
 
 
 def page_bounds(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Upper bound of q.k over each block's keys: q [S, Hq, D], summary [N, 2, D] (min, max), tables [S, H, MB] ->
+    """Upper bound of q.k over each block's keys: q [S, Hq, D], summary [N, 2, D] (min, max; fp16 or fp32),
+    tables [S, H, MB] ->
     [S, Hq, MB] fp32 (every column of the tables, valid or not)."""
     S, Hq, D = q.shape
     H, MB = tables.shape[1], tables.shape[2]
     G = Hq // H
-    summ = summary[tables.reshape(-1).to(torch.int64)].view(S, H, MB, 2, D)
+    summ = summary[tables.reshape(-1).to(torch.int64)].view(S, H, MB, 2, D).float()
     qg = q.float().reshape(S, H, G, D)
     pos, neg = qg.clamp(min=0), qg.clamp(max=0)  # q_d > 0 takes the max key, q_d < 0 the min
     bound = pos @ summ[..., 1, :].transpose(-1, -2) + neg @ summ[..., 0, :].transpose(-1, -2)  # [S, H, G, MB]

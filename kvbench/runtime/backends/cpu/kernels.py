@@ -544,7 +544,7 @@ class PageSelect(ctypes.Structure):
            threads: int) -> "PageSelect":
         """Buffers for a step of M sequences whose tables span MB blocks; pages[l] top blocks per query head in
         layer l (0: dense). The attention over a selection splits U * bs slots as _DecodeBuffers would."""
-        assert summary.dtype == torch.float32 and summary.is_contiguous()
+        assert summary.dtype == torch.float16 and summary.is_contiguous()
         L = len(pages)
         U = max(1, min(G * max(pages), MB))
         chunks_per_table = -(-ITEMS_PER_THREAD * threads // (M * H))

@@ -21,15 +21,6 @@
 #include <omp.h>
 #endif
 
-/* fp16 bits -> fp32 (normals, subnormals, inf and nan), branch-light so loops over it vectorize */
-static inline float half_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = { .u = (uint32_t)(h & 0x7fff) << 13 };
-    v.f *= 0x1.0p112f;  /* rebias the exponent: 2^(127 - 15); subnormal halves become normal floats */
-    if ((h & 0x7fff) >= 0x7c00) v.u |= 0x7f800000u;
-    v.u |= (uint32_t)(h & 0x8000) << 16;
-    return v.f;
-}
-
 typedef uint32_t vnu __attribute__((vector_size(VN * 4)));
 
 /* VN 2- or 4-bit codes starting at a multiple of VN (so at byte `src`), as floats: a few vector shifts, masks and

@@ -29,6 +29,44 @@ static inline uint16_t float_to_half(float f) {
 }
 #endif
 
+/* fp16 bits -> fp32 (normals, subnormals, inf and nan), branch-light so loops over it vectorize */
+static inline float half_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)(h & 0x7fff) << 13 };
+    v.f *= 0x1.0p112f;  /* rebias the exponent: 2^(127 - 15); subnormal halves become normal floats */
+    if ((h & 0x7fff) >= 0x7c00) v.u |= 0x7f800000u;
+    v.u |= (uint32_t)(h & 0x8000) << 16;
+    return v.f;
+}
+
+/* fp32 -> fp16 bits rounded toward -inf (down != 0) or +inf: the page summaries' outward rounding */
+#if defined(__F16C__)
+static inline uint16_t float_to_half_directed(float f, int down) {
+    return down ? (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+                : (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+}
+#else
+static inline uint16_t float_to_half_directed(float f, int down) {
+    uint16_t h = float_to_half(f);
+    const float r = half_to_float(h);
+    if (down && r > f) h = (h & 0x8000) ? (uint16_t)(h + 1) : (h == 0 ? 0x8001 : (uint16_t)(h - 1));
+    if (!down && r < f) h = (h & 0x8000) ? (h == 0x8000 ? 0x0001 : (uint16_t)(h - 1)) : (uint16_t)(h + 1);
+    return h;
+}
+#endif
+
+/* VN fp16 values at p as floats */
+static inline vn load_half_vn(const uint16_t *p) {
+#if defined(__F16C__) && VN == 16 && defined(__AVX512F__)
+    return (vn)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && VN == 8
+    return (vn)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vn v;
+    for (int i = 0; i < VN; i++) v[i] = half_to_float(p[i]);
+    return v;
+#endif
+}
+
 /* How the codec kernels read one packed K or V row (kvbench/quant/packing.ByteLayout; kernels.BlockFormat) */
 typedef struct {
     int64_t row_bytes;  /* bytes of one packed row */
@@ -173,7 +211,7 @@ void codec_decode_attention_team(
     float *out, float *key_scores, float *scores, float *partials);
 /* Page retrieval in a decode step (page_select.c): the fused step's block summaries and selection buffers */
 typedef struct {
-    float *summary;  /* [N, 2, D] per block: min, max of its keys (updated as keys are written) */
+    uint16_t *summary;  /* [N, 2, D] fp16 per block: min, max of its keys, rounded outward (updated as written) */
     const int32_t *pages;  /* [L] top blocks per query head of each layer (0: the layer reads every block) */
     int32_t *sel_tables;  /* [M, H, U] the compacted tables the attention reads */
     int64_t *sel_lengths;  /* [L, M, H] tokens each selection holds (out) */
@@ -185,7 +223,7 @@ typedef struct {
     float *scores, *partials;  /* the attention's scratch for that split */
 } page_select;
 /* fold key k (D floats) written at flat pool row `row` into its block's summary (slot 0 starts it afresh) */
-void page_summary_update(float *summary, const float *k, int64_t row, int bs, int D);
+void page_summary_update(uint16_t *summary, const float *k, int64_t row, int bs, int D);
 /* the selection of one layer: sel_tables and sel_lengths ([M, H]) from q rows q_ss floats apart */
 void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const int32_t *tables, int64_t tab_ss,
                       int64_t tab_sh, int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,

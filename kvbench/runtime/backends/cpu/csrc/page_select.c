@@ -13,16 +13,13 @@
 #define BOUND_BLOCKS 64  /* blocks per work item of the bound loop */
 #define SUMMARY_PREFETCH 8  /* blocks ahead whose summaries the bound loop asks for */
 
-void page_summary_update(float *summary, const float *k, int64_t row, int bs, int D) {
-    float *mn = summary + (row / bs) * 2 * D, *mx = mn + D;
-    if (row % bs == 0) {  /* the block's first slot: its earlier contents belonged to whoever held the id */
-        memcpy(mn, k, sizeof(float) * D);
-        memcpy(mx, k, sizeof(float) * D);
-        return;
-    }
+void page_summary_update(uint16_t *summary, const float *k, int64_t row, int bs, int D) {
+    uint16_t *mn = summary + (row / bs) * 2 * D, *mx = mn + D;
+    const int first = row % bs == 0;  /* the block's first slot: its earlier contents belonged to whoever held the id */
     for (int d = 0; d < D; d++) {
-        mn[d] = k[d] < mn[d] ? k[d] : mn[d];
-        mx[d] = k[d] > mx[d] ? k[d] : mx[d];
+        const uint16_t lo = float_to_half_directed(k[d], 1), hi = float_to_half_directed(k[d], 0);
+        if (first || half_to_float(lo) < half_to_float(mn[d])) mn[d] = lo;
+        if (first || half_to_float(hi) > half_to_float(mx[d])) mx[d] = hi;
     }
 }
 
@@ -31,18 +28,20 @@ void page_summary_update(float *summary, const float *k, int64_t row, int bs, in
 /* The bounds of blocks s0, s1 ([2, D]: min, max) for the G query heads of a kv-head: out0[g * ostride],
  * out1[g * ostride]. qpn [G, 2, D] holds each head's q+ and q-. Each summary vector is loaded once for the whole
  * group (G a constant after inlining: the 2 G accumulators stay in registers). */
-static inline __attribute__((always_inline)) void bounds2_group(const float *qpn, const float *s0, const float *s1,
+static inline __attribute__((always_inline)) void bounds2_group(const float *qpn, const uint16_t *s0, const uint16_t *s1,
                                                                  const int G, const int D, float *out0, float *out1,
                                                                  int64_t ostride) {
     vn a0[GROUP_SPECIALIZED], a1[GROUP_SPECIALIZED];
     for (int g = 0; g < G; g++) a0[g] = a1[g] = (vn){0};
     for (int c = 0; c < D; c += VN) {
-        const vn mn0 = *(const vn *)(s0 + c), mx0 = *(const vn *)(s0 + D + c);
-        const vn mn1 = *(const vn *)(s1 + c), mx1 = *(const vn *)(s1 + D + c);
+        const vn mn0 = load_half_vn(s0 + c), mx0 = load_half_vn(s0 + D + c);
+        const vn mn1 = load_half_vn(s1 + c), mx1 = load_half_vn(s1 + D + c);
         for (int g = 0; g < G; g++) {
             const vn qp = *(const vn *)(qpn + g * 2 * D + c), qn = *(const vn *)(qpn + g * 2 * D + D + c);
-            a0[g] += qp * mx0 + qn * mn0;
-            a1[g] += qp * mx1 + qn * mn1;
+            a0[g] += qp * mx0;  /* two FMAs each (as a sum of products the compiler makes it mul, fma, add) */
+            a0[g] += qn * mn0;
+            a1[g] += qp * mx1;
+            a1[g] += qn * mn1;
         }
     }
     int g = 0;
@@ -60,18 +59,19 @@ static inline __attribute__((always_inline)) void bounds2_group(const float *qpn
 }
 
 /* bounds2_group for a run of blocks j0..j1-1 of one table; out: [G, ostride] from column j0 */
-static inline __attribute__((always_inline)) void bounds_run(const float *qpn, const float *summary,
+static inline __attribute__((always_inline)) void bounds_run(const float *qpn, const uint16_t *summary,
                                                               const int32_t *table, int64_t tab_sj, int64_t j0,
                                                               int64_t j1, int64_t nb, const int G, const int D,
                                                               float *out, int64_t ostride) {
     for (int64_t j = j0; j < j1; j += 2) {  /* two blocks at a time (the last repeated past j1) */
         const int64_t jn = j + 1 < j1 ? j + 1 : j;
-        const float *s0 = summary + (int64_t)table[j * tab_sj] * 2 * D, *s1 = summary + (int64_t)table[jn * tab_sj] * 2 * D;
+        const uint16_t *s0 = summary + (int64_t)table[j * tab_sj] * 2 * D;
+        const uint16_t *s1 = summary + (int64_t)table[jn * tab_sj] * 2 * D;
         /* the hardware prefetcher does not follow a table's blocks through the pool: ask for the summaries
          * SUMMARY_PREFETCH blocks ahead */
         for (int64_t jp = j + SUMMARY_PREFETCH; jp < j + SUMMARY_PREFETCH + 2 && jp < nb; jp++) {
             const char *sp = (const char *)(summary + (int64_t)table[jp * tab_sj] * 2 * D);
-            for (int64_t c = 0; c < (int64_t)sizeof(float) * 2 * D; c += 64) __builtin_prefetch(sp + c, 0, 3);
+            for (int64_t c = 0; c < (int64_t)sizeof(uint16_t) * 2 * D; c += 64) __builtin_prefetch(sp + c, 0, 3);
         }
         bounds2_group(qpn, s0, s1, G, D, out + j, out + jn, ostride);
     }
@@ -165,12 +165,12 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
             continue;
         }
         for (int64_t j = j0; j < j1; j++) {
-            const float *mn = ps->summary + (int64_t)table[j * tab_sj] * 2 * D, *mx = mn + D;
+            const uint16_t *mn = ps->summary + (int64_t)table[j * tab_sj] * 2 * D, *mx = mn + D;
             for (int g = 0; g < G; g++) {
                 const float *qh = q + m * q_ss + (kh * G + g) * D;
                 float s = 0.f;
                 for (int d = 0; d < D; d++) {
-                    const float a = qh[d] * mn[d], b = qh[d] * mx[d];
+                    const float a = qh[d] * half_to_float(mn[d]), b = qh[d] * half_to_float(mx[d]);
                     s += a > b ? a : b;
                 }
                 ps->bounds[(r * 2 * G + g) * MB + j] = s;
