@@ -1,10 +1,14 @@
 """Page retrieval (Quest) against full attention: batch-1 decode speed and bytes read at long contexts (`make
 bench-sparse`).
 
-For each context (4,096, 16,384, 32,768 tokens) one sequence's cache is filled with random K/V in every layer (a
-decode step's cost does not depend on the values; quality is tested elsewhere: tests/methods/test_quest.py and the
-needle test), then decode steps run on the packaged model with full attention and with Quest at budgets 512,
-1,024 and 2,048, the runs alternated `--repeats` times in this one process (the median per setting is printed).
+For each context (4,096, 16,384, 32,768 tokens) one sequence's cache is filled, then decode steps run on the packaged
+model with full attention and with Quest at budgets 512, 1,024 and 2,048, the runs alternated `--repeats` times in
+this one process (the median per setting is printed). The fill (`--fill`):
+  random  random K/V in every layer (the default): each query head of a group picks its own pages at random, so a
+          kv-head reads nearly the whole union of its group's picks, the most a step can read at a budget (the
+          worst case for the GQA union; quality is tested elsewhere: tests/methods/test_quest.py, the needle test)
+  text    the packaged essays prefilled by the model (minutes at 32,768 tokens on 2 cores, beyond SmolLM2's 8,192
+          training positions), then copied into both caches: the pages real queries pick, whose union is smaller
 Full attention runs on its own engine (no method); the Quest budgets share one engine whose method's page
 retrieval is swapped between runs (same cache, same summaries).
 
@@ -14,7 +18,7 @@ kernels were given), the key-summary bytes scored per token, and the bound set b
 targets: Quest at budget 512 >= 1.8x full's tok/s at 16,384 and >= 2.5x at 32,768.
 
     python bench/bench_sparse.py [--contexts 4096 16384 32768] [--budgets 512 1024 2048] [--repeats 3]
-                                 [--decode-tokens 16] [--threads N]
+                                 [--decode-tokens 16] [--threads N] [--fill random|text]
 """
 from __future__ import annotations
 
@@ -38,6 +42,35 @@ def fill(engine, T: int, seed: int) -> int:
     for layer in range(cfg.num_layers):
         k = torch.randn(1, cfg.num_kv_heads, T, cfg.head_dim, generator=g, dtype=torch.float32).to(cache.dtype)
         v = torch.randn(1, cfg.num_kv_heads, T, cfg.head_dim, generator=g, dtype=torch.float32).to(cache.dtype)
+        cache.write(layer, plan, k, v)
+    engine.meter.track()
+    return slot
+
+
+def text_kv(engine, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill `tokens` on `engine` (full attention) and read back each layer's K/V as [1, H, T, D] (the sequence is
+    ended after)."""
+    cache = engine.cache
+    ctx = engine.prefill_context(tokens)
+    T, bs = len(tokens), cache.block_size
+    nb = -(-T // bs)
+    out = []
+    for layer in range(cache.num_layers):
+        ids = cache.tables[ctx.slot, layer, :, :nb].to(torch.int64)  # [H, nb]
+        k = cache.k_pool[ids].reshape(ids.shape[0], nb * bs, -1)[None, :, :T]
+        v = cache.v_pool[ids].reshape(ids.shape[0], nb * bs, -1)[None, :, :T]
+        out.append((k.clone(), v.clone()))
+    engine.end_sequence(ctx.slot)
+    return out
+
+
+def fill_with(engine, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """A new sequence holding the K/V `kv` (per layer [1, H, T, D], positions 0..T-1); returns its slot."""
+    cache = engine.cache
+    T = kv[0][0].shape[2]
+    slot = engine.new_sequence()
+    plan = cache.prepare_append([slot], torch.arange(T)[None])
+    for layer, (k, v) in enumerate(kv):
         cache.write(layer, plan, k, v)
     engine.meter.track()
     return slot
@@ -67,6 +100,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: kvbench's default)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--fill", choices=("random", "text"), default="random",
+                    help="random K/V (every query head's own pages: the widest union) or the essays prefilled")
     args = ap.parse_args()
     from kvbench.runtime.backends.cpu.threads import configure_threads
     from kvbench.runtime.model.loading import load_model
@@ -81,9 +116,15 @@ def main() -> None:
     weights = model.weight_bytes
     bs = 16
     res: dict = {"model": lm.name, "dtype": args.dtype, "threads": args.threads, "weight_bytes": weights,
-                 "decode_tokens": args.decode_tokens, "repeats": args.repeats}
+                 "decode_tokens": args.decode_tokens, "repeats": args.repeats, "fill": args.fill}
     print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  weights {weights / 1e6:.0f} MB  "
-          f"block {bs}  decode tokens per run {args.decode_tokens}  repeats {args.repeats} (alternated)")
+          f"block {bs}  decode tokens per run {args.decode_tokens}  repeats {args.repeats} (alternated)  "
+          f"fill {args.fill}")
+    corpus = None
+    if args.fill == "text":
+        from kvbench.data.essays import essay_corpus_text
+
+        corpus = lm.tokenizer.encode(essay_corpus_text())
     for T in args.contexts:
         extra = (args.repeats + 1) * (args.decode_tokens + 1) + 64
         full_bytes = cfg.num_layers * cfg.num_kv_heads * -(-(T + extra) // bs) * 2 * bs * cfg.head_dim * 4
@@ -96,7 +137,16 @@ def main() -> None:
         for b, m in methods.items():  # each budget's page counts (the method decides them at attach)
             m.attach(quest.cache, cfg)
             retrievals[b] = m.page_retrieval
-        slots = {"full": fill(full, T, 0), "quest": fill(quest, T, 0)}
+        if corpus is None:
+            slots = {"full": fill(full, T, 0), "quest": fill(quest, T, 0)}
+        else:
+            if len(corpus) < T:
+                raise SystemExit(f"--fill text: the essays hold {len(corpus)} tokens, fewer than the context {T}")
+            t0 = time.perf_counter()
+            kv = text_kv(full, corpus[:T])
+            print(f"ctx {T:6d}  prefilled the essays in {time.perf_counter() - t0:.0f} s")
+            slots = {"full": fill_with(full, kv), "quest": fill_with(quest, kv)}
+            del kv
         runs: dict[str, list[dict]] = {"full": [], **{f"quest{b}": [] for b in args.budgets}}
         for _ in range(args.repeats):
             runs["full"].append(decode_run(full, slots["full"], args.decode_tokens, vocab))

@@ -1,7 +1,12 @@
 """Quest on the packaged model (slow: 4,096-token needle runs through the CLI, depths 0, 50 and 100 %): full attention
 finds the needle at every depth; quest at budget 2,048 does too, reading about two thirds of the K/V; at budget 512
 (the issue's target) it does not on this 135M model: measured, it found the needle at depth 100 only (accuracy 1/3;
-budget 1,024 found it at depth 50, not 0): a strict xfail, so the day it passes the test says so."""
+budget 1,024 found it at depth 50, not 0): a strict xfail, so the day it passes the test says so. The official
+selection itself does the same on these prompts: bench/quest_reference_needle.py, Quest's evaluation code
+transcribed into a transformers attention function, found the needle at depth 100 only at budget 512, with its
+per-head rule and with the union rule alike, while transformers' eager attention alone finds it at depth 0. The
+answer is fragile on this model: with a budget covering the context, the official code's clamp (one chunk of 260
+dropped per head) already loses depths 0 and 50."""
 from __future__ import annotations
 
 import json
@@ -25,7 +30,8 @@ def _needle(tmp_path, *method):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [2048, pytest.param(512, marks=pytest.mark.xfail(
-    strict=True, reason="SmolLM2-135M: quest@512 finds the 4,096-token needle at depth 100 only (measured 1/3)"))])
+    strict=True, reason="SmolLM2-135M: quest@512 finds the 4,096-token needle at depth 100 only (measured 1/3), "
+           "as the official selection transcribed over transformers does (bench/quest_reference_needle.py)"))])
 def test_needle_at_4096_found_by_quest_where_full_finds_it(tmp_path, budget):
     full = _needle(tmp_path / "full", "method=full")
     quest = _needle(tmp_path / "quest", "method=quest", f"budget={budget}")
