@@ -39,10 +39,11 @@ def fill(engine, T: int, seed: int) -> int:
     slot = engine.new_sequence()
     g = torch.Generator().manual_seed(seed)
     plan = cache.prepare_append([slot], torch.arange(T)[None])
+    device = cache.k_pool.device
     for layer in range(cfg.num_layers):
-        k = torch.randn(1, cfg.num_kv_heads, T, cfg.head_dim, generator=g, dtype=torch.float32).to(cache.dtype)
-        v = torch.randn(1, cfg.num_kv_heads, T, cfg.head_dim, generator=g, dtype=torch.float32).to(cache.dtype)
-        cache.write(layer, plan, k, v)
+        k = torch.randn(1, cfg.num_kv_heads, T, cfg.head_dim, generator=g, dtype=torch.float32)
+        v = torch.randn(1, cfg.num_kv_heads, T, cfg.head_dim, generator=g, dtype=torch.float32)
+        cache.write(layer, plan, k.to(device=device, dtype=cache.dtype), v.to(device=device, dtype=cache.dtype))
     engine.meter.track()
     return slot
 

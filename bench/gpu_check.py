@@ -12,7 +12,8 @@
 2. Speed, on a SmolLM2-135M-shaped model with random weights (the packaged weights are too large to travel to the
    GPU machine, and speed does not depend on the weights' values), bf16: prefill 2048, batch-1 decode at contexts
    512 and 4096, batch-16 decode, each against transformers in the same process; then one serving trace at a fixed
-   KV pool for full, paged_eviction and KIVI-2.
+   KV pool for full, paged_eviction and KIVI-2; and make bench-sparse's comparison (batch-1 decode at 16,384 and
+   32,768 tokens of random K/V, full against quest@512).
 Each section prints one JSON line; --json writes them all to one file. The Triton kernels' own tests run on the GPU
 with `KVBENCH_TEST_GPU=1 pytest tests/runtime/test_triton_attention.py` (bench/gpu_check.sh runs both).
 """
@@ -233,6 +234,49 @@ def speed(device: str, quick: bool) -> dict:
     res["batch16_tokens_per_s_hf"] = 16 * new / t_hf
     res["batch16_ratio"] = t_hf / t_kv
     assert engine.cache.pool.in_use == 0
+    return res
+
+
+@section("sparse_decode")
+def sparse_decode(device: str, quick: bool) -> dict:
+    """make bench-sparse on the GPU: batch-1 decode of a SmolLM2-shaped model (bf16) over caches of random K/V, full
+    attention against quest@512 (selection in torch on the device, the Triton kernel given the compacted tables),
+    runs alternated; tok/s, the ratio and the K/V bytes each read per token."""
+    from bench_sparse import decode_run, fill  # noqa: E402  (bench/, this script's folder)
+
+    from kvbench.methods import build_method
+    from kvbench.runtime.serving.engine import Engine
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    _, model = smollm2_shaped(device, dtype)
+    cfg = model.config
+    per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * torch.finfo(dtype).bits // 8
+    res: dict = {"dtype": str(dtype), "budget": 512}
+    ok = True
+    for T in ((1024,) if quick else (16384, 32768)):
+        kv_memory = int(per_token * (T + 1024) * 1.3) + (1 << 24)
+        engines = {"full": Engine(model, kv_memory_bytes=kv_memory, prefix_caching=False),
+                   "quest512": Engine(model, build_method("quest", 512), kv_memory_bytes=kv_memory,
+                                      prefix_caching=False)}
+        slots = {name: fill(e, T, 0) for name, e in engines.items()}
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for _ in range(3):
+            for name, e in engines.items():
+                runs[name].append(decode_run(e, slots[name], 8 if quick else 64, cfg.vocab_size))
+        for name, rs in runs.items():
+            med = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+            res[f"{name}_tokens_per_s_ctx{T}"] = med["tokens_per_s"]
+            res[f"{name}_kv_read_bytes_per_token_ctx{T}"] = med["kv_read_bytes_per_token"]
+        res[f"quest512_over_full_ctx{T}"] = res[f"quest512_tokens_per_s_ctx{T}"] / res[f"full_tokens_per_s_ctx{T}"]
+        res["attention_backend"] = engines["quest512"].attention_backend
+        ok = ok and res[f"quest512_kv_read_bytes_per_token_ctx{T}"] < res[f"full_kv_read_bytes_per_token_ctx{T}"]
+        for name, e in engines.items():
+            e.end_sequence(slots[name])
+            ok = ok and e.cache.pool.in_use == 0
+        del engines
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    res["ok"] = ok  # quest read fewer K/V bytes than full, and both pools emptied
     return res
 
 
@@ -482,7 +526,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every section's result to this file")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also profile a short serving trace into DIR")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: model,methods,preemption,speed,"
-                                                "serving,llama8b")
+                                                "sparse,serving,llama8b")
     ap.add_argument("--serving-methods", default="full,paged_eviction,kivi2")
     ap.add_argument("--llama8b-serving-methods",
                     default="full,paged_eviction,streaming_llm,kivi2,paged_eviction+kivi2,snapkv,h2o")
@@ -504,6 +548,8 @@ def main() -> None:
         scheduler_preemption(args.device)
     if "speed" not in skip:
         speed(args.device, args.quick)
+    if "sparse" not in skip:
+        sparse_decode(args.device, args.quick)
     if "serving" not in skip:
         serving(args.device, args.quick, args.serving_methods.split(","))
     if "llama8b" not in skip:
