@@ -18,7 +18,7 @@ kernels were given), the key-summary bytes scored per token, and the bound set b
 targets: Quest at budget 512 >= 1.8x full's tok/s at 16,384 and >= 2.5x at 32,768.
 
     python bench/bench_sparse.py [--contexts 4096 16384 32768] [--budgets 512 1024 2048] [--repeats 3]
-                                 [--decode-tokens 16] [--threads N] [--fill random|text]
+                                 [--decode-tokens 16] [--threads N] [--fill random|text] [--gqa union|per_head]
 """
 from __future__ import annotations
 
@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: kvbench's default)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--gqa", choices=("union", "per_head"), default=None,
+                    help="quest's method.gqa (default: the method's default)")
     ap.add_argument("--fill", choices=("random", "text"), default="random",
                     help="random K/V (every query head's own pages: the widest union) or the essays prefilled")
     args = ap.parse_args()
@@ -117,7 +119,8 @@ def main() -> None:
     weights = model.weight_bytes
     bs = 16
     res: dict = {"model": lm.name, "dtype": args.dtype, "threads": args.threads, "weight_bytes": weights,
-                 "decode_tokens": args.decode_tokens, "repeats": args.repeats, "fill": args.fill}
+                 "decode_tokens": args.decode_tokens, "repeats": args.repeats, "fill": args.fill,
+                 "gqa": args.gqa or build_method("quest", 512).gqa}
     print(f"model {lm.name}  dtype {args.dtype}  threads {args.threads}  weights {weights / 1e6:.0f} MB  "
           f"block {bs}  decode tokens per run {args.decode_tokens}  repeats {args.repeats} (alternated)  "
           f"fill {args.fill}")
@@ -130,7 +133,8 @@ def main() -> None:
         extra = (args.repeats + 1) * (args.decode_tokens + 1) + 64
         full_bytes = cfg.num_layers * cfg.num_kv_heads * -(-(T + extra) // bs) * 2 * bs * cfg.head_dim * 4
         kv_memory = int(full_bytes * 1.15) + (1 << 24)
-        methods = {b: build_method("quest", b) for b in args.budgets}
+        gqa = {} if args.gqa is None else {"gqa": args.gqa}
+        methods = {b: build_method("quest", b, **gqa) for b in args.budgets}
         full = Engine(model, block_size=bs, kv_memory_bytes=kv_memory, prefix_caching=False)
         quest = Engine(model, methods[args.budgets[0]], block_size=bs, kv_memory_bytes=kv_memory,
                        prefix_caching=False)

@@ -17,8 +17,8 @@ Where this differs from the official evaluation code (and why):
   - GQA: the official code repeats the keys over the group, so each query head selects and attends over its own
     pages. Here the selection is the same per query head; by default (`gqa=union`) a kv-head's kernel reads the
     union of its query heads' pages once and every head of the group attends over that union (a superset of its
-    own pages; the fused CPU step runs it). `gqa=per_head` is the official rule exactly: one table per query head,
-    each head attending over its own pages only (op by op; full-precision pools). Equal for G = 1.
+    own pages). `gqa=per_head` is the official rule exactly: one table per query head, each head attending over
+    its own pages only (the fused CPU step, the op-by-op kernels and codec pools run both). Equal for G = 1.
   - The page count is min(max(3, budget // block_size), pages held). The official code first clamps the budget to
     the sequence length (`min(kv_seq_len, token_budget)`), which drops one page whenever the budget covers a
     context that is not a whole number of pages: here a budget that covers every page reads every page (equal to

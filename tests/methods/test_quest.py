@@ -311,12 +311,13 @@ def _top_k_lowest_first(bound: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("G", [1, 3, 4, 7, 9])
 @pytest.mark.parametrize("case", ["random", "ties", "all_equal", "negative_zero"])
-def test_c_selection_equals_a_brute_force_top_k(G, case):
+def test_c_selection_equals_a_brute_force_top_k(G, case, per_head):
     """The fused step's C selection (bisection over order keys, ties lowest block first) against a brute-force
-    per-query-head top-k united per kv-head, including heavy ties, all-equal bounds and -0 / +0 bounds; G = 9 takes
-    the C code's generic (not unrolled) path."""
+    per-query-head top-k, united per kv-head (or, per_head, each query head's own table), including heavy ties,
+    all-equal bounds and -0 / +0 bounds; G = 9 takes the C code's generic (not unrolled) path."""
     bs, H, D, pages = 16, 2, 64, 5
     g = torch.Generator().manual_seed(G)
     S, T = 2, 16 * 23 + 5
@@ -335,20 +336,23 @@ def test_c_selection_equals_a_brute_force_top_k(G, case):
         q = q.abs() * torch.where(torch.rand(S, H * G, D, generator=g) < 0.5, -0.0, 1.0)
     tables = (1 + torch.randperm(S * H * nb, generator=g)).view(S, H, nb).to(torch.int32)
     lengths = torch.tensor([[T, T - 40], [T - 17, 3 * bs]])  # ragged, one table of exactly `pages` - 2 blocks
-    got_tables, got_lengths = kernels.select_pages_c(q, summary, tables, lengths, bs, pages)
+    got_tables, got_lengths = kernels.select_pages_c(q, summary, tables, lengths, bs, pages, per_head)
     bound = page_bounds(q, summary, tables).view(S, H, G, nb)
     for s in range(S):
         for h in range(H):
             held = -(-int(lengths[s, h]) // bs)
             union = torch.zeros(held, dtype=torch.bool)
-            for gi in range(G):
-                union |= _top_k_lowest_first(bound[s, h, gi, :held], min(pages, held))
-            cols = union.nonzero().flatten()
-            n = len(cols)
-            assert got_tables[s, h, :n].tolist() == tables[s, h, cols].tolist(), (s, h)
-            assert (got_tables[s, h, n:] == 0).all()
-            in_block = (int(lengths[s, h]) - cols * bs).clamp(max=bs)
-            assert int(got_lengths[s, h]) == int(in_block.sum())
+            picks = [_top_k_lowest_first(bound[s, h, gi, :held], min(pages, held)) for gi in range(G)]
+            for pick in picks:
+                union |= pick
+            # per_head: table h * G + g lists query head g's own blocks; else table h the group's union
+            for row, mask in ([(h * G + gi, p) for gi, p in enumerate(picks)] if per_head else [(h, union)]):
+                cols = mask.nonzero().flatten()
+                n = len(cols)
+                assert got_tables[s, row, :n].tolist() == tables[s, h, cols].tolist(), (s, h, row)
+                assert (got_tables[s, row, n:] == 0).all()
+                in_block = (int(lengths[s, h]) - cols * bs).clamp(max=bs)
+                assert int(got_lengths[s, row]) == int(in_block.sum())
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
@@ -384,9 +388,11 @@ def test_c_summary_update_equals_the_torch_summaries():
         assert (got[b, 0].float() <= kb.amin(0)).all() and (got[b, 1].float() >= kb.amax(0)).all()
 
 
-def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
-    """The C selection inside the fused decode step (csrc/page_select.c) reads the same blocks as select_pages: the
-    same tokens, log-probabilities and blocks read, at a budget well below the context."""
+@pytest.mark.parametrize("gqa", ["union", "per_head"])
+def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch, gqa):
+    """The C selection inside the fused decode step (csrc/page_select.c) reads the same blocks as select_pages (or,
+    per_head, select_pages_per_head): the same tokens, log-probabilities and blocks read, at a budget well below
+    the context."""
     if not kernels.available():
         pytest.skip("no C kernels")
     built = []
@@ -398,7 +404,8 @@ def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
     for fused in (False, True):
         model.fuse_decode_layers = fused
         try:
-            engine = Engine(model, build_method("quest", 64), block_size=16, num_blocks=1024, attention_backend="cpu")
+            engine = Engine(model, build_method("quest", 64, gqa=gqa), block_size=16, num_blocks=1024,
+                            attention_backend="cpu")
             runs[fused] = (*_decode_nll(engine, prompt, 10), engine.memory_stats())
         finally:
             model.fuse_decode_layers = True
@@ -406,7 +413,8 @@ def test_fused_step_selects_as_the_op_by_op_path(model, monkeypatch):
     assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-5)
     for key in ("kv_read_bytes_per_token", "kv_read_fraction", "summary_read_bytes_per_token", "peak_kv_bytes"):
         assert runs[True][2][key] == runs[False][2][key], key
-    assert runs[True][2]["kv_read_fraction"] < 0.8
+    # per_head counts each query head's blocks (G = 3 tables of 4 blocks where the union holds fewer)
+    assert runs[True][2]["kv_read_fraction"] < (0.8 if gqa == "union" else 0.9)
     assert built, "the fused step never ran with page retrieval"
 
 
@@ -520,6 +528,29 @@ def test_quest_over_kivi2(model, backend):
     assert runs["quest-all"][1] == pytest.approx(runs["kivi"][1], rel=1e-6, abs=1e-6)
     assert runs["quest"][2]["kv_read_bytes_per_token"] < 0.8 * runs["kivi"][2]["kv_read_bytes_per_token"]
     assert runs["quest"][2]["peak_kv_bytes"] > runs["kivi"][2]["peak_kv_bytes"]  # the summaries are memory
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_per_head_over_kivi2(model, backend):
+    """gqa=per_head over KIVI-2 pages (one table per query head into the codec's attention): a budget covering every
+    page equals KIVI-2 alone; at a small budget the kernels are given `pages` blocks per query head (counted at the
+    codec's block sizes: fewer bytes than KIVI-2 alone reads) and the result differs from KIVI-2 alone."""
+    from kvbench.quant.registry import build_codec
+
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, 256, (400,), generator=g).tolist()
+    runs = {}
+    for name, method in (("kivi", None), ("all", build_method("quest", 4096, gqa="per_head")),
+                         ("per_head", build_method("quest", 48, gqa="per_head")), ("union", build_method("quest", 48))):
+        engine = Engine(model, method, codec=build_codec("kivi", model, bits=2), block_size=16, num_blocks=1024,
+                        attention_backend=backend)
+        runs[name] = (*_decode_nll(engine, prompt, 6), engine.memory_stats())
+        assert engine.cache.pool.in_use == 0
+    assert runs["all"][0] == runs["kivi"][0]
+    assert runs["all"][1] == pytest.approx(runs["kivi"][1], rel=1e-6, abs=1e-6)
+    assert runs["per_head"][2]["kv_read_bytes_per_token"] < 0.9 * runs["kivi"][2]["kv_read_bytes_per_token"]
+    assert runs["per_head"][1] != pytest.approx(runs["kivi"][1], rel=1e-9, abs=0)  # fewer pages: another result
+    assert math.isfinite(runs["per_head"][1])
 
 
 def test_ragged_steps_with_full_budget_equal_full(model):

@@ -63,7 +63,7 @@ from kvbench.runtime import huge_pages
 from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens, kv_elements
-from kvbench.runtime.cache.page_retrieval import select_pages
+from kvbench.runtime.cache.page_retrieval import select_pages, select_pages_per_head
 from kvbench.runtime.cache.quantized_packing import PackedStorage
 from kvbench.runtime.cache.quantized_pool import RoutedBlockPool
 from kvbench.runtime.cache.quantized_reading import PackedReading
@@ -180,12 +180,11 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
     def attend_pages(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int, *,
                      backend) -> tuple[torch.Tensor, torch.Tensor]:
         """PagedKVCache.attend_pages over this cache's blocks (full-precision and packed, read as `attend` reads
-        them): the selected blocks' compacted tables stand in for the layer's tables (per kv-head: the union)."""
-        if self.page_retrieval.per_head:
-            raise ValueError("page retrieval per query head reads full-precision pools only (quest.gqa=union over "
-                             "a codec)")
-        tables, lengths = select_pages(q[:, :, 0], self.summaries.summary, plan.tables[:, layer],
-                                       plan.lengths[:, layer], self.block_size, pages)
+        them): the selected blocks' compacted tables stand in for the layer's tables (per kv-head: the union; per
+        query head with page_retrieval.per_head, read as Hq tables of one query head each)."""
+        select = select_pages_per_head if self.page_retrieval.per_head else select_pages
+        tables, lengths = select(q[:, :, 0], self.summaries.summary, plan.tables[:, layer],
+                                 plan.lengths[:, layer], self.block_size, pages)  # [S, H or Hq, U]
         S, H, U = tables.shape
         L = plan.tables.shape[1]
         view = dataclasses.replace(  # every layer's entry is the selection (views): attend reads `layer`'s

@@ -78,7 +78,8 @@ class FusedDecodeStep(FusedDecode):
             self.page_counts = [retrieval.pages_for(li) for li in range(L)]
             self.retrieving_layers = [li for li, n in enumerate(self.page_counts) if n]
             self.pages = kernels.PageSelect.of(cache.summaries.summary, self.page_counts, S, H, cfg.num_heads // H,
-                                               D, plan.tables.shape[-1], cache.block_size, self.buffers.threads)
+                                               D, plan.tables.shape[-1], cache.block_size, self.buffers.threads,
+                                               retrieval.per_head)
 
     def _layers(self, x: torch.Tensor, first: int, n: int) -> torch.Tensor:
         cfg, plan = self.model.config, self.plan
@@ -115,7 +116,7 @@ class FusedDecodeStep(FusedDecode):
         bs = c.block_size
         layers = self.retrieving_layers
         held = self.plan.host_lengths_array()[:, layers]  # [S, n, H] of the retrieving layers
-        sel = self.pages.selected_lengths[layers]  # [n, S, H]
+        sel = self.pages.selected_lengths[layers]  # [n, S, H] (per_head: [n, S, Hq])
         # one sum over every retrieving layer (a per-layer loop of small numpy / torch ops was ~1 ms of a step)
         reads.scored(int(((held + bs - 1) // bs).sum()) * c.summaries.bytes_per_block)
         reads.read(int(((sel + bs - 1) // bs).sum()) * c.kv_block_bytes)
@@ -137,9 +138,8 @@ def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: Pa
             and cache.v_pool.dtype == cache.k_pool.dtype and cache.k_pool.is_contiguous()
             and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= kernels._MAX_GROUP):
         return None
-    if retrieval is not None and (formats is not None or need_scores or cache.summaries is None
-                                  or retrieval.per_head):
-        return None  # page retrieval runs fused over plain pools, per kv-head, without per-key attention mass
+    if retrieval is not None and (formats is not None or need_scores or cache.summaries is None):
+        return None  # page retrieval runs fused over plain pools, without per-key attention mass
     weights = layer_weights(model)
     if weights is None:
         return None

@@ -537,28 +537,30 @@ class PageSelect(ctypes.Structure):
     _fields_ = [("summary", ctypes.c_void_p), ("pages", ctypes.c_void_p), ("sel_tables", ctypes.c_void_p),
                 ("sel_lengths", ctypes.c_void_p), ("bounds", ctypes.c_void_p), ("chosen", ctypes.c_void_p),
                 ("U", ctypes.c_int64), ("MB", ctypes.c_int64), ("T", ctypes.c_int64), ("chunk", ctypes.c_int64),
-                ("scores", ctypes.c_void_p), ("partials", ctypes.c_void_p)]
+                ("scores", ctypes.c_void_p), ("partials", ctypes.c_void_p), ("per_head", ctypes.c_int64)]
 
     @classmethod
     def of(cls, summary: torch.Tensor, pages: list[int], M: int, H: int, G: int, D: int, MB: int, bs: int,
-           threads: int) -> "PageSelect":
+           threads: int, per_head: bool = False) -> "PageSelect":
         """Buffers for a step of M sequences whose tables span MB blocks; pages[l] top blocks per query head in
-        layer l (0: dense). The attention over a selection splits U * bs slots as _DecodeBuffers would."""
+        layer l (0: dense). The attention over a selection splits U * bs slots as _DecodeBuffers would, over M * H
+        tables of G query heads (the union), or M * H * G tables of one (per_head: each query head's own blocks)."""
         assert summary.dtype == torch.float16 and summary.is_contiguous()
         L = len(pages)
-        U = max(1, min(G * max(pages), MB))
-        chunks_per_table = -(-ITEMS_PER_THREAD * threads // (M * H))
+        tables, group = (H * G, 1) if per_head else (H, G)
+        U = max(1, min((1 if per_head else G) * max(pages), MB))
+        chunks_per_table = -(-ITEMS_PER_THREAD * threads // (M * tables))
         chunk = max(16, -(-U * bs // chunks_per_table))
         chunk = -(-chunk // 16) * 16
         T = -(-U * bs // chunk) * chunk
         keep = dict(summary=summary, pages=torch.tensor(pages, dtype=torch.int32),
-                    sel_tables=torch.zeros(M, H, U, dtype=torch.int32),
-                    sel_lengths=torch.zeros(L, M, H, dtype=torch.int64),
+                    sel_tables=torch.zeros(M, tables, U, dtype=torch.int32),
+                    sel_lengths=torch.zeros(L, M, tables, dtype=torch.int64),
                     bounds=torch.empty(M, H, 2 * G, MB, dtype=torch.float32),
                     chosen=torch.empty(M, H, G, MB, dtype=torch.uint8),
-                    scores=torch.empty(M, H, G, T, dtype=torch.float32),
-                    partials=torch.empty(M, H, T // chunk, G, D + 2, dtype=torch.float32))
-        ps = cls(**{k: t.data_ptr() for k, t in keep.items()}, U=U, MB=MB, T=T, chunk=chunk)
+                    scores=torch.empty(M, tables, group, T, dtype=torch.float32),
+                    partials=torch.empty(M, tables, T // chunk, group, D + 2, dtype=torch.float32))
+        ps = cls(**{k: t.data_ptr() for k, t in keep.items()}, U=U, MB=MB, T=T, chunk=chunk, per_head=int(per_head))
         ps._keep = keep
         return ps
 
@@ -575,21 +577,22 @@ class PageSelect(ctypes.Structure):
 
 
 def select_pages_c(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-                   block_size: int, pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   block_size: int, pages: int, per_head: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The fused step's page selection (csrc/page_select.c) run alone, on one thread: the same arguments and result
     as page_retrieval.select_pages (q [S, Hq, D] fp32, summary [N, 2, D], tables [S, H, MB] int32, lengths [S, H]),
-    for tests; None when the kernels are unavailable."""
+    or with per_head as select_pages_per_head ([S, Hq, k] tables); for tests; None when the kernels are
+    unavailable."""
     lib = load_kernel()
     if lib is None:
         return None
     S, Hq, D = q.shape
     H, MB = tables.shape[1], tables.shape[2]
     G = Hq // H
-    ps = PageSelect.of(summary.contiguous(), [pages], S, H, G, D, MB, block_size, 1)
+    ps = PageSelect.of(summary.contiguous(), [pages], S, H, G, D, MB, block_size, 1, per_head)
     qc = q.float().contiguous()
     tab = tables.to(torch.int32).contiguous()
     lens = lengths.to(torch.int64).contiguous()
-    sel_len = torch.zeros(S, H, dtype=torch.int64)
+    sel_len = torch.zeros(S, Hq if per_head else H, dtype=torch.int64)
     lib.page_select_team(qc.data_ptr(), Hq * D, ctypes.addressof(ps), tab.data_ptr(), H * MB, MB, 1, lens.data_ptr(), H,
                          1, S, H, G, D, block_size, pages, sel_len.data_ptr())
     return ps._keep["sel_tables"].clone(), sel_len

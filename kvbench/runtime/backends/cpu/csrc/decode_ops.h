@@ -213,14 +213,15 @@ void codec_decode_attention_team(
 typedef struct {
     uint16_t *summary;  /* [N, 2, D] fp16 per block: min, max of its keys, rounded outward (updated as written) */
     const int32_t *pages;  /* [L] top blocks per query head of each layer (0: the layer reads every block) */
-    int32_t *sel_tables;  /* [M, H, U] the compacted tables the attention reads */
-    int64_t *sel_lengths;  /* [L, M, H] tokens each selection holds (out) */
+    int32_t *sel_tables;  /* [M, H, U] the compacted tables the attention reads ([M, H * G, U] per_head) */
+    int64_t *sel_lengths;  /* [L, M, H] tokens each selection holds (out; [L, M, H * G] per_head) */
     float *bounds;  /* [M, H, 2 G, MB] scratch: each query head's bounds, then a selection scratch per head */
     uint8_t *chosen;  /* [M, H, G, MB] scratch: each query head's top blocks */
     int64_t U, MB;  /* columns of sel_tables; table columns in use */
     int64_t T;  /* slots the attention's work split covers over a selection (a multiple of chunk) */
     int64_t chunk;
     float *scores, *partials;  /* the attention's scratch for that split */
+    int64_t per_head;  /* 1: each query head attends over its own blocks (one table per query head), 0: the union */
 } page_select;
 /* fold key k (D floats) written at flat pool row `row` into its block's summary (slot 0 starts it afresh) */
 void page_summary_update(uint16_t *summary, const float *k, int64_t row, int bs, int D);

@@ -3,7 +3,8 @@
  *
  *   bound[m, kh, g, j] = sum_d max(q_d * kmin[j, d], q_d * kmax[j, d])     per block j of table (m, kh), query head g
  *   each query head's top `pages` blocks (of the blocks the table holds), united per kv-head, compacted in table
- *   order into sel_tables[m, kh, :] with the tokens they hold in sel_lengths[m, kh]
+ *   order into sel_tables[m, kh, :] with the tokens they hold in sel_lengths[m, kh]; with ps->per_head (the
+ *   official rule, select_pages_per_head) each query head's own blocks into sel_tables[m, kh * G + g, :]
  *
  * Called by every thread of decode_layers_f32's region: three work-shared loops (bounds; per query head, its top blocks;
  * per table, their union), each ending at team_end's barrier.
@@ -193,16 +194,19 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
                    chosen);
     }
     team_end();
-    /* 3. per table: the union of its query heads' blocks, compacted in table order */
+    /* 3. per table: the union of its query heads' blocks, compacted in table order (per_head: per query head, its
+     * own blocks, into table r * G + g) */
+    const int64_t outs = ps->per_head ? rows * G : rows;
 #pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t m = r / H, kh = r % H;
+    for (int64_t o = 0; o < outs; o++) {
+        const int64_t r = ps->per_head ? o / G : o, m = r / H, kh = r % H;
         const int64_t len = lengths[m * len_ss + kh * len_sh], nb = (len + bs - 1) / bs;
         const int32_t *table = tables + m * tab_ss + kh * tab_sh;
-        uint8_t *chosen = ps->chosen + r * G * MB;  /* query head 0's row collects the union */
-        for (int g = 1; g < G; g++)
-            for (int64_t j = 0; j < nb; j++) chosen[j] |= chosen[g * MB + j];
-        int32_t *out = ps->sel_tables + r * U;
+        uint8_t *chosen = ps->chosen + (ps->per_head ? o : r * G) * MB;  /* union: query head 0's row collects it */
+        if (!ps->per_head)
+            for (int g = 1; g < G; g++)
+                for (int64_t j = 0; j < nb; j++) chosen[j] |= chosen[g * MB + j];
+        int32_t *out = ps->sel_tables + o * U;
         int64_t n = 0, tokens = 0;
         for (int64_t j = 0; j < nb; j++) {
             if (!chosen[j]) continue;
@@ -211,7 +215,7 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
             tokens += in_block < bs ? in_block : bs;
         }
         for (int64_t j = n; j < U; j++) out[j] = 0;  /* the scratch block, as select_pages */
-        sel_lengths[m * H + kh] = tokens;
+        sel_lengths[o] = tokens;  /* [M, H] or [M, H * G]: o = m * H + kh (* G + g) */
     }
     team_end();
 }
