@@ -81,22 +81,28 @@ def data_sha256(task: Any) -> Optional[str]:
     none. Never raises: a path that cannot be read is left to the task's preflight to refuse."""
     if not isinstance(task, dict):
         return None
+    named = [(option, task.get(option)) for option in DATA_FILE_OPTIONS]
+    parts = _digest_parts([(option, value) for option, value in named
+                           if isinstance(value, str) and value.strip() and not value.startswith("kvbench:")])
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0].split("=", 1)[1]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _digest_parts(named: list[tuple[str, str]]) -> list[str]:
+    """"option=digest" of each (option, path) whose path can be read (path_sha256 not None); the others are left
+    out (a path that cannot be read is the preflight's to refuse)."""
     parts = []
-    for option in DATA_FILE_OPTIONS:
-        value = task.get(option)
-        if not isinstance(value, str) or not value.strip() or value.startswith("kvbench:"):
-            continue
+    for option, value in named:
         try:
             digest = path_sha256(value)
         except (OSError, ValueError):
             digest = None
         if digest is not None:
             parts.append(f"{option}={digest}")
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0].split("=", 1)[1]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return parts
 
 
 def _path_options(options: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -116,12 +122,5 @@ def method_files_sha256(method: Any) -> Optional[str]:
     """One digest over the local files a method's options name (`path`, `*_path`: KVzap's surrogate folder,
     DuoAttention's patterns), or None when they name none (hub ids and missing paths add nothing). Like the data
     files, a surrogate edited at the same path is another run."""
-    parts = []
-    for option, value in _path_options(method):
-        try:
-            digest = path_sha256(value)
-        except (OSError, ValueError):
-            digest = None
-        if digest is not None:
-            parts.append(f"{option}={digest}")
+    parts = _digest_parts(_path_options(method))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest() if parts else None

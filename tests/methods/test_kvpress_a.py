@@ -14,35 +14,15 @@ from kvbench.methods import METHODS, build_method
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
+from tests.fixtures.press_fixtures import PROMPT_TOKENS, hf, hf_out, ids, scoring_hf_model as _hf  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_snapkv_official import official_keep
-from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model
 
-T, BUDGET = 230, 120
+T, BUDGET = PROMPT_TOKENS, 120  # T: the prompt of the shared ids fixture
 NAMES = ["random", "knorm", "tova", "expected_attention", "lagkv", "pyramidkv"]
 
 
 one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
-
-
-def _hf(num_layers: int):
-    return tiny_hf_model(layers=num_layers, vocab=256, max_positions=2048, eager=True, **DISTINCT_SCORES)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return _hf(2)
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(scope="module")
-def hf_out(hf, ids):
-    with torch.no_grad():
-        return hf(ids[None], use_cache=True, output_attentions=True, output_hidden_states=True)
 
 
 def kept_after_prefill(hf, ids, method, chunk: int, block_size: int = 16):

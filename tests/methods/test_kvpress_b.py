@@ -16,27 +16,15 @@ from kvbench.methods.selection import top_tokens_in_layer
 from kvbench.methods.kvzip import FIRST_PROMPT
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
+from tests.fixtures.byte_model_fixtures import VOCAB, hf, model  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_hf_model
 
 BS = 8
 CHUNK = 32
-VOCAB = 320  # tiny_models.tiny_config's default
 
 
 one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model("llama", seed=3)
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    m = build_from_transformers(hf)
-    m.tokenizer = ByteTokenizer(VOCAB)
-    return m
 
 
 @pytest.fixture(scope="module")

@@ -16,29 +16,14 @@ from kvbench.methods.chunkkv import chunk_keep
 from kvbench.methods.compactor import compactor_scores
 from kvbench.methods.cur import cur_scores
 from kvbench.runtime.contract import rotate_half
+from tests.fixtures.press_fixtures import PROMPT_TOKENS, hf, hf_out, ids  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_kvpress_a import kept_after_prefill, layer_kv, top_sets
-from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model, tiny_model
+from tests.tiny_models import tiny_model
 
-T, BUDGET = 230, 120
+T, BUDGET = PROMPT_TOKENS, 120  # T: the prompt of the shared ids fixture
 
 one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model(layers=2, vocab=256, max_positions=2048, eager=True, **DISTINCT_SCORES)
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(scope="module")
-def hf_out(hf, ids):
-    with torch.no_grad():
-        return hf(ids[None], use_cache=True, output_attentions=True, output_hidden_states=True)
 
 
 # ------------------------------------------------------------------------ kvpress's presses, batched [B, H, S, D]

@@ -15,30 +15,15 @@ from kvbench.runtime.cache.pruned_key_cache import PrunedKeyKVCache
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.scoring import Scorer
+from tests.fixtures.press_fixtures import PROMPT_TOKENS, hf, hf_out, ids  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_kvpress_a import top_sets
 from tests.methods.test_kvpress_c import model_states, ref_snapkv
-from tests.tiny_models import DISTINCT_SCORES, tiny_hf_model, tiny_model
+from tests.tiny_models import tiny_model
 
-T = 230
+T = PROMPT_TOKENS  # the prompt of the shared ids fixture
 
 one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model(layers=2, vocab=256, max_positions=2048, eager=True, **DISTINCT_SCORES)
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(scope="module")
-def hf_out(hf, ids):
-    with torch.no_grad():
-        return hf(ids[None], use_cache=True, output_attentions=True, output_hidden_states=True)
 
 
 # ------------------------------------------------------------------------ kvpress's ThinKPress.compress, batched

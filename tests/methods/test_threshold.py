@@ -14,14 +14,13 @@ from kvbench.methods import build_method
 from kvbench.methods.kvzap import KVzapSurrogate, hub_id, load_surrogate
 from kvbench.methods.kvzip import FIRST_PROMPT
 from kvbench.methods import kvzap_train
-from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
+from tests.fixtures.byte_model_fixtures import VOCAB, hf, model  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
-from tests.tiny_models import ByteTokenizer, tiny_hf_model
+from tests.tiny_models import ByteTokenizer
 
 BS = 8
 CHUNK = 32
-VOCAB = 320
 
 one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 
@@ -29,18 +28,6 @@ one_thread = pytest.fixture(scope="module", autouse=True)(_one_thread)
 class DecodingByteTokenizer(ByteTokenizer):
     def decode(self, ids):
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="ignore")
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model("llama", seed=3)
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    m = build_from_transformers(hf)
-    m.tokenizer = ByteTokenizer(VOCAB)
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +83,19 @@ def kept_positions(engine, slot):
     lengths = engine.cache.lengths[slot]
     return [[sorted(engine.cache.positions[slot, li, h, : int(lengths[li, h])].tolist())
              for h in range(lengths.shape[1])] for li in range(lengths.shape[0])]
+
+
+def positions_at_end(engine, method) -> dict:
+    """Wrap method.on_sequence_end: the returned dict gets, under "pos", kept_positions of the sequence as it ends."""
+    kept = {}
+    orig_end = method.on_sequence_end
+
+    def on_end(slot):
+        kept["pos"] = kept_positions(engine, slot)
+        orig_end(slot)
+
+    method.on_sequence_end = on_end
+    return kept
 
 
 def prefill(model, method, ids, chunk=CHUNK):
@@ -181,14 +181,7 @@ def test_dms_over_kvzap_keeps_kvpress_dms_sets(model, prompts, linear_path, deco
 
     inner.observe = observe
     engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=4096)
-    kept = {}
-    orig_end = method.on_sequence_end
-
-    def on_end(slot):
-        kept["pos"] = kept_positions(engine, slot)
-        orig_end(slot)
-
-    method.on_sequence_end = on_end
+    kept = positions_at_end(engine, method)
     gen = engine.generate([ids], max_new_tokens=new)[0]
     L, H = engine.cache.num_layers, engine.cache.num_kv_heads
     total = len(ids) + len(gen.token_ids) - 1
@@ -259,14 +252,7 @@ def test_dms_keeps_an_uncompressed_question(model, prompts):
     ids, tail = prompts[0], 20
     method = build_method("dms", None, base="knorm", threshold=1e9, sliding_window_size=4, decode="evict")
     engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=4096)
-    kept = {}
-    orig_end = method.on_sequence_end
-
-    def on_end(slot):
-        kept["pos"] = kept_positions(engine, slot)
-        orig_end(slot)
-
-    method.on_sequence_end = on_end
+    kept = positions_at_end(engine, method)
     engine.generate([ids], max_new_tokens=10, uncompressed_tails=[tail])
     question = set(range(len(ids) - tail, len(ids)))
     for row in kept["pos"]:
@@ -276,19 +262,25 @@ def test_dms_keeps_an_uncompressed_question(model, prompts):
 
 
 # ---------------------------------------------------------------------------- KVzip+
+def eager_attentions(hf, ids):
+    """transformers' attention probabilities of a full forward over ids ([L][1, Hq, N, N]), run eagerly (the SDPA
+    path returns none); hf's attention implementation is restored after."""
+    before = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return hf(torch.tensor([ids]), output_attentions=True).attentions
+    finally:
+        hf.set_attn_implementation(before)
+
+
 def kvzip_plus_reference(hf, ctx):
     """kvpress KVzipPress(kvzip_plus_normalization=True), one chunk, no prefix: attention of the reconstruction
     queries / ||h_query|| x ||W_o,head v_key||, maxed over the queries and each kv-head's query heads -> [L, H, n]."""
     tok = ByteTokenizer(VOCAB)
     ids = ctx + tok.encode(FIRST_PROMPT) + tok.encode("\n") + ctx
     hidden = hf_attention_inputs(hf, ids)
-    before = hf.config._attn_implementation
-    hf.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            att = hf(torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        hf.set_attn_implementation(before)
+    att = eager_attentions(hf, ids)
     n, H = len(ctx), hf.config.num_key_value_heads
     Hq = hf.config.num_attention_heads
     G, D = Hq // H, hf.config.head_dim
@@ -339,13 +331,7 @@ def test_collector_targets_are_kvzap_data_kvzip_plus(model, hf, prompts):
 
 def kvzip_plus_reference_ids(hf, ids, ps, pe, rs, re):
     hidden = hf_attention_inputs(hf, ids)
-    before = hf.config._attn_implementation
-    hf.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            att = hf(torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        hf.set_attn_implementation(before)
+    att = eager_attentions(hf, ids)
     H, Hq, D = hf.config.num_key_value_heads, hf.config.num_attention_heads, hf.config.head_dim
     G, N = Hq // H, len(ids)
     out = []

@@ -93,10 +93,10 @@ static inline int32_t count_at_least(const uint32_t *key, int64_t n, uint32_t t)
 }
 
 /* Mark in chosen[0..n-1] the k largest of b[0..n-1] (1 <= k < n), ties at the k-th value taken lowest index first
- * (as select_pages' torch.topk over bounds the tests compare). The k-th largest is found by bisecting its order key
- * (key[] scratch, n entries): each probe counts the keys at or above a value, a vectorized pass, and the search
- * stops as soon as a probe counts exactly k. A quickselect over the floats (about 5 us per 1,024 on the dev VM,
- * mispredicted branches) cost as much as computing the bounds. */
+ * (tests/methods/test_quest.py compares a brute-force top-k). The k-th largest is found by bisecting its order key
+ * (key[] scratch, n entries): each probe counts the keys at or above a value, a vectorized pass without branches,
+ * and the search stops as soon as a probe counts exactly k (a quickselect's data-dependent branches mispredict on
+ * bounds like these). */
 static void mark_top_k(const float *b, int64_t n, int64_t k, uint32_t *key, uint8_t *chosen) {
     uint32_t lo = UINT32_MAX, hi = 0;
     for (int64_t j = 0; j < n; j++) {
