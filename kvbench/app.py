@@ -48,6 +48,7 @@ from kvbench.store.folder import METRICS_FILE, IndexNotWritten, RunFolder, compl
 from kvbench.store.naming import config_hash, experiment_key
 from kvbench.summary import format_summary
 from kvbench.tasks import make_progress
+from kvbench.tasks._generation import kept_stats
 from kvbench.wandb_logger import WandbLogger
 import kvbench
 
@@ -410,6 +411,8 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
             record["budget_reached"] = longest > budget
     except Exception as exc:  # pragma: no cover
         record["memory_stats_error"] = f"{type(exc).__name__}: {exc}"
+    if record.get("kv_kept_fraction") is None:  # every task: what a threshold method kept is its compression
+        record.update({k: v for k, v in kept_stats(engine).items() if v is not None})
     record["num_samples"] = len(samples)
     parallel_run.merge_rank_figures(record, result.perf or {}, len(samples), layout)  # a launch: over its ranks
     return samples
