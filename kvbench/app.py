@@ -399,7 +399,7 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
                     "summary_read_bytes_per_token"):
             record[key] = mem.get(key)
         for key in ("full_layers", "sliding_layers", "full_kv_bytes_full_layers", "full_kv_bytes_sliding_layers",
-                    "peak_kv_bytes_full_layers", "peak_kv_bytes_sliding_layers"):  # a model with sliding layers
+                    "peak_kv_bytes_full_layers", "peak_kv_bytes_sliding_layers", "full_peak_kv_bytes"):  # sliding layers
             if key in mem:
                 record[key] = mem[key]
         spec = getattr(engine, "speculator", None)
