@@ -36,7 +36,7 @@ from kvbench.errors import UserError
 from kvbench.reporting import claims, plots, stats
 from kvbench.reporting.pair import change_interval
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
-from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, varying_keys
+from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, setting_sort_key, varying_keys
 from kvbench.store.files import atomic_write_text
 from kvbench.store.runs import corrupt_runs, load_runs, samples_of
 from kvbench.store.table import runs_frame
@@ -129,7 +129,7 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
                "commit"]
     rows, matched = [], []
     paper_metric = (paper or {}).get("metric")
-    for run in sorted(runs, key=lambda r: setting_of(r, keys)):
+    for run in sorted(runs, key=lambda r: setting_sort_key(r, keys)):
         m = run["metrics"]
         metric = metric_for(run, paper)
         ours = m.get(metric) if metric else None
