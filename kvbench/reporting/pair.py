@@ -141,8 +141,9 @@ def pair_verdict(run_a: dict, run_b: dict, metric: Optional[str] = None,
     got = change_interval(metric, run_a, run_b)
     if got is None:
         out["verdict"] = "inconclusive"
-        out["why"] = "no per-sample records to draw an interval from" if not (sa and sb) else \
-            "the per-sample records do not recompute the metric"
+        n = stats.sample_count(metric, sb) if sa and sb else 0
+        out["why"] = ("no per-sample records to draw an interval from" if not (sa and sb) else
+                      f"{n} item: no interval" if n < 2 else "the per-sample records do not recompute the metric")
         return out
     lo, hi = got
     out.update(interval=[lo, hi], items=stats.sample_count(metric, sb), unit=stats.sample_unit(metric, sb))

@@ -120,3 +120,14 @@ def _ppl_run(folder, method: str, nll: float) -> str:
     s = fx.ppl_samples([nll, nll + 0.1], tokens=512, windows=8, spread=0.2)
     ppl = fx.ppl_of(s)
     return fx.write_run(str(folder), cfg, {"ppl": ppl, "nll": math.log(ppl)}, s)["run_dir"]
+
+
+def test_one_item_or_no_samples_is_inconclusive_never_a_verdict(tmp_path):
+    a = ruler_run(tmp_path, "snapkv", 0.5, [1.0])
+    b = ruler_run(tmp_path, "expected_attention", 0.5, [1.0])
+    proc = run_cli("--pair", a, b)
+    assert proc.returncode == 3 and "inconclusive (1 item: no interval)" in proc.stdout
+    for run_dir in (a, b):
+        (tmp_path / run_dir.split("/")[-1] / "samples.jsonl").unlink()
+    proc = run_cli("--pair", a, b)
+    assert proc.returncode == 3 and "no per-sample records" in proc.stdout
