@@ -6,14 +6,17 @@ Each figure is timed here, in fresh folders, and printed as one JSON line (date,
   compile_s        the CPU kernels compiled into a fresh KVBENCH_CACHE_DIR
   first_runs       each command of README.md's "First runs" block, as written (a fresh results folder; the
                    converted model and kernels warm), with its wall time and whether it finished within --limit;
-                   a command marked "GPU-sized" or needing the network (model=hf) is listed, not run
+                   its estimate (what its runs' first lines said: the first run's process age at its line plus
+                   each run's estimate_s) and ratio = actual / estimate, within_2x when 0.5 <= ratio <= 2; with
+                   --competing beside one busy process; a command marked "GPU-sized" or needing the network
+                   (model=hf) is listed, not run
   install_s        (--install only) `make install` into a fresh virtualenv, with the pip cache as it is
   kvzap_train_s    (--only kvzap_train) the packaged model's KVzap surrogates trained into a fresh cache (the first
                    kvzap run's training, kvbench-train-kvzap; the model converted there first, untimed)
 With --write the convert, compile and kvzap_train figures go to kvbench/runtime/measured_times.json, which the first-run
 messages quote ("about N s here, measured DATE"), so no time in a message is typed by hand.
 
-    python bench/first_hour.py [--only convert,compile,first_runs,install] [--limit 600] [--write]
+    python bench/first_hour.py [--only convert,compile,first_runs,install] [--limit 600] [--competing] [--write]
 """
 from __future__ import annotations
 
@@ -94,7 +97,7 @@ def readme_first_runs() -> list[str]:
     return [line for line in block.splitlines() if line.strip().startswith("python -m kvbench")]
 
 
-def first_runs(tmp: str, limit: float) -> list:
+def first_runs(tmp: str, limit: float, competing: bool = False) -> list:
     out = []
     with open(os.path.join(tmp, "my.txt"), "w") as f:  # the text file the README's example names
         f.write((REPO / "README.md").read_text() * 4)
@@ -108,9 +111,28 @@ def first_runs(tmp: str, limit: float) -> list:
         env = dict(os.environ, WANDB_MODE="disabled")
         env["PYTHONPATH"] = str(REPO / "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         seconds, rc = _timed([sys.executable, "-m", "kvbench", *args], env, tmp, limit + 60)
+        estimated = command_estimate(os.path.join(tmp, f"results{i}"))
+        ratio = round(seconds / estimated, 2) if estimated else None
         out.append(emit("first_run", command=command, seconds=round(seconds, 1), rc=rc, ran=True,
-                        within_limit=rc == 0 and seconds <= limit))
+                        within_limit=rc == 0 and seconds <= limit, estimate_s=estimated, actual_s=round(seconds, 1),
+                        ratio=ratio, within_2x=ratio is not None and 0.5 <= ratio <= 2.0, competing=competing))
     return out
+
+
+def command_estimate(results_dir: str) -> float | None:
+    """What the command's first lines promised, from its runs' metrics.json: the first run's process age at its
+    line (announced_after_s: measured, the interpreter's start and imports) plus every run's estimate from its
+    line to its end (estimate_s, printed at that run's start); None when a run printed none."""
+    records = []
+    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
+        path = os.path.join(results_dir, name, "metrics.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                records.append(json.load(f))
+    if not records or any(not isinstance(r.get("estimate_s"), (int, float)) for r in records):
+        return None
+    first = min(records, key=lambda r: str(r.get("started_at") or ""))
+    return round(float(first.get("announced_after_s") or 0.0) + sum(float(r["estimate_s"]) for r in records), 1)
 
 
 def install(tmp: str, timeout: float) -> dict:
@@ -124,6 +146,8 @@ def main() -> None:
     ap.add_argument("--only", default="convert,compile,first_runs",
                     help="figures to measure (also: install, kvzap_train)")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds a first-run command may take")
+    ap.add_argument("--competing", action="store_true",
+                    help="run the first-run commands beside one competing busy process (a spinning Python loop)")
     ap.add_argument("--write", action="store_true", help="store convert/compile/kvzap_train in " + str(MEASURED))
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -134,7 +158,13 @@ def main() -> None:
         if "compile" in only:
             measured["compile"] = compile_kernels(tmp, 1800)
         if "first_runs" in only:
-            first_runs(tmp, args.limit)
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.competing else None
+            try:
+                first_runs(tmp, args.limit, args.competing)
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait()
         if "install" in only:
             install(tmp, 3600)
         if "kvzap_train" in only:

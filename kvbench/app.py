@@ -36,7 +36,7 @@ from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
 from kvbench.data.hub import revisions_read as hub_revisions_read
 from kvbench.errors import Terminated, UserError
 from kvbench.engines import build_engine, build_run_codec, build_speculator
-from kvbench.estimate import measured_speed, plan_line, record_speed
+from kvbench.estimate import estimate_seconds, measured_speed, plan_line, process_age_s, record_speed
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.model.loading import load_model
@@ -48,6 +48,7 @@ from kvbench.store.folder import METRICS_FILE, IndexNotWritten, RunFolder, compl
 from kvbench.store.naming import config_hash, experiment_key
 from kvbench.summary import format_summary
 from kvbench.tasks import make_progress
+from kvbench.tasks._generation import kept_stats
 from kvbench.wandb_logger import WandbLogger
 import kvbench
 
@@ -258,11 +259,17 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
                          group=s.experiment)
     samples: list = []
     usage_error: Optional[UserError] = None
+    workload = None
     try:
+        workload = _announce(plan, record, load_model_fn)  # first: the estimate covers the logger and the load
+        started = time.perf_counter()
         logger.start()
+        record["logger_start_s"] = round(time.perf_counter() - started, 3)
         record["wandb_mode"] = logger.mode if logger.run is not None else None
-        _announce(plan)
+        record["model_cached"] = load_model_fn is None and _model_key(s.model, plan.device) in _loaded_model
+        started = time.perf_counter()
         loaded, engine = _load(plan, load_model_fn, engine_cls, record, layout)  # 3. load
+        record["load_s"] = round(time.perf_counter() - started, 3)
         samples = _execute(plan, folder.path, loaded, engine, record, layout)  # 4. execute
         record["status"] = "ok"
     except UserError as exc:
@@ -284,8 +291,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
             pass
     # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
-    if load_model_fn is None and layout is None:  # the real model in one process: its rates make the next estimate
-        record_speed(record)
+    if load_model_fn is None and layout is None:  # the real model in one process: its figures make the next estimate
+        record_speed(record, s.runtime.threads, workload)
     if usage_error is not None:
         raise usage_error
     if record["status"] != "ok" and print_summary:
@@ -293,16 +300,24 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     return record
 
 
-def _announce(plan: RunPlan) -> None:
-    """Before the model loads: what the run will compute and about how long that takes here (kvbench.estimate)."""
+def _announce(plan: RunPlan, record: dict, load_model_fn: Optional[Callable]) -> Any:
+    """Before the logger starts and the model loads: what the run will compute and about how long the run takes
+    here (kvbench.estimate); the estimate (estimate_s) and the process's age at the line (announced_after_s) go to
+    the record, for bench/first_hour.py to set against the time taken. Returns the workload (or None)."""
     s = plan.settings
     try:
         workload = plan.task.workload(s) if callable(getattr(plan.task, "workload", None)) else None
     except Exception:  # pragma: no cover  (the estimate is a courtesy; the run goes on)
         workload = None
     if workload is not None:
-        say(plan_line(s.task_name, workload, measured_speed(s.model.name, s.model.dtype, plan.device)),
-            stream=sys.stdout)
+        speed = measured_speed(s.model.name, s.model.dtype, plan.device, s.runtime.threads)
+        held = load_model_fn is None and _model_key(s.model, plan.device) in _loaded_model
+        say(plan_line(s.task_name, workload, speed, held), stream=sys.stdout)
+        seconds = estimate_seconds(workload, speed, held, s.task_name)
+        record["estimate_s"] = None if seconds is None else round(seconds, 2)
+        age = process_age_s()
+        record["announced_after_s"] = None if age is None else round(age, 2)
+    return workload
 
 
 # =========================================================================== 3. load
@@ -318,13 +333,19 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _model_key(m: Any, device: str) -> tuple:
+    """The key of a loaded model in _loaded_model: its path and load arguments."""
+    args = dict(gguf_file=m.gguf_file, dtype=m.dtype, device=device, cache_dir=m.cache_dir)
+    return (m.path, tuple(sorted(args.items())))
+
+
 def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional[Callable]) -> Any:
     """Load the model; the real loader's last model is kept, so a sweep over methods and budgets loads it once."""
     m = settings.model
     args = dict(gguf_file=m.gguf_file, dtype=m.dtype, device=device, cache_dir=m.cache_dir)
     if load_model_fn is not None:
         return load_model_fn(m.path, **args)
-    key = (m.path, tuple(sorted(args.items())))
+    key = _model_key(m, device)
     if key not in _loaded_model:
         _loaded_model.clear()  # at most one model in memory
         _loaded_model[key] = load_model(m.path, **args)
@@ -398,7 +419,7 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
                     "summary_read_bytes_per_token"):
             record[key] = mem.get(key)
         for key in ("full_layers", "sliding_layers", "full_kv_bytes_full_layers", "full_kv_bytes_sliding_layers",
-                    "peak_kv_bytes_full_layers", "peak_kv_bytes_sliding_layers"):  # a model with sliding layers
+                    "peak_kv_bytes_full_layers", "peak_kv_bytes_sliding_layers", "full_peak_kv_bytes"):  # sliding layers
             if key in mem:
                 record[key] = mem[key]
         spec = getattr(engine, "speculator", None)
@@ -410,6 +431,8 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
             record["budget_reached"] = longest > budget
     except Exception as exc:  # pragma: no cover
         record["memory_stats_error"] = f"{type(exc).__name__}: {exc}"
+    if record.get("kv_kept_fraction") is None:  # every task: what a threshold method kept is its compression
+        record.update({k: v for k, v in kept_stats(engine).items() if v is not None})
     record["num_samples"] = len(samples)
     parallel_run.merge_rank_figures(record, result.perf or {}, len(samples), layout)  # a launch: over its ranks
     return samples

@@ -3,6 +3,13 @@
     kvbench-compare results_main results_pr                            # two results folders
     kvbench-compare results --base-commit 1a2b3c --new-commit 4d5e6f   # two commits logged in one folder
     kvbench-compare BASE NEW --json verdict.json --gate-speed --max-slowdown 0.3
+    kvbench-compare --pair RUN_A RUN_B [--metric score] [--min-effect 0.01] [--json pair.json]
+
+--pair sets two run folders against each other (any method, budget, ratio or model over the same task and data):
+"snapkv@0.5 vs expected_attention@0.5, score: -3.2 [-7.4, +1.1], inconclusive", the change A - B with its paired
+bootstrap 95% interval over the shared samples or perplexity windows (kvbench.reporting.pair). Exit 0 when the data
+resolve it (no difference, better, worse), 3 inconclusive, 1 a run failed or its score is missing/NaN, 2 runs over
+different data (one line).
 
 Runs are paired by the hash of their result-determining config without the code version
 (kvbench.reporting.runs.pair_key); runs left over are paired on the config keys both sides know (a newer version
@@ -49,6 +56,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -57,9 +65,11 @@ from kvbench.errors import UserError
 from kvbench.reporting import stats
 from kvbench.reporting.escape import markdown_text as _escape
 from kvbench.reporting.judge import judge_score, one_verdict
+from kvbench.reporting.pair import NotPaired, pair_verdict, verdict_line
 from kvbench.reporting.runs import describe, pair_key, result_keys, setting_of, varying_keys
 from kvbench.store.files import write_json
-from kvbench.store.runs import corrupt_runs, load_runs, samples_of
+from kvbench.store.files import read_json
+from kvbench.store.runs import corrupt_runs, load_runs, make_run, samples_of
 
 DEFAULT_REL_TOL = 1e-4
 DEFAULT_MAX_SLOWDOWN = 0.5
@@ -488,7 +498,49 @@ def _check_limits(args: argparse.Namespace) -> None:
                         f"({args.rel_tol:g}): a smaller effect than float noise can never be resolved")
 
 
+def load_run_folder(path: str, name: str) -> dict:
+    """One run folder (its metrics.json and config.yaml) as a run record; one-line UserError when it is not one."""
+    if not os.path.isdir(path):
+        raise UserError(f"no run folder {path!r} ({name})")
+    metrics = read_json(os.path.join(path, "metrics.json"))
+    if metrics is None or not metrics.get("run_id"):
+        raise UserError(f"{path!r} ({name}) is not a run folder: no readable metrics.json (give a run's folder, "
+                        "e.g. results/<run_id>)")
+    return make_run(os.path.dirname(os.path.abspath(path)), metrics, run_dir=path)
+
+
+def pair_main(argv: list[str]) -> int:
+    """kvbench-compare --pair RUN_A RUN_B: the paired verdict of two runs (module docstring)."""
+    p = argparse.ArgumentParser(prog="kvbench-compare --pair",
+                                description="A paired verdict of run A against run B over their shared samples.")
+    p.add_argument("--pair", nargs=2, metavar=("RUN_A", "RUN_B"), required=True, help="two run folders")
+    p.add_argument("--metric", help="the score to compare (default: the task's headline metric)")
+    p.add_argument("--min-effect", type=float, default=DEFAULT_MIN_EFFECT,
+                   help=f"the smallest relative change worth telling from none (default {DEFAULT_MIN_EFFECT:g})")
+    p.add_argument("--json", metavar="PATH", help="write the verdict as JSON")
+    args = p.parse_args(argv)
+    if not math.isfinite(args.min_effect) or args.min_effect < 0:
+        raise UserError(f"invalid --min-effect={args.min_effect!r}: expected a number >= 0")
+    run_a, run_b = (load_run_folder(path, name) for path, name in zip(args.pair, ("RUN_A", "RUN_B")))
+    if args.metric is not None and not stats.is_score(args.metric):
+        raise UserError(f"--metric {args.metric!r} is not a score: choices are the scores the runs recorded ("
+                        + ", ".join(k for k in run_a["metrics"] if stats.is_score(k)) + ")")
+    try:
+        verdict = pair_verdict(run_a, run_b, args.metric, args.min_effect)
+    except NotPaired as exc:
+        raise UserError(f"kvbench-compare --pair: {exc}") from None
+    print(verdict_line(verdict))
+    if args.json:
+        write_json(args.json, verdict)
+    if verdict["verdict"] == "missing":
+        return EXIT_REGRESSION
+    return EXIT_INCONCLUSIVE if verdict["verdict"] == "inconclusive" else EXIT_PASS
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--pair" in argv:
+        return pair_main(argv)
     args = parse_args(argv)
     new_folder = args.new or args.base
     if args.new is None and not (args.base_commit and args.new_commit):

@@ -12,7 +12,8 @@ For each experiment (the `experiment` key of the runs; runs without one are grou
   reproduced when any claim is refuted, reproduced only when every claim is, else inconclusive, with the scale
   (model) and the samples per run beside it;
 - per task, a table with one row per run: the setting, the paper row it matches, the model and dtype, our value
-  and its change against the `full` run of the same model, task and runtime settings, and, only on the paper's
+  and its change against the `full` run of the same model, task and runtime settings (with the paired bootstrap
+  95% interval of the change over the samples both scored, kvbench.reporting.pair), and, only on the paper's
   model and data and in its metric, the published one and the difference; peak KV memory and its change against
   `full`, speed, a link to the run folder (only to folders inside the results folder, by relative path), the
   versions and the git commit (columns empty for every run are left out);
@@ -33,8 +34,9 @@ from typing import Any, Optional
 from kvbench.console import exit_with, visible
 from kvbench.errors import UserError
 from kvbench.reporting import claims, plots, stats
+from kvbench.reporting.pair import change_interval
 from kvbench.reporting.render import Section, Table, to_html, to_markdown
-from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, varying_keys
+from kvbench.reporting.runs import describe, fmt as _fmt, pair_key, setting_of, setting_sort_key, varying_keys
 from kvbench.store.files import atomic_write_text
 from kvbench.store.runs import corrupt_runs, load_runs, samples_of
 from kvbench.store.table import runs_frame
@@ -94,6 +96,16 @@ def _change(value: Any, base: Any, percent_only: bool = False) -> str:
     return f"{value - base:+.4g}" + (f" ({pct})" if pct else "")
 
 
+def change_vs_full(metric: str, run: dict, full: Optional[dict]) -> str:
+    """The run's metric against its full run's: "+1.23 (+4.5%) [-0.8, +3.1]", the bracket the paired bootstrap 95%
+    interval of the change over the samples both scored (kvbench.reporting.pair), when they scored the same ones."""
+    if full is None:
+        return ""
+    text = _change(run["metrics"].get(metric), full["metrics"].get(metric))
+    interval = change_interval(metric, run, full) if text else None
+    return text + (f" [{interval[0]:+.3g}, {interval[1]:+.3g}]" if interval else "")
+
+
 def full_run_of(run: dict, runs: list[dict]) -> Optional[dict]:
     """The `full` run (no eviction, no codec, finished well) with the run's model, task, runtime settings and seed:
     the baseline its change is measured against; None for a full run itself or when there is none."""
@@ -117,7 +129,7 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
                "commit"]
     rows, matched = [], []
     paper_metric = (paper or {}).get("metric")
-    for run in sorted(runs, key=lambda r: setting_of(r, keys)):
+    for run in sorted(runs, key=lambda r: setting_sort_key(r, keys)):
         m = run["metrics"]
         metric = metric_for(run, paper)
         ours = m.get(metric) if metric else None
@@ -139,7 +151,7 @@ def run_table(runs: list[dict], paper: Optional[dict], out_dir: str, title: str)
         full = full_run_of(run, runs)
         fm = full["metrics"] if full else {}
         rows.append([setting_of(run, keys), row.get("label", "") if row else "", model,
-                     metric or "", _fmt(ours), _change(ours, fm.get(metric)) if metric else "", shown, diff,
+                     metric or "", _fmt(ours), change_vs_full(metric, run, full) if metric else "", shown, diff,
                      _mib(m.get("peak_kv_bytes")), _change(m.get("peak_kv_bytes"), fm.get("peak_kv_bytes"), True),
                      _mib(m.get("kv_read_bytes_per_token")),
                      _change(m.get("kv_read_bytes_per_token"), fm.get("kv_read_bytes_per_token"), True),

@@ -5,6 +5,9 @@ import re
 import textwrap
 from typing import Any, Optional
 
+from kvbench.reporting.runs import sort_value
+from kvbench.reporting.stats import primary_metric
+
 _WIDTH = 78
 
 
@@ -48,7 +51,8 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
              "score_tasks_skipped", "output_tokens_per_s", "compression_ratio", "evicts", "kv_read_bytes_per_token",
-             "kv_read_fraction", "summary_read_bytes_per_token"}
+             "kv_read_fraction", "summary_read_bytes_per_token", "full_peak_kv_bytes", "load_s", "logger_start_s",
+             "model_cached", "estimate_s", "announced_after_s"}
 # Speculative decoding's and the pool's health figures: their own summary lines (all of them in metrics.json).
 _SPEC_KEYS = {"acceptance_rate", "mean_accepted_tokens", "draft_tokens", "accepted_tokens", "speculative_rounds",
               "speculative_plain_steps", "draft_s", "verify_s", "draft_pool_failures", "draft_peak_kv_bytes",
@@ -96,12 +100,18 @@ def saved_fraction(record: dict) -> Optional[float]:
     return max(0.0, 1.0 - held / full)
 
 
+def uncompressed_peak(record: dict) -> Optional[float]:
+    """What an uncompressed cache peaks at: full_peak_kv_bytes where the model has sliding layers (their rings'
+    in-step peak counted: kvbench.runtime.cache.kv_meter), else full_kv_bytes."""
+    return _num(record.get("full_peak_kv_bytes")) or _num(record.get("full_kv_bytes"))
+
+
 def peak_saved_fraction(record: dict) -> Optional[float]:
     """The peak saving, what a user would provision less: 1 - peak_kv_bytes (the pool's measured peak) /
-    full_kv_bytes (the most an uncompressed cache would have held for the live sequences). None without the
+    uncompressed_peak (the most an uncompressed cache would have held for the live sequences). None without the
     figures, and when forks shared blocks (the pool holds a shared block once, the uncompressed figure once per
     fork: sharing would count as saving)."""
-    peak, full = _num(record.get("peak_kv_bytes")), _num(record.get("full_kv_bytes"))
+    peak, full = _num(record.get("peak_kv_bytes")), uncompressed_peak(record)
     if peak is None or not full or _num(record.get("fork_shared_kv_bytes")):
         return None
     return 1.0 - peak / full
@@ -124,7 +134,7 @@ def memory_lines(record: dict) -> list:
     peak_saved = peak_saved_fraction(record)
     if peak is not None and peak_saved is not None:
         lines += _wrapped(f"KV peak   {_bytes(peak)}: {_percent(peak_saved)} saved at the peak (uncompressed "
-                          f"{_bytes(full)}): the memory to provision")
+                          f"{_bytes(uncompressed_peak(record))}): the memory to provision")
     elif peak is not None and shared:
         lines += _wrapped(f"KV peak   {_bytes(peak)} (no saving at the peak is given: forks shared blocks, which "
                           "the uncompressed figure counts once per fork)")
@@ -298,10 +308,20 @@ def _is_metric(key: str, value: Any) -> bool:
             and not isinstance(value, bool) and "_pos_" not in key and not key.endswith("_stderr"))
 
 
+def _headline(records: list) -> Optional[str]:
+    """The task's headline metric (its averaged `score`, `ppl`, `accuracy`, ...) of the first run that has one."""
+    for r in records:
+        name = primary_metric(r.get("task"), r)
+        if name is not None and _num(r.get(name)) is not None:
+            return name
+    return None
+
+
 def format_sweep_table(records: list) -> str:
-    """One table for a sweep's runs, after their boxes: a row per run (method, budget and any other setting that
-    differs between the runs), a column per metric (the first few the task reports, decode tok/s when measured,
-    the peak and held savings as the summary defines them) and the status."""
+    """One table for a sweep's runs, after their boxes: a row per run (method, budget, compression ratio and any
+    other setting that differs between the runs, such as a threshold), a column per metric (the task's headline
+    metric first, then the first few others the task reports, decode tok/s when measured, the peak and held
+    savings as the summary defines them) and the status. Rows by method, then the swept numbers as numbers."""
     records = [r for r in records if isinstance(r, dict)]
     if not records:
         return ""
@@ -311,29 +331,35 @@ def format_sweep_table(records: list) -> str:
     for r in records:
         by_method.setdefault((r.get("method"), r.get("quant")), []).append(r)
     # settings swept besides method and budget: those that differ between runs of one method
-    varying = [k for k in settings if k not in ("method_name", "method_budget")
+    varying = [k for k in settings if k not in ("method_name", "method_budget", "method_compression_ratio")
                and any(len({str(r.get(k)) for r in group}) > 1 for group in by_method.values())]
+    knobs = ["budget"] + (["compression_ratio"] if any(r.get("compression_ratio") is not None for r in records)
+                          else []) + varying
     metrics: list = []
+    head = _headline(records)
     for r in records:
         for k, v in r.items():
-            if _is_metric(k, v) and k not in metrics:
+            if _is_metric(k, v) and k not in metrics and k != head:
                 metrics.append(k)
+    if head is not None:
+        metrics.insert(0, head)
     shown = metrics[:_SWEEP_MAX_METRICS]
     shown += [k for k in _SWEEP_EXTRA if any(_num(r.get(k)) is not None for r in records) and k not in shown]
-    header = (["method", "budget"] + [k.split("_", 1)[1] for k in varying] + shown
+    names = {"budget": "budget", "compression_ratio": "ratio"}
+    header = (["method"] + [names.get(k) or k.split("_", 1)[1] for k in knobs] + shown
               + ["peak saved", "held saved", "status"])
-    rows = []
+    keyed = []
     for r in records:
         quant = r.get("quant")
         method = r.get("method") if quant in (None, "none", "full") else f"{r.get('method')} + {quant}"
-        rows.append([str(method), _fmt(r.get("budget"))] + [_fmt(r.get(k)) for k in varying]
-                    + [_fmt(r.get(k)) for k in shown]
-                    + [_percent(peak_saved_fraction(r)), _percent(saved_fraction(r)), str(r.get("status"))])
-    rows.sort(key=lambda row: (row[0], _sort_budget(row[1]), row[2:]))
+        row = ([str(method)] + [_fmt(r.get(k)) for k in knobs] + [_fmt(r.get(k)) for k in shown]
+               + [_percent(peak_saved_fraction(r)), _percent(saved_fraction(r)), str(r.get("status"))])
+        keyed.append(((str(method), *(sort_value(r.get(k)) for k in knobs)), row))
+    rows = [row for _, row in sorted(keyed, key=lambda kr: kr[0])]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 
     def line(cells: list) -> str:
-        return "  ".join(c.ljust(w) if i < 2 + len(varying) else c.rjust(w)
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     title = f" kvbench sweep: {len(records)} runs "
@@ -344,8 +370,3 @@ def format_sweep_table(records: list) -> str:
         out.append(f"({len(metrics) - _SWEEP_MAX_METRICS} more metrics per run in metrics.json / runs.jsonl)")
     out.append("=" * width)
     return "\n".join(out)
-
-
-def _sort_budget(text: str) -> tuple:
-    digits = text.replace(",", "")
-    return (0, int(digits)) if digits.isdigit() else (1, 0)

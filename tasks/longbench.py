@@ -38,7 +38,7 @@ from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_opt
                                        kept_stats, model_context_length, question_count, run_generation,
                                        stop_token_ids,
                                        template_and_split, wants_chat_template)
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 RESERVED_TOKENS = 692  # null max_length = model context minus this (512 new tokens + the chat template)
 DATASET_GROUPS = ("all", "en", "zh", "e")
@@ -159,6 +159,28 @@ class LongBench(Task):
 
     decodes = True  # generates through the engine's scheduler (speculative decoding can run)
     Options = LongBenchOptions
+
+    def workload(self, settings: Any) -> Optional[Workload]:
+        """`limit` samples per dataset (else, for a local task.data_dir, its rows), each at most max_length prompt
+        tokens and its dataset's official generation length; None when neither the rows nor max_length are known
+        before the data loads (hub data without a limit, max_length null)."""
+        opts = self.options
+        if opts.max_length is None:
+            return None
+        names = _dataset_names(opts.datasets)
+        if opts.limit is not None:
+            rows = {ds: opts.limit for ds in names}
+        elif opts.data_dir is not None:
+            try:
+                rows = {ds: lb.count_rows(ds, opts.data_dir) for ds in names}
+            except (OSError, ValueError):
+                return None
+        else:
+            return None
+        prompts = sum(rows.values())
+        return Workload(prompts, prompts * opts.max_length, sum(n * lb.max_new_tokens(ds) for ds, n in rows.items()),
+                        f"{len(names)} LongBench dataset(s), {prompts:,} sample(s)",
+                        "task.limit=N, task.datasets=[...], task.max_length=N", exact=False)
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
         """Before the model loads: task.data_dir holds every dataset's file, each row the run reads of LongBench's

@@ -38,12 +38,13 @@ from kvbench.spec import check_positive
 from kvbench.tasks._generation import (PerfMeter, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, decode, encode, stop_token_ids,
                                        wants_chat_template)
-from kvbench.tasks.base import Task, TaskResult, register_task
+from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 CURVE_FILE = "kv_curve.csv"
 CURVE_COLUMNS = ("id", "sample", "new_tokens", "max_table_tokens", "mean_table_tokens", "kv_bytes")
 AIME_SETS = {"2024": "aime24", "2025": "aime25"}
 MAX_NEW_TOKENS = 32768  # R-KV's longest (AIME)
+PROMPT_TOKENS_BOUND = 1024  # a bound on one problem's prompt (statement and template) for the time estimate only
 
 
 def _check_number(where: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -99,6 +100,20 @@ class ReasoningTask(Task):
 
     def score(self, prediction: str, record: dict) -> dict:
         return math_verify_score(prediction, record["answer"])
+
+    def workload(self, settings: Any) -> Optional[Workload]:
+        """`limit` problems per set x num_samples generations of at most max_new_tokens (MAX_NEW_TOKENS when
+        null: the model's positions may leave fewer), each prompt at most PROMPT_TOKENS_BOUND; None without a
+        limit (the sets' sizes are known once read)."""
+        opts = self.options
+        if opts.limit is None:
+            return None
+        sets = self.set_names()
+        prompts = opts.limit * len(sets) * opts.num_samples
+        new = opts.max_new_tokens or MAX_NEW_TOKENS
+        return Workload(prompts, prompts * PROMPT_TOKENS_BOUND, prompts * new,
+                        f"up to {opts.limit} problem(s) of {', '.join(sets)} x {opts.num_samples} sample(s)",
+                        "task.limit=N, task.max_new_tokens=N", exact=False)
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         """Before the model loads: the data is reachable and max_new_tokens fits the model's positions."""

@@ -437,6 +437,11 @@ def check_data_dir(data_dir: Any, datasets: Sequence[str], option: str = "task.d
                         f"with one file per dataset")
 
 
+def count_rows(dataset: str, data_dir: str | Path) -> int:
+    """Rows of a dataset's file in a local copy (the run's samples without a limit)."""
+    return sum(1 for _ in _read_local(dataset, data_dir))
+
+
 def _read_local(dataset: str, data_dir: str | Path) -> Iterator[dict[str, Any]]:
     root = Path(data_dir).expanduser()
     if root.is_file() and zipfile.is_zipfile(root):

@@ -5,7 +5,8 @@
 Every plot colours a run by its method (METHOD_COLORS: the same colour for a method in every plot; other settings
 by line style and marker) and uses a log axis only for data spanning more than a decade (wants_log). Callers pass
 comparable runs (same model, task and runtime settings: kvbench.report groups them).
-    pareto(runs, "ppl")               metric against peak KV bytes, the Pareto front as a line through its points only
+    pareto(runs, "ppl")               metric against held KV bytes beside metric against peak KV bytes, the Pareto
+                                      front as a line through its points only, points labelled with budget/ratio
     memory_and_reads(runs, "ppl")     peak KV bytes resident against K/V bytes read per decoded token (two KV axes)
     longbench_bars(runs, paper_rows)  per-dataset LongBench scores (ours as bars, the paper's as markers)
     needle_heatmaps(runs)             accuracy per (context length, depth) cell, one panel per run
@@ -100,7 +101,7 @@ def _png(fig: Any, dpi: int = 80) -> bytes:
     plt = _plt()
     buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", pad_inches=0.1)  # no label or legend clipped
     plt.close(fig)
     return buf.getvalue()
 
@@ -212,36 +213,65 @@ def pareto_front(points: Sequence[tuple[float, float]], lower_is_better_: bool) 
     return front
 
 
+def knob_label(run: dict) -> str:
+    """A point's label: what sets its compression (the ratio, "t=-3" for a threshold, the budget; "" for none)."""
+    threshold = _num(run["cfg"].get("method.threshold"))
+    if threshold is not None:
+        return f"t={threshold:g}"
+    ratio = ratio_of(run)
+    if ratio is not None:
+        return f"{ratio:g}"
+    budget = _num(run["cfg"].get("budget", run["metrics"].get("budget")))
+    return f"{budget:g}" if budget is not None else ""
+
+
+# The two memory axes of the Pareto figure: what the method keeps once it compressed (held) and what the pool
+# peaked at (a method that compresses after prefill peaks at the whole prompt: both are true, a reader needs both).
+PARETO_AXES = (("held_kv_bytes", "KV held after compression (MiB)"),
+               ("peak_kv_bytes", "peak KV memory (MiB, measured from the pool)"))
+
+
 def pareto(runs: Sequence[dict], metric: str) -> Optional[bytes]:
-    """The metric against peak KV memory (one marker colour per method), the Pareto front through the best points.
-    Pass comparable runs only."""
-    pts = [(_num(r["metrics"].get("peak_kv_bytes")), _num(r["metrics"].get(metric)), series_label(r), r) for r in runs]
-    pts = [p for p in pts if p[0] is not None and p[1] is not None and p[0] > 0]
-    if len(pts) < 2 or len({p[0] for p in pts}) < 2:  # one KV size: nothing to trade off
+    """The metric against held KV memory beside the metric against peak KV memory (one marker colour per method),
+    the Pareto front through the best points of each, every point labelled with its budget, ratio or threshold.
+    A panel whose runs recorded one size only (or none: held_kv_bytes is newer) is left out. Pass comparable
+    runs only."""
+    panels = []
+    for key, xlabel in PARETO_AXES:
+        pts = [(_num(r["metrics"].get(key)), _num(r["metrics"].get(metric)), series_label(r), r) for r in runs]
+        pts = [p for p in pts if p[0] is not None and p[1] is not None and p[0] > 0]
+        if len(pts) >= 2 and len({p[0] for p in pts}) >= 2:  # one KV size: nothing to trade off
+            panels.append((key, xlabel, pts))
+    if not panels:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    style = _Styler()
-    for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_BOARD_SERIES]:  # every point of the front is shown
-        mine = [p for p in pts if p[2] == label]
-        st = style(mine[0][3])
-        ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=28, color=st["color"],
-                   marker=st["marker"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1.5, 4.2), sharey=True, squeeze=False)
     low = lower_is_better(metric)
-    front = pareto_front([(p[0], p[1]) for p in pts], low)
-    # the front as a line through its own points only (a step line's corners are no runs, and its vertical
-    # segments ran through dominated points); each point of the front ringed
-    ax.plot([p[0] / 2**20 for p in front], [p[1] for p in front], color="black", linewidth=1, zorder=1,
-            marker="o", markersize=9, markerfacecolor="none", markeredgewidth=0.8, label="Pareto front")
-    ax.set_xlabel("peak KV memory (MiB, measured from the pool)")
-    ax.set_ylabel(metric + (" (lower is better)" if low else ""))
-    if wants_log([p[1] for p in pts]):
-        _log(ax.yaxis, ax.set_yscale)
-    if wants_log([p[0] for p in pts]):
-        _log(ax.xaxis, ax.set_xscale)
-    ax.set_title(f"{metric} vs KV memory")
-    ax.grid(alpha=0.3)
-    _legend(ax)
+    for ax, (key, xlabel, pts) in zip(axes[0], panels):
+        style = _Styler()
+        for label in list(dict.fromkeys(p[2] for p in pts))[:MAX_BOARD_SERIES]:  # every point of the front shown
+            mine = [p for p in pts if p[2] == label]
+            st = style(mine[0][3])
+            ax.scatter([p[0] / 2**20 for p in mine], [p[1] for p in mine], label=label, s=28, color=st["color"],
+                       marker=st["marker"])
+            for p in mine:
+                text = knob_label(p[3])
+                if text:
+                    ax.annotate(text, (p[0] / 2**20, p[1]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        front = pareto_front([(p[0], p[1]) for p in pts], low)
+        # the front as a line through its own points only (a step line's corners are no runs, and its vertical
+        # segments ran through dominated points); each point of the front ringed
+        ax.plot([p[0] / 2**20 for p in front], [p[1] for p in front], color="black", linewidth=1, zorder=1,
+                marker="o", markersize=9, markerfacecolor="none", markeredgewidth=0.8, label="Pareto front")
+        ax.set_xlabel(xlabel)
+        if wants_log([p[1] for p in pts]):
+            _log(ax.yaxis, ax.set_yscale)
+        if wants_log([p[0] for p in pts]):
+            _log(ax.xaxis, ax.set_xscale)
+        ax.set_title(f"{metric} vs {'held' if key == 'held_kv_bytes' else 'peak'} KV")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(metric + (" (lower is better)" if low else ""))
+    _legend(axes[0][-1])
     return _png(fig)
 
 

@@ -1,7 +1,8 @@
 """The settings of run records (kvbench.store.runs.load_runs): the key that pairs the same configuration across
 code versions, and the short names of settings that report tables and compare verdicts show.
 
-    pair_key(run), result_keys(run), describe(run), varying_keys(runs), setting_of(run, keys), fmt(value)
+    pair_key(run), result_keys(run), describe(run), varying_keys(runs), setting_of(run, keys), fmt(value),
+    setting_sort_key(run, keys)
 
 The pair key hashes the parts of the config that change a result (model, method, quant, task, runtime, budget,
 seed), without anything that names the code version, so the same setting run at two commits (or in two folders)
@@ -134,6 +135,20 @@ def varying_keys(runs: list[dict]) -> list[str]:
 def _short(key: str) -> str:
     return {"method.name": "method", "quant.name": "quant", "model.path": "model", "model.name": "model",
             "runtime.block_size": "block", "task.name": "task"}.get(key, key)
+
+
+def sort_value(value: Any) -> tuple:
+    """A sort key that orders numbers as numbers (96 < 112 < 1024), then text, then missing values."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return (0, float(value), "")
+    if value is None or value == "":
+        return (2, 0.0, "")
+    return (1, 0.0, str(value))
+
+
+def setting_sort_key(run: dict, keys: list[str]) -> tuple:
+    """The run's setting (setting_of's keys) as a sort key: numbers sorted as numbers, not as text."""
+    return tuple(sort_value(run["cfg"].get(key)) for key in keys) + (setting_of(run, keys),)
 
 
 def setting_of(run: dict, keys: list[str]) -> str:

@@ -35,7 +35,11 @@ MEMORY = ("peak_kv_bytes",)
 FAILURE_COUNTS = ("failed_requests",)
 # The headline metric of each task, when an experiment's paper block names none the run has.
 PRIMARY = {"perplexity": "ppl", "needle": "accuracy", "longbench": "score", "longbench_e": "score",
-           "summarization": "rouge_l", "govreport": "rouge_l", "throughput": "output_tokens_per_s"}
+           "longbench_v2": "accuracy", "ruler": "score", "scbench": "score", "gsm8k": "accuracy",
+           "math500": "accuracy", "aime": "accuracy", "summarization": "rouge_l", "govreport": "rouge_l",
+           "throughput": "output_tokens_per_s"}
+# Headline metrics in order of preference for a task PRIMARY does not name: an average before its parts.
+HEADLINES = ("score", "accuracy", "ppl", "rouge_l")
 
 
 def score_tasks(metrics: dict) -> Optional[tuple]:
@@ -81,10 +85,14 @@ def speed_loss(name: str, base: float, new: float) -> Optional[float]:
 
 
 def primary_metric(task: Optional[str], metrics: dict) -> Optional[str]:
-    """The task's headline metric (PRIMARY), else the first score-like key with a number."""
+    """The task's headline metric (PRIMARY), else the first of HEADLINES with a number (a multi-part task's
+    averaged `score`, never its first part's `score_<part>`), else the first score-like key with a number."""
     name = PRIMARY.get(str(task))
     if name and isinstance(metrics.get(name), (int, float)):
         return name
+    for key in HEADLINES:
+        if isinstance(metrics.get(key), (int, float)) and not isinstance(metrics.get(key), bool):
+            return key
     for key, value in metrics.items():
         if is_score(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
             return key

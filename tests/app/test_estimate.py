@@ -2,6 +2,7 @@
 (never a figure from the code), the options that shorten it; progress that moves from the first prompt token."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -41,7 +42,7 @@ def test_rulers_defaults_say_days_and_how_to_shorten(tmp_path, monkeypatch):
     assert seconds == pytest.approx(work.prompt_tokens / 300.0 + work.new_tokens / 15.0)
     line = estimate.plan_line("ruler", work, speed)
     assert f"about {estimate.duration(seconds)} here" in line and seconds > 86400  # more than a day
-    assert "300.0 prefill and 15.0 decode tok/s, measured on this machine" in line
+    assert "300.0 prefill and 15.0 decode tok/s: the median of 1 run measured on this machine" in line
 
 
 def test_a_rate_is_kept_only_from_a_run_that_measured_it(tmp_path, monkeypatch):
@@ -51,7 +52,7 @@ def test_a_rate_is_kept_only_from_a_run_that_measured_it(tmp_path, monkeypatch):
     estimate.record_speed({**base, "status": "ok", "prefill_tokens_per_s": 200.0, "decode_tokens_per_s": None})
     estimate.record_speed({**base, "status": "failed", "prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0})
     speed = estimate.measured_speed("m", "float32", "cpu")
-    assert (speed["prefill_tokens_per_s"], speed["decode_tokens_per_s"]) == (200.0, 15.0)
+    assert (speed["prefill_tokens_per_s"], speed["decode_tokens_per_s"]) == (250.0, 15.0)  # medians of the runs
     assert estimate.measured_speed("m", "bfloat16", "cpu") is None
     no_decode = Workload(1, 100, 10, "x", "y")
     assert estimate.estimate_seconds(no_decode, {"prefill_tokens_per_s": 100.0}) is None  # never a guess
@@ -112,3 +113,55 @@ def test_first_use_messages_quote_only_measured_dated_times(tmp_path, monkeypatc
     path.write_text(json.dumps({"compile": {**runs[0], "runs": runs[::-1]}}))
     assert measured_times.quoted("compile") == \
         "took 44 s at load 0.6 to 287 s at load 15 on a 2-CPU machine (measured 2026-12-03, 2026-12-04)"
+
+
+def test_the_record_is_a_robust_figure_per_machine_setting(tmp_path, monkeypatch):
+    """Issue 67 item 3: one record per (model, dtype, device, threads, CPU kind); the median of the recent runs, so
+    a run slowed by a competing process (or a runtime.threads=1 run) does not set the next estimate."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    base = {"model": "m", "dtype": "float32", "device": "cpu", "status": "ok", "decode_tokens_per_s": 10.0}
+    for rate in (100.0, 110.0, 5.0, 105.0):  # 5.0: a run beside a busy process
+        estimate.record_speed({**base, "prefill_tokens_per_s": rate})
+    estimate.record_speed({**base, "prefill_tokens_per_s": 1.0}, threads=1)  # another setting: its own record
+    speed = estimate.measured_speed("m", "float32", "cpu")
+    assert speed["prefill_tokens_per_s"] == 102.5 and speed["runs"] == 4
+    assert estimate.measured_speed("m", "float32", "cpu", 1)["prefill_tokens_per_s"] == 1.0
+    for _ in range(estimate.KEEP):  # only the newest KEEP runs count
+        estimate.record_speed({**base, "prefill_tokens_per_s": 50.0})
+    assert estimate.measured_speed("m", "float32", "cpu")["prefill_tokens_per_s"] == 50.0
+    data = json.loads((tmp_path / estimate.SPEED_FILE).read_text())
+    (key,) = [k for k in data if "threads=auto" in k]
+    assert key.endswith(estimate.cpu_kind()) and len(data[key]["runs"]) == estimate.KEEP
+    monkeypatch.setattr(estimate, "cpu_kind", lambda: "another CPU")  # another machine kind: nothing measured yet
+    assert estimate.measured_speed("m", "float32", "cpu") is None
+
+
+def test_the_estimate_holds_the_load_the_logger_and_the_tasks_overhead(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    work = Workload(2, 1000, 100, "x", "y")
+    base = {"model": "m", "dtype": "float32", "device": "cpu", "status": "ok", "task": "perplexity",
+            "prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "logger_start_s": 1.0}
+    # 10 s of prefill + 10 s of decode + 1 s logger + 8 s load: 30 s of wall time leaves 1 s of overhead
+    estimate.record_speed({**base, "load_s": 8.0, "wall_s": 30.0}, workload=work)
+    estimate.record_speed({**base, "load_s": 0.01, "model_cached": True, "wall_s": 22.0}, workload=work)
+    speed = estimate.measured_speed("m", "float32", "cpu")
+    assert speed["load_s"] == 8.0  # a model held from an earlier run of the process is no load time
+    assert speed["overhead_s"] == {"perplexity": pytest.approx(0.995)}  # the median of 1.0 and 22 - 0.01 - 1 - 20
+    assert estimate.estimate_seconds(work, speed, task="perplexity") == pytest.approx(30.0, abs=0.02)
+    assert estimate.estimate_seconds(work, speed, model_loaded=True, task="perplexity") == \
+        pytest.approx(22.0, abs=0.02)
+    line = estimate.plan_line("perplexity", work, speed)
+    assert "about 30 s here (model load 8 s, 100.0 prefill and 10.0 decode tok/s: the median of 2 runs" in line
+    assert "model load" not in estimate.plan_line("perplexity", work, speed, model_loaded=True)
+
+
+@pytest.mark.parametrize("name,options,prompts,new", [
+    ("longbench", {"datasets": ["qasper", "hotpotqa"], "limit": 5}, 10, 5 * 128 + 5 * 32),
+    ("gsm8k", {"limit": 3, "max_new_tokens": 256}, 3, 3 * 256),
+    ("aime", {"limit": 2, "sets": [2024, 2025], "num_samples": 2}, 8, 8 * 32768),
+])
+def test_longbench_and_the_reasoning_tasks_print_their_work(name, options, prompts, new):
+    work = build_task(name, options).workload(None)
+    assert (work.prompts, work.new_tokens, work.exact) == (prompts, new, False)
+    line = estimate.plan_line(name, work, None)
+    assert f"= {prompts} prompt(s)" in line and "task.limit=N" in line

@@ -795,3 +795,40 @@ def test_score_by_turn_plot_one_line_per_method(tmp_path, monkeypatch):
     # one plot per mode, the question compressed or not a line of its own beside full's
     assert len(drawn) == 2 and all(len(d) == 3 for d in drawn), drawn
     assert real([]) is None  # no multi-turn runs: no plot
+
+
+def test_pareto_sets_held_beside_peak_with_each_point_labelled(monkeypatch):
+    """Issue 67 item 4: a method that compresses after prefill peaks at the whole prompt, so the score against
+    peak KV and against held KV are both drawn, side by side, each point labelled with its ratio (or budget)."""
+    from kvbench.reporting import plots
+
+    figs = _figures(monkeypatch)
+    pts = [("full", None, 30.0, 8, 8), ("snapkv", 0.25, 31.0, 8, 6), ("snapkv", 0.5, 33.0, 8, 4),
+           ("snapkv", 0.75, 38.0, 8, 2), ("streaming_llm", 0.5, 35.0, 4, 4)]
+    runs = [{"cfg": {"method.name": m, "quant.name": "none", "task.name": "ruler", "compression_ratio": r},
+             "metrics": {"method": m, "budget": None, "ppl": y, "peak_kv_bytes": peak * 2**20,
+                         "held_kv_bytes": held * 2**20}} for m, r, y, peak, held in pts]
+    assert plots.pareto(runs, "ppl")
+    held_ax, peak_ax = figs[0].axes
+    assert "held" in held_ax.get_xlabel() and "peak" in peak_ax.get_xlabel()
+    for ax, xs in ((held_ax, [8, 6, 4, 2, 4]), (peak_ax, [8, 8, 8, 8, 4])):
+        labels = {(t.xy[0], t.xy[1]): t.get_text() for t in ax.texts}
+        assert labels == {(x, y): f"{r:g}" for (_, r, y, _, _), x in zip(pts, xs) if r is not None}
+    front = [ln for ln in held_ax.lines if ln.get_label() == "Pareto front"][0]
+    assert list(zip(front.get_xdata(), front.get_ydata())) == [(2.0, 38.0), (4.0, 33.0), (6.0, 31.0), (8.0, 30.0)]
+    # a record from before held_kv_bytes: the peak panel alone
+    figs.clear()
+    old = [dict(r, metrics={k: v for k, v in r["metrics"].items() if k != "held_kv_bytes"}) for r in runs]
+    assert plots.pareto(old, "ppl") and len(figs[0].axes) == 1 and "peak" in figs[0].axes[0].get_xlabel()
+
+
+def test_a_ruler_sweep_plots_its_averaged_score_not_its_first_task():
+    """Issue 67 item 4: the report plotted `score_niah_single_1` (the first score-like key) for a RULER sweep."""
+    from kvbench.report import metric_for
+    from kvbench.reporting.stats import primary_metric
+
+    m = {"score_niah_single_1": 90.0, "score_niah_single_2": 80.0, "score": 85.0, "score_tasks": "a,b"}
+    run = {"cfg": {"task.name": "ruler"}, "metrics": m}
+    assert metric_for(run, None) == "score" and primary_metric("ruler", m) == "score"
+    assert primary_metric("some_new_task", m) == "score"  # an average before its parts, for any task
+    assert primary_metric("gsm8k", {"num_problems": 5, "accuracy": 0.4}) == "accuracy"

@@ -159,3 +159,33 @@ def test_the_summary_shows_what_decode_read_beside_what_was_resident():
     assert "KV read" not in format_summary({k: v for k, v in rec.items() if not k.startswith(("kv_read", "summ"))})
     table = format_sweep_table([rec, dict(rec, budget=1024, kv_read_fraction=0.5)])
     assert "kv_read_fraction" in table.splitlines()[1]
+
+
+def _sweep_rows(table: str) -> tuple[list[str], list[list[str]]]:
+    lines = table.splitlines()
+    return lines[1].split(), [line.split() for line in lines[3:-1] if not line.startswith("(")]
+
+
+def test_sweep_table_leads_with_the_headline_score_and_sorts_numbers_as_numbers():
+    # issue 67 item 4: a RULER budget sweep showed its first subtasks' scores, not `score`, and sorted budgets as
+    # text (1024, 112, ..., 96)
+    parts = {f"score_task{i}": 10.0 * i for i in range(8)}
+    records = [{"run_id": f"r{b}", "status": "ok", "method": "snapkv", "budget": b, "task": "ruler", **parts,
+                "score": 50.0 + b / 100, "score_tasks": "a,b"} for b in (1024, 112, 96, 256)]
+    header, rows = _sweep_rows(format_sweep_table(records))
+    assert header[:3] == ["method", "budget", "score"]
+    assert [row[1] for row in rows] == ["96", "112", "256", "1,024"]
+    assert [row[2] for row in rows] == ["50.96", "51.12", "52.56", "60.24"]
+
+
+def test_sweep_table_shows_the_swept_ratio_and_threshold():
+    ratio = [{"run_id": f"r{x}", "status": "ok", "method": "snapkv", "budget": None, "compression_ratio": x,
+              "task": "ruler", "score": 90 - 100 * x} for x in (0.75, 0.1, 0.5, 0.25)]
+    header, rows = _sweep_rows(format_sweep_table(ratio))
+    assert header[:4] == ["method", "budget", "ratio", "score"]
+    assert [row[2] for row in rows] == ["0.1", "0.25", "0.5", "0.75"]
+    thresholds = [{"run_id": f"t{t}", "status": "ok", "method": "dms", "budget": None, "method_threshold": t,
+                   "task": "perplexity", "ppl": 10.0 - t, "kv_kept_fraction": 0.5} for t in (-10, -3, -5)]
+    header, rows = _sweep_rows(format_sweep_table(thresholds))
+    assert header[:4] == ["method", "budget", "threshold", "ppl"]
+    assert [row[2] for row in rows] == ["-10", "-5", "-3"]

@@ -174,3 +174,14 @@ def test_app_run_on_tiny_model_batched_equals_unbatched(tmp_path, data_dir, sing
     assert [r["prediction"] for r in rows[0]] == [r["prediction"] for r in rows[1]]
     assert all(r["prompt_tokens"] <= 64 + 40 for r in rows[0])  # truncated to 64 tokens + the chat template
     assert rows[0][0]["new_tokens"] >= 1 and rows[0][0]["prompt"].startswith("<|im_start|>system")
+
+
+def test_workload_counts_a_local_copys_rows_without_a_limit(data_dir):
+    """Issue 67 item 3: LongBench prints its work (and a time) first: a limit per dataset, else the rows of a local
+    copy; hub data without a limit is known only once read."""
+    from kvbench.data.longbench import max_new_tokens
+
+    work = build_task("longbench", {"datasets": ["qasper", "trec"], "data_dir": str(data_dir)}).workload(None)
+    assert (work.prompts, work.prompt_tokens) == (3, 3 * 7500)
+    assert work.new_tokens == 2 * max_new_tokens("qasper") + max_new_tokens("trec")
+    assert build_task("longbench", {"datasets": ["qasper"]}).workload(None) is None

@@ -44,11 +44,20 @@ class KVAccounting:
         held = blocks_for_tokens(plan.host_lengths_array()[:, layers], self.block_size)
         return int(held.sum()) * self.kv_block_bytes
 
+    def sliding_layer_ids(self) -> list[int]:
+        """The layers with a sliding window (layer_windows, set by the engine for such a model): a ring each."""
+        return [i for i, w in enumerate(getattr(self, "layer_windows", ()) or ()) if w is not None]
+
     def uncompressed_read_bytes(self, slots: list[int]) -> int:
-        """Bytes full attention reads per decode step over uncompressed caches of these sequences (every block of
-        every token they appended, all layers and kv-heads, model dtype)."""
+        """Bytes full attention reads per decode step over uncompressed caches of these sequences, model dtype: in
+        a full layer every block of every token they appended; in a sliding layer the blocks of its ring (what full
+        attention itself reads there: a sliding layer is never compressed), so a full run reads 100% of it."""
         bs = self.block_size
-        blocks = sum(-(-self.tokens_seen[s] // bs) for s in slots) * self.num_layers * self.num_kv_heads
+        sliding = self.sliding_layer_ids()
+        full_layers = self.num_layers - len(sliding)
+        blocks = sum(-(-self.tokens_seen[s] // bs) for s in slots) * full_layers * self.num_kv_heads
+        if sliding and slots:
+            blocks += int(blocks_for_tokens(self.host_lengths[slots][:, sliding], bs).sum())
         return blocks * self.uncompressed_block_bytes()  # a latent cache (MLA): one row per token
 
     def kv_bytes_in_use(self) -> int:
@@ -69,8 +78,11 @@ class KVAccounting:
         return self.pool.capacity * self.bytes_per_block
 
     def kv_bytes_per_token(self) -> float:
-        """Pool bytes one cached token costs across all layers and kv-heads (codecs override)."""
-        return self.bytes_per_block * self.num_layers * self.num_kv_heads / self.block_size
+        """Pool bytes one more cached token costs across the layers that grow with the context and all kv-heads
+        (codecs override): every layer, or a model with sliding layers its full layers only (a sliding layer's ring
+        holds a fixed size once its window is full): kvbench-info's kv_bytes_per_token for the same model."""
+        layers = self.num_layers - len(self.sliding_layer_ids())
+        return self.bytes_per_block * layers * self.num_kv_heads / self.block_size
 
     def block_payload_bytes(self, ids: list[int]) -> int:
         """Bytes of blocks `ids` in this cache's layout (what swap space moves)."""

@@ -358,10 +358,16 @@ class KVEviction:
             return plan
         live = sorted(self.live)
         held = blocks_for_tokens(self.host_lengths[live], self.block_size)  # [S, L, H]
-        peaks = self.__dict__.setdefault("layer_type_peak_blocks", {"full": 0, "sliding": 0})
-        for kind, layers in (("full", [i for i, x in enumerate(w) if x is None]),
-                             ("sliding", [i for i, x in enumerate(w) if x is not None])):
+        peaks = self.__dict__.setdefault("layer_type_peak_blocks", {"full": 0, "sliding": 0, "uncompressed": 0})
+        full_layers = [i for i, x in enumerate(w) if x is None]
+        sliding = [i for i, x in enumerate(w) if x is not None]
+        for kind, layers in (("full", full_layers), ("sliding", sliding)):
             peaks[kind] = max(peaks[kind], int(held[:, layers].sum()))
+        # an uncompressed cache at this moment: the full layers at every token appended (this step's included),
+        # the sliding layers as their rings hold them (never compressed); its peak is full_peak_kv_bytes
+        seen = sum(int(blocks_for_tokens(self.tokens_seen[s], self.block_size)) for s in live)
+        now = seen * len(full_layers) * self.num_kv_heads + int(held[:, sliding].sum())
+        peaks["uncompressed"] = max(peaks.get("uncompressed", 0), now)
         return plan
 
     # ------------------------------------------------------------------ pending frees (evict_blocks_on_device)

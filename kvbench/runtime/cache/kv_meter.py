@@ -11,7 +11,9 @@ method: an uncompressed cache holds there what the ring holds, so full_kv_bytes 
 they are (measured) and the full layers' at every token seen; the figures are also split by layer type
 (`by_layer_type`: the full and sliding layers' uncompressed bytes at the peak, and the most bytes each type's tables
 held at once, read from the tables after each step and right after each step's allocation), so "KV saved" is the
-method's saving on the full layers.
+method's saving on the full layers. Within a step a sliding layer's ring also holds the step's new tokens (a prefill
+chunk) before it slides, so the pool peaks above full_kv_bytes even for a full run: the peak is set against
+`full_peak_kv_bytes` instead (an uncompressed cache's peak, within a step too).
 """
 from __future__ import annotations
 
@@ -141,6 +143,12 @@ class KVMeter:
             out[f"full_kv_bytes_{kind}_layers"] = self.type_full_at_peak[kind]
             out[f"peak_kv_bytes_{kind}_layers"] = max(self.type_peak_held[kind],
                                                       in_step.get(kind, 0) * self.cache.bytes_per_block)
+        # what an uncompressed cache of this runtime peaks at, within a step too (a prefill chunk sits in a sliding
+        # layer's ring before it slides): the most of the full layers at every token appended plus the sliding
+        # layers' rings as held (never compressed), right after each step's allocation, or between steps. A full
+        # run's pool peaks at such a moment with exactly these blocks: its saving at the peak is 0, never negative
+        out["full_peak_kv_bytes"] = max(self.peak_full_bytes,
+                                        in_step.get("uncompressed", 0) * self.cache.uncompressed_block_bytes())
         return out
 
     def sequence(self, slot: int) -> dict:

@@ -201,9 +201,11 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         return self.pool.shared_bytes()
 
     def kv_bytes_per_token(self) -> float:
-        """Pool bytes one packed token costs across all layers and kv-heads (codes and all metadata): the
-        long-context rate. The measured average at a given moment is `kv_bytes_in_use() / held tokens`."""
-        return self.packed_block_bytes * self.num_layers * self.num_kv_heads / self.block_size
+        """Pool bytes one packed token costs across the layers that grow with the context (all, or the full
+        layers of a model with sliding ones) and all kv-heads (codes and all metadata): the long-context rate. The
+        measured average at a given moment is `kv_bytes_in_use() / held tokens`."""
+        layers = self.num_layers - len(self.sliding_layer_ids())
+        return self.packed_block_bytes * layers * self.num_kv_heads / self.block_size
 
     def held_elements(self) -> int:
         """K and V elements the live tables hold (2 x tokens x head_dim over all layers and heads; a latent cache:
