@@ -30,6 +30,8 @@ VARIANTS = [
     ("knorm", {"decode": "evict"}),
     ("rkv", {}),
     ("rkv", {"buffer": 4, "window": 4}),
+    ("observed_attention", {}),
+    ("observed_attention", {"decode": "evict"}),
     ("tova", {}),
     ("tova", {"decode": "evict", "heads": "per_head"}),
     ("expected_attention", {}),
