@@ -30,6 +30,22 @@ def observed_attention_reference(out, layer: int, budget: int) -> list[set]:
     return top_sets(s, budget)
 
 
+def block_keydiff_reference(out, layer: int, n_kept: int, block_size: int) -> list[set]:
+    """kvpress BlockPress(press=KeyDiffPress()).compress: the first n_kept tokens, then each next block scored with
+    them (anchor = the mean normalised key of that set), the n_kept best kept."""
+    k, _ = layer_kv(out, layer)  # [H, T, D]
+    H, n, D = k.shape
+    block = block_size if block_size < n else n
+    kept = torch.arange(n_kept).expand(H, -1)
+    for i in range(n_kept, n, block):
+        current = torch.cat([kept, torch.arange(i, min(i + block, n)).expand(H, -1)], dim=-1)
+        keys = k.gather(1, current[..., None].expand(-1, -1, D))
+        anchor = F.normalize(keys, p=2, dim=-1).mean(dim=1, keepdim=True)
+        scores = -F.cosine_similarity(keys, anchor, dim=-1)
+        kept = current.gather(-1, scores.topk(n_kept, dim=-1).indices)
+    return [set(row.tolist()) for row in kept]
+
+
 # ------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("chunk", [T, 64])
 def test_observed_attention_keeps_the_mean_observed_attention(hf, ids, hf_out, chunk):
@@ -46,7 +62,29 @@ def test_observed_attention_is_not_h2os_sum(hf, ids, hf_out):
     assert summed != observed_attention_reference(hf_out, 0, BUDGET)
 
 
-@pytest.mark.parametrize("name", ["observed_attention"])
+@pytest.mark.parametrize("block_size", [128, 32, 1000])
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_block_keydiff_keeps_blockpress_keydiffs_tokens(hf, ids, hf_out, block_size, chunk):
+    kept, _ = kept_after_prefill(hf, ids, build_method("block_keydiff", BUDGET, block_size=block_size), chunk)
+    for layer in range(2):
+        assert kept[layer] == block_keydiff_reference(hf_out, layer, BUDGET, block_size), f"layer {layer}"
+
+
+def test_block_keydiff_with_a_compression_ratio_keeps_kvpress_count(hf, ids, hf_out):
+    kept, _ = kept_after_prefill(hf, ids, build_method("block_keydiff", None, compression_ratio=0.6), T)
+    n_kept = int(T * (1 - 0.6))
+    assert kept[1] == block_keydiff_reference(hf_out, 1, n_kept, 128)
+
+
+def test_block_keydiff_differs_from_one_pass_keydiff(hf_out):
+    """The block-wise iteration matters: KeyDiff over the whole prompt at once keeps other tokens."""
+    k, _ = layer_kv(hf_out, 0)
+    anchor = F.normalize(k, p=2, dim=-1).mean(dim=1, keepdim=True)
+    one_pass = top_sets(-F.cosine_similarity(k, anchor, dim=-1), BUDGET)
+    assert one_pass != block_keydiff_reference(hf_out, 0, BUDGET, 32)
+
+
+@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     from kvbench.config import validate
     from tests.harness_fakes import compose

@@ -25,6 +25,8 @@ VARIANTS = [
     ("snapkv", {"decode": "rescore", "window": 8}),
     ("snapkv", {"decode": "window", "pooling": "maxpool", "kernel_size": 7}),
     ("key_diff", {}),
+    ("block_keydiff", {"block_size": 16}),
+    ("block_keydiff", {"decode": "evict"}),
     ("random", {"seed": 0}),
     ("knorm", {}),
     ("knorm", {"decode": "evict"}),
