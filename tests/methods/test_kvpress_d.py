@@ -8,7 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from huggingface_hub import PyTorchModelHubMixin
+
+from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
+from kvbench.methods.qfilter import hub_id, load_q_filters, save_q_filters
 from tests.fixtures.press_fixtures import PROMPT_TOKENS, hf, hf_out, ids  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_kvpress_a import kept_after_prefill, layer_kv, top_sets
@@ -44,6 +48,12 @@ def block_keydiff_reference(out, layer: int, n_kept: int, block_size: int) -> li
         scores = -F.cosine_similarity(keys, anchor, dim=-1)
         kept = current.gather(-1, scores.topk(n_kept, dim=-1).indices)
     return [set(row.tolist()) for row in kept]
+
+
+def qfilter_reference(out, layer: int, budget: int, filters: torch.Tensor) -> list[set]:
+    """kvpress QFilterPress.score: -(q_filter[layer] * keys).sum(-1) over the post-RoPE keys."""
+    k, _ = layer_kv(out, layer)  # [H, T, D]
+    return top_sets(-(filters[layer][:, None, :] * k).sum(-1), budget)
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -84,7 +94,68 @@ def test_block_keydiff_differs_from_one_pass_keydiff(hf_out):
     assert one_pass != block_keydiff_reference(hf_out, 0, BUDGET, 32)
 
 
-@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff"])
+class QFilters(torch.nn.Module, PyTorchModelHubMixin):
+    """kvpress's QFilters module: what the hub's filters are saved from (PyTorchModelHubMixin.save_pretrained)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, kv_head_dim: int):
+        super().__init__()
+        self.q_filters = torch.nn.Parameter(torch.randn(num_layers, num_kv_heads, kv_head_dim))
+
+
+@pytest.fixture(scope="module")
+def hub_filters(hf, tmp_path_factory):
+    """Q-filters for the tiny model, written by huggingface_hub's mixin as the hub's repositories are."""
+    cfg = hf.config
+    torch.manual_seed(5)
+    module = QFilters(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    folder = tmp_path_factory.mktemp("qfilt") / "Tiny_qfilt"
+    module.save_pretrained(folder)
+    return folder, module.q_filters.detach().clone()
+
+
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_qfilter_keeps_the_filters_top_tokens(hf, ids, hf_out, hub_filters, chunk):
+    folder, filters = hub_filters
+    kept, _ = kept_after_prefill(hf, ids, build_method("qfilter", BUDGET, path=str(folder)), chunk)
+    for layer in range(2):
+        assert kept[layer] == qfilter_reference(hf_out, layer, BUDGET, filters), f"layer {layer}"
+
+
+def test_qfilter_files_round_trip_in_the_hubs_format(hub_filters, tmp_path):
+    """kvbench's writer and reader agree with the mixin's: what save_q_filters writes, QFilters.from_pretrained
+    reads, and load_q_filters reads what the mixin wrote."""
+    folder, filters = hub_filters
+    assert torch.equal(load_q_filters(str(folder)), filters)
+    save_q_filters(filters * 2, tmp_path / "mine")
+    assert torch.equal(QFilters.from_pretrained(tmp_path / "mine").q_filters.detach(), filters * 2)
+
+
+def test_qfilter_hub_name_is_kvpresss():
+    assert hub_id("meta-llama/Meta-Llama-3.1-8B-Instruct") == "nthngdy/Llama-3.1-8B-Instruct_qfilt"
+    assert hub_id("meta-llama/Meta-Llama-3.1-405B-Instruct") == "nthngdy/Meta-Llama-3.1-405B-Instruct_qfilt"
+    assert hub_id("Qwen/Qwen3-8B") == "nthngdy/Qwen3-8B_qfilt"
+
+
+def test_qfilter_refuses_missing_or_misfit_filters_in_one_line(hf, ids, tmp_path):
+    from kvbench.runtime.model.families import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+
+    with pytest.raises(UserError, match="no such folder"):
+        load_q_filters(str(tmp_path / "absent"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="hub's format"):
+        load_q_filters(str(tmp_path / "broken"))
+    save_q_filters(torch.zeros(3, 2, 16), tmp_path / "three_layers")
+    with pytest.raises(UserError, match="do not fit"):
+        Engine(build_from_transformers(hf), build_method("qfilter", BUDGET, path=str(tmp_path / "three_layers")),
+               block_size=16, num_blocks=64)
+    model = build_from_transformers(hf)  # no name_or_path: the packaged model has no published filters
+    with pytest.raises(UserError, match="method.path"):
+        Engine(model, build_method("qfilter", BUDGET), block_size=16, num_blocks=64)
+
+
+@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     from kvbench.config import validate
     from tests.harness_fakes import compose

@@ -10,6 +10,7 @@ import os
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 KVZAP = os.path.join(FIXTURES, "kvzap_tiny")  # random surrogates in the hub's format for tiny_model's shapes
+QFILTER = os.path.join(FIXTURES, "qfilter_tiny")  # random Q-filters in the hub's format for tiny_model's shapes
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -58,6 +59,8 @@ VARIANTS = [
     ("merge", {}),
     ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
                "merge_budget": 4}),
+    ("qfilter", {"path": QFILTER}),
+    ("qfilter", {"path": QFILTER, "decode": "evict"}),
     ("kvzap", {"path": os.path.join(KVZAP, "mlp")}),
     ("kvzap", {"surrogate": "linear", "path": os.path.join(KVZAP, "linear"), "decode": "evict"}),
     ("dms", {"base_options": {"path": os.path.join(KVZAP, "mlp")}, "threshold": 0.0, "sliding_window_size": 8}),
