@@ -155,7 +155,69 @@ def test_qfilter_refuses_missing_or_misfit_filters_in_one_line(hf, ids, tmp_path
         Engine(model, build_method("qfilter", BUDGET), block_size=16, num_blocks=64)
 
 
-@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter"])
+def decoding_qfilter_reference(keys: torch.Tensor, filters: torch.Tensor, prompt: int, steps: int, target: int,
+                               interval: int) -> list[set]:
+    """kvpress DecodingPress(QFilterPress()) on one layer: keys [H, T, D] of prompt + fed tokens (their own keys, as
+    layer 0's do not depend on the cache), filters [H, D]; nothing at prefill; after every decode step the step count
+    grows and at `interval` the cache over `target` keeps its `target` best -<filter, key> per head (count reset
+    either way). (Q-filters rather than knorm: a repeated token has the same key norm, a tie.)"""
+    H = keys.shape[0]
+    cached = [list(range(prompt)) for _ in range(H)]
+    count = 0
+    for k in range(steps):
+        for h in range(H):
+            cached[h].append(prompt + k)
+        count += 1
+        if count >= interval:
+            count = 0
+            for h in range(H):
+                if len(cached[h]) > target:
+                    idx = torch.tensor(cached[h])
+                    best = (-(keys[h, idx] * filters[h]).sum(-1)).topk(target).indices
+                    cached[h] = sorted(idx[best].tolist())
+    return [set(c) for c in cached]
+
+
+@pytest.mark.parametrize("interval,target", [(4, 200), (1, 225), (7, 150), (3, 236)])
+def test_decoding_keeps_decodingpress_tokens_while_decoding(hf, ids, hub_filters, interval, target):
+    """The prompt stays whole; every `interval` decode steps layer 0 keeps kvpress's set (its keys depend on the
+    tokens only, so transformers' forward over the same tokens gives them)."""
+    from kvbench.runtime.model.families import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+
+    new = 20
+    folder, filters = hub_filters
+    method = build_method("decoding", target, base="qfilter", base_options={"path": str(folder)},
+                          compression_interval=interval)
+    at_end, after_prefill = {}, {}
+    inner_end, inner_after = method.on_sequence_end, method.after_attention
+
+    def after_attention(ctx):
+        inner_after(ctx)
+        if ctx.phase == "prefill" and ctx.last_chunk and ctx.layer == 0:
+            after_prefill["n"] = ctx.cache.lengths[0, 0].tolist()
+
+    def on_sequence_end(slot):
+        lengths = engine.cache.lengths[slot, 0]
+        at_end[0] = [set(engine.cache.positions[slot, 0, h, : int(lengths[h])].tolist())
+                     for h in range(lengths.shape[0])]
+        inner_end(slot)
+
+    method.on_sequence_end, method.after_attention = on_sequence_end, after_attention
+    engine = Engine(build_from_transformers(hf), method, block_size=16, num_blocks=512, prefill_chunk_size=64,
+                    attention_backend="torch")
+    gen = engine.generate([ids.tolist()], max_new_tokens=new)[0].token_ids
+    assert after_prefill["n"] == [T] * len(after_prefill["n"])  # the prompt is not compressed
+    fed = torch.tensor(ids.tolist() + list(gen[:-1]))  # the last generated token is never fed back
+    with torch.no_grad():
+        out = hf(fed[None], use_cache=True)
+    keys, _ = layer_kv(out, 0)
+    want = decoding_qfilter_reference(keys, filters[0], T, new - 1, target, interval)
+    assert at_end[0] == want
+    assert all(len(h) < T + new - 1 for h in want)  # the reference compressed
+
+
+@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     from kvbench.config import validate
     from tests.harness_fakes import compose

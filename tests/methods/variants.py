@@ -61,6 +61,8 @@ VARIANTS = [
                "merge_budget": 4}),
     ("qfilter", {"path": QFILTER}),
     ("qfilter", {"path": QFILTER, "decode": "evict"}),
+    ("decoding", {"compression_interval": 4}),
+    ("decoding", {"base": "snapkv", "base_options": {"window": 8}, "head_adaptive": True, "compression_interval": 3}),
     ("kvzap", {"path": os.path.join(KVZAP, "mlp")}),
     ("kvzap", {"surrogate": "linear", "path": os.path.join(KVZAP, "linear"), "decode": "evict"}),
     ("dms", {"base_options": {"path": os.path.join(KVZAP, "mlp")}, "threshold": 0.0, "sliding_window_size": 8}),
