@@ -59,6 +59,7 @@ VARIANTS = [
     ("merge", {}),
     ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
                "merge_budget": 4}),
+    ("merge", {"base": "tova", "decode": "cam", "compression_interval": 1, "compress_prompt": False}),  # CAMPress
     ("qfilter", {"path": QFILTER}),
     ("qfilter", {"path": QFILTER, "decode": "evict"}),
     ("decoding", {"compression_interval": 4}),
