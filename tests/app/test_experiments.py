@@ -136,7 +136,8 @@ REGISTRY_ROWS = {
     "merging_knorm": "merge", "merging_snapkv": "merge", "merging_expected_attention": "merge",
     "merging_kvzap_mlp": "merge", "duo_attention_on_the_fly": "duo_attention",
     "decoding_knorm": "decoding", "decoding_tova": "decoding", "decoding_qfilter": "decoding",
-    "decoding_keydiff": "decoding", "decoding_adakv_snapkv": "decoding", "decoding_adakv_expected_attention_e2": "decoding",
+    "decoding_keydiff": "decoding", "decoding_adakv_snapkv": "decoding",
+    "decoding_adakv_expected_attention_e2": "decoding",
     "cam_knorm": "merge", "cam_tova": "merge",
 }
 
