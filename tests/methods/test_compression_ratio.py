@@ -140,6 +140,8 @@ def test_half_ratio_keeps_half_of_each_prompt(model, variant, mode):
                 for h, pos in enumerate(heads):
                     assert abs(len(pos) - want) <= BS, f"{name}: layer {layer} head {h} kept {len(pos)} of {n}"
                     assert len(pos) <= want, f"{name}: over the budget int({n} * 0.5)"
+        elif not getattr(method, "budget_bounds_tables", True):  # lukv: its curve sizes the tables
+            every_table_bounded = False  # tests/methods/test_kvpress_d.py checks its counts against kvpress's
         else:  # per-layer (pyramidkv), head-adaptive (adakv, kvzip) or per-head (duo_attention) budgets
             method.budget = want  # the method holds the budget of the last sequence it compressed
             why = _over_budget(method, engine.cache, slot, None, want, 0)

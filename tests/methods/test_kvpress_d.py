@@ -217,7 +217,74 @@ def test_decoding_keeps_decodingpress_tokens_while_decoding(hf, ids, hub_filters
     assert all(len(h) < T + new - 1 for h in want)  # the reference compressed
 
 
-@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding"])
+def lukv_reference(out, layer: int, ratio: float, curve: torch.Tensor, filters: torch.Tensor, sink: int,
+                   window: int) -> list[set]:
+    """kvpress LUKVPress(QFilterPress()).compress: sinks and window at the largest score + 1; the curve's slice
+    round(100 r) - 1 gives each head's prune ratio; counts floored, the layer's rounded total reached by the largest
+    fractional parts, at least 1; each head keeps its first counts by a stable descending sort."""
+    k, _ = layer_kv(out, layer)  # [H, T, D]
+    H, n, _ = k.shape
+    scores = -(filters[layer][:, None, :] * k).sum(-1)  # QFilterPress.score
+    protected = scores.max().item() + 1
+    scores[:, :min(sink, n)] = protected
+    if window > 0:
+        scores[:, max(0, n - window):] = protected
+    idx = max(0, min(98, int(round(ratio * 100)) - 1))
+    ideal = (1.0 - curve[idx, layer]).clamp(0.0, 1.0) * n
+    total = max(H, min(H * n, int(torch.round(ideal.sum()).item())))
+    counts = torch.floor(ideal).long()
+    rest = total - int(counts.sum())
+    if rest > 0:
+        counts[torch.topk(ideal - counts, k=min(rest, H)).indices] += 1
+    counts = counts.clamp(min=1, max=n)
+    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    return [set(order[h, : int(counts[h])].tolist()) for h in range(H)]
+
+
+@pytest.fixture(scope="module")
+def lukv_curve(hf, tmp_path_factory):
+    """A budget curve [99, layers, kv_heads] in LU-KV's .npy format: prune ratios around each target, per head."""
+    import numpy as np
+
+    cfg = hf.config
+    g = np.random.default_rng(4)
+    r = (np.arange(1, 100) / 100)[:, None, None]
+    curve = np.clip(r + g.uniform(-0.2, 0.2, (99, cfg.num_hidden_layers, cfg.num_key_value_heads)), 0, 0.99)
+    path = tmp_path_factory.mktemp("lukv") / "curve.npy"
+    np.save(path, curve.astype(np.float32))
+    return path, torch.as_tensor(curve, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.3, 0.875])
+@pytest.mark.parametrize("sink,window", [(4, 1), (0, 7)])
+def test_lukv_keeps_lukvpress_tokens_per_head(hf, ids, hf_out, hub_filters, lukv_curve, ratio, sink, window):
+    folder, filters = hub_filters
+    path, curve = lukv_curve
+    method = build_method("lukv", None, compression_ratio=ratio, base="qfilter", base_options={"path": str(folder)},
+                          curve_path=str(path), sink=sink, window=window)
+    kept, _ = kept_after_prefill(hf, ids, method, 64)
+    for layer in range(2):
+        want = lukv_reference(hf_out, layer, ratio, curve, filters, sink, window)
+        assert kept[layer] == want, f"layer {layer}"
+        assert len({len(h) for h in want}) > 1  # the heads keep different counts (the curve's point)
+
+
+def test_lukv_refuses_a_missing_or_misshapen_curve(hf, tmp_path):
+    import numpy as np
+    from kvbench.runtime.model.families import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+
+    np.save(tmp_path / "bad.npy", np.zeros((99, 3, 2), dtype=np.float32))
+    for path, match in ((tmp_path / "absent.npy", "no such file"), (tmp_path / "bad.npy", r"needs \(99, 2, 2\)")):
+        with pytest.raises(UserError, match=match):
+            Engine(build_from_transformers(hf), build_method("lukv", None, compression_ratio=0.5,
+                                                             curve_path=str(path)), block_size=16, num_blocks=64)
+    with pytest.raises(UserError, match="curve_path"):  # no curve in kvpress's table for this model
+        Engine(build_from_transformers(hf), build_method("lukv", None, compression_ratio=0.5), block_size=16,
+               num_blocks=64)
+
+
+@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding", "lukv"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     from kvbench.config import validate
     from tests.harness_fakes import compose

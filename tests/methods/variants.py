@@ -11,6 +11,7 @@ import os
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 KVZAP = os.path.join(FIXTURES, "kvzap_tiny")  # random surrogates in the hub's format for tiny_model's shapes
 QFILTER = os.path.join(FIXTURES, "qfilter_tiny")  # random Q-filters in the hub's format for tiny_model's shapes
+LUKV_CURVE = os.path.join(FIXTURES, "lukv_tiny", "curve.npy")  # an LU-KV budget curve [99, 2, 2] for tiny_model
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -60,6 +61,9 @@ VARIANTS = [
     ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
                "merge_budget": 4}),
     ("merge", {"base": "tova", "decode": "cam", "compression_interval": 1, "compress_prompt": False}),  # CAMPress
+    ("lukv", {"curve_path": LUKV_CURVE}),
+    ("lukv", {"base": "qfilter", "base_options": {"path": QFILTER}, "curve_path": LUKV_CURVE, "sink": 0,
+              "window": 3}),
     ("qfilter", {"path": QFILTER}),
     ("qfilter", {"path": QFILTER, "decode": "evict"}),
     ("decoding", {"compression_interval": 4}),
