@@ -127,7 +127,7 @@ def test_kvpress_leaderboard_has_every_board_method():
 # has it: each is a conf/method/<name>.yaml (method=<name>) and a row of kvpress_leaderboard. (kvpress's keydiff and
 # expected_attention rows are kvbench's keydiff / expected_attention rows over key_diff / adakv; the board's rows are
 # checked above.) Not here, with the reason in docs/methods.md: cam_adakv_snapkv, cam_streaming_llm,
-# decoding_streaming_llm, fastkvzip, kvcompose, kvcompose_unstructured, RestoreKV, RestoreKV_plus.
+# decoding_streaming_llm, kvcompose, kvcompose_unstructured, RestoreKV, RestoreKV_plus.
 REGISTRY_ROWS = {
     "critical_snapkv": "criticalkv", "critical_expected_attention": "criticalkv",
     "critical_adakv_snapkv": "criticalkv", "critical_adakv_expected_attention": "criticalkv",
@@ -138,7 +138,7 @@ REGISTRY_ROWS = {
     "decoding_knorm": "decoding", "decoding_tova": "decoding", "decoding_qfilter": "decoding",
     "decoding_keydiff": "decoding", "decoding_adakv_snapkv": "decoding",
     "decoding_adakv_expected_attention_e2": "decoding",
-    "cam_knorm": "merge", "cam_tova": "merge", "lukv": "lukv",
+    "cam_knorm": "merge", "cam_tova": "merge", "lukv": "lukv", "fastkvzip": "fastkvzip",
 }
 
 

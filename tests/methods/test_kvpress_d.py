@@ -284,7 +284,103 @@ def test_lukv_refuses_a_missing_or_misshapen_curve(hf, tmp_path):
                num_blocks=64)
 
 
-@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding", "lukv"])
+def fastkvzip_gate_reference(w: dict, h: torch.Tensor, sink: int) -> torch.Tensor:
+    """kvpress FastKVzipGate.forward from its state dict, written out: h [T, E] -> scores [H, T]."""
+    d = w["q_norm.weight"].shape[-1]
+    H = w["k_proj.weight"].shape[0] // d
+    G = w["q_proj.weight"].shape[0] // (H * d)
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    T = h.shape[0]
+    q = rms((h @ w["q_proj.weight"].T + w["q_proj.bias"]).view(T, H, G, d), w["q_norm.weight"])  # [T, H, G, d]
+    k = rms((h @ w["k_proj.weight"].T).view(T, H, d), w["k_norm.weight"])  # [T, H, d]
+    logit = torch.einsum("thd,thgd->htg", k, q) / d ** 0.5 + w["b"][:, 0][:, None, :]  # [H, T, G]
+    base = torch.einsum("hsd,thgd->htsg", w["k_base"][:, 0, :sink], q) / d ** 0.5  # [H, T, S, G]
+    return (1 / (1 + torch.exp(base - logit[:, :, None, :]).sum(2))).mean(-1)  # [H, T]
+
+
+def fastkvzip_reference(hf, out, weights: list, ratio: float, layerwise: bool, n_sink: int = 4,
+                        window_ratio: float = 0.02) -> dict:
+    """kvpress FastKVzipPress: each layer's gate over its attention input; sinks and the last int(T x 0.02) at 1.0;
+    the int(numel x ratio) lowest scores over every layer and head pruned (layerwise: int(H x T x ratio) per
+    layer) -> {layer: [kept set per head]}."""
+    scores = []
+    with torch.no_grad():
+        for layer, w in enumerate(weights):
+            h = hf.model.layers[layer].input_layernorm(out.hidden_states[layer])[0]  # [T, E]
+            s = fastkvzip_gate_reference(w, h, 16)
+            s[:, :n_sink] = 1.0
+            s[:, -int(s.shape[-1] * window_ratio):] = 1.0
+            scores.append(s)
+    s = torch.stack(scores)  # [L, H, T]
+    L, H, n = s.shape
+    pruned = torch.zeros(L * H * n, dtype=torch.bool)
+    if layerwise:
+        for layer in range(L):
+            idx = torch.topk(-s[layer].reshape(-1), int(H * n * ratio)).indices + layer * H * n
+            pruned[idx] = True
+    else:
+        pruned[torch.topk(-s.reshape(-1), int(s.numel() * ratio)).indices] = True
+    pruned = pruned.view(L, H, n)
+    return {layer: [set((~pruned[layer, h]).nonzero()[:, 0].tolist()) for h in range(H)] for layer in range(L)}
+
+
+@pytest.fixture(scope="module")
+def hub_gates(hf, tmp_path_factory):
+    """Random gates for the tiny model in kvpress's file format ({"module": [state dict per layer]})."""
+    from kvbench.methods.fastkvzip import FastKVzipGate
+
+    cfg = hf.config
+    H, G = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    torch.manual_seed(11)
+    weights = []
+    for _ in range(cfg.num_hidden_layers):
+        gate = FastKVzipGate(cfg.hidden_size, H, G, 16, 16)
+        with torch.no_grad():
+            for p in gate.parameters():
+                p.normal_(0, 0.3)
+        weights.append({k: v.clone() for k, v in gate.state_dict().items()})
+    path = tmp_path_factory.mktemp("fastkvzip") / f"q{G}_dim16_sink16.pt"
+    torch.save({"module": weights}, path)
+    return path, weights
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("chunk", [T, 64])
+def test_fastkvzip_keeps_fastkvzippress_tokens(hf, ids, hf_out, hub_gates, layerwise, chunk):
+    """At ratio 0.5 (where kvpress's int(numel x r) pruned and kvbench's int(T x (1 - r)) per table agree)."""
+    path, weights = hub_gates
+    method = build_method("fastkvzip", None, compression_ratio=0.5, path=str(path), layerwise=layerwise)
+    kept, inner = {}, method.after_prefill_chunk
+
+    def after_prefill_chunk(slot, token_ids, start_pos, last_chunk):  # fastkvzip evicts after the prefill step
+        inner(slot, token_ids, start_pos, last_chunk)
+        if last_chunk:
+            cache = method.engine.cache
+            for layer in range(cache.num_layers):
+                lengths = cache.lengths[slot, layer]
+                kept[layer] = [set(cache.positions[slot, layer, h, : int(lengths[h])].tolist())
+                               for h in range(lengths.shape[0])]
+
+    method.after_prefill_chunk = after_prefill_chunk
+    kept_after_prefill(hf, ids, method, chunk)
+    want = fastkvzip_reference(hf, hf_out, weights, 0.5, layerwise)
+    for layer in range(2):
+        assert kept[layer] == want[layer], f"layer {layer}"
+    if not layerwise:  # the budget across layers: the layers keep different counts
+        assert sum(map(len, want[0])) != sum(map(len, want[1]))
+
+
+def test_fastkvzip_hub_file_name_is_kvpresss():
+    from kvbench.methods.fastkvzip import gate_file
+
+    assert gate_file("Qwen/Qwen3-8B", 32, 8) == "qwen3-8b/q4_dim16_sink16.pt"
+    assert gate_file("meta-llama/Llama-3.1-8B-Instruct", 32, 8) == "llama-3.1-8b-instruct/q4_dim16_sink16.pt"
+
+
+@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding", "lukv", "fastkvzip"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     from kvbench.config import validate
     from tests.harness_fakes import compose

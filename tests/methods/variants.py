@@ -12,6 +12,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 KVZAP = os.path.join(FIXTURES, "kvzap_tiny")  # random surrogates in the hub's format for tiny_model's shapes
 QFILTER = os.path.join(FIXTURES, "qfilter_tiny")  # random Q-filters in the hub's format for tiny_model's shapes
 LUKV_CURVE = os.path.join(FIXTURES, "lukv_tiny", "curve.npy")  # an LU-KV budget curve [99, 2, 2] for tiny_model
+FASTKVZIP = os.path.join(FIXTURES, "fastkvzip_tiny", "q2_dim16_sink16.pt")  # random gates, kvpress's format
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -61,11 +62,13 @@ VARIANTS = [
     ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
                "merge_budget": 4}),
     ("merge", {"base": "tova", "decode": "cam", "compression_interval": 1, "compress_prompt": False}),  # CAMPress
+    ("fastkvzip", {"path": FASTKVZIP}),
+    ("fastkvzip", {"path": FASTKVZIP, "layerwise": True, "window_ratio": 0.1}),
     ("lukv", {"curve_path": LUKV_CURVE}),
     ("lukv", {"base": "qfilter", "base_options": {"path": QFILTER}, "curve_path": LUKV_CURVE, "sink": 0,
               "window": 3}),
     ("qfilter", {"path": QFILTER}),
-    ("qfilter", {"path": QFILTER, "decode": "evict"}),
+    ("qfilter", {"decode": "evict", "path": QFILTER}),
     ("decoding", {"compression_interval": 4}),
     ("decoding", {"base": "snapkv", "base_options": {"window": 8}, "head_adaptive": True, "compression_interval": 3}),
     ("kvzap", {"path": os.path.join(KVZAP, "mlp")}),
