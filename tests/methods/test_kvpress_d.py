@@ -373,6 +373,32 @@ def test_fastkvzip_keeps_fastkvzippress_tokens(hf, ids, hf_out, hub_gates, layer
         assert sum(map(len, want[0])) != sum(map(len, want[1]))
 
 
+def test_fastkvzip_keeps_an_uncompressed_question(hf, ids, hub_gates):
+    """keep_uncompressed (the query-agnostic protocol's question): the chunk is not evicted and adds to every
+    table; the context before it was compressed once."""
+    from kvbench.runtime.model.families import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+
+    path, _ = hub_gates
+    budget, ctx, question = 40, ids[:150].tolist(), ids[150:162].tolist()
+    method = build_method("fastkvzip", budget, path=str(path), layerwise=True)
+    engine = Engine(build_from_transformers(hf), method, block_size=16, num_blocks=256, prefill_chunk_size=64)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    before = engine.cache.lengths[slot].clone()
+    assert bool((before.sum(-1) == 2 * budget).all())
+    method.keep_uncompressed(slot, len(question))
+    engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
+    assert torch.equal(engine.cache.lengths[slot], before + len(question))
+    for layer in range(2):
+        for h in range(2):
+            n = int(engine.cache.lengths[slot, layer, h])
+            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
+                list(range(len(ctx), len(ctx) + len(question)))
+    engine.end_sequence(slot)
+    assert not method._held and not method._state
+
+
 def test_fastkvzip_hub_file_name_is_kvpresss():
     from kvbench.methods.fastkvzip import gate_file
 
