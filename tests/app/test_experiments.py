@@ -126,8 +126,8 @@ def test_kvpress_leaderboard_has_every_board_method():
 # kvpress's evaluation registry (evaluation/evaluate_registry.py @8bb29b9) by name -> kvbench's method, where kvbench
 # has it: each is a conf/method/<name>.yaml (method=<name>) and a row of kvpress_leaderboard. (kvpress's keydiff and
 # expected_attention rows are kvbench's keydiff / expected_attention rows over key_diff / adakv; the board's rows are
-# checked above.) Not here, with the reason in docs/methods.md: cam_adakv_snapkv, cam_streaming_llm,
-# decoding_streaming_llm, kvcompose, kvcompose_unstructured, RestoreKV, RestoreKV_plus.
+# checked above.) Not here, with the reason in docs/methods.md: cam_adakv_snapkv, kvcompose,
+# kvcompose_unstructured, RestoreKV, RestoreKV_plus.
 REGISTRY_ROWS = {
     "critical_snapkv": "criticalkv", "critical_expected_attention": "criticalkv",
     "critical_adakv_snapkv": "criticalkv", "critical_adakv_expected_attention": "criticalkv",
@@ -139,6 +139,7 @@ REGISTRY_ROWS = {
     "decoding_keydiff": "decoding", "decoding_adakv_snapkv": "decoding",
     "decoding_adakv_expected_attention_e2": "decoding",
     "cam_knorm": "merge", "cam_tova": "merge", "lukv": "lukv", "fastkvzip": "fastkvzip",
+    "decoding_streaming_llm": "decoding", "cam_streaming_llm": "merge",
 }
 
 
@@ -172,6 +173,8 @@ def test_kvpress_registry_rows_run_as_a_method_and_as_a_leaderboard_row(name):
               "merging_expected_attention": dict(base="expected_attention", base_options={"epsilon": 0.01}),
               "decoding_adakv_expected_attention_e2": dict(head_adaptive=True, base_options={"epsilon": 0.01}),
               "decoding_keydiff": dict(base="block_keydiff"), "cam_tova": dict(decode="cam", compress_prompt=False),
+              "decoding_streaming_llm": dict(base="sink_recent"),
+              "cam_streaming_llm": dict(base="sink_recent", decode="cam", compress_prompt=False),
               "snap_think": dict(base="snapkv", key_channel_compression_ratio=0.5),
               "duo_attention_on_the_fly": dict(on_the_fly=True, sinks=128, decode="none", prefill_mode="paper"),
               "lukv": dict(base="expected_attention", base_options={"epsilon": 0.02}, sink=4, window=1)}

@@ -373,6 +373,45 @@ def test_fastkvzip_keeps_fastkvzippress_tokens(hf, ids, hf_out, hub_gates, layer
         assert sum(map(len, want[0])) != sum(map(len, want[1]))
 
 
+def streaming_llm_press_keep(n: int, ratio: float, n_sink: int = 4) -> set:
+    """kvpress StreamingLLMPress.compress: scores ones, zeros on [n_sink, n_sink + n_pruned), the top n_kept."""
+    n_kept = int(n * (1 - ratio))
+    scores = torch.ones(n)
+    scores[n_sink: n_sink + n - n_kept] = 0
+    return set(scores.topk(n_kept).indices.tolist())
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.9])
+def test_sink_recent_keeps_streamingllmpress_tokens(hf, ids, ratio):
+    kept, _ = kept_after_prefill(hf, ids, build_method("sink_recent", None, compression_ratio=ratio), 64)
+    for layer in range(2):
+        assert kept[layer] == [streaming_llm_press_keep(T, ratio)] * 2
+
+
+def test_decoding_over_sink_recent_keeps_sinks_and_the_newest(hf, ids):
+    """decoding_streaming_llm: DecodingPress(StreamingLLMPress) at target 200 every 4 steps keeps the 4 sinks and
+    the newest 196 tokens at each compression (the ratio kvpress derives gives exactly the target)."""
+    from kvbench.runtime.model.families import build_from_transformers
+    from kvbench.runtime.serving.engine import Engine
+
+    method = build_method("decoding", 200, base="sink_recent", compression_interval=4)
+    at_end, inner = {}, method.on_sequence_end
+
+    def on_sequence_end(slot):
+        for layer in range(engine.cache.num_layers):
+            lengths = engine.cache.lengths[slot, layer]
+            at_end[layer] = [set(engine.cache.positions[slot, layer, h, : int(lengths[h])].tolist())
+                             for h in range(lengths.shape[0])]
+        inner(slot)
+
+    method.on_sequence_end = on_sequence_end
+    engine = Engine(build_from_transformers(hf), method, block_size=16, num_blocks=512, prefill_chunk_size=64)
+    engine.generate([ids.tolist()], max_new_tokens=19)  # 18 fed tokens: compressions at steps 4, 8, 12, 16
+    n = T + 18  # tokens seen; the last compression at step 16 kept 200, then 2 more arrived
+    want = set(range(4)) | set(range(T + 16 - 196, T + 16)) | {T + 16, T + 17}
+    assert at_end[0] == [want] * 2 and at_end[1] == [want] * 2 and len(want) == 202 and n == T + 18
+
+
 def test_fastkvzip_keeps_an_uncompressed_question(hf, ids, hub_gates):
     """keep_uncompressed (the query-agnostic protocol's question): the chunk is not evicted and adds to every
     table; the context before it was compressed once."""
@@ -406,7 +445,8 @@ def test_fastkvzip_hub_file_name_is_kvpresss():
     assert gate_file("meta-llama/Llama-3.1-8B-Instruct", 32, 8) == "llama-3.1-8b-instruct/q4_dim16_sink16.pt"
 
 
-@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding", "lukv", "fastkvzip"])
+@pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding", "lukv", "fastkvzip",
+                                  "sink_recent"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     from kvbench.config import validate
     from tests.harness_fakes import compose

@@ -40,6 +40,8 @@ HOST_BOUND = {
     "qfilter-decode=evict-path": "token-level eviction every step (Q-filter scores, top-k)",
     "merge-base=tova-decode=cam-compression_interval=1-compress_prompt=False": "CaM merges and evicts every step",
     "decoding-compression_interval=4": "token-level compression every `compression_interval` steps",
+    "decoding-base=sink_recent-compression_interval=4": "token-level compression every `compression_interval` steps",
+    "sink_recent-n_sink=2-decode=evict": "token-level eviction every step (the oldest non-sink token)",
     "decoding-base=snapkv-base_options={'window': 8}-head_adaptive=True-compression_interval=3":
         "head-adaptive compression every `compression_interval` steps",
 }
