@@ -17,6 +17,8 @@ compression; ties: the later first) are merged, each into the `merge_budget` kep
 probability clamp(A_e / mean A_window, 0, 1) (A: the accumulated attention, per kv-head; a Bernoulli draw from
 `seed`) its value / (window size) is added to each of them, so a merged token's value is added whole. kvpress's
 defaults: compression_interval 512, merge_budget 32 (compression_interval=1 is the original per-step CaM).
+`compress_prompt=false` keeps the prompt whole (no MergingPress at prefill): decode="cam" is then kvpress's CAMPress
+alone (its registry rows cam_knorm, cam_tova: the budget is CAMPress's target_size, 2048).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import ClassVar, Optional
 import torch
 
 from kvbench.methods.base import register_method
-from kvbench.methods.checks import check_float, check_int
+from kvbench.methods.checks import check_bool, check_float, check_int
 from kvbench.methods.wrappers import ScorerWrapper
 from kvbench.runtime.contract import Observation
 
@@ -107,9 +109,11 @@ class Merge(ScorerWrapper):
     compression_interval: int = 512
     merge_budget: int = 32
     seed: Optional[int] = None
+    compress_prompt: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_bool(self.name, "compress_prompt", self.compress_prompt)
         check_float(self.name, "similarity_threshold", self.similarity_threshold, 0.0, 1.0)
         check_float(self.name, "merge_fraction", self.merge_fraction, 1e-9, 1.0)
         check_int(self.name, "compression_interval", self.compression_interval, 1)
@@ -132,10 +136,20 @@ class Merge(ScorerWrapper):
     def observes_in_decode(self) -> bool:
         return self.decode == "cam" or self.inner.observes_in_decode()
 
+    @property
+    def compresses_prompt(self) -> bool:
+        """False: the prompt is kept whole (kvpress CAMPress: compression while decoding only)."""
+        return bool(self.compress_prompt)
+
+    def budget_holds(self, slot: int, layer: int) -> bool:
+        """Whether (slot, layer) is bounded by the budget: after its prompt's compression, or without one once CaM
+        merged while decoding (before that it holds the whole prompt)."""
+        return self.compress_prompt or bool(self._state.get((slot, layer), {}).get("cam_compressed", False))
+
     # --- prefill: kvpress MergingPress ------------------------------------------------------------
     def evict_prefill(self, obs: Observation, budget: int) -> None:
         lengths = obs.table_lengths()
-        if max(lengths) <= budget:
+        if max(lengths) <= budget or not self.compress_prompt:
             return
         keep = self.select(obs, budget)  # [H, n] the base's top tokens per kv-head
         self.keep_merged(obs, keep, [merged_values(obs.keys[h, :n], obs.values[h, :n], keep[h][keep[h] >= 0],
@@ -180,4 +194,4 @@ class Merge(ScorerWrapper):
         self.keep(obs, kept[None].expand(H, -1).contiguous())
         obs.cache.rewrite_tokens(obs.layer, obs.slot, values=values)
         obs.refresh()
-        st["cam_attn"], st["cam_steps"] = st["cam_attn"][:, kept], 0
+        st["cam_attn"], st["cam_steps"], st["cam_compressed"] = st["cam_attn"][:, kept], 0, True

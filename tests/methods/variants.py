@@ -10,6 +10,9 @@ import os
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 KVZAP = os.path.join(FIXTURES, "kvzap_tiny")  # random surrogates in the hub's format for tiny_model's shapes
+QFILTER = os.path.join(FIXTURES, "qfilter_tiny")  # random Q-filters in the hub's format for tiny_model's shapes
+LUKV_CURVE = os.path.join(FIXTURES, "lukv_tiny", "curve.npy")  # an LU-KV budget curve [99, 2, 2] for tiny_model
+FASTKVZIP = os.path.join(FIXTURES, "fastkvzip_tiny", "q2_dim16_sink16.pt")  # random gates, kvpress's format
 
 # (method, options): every registered method with its defaults, plus the main option variants
 VARIANTS = [
@@ -25,11 +28,15 @@ VARIANTS = [
     ("snapkv", {"decode": "rescore", "window": 8}),
     ("snapkv", {"decode": "window", "pooling": "maxpool", "kernel_size": 7}),
     ("key_diff", {}),
+    ("block_keydiff", {"block_size": 16}),
+    ("block_keydiff", {"decode": "evict"}),
     ("random", {"seed": 0}),
     ("knorm", {}),
     ("knorm", {"decode": "evict"}),
     ("rkv", {}),
     ("rkv", {"buffer": 4, "window": 4}),
+    ("observed_attention", {}),
+    ("observed_attention", {"decode": "evict"}),
     ("tova", {}),
     ("tova", {"decode": "evict", "heads": "per_head"}),
     ("expected_attention", {}),
@@ -54,6 +61,19 @@ VARIANTS = [
     ("merge", {}),
     ("merge", {"base": "snapkv", "base_options": {"window": 8}, "decode": "cam", "compression_interval": 1,
                "merge_budget": 4}),
+    ("merge", {"base": "tova", "decode": "cam", "compression_interval": 1, "compress_prompt": False}),  # CAMPress
+    ("fastkvzip", {"path": FASTKVZIP}),
+    ("fastkvzip", {"path": FASTKVZIP, "layerwise": True, "window_ratio": 0.1}),
+    ("lukv", {"curve_path": LUKV_CURVE}),
+    ("lukv", {"base": "qfilter", "base_options": {"path": QFILTER}, "curve_path": LUKV_CURVE, "sink": 0,
+              "window": 3}),
+    ("qfilter", {"path": QFILTER}),
+    ("qfilter", {"decode": "evict", "path": QFILTER}),
+    ("sink_recent", {}),
+    ("sink_recent", {"n_sink": 2, "decode": "evict"}),
+    ("decoding", {"base": "sink_recent", "compression_interval": 4}),
+    ("decoding", {"compression_interval": 4}),
+    ("decoding", {"base": "snapkv", "base_options": {"window": 8}, "head_adaptive": True, "compression_interval": 3}),
     ("kvzap", {"path": os.path.join(KVZAP, "mlp")}),
     ("kvzap", {"surrogate": "linear", "path": os.path.join(KVZAP, "linear"), "decode": "evict"}),
     ("dms", {"base_options": {"path": os.path.join(KVZAP, "mlp")}, "threshold": 0.0, "sliding_window_size": 8}),

@@ -164,7 +164,8 @@ def _methods_with_full_budget():
     # duo_attention's fixture patterns and kvzap's fixture surrogates are the tiny Llama's (2 layers); kvzip's own
     # passes span every layer (refused with sliding layers); think prunes key channels at every budget (ThinK at
     # ratio 0 equals full: tests/methods/test_think.py); dms over kvzap (its default base) needs kvzap's surrogates
-    skip = ("duo_attention", "kvzip", "kvzap", "think")
+    # qfilter's filters, lukv's curve and fastkvzip's gates are fixtures of the tiny Llama's shape too
+    skip = ("duo_attention", "kvzip", "kvzap", "think", "qfilter", "lukv", "fastkvzip")
     return [pytest.param(v, id=variant_id(v)) for v in VARIANTS
             if v[0] not in skip and not (v[0] == "dms" and "base" not in v[1])]
 

@@ -35,6 +35,15 @@ HOST_BOUND = {
         "token-level eviction every step (its base knorm's decode=evict)",
     "dms-base=knorm-threshold=-6.0-sliding_window_size=8-decode=evict":
         "a token judged by its threshold every step (the one leaving the window; tables compacted)",
+    "observed_attention-decode=evict": "token-level eviction every step (mean observed attention, top-k)",
+    "block_keydiff-decode=evict": "token-level eviction every step (KeyDiff over the table, top-k)",
+    "qfilter-decode=evict-path": "token-level eviction every step (Q-filter scores, top-k)",
+    "merge-base=tova-decode=cam-compression_interval=1-compress_prompt=False": "CaM merges and evicts every step",
+    "decoding-compression_interval=4": "token-level compression every `compression_interval` steps",
+    "decoding-base=sink_recent-compression_interval=4": "token-level compression every `compression_interval` steps",
+    "sink_recent-n_sink=2-decode=evict": "token-level eviction every step (the oldest non-sink token)",
+    "decoding-base=snapkv-base_options={'window': 8}-head_adaptive=True-compression_interval=3":
+        "head-adaptive compression every `compression_interval` steps",
 }
 
 
