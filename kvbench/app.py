@@ -17,6 +17,7 @@ opens and records the run folder, with every rank's figures.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import random
@@ -292,7 +293,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     # 5. record (bad input found during the run: recorded, then reported as one line by the caller, no summary)
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
     if load_model_fn is None and layout is None:  # the real model in one process: its figures make the next estimate
-        record_speed(record, s.runtime.threads, workload)
+        late = getattr(plan.task, "announced_workload", None)  # a task that knew its work after the load
+        record_speed(record, s.runtime.threads, workload if workload is not None else late)
     if usage_error is not None:
         raise usage_error
     if record["status"] != "ok" and print_summary:
@@ -317,7 +319,26 @@ def _announce(plan: RunPlan, record: dict, load_model_fn: Optional[Callable]) ->
         record["estimate_s"] = None if seconds is None else round(seconds, 2)
         age = process_age_s()
         record["announced_after_s"] = None if age is None else round(age, 2)
+    elif getattr(plan.task, "workload_known_late", False):
+        say(f"kvbench: {s.task_name}: the work is known once the task has read its data (after the model loads); "
+            "its estimate follows then", stream=sys.stdout)
     return workload
+
+
+def _announce_late(plan: RunPlan, record: dict, workload: Any) -> None:
+    """A task that knows its work only after the model loads (Task.workload_known_late) calls this with it: the
+    estimate of what remains (the model is loaded, the logger started), printed and added to the record's
+    estimate_s and the run's workload (the next runs' overhead figure)."""
+    s = plan.settings
+    speed = measured_speed(s.model.name, s.model.dtype, plan.device, s.runtime.threads)
+    say(plan_line(s.task_name, workload, speed, model_loaded=True), stream=sys.stdout)
+    seconds = estimate_seconds(workload, speed, True, s.task_name)
+    if seconds is not None:
+        record["estimate_s"] = round((record.get("estimate_s") or 0.0) + seconds, 2)
+    total = getattr(plan.task, "announced_workload", None)
+    plan.task.announced_workload = workload if total is None else dataclasses.replace(
+        total, prompts=total.prompts + workload.prompts, prompt_tokens=total.prompt_tokens + workload.prompt_tokens,
+        new_tokens=total.new_tokens + workload.new_tokens, exact=total.exact and workload.exact)
 
 
 # =========================================================================== 3. load
@@ -402,6 +423,7 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
     faults.reach("before_task")
     task = plan.task
     task.output_dir = output_dir  # where a task may save artifacts (e.g. the needle heatmap)
+    task.announce = lambda workload: _announce_late(plan, record, workload)
     hub_revisions_read(clear=True)
     result = task.run(engine, loaded.tokenizer, plan.settings, make_progress(plan.settings.progress))
     revision = hub_revisions_read(clear=True)  # the hub data read, by commit (absent for local or packaged data)

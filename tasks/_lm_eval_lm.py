@@ -17,6 +17,7 @@ from tqdm import tqdm
 from kvbench.runtime.model import distributed
 from kvbench.runtime.serving.scoring import Scorer
 from kvbench.tasks._generation import PerfMeter, decode, stop_token_ids
+from kvbench.tasks.base import Workload
 
 
 def int_option(value: Any, name: str) -> Optional[int]:
@@ -41,9 +42,10 @@ class EngineLM(TemplateLM):
     lm-eval's model_args)."""
 
     def __init__(self, engine: Any, tokenizer: Any, *, batch_size: Any = 1, max_length: Any = None,
-                 max_gen_toks: Any = 256, seed: Any = None, progress: Any = None):
+                 max_gen_toks: Any = 256, seed: Any = None, progress: Any = None, announce: Any = None):
         super().__init__()
         self.progress = progress  # kvbench's progress factory (tasks.base.make_progress) for its bars; None: tqdm
+        self.announce = announce  # called with a Workload when a batch of requests arrives (the run's estimate)
         self.engine, self.tokenizer = engine, tokenizer
         self.scorer = Scorer(engine)
         self._device = str(getattr(engine.model, "device", "cpu"))
@@ -96,6 +98,13 @@ class EngineLM(TemplateLM):
             return self.progress(total=total, desc=desc, unit="req")
         return tqdm(total=total, desc=desc, disable=disable)
 
+    def _announce(self, prompts: int, prompt_tokens: int, new_tokens: int, kind: str, n_requests: int,
+                  exact: bool = True) -> None:
+        """Tell the run what this batch of lm-eval requests will compute (the app prints its estimate)."""
+        if self.announce is not None and n_requests:
+            self.announce(Workload(prompts, prompt_tokens, new_tokens, f"lm-eval's {n_requests:,} {kind} requests",
+                                   "task.limit=N", exact=exact))
+
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         self.requests_served += len(requests)
@@ -109,6 +118,8 @@ class EngineLM(TemplateLM):
             if keep < 1:
                 raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
             groups.setdefault(tuple(list(ctx)[-keep:]), []).append(i)
+        self._announce(len(groups), sum(len(ctx) - 1 + sum(len(requests[i][2]) for i in idx)
+                                        for ctx, idx in groups.items()), 0, "loglikelihood", len(requests))
         bar = self._bar(len(requests), "kvbench loglikelihood", disable_tqdm)
         for ctx, idx in groups.items():
             conts = [list(requests[i][2]) for i in idx]
@@ -127,6 +138,9 @@ class EngineLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         self.requests_served += len(requests)
         out = []
+        texts = [r.args[0] for r in requests]
+        self._announce(len(texts), sum(len(self.tok_encode(t)) + 1 for t in texts), 0, "loglikelihood_rolling",
+                       len(texts))
         bar = self._bar(len(requests), "kvbench loglikelihood_rolling", disable_tqdm)
         for (string,) in [r.args for r in requests]:
             total = 0.0
@@ -150,6 +164,10 @@ class EngineLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
+        budgets = [int(normalize_gen_kwargs(dict(r.args[1]), self.max_gen_toks)["max_gen_toks"]) for r in requests]
+        self._announce(len(requests), sum(min(len(self.tok_encode(r.args[0])), max(1, self.max_length - n))
+                                          for r, n in zip(requests, budgets)), sum(budgets), "generate_until",
+                       len(requests), exact=False)
         bar = self._bar(len(requests), "kvbench generate_until", disable_tqdm)
         for idxs in groups.values():
             kwargs = dict(normalize_gen_kwargs(dict(requests[idxs[0]].args[1]), self.max_gen_toks))

@@ -170,6 +170,10 @@ class Task:
     name: ClassVar[str] = "base"
     # whether run() decodes through the engine's scheduler (Engine.generate / serve): what speculative decoding needs
     decodes: ClassVar[bool] = False
+    # whether the work is known only once the task has read its data after the model loads (lm_eval: lm-eval builds
+    # its requests then); such a task calls `self.announce(workload)` when it knows, and the app prints the estimate
+    workload_known_late: ClassVar[bool] = False
+    announce: Optional[Callable[["Workload"], None]] = None  # set by the app before run(); None: nothing printed
 
     @dataclass
     class Options:

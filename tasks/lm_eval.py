@@ -246,6 +246,7 @@ def quiet_lm_eval() -> Iterator[None]:
 @register_task("lm_eval")
 class LmEval(Task):
     Options = LmEvalOptions
+    workload_known_late = True  # lm-eval builds its requests (documents, few-shot contexts) after the model loads
 
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
         """Before the model loads: lm-eval must be installed (found without importing it)."""
@@ -269,7 +270,7 @@ class LmEval(Task):
             raise UserError(f"task=lm_eval needs lm-eval ({INSTALL_HINT}): {exc}") from None
         seed = seed_of(cfg)
         lm = EngineLM(engine, tokenizer, batch_size=batch_size_of(cfg),
-                      max_gen_toks=opts.max_gen_toks, seed=seed, progress=progress)
+                      max_gen_toks=opts.max_gen_toks, seed=seed, progress=progress, announce=self.announce)
         with quiet_lm_eval():  # lm-eval's logs and bars stay out of kvbench's output
             manager = TaskManager(include_path=[*(opts.include_path or []), str(BUNDLED_TASKS)],
                                   include_defaults=opts.include_defaults)

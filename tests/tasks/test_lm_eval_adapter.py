@@ -345,3 +345,41 @@ def test_lm_eval_output_stays_out_of_kvbench_output(tmp_path, capfd):
         assert noise not in out + err, (noise, out, err)
     logged = log_file.read_text()
     assert "Building contexts for kvbench_essays_mc" in logged and "Running loglikelihood requests" in logged
+
+
+@pytest.mark.parametrize("tasks", [["kvb_mc"], ["kvb_ppl"], ["kvb_gen"]])
+def test_announced_work_is_the_work_done(task_dir, tasks):
+    """lm-eval builds its requests after the model loads: the adapter announces each batch's work before computing
+    it, and the tokens it announces are the tokens it then scores (the estimate's input is the real work)."""
+    from kvbench.tasks._lm_eval_lm import EngineLM
+
+    announced = []
+    lm = EngineLM(tiny_engine(None, prefill_chunk_size=16), smollm2_tokenizer(), announce=announced.append)
+    _evaluate(lm, task_dir, tasks, limit=2)
+    assert len(announced) == 1
+    work = announced[0]
+    assert work.prompts >= 2 and lm.requests_served >= 2 and str(lm.requests_served) in work.what
+    if tasks == ["kvb_gen"]:  # generation: the prompts' tokens exactly, the generated ones as a bound
+        assert work.prompt_tokens == lm.meter.prefill_tokens and not work.exact
+        assert work.new_tokens == 2 * 6 >= lm.meter.decode_tokens
+    else:
+        assert work.prompt_tokens == lm.meter.prefill_tokens and work.new_tokens == 0 and work.exact
+
+
+def test_lm_eval_run_prints_its_estimate_once_the_work_is_known(task_dir, tmp_path, capsys, monkeypatch):
+    """task=lm_eval's first line says its work is known only after the load; the estimate follows, at the measured
+    rates, and goes to estimate_s."""
+    import kvbench.app as app
+    from kvbench.app import run
+
+    speed = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "runs": 3, "measured_at": "2026-12-07"}
+    monkeypatch.setattr(app, "measured_speed", lambda *args, **kwargs: dict(speed))
+    rec = run(run_cfg(tmp_path, ["task=lm_eval", f"task.include_path={task_dir}", "task.include_defaults=false",
+                                 "task.tasks=[kvb_mc]", "task.limit=2", "runtime.prefill_chunk_size=16"]),
+              load_model_fn=tiny_loader(), print_summary=False)
+    assert rec["status"] == "ok", rec["error"]
+    out = capsys.readouterr().out
+    assert "kvbench: lm_eval: the work is known once the task has read its data" in out
+    line = next(x for x in out.splitlines() if "loglikelihood requests" in x)
+    assert "about" in line and "100.0 prefill" in line and "shorten with task.limit=N" in line
+    assert rec["estimate_s"] > 0
