@@ -71,3 +71,20 @@ def test_longrope_equals_transformers_up_to_its_original_positions_and_stops_the
     hub_style = {"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
                  "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}
     assert exact_positions(hub_style) == 4096  # Phi-4-mini's config.json
+
+
+def test_a_prompt_past_the_models_positions_is_refused():
+    """A prompt longer than max_position_embeddings (SCBench hub rows of 9,054 tokens on an 8,192-position model ran
+    with status ok) is a ValueError naming the limit; at the limit it runs. StreamingLLM's re-indexed positions
+    stay inside the cache: exempt."""
+    from kvbench.methods import build_method
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model(max_positions=64)
+    engine = Engine(model, block_size=8, num_blocks=256)
+    with pytest.raises(ValueError, match="a prompt of 65 tokens passes the model's 64 positions"):
+        engine.generate([list(range(5, 70))], max_new_tokens=1)
+    assert len(engine.generate([list(range(5, 69))], max_new_tokens=1)[0].token_ids) == 1
+    reindexed = build_method("streaming_llm", 32, position_mode="reindex")
+    out = Engine(model, reindexed, block_size=8, num_blocks=256).generate([list(range(5, 90))], max_new_tokens=1)
+    assert out[0].finish_reason != "failed"
