@@ -13,7 +13,8 @@ different data (one line).
 
 Runs are paired by the hash of their result-determining config without the code version
 (kvbench.reporting.runs.pair_key); runs left over are paired on the config keys both sides know (a newer version
-that adds a setting with its default still pairs; the keys ignored are listed). For each pair, every metric BASE
+that adds a setting with its default still pairs; the keys ignored are listed, escaped; a pair made so where one side
+records a data or method-file identity the other lacks is inconclusive). For each pair, every metric BASE
 has a number for is compared:
 - a score (ppl, nll, accuracy, score, score_<dataset>, rouge_*, lm-eval accuracies) is judged by the 95% interval
   of its change NEW - BASE (kvbench.reporting.judge): a bootstrap over the runs' samples.jsonl (per-sample scores;
@@ -25,7 +26,8 @@ has a number for is compared:
     ok / better   the interval rules out a change the size of --min-effect (better: the whole of it improves);
     inconclusive  the interval holds both no change and --min-effect (a short run cannot tell): never PASS.
   ppl and nll are judged on one scale (log perplexity) and always get one verdict. A score that is missing, null,
-  NaN or inf in NEW where BASE had a number is a regression.
+  NaN or inf in NEW where BASE had a number is a regression; one null, NaN or inf in BASE where NEW has a number
+  is inconclusive (never left out).
 - a speed (prefill/decode/output/total tokens per second, requests per second; ttft_s, tpot_s, e2e_s and their
   percentiles) is shown with its change in % and NOT gated by default: a loss of more than --max-slowdown of the
   speed prints a warning line. With --gate-speed it is a regression. The loss is one scale for rates and latencies
@@ -48,7 +50,7 @@ has a number for is compared:
 Runs present on one side only are listed; the summary line counts the runs missing in NEW. Nothing paired, or an empty or missing NEW, is bad input: one line,
 exit 2, never PASS. Prints the verdict as Markdown (every metric compared, per run: base, new, change, its 95%
 interval, the min effect, the interval's source, verdict; text from the records escaped), writes the same as JSON
-with --json. Exit codes: 0 pass, 1 a regression (whatever else), 2 bad input, 3 inconclusive (no regression, but a
+with --json (a file path: a folder is bad input, before anything is printed). Exit codes: 0 pass, 1 a regression (whatever else), 2 bad input, 3 inconclusive (no regression, but a
 score the data cannot resolve: run longer, or set --min-effect to the change that matters).
 """
 from __future__ import annotations
@@ -235,6 +237,23 @@ def missing_samples(name: str, base: dict, new: dict) -> Optional[dict]:
                 note=f"samples missing in NEW: {what} (BASE has {len(base_samples)})")
 
 
+def unjudged_scores(name: str, base: dict, new: dict) -> list[dict]:
+    """An inconclusive row per score that BASE records without a number (null, NaN, inf) and NEW has a number for:
+    nothing to judge NEW's value against, so the gate can never pass on it (a NEW ppl of 1e6 is not left out)."""
+    bm, nm = base["metrics"], new["metrics"]
+    nonfinite = bm.get("nonfinite_metrics") if isinstance(bm.get("nonfinite_metrics"), dict) else {}
+    rows = []
+    for key in sorted(set(bm) | set(nonfinite)):
+        if metric_kind(key) != "score" or _number(bm.get(key)) is not None or _number(nm.get(key)) is None:
+            continue
+        why = _why_not_a_number(bm, key)
+        rows.append(_row(name, base, new, key, "score", base=why, new=_number(nm.get(key)),
+                         source="BASE has no number", verdict="inconclusive",
+                         note=f"{key} is {why} in BASE and {_fmt(_number(nm.get(key)))} in NEW: not judged "
+                              "(rerun BASE)"))
+    return rows
+
+
 def compare_pair(base: dict, new: dict, limits: Optional[Limits] = None, name: Optional[str] = None) -> list[dict]:
     """One row per compared metric of a paired run (see _row): verdict ok | better | warning | regression."""
     limits = limits or Limits()
@@ -258,6 +277,7 @@ def compare_pair(base: dict, new: dict, limits: Optional[Limits] = None, name: O
             row = _judge_metric(name, base, new, key, b, limits)
             if row is not None:
                 rows.append(row)
+    rows += unjudged_scores(name, base, new)
     one_verdict(rows)  # ppl and nll of one run: one verdict
     return rows
 
@@ -276,6 +296,7 @@ def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optio
     rows: list[dict] = []
     for key in paired:
         rows.extend(compare_pair(base_runs[key], new_runs[key], limits, name=names[key]))
+        rows.extend(identity_unknown(names[key], base_runs[key], new_runs[key]))
     for key in sorted(set(new_runs) - set(base_runs), key=lambda k: names[k]):
         run = new_runs[key]
         if run["metrics"].get("status") != "ok":
@@ -310,6 +331,25 @@ def compare(base_runs: dict[str, dict], new_runs: dict[str, dict], limits: Optio
             "warnings": [r for r in rows if r["verdict"] == "warning"], "rows": rows, "ignored_keys": ignored,
             "corrupt_new": [list(c) for c in corrupt_new], "corrupt_base": [list(c) for c in corrupt_base],
             "limits": vars(limits), **only}
+
+
+# Keys of the result config that say which data and method files a run read (kvbench.reporting.runs): a side that
+# lacks one cannot be shown to have read the same inputs, so a pair made without it is never a pass.
+IDENTITY_KEYS = ("data_revision", "data_sha256", "method_files_sha256")
+
+
+def identity_unknown(name: str, base: dict, new: dict) -> list[dict]:
+    """An inconclusive row when a pair was made on the shared keys and one side records a data or method-file
+    identity (hub revision, local data digest, method files digest) that the other lacks."""
+    in_base, in_new = ({k.split(".")[0] for k in result_keys(run)} for run in (base, new))
+    keys = sorted(k for k in in_base ^ in_new if k in IDENTITY_KEYS)
+    if not keys:
+        return []
+    sides = ", ".join(f"{k} in {'BASE' if k in in_base else 'NEW'} only" for k in keys)
+    return [_row(name, base, new, "inputs", "identity", base=None, new=None, source="paired on the shared keys",
+                 verdict="inconclusive",
+                 note=f"{sides}: the two runs may have read different data or method files, so their scores are "
+                      "not a comparison of one setting (rerun BASE with this version)")]
 
 
 def pair_on_shared_keys(base_runs: dict[str, dict], new_runs: dict[str, dict]) -> tuple[dict, dict, list[str]]:
@@ -388,7 +428,7 @@ def _interval(row: dict) -> str:
 
 def _line(row: dict) -> str:
     """One line naming a regression, an inconclusive score or a warning: the run, the metric, what happened."""
-    if row["kind"] in ("status", "corrupt", "missing", "samples") or isinstance(row["new"], str) or \
+    if row["kind"] in ("status", "corrupt", "missing", "samples", "identity") or isinstance(row["new"], str) or \
             (row["tolerance"] is None and row["note"]):
         what = _escape(row["note"])  # NEW's error text among others: never a link, an image or a line break
     elif row["kind"] == "speed":
@@ -404,7 +444,7 @@ def _line(row: dict) -> str:
     return f"{_escape(row['run'])}: {what}"
 
 
-KIND_ORDER = {"status": 0, "corrupt": 0, "missing": 0, "samples": 0, "score": 1, "failures": 2, "memory": 3, "speed": 4}
+KIND_ORDER = {"status": 0, "corrupt": 0, "missing": 0, "samples": 0, "identity": 0, "score": 1, "failures": 2, "memory": 3, "speed": 4}
 VERDICT_MARK = {"regression": "REGRESSION", "inconclusive": "INCONCLUSIVE", "warning": "warning", "better": "better",
                "ok": "ok"}
 GATE_MARK = {"pass": "**PASS**", "regression": "**FAIL**", "inconclusive": "**INCONCLUSIVE**"}
@@ -449,7 +489,7 @@ def to_markdown(verdict: dict, base_label: str, new_label: str) -> str:
                          f"{VERDICT_MARK.get(r['verdict'], r['verdict'])} |")
     if verdict.get("ignored_keys"):
         lines += ["", "Paired without the config keys that only one side has: "
-                  + ", ".join(f"`{k}`" for k in verdict["ignored_keys"])]
+                  + ", ".join(_escape(k) for k in verdict["ignored_keys"])]
     for side, label in (("only_base", f"Only in {base_label}"), ("only_new", f"Only in {new_label}")):
         if verdict[side]:
             lines += ["", f"{_escape(label)} ({len(verdict[side])}):",
@@ -498,6 +538,17 @@ def _check_limits(args: argparse.Namespace) -> None:
                         f"({args.rel_tol:g}): a smaller effect than float noise can never be resolved")
 
 
+def check_json_path(path: str) -> None:
+    """--json must name a file in an existing, writable folder: one line before anything is compared or printed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(path) or path.endswith(os.sep):
+        raise UserError(f"--json {path!r} is a folder: give a file path (e.g. verdict.json)")
+    if not os.path.isdir(folder):
+        raise UserError(f"--json {path!r}: no folder {folder!r}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UserError(f"--json {path!r}: not writable")
+
+
 def load_run_folder(path: str, name: str) -> dict:
     """One run folder (its metrics.json and config.yaml) as a run record; one-line UserError when it is not one."""
     if not os.path.isdir(path):
@@ -521,6 +572,8 @@ def pair_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not math.isfinite(args.min_effect) or args.min_effect < 0:
         raise UserError(f"invalid --min-effect={args.min_effect!r}: expected a number >= 0")
+    if args.json is not None:
+        check_json_path(args.json)
     run_a, run_b = (load_run_folder(path, name) for path, name in zip(args.pair, ("RUN_A", "RUN_B")))
     if args.metric is not None and not stats.is_score(args.metric):
         raise UserError(f"--metric {args.metric!r} is not a score: choices are the scores the runs recorded ("
@@ -546,6 +599,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.new is None and not (args.base_commit and args.new_commit):
         raise UserError("give two results folders (BASE NEW), or one folder with --base-commit and --new-commit")
     _check_limits(args)
+    if args.json is not None:
+        check_json_path(args.json)
     if not os.path.isdir(new_folder):
         raise UserError(f"no results folder {new_folder!r} (NEW)")
     corrupt_base = corrupt_runs(args.base)
@@ -566,7 +621,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     label = (lambda folder, commit: folder + (f"@{commit}" if commit else ""))
     print(to_markdown(verdict, label(args.base, args.base_commit), label(new_folder, args.new_commit)), end="")
     if args.json:
-        write_json(args.json, verdict)
+        try:
+            write_json(args.json, verdict)
+        except OSError as exc:  # checked above; a folder that changed since then
+            raise UserError(f"--json {args.json!r}: cannot write ({exc.strerror or exc})") from None
     return {"pass": EXIT_PASS, "regression": EXIT_REGRESSION, "inconclusive": EXIT_INCONCLUSIVE}[verdict["gate"]]
 
 

@@ -46,6 +46,8 @@ GEMMA = ("gemma2", "gemma3_text", "gemma3")
 # class natively: kvbench loads the native class (it never passes trust_remote_code), so the custom code never runs
 NATIVE_DESPITE_AUTO_MAP = ("deepseek_v2",)
 HONOURED_LAYER_TYPES = ("full_attention", "sliding_attention")  # kvbench.runtime.model.attention_types
+# the model types whose transformers attention reads layer_types (attention_types.LAYER_TYPES_FAMILIES)
+LAYER_TYPES_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
 
 
 def _is_int(value: Any) -> bool:
@@ -93,12 +95,56 @@ def check_config(cfg: Any, where: str, supported: Iterable[str]) -> None:
     if cfg.get("mlp_bias"):
         raise UserError(f"{where}: mlp_bias=true in config.json: kvbench's forward has no MLP biases")
     _check_window(cfg, where)
+    _check_rope(cfg, where)
+
+
+def rope_settings(cfg: dict) -> list[dict]:
+    """The RoPE settings of a config.json (`rope_parameters` in transformers 5, `rope_scaling` before; Gemma 3's
+    one per layer type), each a dict with its `rope_type` (or older `type`)."""
+    out = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key)
+        if not isinstance(value, dict):
+            continue
+        nested = [v for v in value.values() if isinstance(v, dict)]
+        out += nested if nested and not ("rope_type" in value or "type" in value) else [value]
+    return out
+
+
+def _rope_type(params: dict) -> str:
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def exact_positions(cfg: dict) -> Optional[int]:
+    """The positions up to which kvbench's RoPE is transformers' for this config.json: max_position_embeddings,
+    except longrope (Phi-3.5 / Phi-4-mini), whose short factors kvbench applies everywhere while transformers
+    switches the whole forward to the long factors once a position passes original_max_position_embeddings:
+    runs stop at that length (refused before the load by the tasks' position checks)."""
+    limit = cfg.get("max_position_embeddings")
+    for params in rope_settings(cfg):
+        if _rope_type(params) == "longrope":
+            original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+            if _is_int(original) and original >= 1:
+                limit = original if limit is None else min(limit, original)
+    return limit
+
+
+def _check_rope(cfg: dict, where: str) -> None:
+    """Refuse a RoPE kvbench does not compute as transformers does: dynamic NTK scaling (transformers rescales the
+    frequencies with each forward's sequence length past max_position_embeddings; kvbench's tables are fixed)."""
+    for params in rope_settings(cfg):
+        if _rope_type(params) == "dynamic":
+            raise UserError(f"{where}: rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented: "
+                            f"kvbench's RoPE tables are fixed, transformers rescales them with the sequence length; "
+                            f"supported: default, linear, llama3, yarn, longrope (up to "
+                            f"original_max_position_embeddings)")
 
 
 def _check_window(cfg: dict, where: str) -> None:
     """Refuse an attention window kvbench cannot honour (see the module docstring); the others run as the model's."""
     window = cfg.get("sliding_window")
-    types = cfg.get("layer_types") or []
+    # layer_types as transformers reads them: only in the families whose attention class does (else ignored)
+    types = (cfg.get("layer_types") or []) if cfg["model_type"] in LAYER_TYPES_FAMILIES else []
     bad = sorted({str(t) for t in types if t not in HONOURED_LAYER_TYPES})
     if bad:
         raise UserError(f"{where}: layer_types {bad} in config.json cannot be honoured; kvbench runs "

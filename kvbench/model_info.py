@@ -25,7 +25,7 @@ from kvbench.runtime.cache.kv_geometry import block_bytes, element_bytes, pool_b
 from kvbench.runtime.model.attention_types import layer_windows_from_hf
 from kvbench.runtime.model.model_files import cached_hub_config, is_hub_id, read_gguf_header
 from kvbench.runtime.serving.engine import DEFAULT_KV_MEMORY_BYTES
-from kvbench.model_checks import check_config, check_gguf_architecture, check_weights
+from kvbench.model_checks import check_config, check_gguf_architecture, check_weights, exact_positions
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
 from kvbench.spec import FULL_PRECISION
 
@@ -124,7 +124,7 @@ def _shape_from_hf(cfg: dict) -> ModelShape:
     heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
     return ModelShape(int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or heads), int(head_dim),
-                      cfg.get("max_position_embeddings"), model_type, windows)
+                      exact_positions(cfg), model_type, windows)  # longrope: its original positions (model_checks)
 
 
 def _layer_windows(cfg: dict) -> tuple:

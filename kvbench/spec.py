@@ -317,6 +317,11 @@ def method_uses_budget(name: str) -> bool:
     return method_evicts(name) or bool(getattr(METHODS.get(name), "retrieves", False))
 
 
+def method_retrieves(name: str) -> bool:
+    """Whether method `name` reads selected blocks in decode steps (`Method.retrieves`: quest)."""
+    return name in METHODS and bool(getattr(METHODS.get(name), "retrieves", False))
+
+
 def check_retrieval_storage(method_name: str, quant_name: str) -> None:
     """A retrieval method (quest) bounds keys cached after RoPE: a codec that stores keys before RoPE (kvquant) is
     refused; the others (kivi, int8, fp8) keep page summaries of the keys as their blocks decode."""

@@ -10,7 +10,9 @@ weights it could have), averaged over the window and the query heads of a kv-hea
 score + 1 (always kept). Each kv-head keeps its int(T x (1 - ratio)) best tokens (the budget), or with
 `chunk_length` max(1, int(len x (1 - ratio))) per chunk of that many tokens. With `rerotate_keys` (default) the kept
 keys are re-rotated to positions 0..n-1 in their order (kvpress's KeyRerotationPress.rerotate_keys): the cache's keys
-and positions are rewritten (cache.rewrite_tokens); later tokens keep their own positions, as in kvpress.
+and positions are rewritten (cache.rewrite_tokens); later tokens keep their own (original) positions. NOT as
+kvpress: its pipeline continues generation at the compressed length (n, n + 1, ...) after FinchPress and
+KeyRerotationPress (issue 68 item 6, open: the NLL and greedy output after the prompt differ from kvpress's).
 Prefill only (decode="none").
 """
 from __future__ import annotations

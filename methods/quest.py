@@ -10,7 +10,8 @@ speculative verification) read every page, as in the official code.
 `budget` here is the tokens READ per decode step per query head (Quest's token_budget), not tokens kept: nothing
 is evicted. With `evict=<method>`, an eviction method runs underneath with its own budget (`evict_budget`, tokens
 KEPT per kv-head) and options (`evict_options`): "evict at prefill, retrieve at decode" (RocketKV's shape), e.g.
-`method=quest budget=512 method.evict=snapkv method.evict_budget=2048`. Over a storage codec (`quant=kivi`, int8,
+`method=quest budget=512 method.evict=snapkv method.evict_budget=2048` (a threshold rule, dms, takes no
+evict_budget: its threshold goes in evict_options). Over a storage codec (`quant=kivi`, int8,
 fp8; not kvquant, whose keys are stored before RoPE) the pages are the codec's blocks, summarized as they decode.
 
 Where this differs from the official evaluation code (and why):
@@ -18,7 +19,8 @@ Where this differs from the official evaluation code (and why):
     pages. Here the selection is the same per query head; by default (`gqa=union`) a kv-head's kernel reads the
     union of its query heads' pages once and every head of the group attends over that union (a superset of its
     own pages). `gqa=per_head` is the official rule exactly: one table per query head, each head attending over
-    its own pages only (the fused CPU step, the op-by-op kernels and codec pools run both). Equal for G = 1.
+    its own pages only (the fused CPU step, the op-by-op kernels and codec pools run both). Equal for G = 1. The
+    bytes read count each kv-head's distinct pages once under both rules (the union is the pages read).
   - The page count is min(max(3, budget // block_size), pages held). The official code first clamps the budget to
     the sequence length (`min(kv_seq_len, token_budget)`), which drops one page whenever the budget covers a
     context that is not a whole number of pages: here a budget that covers every page reads every page (equal to
@@ -83,7 +85,12 @@ class Quest(Method):
         if self.evict not in METHODS.names() or not METHODS[self.evict].evicts:
             choices = ", ".join(n for n in METHODS.names() if METHODS[n].evicts)
             raise UserError(f"invalid quest.evict={self.evict!r}: choose an eviction method: {choices}")
-        if self.evict_budget is None:
+        if not getattr(METHODS[self.evict], "needs_budget", True):  # a threshold rule (dms): no count kept
+            if self.evict_budget is not None:
+                raise UserError(f"invalid quest.evict_budget={self.evict_budget!r}: quest.evict={self.evict} keeps "
+                                "what scores above its threshold (method.evict_options.threshold), not a count: "
+                                "leave method.evict_budget unset")
+        elif self.evict_budget is None:
             raise UserError(f"quest.evict={self.evict} needs method.evict_budget=N (tokens kept per kv-head; "
                             "budget is the tokens read per step)")
         if not isinstance(self.evict_options, dict):

@@ -34,6 +34,7 @@ from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_te
 from kvbench.errors import UserError
 from kvbench.model_info import kv_pool_tokens
 from kvbench.runtime.model import distributed
+from kvbench.spec import method_evicts, method_retrieves
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")
@@ -181,6 +182,42 @@ def _ppl(nll_sum: float, count: int) -> Optional[float]:
     return math.exp(mean) if mean < 700 else float("inf")
 
 
+def check_compression_acts(settings: Any, opts: PerplexityOptions) -> None:
+    """Refuse, before the model loads, a run whose compression no scored token would see (its perplexity would be
+    full attention's while the summary reports KV saved): the method compresses after each scoring chunk, so a
+    token is predicted from a compressed cache only in a chunk that starts after one that pushed the cache past
+    the budget (with compression_ratio: any chunk after the first). A retrieval method (quest) reads selected pages
+    in decode steps only, and scoring runs no decode step: refused on this task."""
+    name = getattr(settings, "method_name", None)
+    if name is None:
+        return
+    if method_retrieves(name):
+        raise UserError(f"method={name} reads selected pages in decode steps only, and task=perplexity scores "
+                        "every token in prefill chunks, which read every page: it would report full attention's "
+                        "perplexity; use a generation task (needle, ruler, longbench)")
+    budget, ratio = getattr(settings, "budget", None), getattr(settings, "compression_ratio", None)
+    if not method_evicts(name) or (budget is None and ratio is None):
+        return
+    chunk = opts.chunk_size or settings.runtime.prefill_chunk_size
+    knob = "task.chunk_size" if opts.chunk_size else "runtime.prefill_chunk_size"
+    T = opts.max_tokens
+    last_start = (T - 2) // chunk * chunk  # the last chunk that predicts a token starts here
+    if budget is not None and last_start <= budget:
+        if T - 2 <= budget:
+            raise UserError(f"budget={budget} with task.max_tokens={T}: the cache never holds more than the budget "
+                            f"before the last token is predicted, so no scored token sees a compressed cache; set "
+                            f"task.max_tokens above {budget + 2} or a smaller budget")
+        raise UserError(f"budget={budget} with task.max_tokens={T} and {knob}={chunk}: the method compresses after "
+                        f"each chunk, and no chunk that predicts a token starts past the budget, so the budget never "
+                        f"acts (the perplexity would be method=full's); set task.chunk_size to at most "
+                        f"{(T - 2) // 2 if (T - 2) // 2 > budget else budget + 1} or task.max_tokens above "
+                        f"{(budget // chunk + 1) * chunk + 1}")
+    if budget is None and last_start == 0:
+        raise UserError(f"compression_ratio={ratio} with task.max_tokens={T} and {knob}={chunk}: every token is "
+                        f"scored in the first chunk, before the method compresses anything (the perplexity would be "
+                        f"method=full's); set task.chunk_size below {T - 1} or task.max_tokens above {chunk + 1}")
+
+
 @register_task("perplexity")
 class Perplexity(Task):
     Options = PerplexityOptions
@@ -205,6 +242,7 @@ class Perplexity(Task):
                             columns=("text",), string_columns=("text",))
         elif opts.corpus in HUB_CORPORA:
             require_hub(f"task.corpus={opts.corpus}", "task.data_path")
+        check_compression_acts(settings, opts)
         if getattr(settings, "budget", None) is None and model_shape is not None:
             fit = kv_pool_tokens(settings, model_shape)
             if fit is not None and opts.max_tokens > fit:

@@ -45,6 +45,17 @@ CASES = [
     (["rerun=maybe"], "rerun='maybe'"),
     (["+bugdet=128"], ("unknown option bugdet: valid top-level options are", "did you mean budget?")),
     (["nope=1"], "unknown option nope: valid options are budget"),
+    # a compression no scored token of task=perplexity would see (issue 68)
+    (["method=snapkv", "budget=32", "task.max_tokens=256"],
+     "budget=32 with task.max_tokens=256 and task.chunk_size=256: the method compresses after each chunk"),
+    (["method=snapkv", "budget=32", "task.max_tokens=256", "task.chunk_size=null"],
+     "budget=32 with task.max_tokens=256 and runtime.prefill_chunk_size=512"),
+    (["method=snapkv", "budget=300", "task.max_tokens=256", "task.chunk_size=64"],
+     "budget=300 with task.max_tokens=256: the cache never holds more than the budget"),
+    (["method=snapkv", "compression_ratio=0.5", "task.max_tokens=200"],
+     "compression_ratio=0.5 with task.max_tokens=200 and task.chunk_size=256: every token is scored in the first"),
+    (["method=quest", "budget=64"], "method=quest reads selected pages in decode steps only"),
+    (["method=quest", "budget=64", "task.chunk_size=1"], "method=quest reads selected pages in decode steps only"),
     # runtime
     (["runtime.block_size=0"], "invalid runtime.block_size=0"),
     (["runtime.block_size=x"], "invalid runtime.block_size='x': expected an integer"),
@@ -66,6 +77,10 @@ CASES = [
     (["model.path={empty}"], "empty folder"),
     (["model.path={textfile}"], "notes.txt"),
     (["model.path={gguf}"], "broken.gguf"),
+    # RoPE kvbench does not compute as transformers does (issue 68)
+    (["model.path={dynrope}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
+    (["model.path={dynrope5}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
+    (["model.path={longrope}", "task=needle", "task.lengths=[512]"], "exceed the model's 256 positions"),
     (["+model.nme=x"], "model.nme"),
     # logger
     (["logger.mode=sometimes"], "invalid logger.mode='sometimes'"),
@@ -405,7 +420,12 @@ def paths(tmp_path, tiny_llama_dir):
         "fewlayers": {"num_hidden_layers": 4}, "badtype": {"model_type": "gpt2"},
         "kvzero": {"num_key_value_heads": 0}, "negpos": {"max_position_embeddings": -1},
         "oddhidden": {"hidden_size": 66}, "custom": {"auto_map": {"AutoModelForCausalLM": "m.M"}},
-        "window": {"model_type": "mistral", "sliding_window": 0}}.items()}
+        "window": {"model_type": "mistral", "sliding_window": 0},
+        "dynrope": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        "dynrope5": {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+        "longrope": {"max_position_embeddings": 4096,  # a Llama with Phi-3.5's RoPE (transformers runs it)
+                     "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                         "long_factor": [4.0] * 8, "original_max_position_embeddings": 256}}}.items()}
     return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -638,3 +639,58 @@ def test_an_11_task_score_is_never_paired_with_a_13_task_one(tmp_path):
     ruler_run(tmp_path / "c", ALL13, 60.0)  # the same tasks: compared as before
     (row,) = [r for r in verdict_of(tmp_path / "a", tmp_path / "c")["rows"] if r["metric"] == "score"]
     assert row["verdict"] == "ok" and row["note"] == ""
+
+
+# --------------------------------------------------------------------------- issue 68: cases that passed in silence
+def _one_document_with(path, **metrics):
+    s = fx.ppl_samples([3.2648], tokens=1024, windows=16)
+    base = {"ppl": math.exp(3.2648), "nll": 3.2648, "peak_kv_bytes": 4_718_592, "prefill_tokens_per_s": 194.62}
+    return fx.write_run(str(path), fx.config(task_options={"max_tokens": 1025}), {**base, **metrics}, s)
+
+
+def test_a_data_revision_on_one_side_only_is_inconclusive_and_says_why(tmp_path):
+    """NEW read hub data at a recorded revision that BASE does not record: paired on the shared keys, but never a
+    PASS (the data may differ); the same revision on both sides passes."""
+    _one_document_with(tmp_path / "a")
+    _one_document_with(tmp_path / "b", data_revision=f"THUDM/LongBench@{'a' * 40}")
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == compare.EXIT_INCONCLUSIVE, proc.stdout
+    assert "INCONCLUSIVE" in proc.stdout and "data_revision in NEW only" in proc.stdout
+    assert run_cli(tmp_path / "b", tmp_path / "a").returncode == compare.EXIT_INCONCLUSIVE  # BASE only: the same
+    _one_document_with(tmp_path / "c", data_revision=f"THUDM/LongBench@{'a' * 40}")
+    assert run_cli(tmp_path / "b", tmp_path / "c").returncode == compare.EXIT_PASS
+
+
+@pytest.mark.parametrize("base_value", [None, float("nan")])
+def test_a_score_base_has_no_number_for_is_inconclusive_never_left_out(tmp_path, base_value):
+    """BASE's ppl null (or NaN) and NEW's 1e6: not left out of the gate (it passed before); both null: nothing to
+    judge, the pair passes."""
+    _one_document_with(tmp_path / "a", ppl=base_value, nll=base_value)
+    _one_document_with(tmp_path / "b", ppl=1e6, nll=math.log(1e6))
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == compare.EXIT_INCONCLUSIVE, proc.stdout
+    shown = "null" if base_value is None else "NaN"
+    assert f"ppl is {shown} in BASE and 1,000,000 in NEW" in proc.stdout
+    _one_document_with(tmp_path / "c", ppl=base_value, nll=base_value)
+    assert run_cli(tmp_path / "a", tmp_path / "c").returncode == compare.EXIT_PASS
+
+
+def test_a_config_key_holding_html_is_escaped_in_the_paired_without_line(tmp_path):
+    _one_document_with(tmp_path / "a")
+    s = fx.ppl_samples([3.2648], tokens=1024, windows=16)
+    fx.write_run(str(tmp_path / "b"), fx.config(task_options={"max_tokens": 1025, "<img src=x onerror=alert(1)>": 1}),
+                 {"ppl": math.exp(3.2648), "nll": 3.2648, "peak_kv_bytes": 4_718_592, "prefill_tokens_per_s": 194.62},
+                 s)
+    proc = run_cli(tmp_path / "a", tmp_path / "b")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("Paired without"))
+    assert "\\<img src=x onerror=alert(1)\\>" in line and not re.search(r"(?<!\\)[<>]", line)  # no raw tag
+
+
+def test_json_naming_a_folder_is_one_line_before_anything_is_printed(tmp_path):
+    make_folder(tmp_path / "a")
+    for bad, needle in ((tmp_path, "is a folder"), (tmp_path / "nope" / "v.json", "no folder")):
+        proc = run_cli(tmp_path / "a", tmp_path / "a", "--json", bad)
+        assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+        assert needle in proc.stderr and proc.stderr.count("\n") == 1
+    proc = run_cli_process(tmp_path / "a", tmp_path / "a", "--json", tmp_path)
+    assert proc.returncode == 2 and "PASS" not in proc.stdout and "Traceback" not in proc.stderr

@@ -183,3 +183,28 @@ def test_text_file_perplexity_matches_transformers(tmp_path):
     ref = math.exp(float(nll))
     assert rec["num_tokens"] == n - 1
     assert abs(rec["ppl"] - ref) / ref < 0.005, (rec["ppl"], ref)
+
+
+def test_the_refusal_boundary_is_where_a_budget_starts_to_act(tmp_path):
+    """task.max_tokens=256, task.chunk_size=64 on the tiny model through app.run: the last chunk that predicts a token
+    starts at 192. budget=192 is refused before the load (scored, it would equal full's ppl: checked with the
+    refusal bypassed); budget=191 runs and its ppl differs from full's."""
+    from kvbench import app
+    from kvbench.tasks import perplexity as ppl_task
+    from tests.fixtures.task_fixtures import run_cfg, tiny_loader
+
+    opts = ["task.max_tokens=256", "task.chunk_size=64", "task.num_documents=1", "method=streaming_llm"]
+    with pytest.raises(UserError, match="budget=192 with task.max_tokens=256 and task.chunk_size=64"):
+        app.run(run_cfg(tmp_path / "a", opts + ["budget=192"]), load_model_fn=tiny_loader(), print_summary=False)
+    full = app.run(run_cfg(tmp_path / "b", ["task.max_tokens=256", "task.chunk_size=64", "task.num_documents=1"]),
+                   load_model_fn=tiny_loader(), print_summary=False)
+    acts = app.run(run_cfg(tmp_path / "c", opts + ["budget=191"]), load_model_fn=tiny_loader(), print_summary=False)
+    assert acts["status"] == "ok" and acts["ppl"] != pytest.approx(full["ppl"], rel=1e-9)
+    original = ppl_task.check_compression_acts
+    try:
+        ppl_task.check_compression_acts = lambda settings, opts: None
+        idle = app.run(run_cfg(tmp_path / "d", opts + ["budget=192"]), load_model_fn=tiny_loader(),
+                       print_summary=False)
+    finally:
+        ppl_task.check_compression_acts = original
+    assert idle["ppl"] == pytest.approx(full["ppl"], rel=1e-6)

@@ -55,17 +55,33 @@ class BlockSummaries:
     def update(self, rows: torch.Tensor, k: torch.Tensor) -> None:
         """Keys k [n, D] were written at flat pool rows `rows` [n] (block = row // block_size): fold them into their
         blocks' summaries; a block written at its slot 0 starts afresh (its earlier contents belong to whoever held
-        the id before)."""
-        bs = self.block_size
-        blocks = rows // bs
-        lo, hi = round_down_half(k), round_up_half(k)
-        # a key written at slot 0 replaces its block's summary (no shape depends on a value: no host read; the other
-        # rows' copies land in the scratch block, whose summary nothing reads)
-        target = torch.where(rows % bs == 0, blocks, SCRATCH_BLOCK)
-        self.summary.index_copy_(0, target, torch.stack([lo, hi], dim=1))
-        idx = blocks[:, None].expand(-1, self.head_dim)
-        self.summary[:, 0].scatter_reduce_(0, idx, lo, "amin")  # include_self: earlier slots of the block count
-        self.summary[:, 1].scatter_reduce_(0, idx, hi, "amax")
+        the id before). Touches the written blocks only: O(n log n), whatever the pool's size (a scatter-reduce
+        into the pool-sized summary costs time in proportion to the pool on CPU: seconds per step on a large one)."""
+        bs, D = self.block_size, self.head_dim
+        n = rows.numel()
+        if n == 0:
+            return
+        blocks, order = torch.sort(rows // bs, stable=True)  # [n]: the rows of one block side by side
+        lo, hi = round_down_half(k[order]), round_up_half(k[order])  # [n, D]
+        fresh = (rows[order] % bs == 0).to(torch.int32)  # [n] the row starts its block afresh
+        # one local segment per written block (no shape depends on a value: no host read)
+        starts = torch.ones(n, dtype=torch.bool, device=rows.device)
+        starts[1:] = blocks[1:] != blocks[:-1]
+        seg = torch.cumsum(starts, 0) - 1  # [n] segment of each row, 0 .. segments-1
+        seg_block = torch.full((n,), SCRATCH_BLOCK, dtype=blocks.dtype, device=rows.device)
+        seg_block.scatter_(0, seg, blocks)  # [n] each segment's block; unused segments: the scratch block
+        seg_fresh = torch.zeros(n, dtype=torch.int32, device=rows.device).index_add_(0, seg, fresh) > 0
+        idx = seg[:, None].expand(-1, D).contiguous()  # [n, D] (an expanded index takes a slow CPU path)
+        seg_lo = torch.full((n, D), float("inf"), dtype=SUMMARY_DTYPE, device=rows.device)
+        seg_lo.scatter_reduce_(0, idx, lo, "amin")  # [n, D] min of the segment's new keys
+        seg_hi = torch.full((n, D), float("-inf"), dtype=SUMMARY_DTYPE, device=rows.device)
+        seg_hi.scatter_reduce_(0, idx, hi, "amax")
+        held = self.summary[seg_block]  # [n, 2, D] the blocks' summaries so far (earlier slots count)
+        keep = ~seg_fresh[:, None]
+        seg_lo = torch.where(keep, torch.minimum(seg_lo, held[:, 0]), seg_lo)
+        seg_hi = torch.where(keep, torch.maximum(seg_hi, held[:, 1]), seg_hi)
+        # unused segments all write the scratch block, whose summary nothing reads
+        self.summary.index_copy_(0, seg_block, torch.stack([seg_lo, seg_hi], dim=1))
 
     def recompute(self, keys: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> None:
         """Summaries of every block of the tables `table` [H, MB] (lengths [H]) from their keys [H, MB, bs, D] as

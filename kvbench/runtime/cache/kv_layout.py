@@ -20,7 +20,7 @@ from kvbench.runtime import huge_pages
 from kvbench.runtime.cache.append_plan import AppendPlan
 from kvbench.runtime.cache.block_pool import BlockPool
 from kvbench.runtime.cache.kv_geometry import SCRATCH_BLOCK, SCRATCH_BLOCKS, blocks_for_tokens
-from kvbench.runtime.cache.page_retrieval import select_pages, select_pages_per_head
+from kvbench.runtime.cache.page_retrieval import kv_head_selection, select_pages, select_pages_per_head
 
 
 class FullPrecisionLayout:
@@ -87,6 +87,8 @@ class FullPrecisionLayout:
                                    device=tables.device)
         out, _ = backend.attend(q, self.k_pool, self.v_pool, tables, lengths, no_positions, plan.query_positions,
                                 scale, causal=False)
+        if self.page_retrieval.per_head:  # a block two query heads of a kv-head read counts once
+            tables, lengths = kv_head_selection(tables, lengths, self.num_kv_heads, self.block_size)
         return out, self.selection_read_bytes(tables, lengths)
 
     def selection_read_bytes(self, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -106,3 +106,22 @@ def select_pages_per_head(q: torch.Tensor, summary: torch.Tensor, tables: torch.
     lengths_q = lengths[:, :, None].expand(S, H, G).reshape(S, Hq)
     block_len = (lengths_q[..., None] - col * block_size).clamp(0, block_size)  # [S, Hq, MB]
     return sel_tables, (block_len * chosen).sum(-1).to(torch.int64)
+
+
+def kv_head_selection(tables: torch.Tensor, lengths: torch.Tensor, num_kv_heads: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks each kv-head's query heads read in a per-query-head selection (select_pages_per_head's tables
+    [S, Hq, k], lengths [S, Hq]), each block once: (tables [S, H, G * k] int32, the distinct blocks first, then
+    SCRATCH_BLOCK; lengths [S, H] = distinct blocks x block_size). What the read figures count: a block two query
+    heads of one kv-head pick is one block of that kv-head's cache. No host read."""
+    S, Hq, k = tables.shape
+    H = num_kv_heads
+    G = Hq // H
+    big = torch.iinfo(torch.int32).max
+    held = torch.arange(k, device=tables.device) < ((lengths + block_size - 1) // block_size)[..., None]
+    ids = torch.where(held, tables.to(torch.int32), big).view(S, H, G * k).sort(-1).values
+    dup = torch.zeros_like(ids, dtype=torch.bool)
+    dup[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.where(dup, big, ids).sort(-1).values  # distinct ids first
+    n = (ids != big).sum(-1)  # [S, H]
+    return torch.where(ids == big, SCRATCH_BLOCK, ids).to(torch.int32), (n * block_size).to(torch.int64)

@@ -63,7 +63,7 @@ from kvbench.runtime import huge_pages
 from kvbench.runtime.backends import triton as triton_backend
 from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan, PagedKVCache
 from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens, kv_elements
-from kvbench.runtime.cache.page_retrieval import select_pages, select_pages_per_head
+from kvbench.runtime.cache.page_retrieval import kv_head_selection, select_pages, select_pages_per_head
 from kvbench.runtime.cache.quantized_packing import PackedStorage
 from kvbench.runtime.cache.quantized_pool import RoutedBlockPool
 from kvbench.runtime.cache.quantized_reading import PackedReading
@@ -192,6 +192,8 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
             key_positions=torch.zeros(S, 1, H, U * self.block_size, dtype=torch.int32,
                                       device=tables.device).expand(S, L, H, U * self.block_size))
         out, _ = self.attend(layer, q, view, scale, backend=backend, causal=False)
+        if self.page_retrieval.per_head:  # a block two query heads of a kv-head read counts once
+            tables, lengths = kv_head_selection(tables, lengths, self.num_kv_heads, self.block_size)
         return out, self.selection_read_bytes(tables, lengths)
 
     def peak_kv_bytes(self) -> int:

@@ -27,6 +27,10 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 HONOURED_LAYER_TYPES = (FULL, SLIDING)
 # model types whose config has no layer_types and whose `sliding_window` (when set) applies to every layer
 WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
+# model types whose transformers attention reads `layer_types` (transformers 5: Qwen2/3, Gemma 2/3, GPT-OSS); the
+# others' classes ignore the key (Llama and DeepSeek-V2 have no sliding layers, Mistral and Phi-3 slide every layer
+# by `sliding_window`), so a config.json that carries it runs as transformers runs it: without it
+LAYER_TYPES_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,12 @@ class LayerAttention:
 
 def layer_windows_from_hf(hc: Any) -> list[Optional[int]]:
     """The window of each of a transformers config's layers (None: full attention), as its eager forward applies
-    them: `layer_types` where the config has them (sliding_attention -> sliding_window), else Mistral's or Phi-3's
-    `sliding_window` on every layer (its v0.1 configs), else none. ValueError for a layer type kvbench cannot
-    honour (chunked attention, ...)."""
+    them: `layer_types` where the config has them and the family's transformers class reads them
+    (LAYER_TYPES_FAMILIES; sliding_attention -> sliding_window), else Mistral's or Phi-3's `sliding_window` on every
+    layer (its v0.1 configs), else none. ValueError for a layer type kvbench cannot honour (chunked attention, ...)."""
     L = hc.num_hidden_layers
     window = getattr(hc, "sliding_window", None)
-    types = getattr(hc, "layer_types", None)
+    types = getattr(hc, "layer_types", None) if getattr(hc, "model_type", None) in LAYER_TYPES_FAMILIES else None
     if types:
         bad = sorted({t for t in types if t not in HONOURED_LAYER_TYPES})
         if bad:

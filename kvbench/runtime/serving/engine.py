@@ -384,6 +384,7 @@ class Engine:
                           on_token=on_token, lookahead=self.speculator.lookahead if self.speculator else 1,
                           swap=self.swap, preemption=self.preemption, on_swap_out=self._on_swap_out,
                           fork=self.fork_sequence)
+        self._check_positions(requests)
         gen = torch.Generator(device="cpu")
         if seed is not None:
             gen.manual_seed(seed)
@@ -410,6 +411,19 @@ class Engine:
             sched.release_all()
             raise
         return sched.outcome()
+
+    def _check_positions(self, requests: list[Request]) -> None:
+        """A prompt longer than the model's max_position_embeddings is refused (ValueError: the run fails, named),
+        never run at positions the model was not built for (its config's RoPE scaling is already in that limit).
+        A method that re-indexes positions inside the cache (StreamingLLM's rope_mode) is exempt."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if not limit or getattr(self.method, "rope_mode", "original") != "original":
+            return
+        longest = max((len(r.prompt) for r in requests), default=0)
+        if longest > limit:
+            raise ValueError(f"a prompt of {longest:,} tokens passes the model's {limit:,} positions "
+                             f"(max_position_embeddings, RoPE scaling included): shorten the contexts (task.length, "
+                             f"task.max_tokens, task.lengths) or use a model with more positions")
 
     def _run(self, batch: StepBatch, temperature: float, top_p: float, gen: torch.Generator) -> dict[int, int]:
         """One scheduled step as one ragged forward; {segment index: sampled token} for each segment in batch.emit

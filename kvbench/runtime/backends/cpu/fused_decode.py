@@ -119,7 +119,10 @@ class FusedDecodeStep(FusedDecode):
         sel = self.pages.selected_lengths[layers]  # [n, S, H] (per_head: [n, S, Hq])
         # one sum over every retrieving layer: a per-layer loop of small numpy / torch ops costs a step measurably
         reads.scored(int(((held + bs - 1) // bs).sum()) * c.summaries.bytes_per_block)
-        reads.read(int(((sel + bs - 1) // bs).sum()) * c.kv_block_bytes)
+        if self.cache.page_retrieval.per_head:  # a block two query heads of a kv-head read is read once
+            reads.read(int(self.pages.kv_head_blocks[layers].sum()) * c.kv_block_bytes)
+        else:
+            reads.read(int(((sel + bs - 1) // bs).sum()) * c.kv_block_bytes)
 
 
 def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,

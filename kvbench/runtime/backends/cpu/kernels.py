@@ -219,7 +219,7 @@ def load_kernel():
     lib.vector_width.argtypes, lib.vector_width.restype = [], i32
     lib.set_phase_clock.argtypes, lib.set_phase_clock.restype = [p], None
     lib.phase_count.argtypes, lib.phase_count.restype = [], i32
-    lib.page_select_team.argtypes = [p, i64, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32, i32, p]
+    lib.page_select_team.argtypes = [p, i64, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32, i32, p, p]
     lib.page_select_team.restype = None
     _lib = lib
     return lib
@@ -537,7 +537,8 @@ class PageSelect(ctypes.Structure):
     _fields_ = [("summary", ctypes.c_void_p), ("pages", ctypes.c_void_p), ("sel_tables", ctypes.c_void_p),
                 ("sel_lengths", ctypes.c_void_p), ("bounds", ctypes.c_void_p), ("chosen", ctypes.c_void_p),
                 ("U", ctypes.c_int64), ("MB", ctypes.c_int64), ("T", ctypes.c_int64), ("chunk", ctypes.c_int64),
-                ("scores", ctypes.c_void_p), ("partials", ctypes.c_void_p), ("per_head", ctypes.c_int64)]
+                ("scores", ctypes.c_void_p), ("partials", ctypes.c_void_p), ("per_head", ctypes.c_int64),
+                ("kv_blocks", ctypes.c_void_p)]
 
     @classmethod
     def of(cls, summary: torch.Tensor, pages: list[int], M: int, H: int, G: int, D: int, MB: int, bs: int,
@@ -556,6 +557,7 @@ class PageSelect(ctypes.Structure):
         keep = dict(summary=summary, pages=torch.tensor(pages, dtype=torch.int32),
                     sel_tables=torch.zeros(M, tables, U, dtype=torch.int32),
                     sel_lengths=torch.zeros(L, M, tables, dtype=torch.int64),
+                    kv_blocks=torch.zeros(L, M, H, dtype=torch.int64),  # per_head: distinct blocks per kv-head
                     bounds=torch.empty(M, H, 2 * G, MB, dtype=torch.float32),
                     chosen=torch.empty(M, H, G, MB, dtype=torch.uint8),
                     scores=torch.empty(M, tables, group, T, dtype=torch.float32),
@@ -569,11 +571,17 @@ class PageSelect(ctypes.Structure):
         k = self._keep
         self.pages = k["pages"].data_ptr() + first * k["pages"].element_size()
         self.sel_lengths = k["sel_lengths"][first].data_ptr()
+        self.kv_blocks = k["kv_blocks"][first].data_ptr()
 
     @property
     def selected_lengths(self) -> torch.Tensor:
         """[L, M, H] tokens each layer's selections held (this step; dense layers: untouched)."""
         return self._keep["sel_lengths"]
+
+    @property
+    def kv_head_blocks(self) -> torch.Tensor:
+        """[L, M, H] per_head: the distinct blocks each kv-head's query heads read (this step)."""
+        return self._keep["kv_blocks"]
 
 
 def select_pages_c(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -594,7 +602,7 @@ def select_pages_c(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor,
     lens = lengths.to(torch.int64).contiguous()
     sel_len = torch.zeros(S, Hq if per_head else H, dtype=torch.int64)
     lib.page_select_team(qc.data_ptr(), Hq * D, ctypes.addressof(ps), tab.data_ptr(), H * MB, MB, 1, lens.data_ptr(), H,
-                         1, S, H, G, D, block_size, pages, sel_len.data_ptr())
+                         1, S, H, G, D, block_size, pages, sel_len.data_ptr(), None)
     return ps._keep["sel_tables"].clone(), sel_len
 
 

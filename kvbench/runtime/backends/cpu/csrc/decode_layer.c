@@ -103,8 +103,9 @@ void decode_layers_f32(
             /* per_head: one table per query head, read as Hq kv-heads of one query head each */
             const int Ht = ps->per_head ? H * G : H, Gt = ps->per_head ? 1 : G;
             int64_t *sel_len = ps->sel_lengths + (int64_t)l * M * Ht;
+            int64_t *kv_blocks = ps->kv_blocks != NULL ? ps->kv_blocks + (int64_t)l * M * H : NULL;
             page_select_team(qkv, O_qkv, ps, tables + l * tab_sl, tab_ss, tab_sh, tab_sj, lengths + l * len_sl,
-                             len_ss, len_sh, (int)M, H, G, D, bs, pages, sel_len);
+                             len_ss, len_sh, (int)M, H, G, D, bs, pages, sel_len, kv_blocks);
             PHASE_END(PH_PAGE_SELECT);
             paged_decode_attention_team(qkv, O_qkv, k_pool, v_pool, ps->sel_tables, Ht * ps->U, ps->U, 1, sel_len,
                                         Ht, 1, (int)M, Ht, Gt, D, bs, scale, ps->T, (int)ps->chunk, attn, NULL,

@@ -222,11 +222,13 @@ typedef struct {
     int64_t chunk;
     float *scores, *partials;  /* the attention's scratch for that split */
     int64_t per_head;  /* 1: each query head attends over its own blocks (one table per query head), 0: the union */
+    int64_t *kv_blocks;  /* [L, M, H] per_head: the distinct blocks each kv-head's query heads read (out) */
 } page_select;
 /* fold key k (D floats) written at flat pool row `row` into its block's summary (slot 0 starts it afresh) */
 void page_summary_update(uint16_t *summary, const float *k, int64_t row, int bs, int D);
-/* the selection of one layer: sel_tables and sel_lengths ([M, H]) from q rows q_ss floats apart */
+/* the selection of one layer: sel_tables and sel_lengths ([M, H]) from q rows q_ss floats apart; per_head, also the
+ * distinct blocks of each kv-head's query heads into kv_blocks [M, H] (when not NULL) */
 void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const int32_t *tables, int64_t tab_ss,
                       int64_t tab_sh, int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
-                      int M, int H, int G, int D, int bs, int pages, int64_t *sel_lengths);
+                      int M, int H, int G, int D, int bs, int pages, int64_t *sel_lengths, int64_t *kv_blocks);
 #endif

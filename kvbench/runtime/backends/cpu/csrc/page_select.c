@@ -137,7 +137,7 @@ static void mark_top_k(const float *b, int64_t n, int64_t k, uint32_t *key, uint
 
 void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const int32_t *tables, int64_t tab_ss,
                       int64_t tab_sh, int64_t tab_sj, const int64_t *lengths, int64_t len_ss, int64_t len_sh,
-                      int M, int H, int G, int D, int bs, int pages, int64_t *sel_lengths)
+                      int M, int H, int G, int D, int bs, int pages, int64_t *sel_lengths, int64_t *kv_blocks)
 {
     const int64_t MB = ps->MB, U = ps->U, rows = (int64_t)M * H;
     const int64_t per_table = (MB + BOUND_BLOCKS - 1) / BOUND_BLOCKS;
@@ -216,6 +216,22 @@ void page_select_team(const float *q, int64_t q_ss, const page_select *ps, const
         }
         for (int64_t j = n; j < U; j++) out[j] = 0;  /* the scratch block, as select_pages */
         sel_lengths[o] = tokens;  /* [M, H] or [M, H * G]: o = m * H + kh (* G + g) */
+    }
+    team_end();
+    if (!ps->per_head || kv_blocks == NULL)
+        return;
+    /* 4. per_head: the blocks a kv-head's query heads read, each counted once (what the read figures count) */
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t m = r / H, kh = r % H, nb = (lengths[m * len_ss + kh * len_sh] + bs - 1) / bs;
+        const uint8_t *chosen = ps->chosen + r * G * MB;
+        int64_t n = 0;
+        for (int64_t j = 0; j < nb; j++) {
+            uint8_t any = 0;
+            for (int g = 0; g < G; g++) any |= chosen[g * MB + j];
+            n += any != 0;
+        }
+        kv_blocks[r] = n;
     }
     team_end();
 }
