@@ -586,3 +586,49 @@ def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"runtime.kv_memory_bytes=17179869184: 16.0 GiB is more than this "
                                         r"machine's 8.0 GiB of cuda:0 memory"):
         plan._check_memory(RuntimeConfig(kv_memory_bytes=16 * 2**30), "cuda:0", shape, "float16")
+
+
+# issue 68 ---------------------------------------------------------------------------------------------------------
+def _no_loading(monkeypatch):
+    import kvbench.app as app
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(app, "_load_model", no_loading)
+
+
+def _one_line(code, out, err, *needles):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+def test_a_user_file_registering_a_builtin_name_is_refused(cli, tmp_path, monkeypatch):
+    """methods/aaa_shadow.py registering "knorm" ran as knorm (same run id); now one line names both files."""
+    import importlib
+
+    from kvbench.methods import METHODS
+
+    METHODS.names()  # the built-ins registered first
+    (tmp_path / "shadow_pkg").mkdir()
+    (tmp_path / "shadow_pkg" / "__init__.py").write_text("")
+    (tmp_path / "shadow_pkg" / "aaa_shadow.py").write_text(
+        "from dataclasses import dataclass\nfrom kvbench.methods import ScorerMethod, register_method\n"
+        "@register_method('knorm')\n@dataclass\nclass Shadow(ScorerMethod):\n"
+        "    def score(self, obs):\n        return obs.keys.norm(dim=-1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _no_loading(monkeypatch)
+    try:
+        importlib.import_module("shadow_pkg.aaa_shadow")
+        code, out, err = cli(["method=knorm", "budget=64", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    finally:
+        METHODS._clashes.pop("knorm", None)
+        sys.modules.pop("shadow_pkg.aaa_shadow", None)
+    _one_line(code, out, err, "method 'knorm' is registered twice", str(tmp_path / "shadow_pkg" / "aaa_shadow.py"),
+              os.path.join("methods", "knorm.py"))
+    assert not (tmp_path / "r").exists()
