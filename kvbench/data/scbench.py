@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from kvbench.data.essays import essay_corpus_text
 from kvbench.data.hub import note_revision_read
+from kvbench.data_digest import visible_files
 
 GENERATED_TASKS = ("scbench_kv", "scbench_prefix_suffix", "scbench_vt", "scbench_multi_hop")
 # SCBench's released tasks, readable from files in the hub's format (eval_utils.DATA_NAME_TO_PATH)
@@ -128,7 +129,7 @@ def task_files(data_dir: Path, task: str) -> list[Path]:
         return [flat]
     folder = data_dir / task
     if folder.is_dir():
-        files = sorted(p for p in folder.rglob("*") if p.suffix in (".parquet", ".jsonl"))
+        files = visible_files(folder, (".parquet", ".jsonl"))  # the files the run's digest covers
         if files:
             return files
     raise FileNotFoundError(f"no {task}.jsonl or {task}/*.parquet|*.jsonl in {data_dir}")
