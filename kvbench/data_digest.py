@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from kvbench.registry import METHODS, source_file  # the methods load on first lookup, by name
+
 # The task options that name local data files, in the order they are hashed.
 DATA_FILE_OPTIONS = ("text_file", "data_path", "data_dir")
 _CHUNK = 1 << 20
@@ -249,8 +251,6 @@ def method_source_sha256(names: list) -> Optional[str]:
     """One digest over the source files of the registered methods `names` (the run's method and a wrapper's base):
     each class's own file and those of its base classes outside the runtime and the standard library, so a user's
     method file (or a built-in's) edited at the same path is another run. None when no name is registered."""
-    from kvbench.registry import METHODS, source_file  # the methods load on first lookup
-
     files: list[str] = []
     for name in names:
         try:

@@ -632,3 +632,55 @@ def test_a_user_file_registering_a_builtin_name_is_refused(cli, tmp_path, monkey
     _one_line(code, out, err, "method 'knorm' is registered twice", str(tmp_path / "shadow_pkg" / "aaa_shadow.py"),
               os.path.join("methods", "knorm.py"))
     assert not (tmp_path / "r").exists()
+
+
+KVZAP_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "kvzap_tiny", "mlp")
+
+
+def _surrogate_variant(tmp_path, name, spoil):
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(KVZAP_FIXTURE, folder)
+    spoil(folder)
+    return str(folder)
+
+
+def _nan_weights(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first].clone()
+    weights[first].view(-1)[0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+KVZAP_CASES = {  # name -> (spoil the fixture's copy, or None for a path as given; the line must contain)
+    "nan weights": (_nan_weights, "holds NaN or inf; retrain it"),
+    "truncated": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:100]),
+                  "is not in the hub's format"),
+    "corrupt config": (lambda f: (f / "config.json").write_text("{"), "is not in the hub's format"),
+    "no config": (lambda f: (f / "config.json").unlink(), "is not in the hub's format"),
+    "wrong dims": (lambda f: None, "does not fit the model's (hidden_size, kv_heads, layers)=(?, 3, 30)"),
+    "missing": (None, "no such folder, and not a hub id"),
+    "offline hub id": ("nvidia/KVzap-mlp-NoSuchModel", "cannot load the kvzap surrogate 'nvidia/KVzap-mlp-NoSuchModel'"),
+}
+
+
+@pytest.mark.parametrize("case", list(KVZAP_CASES))
+def test_a_bad_kvzap_surrogate_is_refused_before_the_model_loads(cli, tmp_path, monkeypatch, case):
+    """Surrogate faults ended as exit 1 after the load (a NaN surrogate ran): one line, exit 2, nothing loaded."""
+    spoil, needle = KVZAP_CASES[case]
+    if spoil is None:
+        path = str(tmp_path / "no-such-surrogate")
+    elif isinstance(spoil, str):
+        path = spoil
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        path = _surrogate_variant(tmp_path, "surrogate", spoil)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["method=kvzap", f"method.path={path}", "compression_ratio=0.5", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+    assert not (tmp_path / "r").exists()
