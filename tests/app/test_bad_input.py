@@ -684,3 +684,38 @@ def test_a_bad_kvzap_surrogate_is_refused_before_the_model_loads(cli, tmp_path, 
                           f"results_dir={tmp_path / 'r'}"])
     _one_line(code, out, err, needle)
     assert not (tmp_path / "r").exists()
+
+
+TRAIN_KVZAP_CASES = [
+    (["--n-tokens", "0"], "invalid --n-tokens 0: expected an integer >= 1"),
+    (["--n-texts", "0"], "invalid --n-texts 0: expected an integer >= 1"),
+    (["--batch-size", "0"], "invalid --batch-size 0: expected an integer >= 1"),
+    (["--hidden-dim", "0"], "invalid --hidden-dim 0: expected an integer >= 1"),
+    (["--max-epochs", "0"], "invalid --max-epochs 0: expected an integer >= 1"),
+    (["--lr", "nan"], "invalid --lr nan: expected a positive finite number"),
+    (["--lr", "-1"], "invalid --lr -1.0: expected a positive finite number"),
+    (["--min-tokens", "700", "--max-tokens", "600"], "invalid --min-tokens 700: above --max-tokens 600"),
+    (["--n-tokens", "400"], "invalid --n-tokens 400: must be below --min-tokens 400"),
+    (["--dtype", "int3"], "invalid --dtype 'int3': choices are float32, bfloat16, float16"),
+    (["--output-dir", "{file}"], "is a file; expected a folder"),
+]
+
+
+@pytest.mark.parametrize("args,needle", TRAIN_KVZAP_CASES, ids=[" ".join(c[0]) for c in TRAIN_KVZAP_CASES])
+def test_train_kvzap_refuses_degenerate_arguments_before_the_model_loads(tmp_path, monkeypatch, capsys, args, needle):
+    """`--n-tokens 0` wrote NaN surrogates with exit 0; `--output-dir FILE` ended in a traceback."""
+    from kvbench.methods import kvzap_train
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(kvzap_train, "load_model", no_loading)
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(file=tmp_path / "afile") for a in args]
+    out_dir = [] if "--output-dir" in args else ["--output-dir", str(tmp_path / "out")]
+    code = kvzap_train.main([*args, *out_dir])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvbench-train-kvzap: error: "), err
+    assert needle in lines[0], (needle, lines[0])
+    assert not (tmp_path / "out").exists()
