@@ -382,8 +382,9 @@ def check_threshold(method_options: dict, budget: Optional[int], compression_rat
     t = method_options.get("threshold")
     if t is None:
         return
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
-        raise UserError(f"invalid method.threshold={t!r}: expected a number (tokens scored below it are evicted)")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise UserError(f"invalid method.threshold={t!r}: expected a finite number (tokens scored below it are "
+                        f"evicted)")
     if budget is not None or compression_ratio is not None:
         knob = f"budget={budget}" if budget is not None else f"compression_ratio={compression_ratio}"
         raise UserError(f"method.threshold={t} and {knob} are both set: a threshold decides how much is kept; "

@@ -217,7 +217,7 @@ CASES = [
      "runtime.prefix_caching=true with method=adakv"),
     (["method=h2o", "budget=64", "runtime.prefix_caching=1"], "runtime.prefix_caching=true"),
     # threshold eviction (methods/dms.py) and KVzap
-    (["method=dms", "method.threshold=abc"], "invalid method.threshold='abc': expected a number"),
+    (["method=dms", "method.threshold=abc"], "invalid method.threshold='abc': expected a finite number"),
     (["method=dms", "method.threshold=-3", "budget=64"], "method.threshold=-3 and budget=64 are both set"),
     (["method=dms", "method.threshold=-3", "compression_ratio=0.5"],
      "method.threshold=-3 and compression_ratio=0.5 are both set"),
@@ -719,3 +719,50 @@ def test_train_kvzap_refuses_degenerate_arguments_before_the_model_loads(tmp_pat
     assert code == 2 and len(lines) == 1 and lines[0].startswith("kvbench-train-kvzap: error: "), err
     assert needle in lines[0], (needle, lines[0])
     assert not (tmp_path / "out").exists()
+
+
+KNOB_CASES = [  # issue 68, item 10: the line names the knob the user set, a threshold is finite
+    (["method=quest", "budget=64", "method.evict=snapkv", "method.evict_budget=-5"],
+     "invalid method.evict_budget=-5: expected an integer >= 1 or null"),
+    (["method=adakv", "budget=64", "+method.base_options.nonsense=1"],
+     "unknown option method.base_options.nonsense for method 'snapkv'"),
+    (["method=dms", "method.threshold=-4", "+method.base_options.nonsense=1"],
+     "unknown option method.base_options.nonsense for method 'kvzap'"),
+    (["method=quest", "budget=64", "method.evict=snapkv", "method.evict_budget=64",
+      "+method.evict_options.nonsense=1"], "unknown option method.evict_options.nonsense for method 'snapkv'"),
+    (["method=dms", "method.threshold=inf"], "invalid method.threshold=inf: expected a finite number"),
+    (["method=dms", "method.threshold=-inf"], "invalid method.threshold=-inf: expected a finite number"),
+    (["method=dms", "method.base=kvzap", "method.threshold=inf"],
+     "invalid method.threshold=inf: expected a finite number"),
+]
+
+
+@pytest.mark.parametrize("args,needle", KNOB_CASES, ids=[" ".join(c[0]) for c in KNOB_CASES])
+def test_the_line_names_the_knob_set(cli, tmp_path, monkeypatch, args, needle):
+    _no_loading(monkeypatch)
+    code, out, err = cli([*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_another_worker_is_running_does_not_exit_0(cli, tmp_path, monkeypatch):
+    """A second `python -m kvbench` of a run claimed by a live worker printed "skipping" and exited 0 with no
+    result; now it exits 1 with one line saying where the result will be."""
+    from kvbench.spec import hashable_config
+    from kvbench.store.claims import claim_run
+    from kvbench.store.naming import run_id_for
+    from tests.harness_fakes import compose
+
+    _no_loading(monkeypatch)
+    args = ["budget=64", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"]
+    run_dir = tmp_path / "r" / run_id_for(hashable_config(compose(args)))
+    claim, _ = claim_run(str(run_dir))  # the other worker, alive (this process) and running it
+    try:
+        code, out, err = cli(args)
+    finally:
+        claim.release()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1, (code, out, err)
+    assert len(lines) == 1 and "is being run by pid" in lines[0] and "not run here" in lines[0], err
+    assert str(run_dir) in lines[0]
+    assert not (run_dir / "metrics.json").exists()
