@@ -766,3 +766,17 @@ def test_a_run_another_worker_is_running_does_not_exit_0(cli, tmp_path, monkeypa
     assert len(lines) == 1 and "is being run by pid" in lines[0] and "not run here" in lines[0], err
     assert str(run_dir) in lines[0]
     assert not (run_dir / "metrics.json").exists()
+
+
+def test_truncated_model_weights_are_refused_before_the_load(cli, tmp_path, monkeypatch, tiny_llama_dir):
+    """A model.safetensors cut short (a copy or download interrupted) was found only by the load."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(tiny_llama_dir, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    _no_loading(monkeypatch)
+    code, out, err = cli(["model=hf", f"model.path={folder}", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, f"{str(weights)!r} is truncated: its header describes")
