@@ -780,3 +780,75 @@ def test_truncated_model_weights_are_refused_before_the_load(cli, tmp_path, monk
     _no_loading(monkeypatch)
     code, out, err = cli(["model=hf", f"model.path={folder}", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
     _one_line(code, out, err, f"{str(weights)!r} is truncated: its header describes")
+
+
+def _scbench_folder(tmp_path, name, files):
+    """A task.data_dir holding SCBench files in the hub's format: {relative path: [rows]} (a row given as text is
+    written as is)."""
+    root = tmp_path / name
+    for rel, rows in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(root)
+
+
+GOOD_ROW = {"id": 0, "context": "c", "multi_turns": [{"input": "q", "answer": "a"}]}
+SCBENCH_DATA_CASES = {  # name -> (files, extra overrides, the line must contain)
+    "bad row past row 50": ({"scbench_kv.jsonl": [GOOD_ROW] * 59 + [{"id": 59, "context": "c"}]}, ["task.limit=null"],
+                            "scbench_kv.jsonl, row 60: no 'multi_turns' field"),
+    "bad row in a second file": ({"scbench_kv/part-0.jsonl": [GOOD_ROW],
+                                  "scbench_kv/part-1.jsonl": [{**GOOD_ROW, "context": 5}]}, [],
+                                 "part-1.jsonl, row 1: field 'context' is not text"),
+    "lone surrogate": ({"scbench_kv.jsonl": ['{"id": 0, "context": "c\\ud800", "multi_turns": '
+                                             '[{"input": "q", "answer": "a"}]}']}, [],
+                       "field 'context' holds a lone surrogate character (U+D800) at character 1"),
+    "empty question": ({"scbench_kv.jsonl": [{**GOOD_ROW, "multi_turns": [{"input": " ", "answer": "a"}]}]},
+                       ["task.mode=multi_request"], "multi_turns[0]: field 'input' is empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCBENCH_DATA_CASES))
+def test_scbench_hub_rows_are_all_checked_before_the_load(cli, tmp_path, monkeypatch, case):
+    files, extra, needle = SCBENCH_DATA_CASES[case]
+    data_dir = _scbench_folder(tmp_path, "scb", files)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["task=scbench", "task.source=hub", f"task.data_dir={data_dir}", "task.tasks=[kv]", *extra,
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+
+
+def test_a_limit_reads_and_checks_only_its_rows(tmp_path):
+    from kvbench.data import scbench as sd
+
+    data_dir = _scbench_folder(tmp_path, "scb", {"scbench_kv.jsonl": [GOOD_ROW, {"id": 1, "context": "c"}]})
+    sd.check_file(data_dir, "scbench_kv", limit=1)  # row 2 is never read
+    with pytest.raises(ValueError, match="row 2: no 'multi_turns' field"):
+        sd.check_file(data_dir, "scbench_kv")
+
+
+GENERATED_SCBENCH_CASES = [  # refused only after the load (task.turns=100000: 4 GB and 242 s first)
+    (["task.turns=100000"], "invalid task.length=4096: scbench_kv's 100000 turns generate up to"),
+    (["task.length=512", "task.tasks=[kv]"], "invalid task.length=512: scbench_kv's 5 turns generate up to 750"),
+]
+
+
+@pytest.mark.parametrize("args,needle", GENERATED_SCBENCH_CASES, ids=[" ".join(c[0]) for c in GENERATED_SCBENCH_CASES])
+def test_generated_scbench_too_short_for_its_turns_is_refused_before_the_load(cli, tmp_path, monkeypatch, args,
+                                                                              needle):
+    _no_loading(monkeypatch)
+    code, out, err = cli(["task=scbench", *args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+
+
+def test_every_job_of_a_sweep_is_checked_before_job_1_runs(cli, tmp_path, monkeypatch):
+    """`-m` over a good surrogate and a NaN one ran job 1 (loading the model) before refusing job 2."""
+    from kvbench.methods.kvzap_surrogate import KVzapSurrogate
+
+    good = tmp_path / "good"
+    KVzapSurrogate(576, 3, 30, 8).save(good)  # fits the packaged SmolLM2 (hidden 576, 3 kv-heads, 30 layers)
+    bad = _surrogate_variant(tmp_path, "nan", _nan_weights)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["-m", "method=kvzap", f"method.path={good},{bad}", "compression_ratio=0.5",
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "holds NaN or inf")
+    assert not (tmp_path / "r").exists() or not [p for p in (tmp_path / "r").iterdir() if p.is_dir()]
