@@ -58,6 +58,7 @@ CASES = [
     (["runtime.attention_backend=fast"], "invalid runtime.attention_backend='fast': choices are auto, torch"),
     (["+runtime.blocks=3"], "runtime.blocks"),
     (["+runtime.threds=2"], "unknown option runtime.threds"),
+    (["runtime.speculative=abc"], "invalid runtime.speculative='abc': expected its options"),  # was AttributeError
     # model
     (["model.dtype=int3"], "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
     (["model.device=tpu"], "invalid model.device='tpu'"),
