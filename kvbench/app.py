@@ -200,7 +200,7 @@ def _repair_once(results_dir: str) -> None:
         say(f"kvbench: runs.jsonl lacked {n} finished run(s) of {results_dir}; added", stream=sys.stdout)
 
 
-def _in_sweep() -> bool:
+def in_sweep() -> bool:
     """Whether this process runs a Hydra sweep (`-m`): its table sets the runs side by side."""
     return "-m" in sys.argv or "--multirun" in sys.argv
 
@@ -491,7 +491,7 @@ def _finish(folder: RunFolder, record: dict, samples: list, logger: WandbLogger,
     logger.log_result(record, samples)
     logger.finish(failed=record["status"] != "ok")
     if print_summary:
-        say(format_summary(record, folder.path, next_step=not _in_sweep()), stream=sys.stdout)
+        say(format_summary(record, folder.path, next_step=not in_sweep()), stream=sys.stdout)
     else:
         RUN_LOG.info(format_summary(record, folder.path))
     return record

@@ -103,6 +103,10 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict) or self.speculative is None:
             self.speculative = _build(SpeculativeConfig, "runtime.speculative", dict(self.speculative or {}))
+        elif not isinstance(self.speculative, SpeculativeConfig):  # runtime.speculative=abc: a section, not a value
+            names = ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
+            raise UserError(f"invalid runtime.speculative={self.speculative!r}: expected its options "
+                            f"(runtime.speculative.<option>=...: {names})")
         if self.preemption not in PREEMPTION_MODES:
             raise UserError(f"invalid runtime.preemption={self.preemption!r}: choices are {', '.join(PREEMPTION_MODES)}"
                             f"{did_you_mean(str(self.preemption), PREEMPTION_MODES)}")

@@ -2,6 +2,8 @@
 
     data_sha256(task_options) -> "<64 hex>" or None
     method_files_sha256(method_options) -> "<64 hex>" or None
+    model_files_sha256(model_options) -> "<64 hex>" or None     the model's config, tokenizer and weights
+    method_source_sha256([method name, ...]) -> "<64 hex>" or None     the method's own source files
 
 The run id covers the config; a file named in the config (`task.text_file`, `task.data_path`, `task.data_dir`) can
 change at the same path, so its content is hashed too (kvbench.spec.hashable_config adds the digest as
@@ -10,7 +12,8 @@ also recorded in config.yaml and metrics.json (`data_sha256`), so pandas and kvb
 the data apart.
 
 - a file: sha256 over its bytes; a folder (or a zip, hashed as a file): every regular file under it, in sorted
-  relative-path order, each as its path, size and sha256 (hidden files and folders, such as `.cache/`, skipped);
+  relative-path order, each as its path, size and sha256 (hidden files and folders, such as `.cache/`, skipped: the
+  loaders list folders with `visible_files`, which skips the same names, so a file they read is a file hashed);
 - several options naming files: one digest over all of them, each under its option name;
 - values that name no local file (null, `kvbench:smoke`, a hub id, a path that does not exist) add nothing: the
   task's preflight refuses a missing path; packaged data is identified by its package's version (recorded with
@@ -22,8 +25,13 @@ places that name a run (Hydra's run folder, the plan) read each file once.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import sys
+from pathlib import Path
 from typing import Any, Optional
+
+from kvbench.registry import METHODS, source_file  # the methods load on first lookup, by name
 
 # The task options that name local data files, in the order they are hashed.
 DATA_FILE_OPTIONS = ("text_file", "data_path", "data_dir")
@@ -60,6 +68,14 @@ def _folder_files(root: str) -> list[str]:
             if not name.startswith(".") and os.path.isfile(full):
                 out.append(os.path.relpath(full, root))
     return sorted(out)
+
+
+def visible_files(root: Any, suffixes: tuple[str, ...]) -> list:
+    """The files under the folder `root` (a pathlib.Path) whose suffix is in `suffixes` (lowercase compare), sorted,
+    hidden files and folders skipped: the data loaders list a folder with this, so that every file they read is one
+    the digest covers (`path_sha256` skips the same hidden names)."""
+    root = Path(root)
+    return [root / rel for rel in _folder_files(str(root)) if Path(rel).suffix.lower() in suffixes]
 
 
 def path_sha256(path: str) -> Optional[str]:
@@ -124,3 +140,133 @@ def method_files_sha256(method: Any) -> Optional[str]:
     files, a surrogate edited at the same path is another run."""
     parts = _digest_parts(_path_options(method))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest() if parts else None
+
+
+# --------------------------------------------------------------------------- the model's files
+# Files of a model folder that the loader does not read (documentation, pictures): an edited README is the same model.
+MODEL_DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".pdf")
+MODEL_DOC_PREFIXES = ("LICENSE", "NOTICE", "USE_POLICY")
+DIGEST_INDEX = "digests.json"  # in $KVBENCH_CACHE_DIR (~/.cache/kvbench): file digests by path, size and mtime
+_index: Optional[dict] = None
+
+
+def _digest_index_path() -> str:
+    root = os.environ.get("KVBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvbench")
+    return os.path.join(root, DIGEST_INDEX)
+
+
+def stored_file_sha256(path: str) -> str:
+    """file_sha256, remembered across processes in $KVBENCH_CACHE_DIR/digests.json keyed by (real path, size,
+    mtime_ns): a model's weights (gigabytes) are hashed once, then read back by every later run."""
+    global _index
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = _digest_index_path()
+    if _index is None:
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                _index = json.load(f)
+        except (OSError, ValueError):
+            _index = {}
+        if not isinstance(_index, dict):
+            _index = {}
+    if isinstance(_index.get(key), str):
+        return _index[key]
+    digest = file_sha256(path)
+    try:  # re-read and merge: another process may have added entries meanwhile
+        with open(index_path, encoding="utf-8") as f:
+            on_disk = json.load(f)
+        _index = {**on_disk, **_index} if isinstance(on_disk, dict) else _index
+    except (OSError, ValueError):
+        pass
+    _index[key] = digest
+    try:
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)
+        tmp = f"{index_path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(_index, f, indent=0)
+        os.replace(tmp, index_path)
+    except OSError:  # a read-only cache still works: the file is hashed again next process
+        pass
+    return digest
+
+
+def _model_folder_files(folder: str) -> list[str]:
+    """The files of a model folder the loader may read: its visible top-level files (config, tokenizer, weights,
+    generation config), documentation left out; sub-folders (a hub repo's `original/` checkpoint) are not read."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        full = os.path.join(folder, name)
+        if (name.startswith(".") or not os.path.isfile(full) or name.lower().endswith(MODEL_DOC_SUFFIXES)
+                or name.upper().startswith(MODEL_DOC_PREFIXES)):
+            continue
+        out.append(name)
+    return out
+
+
+def _hub_snapshot(repo_id: str) -> Optional[str]:
+    """The local Hugging Face cache's snapshot folder of a hub model (the `main` ref), or None when not cached.
+    Nothing is fetched."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
+def model_files_sha256(model: Any) -> Optional[str]:
+    """One digest over the files the model section's `path` (and `gguf_file`) name: a local folder's config,
+    tokenizer and weights, a .gguf file, or a cached hub model's snapshot (its files by their blob names, which are
+    their hashes: nothing is read). None for the packaged model (identified by its package's version), a hub id not
+    cached yet, or a path that does not exist (refused by the plan). An edited config.json, tokenizer or weight file
+    at the same path is another run."""
+    if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"].strip():
+        return None
+    path, gguf = os.path.expanduser(model["path"]), model.get("gguf_file")
+    h = hashlib.sha256()
+    try:
+        if os.path.isfile(path):
+            return stored_file_sha256(path)
+        if os.path.isdir(path):
+            if isinstance(gguf, str) and gguf:
+                return stored_file_sha256(os.path.join(path, gguf))
+            for name in _model_folder_files(path):
+                full = os.path.join(path, name)
+                h.update(f"{name}\0{os.path.getsize(full)}\0{stored_file_sha256(full)}\n".encode())
+            return h.hexdigest()
+        snapshot = _hub_snapshot(model["path"])
+        if snapshot is None:
+            return None
+        for name in _model_folder_files(snapshot):
+            full = os.path.join(snapshot, name)
+            h.update(f"{name}\0{os.path.getsize(full)}\0{os.path.basename(os.path.realpath(full))}\n".encode())
+        return h.hexdigest()
+    except (OSError, ValueError):
+        return None  # unreadable: the plan's model checks refuse it
+
+
+# --------------------------------------------------------------------------- the method's source
+def method_source_sha256(names: list) -> Optional[str]:
+    """One digest over the source files of the registered methods `names` (the run's method and a wrapper's base):
+    each class's own file and those of its base classes outside the runtime and the standard library, so a user's
+    method file (or a built-in's) edited at the same path is another run. None when no name is registered."""
+    files: list[str] = []
+    for name in names:
+        try:
+            cls = METHODS.get(name)
+        except Exception:
+            continue
+        for klass in getattr(cls, "__mro__", ()):
+            top = str(getattr(klass, "__module__", "")).split(".")[0]
+            if top == "builtins" or top in sys.stdlib_module_names or klass.__module__.startswith("kvbench.runtime"):
+                continue
+            file = source_file(klass)
+            if os.path.isfile(file) and file not in files:
+                files.append(file)
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for file in files:  # by file name (not the full path: a checkout moved elsewhere is the same code)
+        h.update(f"{os.path.basename(file)}\0{file_sha256(file)}\n".encode())
+    return h.hexdigest()

@@ -72,6 +72,14 @@ def _run_and_note(cfg: DictConfig, run_dir: Optional[str], run_kwargs: dict) -> 
         report(f"run failed: {type(exc).__name__}: {exc}")
         note_exit(1)
         return None
+    if record.get("status") == "claimed" and not app.in_sweep():
+        # one run, asked for while another worker runs it: nothing was run or printed here, so not a success (in a
+        # sweep, skipping it is how workers split the sweep; the other worker records it)
+        holder = record.get("holder") or {}
+        report(f"run {record.get('run_id')} is being run by pid {holder.get('pid')} on {holder.get('host')}: "
+               f"not run here; its result will be in {run_dir or 'its run folder'} (run again when it finishes)")
+        note_exit(1)
+        return record
     folder = record.get("run_dir") if record.get("status") != "claimed" else None
     note_exit(0 if record.get("status") in ("ok", "claimed") else 1, folder)
     return record

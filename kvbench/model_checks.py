@@ -183,6 +183,13 @@ def safetensors_shapes(folder: str) -> Optional[dict[str, list[int]]]:
                 header = json.loads(f.read(n))
         except (OSError, ValueError, struct.error) as exc:
             raise UserError(f"{path!r} is not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+        held = os.path.getsize(path) - 8 - n  # the bytes after the header: the tensors' data
+        ends = [value["data_offsets"][1] for key, value in header.items() if key != "__metadata__"
+                and isinstance(value, dict) and isinstance(value.get("data_offsets"), list)
+                and len(value["data_offsets"]) == 2 and isinstance(value["data_offsets"][1], int)]
+        if ends and max(ends) > held:  # a copy or download cut short: the load would fail after minutes
+            raise UserError(f"{path!r} is truncated: its header describes {max(ends)} bytes of tensors, the file "
+                            f"holds {max(held, 0)}")
         for key, value in header.items():
             if key != "__metadata__" and isinstance(value, dict):
                 out[key] = list(value.get("shape") or [])

@@ -415,8 +415,10 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
                                   for k, v in vars(settings.runtime).items() if k not in ("threads", "cuda_graphs")}),
               "quant": settings.quant_name, **flat("quant_", settings.quant_options),
               "data_sha256": hashable.get("data_sha256"),  # the data files' content (kvbench.data_digest)
-              "method_files_sha256": hashable.get("method_files_sha256")}  # the method's own files' content
-    for key in ("data_sha256", "method_files_sha256"):
+              "method_files_sha256": hashable.get("method_files_sha256"),  # the files the method's options name
+              "model_sha256": hashable.get("model_sha256"),  # the model's config, tokenizer and weights
+              "method_source_sha256": hashable.get("method_source_sha256")}  # the method's own source files
+    for key in ("data_sha256", "method_files_sha256", "model_sha256", "method_source_sha256"):
         if hashable.get(key) is not None:
             resolved[key] = hashable[key]
     return RunPlan(settings, method, task, run_id_for(hashable), hashable, resolved, device, shape, fields,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import pkgutil
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
@@ -36,12 +37,23 @@ def unknown_choice(kind: str, value: object, choices: list[str]) -> UserError:
     return UserError(f"unknown {kind} {value!r}{did_you_mean(value, choices)}; choices are {', '.join(choices)}")
 
 
+def source_file(obj: Any) -> str:
+    """The source file that defines a registered class or factory (its module's file, or `<module>` when it has
+    none)."""
+    try:
+        return inspect.getsourcefile(obj) or inspect.getfile(obj)
+    except (TypeError, OSError):
+        return f"<{getattr(obj, '__module__', '?')}>"
+
+
 class Registry(Generic[T]):
     """Name -> class (or factory) of one kind, with a base-class check and did-you-mean errors."""
 
     def __init__(self, kind: str, base: Optional[type] = None, package: Optional[str] = None):
         self.kind, self.base, self.package = kind, base, package
         self._items: dict[str, T] = {}
+        self._files: dict[str, str] = {}  # name -> the source file that registered it
+        self._clashes: dict[str, list[str]] = {}  # name -> every file that registered it (a name registered twice)
         self._broken: dict[str, str] = {}  # module name -> why it failed to import
         self._loaded = package is None
 
@@ -55,13 +67,21 @@ class Registry(Generic[T]):
         def wrap(obj: T) -> T:
             if self.base is not None and not (isinstance(obj, type) and issubclass(obj, self.base)):
                 raise TypeError(f"{obj!r} is not a subclass of {self.base.__name__}")
-            if name in self._items and self._items[name] is not obj:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            file = source_file(obj)
+            if name in self._items and self._items[name] is not obj and self._files.get(name) != file:
+                # a second file registering a taken name (a user's file over a built-in, or two user files): neither
+                # wins; asking for the name is refused, naming both files (a module reloaded from its own file
+                # replaces its entry)
+                files = self._clashes.setdefault(name, [self._files[name]])
+                if file not in files:
+                    files.append(file)
+                return obj
             try:
                 obj.name = name  # type: ignore[attr-defined]
             except (AttributeError, TypeError):
                 pass
             self._items[name] = obj
+            self._files[name] = file
             return obj
 
         return wrap
@@ -82,6 +102,11 @@ class Registry(Generic[T]):
                     path = where or os.path.join(os.path.dirname(pkg.__file__ or ""), f"{info.name}.py")
                     self._broken[info.name] = f"{path}{line}: {type(exc).__name__}: {first}".rstrip(": ")
 
+    def source_file(self, name: str) -> str:
+        """The file that registered `name` (UserError as get() for an unknown or clashing name)."""
+        self.get(name)
+        return self._files[name]
+
     def names(self) -> list[str]:
         self._load()
         return sorted(self._items)
@@ -101,6 +126,9 @@ class Registry(Generic[T]):
         self._load()
         if isinstance(name, str) and name not in self._items and name in self._broken:
             raise UserError(f"{self.kind} {name!r} failed to load: {self._broken[name]}")
+        if isinstance(name, str) and name in self._clashes:
+            raise UserError(f"{self.kind} {name!r} is registered twice, by {' and by '.join(self._clashes[name])}; "
+                            f"rename one of them")
         if not isinstance(name, str) or name not in self._items:
             err = unknown_choice(self.kind, name, self.names())
             if self._broken:  # say which files did not load (each names its error when asked for by name)

@@ -12,7 +12,9 @@ tasks and the results store import.
 - numbers: integral floats are ints (`group_size=32.0` is `group_size=32`: one setting, one run id).
 - the hashed config (`hashable_config`): the sections in HASHED_SECTIONS, resolved as above, so two spellings of
   one run get one run id; plus `data_sha256`, the digest of the local data files the task names
-  (kvbench.data_digest), so an edited data file at the same path is a new run.
+  (kvbench.data_digest), so an edited data file at the same path is a new run; likewise `model_sha256` (the
+  model's config, tokenizer and weights), `method_files_sha256` (files a method's options name) and
+  `method_source_sha256` (the method's own source files, a user's method file included).
 
 This module imports only kvbench.errors, kvbench.data_digest and kvbench.registry: the registries load methods
 and codecs by name when first asked, so the store and the reporting can import the rules without importing any
@@ -27,7 +29,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.data_digest import data_sha256, method_files_sha256
+from kvbench.data_digest import data_sha256, method_files_sha256, method_source_sha256, model_files_sha256
 from kvbench.errors import UserError
 from kvbench.registry import CODECS, METHODS, unknown_choice
 
@@ -385,8 +387,9 @@ def check_threshold(method_options: dict, budget: Optional[int], compression_rat
     t = method_options.get("threshold")
     if t is None:
         return
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
-        raise UserError(f"invalid method.threshold={t!r}: expected a number (tokens scored below it are evicted)")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise UserError(f"invalid method.threshold={t!r}: expected a finite number (tokens scored below it are "
+                        f"evicted)")
     if budget is not None or compression_ratio is not None:
         knob = f"budget={budget}" if budget is not None else f"compression_ratio={compression_ratio}"
         raise UserError(f"method.threshold={t} and {knob} are both set: a threshold decides how much is kept; "
@@ -457,4 +460,12 @@ def hashable_config(root: Any) -> dict:
     files = method_files_sha256(data.get("method"))  # the files a method reads (KVzap's surrogate, DuoAttention's
     if files is not None:  # patterns): absent when it names none
         data["method_files_sha256"] = files
+    model_files = model_files_sha256(data.get("model"))  # the model's config, tokenizer and weights (absent for the
+    if model_files is not None:  # packaged model, identified by its package's version)
+        data["model_sha256"] = model_files
+    method = data.get("method") if isinstance(data.get("method"), dict) else {}
+    names = [method.get("name")] + ([method["base"]] if isinstance(method.get("base"), str) else [])
+    source = method_source_sha256([n for n in names if isinstance(n, str) and n])  # a user's method file edited
+    if source is not None:  # is another run, as an edited data file is
+        data["method_source_sha256"] = source
     return data

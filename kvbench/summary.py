@@ -240,7 +240,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool 
     lines.append(f"run       {record.get('run_id')}")
     lines.append(f"model     {record.get('model')}  ({record.get('dtype')}, {record.get('device')})")
     settings = {k[len('method_'):]: v for k, v in record.items() if k.startswith("method_")
-                and k not in ("method_budget", "method_name")}
+                and k not in ("method_budget", "method_name") and not k.endswith("_sha256")}  # digests: identity
     extra = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
     quant = record.get("quant")
     method = record.get("method") if quant in (None, "none", "full") else f"{record.get('method')} + {quant}"
@@ -326,7 +326,7 @@ def format_sweep_table(records: list) -> str:
     if not records:
         return ""
     settings = sorted({k for r in records for k in r if k.startswith(("method_", "task_", "quant_", "runtime_"))
-                       and not isinstance(r.get(k), (dict, list))})
+                       and not isinstance(r.get(k), (dict, list)) and not k.endswith("_sha256")})
     by_method: dict = {}
     for r in records:
         by_method.setdefault((r.get("method"), r.get("quant")), []).append(r)

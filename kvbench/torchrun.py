@@ -45,6 +45,30 @@ def _option(torchrun_args: list[str], *names: str) -> Optional[str]:
     return None
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's --nproc-per-node words (torch.distributed.run)
+
+
+def check_torchrun_args(torchrun_args: list[str]) -> Optional[str]:
+    """Why torchrun would refuse its arguments with a traceback (--nproc-per-node not a count >= 1 or one of its
+    words, --nnodes not N or MIN:MAX with 1 <= MIN <= MAX), as one line; None when they are fine."""
+    for names in (("--nproc-per-node", "--nproc_per_node"), ("--nnodes",)):
+        given = any(a.partition("=")[0] in {n for name in names for n in (name, name.replace("-", "_"))}
+                    for a in torchrun_args)
+        if given and _option(torchrun_args, *names) in (None, ""):
+            return f"{names[0]} needs a value"
+    nproc = _option(torchrun_args, "--nproc-per-node", "--nproc_per_node")
+    if nproc is not None and not (nproc in NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
+        return (f"invalid --nproc-per-node {nproc!r}: expected an integer >= 1 or one of {', '.join(NPROC_WORDS)}")
+    nnodes = _option(torchrun_args, "--nnodes")
+    if nnodes is not None:
+        parts = nnodes.split(":")
+        ok = len(parts) in (1, 2) and all(p.isdigit() and int(p) >= 1 for p in parts) and \
+            int(parts[0]) <= int(parts[-1])
+        if not ok:
+            return f"invalid --nnodes {nnodes!r}: expected N or MIN:MAX (integers, 1 <= MIN <= MAX)"
+    return None
+
+
 def launch_world_size(torchrun_args: list[str]) -> int:
     """The processes the launch starts: nproc-per-node (a number, or gpu / cpu / auto as torchrun reads them) times
     the nodes (the least of a `min:max` range)."""
@@ -82,6 +106,10 @@ def torchrun_argv(torchrun_args: list[str], kvbench_args: list[str]) -> list[str
 def main(argv: Optional[list[str]] = None) -> NoReturn:
     """Entry point of `kvbench-torchrun`."""
     torchrun_args, kvbench_args = split_args(list(sys.argv[1:] if argv is None else argv))
+    bad = check_torchrun_args(torchrun_args)
+    if bad is not None:  # torchrun would end in its own traceback: one line, exit 2, nothing started
+        print(f"kvbench-torchrun: error: {bad}", file=sys.stderr)
+        raise SystemExit(2)
     code = check_launch(kvbench_args, launch_world_size(torchrun_args))
     if code != 0:
         raise SystemExit(code)

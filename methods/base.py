@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Optional
 from kvbench.errors import UserError
 from kvbench.registry import METHODS
 from kvbench.runtime.contract import NoCompression
-from kvbench.spec import check_budget, check_compression
+from kvbench.spec import check_budget, check_compression, check_positive
 
 
 # The methods whose scores are defined on MLA's latent tokens (one row per token: the compressed latent and the RoPE
@@ -122,18 +122,23 @@ def available_methods() -> list[str]:
 
 
 def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int] = None,
-                 compression_ratio: Optional[float] = None, **options: Any) -> Method:
+                 compression_ratio: Optional[float] = None, options_key: str = "method", budget_key: str = "budget",
+                 **options: Any) -> Method:
     """Instantiate a method by name. `budget` and `compression_ratio` are the top-level knobs (one of them);
     `seed` (the run's top-level seed) reaches methods with a `seed` option left null. Unknown names and options
-    raise UserError naming the choices; budget and compression_ratio are checked by kvbench.spec."""
+    raise UserError naming the choices; budget and compression_ratio are checked by kvbench.spec. A method built
+    inside another (a wrapper's base, quest's eviction) passes where its options and budget come from
+    (`options_key="method.base_options"`, `budget_key="method.evict_budget"`), so an error names that knob."""
     cls = METHODS.get(name)
     fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"budget", "compression_ratio"}
     bad = sorted(set(options) - fields)
     if bad:
         valid = ", ".join(sorted(fields)) or "(none)"
-        raise UserError(f"unknown option method.{bad[0]} for method {name!r}; valid options are {valid}")
+        raise UserError(f"unknown option {options_key}.{bad[0]} for method {name!r}; valid options are {valid}")
     if "seed" in fields and options.get("seed") is None and seed is not None:
         options["seed"] = seed
+    if budget_key != "budget":
+        check_positive(budget_key, budget, allow_none=True)
     compression_ratio = check_compression(check_budget(budget), compression_ratio)
     try:
         if compression_ratio is not None:

@@ -55,15 +55,17 @@ class DMS(ScorerWrapper):
             raise UserError(f"method.threshold and {knob} are both set: a threshold rule keeps what scores above "
                             "it (set budget=null compression_ratio=null) or use a budgeted method")
         t = self.threshold
-        if t is None or isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(float(t)):
-            raise UserError(f"invalid dms.threshold={t!r}: expected a number (tokens scored below it are evicted)")
+        if t is None or isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(float(t)):
+            raise UserError(f"invalid dms.threshold={t!r}: expected a finite number (tokens scored below it are "
+                            f"evicted)")
         self.threshold = float(t)
         check_int(self.name, "sliding_window_size", self.sliding_window_size, 0)
         # ScorerWrapper's checks, with the base built to score only: compression_ratio 0.0 (it would keep every
         # token alone); the wrapper never calls its selection
         super(ScorerWrapper, self).__post_init__()
         self.check_base()
-        self.inner = build_method(self.base, None, compression_ratio=0.0, **dict(self.base_options))
+        self.inner = build_method(self.base, None, compression_ratio=0.0, options_key="method.base_options",
+                                  **dict(self.base_options))
         self.inner._state = self._state
 
     @property

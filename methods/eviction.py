@@ -27,6 +27,7 @@ from kvbench.errors import UserError
 from kvbench.methods.budgets import KeptStats, SequenceBudgets
 from kvbench.methods.checks import check_choice
 from kvbench.methods.observers import accumulate_attention, push_queries
+from kvbench.methods.output_checks import check_keep
 from kvbench.methods.selection import gather_aligned
 from kvbench.runtime.contract import LayerContext, MethodCacheView, Observation
 
@@ -235,6 +236,7 @@ class EvictionMethod:
 
     def keep(self, obs: Observation, keep: torch.Tensor) -> None:
         """Token-level eviction of obs's layer: keep [H, n] sorted slots (-1 pads); realign state["scores"]."""
+        check_keep(self, obs, keep)  # a wrong keep set names the method and the layer (methods.output_checks)
         obs.cache.keep_tokens(obs.layer, obs.slot, keep)
         obs.refresh()
         st = self._state.get((obs.slot, obs.layer))

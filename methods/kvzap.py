@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kvbench.errors import UserError
 from kvbench.methods.base import register_method
 from kvbench.methods.checks import check_choice
-from kvbench.methods.kvzap_surrogate import SURROGATES, KVzapSurrogate, hub_id, load_surrogate
+from kvbench.methods.kvzap_surrogate import SURROGATES, KVzapSurrogate, hub_id, load_surrogate, packaged_folder
 from kvbench.methods.kvzap_train import ensure_packaged
 from kvbench.methods.scorer import ScorerMethod
 from kvbench.runtime.contract import Observation
@@ -56,25 +56,52 @@ class KVzap(ScorerMethod):
     def tensor_parallel_refusal(self) -> str | None:
         return "the surrogate scores every kv-head of a layer from the full hidden state"
 
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Before the model loads: the surrogate (method.path, the hub's one for model.path, or the packaged model's
+        when already trained) loads, holds finite weights, is the kind asked for and fits the model's kv-heads and
+        layers (its input width is checked against the hidden size once the model is loaded)."""
+        path = settings.model.path
+        if self.path is not None:
+            net = load_surrogate(self.path)
+        elif path:
+            net = load_surrogate(hub_id(self.surrogate, str(path)))
+        elif (packaged_folder(self.surrogate) / "config.json").exists():
+            net = load_surrogate(str(packaged_folder(self.surrogate)))
+        else:
+            return  # the packaged model's surrogate is trained at first use (bind_engine)
+        if model_shape is not None:
+            self._check_fits(net, (getattr(model_shape, "hidden_size", None), model_shape.num_kv_heads,
+                                   model_shape.num_layers))
+        else:
+            self._check_fits(net, (None, None, None))
+        self._preloaded = (self.path, path, net)
+
+    def _check_fits(self, net: KVzapSurrogate, want: tuple) -> None:
+        """UserError unless the surrogate's (input_dim, output_dim, n_modules) equal `want` (None: not known yet)
+        and it is the kind asked for."""
+        got = (net.config["input_dim"], net.config["output_dim"], net.config["n_modules"])
+        if any(w is not None and w != g for w, g in zip(want, got)):
+            shown = ", ".join("?" if w is None else str(w) for w in want)
+            raise UserError(f"kvzap surrogate (input_dim, output_dim, n_modules)={got} does not fit the model's "
+                            f"(hidden_size, kv_heads, layers)=({shown})")
+        if net.kind != self.surrogate:
+            raise UserError(f"kvzap.surrogate={self.surrogate} but the surrogate loaded is {net.kind}")
+
     def bind_engine(self, engine: Any) -> None:
         """Load the surrogate for the engine's model (path, the hub's name for it, or the packaged model's)."""
         model = engine.model
-        if self.path is not None:
+        name = getattr(model, "name_or_path", None)
+        preloaded = getattr(self, "_preloaded", None)
+        if preloaded is not None and preloaded[:2] == (self.path, name):
+            net = preloaded[2]  # loaded and checked by preflight, before the model
+        elif self.path is not None:
             net = load_surrogate(self.path)
-        else:
-            name = getattr(model, "name_or_path", None)
-            if name:
-                net = load_surrogate(hub_id(self.surrogate, name))
-            else:  # the packaged model: trained once into the cache
-                net = ensure_packaged(model, getattr(model, "tokenizer", None), self.surrogate)
+        elif name:
+            net = load_surrogate(hub_id(self.surrogate, name))
+        else:  # the packaged model: trained once into the cache
+            net = ensure_packaged(model, getattr(model, "tokenizer", None), self.surrogate)
         cfg = model.config
-        want = (cfg.hidden_size, cfg.num_kv_heads, cfg.num_layers)
-        got = (net.config["input_dim"], net.config["output_dim"], net.config["n_modules"])
-        if want != got:
-            raise UserError(f"kvzap surrogate (input_dim, output_dim, n_modules)={got} does not fit the model's "
-                            f"(hidden_size, kv_heads, layers)={want}")
-        if net.kind != self.surrogate:
-            raise UserError(f"kvzap.surrogate={self.surrogate} but the surrogate loaded is {net.kind}")
+        self._check_fits(net, (cfg.hidden_size, cfg.num_kv_heads, cfg.num_layers))
         self.net = net
 
     def observe(self, obs: Observation) -> None:

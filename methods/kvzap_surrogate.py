@@ -72,9 +72,14 @@ def load_surrogate(path: str) -> KVzapSurrogate:
         model = KVzapSurrogate(int(cfg["input_dim"]), int(cfg["output_dim"]), int(cfg["n_modules"]),
                                None if cfg.get("hidden_dim") is None else int(cfg["hidden_dim"]))
         model.load_state_dict(weights)
-    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # a missing or corrupt config, a truncated safetensors file (SafetensorError), ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"kvzap surrogate {str(folder)!r} is not in the hub's format (config.json + "
-                        f"model.safetensors): {str(exc).splitlines()[0]}") from None
+                        f"model.safetensors): {first}") from None
+    for name, tensor in model.state_dict().items():  # a NaN surrogate scores every token NaN: refused at load
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"kvzap surrogate {str(folder)!r}: weight {name!r} holds NaN or inf; retrain it "
+                            f"(kvbench-train-kvzap)")
     return model.eval()
 
 

@@ -16,6 +16,7 @@ the held-out MSE of both is printed. Output: <output_dir>/{linear,mlp} in the hu
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -28,6 +29,7 @@ import torch
 from kvbench import data
 from kvbench.console import say
 from kvbench.errors import UserError
+from kvbench.spec import DTYPE_ALIASES, DTYPES
 from kvbench.methods.kvzap_surrogate import KVzapSurrogate, load_surrogate, packaged_folder
 from kvbench.runtime.contract import NoCompression, Observation
 from kvbench.runtime.measured_times import quoted
@@ -197,14 +199,21 @@ def train(model: Any, tokenizer: Any, output_dir: str | os.PathLike, *, n_texts:
     X, y = collect(model, tokenizer, texts, n_tokens, progress=progress)
     keep = torch.isfinite(y).all(dim=(1, 2))
     X, y = X[keep], y[keep]
+    if X.shape[0] < 2:
+        raise UserError(f"kvzap training collected {X.shape[0]} usable samples; give more --n-texts or --n-tokens")
     n_test = max(1, int(0.05 * X.shape[0]))
     Xtr, ytr, Xte, yte = X[n_test:], y[n_test:], X[:n_test], y[:n_test]
     out = Path(output_dir)
     mse = {}
-    for name, net in (("linear", train_linear(Xtr, ytr)),
-                      ("mlp", train_mlp(Xtr, ytr, hidden_dim, max_epochs, lr, batch_size, device))):
+    nets = (("linear", train_linear(Xtr, ytr)),
+            ("mlp", train_mlp(Xtr, ytr, hidden_dim, max_epochs, lr, batch_size, device)))
+    for name, net in nets:
         with torch.no_grad():
             mse[name] = round(float(torch.nn.functional.mse_loss(net(Xte.float()), yte.float())), 4)
+        if not all(bool(torch.isfinite(t).all()) for t in net.state_dict().values()):
+            raise UserError(f"kvzap training fitted a {name} surrogate with NaN or inf weights (lr {lr}, "
+                            f"{Xtr.shape[0]} samples); nothing written")
+    for name, net in nets:  # both fitted and finite: written together
         net.save(out / name)
     mse["target_var"] = round(float(yte.float().var()), 4)
     return mse
@@ -233,6 +242,29 @@ def ensure_packaged(model: Any, tokenizer: Any, surrogate: str) -> KVzapSurrogat
     return load_surrogate(str(folder))
 
 
+def check_arguments(sizes: dict, *, hidden_dim: int, max_epochs: int, lr: float, batch_size: int,
+                    dtype: str) -> None:
+    """UserError (one line, before the model loads) for arguments that would train nothing or write NaN
+    surrogates: counts below 1, --min-tokens above --max-tokens, --n-tokens not below --min-tokens, a learning rate
+    that is not a positive finite number, an unknown dtype."""
+    flags = {"n_texts": "--n-texts", "min_tokens": "--min-tokens", "max_tokens": "--max-tokens",
+             "n_tokens": "--n-tokens"}
+    counts = [(flags[k], sizes[k]) for k in flags] + [("--hidden-dim", hidden_dim), ("--max-epochs", max_epochs),
+                                                      ("--batch-size", batch_size)]
+    for flag, value in counts:
+        if value < 1:
+            raise UserError(f"invalid {flag} {value}: expected an integer >= 1")
+    if sizes["min_tokens"] > sizes["max_tokens"]:
+        raise UserError(f"invalid --min-tokens {sizes['min_tokens']}: above --max-tokens {sizes['max_tokens']}")
+    if sizes["n_tokens"] >= sizes["min_tokens"]:
+        raise UserError(f"invalid --n-tokens {sizes['n_tokens']}: must be below --min-tokens {sizes['min_tokens']} "
+                        f"(kvpress draws that many tokens from each text)")
+    if not (math.isfinite(lr) and lr > 0):
+        raise UserError(f"invalid --lr {lr}: expected a positive finite number")
+    if dtype not in DTYPES and dtype not in DTYPE_ALIASES:
+        raise UserError(f"invalid --dtype {dtype!r}: choices are {', '.join(DTYPES)}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="kvbench-train-kvzap", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or folder (default: the packaged SmolLM2)")
@@ -255,12 +287,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             if a.model is not None:
                 raise UserError("--output-dir is needed for a model other than the packaged one")
             out = str(packaged_folder("mlp").parent)
+        if Path(out).exists() and not Path(out).is_dir():
+            raise UserError(f"--output-dir {out!r} is a file; expected a folder (new or empty)")
         if Path(out).exists() and any(Path(out).iterdir()):
             raise UserError(f"--output-dir {out!r} is not empty")
         sizes = dict(PACKAGED_SETTINGS)
         for k in sizes:
             if getattr(a, k) is not None:
                 sizes[k] = getattr(a, k)
+        check_arguments(sizes, hidden_dim=a.hidden_dim, max_epochs=a.max_epochs, lr=a.lr, batch_size=a.batch_size,
+                        dtype=a.dtype)
         loaded = load_model(a.model, dtype=a.dtype, device=a.device)
         t0 = time.perf_counter()
         mse = train(loaded.model, loaded.tokenizer, out, hidden_dim=a.hidden_dim, max_epochs=a.max_epochs, lr=a.lr,

@@ -95,7 +95,8 @@ class Quest(Method):
                             "budget is the tokens read per step)")
         if not isinstance(self.evict_options, dict):
             raise UserError(f"invalid quest.evict_options={self.evict_options!r}: expected a mapping")
-        self.inner = build_method(self.evict, self.evict_budget, **dict(self.evict_options))
+        self.inner = build_method(self.evict, self.evict_budget, options_key="method.evict_options",
+                                  budget_key="method.evict_budget", **dict(self.evict_options))
         if self.inner.needs_key_scores:
             raise UserError(f"quest.evict={self.evict}: {self.evict} reads every step's attention mass per key, "
                             "which a retrieving layer does not compute; choose a method that scores from its own "

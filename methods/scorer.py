@@ -18,13 +18,15 @@ or by the options every eviction method has (prefill_mode, decode; methods.evict
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from kvbench.methods.base import Method
 from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.output_checks import check_scores
 from kvbench.methods.selection import top_tokens
 from kvbench.runtime.contract import Observation
 
@@ -39,6 +41,13 @@ class ScorerMethod(EvictionMethod, Method):
     """
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "evict")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every score() a subclass defines is checked where the runtime receives it (methods.output_checks)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("score")
+        if callable(own) and not getattr(own, "_checked", False):
+            cls.score = _checked(own)  # type: ignore[method-assign]
     keeps_newest_at_prefill: ClassVar[bool] = False
     decode: str = "none"
 
@@ -77,3 +86,15 @@ class ScorerMethod(EvictionMethod, Method):
 
     def evict_decode(self, obs: Observation, budget: int) -> None:
         self.evict_to_budget(obs, budget)
+
+
+def _checked(score: Callable) -> Callable:
+    """score(obs), its output checked: [H_kv, T] real numbers on the cache's device, no NaN (MethodOutputError names
+    the method and the layer otherwise)."""
+
+    @functools.wraps(score)
+    def checked_score(self: Any, obs: Observation) -> torch.Tensor:
+        return check_scores(self, obs, score(self, obs))
+
+    checked_score._checked = True  # type: ignore[attr-defined]
+    return checked_score

@@ -66,7 +66,8 @@ class ScorerWrapper(EvictionMethod, Method):
         self.check_base()
         ratio = getattr(self, "compression_ratio", None)  # the base gets the same knob as the wrapper
         knob = {} if ratio is None else {"compression_ratio": ratio}
-        self.inner = build_method(self.base, self.budget, **knob, **dict(self.base_options))
+        self.inner = build_method(self.base, self.budget, **knob, options_key="method.base_options",
+                                  **dict(self.base_options))
         self.inner._state = self._state  # one per-sequence state for both
 
     def check_base(self) -> None:

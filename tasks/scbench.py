@@ -281,20 +281,21 @@ class Scbench(Task):
             hub_only = [t for t in opts.tasks if t not in sd.GENERATED_TASKS]
             if hub_only:
                 raise UserError(f"task.tasks={hub_only} are not generated: use task.source=hub")
-            return
-        for t in opts.tasks:  # hub contexts are cut to length minus what the turns generate: leave room
+        for t in opts.tasks:  # contexts (hub or generated) are cut to length minus what the turns generate
             sub = sd.SUB_MAX_NEW_TOKENS.get(t)
             least = opts.max_new_tokens or (min(sub.values()) if sub else sd.MAX_NEW_TOKENS[t])
             if least * opts.turns >= opts.length:
                 raise UserError(f"invalid task.length={opts.length}: {t}'s {opts.turns} turns generate up to "
                                 f"{least * opts.turns} tokens, leaving no room for the context; raise task.length, "
                                 "lower task.turns or set task.max_new_tokens")
+        if opts.source == "generate":
+            return
         if not opts.data_dir:
             require_hub("SCBench data (microsoft/SCBench)", "task.data_dir")
             return
         for t in opts.tasks:
             try:
-                sd.check_file(opts.data_dir, t)
+                sd.check_file(opts.data_dir, t, opts.limit)
             except (FileNotFoundError, ValueError) as exc:
                 raise UserError(f"invalid task.data_dir={opts.data_dir!r}: {exc}") from None
 

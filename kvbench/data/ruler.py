@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from kvbench.data.hub import note_revision_read
+from kvbench.data_digest import visible_files
 from kvbench.data.essays import essay_corpus_text
 
 # --------------------------------------------------------------------------- RULER's task definitions
@@ -557,7 +558,7 @@ def local_files(data_dir: Path, length: int) -> list[Path]:
             return [data_dir / name]
     folder = data_dir / str(length)
     if folder.is_dir():
-        files = sorted(p for p in folder.rglob("*") if p.suffix in (".parquet", ".jsonl", ".json"))
+        files = visible_files(folder, (".parquet", ".jsonl", ".json"))  # the files the run's digest covers
         if files:
             return files
     raise FileNotFoundError(f"no {length}.parquet/.jsonl or {length}/ folder in {data_dir}")

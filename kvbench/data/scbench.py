@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from kvbench.data.essays import essay_corpus_text
 from kvbench.data.hub import note_revision_read
+from kvbench.data_digest import visible_files
 
 GENERATED_TASKS = ("scbench_kv", "scbench_prefix_suffix", "scbench_vt", "scbench_multi_hop")
 # SCBench's released tasks, readable from files in the hub's format (eval_utils.DATA_NAME_TO_PATH)
@@ -72,6 +73,15 @@ def _is_number(v: Any) -> bool:
 MF_TARGET = r"The .+ is"  # create_multiturn_prompt's re.findall for scbench_mf's question prefix
 
 
+def _check_encodable(text: str, where: str) -> None:
+    """ValueError unless text is valid Unicode (a lone surrogate, as JSON's "\\ud800" reads, cannot be tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where} holds a lone surrogate character (U+{ord(text[exc.start]):04X}) at character "
+                         f"{exc.start}; expected Unicode text") from None
+
+
 def check_record(row: Any, where: str, task: Optional[str] = None) -> None:
     """ValueError (one line naming `where` and the field) unless row is an SCBench record: context text,
     multi_turns a non-empty list of {input: text, answer: text or list of texts}, and the fields `task`'s prompt
@@ -85,6 +95,7 @@ def check_record(row: Any, where: str, task: Optional[str] = None) -> None:
                          f"[{{input, answer}}]; it has {', '.join(row) or 'none'})")
     if not isinstance(row["context"], str):
         raise ValueError(f"{where}: field 'context' is not text")
+    _check_encodable(row["context"], f"{where}: field 'context'")
     turns = row["multi_turns"]
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: field 'multi_turns' must be a non-empty list of {{input, answer}}")
@@ -111,6 +122,9 @@ def check_record(row: Any, where: str, task: Optional[str] = None) -> None:
             continue
         if not isinstance(turn["input"], str) or not _is_texts(ans):
             raise ValueError(f"{where}: multi_turns[{k}]: 'input' must be text and 'answer' text or a list of texts")
+        if not turn["input"].strip():
+            raise ValueError(f"{where}: multi_turns[{k}]: field 'input' is empty; expected the question to ask")
+        _check_encodable(turn["input"], f"{where}: multi_turns[{k}]: field 'input'")
         if sub == "scbench_choice_eng":
             opts = turn.get("options")
             if not (isinstance(opts, list) and len(opts) == 4 and all(isinstance(o, str) for o in opts)):
@@ -128,7 +142,7 @@ def task_files(data_dir: Path, task: str) -> list[Path]:
         return [flat]
     folder = data_dir / task
     if folder.is_dir():
-        files = sorted(p for p in folder.rglob("*") if p.suffix in (".parquet", ".jsonl"))
+        files = visible_files(folder, (".parquet", ".jsonl"))  # the files the run's digest covers
         if files:
             return files
     raise FileNotFoundError(f"no {task}.jsonl or {task}/*.parquet|*.jsonl in {data_dir}")
@@ -150,15 +164,22 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def check_file(data_dir: str, task: str) -> None:
-    """ValueError (one line) unless data_dir holds `task`'s files with at least one well-formed record, each of
-    the first rows checked (context, multi_turns of input / answer)."""
+def check_file(data_dir: str, task: str, limit: Optional[int] = None) -> None:
+    """ValueError (one line) unless data_dir holds `task`'s files with at least one well-formed record: every row
+    the run reads (the first `limit` over the files, in order; all of them when None) checked (context,
+    multi_turns of input / answer), so a bad row past the first ones or in a second file is found before the
+    model loads."""
     files = task_files(Path(data_dir), task)
-    rows = _read_rows(files[0])
-    if not rows:
+    seen = 0
+    for path in files:
+        rows = _read_rows(path)
+        for i, row in enumerate(rows):
+            if limit is not None and seen >= limit:
+                return
+            check_record(row, f"{path}, row {i + 1}", task)
+            seen += 1
+    if not seen:
         raise ValueError(f"{files[0]}: no rows")
-    for i, row in enumerate(rows[:50]):
-        check_record(row, f"{files[0]}, row {i + 1}", task)
 
 
 HUB_DATASET = "microsoft/SCBench"

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 from kvbench.data.hub import note_revision_read, require_hub
 from kvbench.data.local_rows import check_rows
+from kvbench.data_digest import visible_files
 from kvbench.errors import UserError, first_line
 
 WIKITEXT_HUB_ID = "Salesforce/wikitext"
@@ -82,7 +83,7 @@ def _local_files(data_path: str, split: str, config: Optional[str]) -> tuple[str
             raise UserError(f"task.data_path={str(data_path)!r}: unsupported file type "
                             f"(choices: {', '.join(sorted(_BUILDERS))})")
         return builder, [str(root)]
-    found = [p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix.lower() in _BUILDERS]
+    found = visible_files(root, tuple(_BUILDERS))  # hidden files skipped, as the run's digest skips them
 
     def in_split(p: Path) -> bool:
         rel = p.relative_to(root)

@@ -69,6 +69,7 @@ CASES = [
     (["runtime.attention_backend=fast"], "invalid runtime.attention_backend='fast': choices are auto, torch"),
     (["+runtime.blocks=3"], "runtime.blocks"),
     (["+runtime.threds=2"], "unknown option runtime.threds"),
+    (["runtime.speculative=abc"], "invalid runtime.speculative='abc': expected its options"),  # was AttributeError
     # model
     (["model.dtype=int3"], "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
     (["model.device=tpu"], "invalid model.device='tpu'"),
@@ -232,7 +233,7 @@ CASES = [
      "runtime.prefix_caching=true with method=adakv"),
     (["method=h2o", "budget=64", "runtime.prefix_caching=1"], "runtime.prefix_caching=true"),
     # threshold eviction (methods/dms.py) and KVzap
-    (["method=dms", "method.threshold=abc"], "invalid method.threshold='abc': expected a number"),
+    (["method=dms", "method.threshold=abc"], "invalid method.threshold='abc': expected a finite number"),
     (["method=dms", "method.threshold=-3", "budget=64"], "method.threshold=-3 and budget=64 are both set"),
     (["method=dms", "method.threshold=-3", "compression_ratio=0.5"],
      "method.threshold=-3 and compression_ratio=0.5 are both set"),
@@ -606,3 +607,269 @@ def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"runtime.kv_memory_bytes=17179869184: 16.0 GiB is more than this "
                                         r"machine's 8.0 GiB of cuda:0 memory"):
         plan._check_memory(RuntimeConfig(kv_memory_bytes=16 * 2**30), "cuda:0", shape, "float16")
+
+
+# issue 68 ---------------------------------------------------------------------------------------------------------
+def _no_loading(monkeypatch):
+    import kvbench.app as app
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(app, "_load_model", no_loading)
+
+
+def _one_line(code, out, err, *needles):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("kvbench: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+def test_a_user_file_registering_a_builtin_name_is_refused(cli, tmp_path, monkeypatch):
+    """methods/aaa_shadow.py registering "knorm" ran as knorm (same run id); now one line names both files."""
+    import importlib
+
+    from kvbench.methods import METHODS
+
+    METHODS.names()  # the built-ins registered first
+    (tmp_path / "shadow_pkg").mkdir()
+    (tmp_path / "shadow_pkg" / "__init__.py").write_text("")
+    (tmp_path / "shadow_pkg" / "aaa_shadow.py").write_text(
+        "from dataclasses import dataclass\nfrom kvbench.methods import ScorerMethod, register_method\n"
+        "@register_method('knorm')\n@dataclass\nclass Shadow(ScorerMethod):\n"
+        "    def score(self, obs):\n        return obs.keys.norm(dim=-1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _no_loading(monkeypatch)
+    try:
+        importlib.import_module("shadow_pkg.aaa_shadow")
+        code, out, err = cli(["method=knorm", "budget=64", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    finally:
+        METHODS._clashes.pop("knorm", None)
+        sys.modules.pop("shadow_pkg.aaa_shadow", None)
+    _one_line(code, out, err, "method 'knorm' is registered twice", str(tmp_path / "shadow_pkg" / "aaa_shadow.py"),
+              os.path.join("methods", "knorm.py"))
+    assert not (tmp_path / "r").exists()
+
+
+KVZAP_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "kvzap_tiny", "mlp")
+
+
+def _surrogate_variant(tmp_path, name, spoil):
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(KVZAP_FIXTURE, folder)
+    spoil(folder)
+    return str(folder)
+
+
+def _nan_weights(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first].clone()
+    weights[first].view(-1)[0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+KVZAP_CASES = {  # name -> (spoil the fixture's copy, or None for a path as given; the line must contain)
+    "nan weights": (_nan_weights, "holds NaN or inf; retrain it"),
+    "truncated": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:100]),
+                  "is not in the hub's format"),
+    "corrupt config": (lambda f: (f / "config.json").write_text("{"), "is not in the hub's format"),
+    "no config": (lambda f: (f / "config.json").unlink(), "is not in the hub's format"),
+    "wrong dims": (lambda f: None, "does not fit the model's (hidden_size, kv_heads, layers)=(?, 3, 30)"),
+    "missing": (None, "no such folder, and not a hub id"),
+    "offline hub id": ("nvidia/KVzap-mlp-NoSuchModel", "cannot load the kvzap surrogate 'nvidia/KVzap-mlp-NoSuchModel'"),
+}
+
+
+@pytest.mark.parametrize("case", list(KVZAP_CASES))
+def test_a_bad_kvzap_surrogate_is_refused_before_the_model_loads(cli, tmp_path, monkeypatch, case):
+    """Surrogate faults ended as exit 1 after the load (a NaN surrogate ran): one line, exit 2, nothing loaded."""
+    spoil, needle = KVZAP_CASES[case]
+    if spoil is None:
+        path = str(tmp_path / "no-such-surrogate")
+    elif isinstance(spoil, str):
+        path = spoil
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        path = _surrogate_variant(tmp_path, "surrogate", spoil)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["method=kvzap", f"method.path={path}", "compression_ratio=0.5", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+    assert not (tmp_path / "r").exists()
+
+
+TRAIN_KVZAP_CASES = [
+    (["--n-tokens", "0"], "invalid --n-tokens 0: expected an integer >= 1"),
+    (["--n-texts", "0"], "invalid --n-texts 0: expected an integer >= 1"),
+    (["--batch-size", "0"], "invalid --batch-size 0: expected an integer >= 1"),
+    (["--hidden-dim", "0"], "invalid --hidden-dim 0: expected an integer >= 1"),
+    (["--max-epochs", "0"], "invalid --max-epochs 0: expected an integer >= 1"),
+    (["--lr", "nan"], "invalid --lr nan: expected a positive finite number"),
+    (["--lr", "-1"], "invalid --lr -1.0: expected a positive finite number"),
+    (["--min-tokens", "700", "--max-tokens", "600"], "invalid --min-tokens 700: above --max-tokens 600"),
+    (["--n-tokens", "400"], "invalid --n-tokens 400: must be below --min-tokens 400"),
+    (["--dtype", "int3"], "invalid --dtype 'int3': choices are float32, bfloat16, float16"),
+    (["--output-dir", "{file}"], "is a file; expected a folder"),
+]
+
+
+@pytest.mark.parametrize("args,needle", TRAIN_KVZAP_CASES, ids=[" ".join(c[0]) for c in TRAIN_KVZAP_CASES])
+def test_train_kvzap_refuses_degenerate_arguments_before_the_model_loads(tmp_path, monkeypatch, capsys, args, needle):
+    """`--n-tokens 0` wrote NaN surrogates with exit 0; `--output-dir FILE` ended in a traceback."""
+    from kvbench.methods import kvzap_train
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded for bad input")
+
+    monkeypatch.setattr(kvzap_train, "load_model", no_loading)
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(file=tmp_path / "afile") for a in args]
+    out_dir = [] if "--output-dir" in args else ["--output-dir", str(tmp_path / "out")]
+    code = kvzap_train.main([*args, *out_dir])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvbench-train-kvzap: error: "), err
+    assert needle in lines[0], (needle, lines[0])
+    assert not (tmp_path / "out").exists()
+
+
+KNOB_CASES = [  # issue 68, item 10: the line names the knob the user set, a threshold is finite
+    (["method=quest", "budget=64", "method.evict=snapkv", "method.evict_budget=-5"],
+     "invalid method.evict_budget=-5: expected an integer >= 1 or null"),
+    (["method=adakv", "budget=64", "+method.base_options.nonsense=1"],
+     "unknown option method.base_options.nonsense for method 'snapkv'"),
+    (["method=dms", "method.threshold=-4", "+method.base_options.nonsense=1"],
+     "unknown option method.base_options.nonsense for method 'kvzap'"),
+    (["method=quest", "budget=64", "method.evict=snapkv", "method.evict_budget=64",
+      "+method.evict_options.nonsense=1"], "unknown option method.evict_options.nonsense for method 'snapkv'"),
+    (["method=dms", "method.threshold=inf"], "invalid method.threshold=inf: expected a finite number"),
+    (["method=dms", "method.threshold=-inf"], "invalid method.threshold=-inf: expected a finite number"),
+    (["method=dms", "method.base=kvzap", "method.threshold=inf"],
+     "invalid method.threshold=inf: expected a finite number"),
+]
+
+
+@pytest.mark.parametrize("args,needle", KNOB_CASES, ids=[" ".join(c[0]) for c in KNOB_CASES])
+def test_the_line_names_the_knob_set(cli, tmp_path, monkeypatch, args, needle):
+    _no_loading(monkeypatch)
+    code, out, err = cli([*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_another_worker_is_running_does_not_exit_0(cli, tmp_path, monkeypatch):
+    """A second `python -m kvbench` of a run claimed by a live worker printed "skipping" and exited 0 with no
+    result; now it exits 1 with one line saying where the result will be."""
+    from kvbench.spec import hashable_config
+    from kvbench.store.claims import claim_run
+    from kvbench.store.naming import run_id_for
+    from tests.harness_fakes import compose
+
+    _no_loading(monkeypatch)
+    args = ["budget=64", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"]
+    run_dir = tmp_path / "r" / run_id_for(hashable_config(compose(args)))
+    claim, _ = claim_run(str(run_dir))  # the other worker, alive (this process) and running it
+    try:
+        code, out, err = cli(args)
+    finally:
+        claim.release()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1, (code, out, err)
+    assert len(lines) == 1 and "is being run by pid" in lines[0] and "not run here" in lines[0], err
+    assert str(run_dir) in lines[0]
+    assert not (run_dir / "metrics.json").exists()
+
+
+def test_truncated_model_weights_are_refused_before_the_load(cli, tmp_path, monkeypatch, tiny_llama_dir):
+    """A model.safetensors cut short (a copy or download interrupted) was found only by the load."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(tiny_llama_dir, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    _no_loading(monkeypatch)
+    code, out, err = cli(["model=hf", f"model.path={folder}", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, f"{str(weights)!r} is truncated: its header describes")
+
+
+def _scbench_folder(tmp_path, name, files):
+    """A task.data_dir holding SCBench files in the hub's format: {relative path: [rows]} (a row given as text is
+    written as is)."""
+    root = tmp_path / name
+    for rel, rows in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(root)
+
+
+GOOD_ROW = {"id": 0, "context": "c", "multi_turns": [{"input": "q", "answer": "a"}]}
+SCBENCH_DATA_CASES = {  # name -> (files, extra overrides, the line must contain)
+    "bad row past row 50": ({"scbench_kv.jsonl": [GOOD_ROW] * 59 + [{"id": 59, "context": "c"}]}, ["task.limit=null"],
+                            "scbench_kv.jsonl, row 60: no 'multi_turns' field"),
+    "bad row in a second file": ({"scbench_kv/part-0.jsonl": [GOOD_ROW],
+                                  "scbench_kv/part-1.jsonl": [{**GOOD_ROW, "context": 5}]}, [],
+                                 "part-1.jsonl, row 1: field 'context' is not text"),
+    "lone surrogate": ({"scbench_kv.jsonl": ['{"id": 0, "context": "c\\ud800", "multi_turns": '
+                                             '[{"input": "q", "answer": "a"}]}']}, [],
+                       "field 'context' holds a lone surrogate character (U+D800) at character 1"),
+    "empty question": ({"scbench_kv.jsonl": [{**GOOD_ROW, "multi_turns": [{"input": " ", "answer": "a"}]}]},
+                       ["task.mode=multi_request"], "multi_turns[0]: field 'input' is empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCBENCH_DATA_CASES))
+def test_scbench_hub_rows_are_all_checked_before_the_load(cli, tmp_path, monkeypatch, case):
+    files, extra, needle = SCBENCH_DATA_CASES[case]
+    data_dir = _scbench_folder(tmp_path, "scb", files)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["task=scbench", "task.source=hub", f"task.data_dir={data_dir}", "task.tasks=[kv]", *extra,
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+
+
+def test_a_limit_reads_and_checks_only_its_rows(tmp_path):
+    from kvbench.data import scbench as sd
+
+    data_dir = _scbench_folder(tmp_path, "scb", {"scbench_kv.jsonl": [GOOD_ROW, {"id": 1, "context": "c"}]})
+    sd.check_file(data_dir, "scbench_kv", limit=1)  # row 2 is never read
+    with pytest.raises(ValueError, match="row 2: no 'multi_turns' field"):
+        sd.check_file(data_dir, "scbench_kv")
+
+
+GENERATED_SCBENCH_CASES = [  # refused only after the load (task.turns=100000: 4 GB and 242 s first)
+    (["task.turns=100000"], "invalid task.length=4096: scbench_kv's 100000 turns generate up to"),
+    (["task.length=512", "task.tasks=[kv]"], "invalid task.length=512: scbench_kv's 5 turns generate up to 750"),
+]
+
+
+@pytest.mark.parametrize("args,needle", GENERATED_SCBENCH_CASES, ids=[" ".join(c[0]) for c in GENERATED_SCBENCH_CASES])
+def test_generated_scbench_too_short_for_its_turns_is_refused_before_the_load(cli, tmp_path, monkeypatch, args,
+                                                                              needle):
+    _no_loading(monkeypatch)
+    code, out, err = cli(["task=scbench", *args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, needle)
+
+
+def test_every_job_of_a_sweep_is_checked_before_job_1_runs(cli, tmp_path, monkeypatch):
+    """`-m` over a good surrogate and a NaN one ran job 1 (loading the model) before refusing job 2."""
+    from kvbench.methods.kvzap_surrogate import KVzapSurrogate
+
+    good = tmp_path / "good"
+    KVzapSurrogate(576, 3, 30, 8).save(good)  # fits the packaged SmolLM2 (hidden 576, 3 kv-heads, 30 layers)
+    bad = _surrogate_variant(tmp_path, "nan", _nan_weights)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["-m", "method=kvzap", f"method.path={good},{bad}", "compression_ratio=0.5",
+                          "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "holds NaN or inf")
+    assert not (tmp_path / "r").exists() or not [p for p in (tmp_path / "r").iterdir() if p.is_dir()]

@@ -73,3 +73,35 @@ def test_a_good_config_is_checked_then_handed_to_torchrun(monkeypatch, tmp_path)
                                                ["runtime.tensor_parallel=1", "budget=64", f"results_dir={tmp_path}/r"])]
     # the check only made the results folder (its writability is checked), left empty for the launch to fill
     assert os.listdir(tmp_path / "r") == [] and os.listdir(tmp_path) == ["r"]
+
+
+TORCHRUN_ARG_CASES = [  # issue 68, item 8: these ended in torchrun's traceback
+    (["--nproc-per-node", "abc"], "invalid --nproc-per-node 'abc': expected an integer >= 1 or one of auto, cpu"),
+    (["--nproc-per-node", "0"], "invalid --nproc-per-node '0'"),
+    (["--nproc_per_node=-1"], "invalid --nproc-per-node '-1'"),
+    (["--nnodes", "x:y"], "invalid --nnodes 'x:y': expected N or MIN:MAX"),
+    (["--nnodes=3:2"], "invalid --nnodes '3:2'"),
+    (["--nnodes", "1:2:3"], "invalid --nnodes '1:2:3'"),
+    (["--nnodes", "0"], "invalid --nnodes '0'"),
+    (["--nproc-per-node"], "--nproc-per-node needs a value"),
+]
+
+
+@pytest.mark.parametrize("args,line", TORCHRUN_ARG_CASES, ids=[" ".join(c[0]) for c in TORCHRUN_ARG_CASES])
+def test_bad_torchrun_arguments_are_one_line_and_exit_2(args, line, monkeypatch, capsys):
+    def no_check(*a, **k):
+        raise AssertionError("the config was checked (a process started) for bad torchrun arguments")
+
+    monkeypatch.setattr(torchrun, "check_launch", no_check)
+    monkeypatch.setattr(torchrun.os, "execv", no_check)
+    with pytest.raises(SystemExit) as info:
+        torchrun.main([*args, "budget=64"])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("kvbench-torchrun: error: "), err
+    assert line in lines[0], (line, lines[0])
+
+
+def test_good_torchrun_arguments_pass():
+    for args in (["--nproc-per-node", "2"], ["--nproc_per_node=gpu", "--nnodes=1:4"], ["--nnodes", "2"], []):
+        assert torchrun.check_torchrun_args(args) is None, args

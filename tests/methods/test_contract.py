@@ -188,3 +188,27 @@ def test_a_broken_method_file_is_named_and_the_others_still_load(tmp_path, monke
 
 
 REG: Registry | None = None
+
+
+def test_a_second_registration_of_a_name_is_refused_naming_both_files(tmp_path, monkeypatch):
+    """A user's file registering a built-in's name (or two user files with one name) never silently wins: asking for
+    the name is refused in one line naming both files; the other names still load."""
+    pkg = tmp_path / "clash_methods"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    body = "from tests.methods.test_contract import REG\n@REG.register({name!r})\nclass {cls}: pass\n"
+    (pkg / "aaa_shadow.py").write_text(body.format(name="knorm", cls="Shadow"))
+    (pkg / "knorm.py").write_text(body.format(name="knorm", cls="Knorm"))
+    (pkg / "zz_other.py").write_text(body.format(name="other", cls="Other"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    global REG
+    REG = Registry("method", package="clash_methods")
+    with pytest.raises(UserError) as info:
+        REG.get("knorm")
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("method 'knorm' is registered twice, by ")
+    assert str(pkg / "aaa_shadow.py") in line and str(pkg / "knorm.py") in line, line
+    assert REG.get("other").__name__ == "Other"
+    mod = importlib.import_module("clash_methods.zz_other")
+    importlib.reload(mod)  # a module reloaded from its own file replaces its entry, no clash
+    assert REG.get("other") is mod.Other

@@ -4,6 +4,7 @@ result; the digest is recorded as `data_sha256` in config.yaml and metrics.json.
 from __future__ import annotations
 
 import json
+import os
 
 import yaml
 
@@ -99,3 +100,123 @@ def test_a_methods_own_files_are_in_the_run_id(tmp_path):
     assert _run_id("method=kvzap", f"method.path={folder}", "compression_ratio=0.5") != first
     assert _run_id("method=dms", "method.threshold=-4", f"+method.base_options.path={folder}") != via_base
     assert "method_files_sha256" not in hashable_config(compose(["method=kvzap", "compression_ratio=0.5"]))
+
+
+# --------------------------------------------------------------------------- issue 68, item 1
+def test_a_hidden_data_file_is_neither_read_nor_hashed(tmp_path):
+    """scbench_kv/.data.jsonl was read (the loaders globbed every name) but not hashed: an edit reran nothing. The
+    loaders now list folders as the digest does (kvbench.data_digest.visible_files), hidden names skipped."""
+    from kvbench.data.ruler import local_files
+    from kvbench.data.scbench import task_files
+
+    scb = tmp_path / "scb" / "scbench_kv"
+    scb.mkdir(parents=True)
+    (scb / ".data.jsonl").write_text('{"hidden": 1}\n')
+    (scb / "part-0.jsonl").write_text('{"seen": 1}\n')
+    (scb / ".cache").mkdir()
+    (scb / ".cache" / "x.jsonl").write_text('{"cache": 1}\n')
+    assert task_files(tmp_path / "scb", "scbench_kv") == [scb / "part-0.jsonl"]
+    ruler = tmp_path / "ruler" / "1024"
+    ruler.mkdir(parents=True)
+    (ruler / ".old.jsonl").write_text('{"hidden": 1}\n')
+    (ruler / "a.parquet").write_bytes(b"x")
+    assert local_files(tmp_path / "ruler", 1024) == [ruler / "a.parquet"]
+    before = data_sha256({"data_dir": str(tmp_path / "scb")})
+    (scb / ".data.jsonl").write_text('{"hidden": 2}\n')  # not read, so not the run's identity
+    assert data_sha256({"data_dir": str(tmp_path / "scb")}) == before
+    (scb / "part-0.jsonl").write_text('{"seen": 2}\n')  # read, so another run
+    assert data_sha256({"data_dir": str(tmp_path / "scb")}) != before
+
+
+def test_a_data_path_folder_skips_hidden_files(tmp_path):
+    from kvbench.data.text_corpora import _local_files
+
+    folder = tmp_path / "wt"
+    (folder / ".old").mkdir(parents=True)
+    (folder / "test.jsonl").write_text('{"text": "a"}\n')
+    (folder / ".old" / "test.jsonl").write_text('{"text": "hidden"}\n')
+    _, files = _local_files(str(folder), "test", None)
+    assert files == [str(folder / "test.jsonl")]
+
+
+def _tiny_model_folder(folder):
+    from tests.tiny_models import tiny_hf_model
+
+    tiny_hf_model("llama", layers=2).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}')
+    return folder
+
+
+def test_the_models_files_are_in_the_run_id(tmp_path):
+    """rms_norm_eps edited in config.json reused the old ppl: the model's config, tokenizer and weights are in the
+    identity (model_sha256); its documentation is not."""
+    folder = _tiny_model_folder(tmp_path / "m")
+    first = _run_id("model=hf", f"model.path={folder}")
+    assert first == _run_id("model=hf", f"model.path={folder}")
+    assert hashable_config(compose(["model=hf", f"model.path={folder}"]))["model_sha256"]
+    (folder / "README.md").write_text("# notes\n")  # not read by the loader: the same model
+    assert _run_id("model=hf", f"model.path={folder}") == first
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.1}))
+    edited = _run_id("model=hf", f"model.path={folder}")
+    assert edited != first
+    (folder / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "c": 1}}, "added_tokens": []}')
+    assert _run_id("model=hf", f"model.path={folder}") != edited
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    before = _run_id("model=hf", f"model.path={folder}")
+    weights.write_bytes(bytes(data))
+    assert _run_id("model=hf", f"model.path={folder}") != before
+    assert "model_sha256" not in hashable_config(compose([]))  # the packaged model: its package's version
+
+
+def test_model_digests_are_stored_by_path_size_and_mtime(tmp_path, monkeypatch):
+    """A 7B is hashed once: a later process reads the digest from $KVBENCH_CACHE_DIR/digests.json."""
+    import kvbench.data_digest as dd
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(dd, "_index", None)
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"\x01" * 4096)
+    digest = dd.stored_file_sha256(str(weights))
+    assert digest == dd.file_sha256(str(weights))
+    assert digest in json.loads((tmp_path / "cache" / "digests.json").read_text()).values()
+    monkeypatch.setattr(dd, "_index", None)  # a new process
+    monkeypatch.setattr(dd, "file_sha256", lambda path: (_ for _ in ()).throw(AssertionError("hashed again")))
+    assert dd.stored_file_sha256(str(weights)) == digest
+    weights.write_bytes(b"\x02" * 4097)  # another size and mtime: hashed again
+    try:
+        dd.stored_file_sha256(str(weights))
+        raise RuntimeError("not hashed again")
+    except AssertionError:
+        pass
+
+
+def test_a_user_methods_source_is_in_the_run_id(tmp_path, monkeypatch):
+    """A user's method file edited at the same path was reused; its source (and its base classes') is now hashed."""
+    import importlib
+    import sys
+
+    from kvbench.methods import METHODS
+
+    (tmp_path / "user_pkg").mkdir()
+    (tmp_path / "user_pkg" / "__init__.py").write_text("")
+    source = tmp_path / "user_pkg" / "my_edit.py"
+    source.write_text("from dataclasses import dataclass\nfrom kvbench.methods import ScorerMethod, register_method\n"
+                      "@register_method('my_edit')\n@dataclass\nclass MyEdit(ScorerMethod):\n"
+                      "    def score(self, obs):\n        return -obs.keys.norm(dim=-1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {"model": {"path": None}, "method": {"name": "my_edit"}, "task": {"name": "perplexity"}, "budget": 64,
+              "seed": 0}
+    try:
+        importlib.import_module("user_pkg.my_edit")
+        first = run_id_for(hashable_config(config))
+        assert run_id_for(hashable_config(config)) == first
+        source.write_text(source.read_text().replace("-obs.keys", "obs.keys"))  # the opposite ranking
+        assert run_id_for(hashable_config(config)) != first
+        assert hashable_config({**config, "method": {"name": "knorm"}})["method_source_sha256"]
+    finally:
+        METHODS._items.pop("my_edit", None)
+        METHODS._files.pop("my_edit", None)
+        sys.modules.pop("user_pkg.my_edit", None)
