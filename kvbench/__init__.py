@@ -13,10 +13,10 @@ _API = ("evaluate", "pipeline", "load_runs", "Results", "Pipeline")
 
 
 def __getattr__(name: str):
-    if name in _API:
-        from kvbench import api
+    if name in _API:  # PEP 562: loaded by name on first use (kvbench.api imports the app, which reads __version__)
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module("kvbench.api"), name)
     raise AttributeError(f"module 'kvbench' has no attribute {name!r}")
 
 

@@ -25,7 +25,26 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+import pandas as pd
+import torch
+from hydra import compose, initialize_config_dir
+
+import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
+from kvbench import app
+from kvbench.cli import describe_hydra_error
+from kvbench.config import bool_keys, int_keys
+from kvbench.console import RUN_LOG
+from kvbench.engines import build_engine, build_run_codec
 from kvbench.errors import UserError
+from kvbench.plan import plan_run
+from kvbench.runtime.backends.cpu.threads import configure_threads
+from kvbench.runtime.model.loading import load_model
+from kvbench.spec import check_bool_spellings, check_positive, integral_spellings
+from kvbench.store.files import read_jsonl
+from kvbench.store.folder import SAMPLES_FILE
+from kvbench.store.runs import load_runs as _load_runs
+from kvbench.tasks._generation import (GenRequest, apply_chat, encode, kept_stats, question_count, run_generation,
+                                       split_prompt, stop_token_ids, wants_chat_template)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "conf")
 GROUPS = ("model", "method", "quant", "task", "runtime", "logger")
@@ -68,22 +87,12 @@ def to_overrides(options: dict) -> list[str]:
 def compose_config(overrides: Iterable[str]) -> Any:
     """The run config `python -m kvbench <overrides>` composes (the hydra node left out), with the CLI's spelling
     checks first; bad input: ValueError with the CLI's one line."""
-    import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from kvbench.cli import describe_hydra_error
-    from kvbench.config import bool_keys, int_keys
-    from kvbench.spec import check_bool_spellings, integral_spellings
-
     overrides = list(overrides)
     try:
         check_bool_spellings(overrides, bool_keys())
         overrides = integral_spellings(overrides, int_keys())
     except UserError as exc:
         raise ValueError(str(exc)) from None
-    if GlobalHydra.instance().is_initialized():  # a Hydra app (or a test) already holds it: compose beside it
-        GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="kvbench"):
             return compose(config_name="config", overrides=overrides)
@@ -110,8 +119,6 @@ class Results:
     def to_pandas(self, samples: bool = True) -> Any:
         """samples=True: one row per sample, led by the run's run_id, model, method, budget, compression_ratio and
         task; samples=False: one row, the metrics record (the row load_runs gives this run)."""
-        import pandas as pd
-
         if not samples:
             return pd.DataFrame([self.metrics])
         ident = {k: self.metrics.get(k) for k in ("run_id", "model", "method", "budget", "compression_ratio", "task")}
@@ -129,11 +136,6 @@ def evaluate(method: Optional[str] = None, task: Optional[str] = None, model: Op
     folder goes (default: the config's `results`), None: a temporary folder, removed afterwards. A finished run
     with the same config in results_dir is not run again (its stored results come back), unless rerun=True.
     Bad input: ValueError (one line naming the value and the choices); a run that fails: RuntimeError."""
-    from kvbench import app
-    from kvbench.console import RUN_LOG
-    from kvbench.store.files import read_jsonl
-    from kvbench.store.folder import SAMPLES_FILE
-
     picked = {"method": method, "task": task, "model": model}
     args = to_overrides({k: v for k, v in picked.items() if v is not None}) + to_overrides(options)
     args += list(overrides)
@@ -175,7 +177,6 @@ class Pipeline:
     protocol; `compress_question=True`: the question is compressed with it) and decodes greedily."""
 
     def __init__(self, model: Optional[str] = None, overrides: Iterable[str] = (), **options: Any):
-        from kvbench.runtime.model.loading import load_model
 
         self._model_args = _model_overrides(model) + to_overrides(options) + list(overrides)
         plan = _plan(self._model_args)
@@ -197,14 +198,6 @@ class Pipeline:
         """The answer and the cache's figures: {"answer", "prompt_tokens", "kept_tokens" (per layer and kv-head
         after compression, mean), "kv_kept_fraction", "held_kv_bytes" (the tables' bytes when the uncompressed
         cache would have peaked), "peak_kv_bytes" (the pool's peak), "full_kv_bytes" (an uncompressed cache's)}."""
-        import torch
-
-        from kvbench.engines import build_engine, build_run_codec
-        from kvbench.runtime.backends.cpu.threads import configure_threads
-        from kvbench.spec import check_positive
-        from kvbench.tasks._generation import (GenRequest, apply_chat, encode, kept_stats, question_count,
-                                               run_generation, split_prompt, stop_token_ids, wants_chat_template)
-
         if not isinstance(context, str) or not context:
             raise ValueError(f"invalid context={context!r}: expected a non-empty string")
         if not isinstance(question, str):
@@ -275,7 +268,6 @@ def _model_overrides(model: Optional[str]) -> list[str]:
 
 
 def _plan(args: list) -> Any:
-    from kvbench.plan import plan_run
 
     cfg = compose_config(["logger.wandb=false", *args])
     try:
@@ -293,6 +285,5 @@ def pipeline(model: Optional[str] = None, **options: Any) -> Pipeline:
 # =========================================================================== load_runs
 def load_runs(results_dirs: Any, **kwargs: Any) -> list[dict]:
     """kvbench.store.runs.load_runs over one results folder or a list of them (their runs, in order)."""
-    from kvbench.store.runs import load_runs as _load
 
-    return _load(results_dirs, **kwargs)
+    return _load_runs(results_dirs, **kwargs)
