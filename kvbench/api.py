@@ -177,7 +177,6 @@ class Pipeline:
     protocol; `compress_question=True`: the question is compressed with it) and decodes greedily."""
 
     def __init__(self, model: Optional[str] = None, overrides: Iterable[str] = (), **options: Any):
-
         self._model_args = _model_overrides(model) + to_overrides(options) + list(overrides)
         plan = _plan(self._model_args)
         m = plan.settings.model
@@ -243,7 +242,8 @@ class Pipeline:
         out = outputs[0]
         mem, kept = engine.memory_stats(), kept_stats(engine)
         kept_tokens = kept.get("kv_tokens_kept_mean")
-        return {"answer": out.prediction, "prompt": prompt, "finish_reason": out.finish_reason, "prompt_tokens": len(ids),
+        return {"answer": out.prediction, "prompt": prompt, "finish_reason": out.finish_reason,
+                "prompt_tokens": len(ids),
                 "kept_tokens": (kept_tokens + tail) if kept_tokens is not None else len(ids),
                 "kv_kept_fraction": kept.get("kv_kept_fraction", out.kv_kept_fraction),
                 "held_kv_bytes": mem.get("held_kv_bytes"), "peak_kv_bytes": mem.get("peak_kv_bytes"),

@@ -115,6 +115,7 @@ def pth_line() -> str:
     and install the hook; silent when kvbench or this file is not there."""
     return ("import importlib.util as u, os, sys; s = u.find_spec('kvbench'); "
             "f = s and s.submodule_search_locations and os.path.join(list(s.submodule_search_locations)[0], "
-            "'lm_eval_hook.py'); h = f and os.path.isfile(f) and u.spec_from_file_location('_kvbench_lm_eval_hook', f); "
+            "'lm_eval_hook.py'); h = f and os.path.isfile(f) and "
+            "u.spec_from_file_location('_kvbench_lm_eval_hook', f); "
             "m = h and u.module_from_spec(h); m and (sys.modules.setdefault('_kvbench_lm_eval_hook', m), "
             "h.loader.exec_module(m), m.install())\n")

@@ -141,7 +141,8 @@ def test_pipeline_refuses_an_unknown_model():
 
 def test_import_kvbench_stays_light():
     """`import kvbench` (and so the CLI's start) imports neither the API nor torch, Hydra or pandas."""
-    code = "import sys, kvbench; print(sorted(m for m in ('torch', 'hydra', 'pandas', 'kvbench.api') if m in sys.modules))"
+    code = ("import sys, kvbench; "
+            "print(sorted(m for m in ('torch', 'hydra', 'pandas', 'kvbench.api') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=kvbench_env(), capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
     assert callable(kvb.evaluate) and callable(kvb.pipeline) and "evaluate" in dir(kvb)

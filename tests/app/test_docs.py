@@ -60,8 +60,8 @@ def test_the_configuration_guide_lists_every_option_of_each_group(group):
     rows = _table_rows(_read("docs/configuration.md"), "## Groups and options")
     assert f"`{group}`" in rows, sorted(rows)
     listed = _names(rows[f"`{group}`"][1])
-    assert listed == _options(group), (f"docs/configuration.md, group {group}: missing "
-                                       f"{sorted(_options(group) - listed)}, not an option {sorted(listed - _options(group))}")
+    missing, extra = sorted(_options(group) - listed), sorted(listed - _options(group))
+    assert listed == _options(group), f"docs/configuration.md, group {group}: missing {missing}, not an option {extra}"
 
 
 def test_the_readme_tables_list_every_method_codec_and_task():
