@@ -234,7 +234,8 @@ def offline_run(run_folder) -> dict:
 def test_constants_go_to_the_config_and_measurements_to_the_metrics(tmp_path, no_wandb_env, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    rec = run_fake(tmp_path, ["budget=16", "method=h2o", "seed=3"])
+    # a generous start-up bound: on a loaded machine W&B's service can take more than the default 30 s to start
+    rec = run_fake(tmp_path, ["budget=16", "method=h2o", "seed=3", "logger.init_timeout_s=300"])
     assert rec["status"] == "ok"
     logged = offline_run(tmp_path / rec["run_id"])
     config, summary = logged["config"], logged["summary"]
@@ -262,7 +263,7 @@ def test_a_sweeps_runs_share_a_group_and_its_end_logs_a_table_and_plots(tmp_path
     out = tmp_path / "results"
     done = subprocess.run([sys.executable, "-m", "tests.harness_fakes", "-m", "task.max_tokens=40",
                            "task.chunk_size=16", "method=h2o,streaming_llm", "budget=8,16", f"results_dir={out}",
-                           "logger.wandb=true"], cwd=tmp_path, env=fake_env(WANDB_MODE="offline"),
+                           "logger.wandb=true", "logger.init_timeout_s=300"], cwd=tmp_path, env=fake_env(WANDB_MODE="offline"),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     folders = sorted(p for p in out.iterdir() if (p / "metrics.json").exists())
