@@ -46,7 +46,7 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py kvbench-lm-eval.pth Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "kvbench install: $(TORCH_SPEC) (a download of several hundred MB: minutes)"; \
 		$(PY) -m pip install "$(TORCH_SPEC)"; }

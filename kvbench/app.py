@@ -104,10 +104,11 @@ def _method_fields(method: Any) -> dict:
 # =========================================================================== the run
 def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Callable] = None,
         engine_cls: Optional[type] = None, build_method_fn: Optional[Callable] = None,
-        print_summary: bool = True) -> dict:
+        print_summary: bool = True, wandb_group: Optional[str] = None) -> dict:
     """Execute one run and return its metrics record (also written to run_dir/metrics.json).
 
-    load_model_fn / engine_cls / build_method_fn replace the real ones (tests use fakes). Returns the stored
+    load_model_fn / engine_cls / build_method_fn replace the real ones (tests use fakes). wandb_group: the W&B group
+    of a run of a sweep (kvbench.wandb_logger.sweep_group; an experiment's name wins). Returns the stored
     record of a finished run, or {"status": "claimed", ...} when another live worker is running it."""
     t0 = time.perf_counter()
     if not OmegaConf.is_config(cfg):
@@ -119,7 +120,8 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
         return _run_with_writer(plan, layout, load_model_fn, engine_cls)
     told = [layout is None]  # whether the other ranks know if the run goes ahead
     try:
-        record = _run_as_writer(plan, run_dir, t0, load_model_fn, engine_cls, print_summary, layout, told)
+        record = _run_as_writer(plan, run_dir, t0, load_model_fn, engine_cls, print_summary, layout, told,
+                                wandb_group)
     except UserError as exc:
         if layout is None or not told[0]:
             raise
@@ -134,7 +136,8 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
 
 
 def _run_as_writer(plan: RunPlan, run_dir: Optional[str], t0: float, load_model_fn: Optional[Callable],
-                   engine_cls: Optional[type], print_summary: bool, layout: Any, told: list) -> dict:
+                   engine_cls: Optional[type], print_summary: bool, layout: Any, told: list,
+                   wandb_group: Optional[str] = None) -> dict:
     """run() in the process that writes the run folder (the only process, or rank 0 of a launch)."""
     s = plan.settings
     run_id = os.path.basename(os.path.normpath(run_dir)) if run_dir is not None else plan.run_id
@@ -161,7 +164,7 @@ def _run_as_writer(plan: RunPlan, run_dir: Optional[str], t0: float, load_model_
         told[0] = True
         parallel_run.writer_decides(layout, "run")
         _say_if_retried(folder)
-        return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary, layout)
+        return _run_claimed(plan, folder, t0, load_model_fn, engine_cls, print_summary, layout, wandb_group)
     finally:
         claim.release()
 
@@ -245,7 +248,8 @@ def _start_record(plan: RunPlan, folder: RunFolder) -> dict:
 
 
 def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Optional[Callable],
-                 engine_cls: Optional[type], print_summary: bool, layout: Any = None) -> dict:
+                 engine_cls: Optional[type], print_summary: bool, layout: Any = None,
+                 wandb_group: Optional[str] = None) -> dict:
     s = plan.settings
     try:
         folder.start(OmegaConf.to_yaml(OmegaConf.create(plan.resolved)))
@@ -257,7 +261,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
                  f"quant {s.quant_name}, task {s.task_name}, seed {s.seed}; folder {folder.path}")
     logger = WandbLogger(s.logger, run_dir=folder.path, run_id=folder.run_id, config=plan.resolved,
                          tags=[s.method_name, s.task_name, s.model.name], job_type=s.task_name,
-                         group=s.experiment)
+                         group=s.experiment or wandb_group)
     samples: list = []
     usage_error: Optional[UserError] = None
     workload = None
@@ -267,10 +271,13 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
         logger.start()
         record["logger_start_s"] = round(time.perf_counter() - started, 3)
         record["wandb_mode"] = logger.mode if logger.run is not None else None
+        record["wandb_group"] = logger.group if logger.run is not None else None
+        logger.note_constants(record)  # the config's values, seed, pid, versions: the W&B run's config
         record["model_cached"] = load_model_fn is None and _model_key(s.model, plan.device) in _loaded_model
         started = time.perf_counter()
         loaded, engine = _load(plan, load_model_fn, engine_cls, record, layout)  # 3. load
         record["load_s"] = round(time.perf_counter() - started, 3)
+        logger.note_constants(record)  # and what was loaded: the model's source, the attention backend, storage
         samples = _execute(plan, folder.path, loaded, engine, record, layout)  # 4. execute
         record["status"] = "ok"
     except UserError as exc:

@@ -11,6 +11,7 @@ import os
 from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvbench import app
@@ -19,6 +20,7 @@ from kvbench.errors import UserError
 from kvbench.exit_channel import note_exit
 from kvbench.hydra_folders import discard_unstarted
 from kvbench.plan import plan_run
+from kvbench.wandb_logger import sweep_group
 
 
 def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
@@ -29,7 +31,10 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
     run_dir = None
     try:
         if HydraConfig.initialized():
-            run_dir = HydraConfig.get().runtime.output_dir
+            hydra_cfg = HydraConfig.get()
+            run_dir = hydra_cfg.runtime.output_dir
+            if hydra_cfg.mode == RunMode.MULTIRUN and "wandb_group" not in run_kwargs:  # one group per sweep
+                run_kwargs["wandb_group"] = sweep_group(hydra_cfg.sweep.dir)
     except Exception:  # pragma: no cover
         pass
     if os.environ.get("KVBENCH_CHECK_ONLY") == "1":  # kvbench-torchrun's check before its launch (kvbench.torchrun)

@@ -49,6 +49,7 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "num_samples", "device", "dtype", "kvbench", "torch", "transformers", "git_commit", "seed",
              "config_hash", "run_dir", "started_at", "finished_at", "model_path", "attention_backend",
              "attempt_id", "experiment", "experiment_key", "host", "pid", "loaded_from", "wandb_mode", "quant",
+             "wandb_group",
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
              "score_tasks_skipped", "output_tokens_per_s", "compression_ratio", "evicts", "kv_read_bytes_per_token",
              "kv_read_fraction", "summary_read_bytes_per_token", "full_peak_kv_bytes", "load_s", "logger_start_s",
@@ -231,31 +232,19 @@ def turn_lines(record: dict) -> list:
 
 
 def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool = False) -> str:
-    """A short table of one run's record (the metrics.json content); next_step adds, after an uncompressed run, the
-    overrides that compress it."""
+    """A short table of one run's record (the metrics.json content): its metrics first, then speed and memory, then
+    its provenance (run id, model, method, task, storage, time, folder); next_step adds, after an uncompressed run,
+    the overrides that compress it."""
     lines = []
     status = record.get("status", "?")
     title = f" kvbench run {status.upper()} "
     lines.append(title.center(_WIDTH, "="))
-    lines.append(f"run       {record.get('run_id')}")
-    lines.append(f"model     {record.get('model')}  ({record.get('dtype')}, {record.get('device')})")
-    settings = {k[len('method_'):]: v for k, v in record.items() if k.startswith("method_")
-                and k not in ("method_budget", "method_name") and not k.endswith("_sha256")}  # digests: identity
-    extra = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
-    quant = record.get("quant")
-    method = record.get("method") if quant in (None, "none", "full") else f"{record.get('method')} + {quant}"
-    lines.append(f"method    {method}   budget {_fmt(record.get('budget'))}"
-                 + (f"   [{extra}]" if extra else ""))
-    lines.append(f"task      {record.get('task')}   samples {_fmt(record.get('num_samples'))}")
     if status != "ok":
         lines.append(f"error     {record.get('error')}")
-    if record.get("experiment"):
-        lines.append(f"experiment {record.get('experiment')}")
-    storage = storage_line(record)
+    # 1. what the run measured: the task's metrics first
     metrics = [(k, v) for k, v in record.items() if k not in _RUN_KEYS and not k.startswith(_HIDDEN_PREFIXES)
                and not isinstance(v, (dict, list)) and not _TURN_KEY.match(k) and k != "ttft_s_later_turns"]
     if metrics:
-        lines.append("-" * _WIDTH)
         cells = [f"{k} {_fmt(v)}" for k, v in metrics]
         row = ""
         for c in cells:
@@ -272,6 +261,7 @@ def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool 
             f"score     the mean over {len(tasks)} task{'s' if len(tasks) != 1 else ''}: {', '.join(tasks)}"
             + (f" ({', '.join(skipped)} skipped: no data)" if skipped else ""), _WIDTH, subsequent_indent=" " * 10))
     lines.extend(turn_lines(record))
+    # 2. speed and memory
     lines.append("-" * _WIDTH)
     lines.append(f"speed     prefill {_fmt(record.get('prefill_tokens_per_s'))} tok/s   "
                  f"decode {_fmt(record.get('decode_tokens_per_s'))} tok/s   ttft {_fmt(record.get('ttft_s'))} s")
@@ -287,6 +277,21 @@ def format_summary(record: dict, run_dir: Optional[str] = None, next_step: bool 
             f"{record.get('max_sequence_tokens')} tokens, so nothing was evicted ("
             + (f"raise {longer} or lower budget)" if longer else "lower budget: this task's prompts are its own)"),
             _WIDTH, subsequent_indent=" " * 10))
+    # 3. provenance: what ran, where it is
+    lines.append("-" * _WIDTH)
+    lines.append(f"run       {record.get('run_id')}")
+    lines.append(f"model     {record.get('model')}  ({record.get('dtype')}, {record.get('device')})")
+    settings = {k[len('method_'):]: v for k, v in record.items() if k.startswith("method_")
+                and k not in ("method_budget", "method_name") and not k.endswith("_sha256")}  # digests: identity
+    extra = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
+    quant = record.get("quant")
+    method = record.get("method") if quant in (None, "none", "full") else f"{record.get('method')} + {quant}"
+    lines.append(f"method    {method}   budget {_fmt(record.get('budget'))}"
+                 + (f"   [{extra}]" if extra else ""))
+    lines.append(f"task      {record.get('task')}   samples {_fmt(record.get('num_samples'))}")
+    if record.get("experiment"):
+        lines.append(f"experiment {record.get('experiment')}")
+    storage = storage_line(record)
     if storage:
         lines.append(storage)
     lines.append(f"time      {_fmt(record.get('wall_s'))} s")

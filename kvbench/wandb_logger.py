@@ -9,20 +9,35 @@
   logs offline into the run folder instead, with a warning.
 - The offline folders of earlier attempts of the same run (a killed or retried run) are removed when a new attempt
   starts, so `wandb sync <run>/wandb/offline-run-*` uploads only the attempt whose results the folder holds.
-- Runs of one experiment (the top-level `experiment` key) share a W&B `group`.
+- Constants (what was fixed before the run: the config's values, seed, pid, host, versions, the model and storage
+  it loaded) go to the W&B run's config; its metrics (`run.log`, the summary) are what the run measured, with its
+  status and error.
+- Runs of one experiment (the top-level `experiment` key) share a W&B `group`; so do the runs of one Hydra sweep
+  (`-m`): sweep_group(the sweep's folder). At the sweep's end the CLI logs one more run to that group (log_sweep,
+  job type `sweep`): the sweep's results as a wandb.Table and the report's plots.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import math
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from kvbench.console import say, warn
 from kvbench.errors import first_line
 
 MAX_TABLE_ROWS = 1000
+# what a record holds about the run's outcome: W&B summary, never config (status and error change at the end)
+OUTCOME_KEYS = frozenset({"status", "error", "num_samples"})
+
+
+def sweep_group(sweep_dir: str) -> str:
+    """The W&B group of the runs of a Hydra sweep: its folder's name and a hash of its absolute path (W&B groups are
+    at most 128 characters)."""
+    path = os.path.abspath(os.path.expanduser(sweep_dir))
+    return f"sweep-{os.path.basename(path.rstrip(os.sep))[:80]}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
 
 
 def resolve_mode(mode: str) -> str:
@@ -63,6 +78,7 @@ class WandbLogger:
         self.group = group
         self.run: Any = None
         self.mode: Optional[str] = None
+        self.constants: dict = {}  # the record's fields fixed before the run measured anything (note_constants)
 
     @property
     def enabled(self) -> bool:
@@ -115,13 +131,31 @@ class WandbLogger:
                                     login_timeout=timeout),
         )
 
+    def note_constants(self, record: dict) -> None:
+        """The record's fields so far (but its outcome: OUTCOME_KEYS) are constants of the run: its W&B config,
+        beside the resolved config given at init (a key of that config, such as its `task` section or `seed`, keeps
+        the config's value: the record's `task` is the section's name)."""
+        self.constants.update({k: v for k, v in record.items() if k not in OUTCOME_KEYS and _scalar(v)})
+        self._update_config()
+
+    def _update_config(self) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.config.update({k: v for k, v in self.constants.items() if k not in self.config},
+                                   allow_val_change=True)
+        except Exception as exc:
+            warn(f"W&B logging failed ({type(exc).__name__}: {exc}); the results folder is complete anyway")
+
     def log_result(self, record: dict, samples: Optional[list] = None) -> None:
+        """The run's measured figures as metrics (run.log and the summary, with status and error; not its constants,
+        which note_constants put in the config); the samples as a table."""
         if self.run is None:
             return
         try:
             import wandb
 
-            scalars = {k: v for k, v in record.items() if _scalar(v) and v is not None}
+            scalars = {k: v for k, v in record.items() if _scalar(v) and v is not None and k not in self.constants}
             numeric = {k: v for k, v in scalars.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                        and math.isfinite(float(v))}
             if numeric:
@@ -178,3 +212,37 @@ def remove_stale_offline_runs(run_dir: str) -> int:
         except OSError:
             pass
     return len(stale)
+
+
+def log_sweep(settings: Any, *, group: str, results_dir: str, records: Iterable[dict],
+              plots: Iterable[str] = ()) -> Optional[str]:
+    """At a sweep's end: one W&B run in the sweep's group (job type `sweep`) holding its runs' records as a
+    wandb.Table `sweep_results` (one row per run, every scalar field) and each plot (a PNG path) as an image under
+    `plots/<name>`. Offline runs go into results_dir/wandb. Returns the offline folder (None online or when nothing
+    was logged); never raises."""
+    logger = WandbLogger(settings, run_dir=results_dir, run_id=f"{group}-results", job_type="sweep", group=group)
+    if not logger.enabled:
+        return None
+    logger.start()
+    if logger.run is None:
+        return None
+    offline_dir = logger._offline_dir()
+    try:
+        import wandb
+
+        rows = [r for r in records if r]
+        columns: list[str] = []
+        for r in rows:
+            columns += [k for k, v in r.items() if k not in columns and _scalar(v)]
+        table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows[:MAX_TABLE_ROWS]])
+        logged: dict = {"sweep_results": table}
+        for path in plots:
+            name = os.path.splitext(os.path.basename(path))[0]
+            logged[f"plots/{name}"] = wandb.Image(path)
+        logger.run.log(logged)
+        logger.run.summary.update({"num_runs": len(rows),
+                                   "num_ok": sum(1 for r in rows if r.get("status") == "ok")})
+    except Exception as exc:
+        warn(f"W&B logging of the sweep failed ({type(exc).__name__}: {exc}); its run folders are complete anyway")
+    logger.finish()
+    return offline_dir

@@ -147,15 +147,22 @@ def _latest_records(results_dir: str, warn_corrupt: bool) -> list[tuple[str, dic
     return records
 
 
-def load_runs(results_dir: str, *, history: bool = False, include_failed: bool = True, repair: bool = True,
+def load_runs(results_dir: Any, *, history: bool = False, include_failed: bool = True, repair: bool = True,
               warn_corrupt: bool = True) -> list[dict]:
-    """The runs of a results folder as run records (see the module docstring).
+    """The runs of a results folder (or of a list of them, in order) as run records (see the module docstring).
 
     The latest attempt of each run folder (its metrics.json), or with history=True every attempt logged in
     runs.jsonl (one per run and commit; superseded attempts keep their metrics, not their samples). A folder whose
     metrics.json cannot be read is left out, with a warning unless warn_corrupt=False (kvbench-report and
     kvbench-compare name such folders themselves: corrupt_runs). With repair=True the index first gets any finished
     attempt it lacks (a read-only folder is still read); include_failed=False keeps status "ok" only."""
+    if isinstance(results_dir, (list, tuple)):
+        if not results_dir:
+            raise ValueError("load_runs: the list of results folders is empty")
+        return [run for one in results_dir for run in load_runs(one, history=history, include_failed=include_failed,
+                                                                repair=repair, warn_corrupt=warn_corrupt)]
+    if not isinstance(results_dir, (str, os.PathLike)):
+        raise ValueError(f"load_runs: invalid results folder {results_dir!r}: expected a path or a list of paths")
     results_dir = os.path.abspath(results_dir)
     if repair:
         try:

@@ -189,3 +189,20 @@ def test_sweep_table_shows_the_swept_ratio_and_threshold():
     header, rows = _sweep_rows(format_sweep_table(thresholds))
     assert header[:4] == ["method", "budget", "threshold", "ppl"]
     assert [row[2] for row in rows] == ["-10", "-5", "-3"]
+
+
+def test_the_summary_leads_with_its_metrics_and_ends_with_its_provenance():
+    record = {"run_id": "smollm2_ppl_h2o_b64", "status": "ok", "model": "smollm2-135m", "dtype": "float32",
+              "device": "cpu", "method": "h2o", "budget": 64, "task": "perplexity", "num_samples": 1, "ppl": 12.5,
+              "nll": 2.53, "prefill_tokens_per_s": 900.0, "decode_tokens_per_s": None, "ttft_s": 0.2,
+              "peak_kv_bytes": 1000, "full_kv_bytes": 4000, "held_kv_bytes": 1000, "kv_bytes_per_token": 10,
+              "wall_s": 3.0, "pid": 7, "seed": 0, "git_commit": "abc", "wandb_group": "sweep-results-1234abcd"}
+    lines = format_summary(record, "results/smollm2_ppl_h2o_b64").splitlines()
+    assert "kvbench run OK" in lines[0]
+    assert lines[1].startswith("ppl 12.5") and "nll" in lines[1]  # the metrics, right under the title
+    at = {key: next(i for i, line in enumerate(lines) if line.startswith(key))
+          for key in ("speed", "run ", "model ", "method ", "task ", "time ", "results ")}
+    assert at["speed"] < at["run "] < at["model "] < at["method "] < at["task "] < at["time "] < at["results "]
+    assert not any("wandb_group" in line or "sweep-results" in line for line in lines)  # a constant, not a metric
+    failed = format_summary({**record, "status": "failed", "error": "RuntimeError: boom"}).splitlines()
+    assert failed[1] == "error     RuntimeError: boom"
