@@ -89,9 +89,9 @@ if triton is not None:
             sm = (sb & 7).to(tl.float32)
             smag = tl.where(se == 0, sm * 0.001953125, (1.0 + sm * 0.125) * tl.exp2((se - 7).to(tl.float32)))
             scale = tl.where((sb & 128) != 0, -smag, smag)
+        if HAS_TSCALE:  # (scale * tensor scale) first: the torch decode's order, so both round alike
+            scale = scale * tl.load((base + tscale_off).to(tl.pointer_type(tl.float32)))
         out = val * scale
-        if HAS_TSCALE:
-            out = out * tl.load((base + tscale_off).to(tl.pointer_type(tl.float32)))
         tl.store(OUT + row * (BLOCK_SIZE * HEAD_DIM) + e, out, mask=mask)
 
 
