@@ -61,7 +61,7 @@ def check_codec(name: str, options: dict[str, Any], shape: Any = None) -> None:
     try:
         limit = getattr(shape, "max_positions", None)
         if "rotate" in opts:
-            _check_rotation(opts, getattr(shape, "head_dim", None))
+            _check_rotation(opts, getattr(shape, "head_dim", None), bool(getattr(shape, "latent", False)))
         if name == "kivi":
             _kivi(opts)
             if limit and opts["group_size"] > limit:
@@ -87,10 +87,14 @@ def storage_geometry(name: str, options: dict[str, Any]) -> tuple[int, Any]:
     return int(hint), getattr(cls, "fp_block_dtype", None)
 
 
-def _check_rotation(opts: dict[str, Any], head_dim: int | None = None) -> None:
-    """UserError for an unknown quant.rotate, or hadamard on a model whose head_dim is not a power of two."""
+def _check_rotation(opts: dict[str, Any], head_dim: int | None = None, latent: bool = False) -> None:
+    """UserError for an unknown quant.rotate, or hadamard on a model whose head_dim is not a power of two or whose
+    cache holds MLA latent rows (no per-head keys to rotate)."""
     if opts["rotate"] not in ROTATIONS:
         raise UserError(f"invalid quant.rotate={opts['rotate']!r}: choices are {', '.join(ROTATIONS)}")
+    if opts["rotate"] == "hadamard" and latent:
+        raise UserError("invalid quant.rotate=hadamard: the model caches MLA latent rows, not per-head keys "
+                        "(choices for this model: none)")
     if opts["rotate"] == "hadamard" and head_dim and not is_power_of_two(int(head_dim)):
         raise UserError(f"invalid quant.rotate=hadamard: the model's head_dim {head_dim} is not a power of two "
                         "(choices for this model: none)")
