@@ -13,6 +13,7 @@ choices.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,6 +68,8 @@ def check_codec(name: str, options: dict[str, Any], shape: Any = None) -> None:
             if limit and opts["group_size"] > limit:
                 raise UserError(f"invalid quant.group_size={opts['group_size']}: expected at most the model's "
                                 f"{limit} positions (a longer group never fills)")
+        elif name == "nvfp4":
+            _nvfp4(opts)
         elif name == "kvquant":
             settings = kvquant_settings(opts)
             if settings.needs_activations and limit and settings.seq_len > limit:
@@ -115,7 +118,7 @@ def _kivi(opts: dict[str, Any]) -> KiviCodec:
 
 def _nvfp4(opts: dict[str, Any]) -> Nvfp4Codec:
     amax = opts["tensor_amax"]
-    if amax is not None and (isinstance(amax, bool) or not isinstance(amax, (int, float))):
+    if amax is not None and (isinstance(amax, bool) or not isinstance(amax, (int, float)) or not 0 < amax < math.inf):
         raise ValueError(f"tensor_amax={amax!r}: expected a positive number or null (each block's own amax)")
     return Nvfp4Codec(tensor_amax=None if amax is None else float(amax))
 
