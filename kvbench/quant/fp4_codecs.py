@@ -48,7 +48,7 @@ class _Fp4Codec(KVCodec):
     bits = 4
     group = NVFP4_GROUP
     scale_format = "e4m3"
-    kernels = frozenset({"triton_dequant"})
+    kernels = frozenset({"cpu_attention", "triton_dequant"})  # the C codec kernels and the Triton dequantizer
 
     def _n_groups(self, head_dim: int) -> int:
         return -(-head_dim // self.group)
