@@ -110,6 +110,9 @@ def test_registry_builds_and_refuses_rotations():
     with pytest.raises(UserError, match="head_dim 48 is not a power of two"):
         check_codec("mxfp4", {"rotate": "hadamard"}, shape)
     check_codec("mxfp4", {"rotate": "none"}, shape)  # no rotation: any head_dim
+    latent = ModelShape(num_layers=2, num_kv_heads=1, head_dim=576, max_positions=1024, latent=True)
+    with pytest.raises(UserError, match="MLA latent rows"):
+        check_codec("kivi", {"rotate": "hadamard"}, latent)
     with pytest.raises(UserError, match="unknown option quant.rotate for codec 'int8'"):
         check_codec("int8", {"rotate": "hadamard"})
     with pytest.raises(ValueError, match="head_dim a power of two, got 48"):
