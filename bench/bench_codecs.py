@@ -241,8 +241,11 @@ def main() -> None:
         )
     res["checks_passed"] = all(checks.values()) if checks else None
     res.update({f"check_{k}": v for k, v in checks.items()})
-    res["ppl_chunk"] = args.chunk
-    res["ppl_tokens"] = args.ppl_tokens
+    if "ppl" in sections:
+        res["ppl_chunk"] = args.chunk
+        res["ppl_tokens"] = args.ppl_tokens
+    if "bits" in sections:
+        res["bits_tokens"] = args.bits_tokens
     res["paper"] = PAPER
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(res))
