@@ -1,4 +1,4 @@
-"""A paged KV cache whose old blocks hold a storage codec's packed bytes (KIVI, KVQuant, int8, fp8).
+"""A paged KV cache whose old blocks hold a storage codec's packed bytes (KIVI, KVQuant, int8, fp8, NVFP4, MXFP4).
 
 Two pools share one block-id space, so block tables, positions, lengths, forks and eviction work as in
 `PagedKVCache`:
