@@ -77,7 +77,8 @@ class Nvfp4Codec(_Fp4Codec):
     name: str = field(default="nvfp4", init=False)
 
     def __post_init__(self):
-        if self.tensor_amax is not None and not (float(self.tensor_amax) > 0 and float(self.tensor_amax) < float("inf")):
+        amax = self.tensor_amax
+        if amax is not None and not 0 < float(amax) < float("inf"):
             raise ValueError(f"tensor_amax must be a positive number or null, got {self.tensor_amax!r}")
 
     def _fields(self, kind, block_size, head_dim):

@@ -1,6 +1,6 @@
 """The C codec decode kernel (csrc/codec_decode.c) equals the dequantize-then-attend path of
-QuantizedPagedKVCache: KIVI 2/4/8-bit (keys per channel and per token), int8, NVFP4, MXFP4, ragged batches, heads of different
-lengths after eviction, packed and full-precision blocks mixed, and the per-key attention mass."""
+QuantizedPagedKVCache: KIVI 2/4/8-bit (keys per channel and per token), int8, NVFP4, MXFP4, ragged batches, heads
+of different lengths after eviction, packed and full-precision blocks mixed, and the per-key attention mass."""
 from __future__ import annotations
 
 import os

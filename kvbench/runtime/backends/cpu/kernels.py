@@ -4,8 +4,8 @@
   through the block tables (no gather, no copy of cached K/V). Each (sequence, kv-head) is split
   into chunks of keys so both cores work even at batch 1; chunks are merged with their softmax
   statistics (flash-decoding). It also returns per-key attention mass for score-based methods.
-- ``codec_decode_attention``: the same over a codec cache (KIVI 2/4/8-bit, int8, NVFP4, MXFP4): each packed or fp16 block
-  is decoded into an fp32 tile in L1 as the kernel reaches it, instead of dequantizing the layer into a dense
+- ``codec_decode_attention``: the same over a codec cache (KIVI 2/4/8-bit, int8, NVFP4, MXFP4): each packed or fp16
+  block is decoded into an fp32 tile in L1 as the kernel reaches it, instead of dequantizing the layer into a dense
   copy first (what the torch path of QuantizedPagedKVCache does).
 - ``codec_prefill_attention``: a causal chunk of queries (prefill) over a codec cache, block by block through the
   same tiles, with an online softmax per query; no dense copy of the layer either.
