@@ -97,6 +97,8 @@ VARIANTS = [  # (method, method options, codec, codec options)
     ("paged_eviction", {}, None, {}), ("snapkv", {}, None, {}), ("key_diff", {}, None, {}),
     ("kvcrush", {}, None, {}), ("full", {}, "kivi", {"bits": 2}), ("full", {}, "kivi", {"bits": 4}),
     ("full", {}, "int8", {}), ("full", {}, "fp8", {}), ("paged_eviction", {}, "kivi", {"bits": 2}),
+    ("full", {}, "nvfp4", {}), ("full", {}, "mxfp4", {}), ("paged_eviction", {}, "nvfp4", {}),
+    ("full", {}, "kivi", {"bits": 2, "rotate": "hadamard"}),  # FP4 and rotated rows: the Triton dequantizer
 ]
 
 
@@ -122,7 +124,8 @@ def methods_fast_vs_torch(device: str) -> dict:
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 97, 210)]
     out = {}
     for name, mopts, codec_name, copts in VARIANTS:
-        label = name + (f"+{codec_name}{copts.get('bits', '')}" if codec_name else "")
+        label = name + (f"+{codec_name}{copts.get('bits', '')}" if codec_name else "") + \
+            ("_hadamard" if copts.get("rotate") == "hadamard" else "")
         tokens, backends = {}, {}
         for backend in ("auto", "torch"):
             method = build_method(name, None if name == "full" else 64, **mopts)

@@ -443,7 +443,8 @@ def hashable_config(root: Any) -> dict:
         m_name, m_opts, q_name, q_opts = resolve_storage(str(method.pop("name", "")), method,
                                                          str(quant.pop("name", "none")), quant)
         data["method"] = {"name": m_name, **m_opts}
-        data["quant"] = {"name": q_name, **q_opts}
+        quiet = getattr(CODECS.get(q_name), "unhashed_defaults", {})  # options added later, at their defaults
+        data["quant"] = {"name": q_name, **{k: v for k, v in q_opts.items() if not (k in quiet and v == quiet[k])}}
         if isinstance(data.get("task"), dict):
             data["task"] = normalise_task(data["task"])
         if isinstance(data.get("runtime"), dict):

@@ -3,6 +3,7 @@ method); `method=<codec>` is shorthand for `method=full quant=<codec>` (kvbench.
 
     build_codec("kivi", model, bits=2, group_size=32, residual=128, key_axis="channel")
     build_codec("kvquant", model, bits=3, outlier_fraction=0.01, levels="nuq", calibration="fisher")
+    build_codec("nvfp4", model, tensor_amax=None, rotate="none")   /   build_codec("mxfp4", model, rotate="hadamard")
     build_codec("none", model)  -> None (full precision: the engine keeps its plain PagedKVCache)
 
 Each codec is registered in kvbench.registry.CODECS with its options' defaults (declared once, here; conf/quant/
@@ -12,12 +13,15 @@ choices.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvbench.errors import UserError
 from kvbench.quant.calibration import CalibrationSettings, calibrate
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
+from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
+from kvbench.quant.rotation import ROTATIONS, RotatedCodec, is_power_of_two
 from kvbench.registry import CODECS
 from kvbench.spec import FULL_PRECISION, check_codec_options
 
@@ -30,10 +34,16 @@ class Codec:
     defaults: dict[str, Any]
     build: Callable[[Any, dict[str, Any]], Any]
     codec_cls: Any = None
+    # options added after runs were stored: at these values they are left out of the run's hash (its id), so the
+    # runs stored before the option existed keep their ids (kvbench.spec.hashable_config)
+    unhashed_defaults: dict[str, Any] = field(default_factory=dict)
     name: str = field(default="", init=False)  # set by CODECS.register
 
 
-KIVI_DEFAULTS = dict(bits=2, group_size=32, residual=128, key_axis="channel")
+KIVI_DEFAULTS = dict(bits=2, group_size=32, residual=128, key_axis="channel", rotate="none", rotate_seed=0)
+NVFP4_DEFAULTS = dict(tensor_amax=None, rotate="none", rotate_seed=0)
+MXFP4_DEFAULTS = dict(rotate="none", rotate_seed=0)
+ROTATE_DEFAULTS = dict(rotate="none", rotate_seed=0)  # the rotation options of the codecs that take them
 KVQUANT_DEFAULTS = dict(bits=3, outlier_fraction=0.01, levels="nuq", calibration="fisher", key_ranges="calibrated",
                         calibration_corpus="aclsum_train", calibration_sequences=4, calibration_tokens=1024,
                         tokenizer=None, cache_dir=None)
@@ -51,11 +61,15 @@ def check_codec(name: str, options: dict[str, Any], shape: Any = None) -> None:
             raise UserError(f"invalid quant.{key}={value!r}: expected an integer")
     try:
         limit = getattr(shape, "max_positions", None)
+        if "rotate" in opts:
+            _check_rotation(opts, getattr(shape, "head_dim", None), bool(getattr(shape, "latent", False)))
         if name == "kivi":
             _kivi(opts)
             if limit and opts["group_size"] > limit:
                 raise UserError(f"invalid quant.group_size={opts['group_size']}: expected at most the model's "
                                 f"{limit} positions (a longer group never fills)")
+        elif name == "nvfp4":
+            _nvfp4(opts)
         elif name == "kvquant":
             settings = kvquant_settings(opts)
             if settings.needs_activations and limit and settings.seq_len > limit:
@@ -76,11 +90,37 @@ def storage_geometry(name: str, options: dict[str, Any]) -> tuple[int, Any]:
     return int(hint), getattr(cls, "fp_block_dtype", None)
 
 
+def _check_rotation(opts: dict[str, Any], head_dim: int | None = None, latent: bool = False) -> None:
+    """UserError for an unknown quant.rotate, or hadamard on a model whose head_dim is not a power of two or whose
+    cache holds MLA latent rows (no per-head keys to rotate)."""
+    if opts["rotate"] not in ROTATIONS:
+        raise UserError(f"invalid quant.rotate={opts['rotate']!r}: choices are {', '.join(ROTATIONS)}")
+    if opts["rotate"] == "hadamard" and latent:
+        raise UserError("invalid quant.rotate=hadamard: the model caches MLA latent rows, not per-head keys "
+                        "(choices for this model: none)")
+    if opts["rotate"] == "hadamard" and head_dim and not is_power_of_two(int(head_dim)):
+        raise UserError(f"invalid quant.rotate=hadamard: the model's head_dim {head_dim} is not a power of two "
+                        "(choices for this model: none)")
+
+
+def _rotated(codec, opts: dict[str, Any]):
+    """`codec`, wrapped in the Hadamard rotation when quant.rotate=hadamard."""
+    _check_rotation(opts)
+    return RotatedCodec(codec, seed=opts["rotate_seed"]) if opts["rotate"] == "hadamard" else codec
+
+
 def _kivi(opts: dict[str, Any]) -> KiviCodec:
     if opts["bits"] not in (2, 4, 8):
         raise ValueError(f"bits={opts['bits']!r}: choices are 2, 4, 8")
     return KiviCodec(bits=opts["bits"], group_size=opts["group_size"], residual=opts["residual"],
                      key_axis=opts["key_axis"])
+
+
+def _nvfp4(opts: dict[str, Any]) -> Nvfp4Codec:
+    amax = opts["tensor_amax"]
+    if amax is not None and (isinstance(amax, bool) or not isinstance(amax, (int, float)) or not 0 < amax < math.inf):
+        raise ValueError(f"tensor_amax={amax!r}: expected a positive number or null (each block's own amax)")
+    return Nvfp4Codec(tensor_amax=None if amax is None else float(amax))
 
 
 def build_codec(name: str, model: Any = None, **options: Any):
@@ -124,9 +164,12 @@ def _full_precision(model: Any, opts: dict[str, Any]) -> None:
 
 CODECS.register("none")(Codec({}, _full_precision))
 CODECS.register("full")(Codec({}, _full_precision))
-CODECS.register("kivi")(Codec(KIVI_DEFAULTS, lambda model, opts: _kivi(opts), KiviCodec))
+CODECS.register("kivi")(Codec(KIVI_DEFAULTS, lambda model, opts: _rotated(_kivi(opts), opts), KiviCodec,
+                              unhashed_defaults=ROTATE_DEFAULTS))
 CODECS.register("kvquant")(Codec(KVQUANT_DEFAULTS, _build_kvquant, KVQuantCodec))
 CODECS.register("int8")(Codec({}, lambda model, opts: Int8Codec(), Int8Codec))
 CODECS.register("fp8")(Codec({}, lambda model, opts: Fp8Codec(), Fp8Codec))
+CODECS.register("nvfp4")(Codec(NVFP4_DEFAULTS, lambda model, opts: _rotated(_nvfp4(opts), opts), Nvfp4Codec))
+CODECS.register("mxfp4")(Codec(MXFP4_DEFAULTS, lambda model, opts: _rotated(Mxfp4Codec(), opts), Mxfp4Codec))
 # every codec's options and defaults by name (the view tests and docs read; the declarations are above)
 OPTIONS: dict[str, dict[str, Any]] = {name: CODECS.get(name).defaults for name in CODECS.names()}

@@ -133,6 +133,20 @@ def test_codec_shorthand_budget_null_and_threads_share_one_run_id():
     assert (s.method_name, s.quant_name, s.budget) == ("full", "kivi", None) and s.quant_options["bits"] == 2
 
 
+def test_kivi_runs_keep_the_ids_they_had_before_quant_rotate():
+    """quant.rotate (added later) at its default is left out of the hash: stored KIVI runs keep their folders (ids
+    computed on the commit before the option existed)."""
+    def rid(*o):
+        return run_id_for(kconfig.hashable_config(compose(list(o))))
+
+    assert rid("quant=kivi") == "smollm2-135m_perplexity_full-kivi_bnone_s0_b199252960"
+    assert rid("method=snapkv", "budget=64", "quant=kivi", "quant.bits=4") == \
+        "smollm2-135m_perplexity_snapkv-kivi_b64_s0_70960ae5f4"
+    assert rid("quant=kivi", "quant.rotate=hadamard") != rid("quant=kivi")  # a rotation is another run
+    assert rid("quant=mxfp4", "quant.rotate=hadamard") != rid("quant=mxfp4", "quant.rotate=hadamard",
+                                                               "quant.rotate_seed=1")
+
+
 def test_run_folder_is_named_after_the_model_path():
     assert run_id_for(kconfig.hashable_config(compose(["model.path=/models/Llama-3.2-1B"]))).startswith(
         "Llama-3.2-1B_perplexity_full_")
@@ -217,6 +231,7 @@ SAME_RUN = [
     (["task=throughput", "task.input_tokens=[512,512]"], ["task=throughput", "task.input_tokens=512"]),
     (["task=ruler", "task.lengths=[1024,1024]"], ["task=ruler", "task.lengths=[1024]"]),
     (["task=ruler", "task.lengths=1024"], ["task=ruler", "task.lengths=[1024]"]),
+    (["quant=kivi", "quant.rotate=none", "quant.rotate_seed=0"], ["quant=kivi"]),
 ]
 OTHER_RUN = [
     (["runtime.prefix_caching=false"], ["runtime.prefix_caching=true"]),

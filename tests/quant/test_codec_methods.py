@@ -105,7 +105,10 @@ def test_a_method_and_a_quant_both_naming_a_codec_is_an_error(method, quant):
 
 @pytest.mark.parametrize("name,options", [("kivi", {"bits": 5}), ("kivi", {"key_axis": "head"}),
                                           ("kvquant", {"bits": 8}), ("kvquant", {"outlier_fraction": 1.5}),
-                                          ("kvquant", {"calibration_corpus": "essays"}), ("int8", {"bits": 4})])
+                                          ("kvquant", {"calibration_corpus": "essays"}), ("int8", {"bits": 4}),
+                                          ("nvfp4", {"tensor_amax": "big"}), ("nvfp4", {"tensor_amax": -2.0}),
+                                          ("mxfp4", {"rotate": "spin"}), ("kivi", {"rotate_seed": 1.5}),
+                                          ("mxfp4", {"tensor_amax": 3.0})])
 def test_codecs_refuse_bad_settings_without_a_model(name, options):
     from kvbench.quant.registry import check_codec
 
@@ -132,11 +135,15 @@ def full_run(tiny):
     ("kvquant", dict(bits=4, **CAL), 0.08),
     ("int8", {}, 0.02),
     ("fp8", {}, 0.05),
+    ("nvfp4", {}, 0.15),
+    ("mxfp4", {}, 0.2),
+    ("mxfp4", dict(rotate="hadamard"), 0.2),
 ])
 def test_codec_method_end_to_end(tiny, full_run, name, options, tol):
     ids, (ref, _, full_stats) = full_run
     eng = Engine(tiny, codec=build_codec(name, tiny, **options), num_blocks=256, schedule="prefill_first")
     assert isinstance(eng.cache, QuantizedPagedKVCache) and eng.cache.codec.name == name
+    assert eng.cache.codec.describe().get("rotate", "none") == options.get("rotate", "none")
     assert eng.cache.describe_storage()["codec"] == name
     lp, gens, stats = _workload(eng, ids)
     err = (lp - ref).abs().mean()
@@ -206,7 +213,7 @@ def test_calibration_text_is_not_the_evaluation_text(tiny):
 
 
 # ---------------------------------------------------------------------------------------------------- configs
-@pytest.mark.parametrize("name", ["kivi", "kvquant", "int8", "fp8"])
+@pytest.mark.parametrize("name", ["kivi", "kvquant", "int8", "fp8", "nvfp4", "mxfp4"])
 def test_codec_method_configs_compose_to_full_plus_quant(name):
     """conf/method/<codec>.yaml pulls the quant group's options: method=<codec> method.<opt>=x runs as
     method=full quant=<codec> quant.<opt>=x (the same run)."""
@@ -223,7 +230,7 @@ def test_codec_method_configs_compose_to_full_plus_quant(name):
         assert route(["method=kivi", "method.bits=4"])[3]["bits"] == 4
 
 
-@pytest.mark.parametrize("name", ["none", "kivi", "kvquant", "int8", "fp8"])
+@pytest.mark.parametrize("name", ["none", "kivi", "kvquant", "int8", "fp8", "nvfp4", "mxfp4"])
 def test_quant_configs_match_the_registry(name):
     cfg = yaml.safe_load((CONF / "quant" / f"{name}.yaml").read_text())
     assert cfg.pop("name") == name

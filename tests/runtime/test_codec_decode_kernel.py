@@ -1,6 +1,6 @@
 """The C codec decode kernel (csrc/codec_decode.c) equals the dequantize-then-attend path of
-QuantizedPagedKVCache: KIVI 2/4/8-bit (keys per channel and per token), int8, ragged batches, heads of different
-lengths after eviction, packed and full-precision blocks mixed, and the per-key attention mass."""
+QuantizedPagedKVCache: KIVI 2/4/8-bit (keys per channel and per token), int8, NVFP4, MXFP4, ragged batches, heads
+of different lengths after eviction, packed and full-precision blocks mixed, and the per-key attention mass."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
+from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
+from kvbench.quant.rotation import RotatedCodec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
@@ -27,6 +29,9 @@ CODECS = {
     "kivi8": lambda: KiviCodec(8, group_size=16, residual=32),
     "kivi2_token_keys": lambda: KiviCodec(2, group_size=32, residual=64, key_axis="token"),
     "int8": lambda: Int8Codec(),
+    "nvfp4": lambda: Nvfp4Codec(),
+    "nvfp4_fixed_amax": lambda: Nvfp4Codec(tensor_amax=12.0),  # some values saturate
+    "mxfp4": lambda: Mxfp4Codec(),
 }
 
 
@@ -112,20 +117,23 @@ def test_unreadable_codecs_use_the_dequantizing_path():
     assert CPU.packed_kernel(cache, torch.zeros(1, 4, 1, 64), causal=False) is None
     kvq = KVQuantCodec(bits=3, levels="uniform")
     assert cpu_kernels.codec_block_format(kvq, "key", 32, 64) is None
+    rotated, _ = filled(RotatedCodec(Mxfp4Codec()), [100])  # rows of rotated K / V: the query is not rotated here
+    assert CPU.packed_kernel(rotated, torch.zeros(1, 4, 1, 64), causal=False) is None
     kivi, _ = filled(KiviCodec(2, group_size=32, residual=64), [100])
     assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 2, 64), causal=True) != "decode"  # a prefill chunk
     assert CPU.packed_kernel(kivi, torch.zeros(1, 4, 1, 64), rotate_keys=lambda k, p: k,
                              causal=False) is None  # keys rotated at read time
 
 
-def test_engine_decodes_the_same_tokens_with_and_without_the_kernel():
+@pytest.mark.parametrize("codec", [lambda: KiviCodec(2, group_size=32, residual=32), Nvfp4Codec, Mxfp4Codec],
+                         ids=["kivi2", "nvfp4", "mxfp4"])
+def test_engine_decodes_the_same_tokens_with_and_without_the_kernel(codec):
     from kvbench.runtime.serving.engine import Engine
 
     model = tiny_model(vocab=300, **HEAD_DIM_64)
     prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 90)]
     runs = {}
     for backend in ("cpu", "torch"):
-        engine = Engine(model, attention_backend=backend, codec=KiviCodec(2, group_size=32, residual=32),
-                        kv_memory_bytes=2**24)
+        engine = Engine(model, attention_backend=backend, codec=codec(), kv_memory_bytes=2**24)
         runs[backend] = [g.token_ids for g in engine.generate(prompts, max_new_tokens=40)]
     assert runs["cpu"] == runs["torch"]

@@ -68,7 +68,7 @@ def test_every_method_same_greedy_tokens_from_graphs(model, prompts, variant):
         assert graphs.replays > 0 and graphs.graphs
 
 
-@pytest.mark.parametrize("codec", ["kivi", "int8", "fp8", "kvquant"])
+@pytest.mark.parametrize("codec", ["kivi", "int8", "fp8", "kvquant", "nvfp4", "mxfp4"])
 def test_every_codec_same_greedy_tokens_from_graphs(model, prompts, codec):
     eng = _same_tokens_both_ways(model, prompts, "full", {}, codec)
     if codec == "kvquant":  # pre-RoPE keys: eager

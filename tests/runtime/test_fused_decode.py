@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvbench.quant.codecs import Int8Codec, KiviCodec
+from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
@@ -47,6 +48,8 @@ CODECS = {
     "kivi4": lambda: KiviCodec(4, group_size=32, residual=64),
     "kivi8": lambda: KiviCodec(8, group_size=16, residual=32),
     "int8": lambda: Int8Codec(),
+    "nvfp4": lambda: Nvfp4Codec(),
+    "mxfp4": lambda: Mxfp4Codec(),
 }
 
 

@@ -99,7 +99,8 @@ def test_at_most_one_host_sync_per_decode_step(model, variant):
 KIVI_SMALL = {"group_size": 16, "residual": 16}  # 16-token blocks: packing within a few steps
 
 
-@pytest.mark.parametrize("codec,options", [("kivi", KIVI_SMALL), ("int8", {}), ("fp8", {}),
+@pytest.mark.parametrize("codec,options", [("kivi", KIVI_SMALL), ("int8", {}), ("fp8", {}), ("nvfp4", {}),
+                                           ("mxfp4", {"rotate": "hadamard"}),
                                            ("kvquant", {"levels": "uniform", "key_ranges": "online"})])
 def test_codecs_sync_only_when_packing(model, codec, options):
     """A codec cache's step reads the device once, except the step that packs blocks leaving the full-precision

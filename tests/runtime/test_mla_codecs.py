@@ -28,7 +28,8 @@ from tests.tiny_models import tiny_hf_model
 
 PROMPT, TOTAL, CHUNK, BS = 100, 200, 32, 8
 # |NLL(codec) - NLL(full)| over the decoded tokens, nats: 8-bit codecs and 4-bit KIVI
-CODECS = [("int8", {}, 0.01), ("fp8", {}, 0.02), ("kivi", dict(bits=4, group_size=16, residual=32), 0.05)]
+CODECS = [("int8", {}, 0.01), ("fp8", {}, 0.02), ("kivi", dict(bits=4, group_size=16, residual=32), 0.05),
+          ("nvfp4", {}, 0.05), ("mxfp4", {}, 0.1)]
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:

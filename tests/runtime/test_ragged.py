@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from kvbench.methods import build_method
 from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec
+from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
+from kvbench.quant.rotation import RotatedCodec
 from kvbench.quant.registry import build_codec
 from kvbench.runtime.serving.engine import Engine, Segment
 from tests.fixtures.task_fixtures import one_thread as _one_thread
@@ -26,6 +28,9 @@ CODECS = {
     "kivi4": lambda: KiviCodec(4, group_size=8, residual=8),
     "int8": lambda: Int8Codec(),
     "fp8": lambda: Fp8Codec(),
+    "nvfp4": lambda: Nvfp4Codec(),
+    "mxfp4": lambda: Mxfp4Codec(),
+    "kivi2_hadamard": lambda: RotatedCodec(KiviCodec(2, group_size=8, residual=16), seed=0),
     "kvquant_uniform": lambda: build_codec("kvquant", None, levels="uniform", key_ranges="online", bits=4),
 }
 
@@ -118,6 +123,15 @@ def test_ragged_step_equals_one_by_one_for_every_method(model, method, spec):
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_ragged_step_equals_one_by_one_for_every_codec(model, codec, spec):
     _check_ragged_equals_one_by_one(model, ("full", None, {}), CODECS[codec], spec)
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", "kivi2_hadamard"])
+@pytest.mark.parametrize("method", METHODS[1:], ids=[m[0] for m in METHODS[1:]])
+def test_eviction_methods_over_the_fp4_and_rotated_codecs(model, method, codec):
+    """Every eviction method of the matrix over the FP4 codecs and a rotated KIVI: a ragged step still equals one by
+    one (prompts past the budgets, so the methods evict over packed blocks)."""
+    spec = [(60, 4, ("decode",)), (50, 0, ("prefill", 20, True)), (45, 2, ("decode",))]
+    _check_ragged_equals_one_by_one(model, method, CODECS[codec], spec)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

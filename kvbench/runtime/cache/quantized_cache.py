@@ -1,4 +1,4 @@
-"""A paged KV cache whose old blocks hold a storage codec's packed bytes (KIVI, KVQuant, int8, fp8).
+"""A paged KV cache whose old blocks hold a storage codec's packed bytes (KIVI, KVQuant, int8, fp8, NVFP4, MXFP4).
 
 Two pools share one block-id space, so block tables, positions, lengths, forks and eviction work as in
 `PagedKVCache`:
@@ -136,7 +136,7 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         readable = "triton_dequant" in getattr(self.codec, "kernels", ())
         if dequant == "triton":
             if not readable:
-                raise ValueError("dequant=triton supports 2- and 4-bit KIVI blocks only")
+                raise ValueError("dequant=triton supports 2- and 4-bit KIVI, NVFP4 and MXFP4 blocks only")
             return "triton"
         if dequant == "auto" and readable and self.device.type == "cuda":
             return "triton" if triton_backend.installed() else "torch"

@@ -4,8 +4,8 @@
   through the block tables (no gather, no copy of cached K/V). Each (sequence, kv-head) is split
   into chunks of keys so both cores work even at batch 1; chunks are merged with their softmax
   statistics (flash-decoding). It also returns per-key attention mass for score-based methods.
-- ``codec_decode_attention``: the same over a codec cache (KIVI 2/4/8-bit, int8): each packed or fp16 block
-  is decoded into an fp32 tile in L1 as the kernel reaches it, instead of dequantizing the layer into a dense
+- ``codec_decode_attention``: the same over a codec cache (KIVI 2/4/8-bit, int8, NVFP4, MXFP4): each packed or fp16
+  block is decoded into an fp32 tile in L1 as the kernel reaches it, instead of dequantizing the layer into a dense
   copy first (what the torch path of QuantizedPagedKVCache does).
 - ``codec_prefill_attention``: a causal chunk of queries (prefill) over a codec cache, block by block through the
   same tiles, with an online softmax per query; no dense copy of the layer either.
@@ -330,7 +330,8 @@ class BlockFormat(ctypes.Structure):
 
     _fields_ = [("row_bytes", ctypes.c_int64), ("codes_off", ctypes.c_int64), ("mn_off", ctypes.c_int64),
                 ("scale_off", ctypes.c_int64), ("bits", ctypes.c_int32), ("is_signed", ctypes.c_int32),
-                ("per_channel", ctypes.c_int32), ("group", ctypes.c_int32)]
+                ("per_channel", ctypes.c_int32), ("group", ctypes.c_int32), ("fp4", ctypes.c_int32),
+                ("reserved", ctypes.c_int32), ("tscale_off", ctypes.c_int64)]
 
 
 class CodecPools(ctypes.Structure):
@@ -361,9 +362,13 @@ def codec_block_format(codec, kind: str, block_size: int, head_dim: int) -> Bloc
     outliers, fp8), or a head dim other than 64 / 128."""
     if head_dim not in (64, 128) or "cpu_attention" not in getattr(codec, "kernels", ()):
         return None
+    if hasattr(codec, "fp4_rows"):  # FP4 (NVFP4, MXFP4): E2M1 codes, a scale byte per group of a token
+        f = codec.fp4_rows(kind, block_size, head_dim)
+        return BlockFormat(f.row_bytes, f.codes_offset, -1, f.scale_offset, 4, 0, 0, f.group,
+                           1 if f.scale_format == "e4m3" else 2, 0, f.tensor_scale_offset)
     rows = codec.affine_rows(kind, block_size, head_dim)
     return BlockFormat(rows.row_bytes, rows.codes_offset, rows.mn_offset, rows.scale_offset, rows.bits,
-                       int(rows.signed), int(rows.per_channel), rows.group)
+                       int(rows.signed), int(rows.per_channel), rows.group, 0, 0, -1)
 
 
 def codec_decode_attention_cpu(

@@ -15,6 +15,8 @@
  *   Codes of row t form one little-endian bit stream over t * D + d (packing.py); stats are either per channel
  *   (one per channel for each group of `group` tokens: [bs / group, D]) or per token (one per group of `group`
  *   channels of a token: [bs, ceil(D / group)]).
+ *   fp4 1 / 2: FP4 (NVFP4 / MXFP4): x = e2m1(code) * (group scale [* tensor scale]), the group scale an E4M3 byte
+ *   or an E8M0 power of two per `group` channels of a token (decode_fp4_rows).
  */
 #include "decode_ops.h"
 #ifdef _OPENMP
@@ -106,6 +108,52 @@ static inline __attribute__((always_inline)) void decode_packed_rows(
     }
 }
 
+/* float32 from its bit pattern */
+static inline float float_of_bits(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* An E4M3 (float8_e4m3fn) byte as float: 4 exponent bits (bias 7), 3 mantissa bits, exponent 0 subnormal. The
+ * bytes 0x7f / 0xff (NaN) are never written by the codec. */
+static inline float e4m3_to_float(uint8_t b) {
+    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    const float mag = e ? float_of_bits((e + 120u) << 23 | m << 20) : (float)m * 0.001953125f;
+    return (b & 128u) ? -mag : mag;
+}
+
+/* An E8M0 byte (a biased exponent, 0..254) as the power of two 2^(b - 127); 0 is 2^-127, a float32 subnormal */
+static inline float e8m0_to_float(uint8_t b) {
+    return b ? float_of_bits((uint32_t)b << 23) : float_of_bits(1u << 22);
+}
+
+/* rows [r0, r1) of an FP4 row as fp32 into tile[(r - r0) * D + d]: e2m1(code) * (group scale [* tensor scale]),
+ * multiplied in the order of the codec's own decode (kvbench/quant/fp4.py), so both give the same floats */
+static void decode_fp4_rows(const uint8_t *row, const block_format *f, const int D, int r0, int r1,
+                            float *restrict tile)
+{
+    static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    const uint8_t *codes = row + f->codes_off, *scales = row + f->scale_off;
+    const int group = f->group, ng = (D + group - 1) / group;
+    float ts = 1.0f;
+    if (f->tscale_off >= 0)
+        memcpy(&ts, row + f->tscale_off, 4);
+    for (int r = r0; r < r1; r++) {
+        float *t = tile + (int64_t)(r - r0) * D;
+        const uint8_t *src = codes + (int64_t)r * D / 2;  /* D even: a token's codes start on a byte */
+        for (int g = 0; g < ng; g++) {
+            const uint8_t b = scales[(int64_t)r * ng + g];
+            float s = f->fp4 == 2 ? e8m0_to_float(b) : e4m3_to_float(b);
+            if (f->tscale_off >= 0)
+                s *= ts;
+            const int d1 = (g + 1) * group < D ? (g + 1) * group : D;
+            for (int d = g * group; d < d1; d++) t[d] = e2m1[(src[d >> 1] >> ((d & 1) * 4)) & 15] * s;
+        }
+    }
+}
+
 /* rows [r0, r1) of block `id` as fp32: tile[(r - r0) * D + d] */
 static inline void load_rows(const void *fp_pool, int fp_is_half, const uint8_t *packed, const block_format *f,
                              int64_t num_fp, int64_t id, int bs, const int D, int r0, int r1, float *restrict tile)
@@ -122,7 +170,9 @@ static inline void load_rows(const void *fp_pool, int fp_is_half, const uint8_t 
         return;
     }
     const uint8_t *row = packed + (id - num_fp) * f->row_bytes;
-    if (f->bits == 2)
+    if (f->fp4)
+        decode_fp4_rows(row, f, D, r0, r1, tile);
+    else if (f->bits == 2)
         decode_packed_rows(row, f, 2, 0, D, r0, r1, tile);
     else if (f->bits == 4)
         decode_packed_rows(row, f, 4, 0, D, r0, r1, tile);
@@ -255,11 +305,11 @@ static inline __attribute__((always_inline)) block_span span_at(
 
 /* whether a block format can take the direct paths above (KIVI's layouts at 2 and 4 bits) */
 static int direct_keys(const block_format *f, int bs) {
-    return (f->bits == 2 || f->bits == 4) && f->per_channel && f->mn_off >= 0 && f->group % 4 == 0 &&
+    return !f->fp4 && (f->bits == 2 || f->bits == 4) && f->per_channel && f->mn_off >= 0 && f->group % 4 == 0 &&
            bs % f->group == 0;
 }
 static int direct_values(const block_format *f, int D) {
-    return (f->bits == 2 || f->bits == 4) && !f->per_channel && f->mn_off >= 0 && f->group % 16 == 0 &&
+    return !f->fp4 && (f->bits == 2 || f->bits == 4) && !f->per_channel && f->mn_off >= 0 && f->group % 16 == 0 &&
            D % f->group == 0;
 }
 

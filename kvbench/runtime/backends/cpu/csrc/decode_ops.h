@@ -75,6 +75,12 @@ typedef struct {
     int32_t is_signed;  /* 8-bit codes are int8 */
     int32_t per_channel;  /* stats per channel over `group` tokens, else per token over `group` channels */
     int32_t group;
+    /* FP4 rows (kvbench/quant/fp4_codecs.py) instead of uniform codes: 0 none, 1 E4M3 group scales (NVFP4),
+     * 2 E8M0 group scales (MXFP4); one scale byte per `group` channels of a token at scale_off; E2M1 codes at
+     * codes_off, low nibble first; tscale_off: the byte offset of an fp32 tensor scale (< 0: none) */
+    int32_t fp4;
+    int32_t reserved;
+    int64_t tscale_off;
 } block_format;
 
 /* A codec cache's two pools as the codec decode kernel reads them (codec_decode.c): block id < num_fp is a
