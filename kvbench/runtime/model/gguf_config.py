@@ -1,0 +1,74 @@
+"""A GGUF file's header read as the transformers config its loader builds, without reading the tensors.
+
+    GGUF_MODEL_TYPES                    GGUF architecture -> transformers model_type, for the families kvbench runs
+                                        that transformers' GGUF reader carries
+    check_gguf_architecture(meta, where) -> UserError (one line) for a GGUF kvbench cannot load
+    hf_config_from_gguf(meta)           -> the config dict transformers' load_gguf_checkpoint builds from these keys
+
+transformers reads a GGUF's `<arch>.*` keys through its table (transformers.integrations.ggml.GGUF_CONFIG_MAPPING);
+every field the file lacks keeps the family's default (transformers' config class): Gemma 3's layer pattern (five
+sliding layers per full one) and its local RoPE base (10,000), Gemma's query_pre_attn_scalar and soft-capping, Qwen3's
+head_dim (its reader ignores key_length). Reading the same table here gives `kvbench-info` and the plan the model
+transformers will load, in milliseconds (transformers' own reader parses every tensor and token: tens of seconds on a
+262k vocabulary). Two fields need the tensors or the token list and are left out: tie_word_embeddings and, where the
+file has no `<arch>.vocab_size`, vocab_size (the KV shape needs neither).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvbench.errors import UserError
+
+# llama.cpp's architecture names -> transformers' model types: the intersection of kvbench's families
+# (forward.SUPPORTED_MODEL_TYPES) and transformers' GGUF reader. Mistral files are written as llama (GGUF has no
+# mistral architecture); DeepSeek-V2's deepseek2 is not read by transformers.
+GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                    "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+
+
+def check_gguf_architecture(meta: dict, where: str) -> None:
+    """Refuse a GGUF whose general.architecture kvbench cannot load (one line naming the supported ones)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_MODEL_TYPES:
+        raise UserError(f"{where}: unsupported GGUF architecture {arch!r}; kvbench loads GGUF files of "
+                        f"{', '.join(sorted(GGUF_MODEL_TYPES))} (transformers' GGUF reader); for another family use "
+                        f"its Hugging Face checkpoint")
+
+
+def hf_config_from_gguf(meta: dict) -> dict[str, Any]:
+    """The config transformers builds from a GGUF header `meta` (model_files.read_gguf_header), as a dict for
+    AutoConfig.for_model: the same key table and renames as transformers' load_gguf_checkpoint."""
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = meta["general.architecture"]
+    updated = "gpt_oss" if arch == "gpt-oss" else arch  # transformers' renames of the architectures kvbench loads
+    cfg: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}))
+    for key, value in meta.items():
+        if value is None:  # a long array the header reader skipped (token scores, ...): never a config field
+            continue
+        prefix, _, rest = key.replace(arch, updated).partition(".")
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest, -1)
+        if renamed not in (None, -1):
+            cfg[renamed] = value
+    if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
+        cfg["model_type"] = "gemma3_text"
+    if updated == "gpt_oss" and meta.get("gpt-oss.rope.scaling.type") is not None:
+        cfg["rope_scaling"] = _gpt_oss_rope_scaling(meta)
+    return cfg
+
+
+def _gpt_oss_rope_scaling(meta: dict) -> dict[str, Any]:
+    """GPT-OSS's rope_scaling from its gpt-oss.rope.scaling.* keys, as transformers rebuilds it."""
+    out: dict[str, Any] = {"rope_type": meta["gpt-oss.rope.scaling.type"]}
+    for key, value in meta.items():
+        if not key.startswith("gpt-oss.rope.scaling.") or key.endswith(".type"):
+            continue
+        suffix = key[len("gpt-oss.rope.scaling."):]
+        if suffix in ("factor", "attention_factor", "beta_fast", "beta_slow"):
+            value = float(value)
+        elif suffix in ("original_context_length", "original_max_position_embeddings"):
+            suffix, value = "original_max_position_embeddings", int(value)
+        out[suffix] = value
+    return out
