@@ -209,8 +209,9 @@ def _renamed_on_load(folder: str) -> bool:
     return get_checkpoint_conversion_mapping(model_type) is not None
 
 
-def loading_report(info: Any, where: str) -> Optional[str]:
-    """The one-line refusal for transformers' load report (output_loading_info=True), or None when it is clean."""
+def loading_report(info: Any, where: str, described_by: str = "config.json") -> Optional[str]:
+    """The one-line refusal for transformers' load report (output_loading_info=True), or None when it is clean;
+    `described_by` names what the weights were held to (a GGUF's header)."""
     if not isinstance(info, dict):
         return None
     mismatched = [" ".join(str(x) for x in (m if isinstance(m, (tuple, list)) else [m]))
@@ -219,5 +220,5 @@ def loading_report(info: Any, where: str) -> Optional[str]:
                          sorted(map(str, info.get("unexpected_keys") or [])), mismatched)
     if line is None:
         return None
-    return f"{where}: its weights do not match its config.json ({line}); expected the checkpoint that config.json " \
-           f"describes"
+    return f"{where}: its weights do not match its {described_by} ({line}); expected the checkpoint that " \
+           f"{described_by} describes"

@@ -69,7 +69,7 @@ CASES = [
     (["model.path={gguf}"], "broken.gguf"),
     (["model.path=packaged:gemma-9"], ("model.path='packaged:gemma-9'", "packaged:gemma-3-270m")),
     (["model.path={twoggufs}"], ("several .gguf files (a.gguf, b.gguf)", "model.gguf_file")),
-    (["model.path={deepseek_gguf}"], ("unsupported GGUF architecture 'deepseek2'", "gemma3, gpt-oss, llama")),
+    (["model.path={deepseek_gguf}"], ("unsupported GGUF architecture 'deepseek2'", "gemma2, gemma3, llama")),
     (["+model.nme=x"], "model.nme"),
     # logger
     (["logger.mode=sometimes"], "invalid logger.mode='sometimes'"),

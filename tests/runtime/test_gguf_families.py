@@ -78,6 +78,16 @@ def test_folder_holding_one_gguf_loads_it_and_several_are_refused(tmp_path):
     assert "several .gguf files (llama.gguf, qwen2.gguf)" in str(info.value) and "\n" not in str(info.value)
 
 
+def test_gguf_missing_a_tensor_is_refused_not_filled_with_random_weights(tmp_path):
+    hf = tiny_hf_model("qwen2", seed=3, vocab=320)
+    path = write_gguf(hf, tmp_path / "m.gguf", "qwen2", drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(UserError) as info:
+        load_model(str(path), cache_dir=tmp_path / "cache")
+    msg = str(info.value)
+    assert "do not match its header" in msg and "model.layers.1.mlp.up_proj.weight" in msg and "\n" not in msg
+    assert not list((tmp_path / "cache" / "gguf").glob("m-*/done"))  # nothing cached
+
+
 def test_unsupported_gguf_architecture_is_refused_in_one_line(tmp_path, capsys):
     path = str(header_only_gguf(tmp_path / "ds.gguf", "deepseek2"))
     with pytest.raises(UserError) as info:

@@ -20,10 +20,12 @@ from typing import Any
 from kvbench.errors import UserError
 
 # llama.cpp's architecture names -> transformers' model types: the intersection of kvbench's families
-# (forward.SUPPORTED_MODEL_TYPES) and transformers' GGUF reader. Mistral files are written as llama (GGUF has no
-# mistral architecture); DeepSeek-V2's deepseek2 is not read by transformers.
+# (forward.SUPPORTED_MODEL_TYPES) and what transformers' GGUF reader loads whole. Mistral files are written as llama
+# (GGUF has no mistral architecture). Left out: DeepSeek-V2's deepseek2 (transformers has no reader for it) and
+# gpt-oss (transformers 5.25's name map gives the experts' gate_up_proj and biases no GGUF name: they would load
+# missing).
 GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
-                    "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+                    "gemma3": "gemma3_text"}
 
 
 def check_gguf_architecture(meta: dict, where: str) -> None:
@@ -40,35 +42,16 @@ def hf_config_from_gguf(meta: dict) -> dict[str, Any]:
     AutoConfig.for_model: the same key table and renames as transformers' load_gguf_checkpoint."""
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    arch = meta["general.architecture"]
-    updated = "gpt_oss" if arch == "gpt-oss" else arch  # transformers' renames of the architectures kvbench loads
-    cfg: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}))
+    arch = meta["general.architecture"]  # none of GGUF_MODEL_TYPES is renamed by transformers' reader
+    cfg: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
     for key, value in meta.items():
         if value is None:  # a long array the header reader skipped (token scores, ...): never a config field
             continue
-        prefix, _, rest = key.replace(arch, updated).partition(".")
-        if isinstance(value, str) and arch in value:
-            value = value.replace(arch, updated)
+        prefix, _, rest = key.partition(".")
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest, -1)
         if renamed not in (None, -1):
             cfg[renamed] = value
     if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
         cfg["model_type"] = "gemma3_text"
-    if updated == "gpt_oss" and meta.get("gpt-oss.rope.scaling.type") is not None:
-        cfg["rope_scaling"] = _gpt_oss_rope_scaling(meta)
     return cfg
 
-
-def _gpt_oss_rope_scaling(meta: dict) -> dict[str, Any]:
-    """GPT-OSS's rope_scaling from its gpt-oss.rope.scaling.* keys, as transformers rebuilds it."""
-    out: dict[str, Any] = {"rope_type": meta["gpt-oss.rope.scaling.type"]}
-    for key, value in meta.items():
-        if not key.startswith("gpt-oss.rope.scaling.") or key.endswith(".type"):
-            continue
-        suffix = key[len("gpt-oss.rope.scaling."):]
-        if suffix in ("factor", "attention_factor", "beta_fast", "beta_slow"):
-            value = float(value)
-        elif suffix in ("original_context_length", "original_max_position_embeddings"):
-            suffix, value = "original_max_position_embeddings", int(value)
-        out[suffix] = value
-    return out

@@ -186,10 +186,14 @@ def _convert_gguf(src: Path, dest: Path) -> None:
 
         try:
             tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-            q = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+            q, info = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32,
+                                                           output_loading_info=True)
         except Exception as exc:  # a corrupt or unsupported GGUF fails deep inside the reader
             first = first_line(exc)
             raise UserError(f"cannot read GGUF file {str(src)!r}: {first}") from None
+        mismatch = loading_report(info, f"GGUF file {str(src)!r}", "header")  # a tensor the reader did not map: never random
+        if mismatch is not None:
+            raise UserError(mismatch)
         config = q.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
