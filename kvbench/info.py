@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"kvbench-info: {exc}", file=sys.stderr)
         return 2
-    print(f"model: {args.model}" + (f" ({path})" if path and path != args.model else ""))
+    shown = os.path.join(str(path), gguf) if path and gguf else path  # the GGUF file itself, where one is read
+    print(f"model: {args.model}" + (f" ({shown})" if shown and shown != args.model else ""))
     for line in describe_shape(shape, dtype):
         print(line)
     return 0

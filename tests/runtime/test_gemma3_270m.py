@@ -72,3 +72,12 @@ def test_greedy_tokens_equal_transformers(gemma, held_out_ids):
                                       min_new_tokens=GREEDY)
     theirs = out[0, len(prompt):].tolist()
     assert list(ours)[:GREEDY] == theirs
+
+
+def test_kvbench_info_reads_the_preset_from_its_gguf_header(capsys):
+    from kvbench.info import main as info_main
+
+    assert info_main(["gemma-3-270m"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma-3-270m-q4_k_m.gguf" in out and "model_type: gemma3_text" in out
+    assert "layers: 18 (3 full, 15 sliding)" in out and "kv_heads: 1  head_dim: 256" in out
