@@ -64,6 +64,24 @@ def test_gguf_family_loads_as_transformers_reads_it(family, tmp_path):
         assert windows == (24,) * 5 + (None, 24)
 
 
+def test_gemma3_global_rope_scaling_is_read_back_from_the_header(tmp_path):
+    """Gemma 3 4B+ scale their global layers' RoPE linearly by 8; llama.cpp writes gemma3.rope.scaling.*, which
+    transformers' reader drops. kvbench restores it: its logits equal the original model's, transformers' own load
+    of the file differs (so the check can fail)."""
+    settings = dict(GGUF_SETTINGS["gemma3"])
+    settings["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    original = tiny_hf_model("gemma3", seed=3, vocab=320, qk_scale=3, **settings)
+    path = write_gguf(original, tmp_path / "g.gguf", "gemma3")
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache")
+    ids = torch.randint(3, 320, (PROMPT,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = hf_logits(original, ids)
+    got = kvbench_logits(Engine(loaded.model, prefill_chunk_size=16, block_size=8, num_blocks=256), ids, PROMPT,
+                         chunk=16)
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert (hf_logits(gguf_hf_model(path), ids) - ref).abs().max().item() > 1e-3  # transformers alone: unscaled
+
+
 def test_folder_holding_one_gguf_loads_it_and_several_are_refused(tmp_path):
     path = _tiny_gguf("qwen2", tmp_path / "one", quant=None)
     folder = str(path.parent)

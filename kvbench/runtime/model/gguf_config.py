@@ -4,6 +4,7 @@
                                         that transformers' GGUF reader carries
     check_gguf_architecture(meta, where) -> UserError (one line) for a GGUF kvbench cannot load
     hf_config_from_gguf(meta)           -> the config dict transformers' load_gguf_checkpoint builds from these keys
+    restore_rope_scaling(config, meta)  -> puts back Gemma 3's global-layer RoPE scaling, which transformers drops
 
 transformers reads a GGUF's `<arch>.*` keys through its table (transformers.integrations.ggml.GGUF_CONFIG_MAPPING);
 every field the file lacks keeps the family's default (transformers' config class): Gemma 3's layer pattern (five
@@ -55,3 +56,24 @@ def hf_config_from_gguf(meta: dict) -> dict[str, Any]:
         cfg["model_type"] = "gemma3_text"
     return cfg
 
+
+def restore_rope_scaling(config: Any, meta: dict) -> bool:
+    """Put a Gemma 3 file's `gemma3.rope.scaling.type` / `.factor` (llama.cpp writes linear x8 for 4B and up: the
+    global layers' positions divided by 8) back into the transformers `config` its reader built without them; True
+    when it changed the config. transformers' table has no key for them, so a Gemma 3 4B+ GGUF would otherwise run
+    its global layers with unscaled RoPE at every position. Other families' files are left as transformers reads
+    them."""
+    if meta.get("general.architecture") != "gemma3" or meta.get("gemma3.rope.scaling.type") is None:
+        return False
+    kind, factor = meta["gemma3.rope.scaling.type"], meta.get("gemma3.rope.scaling.factor")
+    if kind != "linear" or not factor or float(factor) == 1.0:
+        if kind in ("none", "linear"):
+            return False
+        raise UserError(f"gemma3.rope.scaling.type={kind!r} in the GGUF header: kvbench reads Gemma 3's linear "
+                        f"scaling only")
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    full = dict(params.get("full_attention") or {})
+    full.update(rope_type="linear", factor=float(factor))
+    params["full_attention"] = full
+    config.rope_parameters = params
+    return True

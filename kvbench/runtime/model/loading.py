@@ -27,7 +27,8 @@ from kvbench.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.model.forward import LlamaFamilyModel
-from kvbench.runtime.model.model_files import check_model_path, resolve_location
+from kvbench.runtime.model.gguf_config import restore_rope_scaling
+from kvbench.runtime.model.model_files import check_model_path, read_gguf_header, resolve_location
 from kvbench.runtime.model.packaged import SMOLLM2_GGUF, cache_root, packaged_smollm2  # noqa: F401 (re-exported)
 from kvbench.spec import dtype_name
 
@@ -197,6 +198,7 @@ def _convert_gguf(src: Path, dest: Path) -> None:
         config = q.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        restore_rope_scaling(config, read_gguf_header(str(src), "model.path"))  # Gemma 3 4B+: linear x8, global
         plain = type(q)(config)  # same architecture without the GGUF quantizer attached
         plain.load_state_dict(q.state_dict())
         plain.save_pretrained(dest)
