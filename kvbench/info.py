@@ -1,9 +1,11 @@
 """`kvbench-info MODEL [--dtype DTYPE]`: what kvbench knows about a model before loading it, from its config.json
-(a local folder, a cached hub model, or a conf/model preset's name): its layer types (full / sliding(window)) and the
-KV bytes one token costs (kvbench.model_info.kv_bytes_per_token). Nothing is loaded or downloaded.
+(a local folder, a cached hub model, or a conf/model preset's name) or its GGUF header (read as transformers' GGUF
+reader reads it: kvbench.runtime.model.gguf_config): its layer types (full / sliding(window)) and the KV bytes one
+token costs (kvbench.model_info.kv_bytes_per_token). Nothing is loaded or downloaded.
 
     kvbench-info gemma-3-1b                 # a preset of conf/model (its hub id must be in the local cache)
     kvbench-info /path/to/model --dtype bfloat16
+    kvbench-info /path/to/gemma-3-270m-q4_k_m.gguf
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvbench.errors import UserError
-from kvbench.model_info import describe_shape, model_shape
-from kvbench.runtime.model.model_files import check_model_path
+from kvbench.model_info import check_runnable, describe_shape, model_shape
+from kvbench.runtime.model.model_files import check_model_path, resolve_location
 from kvbench.spec import dtype_name
 
 PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = dtype_name(args.dtype or dtype, "--dtype", aliases=True)
         if path is not None:
             check_model_path(path, gguf)
+            path, gguf = resolve_location(path, gguf)  # a packaged model, or a folder holding one .gguf
+            check_runnable(SimpleNamespace(path=path, gguf_file=gguf))  # a GGUF of another family: one line
         shape = model_shape(SimpleNamespace(path=path, gguf_file=gguf))
         if shape is None:
             raise UserError(f"model {args.model!r}: its config.json is not on this machine (a hub model is read from "
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"kvbench-info: {exc}", file=sys.stderr)
         return 2
-    print(f"model: {args.model}" + (f" ({path})" if path and path != args.model else ""))
+    shown = os.path.join(str(path), gguf) if path and gguf else path  # the GGUF file itself, where one is read
+    print(f"model: {args.model}" + (f" ({shown})" if shown and shown != args.model else ""))
     for line in describe_shape(shape, dtype):
         print(line)
     return 0

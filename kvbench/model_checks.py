@@ -1,7 +1,6 @@
 """Can kvbench run this model, and do its weights match its config: checked from the files, before any load.
 
     check_config(cfg, where, supported)      -> UserError (one line) for a config.json kvbench cannot run
-    check_gguf_architecture(meta, where, supported) -> UserError for a GGUF of another architecture
     check_weights(folder, where)             -> UserError naming missing / unexpected / mismatched tensors
     loading_report(info, where)              -> the same line from transformers' load report, or None
 
@@ -159,14 +158,6 @@ def _check_window(cfg: dict, where: str) -> None:
         raise UserError(f"{where}: use_bidirectional_attention=true in config.json: kvbench runs causal decoders only")
 
 
-def check_gguf_architecture(meta: dict, where: str, supported: Iterable[str]) -> None:
-    """Refuse a GGUF whose general.architecture is not one kvbench's forward runs."""
-    arch = meta.get("general.architecture")
-    if arch not in tuple(supported):
-        raise UserError(f"{where}: unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)}")
-
-
-# --------------------------------------------------------------------------- weights against config
 def safetensors_shapes(folder: str) -> Optional[dict[str, list[int]]]:
     """{tensor name: shape} over the folder's *.safetensors files, from their headers; None without any."""
     names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
@@ -271,8 +262,9 @@ def _renamed_on_load(folder: str) -> bool:
     return get_checkpoint_conversion_mapping(model_type) is not None
 
 
-def loading_report(info: Any, where: str) -> Optional[str]:
-    """The one-line refusal for transformers' load report (output_loading_info=True), or None when it is clean."""
+def loading_report(info: Any, where: str, described_by: str = "config.json") -> Optional[str]:
+    """The one-line refusal for transformers' load report (output_loading_info=True), or None when it is clean;
+    `described_by` names what the weights were held to (a GGUF's header)."""
     if not isinstance(info, dict):
         return None
     mismatched = [" ".join(str(x) for x in (m if isinstance(m, (tuple, list)) else [m]))
@@ -281,5 +273,5 @@ def loading_report(info: Any, where: str) -> Optional[str]:
                          sorted(map(str, info.get("unexpected_keys") or [])), mismatched)
     if line is None:
         return None
-    return f"{where}: its weights do not match its config.json ({line}); expected the checkpoint that config.json " \
-           f"describes"
+    return f"{where}: its weights do not match its {described_by} ({line}); expected the checkpoint that " \
+           f"{described_by} describes"

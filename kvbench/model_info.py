@@ -23,9 +23,10 @@ from typing import Any, Optional
 from kvbench.errors import UserError
 from kvbench.runtime.cache.kv_geometry import block_bytes, element_bytes, pool_bytes
 from kvbench.runtime.model.attention_types import layer_windows_from_hf
-from kvbench.runtime.model.model_files import cached_hub_config, is_hub_id, read_gguf_header
+from kvbench.runtime.model.gguf_config import check_gguf_architecture, hf_config_from_gguf
+from kvbench.runtime.model.model_files import cached_hub_config, gguf_location, is_hub_id, read_gguf_header
 from kvbench.runtime.serving.engine import DEFAULT_KV_MEMORY_BYTES
-from kvbench.model_checks import check_config, check_gguf_architecture, check_weights, exact_positions
+from kvbench.model_checks import check_config, check_weights, exact_positions
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
 from kvbench.spec import FULL_PRECISION
 
@@ -65,11 +66,10 @@ def model_shape(model: Any) -> Optional[ModelShape]:
     try:
         if path is None:
             return ModelShape(*PACKAGED_SHAPE)
+        gguf = gguf_location(path, gguf_file)
+        if gguf is not None:
+            return _shape_from_gguf(read_gguf_header(gguf, "model.path"))
         local = os.path.expanduser(str(path))
-        if gguf_file is not None:
-            return _shape_from_gguf(read_gguf_header(os.path.join(local, str(gguf_file)), "model.gguf_file"))
-        if os.path.isfile(local) and local.endswith(".gguf"):
-            return _shape_from_gguf(read_gguf_header(local, "model.path"))
         cfg_path = os.path.join(local, "config.json")
         if not os.path.exists(local) and is_hub_id(str(path)):
             cfg_path = cached_hub_config(str(path)) or cfg_path  # a hub model's config.json, if cached
@@ -91,9 +91,11 @@ def check_runnable(model: Any) -> None:
     gguf_file = getattr(model, "gguf_file", None)
     local = os.path.expanduser(str(path))
     where = f"model.path={str(path)!r}"
-    if gguf_file is not None or (os.path.isfile(local) and local.endswith(".gguf")):
-        gguf = os.path.join(local, str(gguf_file)) if gguf_file is not None else local
-        check_gguf_architecture(read_gguf_header(gguf, where), where, _GGUF_ARCHITECTURES)
+    gguf = gguf_location(path, gguf_file)
+    if gguf is not None:  # the header's config, as transformers' GGUF reader builds it
+        meta = read_gguf_header(gguf, where)
+        check_gguf_architecture(meta, where)
+        check_config(hf_config_from_gguf(meta), where, SUPPORTED_MODEL_TYPES)
         return
     cfg_path = os.path.join(local, "config.json")
     if not os.path.exists(local) and is_hub_id(str(path)):
@@ -108,9 +110,6 @@ def check_runnable(model: Any) -> None:
     check_config(cfg, where, SUPPORTED_MODEL_TYPES)
     if os.path.isdir(local):
         check_weights(local, where)
-
-
-_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # llama.cpp's names of the supported model types
 
 
 def _shape_from_hf(cfg: dict) -> ModelShape:
@@ -184,11 +183,16 @@ def describe_shape(shape: ModelShape, dtype: str) -> list[str]:
 
 
 def _shape_from_gguf(meta: dict) -> ModelShape:
-    arch = meta["general.architecture"]
-    heads = int(meta[f"{arch}.attention.head_count"])
-    head_dim = meta.get(f"{arch}.attention.key_length") or int(meta[f"{arch}.embedding_length"]) // heads
-    return ModelShape(int(meta[f"{arch}.block_count"]), int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-                      int(head_dim), meta.get(f"{arch}.context_length"))
+    """The shape of the model transformers builds from a GGUF header (gguf_config.hf_config_from_gguf: what the
+    file lacks, such as Gemma 3's layer pattern, is the family's default); an unsupported architecture is refused."""
+    from transformers import AutoConfig
+
+    check_gguf_architecture(meta, "model.path")
+    cfg = hf_config_from_gguf(meta)
+    defaults = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    if getattr(defaults, "head_dim", None):  # the family's default where the file (or the reader) has none: Qwen3's
+        cfg["head_dim"] = defaults.head_dim
+    return _shape_from_hf(cfg)
 
 
 # --------------------------------------------------------------------------- the KV pool

@@ -34,7 +34,7 @@ from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
 from kvbench.runtime.model.distributed import env_world_size
 from kvbench.runtime.model.loading import packaged_smollm2
-from kvbench.runtime.model.model_files import check_model_path, read_gguf_header
+from kvbench.runtime.model.model_files import check_model_path, gguf_location, read_gguf_header
 from kvbench.spec import (FULL_PRECISION, SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime,
                           resolve_storage)
 from kvbench.store.naming import run_id_for
@@ -200,8 +200,8 @@ def _token_list(path: Optional[str], gguf_file: Optional[str]) -> Optional[list]
     if path is None:
         path, gguf_file = packaged_smollm2()
     local = os.path.expanduser(str(path))
-    gguf = os.path.join(local, gguf_file) if gguf_file else (local if local.endswith(".gguf") else None)
     try:
+        gguf = gguf_location(path, gguf_file)  # a .gguf, a folder holding one, a packaged model
         if gguf is not None:
             return read_gguf_header(gguf, "model", string_arrays=True).get("tokenizer.ggml.tokens")
         with open(os.path.join(local, "tokenizer.json")) as fh:

@@ -14,6 +14,7 @@ import pytest
 from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
 from tests.app.test_cli import assert_usage_error, kvbench
 from tests.app.test_config import _choices as group_choices
+from tests.fixtures.gguf_fixtures import header_only_gguf
 from kvbench.cli import run_app_cli
 
 CUDA = False
@@ -82,6 +83,9 @@ CASES = [
     (["model.path={dynrope}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
     (["model.path={dynrope5}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
     (["model.path={longrope}", "task=needle", "task.lengths=[512]"], "exceed the model's 256 positions"),
+    (["model.path=packaged:gemma-9"], ("model.path='packaged:gemma-9'", "packaged:gemma-3-270m")),
+    (["model.path={twoggufs}"], ("several .gguf files (a.gguf, b.gguf)", "model.gguf_file")),
+    (["model.path={deepseek_gguf}"], ("unsupported GGUF architecture 'deepseek2'", "gemma2, gemma3, llama")),
     (["+model.nme=x"], "model.nme"),
     # logger
     (["logger.mode=sometimes"], "invalid logger.mode='sometimes'"),
@@ -369,6 +373,10 @@ def paths(tmp_path, tiny_llama_dir):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
+    (tmp_path / "twoggufs").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "twoggufs" / name).write_bytes(b"GGUF")
+    header_only_gguf(tmp_path / "ds.gguf", "deepseek2")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text(" \n\t\n  ")
     os.mkfifo(tmp_path / "fifo")  # opening it would block: it must be refused without being opened
@@ -433,6 +441,7 @@ def paths(tmp_path, tiny_llama_dir):
                                          "long_factor": [4.0] * 8, "original_max_position_embeddings": 256}}}.items()}
     return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
+            "twoggufs": str(tmp_path / "twoggufs"), "deepseek_gguf": str(tmp_path / "ds.gguf"),
             "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
 
 

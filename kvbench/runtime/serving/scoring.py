@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from kvbench.runtime.serving.log_probs import target_log_probs
+
 
 class Scorer:
     """Log-probabilities of token sequences through `engine` (an Engine) and its method."""
@@ -26,7 +28,8 @@ class Scorer:
     @torch.no_grad()
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """log p(token[t+1] | tokens[<=t]) for t = 0..T-2, float32 [T-1].
+        """log p(token[t+1] | tokens[<=t]) for t = 0..T-2, float64 [T-1] (log_probs.target_log_probs: equal to a
+        float64 log-softmax of the logits to ~1e-7 nats, over any vocabulary).
 
         The tokens stream through the cache chunk by chunk; every chunk ends a prompt as far as the
         method is concerned (it compresses after each, whatever its prefill_mode), so later chunks are
@@ -38,15 +41,13 @@ class Scorer:
         if ids.numel() < 2:
             raise ValueError("score needs at least 2 tokens")
         slot = engine.new_sequence()
-        out = torch.empty(ids.numel() - 1, dtype=torch.float32)
+        out = torch.empty(ids.numel() - 1, dtype=torch.float64)
         try:
             for a, b, logits in self.prefill_chunks(slot, ids.tolist(), chunk, logits_for="all", progress=progress,
                                                     stream=True):
-                lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
                 tgt_end = min(b, ids.numel() - 1)
-                if tgt_end > a:
-                    tgt = ids[a + 1: tgt_end + 1].to(lp.device)
-                    out[a:tgt_end] = lp[: tgt_end - a].gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()
+                if tgt_end > a:  # logits [1, b-a, V]: row t predicts token t+1
+                    out[a:tgt_end] = target_log_probs(logits[0, : tgt_end - a], ids[a + 1: tgt_end + 1]).cpu()
         finally:
             engine.end_sequence(slot)
         return out
@@ -116,8 +117,7 @@ class Scorer:
         logprobs: list[float] = []
         greedy = True
         for a, b, logits in self.prefill_chunks(slot, feed, chunk, start_pos=start, logits_for="all"):
-            lp = torch.log_softmax(logits[0].float(), dim=-1)  # [b-a, V]
-            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=lp.device)
-            logprobs.extend(lp.gather(-1, tgt[:, None]).squeeze(-1).cpu().tolist())
-            greedy = greedy and bool((lp.argmax(-1) == tgt).all())
+            tgt = torch.tensor(cont[a:b], dtype=torch.int64, device=logits.device)
+            logprobs.extend(target_log_probs(logits[0], tgt).cpu().tolist())  # [b-a]
+            greedy = greedy and bool((logits[0].argmax(-1) == tgt).all())
         return logprobs, greedy
