@@ -49,9 +49,29 @@ def _names(cell: str) -> set:
     return set(re.findall(r"`([\w.-]+)`", cell))
 
 
+def _composed_on(group: str, option: str) -> str | None:
+    """The option another YAML of the group composes on (its `defaults:` entry besides _self_), else None."""
+    import yaml
+
+    with open(os.path.join(CONF_DIR, group, f"{option}.yaml")) as f:
+        defaults = (yaml.safe_load(f) or {}).get("defaults") or []
+    bases = [d for d in defaults if isinstance(d, str) and d != "_self_"]
+    return bases[0] if bases else None
+
+
 def test_every_method_and_task_is_registered_and_configured():
     codecs = _options("quant") - {"none"}
-    assert _options("method") == set(available_methods()) | codecs  # kivi, ...: shorthands for method=full quant=...
+    methods = set(available_methods())
+    # kivi, ...: shorthands for method=full quant=...; kvpress's registry rows (decoding_tova, kvzip_plus, ...) are
+    # YAMLs composed on a registered method's YAML
+    rows = _options("method") - methods - codecs
+    assert methods | codecs <= _options("method"), sorted(methods | codecs - _options("method"))
+    for row in sorted(rows):
+        base, seen = row, set()
+        while base is not None and base not in methods and base not in seen:
+            seen.add(base)
+            base = _composed_on("method", base)
+        assert base in methods, f"conf/method/{row}.yaml is neither a registered method nor composed on one"
     assert _options("task") == set(available_tasks())
 
 
