@@ -33,6 +33,8 @@ from kvbench.methods.selection import valid_mask
 from kvbench.runtime.contract import Observation, tp_size_of
 
 AGGREGATES = ("mean", "max")
+SCORES = "query_head_scores"  # per-layer state: [H, G, T] each query head's max over the repeated prompt's queries
+# (not "scores", which EvictionMethod's hooks read as [H, T])
 
 
 def repeat_attention_max(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
@@ -144,12 +146,12 @@ class KVCompose(KVzip):
                                  obs.head_dim ** -0.5, p["context_len"])  # [H, G, T]
         st = self.state(slot, obs.layer)
         n_ctx = int(((k_pos >= 0) & (k_pos < p["context_len"])).sum(-1).max())  # prompt slots come first
-        old = st.get("scores")
+        old = st.get(SCORES)
         if old is None:
             old = torch.zeros(*s.shape[:2], 0, device=s.device)
         if old.shape[-1] < n_ctx:
             old = torch.nn.functional.pad(old, (0, n_ctx - old.shape[-1]))
-        st["scores"] = torch.maximum(old[..., :n_ctx], s[..., :n_ctx])
+        st[SCORES] = torch.maximum(old[..., :n_ctx], s[..., :n_ctx])
 
     def head_scores(self, slot: int, layer: int, held: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's kv-head scores [H, T] (compute_scores + enhance_scores) and lengths [H]; tokens kept
@@ -158,7 +160,7 @@ class KVCompose(KVzip):
         lengths = cache.lengths[slot, layer]
         _, v, pos = cache.gather(layer, slot)  # [H, T, D], [H, T]
         H, T = pos.shape
-        per_query_head = self.state(slot, layer).get("scores")  # [H, G, T'] (None: nothing repeated yet)
+        per_query_head = self.state(slot, layer).get(SCORES)  # [H, G, T'] (None: nothing repeated yet)
         if per_query_head is None:
             s = torch.zeros(H, T, device=pos.device)
         else:
@@ -199,8 +201,8 @@ class KVCompose(KVzip):
     def _keep(self, slot: int, layer: int, keep: torch.Tensor) -> None:
         self.engine.cache.keep_tokens(layer, slot, keep)
         st = self.state(slot, layer)
-        s = st.get("scores")  # [H, G, T']
+        s = st.get(SCORES)  # [H, G, T']
         if s is not None:
             s = torch.nn.functional.pad(s, (0, max(0, int(keep.max()) + 1 - s.shape[-1])))
             idx = keep.clamp(min=0)[:, None, :].expand(-1, s.shape[1], -1)
-            st["scores"] = s.gather(-1, idx).masked_fill((keep < 0)[:, None, :], 0.0)
+            st[SCORES] = s.gather(-1, idx).masked_fill((keep < 0)[:, None, :], 0.0)

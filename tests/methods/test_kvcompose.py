@@ -132,3 +132,42 @@ def test_selection_of_equal_heads_keeps_the_best_ranks():
 def test_bad_options_name_the_value(opts, match):
     with pytest.raises(UserError, match=match):
         build_method("kvcompose", 10, **opts)
+
+
+@pytest.mark.parametrize("name, structured", [("kvcompose", True), ("kvcompose_unstructured", False)])
+def test_method_yamls_compose_to_kvpresss_defaults(name, structured):
+    from kvbench.config import validate
+    from kvbench.methods import METHODS
+    from tests.harness_fakes import compose
+
+    s = validate(compose([f"method={name}", "budget=256"]))
+    assert s.method_name == "kvcompose"
+    assert build_method(s.method_name, s.budget, **s.method_options) == METHODS["kvcompose"](budget=256,
+                                                                                          structured=structured)
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_kvcompose_keeps_an_uncompressed_question(model, ctx, structured):
+    """keep_uncompressed (the query-agnostic protocol's question): the chunk is not repeated nor evicted, and every
+    table holds it on top of what the context kept."""
+    budget, question = 20, ctx[:12]
+    method = build_method("kvcompose", budget, structured=structured)
+    engine = Engine(model, method, block_size=BS, prefill_chunk_size=CHUNK, num_blocks=1024)
+    slot = engine.new_sequence()
+    engine.forward_chunk(slot, ctx, 0, last_chunk=True, logits_for="none")
+    before = engine.cache.lengths[slot].clone()
+    assert int(before.sum()) == 2 * 2 * budget
+    fed = []
+    inner = method._reconstruct
+    method._reconstruct = lambda *a: (fed.append(a), inner(*a))
+    method.keep_uncompressed(slot, len(question))
+    engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
+    assert fed == []  # not repeated
+    assert torch.equal(engine.cache.lengths[slot], before + len(question))
+    for layer in range(2):
+        for h in range(2):
+            n = int(engine.cache.lengths[slot, layer, h])
+            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
+                list(range(len(ctx), len(ctx) + len(question)))
+    engine.end_sequence(slot)
+    assert not method._held and not method._state
