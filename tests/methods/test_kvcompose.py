@@ -33,7 +33,8 @@ def repeat_attentions(hf, ctx):
     return [a[0, :, n:, :n].float() for a in att]
 
 
-def kvcompose_press_kept(hf, ctx, compression_ratio, structured, agg_head="mean", lower_bound=0, per_table=None):
+def kvcompose_press_kept(hf, ctx, compression_ratio, structured, agg_head="mean", lower_bound=0, per_table=None,
+                         v_norm=False):
     """KVComposePress (kvpress @8bb29b9) on ctx, its steps written out -> kept [L, H, n] bool. per_table: kvbench's
     budget instead of a ratio (L x per_table composite ranks kept, L x H x per_table unstructured)."""
     att = repeat_attentions(hf, ctx)
@@ -45,6 +46,14 @@ def kvcompose_press_kept(hf, ctx, compression_ratio, structured, agg_head="mean"
     for layer in range(L):
         for kv in range(H):
             scores[layer, kv] = torch.stack([task[layer][h] for h in range(kv * G, (kv + 1) * G)]).mean(0)
+    if v_norm:  # add_v_norm: x ||v|| of the context's cached values (kvpress reads the cache while it still holds
+        # the repeat too, [2n] norms against [n] scores, and fails; the context's n values are what it means)
+        with torch.no_grad():
+            cache = hf(torch.tensor([ctx]), use_cache=True).past_key_values
+        for layer in range(L):
+            for kv in range(H):
+                scores[layer, kv] = scores[layer, kv] * cache.layers[layer].values[0, kv].float().norm(dim=1)
+    for layer in range(L):
         scores[layer] += scores[layer].mean(dim=0, keepdim=True)  # add_mean_across_heads
     per_head = scores.sort(dim=-1, descending=True)[0]
     per_head[..., :lower_bound] += 1e9
@@ -91,14 +100,15 @@ def ctx():
 
 @pytest.mark.parametrize("structured", [True, False])
 @pytest.mark.parametrize("opts", [{"compression_ratio": 0.5}, {"budget": 30}, {"budget": 30, "agg_head": "max"},
-                                  {"budget": 30, "keep_token_lower_bound": 40}])
+                                  {"budget": 30, "keep_token_lower_bound": 40}, {"budget": 30, "add_v_norm": True}])
 def test_kvcompose_keeps_kvcomposepress_tokens(model, hf, ctx, structured, opts):
     opts = dict(opts)
     budget = opts.pop("budget", None)
     method = build_method("kvcompose", budget, structured=structured, **opts)
     got = kvbench_kept(model, method, ctx)
     want = kvcompose_press_kept(hf, ctx, opts.get("compression_ratio"), structured, opts.get("agg_head", "mean"),
-                                opts.get("keep_token_lower_bound", 0), per_table=budget)
+                                opts.get("keep_token_lower_bound", 0), per_table=budget,
+                                v_norm=opts.get("add_v_norm", False))
     assert torch.equal(got, want), (got ^ want).nonzero()[:10].tolist()
     L, H, n = got.shape
     counts = got.sum(-1)  # [L, H]
