@@ -207,13 +207,7 @@ class KVzip(EvictionMethod, Method):
             return
         ids = st["ids"].tolist()
         context_len = len(ids)
-        for a in range(st["scored"], context_len, self.chunk_size):
-            b = min(a + self.chunk_size, context_len)
-            if a == st["start"]:
-                ask = self.first_ids
-            else:
-                ask = self.next_ids + ids[max(0, a - self.prev_postfix_size): a]
-            self._reconstruct(slot, ask + self.suffix_ids + ids[a:b], a, b, context_len)
+        self._reconstruct_prompt(slot, ids, st["scored"], st["start"])
         st["scored"] = context_len
         if ratio is not None and not last_chunk:
             return  # a compression ratio is a share of the whole prompt: evict once it is in
@@ -240,6 +234,18 @@ class KVzip(EvictionMethod, Method):
             parent(slot, num_tokens)
 
     # --- reconstruction and eviction -----------------------------------------------------------
+    def _reconstruct_prompt(self, slot: int, ids: list[int], scored: int, start: int) -> None:
+        """Score the tokens ids[scored:] (the sequence's tokens so far: ids): KVzip's reconstruction prompts, chunk by
+        chunk (the first chunk, at the template prefix's end `start`, asked to repeat the context)."""
+        context_len = len(ids)
+        for a in range(scored, context_len, self.chunk_size):
+            b = min(a + self.chunk_size, context_len)
+            if a == start:
+                ask = self.first_ids
+            else:
+                ask = self.next_ids + ids[max(0, a - self.prev_postfix_size): a]
+            self._reconstruct(slot, ask + self.suffix_ids + ids[a:b], a, b, context_len)
+
     def _reconstruct(self, slot: int, feed: list[int], start: int, end: int, context_len: int) -> None:
         """Feed the reconstruction tokens after the context (scored in observe), then drop them."""
         cache, step = self.engine.cache, self.engine.prefill_chunk_size

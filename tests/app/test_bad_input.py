@@ -131,6 +131,7 @@ CASES = [
     (["method=snapkv", "budget=64", "method.decode=slide"], "snapkv.decode='slide'"),
     (["method=h2o", "budget=64", "method.decode=block"], "h2o.decode='block'"),
     (["method=snapkv", "budget=64", "method.pooling=median"], "median"),
+    (["method=kvcompose", "budget=64", "method.agg_group=sum"], ("kvcompose.agg_group='sum'", "mean, max")),
     (["method=think", "budget=64", "method.key_channel_compression_ratio=1.0"],
      ("think.key_channel_compression_ratio=1:", "[0, 1)")),
     (["method=think", "budget=64", "method.key_channel_compression_ratio=-0.25"],

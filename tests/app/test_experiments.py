@@ -126,8 +126,7 @@ def test_kvpress_leaderboard_has_every_board_method():
 # kvpress's evaluation registry (evaluation/evaluate_registry.py @8bb29b9) by name -> kvbench's method, where kvbench
 # has it: each is a conf/method/<name>.yaml (method=<name>) and a row of kvpress_leaderboard. (kvpress's keydiff and
 # expected_attention rows are kvbench's keydiff / expected_attention rows over key_diff / adakv; the board's rows are
-# checked above.) Not here, with the reason in docs/methods.md: cam_adakv_snapkv, kvcompose,
-# kvcompose_unstructured, RestoreKV, RestoreKV_plus.
+# checked above.) Not here, with the reason in docs/methods.md: cam_adakv_snapkv, RestoreKV, RestoreKV_plus.
 REGISTRY_ROWS = {
     "critical_snapkv": "criticalkv", "critical_expected_attention": "criticalkv",
     "critical_adakv_snapkv": "criticalkv", "critical_adakv_expected_attention": "criticalkv",
@@ -140,6 +139,7 @@ REGISTRY_ROWS = {
     "decoding_adakv_expected_attention_e2": "decoding",
     "cam_knorm": "merge", "cam_tova": "merge", "lukv": "lukv", "fastkvzip": "fastkvzip",
     "decoding_streaming_llm": "decoding", "cam_streaming_llm": "merge",
+    "kvcompose": "kvcompose", "kvcompose_unstructured": "kvcompose",
 }
 
 
@@ -170,6 +170,7 @@ def test_kvpress_registry_rows_run_as_a_method_and_as_a_leaderboard_row(name):
               "critical_expected_attention": dict(head_adaptive=False, base="expected_attention"),
               "critical_adakv_expected_attention": dict(head_adaptive=True, base="expected_attention"),
               "kvzip_plus": dict(kvzip_plus_normalization=True), "kvzap_mlp_layer": dict(base="kvzap"),
+              "kvcompose": dict(structured=True), "kvcompose_unstructured": dict(structured=False),
               "merging_expected_attention": dict(base="expected_attention", base_options={"epsilon": 0.01}),
               "decoding_adakv_expected_attention_e2": dict(head_adaptive=True, base_options={"epsilon": 0.01}),
               "decoding_keydiff": dict(base="block_keydiff"), "cam_tova": dict(decode="cam", compress_prompt=False),

@@ -48,6 +48,8 @@ VARIANTS = [
     ("criticalkv", {"head_adaptive": True, "base_options": {"window": 8}}),
     ("duo_attention", {"patterns_path": os.path.join(FIXTURES, "duo_attention_tiny"), "sinks": 4}),
     ("kvzip", {"chunk_size": 48}),
+    ("kvcompose", {}),
+    ("kvcompose", {"structured": False, "agg_group": "max", "add_v_norm": True}),
     ("compactor", {"chunk_size": 16}),
     ("adakv_compactor", {"base_options": {"chunk_size": 16}}),
     ("cur", {}),

@@ -161,11 +161,12 @@ def test_methods_act_on_full_layers_only():
 def _methods_with_full_budget():
     from tests.methods.variants import VARIANTS, variant_id
 
-    # duo_attention's fixture patterns and kvzap's fixture surrogates are the tiny Llama's (2 layers); kvzip's own
-    # passes span every layer (refused with sliding layers); think prunes key channels at every budget (ThinK at
-    # ratio 0 equals full: tests/methods/test_think.py); dms over kvzap (its default base) needs kvzap's surrogates
+    # duo_attention's fixture patterns and kvzap's fixture surrogates are the tiny Llama's (2 layers); kvzip's and
+    # kvcompose's own passes span every layer (refused with sliding layers); think prunes key channels at every
+    # budget (ThinK at ratio 0 equals full: tests/methods/test_think.py); dms over kvzap (its default base) needs
+    # kvzap's surrogates
     # qfilter's filters, lukv's curve and fastkvzip's gates are fixtures of the tiny Llama's shape too
-    skip = ("duo_attention", "kvzip", "kvzap", "think", "qfilter", "lukv", "fastkvzip")
+    skip = ("duo_attention", "kvzip", "kvcompose", "kvzap", "think", "qfilter", "lukv", "fastkvzip")
     return [pytest.param(v, id=variant_id(v)) for v in VARIANTS
             if v[0] not in skip and not (v[0] == "dms" and "base" not in v[1])]
 
@@ -194,15 +195,16 @@ def test_every_method_equals_full_when_its_budget_covers_the_context(family, con
     assert run(method) == run(None)
 
 
-def test_kvzip_is_refused_on_a_model_with_sliding_layers():
+@pytest.mark.parametrize("name", ["kvzip", "kvcompose"])
+def test_kvzip_is_refused_on_a_model_with_sliding_layers(name):
     from kvbench.errors import UserError
     from kvbench.methods import build_method
     from tests.tiny_models import ByteTokenizer
 
     model = build_from_transformers(tiny_hf_model("gemma3"))
     model.tokenizer = ByteTokenizer(256)
-    with pytest.raises(UserError, match="kvzip.*sliding layers"):
-        Engine(model, build_method("kvzip", 64), block_size=8, num_blocks=256)
+    with pytest.raises(UserError, match=f"{name}.*sliding layers"):
+        Engine(model, build_method(name, 64), block_size=8, num_blocks=256)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
