@@ -105,7 +105,7 @@ FAKES = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn
 
 
 REPO = os.path.dirname(CONF_DIR)
-FAKE_ARGS = ("logger.wandb=false", "task.max_tokens=40", "task.chunk_size=16", "method=h2o")
+FAKE_ARGS = ("logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4", "method=h2o")
 
 
 def fake_env(**extra: str) -> dict:

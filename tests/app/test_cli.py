@@ -53,7 +53,7 @@ def test_help_lists_each_group(tmp_path):
 def test_run_rerun_and_sweep_from_another_directory(tmp_path):
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    common = ["logger.wandb=false", "task.max_tokens=48", "task.chunk_size=16", "results_dir=out"]
+    common = ["logger.wandb=false", "task.max_tokens=48", "task.chunk_size=8", "results_dir=out"]
     proc = kvbench("method=streaming_llm", "budget=32", *common, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     assert "kvbench run OK" in proc.stdout and "ppl" in proc.stdout

@@ -69,7 +69,7 @@ def test_the_line_comes_before_the_model_loads(tmp_path, monkeypatch, capsys):
         assert "kvbench: perplexity: 1 window(s) of 40 tokens" in capsys.readouterr().out
         return loader(*args, **kwargs)
 
-    cfg = compose([f"results_dir={tmp_path / 'r'}", "logger.wandb=false", "task.max_tokens=40"])
+    cfg = compose([f"results_dir={tmp_path / 'r'}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4"])
     rec = app.run(cfg, load_model_fn=load, engine_cls=FakeEngine, build_method_fn=fake_build_method)
     assert rec["status"] == "ok"
     assert not (tmp_path / "cache" / estimate.SPEED_FILE).exists()  # a fake model's rates are never kept

@@ -25,7 +25,7 @@ def test_overrides_of_integer_settings_are_spelled_as_integers():
 
 def test_budget_as_a_float_is_the_integer_run(tmp_path):
     out = tmp_path / "r"
-    first = run_fake_cli("budget=64", f"results_dir={out}", cwd=tmp_path)
+    first = run_fake_cli("budget=64", "task.max_tokens=80", f"results_dir={out}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    again = run_fake_cli("budget=6.4e1", f"results_dir={out}", cwd=tmp_path)
+    again = run_fake_cli("budget=6.4e1", "task.max_tokens=80", f"results_dir={out}", cwd=tmp_path)
     assert again.returncode == 0 and "already finished" in again.stdout, (again.stdout, again.stderr)

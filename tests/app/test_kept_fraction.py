@@ -19,7 +19,7 @@ class KeepingMethod(FakeMethod):
 
 
 def run(tmp_path, kept):
-    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "method=dms",
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4", "method=dms",
                    "method.threshold=-3"])
     return app.run(cfg, load_model_fn=fake_loader(), engine_cls=FakeEngine,
                    build_method_fn=lambda name, budget=None, **kw: KeepingMethod(budget=budget, name=name, kept=kept))

@@ -15,7 +15,7 @@ from kvbench.wandb_logger import WandbLogger, resolve_mode
 
 
 def run_fake(tmp_path, overrides=()):
-    cfg = compose([f"results_dir={tmp_path}", "task.max_tokens=40", *overrides])
+    cfg = compose([f"results_dir={tmp_path}", "task.max_tokens=40", "task.chunk_size=4", *overrides])
     return app.run(cfg, load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method,
                    print_summary=False)
 
@@ -166,7 +166,7 @@ def test_retry_removes_the_stale_offline_folder_and_groups_by_experiment(tmp_pat
     wandb = pytest.importorskip("wandb")
     calls = []
     monkeypatch.setattr(wandb, "init", lambda **kw: calls.append(kw) or _FakeRun(**kw))
-    cfg = compose([f"results_dir={tmp_path}", "task.max_tokens=40", "budget=8", "method=h2o"])
+    cfg = compose([f"results_dir={tmp_path}", "task.max_tokens=40", "task.chunk_size=4", "budget=8", "method=h2o"])
     cfg.experiment = "h2o_table"  # what conf/experiment/<name>.yaml sets
     run_id = app.plan_run(cfg, build_method_fn=fake_build_method).run_id
     stale = tmp_path / run_id / "wandb" / "offline-run-20250101_000000-killed"
@@ -261,7 +261,7 @@ def test_a_sweeps_runs_share_a_group_and_its_end_logs_a_table_and_plots(tmp_path
     from kvbench.wandb_logger import sweep_group
 
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "-m", "tests.harness_fakes", "-m", "task.max_tokens=40",
+    done = subprocess.run([sys.executable, "-m", "tests.harness_fakes", "-m", "task.max_tokens=40", "task.chunk_size=4",
                            "task.chunk_size=16", "method=h2o,streaming_llm", "budget=8,16", f"results_dir={out}",
                            "logger.wandb=true", "logger.init_timeout_s=300"], cwd=tmp_path, env=fake_env(WANDB_MODE="offline"),
                           capture_output=True, text=True, timeout=900)

@@ -53,7 +53,7 @@ def test_io_error_in_a_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypat
         raise OSError(errno.ENOSPC, "No space left on device")
 
     fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
-    base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "method=h2o"]
+    base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4", "method=h2o"]
     with monkeypatch.context() as m:
         m.setattr(RunFolder, "write_samples", full_disk)
         first = hydra_task.main(compose([*base, "budget=8"]), **fakes)
@@ -81,7 +81,7 @@ def tiny_tmpfs(tmp_path):
 
 def test_full_filesystem_never_leaves_a_short_record(tiny_tmpfs, tmp_path):
     out = tiny_tmpfs / "r"
-    proc = run_fake_cli("-m", "budget=8,16,24,32,40,48,56,64", f"results_dir={out}", cwd=tmp_path)
+    proc = run_fake_cli("-m", "budget=8,16,24,32,40,48,56,64", "task.max_tokens=80", f"results_dir={out}", cwd=tmp_path)
     assert proc.returncode != 0  # the disk filled up: not a success
     assert "Traceback" not in proc.stderr
     assert proc.stdout.count("kvbench run OK") >= 1
@@ -99,7 +99,7 @@ def test_full_filesystem_never_leaves_a_short_record(tiny_tmpfs, tmp_path):
     # a disk that has room again: the next run repairs whatever the index missed
     big = tmp_path / "big"
     subprocess.run(["mount", "-o", "remount,size=1m", str(tiny_tmpfs)], check=True)
-    again = run_fake_cli("budget=8", f"results_dir={out}", cwd=big.parent)
+    again = run_fake_cli("budget=8", "task.max_tokens=80", f"results_dir={out}", cwd=big.parent)
     assert again.returncode == 0, again.stderr
     runs = read_jsonl(str(out / "runs.jsonl"))
     assert {r["run_id"] for r in runs} >= {p.name for p in ok_folders}
@@ -131,7 +131,7 @@ def test_a_full_disk_before_config_yaml_names_the_folder(tmp_path, monkeypatch, 
     monkeypatch.setattr(RunFolder, "claim", full_disk)
     fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
     capsys.readouterr()
-    assert hydra_task.main(compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40"]), **fakes) is None
+    assert hydra_task.main(compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4"]), **fakes) is None
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "No space left on device (ENOSPC)" in lines[0], lines
     assert f"could not write {tmp_path}{os.sep}" in lines[0], lines  # the run's folder under results_dir
@@ -148,7 +148,7 @@ def test_a_run_recorded_ok_is_not_reported_failed_when_only_its_index_line_fails
         raise OSError(errno.ENOSPC, "No space left on device")
 
     fakes = dict(load_model_fn=fake_loader(), engine_cls=FakeEngine, build_method_fn=fake_build_method)
-    base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "method=h2o"]
+    base = [f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4", "method=h2o"]
     with monkeypatch.context() as m:
         m.setattr(folder_mod, "append_locked", no_space)
         capsys.readouterr()

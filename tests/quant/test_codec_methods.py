@@ -163,7 +163,7 @@ def test_capture_forward_is_the_runtime_forward(tiny):
     ids = _ids(100, seed=2)
     logits, keys, values, kg, vg = forward_capture(tiny, torch.tensor(ids), grads=True)
     lp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-    torch.testing.assert_close(lp, Scorer(Engine(tiny, num_blocks=64)).score(ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lp.double(), Scorer(Engine(tiny, num_blocks=64)).score(ids), atol=1e-4, rtol=1e-4)
     cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=64, store_pre_rope=True)
     s = cache.add_sequence()
     plan = cache.prepare_append([s], torch.arange(100).unsqueeze(0))

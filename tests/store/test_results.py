@@ -19,7 +19,7 @@ from kvbench.errors import UserError
 
 
 def run_fake(tmp_path, overrides=(), fail=None, **kw):
-    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=16",
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4",
                    *overrides])
     return app.run(cfg, load_model_fn=fake_loader(fail=fail), engine_cls=FakeEngine,
                    build_method_fn=fake_build_method, print_summary=kw.pop("print_summary", False), **kw)
@@ -207,7 +207,7 @@ def test_wall_s_counts_loading_too(tmp_path):
         time.sleep(0.3)
         return base(*a, **k)
 
-    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "budget=8"])
+    cfg = compose([f"results_dir={tmp_path}", "logger.wandb=false", "task.max_tokens=40", "task.chunk_size=4", "budget=8"])
     rec = app.run(cfg, load_model_fn=slow_loader, engine_cls=FakeEngine, build_method_fn=fake_build_method,
                   print_summary=False)
     assert rec["wall_s"] >= 0.3
