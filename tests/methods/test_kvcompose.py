@@ -12,6 +12,7 @@ from kvbench.methods import build_method
 from kvbench.methods.kvcompose import kvcompose_keep
 from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.byte_model_fixtures import VOCAB, hf, model  # noqa: F401  (fixtures)
+from tests.fixtures.press_fixtures import assert_question_appended_whole
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 
 BS, CHUNK = 8, 32
@@ -173,11 +174,6 @@ def test_kvcompose_keeps_an_uncompressed_question(model, ctx, structured):
     method.keep_uncompressed(slot, len(question))
     engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
     assert fed == []  # not repeated
-    assert torch.equal(engine.cache.lengths[slot], before + len(question))
-    for layer in range(2):
-        for h in range(2):
-            n = int(engine.cache.lengths[slot, layer, h])
-            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
-                list(range(len(ctx), len(ctx) + len(question)))
+    assert_question_appended_whole(engine, slot, len(ctx), len(question), before)
     engine.end_sequence(slot)
     assert not method._held and not method._state

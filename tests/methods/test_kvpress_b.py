@@ -17,6 +17,7 @@ from kvbench.methods.kvzip import FIRST_PROMPT
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.serving.engine import Engine
 from tests.fixtures.byte_model_fixtures import VOCAB, hf, model  # noqa: F401  (fixtures)
+from tests.fixtures.press_fixtures import assert_question_appended_whole
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_hf_model
 
@@ -542,12 +543,7 @@ def test_kvzip_keeps_an_uncompressed_question(model, prompts):
     method.keep_uncompressed(slot, len(question))
     engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
     assert fed == []  # not reconstructed
-    assert torch.equal(engine.cache.lengths[slot], before + len(question))
-    for layer in range(2):
-        for h in range(2):
-            n = int(engine.cache.lengths[slot, layer, h])
-            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
-                list(range(len(ctx), len(ctx) + len(question)))
+    assert_question_appended_whole(engine, slot, len(ctx), len(question), before)
     engine.end_sequence(slot)
     assert not method._held and not method._state
 

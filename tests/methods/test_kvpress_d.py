@@ -13,7 +13,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.qfilter import hub_id, load_q_filters, save_q_filters
-from tests.fixtures.press_fixtures import PROMPT_TOKENS, hf, hf_out, ids  # noqa: F401  (fixtures)
+from tests.fixtures.press_fixtures import PROMPT_TOKENS, assert_question_appended_whole, hf, hf_out, ids  # noqa: F401  (fixtures)
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.test_kvpress_a import kept_after_prefill, layer_kv, top_sets
 
@@ -428,12 +428,7 @@ def test_fastkvzip_keeps_an_uncompressed_question(hf, ids, hub_gates):
     assert bool((before.sum(-1) == 2 * budget).all())
     method.keep_uncompressed(slot, len(question))
     engine.forward_chunk(slot, question, len(ctx), last_chunk=True, logits_for="none")
-    assert torch.equal(engine.cache.lengths[slot], before + len(question))
-    for layer in range(2):
-        for h in range(2):
-            n = int(engine.cache.lengths[slot, layer, h])
-            assert engine.cache.positions[slot, layer, h, n - len(question): n].tolist() == \
-                list(range(len(ctx), len(ctx) + len(question)))
+    assert_question_appended_whole(engine, slot, len(ctx), len(question), before)
     engine.end_sequence(slot)
     assert not method._held and not method._state
 
