@@ -3,11 +3,12 @@ exit path of a plain (argparse) console tool. The bottom layer beside kvbench.er
 so the runtime, the store and the commands all print the same way."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from kvbench.errors import EXIT_USAGE, UserError
 
@@ -38,6 +39,20 @@ def visible(text: str) -> str:
     """The text with control characters (an ESC sequence from a user's name or path, CR, BEL) shown as \\xNN,
     so a printed line never acts on the terminal."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hold transformers' own warnings back while kvbench reads a config to check it (a longrope config's
+    `original_max_position_embeddings` advice, say): the user sees kvbench's verdict, not the library's notes,
+    and the same line whether or not transformers warned once already in this process."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def warn(message: str) -> None:

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvbench.console import quiet_transformers
 from kvbench.errors import UserError
 from kvbench.runtime.cache.kv_geometry import block_bytes, element_bytes, pool_bytes
 from kvbench.runtime.model.attention_types import layer_windows_from_hf
@@ -134,7 +135,8 @@ def _layer_windows(cfg: dict) -> tuple:
         from transformers import AutoConfig
 
         fields = {k: v for k, v in cfg.items() if k != "model_type"}
-        hc = AutoConfig.for_model(cfg["model_type"], **fields)
+        with quiet_transformers():
+            hc = AutoConfig.for_model(cfg["model_type"], **fields)
         hc = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
         windows = tuple(layer_windows_from_hf(hc))
     except Exception:  # an unknown or broken config: the model checks refuse it in their own words
@@ -189,7 +191,8 @@ def _shape_from_gguf(meta: dict) -> ModelShape:
 
     check_gguf_architecture(meta, "model.path")
     cfg = hf_config_from_gguf(meta)
-    defaults = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    with quiet_transformers():
+        defaults = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     if getattr(defaults, "head_dim", None):  # the family's default where the file (or the reader) has none: Qwen3's
         cfg["head_dim"] = defaults.head_dim
     return _shape_from_hf(cfg)

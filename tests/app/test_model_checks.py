@@ -139,3 +139,21 @@ def test_loading_report_names_what_transformers_found():
     assert line.startswith("model 'p': its weights do not match its config.json (missing 2 tensors: "
                            "model.layers.3.a, model.layers.4.a (layers 3-4); unexpected 1 tensor: x; "
                            "mismatched 1 tensor: w torch.Size([2]) torch.Size([3]))")
+
+
+def test_reading_a_longrope_config_prints_none_of_transformers_notes(capsys, caplog):
+    """kvbench's checks read a config through transformers (the layer windows): the library's one-time advice on a
+    longrope config must not reach the console, or a bad-input error is two lines in a fresh process."""
+    import transformers.utils.logging as transformers_logging
+
+    from kvbench.model_info import _layer_windows
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 4096,
+           "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                               "long_factor": [4.0] * 8, "original_max_position_embeddings": 256}}
+    transformers_logging.warning_once.cache_clear()  # as in a fresh process: the note has not been printed yet
+    assert _layer_windows(cfg) == ()
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+    assert not [r for r in caplog.records if r.name.startswith("transformers")]
