@@ -19,7 +19,7 @@ from tests.harness_fakes import compose
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_model
 from tests.methods.test_matrix import _over_budget
-from tests.methods.variants import VARIANTS, budgeted
+from tests.methods.variants import VARIANTS, budgeted, rotated
 
 CHUNK = 64
 BS = 16
@@ -121,8 +121,7 @@ def test_build_method_rules():
 
 
 # --------------------------------------------------------------------------- per-sequence budgets
-@pytest.mark.parametrize("mode", ["paper", "streaming"])
-@pytest.mark.parametrize("variant", EVICTING, ids=_id)
+@pytest.mark.parametrize("variant,mode", rotated(EVICTING, [("paper",), ("streaming",)], ("mode",)))
 def test_half_ratio_keeps_half_of_each_prompt(model, variant, mode):
     name, opts = variant
     method = build_method(name, None, compression_ratio=0.5, **{**opts, "prefill_mode": mode})

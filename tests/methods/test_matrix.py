@@ -20,7 +20,7 @@ import torch
 
 from kvbench.errors import UserError
 from tests.fixtures.task_fixtures import one_thread as _one_thread
-from tests.methods.variants import VARIANTS, budgeted, variant_id
+from tests.methods.variants import VARIANTS, budgeted, rotated
 from tests.tiny_models import ByteTokenizer, tiny_model
 from kvbench.methods import available_methods, build_method
 from kvbench.runtime.serving.engine import Engine
@@ -177,14 +177,14 @@ def _run(model, prompts, name, opts, budget, bs, mode=None):
     return gens, logprobs, engine, checker
 
 
-# every budget at every block size; the two where they differ most by default, the other two under `make test-all`
-BUDGET_BLOCK_PAIRS = [pytest.param(budget, bs, marks=[pytest.mark.slow] if (budget, bs) in ((32, 16), (45, 8)) else [],
-                                   id=f"{budget}-{bs}") for budget in BUDGETS for bs in BLOCK_SIZES]
+# each variant in one prefill mode at one budget and block size by default (the combinations rotate over the
+# variants: variants.rotated); every combination of every variant under `make test-all`
+MODE_BUDGET_BLOCK = [(mode, budget, bs) for mode in ("paper", "streaming") for budget, bs in ((32, 8), (45, 16),
+                                                                                              (32, 16), (45, 8))]
 
 
-@pytest.mark.parametrize("budget,bs", BUDGET_BLOCK_PAIRS)
-@pytest.mark.parametrize("mode", ["paper", "streaming"])
-@pytest.mark.parametrize("variant", budgeted(VARIANTS), ids=variant_id)
+@pytest.mark.parametrize("variant,mode,budget,bs", rotated(budgeted(VARIANTS), MODE_BUDGET_BLOCK,
+                                                           ("mode", "budget", "bs")))
 def test_budget_and_blocks_hold_after_every_step(model, prompts, variant, mode, budget, bs):
     name, opts = variant
     if name == "full" and (mode, budget) != ("paper", BUDGETS[0]):
@@ -220,8 +220,7 @@ def test_budget_and_blocks_hold_after_every_step(model, prompts, variant, mode, 
         assert checker.max_before <= budget + CHUNK
 
 
-@pytest.mark.parametrize("bs", BLOCK_SIZES)
-@pytest.mark.parametrize("variant", budgeted(VARIANTS), ids=variant_id)
+@pytest.mark.parametrize("variant,bs", rotated(budgeted(VARIANTS), [(bs,) for bs in BLOCK_SIZES], ("bs",)))
 def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
     """Methods evict no more than they must: at the end of decoding every table is full to the budget
     (token-level) or within one block below it (block-level)."""
@@ -260,8 +259,7 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
             assert bool((lengths == budget).all()), lengths
 
 
-@pytest.mark.parametrize("bs", BLOCK_SIZES)
-@pytest.mark.parametrize("variant", budgeted(VARIANTS), ids=variant_id)
+@pytest.mark.parametrize("variant,bs", rotated(budgeted(VARIANTS), [(bs,) for bs in reversed(BLOCK_SIZES)], ("bs",)))
 def test_budget_above_sequence_length_equals_full_cache(model, prompts, variant, bs):
     name, opts = variant
     budget = 4096

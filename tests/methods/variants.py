@@ -104,3 +104,18 @@ def variant_id(variant) -> str:
     """The test id of a variant: the method name, then -option=value for each option."""
     name, opts = variant
     return name + "".join(f"-{k}={x}" for k, x in opts.items())
+
+
+def rotated(variants, combos, names):
+    """pytest params for `variants` x `combos` (tuples of the other axes' values, named by `names`): in the default
+    suite each variant runs one combination, the i-th variant the (i mod len(combos))-th, so every combination
+    still runs across the variants; the rest are marked slow (`make test-all` runs every pair)."""
+    import pytest
+
+    params = []
+    for i, variant in enumerate(variants):
+        for j, combo in enumerate(combos):
+            marks = [] if j == i % len(combos) else [pytest.mark.slow]
+            label = "-".join(f"{n}={x}" for n, x in zip(names, combo))
+            params.append(pytest.param(variant, *combo, marks=marks, id=f"{variant_id(variant)}-{label}"))
+    return params
