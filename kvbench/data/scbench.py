@@ -159,7 +159,7 @@ def check_file(data_dir: str, task: str, limit: Optional[int] = None) -> None:
     files = task_files(Path(data_dir), task)
     seen = 0
     for path in files:
-        for where, row in _rows_with_place(path):
+        for where, row in list(_rows_with_place(path)):  # every line parsed: a torn one past `limit` is refused too
             if limit is not None and seen >= limit:
                 return
             check_record(row, where, task)

@@ -78,3 +78,12 @@ def test_ruler_and_scbench_read_and_name_rows_through_it(tmp_path):
     with pytest.raises(ValueError, match=r"scbench_kv.jsonl, row 2: no 'multi_turns' field \(expected id, context"):
         sd.check_file(str(sc), "scbench_kv")
     assert [r["id"] for r in sd.load_hub_samples("scbench_kv", str(sc), limit=1)] == ["0"]
+
+
+def test_scbench_refuses_a_torn_line_past_the_rows_it_checks(tmp_path):
+    """check_file checks the first `limit` rows' fields but parses every line of the file, as before the shared
+    reader: a torn line anywhere is refused before the model loads, not when the run reads the file."""
+    (tmp_path / "scbench_kv.jsonl").write_text(json.dumps(SCBENCH_ROW) + "\n" + json.dumps(SCBENCH_ROW) + "\n"
+                                                + '{"id": 2, "context": \n')
+    with pytest.raises(ValueError, match=r"scbench_kv.jsonl:3: not JSON"):
+        sd.check_file(str(tmp_path), "scbench_kv", limit=1)
