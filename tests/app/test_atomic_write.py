@@ -68,13 +68,16 @@ def test_a_folder_replaces_the_old_folder_whole_or_not_at_all(tmp_path):
     (out / "stale.bin").write_text("old")
     with pytest.raises(RuntimeError):
         with atomic_write.replaced(out, folder=True) as tmp:
+            Path(tmp).mkdir()  # the caller makes the folder: the path does not exist yet
             (Path(tmp) / "model.safetensors").write_text("half")
             raise RuntimeError("conversion failed")
     assert _listing(out) == ["stale.bin"] and _listing(tmp_path) == ["converted"]
     with atomic_write.replaced(out, folder=True) as tmp:
+        assert not os.path.exists(tmp)
+        Path(tmp).mkdir()
         (Path(tmp) / "model.safetensors").write_text("new")
     assert _listing(out) == ["model.safetensors"] and _listing(tmp_path) == ["converted"]
-    assert out.stat().st_mode & 0o777 == atomic_write.FOLDER_MODE  # not mkdtemp's 0700
+    assert out.stat().st_mode & 0o777 == 0o777 & ~atomic_write._UMASK  # as mkdir made it, not mkdtemp's 0700
 
 
 def test_no_other_module_renames_files_into_place():
