@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from kvbench import atomic_write
 from kvbench.registry import METHODS, source_file  # the methods load on first lookup, by name
 
 # The task options that name local data files, in the order they are hashed.
@@ -181,11 +182,7 @@ def stored_file_sha256(path: str) -> str:
         pass
     _index[key] = digest
     try:
-        os.makedirs(os.path.dirname(index_path), exist_ok=True)
-        tmp = f"{index_path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(_index, f, indent=0)
-        os.replace(tmp, index_path)
+        atomic_write.write_text(index_path, json.dumps(_index, indent=0))
     except OSError:  # a read-only cache still works: the file is hashed again next process
         pass
     return digest

@@ -21,9 +21,10 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
+
+from kvbench import atomic_write
 
 SPEED_FILE = "speed.json"
 RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")
@@ -117,11 +118,7 @@ def record_speed(record: dict, threads: Any = None, workload: Any = None) -> Non
         data = _read_all()
         key = _key(record.get("model"), record.get("dtype"), record.get("device"), threads)
         data[key] = {"runs": (_runs_of(data.get(key)) + [run])[-KEEP:]}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".speed-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write.write_text(path, json.dumps(data, indent=1, sort_keys=True), mode=0o600)  # this user's, as before
     except OSError:
         pass
 

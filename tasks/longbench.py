@@ -39,28 +39,16 @@ from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_opt
                                        stop_token_ids,
                                        template_and_split, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
+from kvbench.tasks.selection import expand_names
 
 RESERVED_TOKENS = 692  # null max_length = model context minus this (512 new tokens + the chat template)
 DATASET_GROUPS = ("all", "en", "zh", "e")
 
 
 def _dataset_names(value: Any) -> list[str]:
-    groups = {"all": lb.LONGBENCH_DATASETS, "en": lb.LONGBENCH_EN, "zh": lb.LONGBENCH_ZH,
-              "e": lb.LONGBENCH_E_DATASETS}
-    if isinstance(value, str):
-        value = [value]
-    if not value:
-        raise UserError("task.datasets is empty: name at least one LongBench dataset (or all, en, zh, e)")
-    names: list[str] = []
-    for item in value:
-        item = str(item)
-        for name in groups.get(item, (item,)):
-            if name not in lb.ALL_DATASETS:
-                raise UserError(f"unknown LongBench dataset {name!r} in task.datasets: choices are "
-                                f"{', '.join(DATASET_GROUPS)} or one of {', '.join(lb.ALL_DATASETS)}")
-            if name not in names:
-                names.append(name)
-    return names
+    groups = dict(zip(DATASET_GROUPS, (lb.LONGBENCH_DATASETS, lb.LONGBENCH_EN, lb.LONGBENCH_ZH,
+                                       lb.LONGBENCH_E_DATASETS)))
+    return expand_names(value, option="datasets", what="LongBench dataset", groups=groups, choices=lb.ALL_DATASETS)
 
 
 @dataclass

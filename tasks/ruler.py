@@ -38,23 +38,14 @@ from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, ch
                                        model_context_length, run_generation, split_prompt, stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
+from kvbench.tasks.selection import expand_names
 
 SOURCES = ("generate", "hub")
 _SAID: set = set()  # skip lines already printed by this process
 
 
 def _task_names(value: Any) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value or [])
-    if not items:
-        raise UserError("task.tasks is empty: name RULER tasks or all")
-    names: list[str] = []
-    for item in items:
-        for name in (TASK_NAMES if str(item) == "all" else (str(item),)):
-            if name not in TASK_NAMES:
-                raise UserError(f"unknown RULER task {name!r} in task.tasks: choices are all, {', '.join(TASK_NAMES)}")
-            if name not in names:
-                names.append(name)
-    return names
+    return expand_names(value, option="tasks", what="RULER task", groups={"all": TASK_NAMES}, choices=TASK_NAMES)
 
 
 @dataclass

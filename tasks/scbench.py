@@ -54,6 +54,7 @@ from kvbench.spec import check_positive
 from kvbench.tasks._generation import (check_bool_option, check_chat_template_option, decode, kept_stats,
                                        model_context_length, stop_token_ids, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
+from kvbench.tasks.selection import expand_names
 
 MODES = ("multi_turn", "multi_request")
 SOURCES = ("generate", "hub")
@@ -135,20 +136,10 @@ DELIMITER = "[SEPSEPSEP]"  # create_scdq_prompt's special_delimiter
 
 
 def _task_names(value: Any, source: str = "generate") -> list[str]:
-    items = [value] if isinstance(value, str) else list(value or [])
-    if not items:
-        raise UserError("task.tasks is empty: name SCBench tasks or all")
-    names: list[str] = []
-    for item in items:
-        every = sd.HUB_TASKS if source == "hub" else sd.GENERATED_TASKS
-        for name in (every if str(item) == "all" else (str(item),)):
-            full = name if name.startswith("scbench_") else f"scbench_{name}"
-            if full not in KNOWN:
-                raise UserError(f"unknown SCBench task {name!r} in task.tasks: choices are all, "
-                                f"{', '.join(t[len('scbench_'):] for t in KNOWN)} (or their scbench_ names)")
-            if full not in names:
-                names.append(full)
-    return names
+    every = sd.HUB_TASKS if source == "hub" else sd.GENERATED_TASKS
+    return expand_names(value, option="tasks", what="SCBench task", groups={"all": every}, choices=KNOWN,
+                        canonical=lambda name: name if name.startswith("scbench_") else f"scbench_{name}",
+                        shown=f"{', '.join(t[len('scbench_'):] for t in KNOWN)} (or their scbench_ names)")
 
 
 @dataclass

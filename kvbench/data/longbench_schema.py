@@ -13,19 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.data.row_checks import check_object, refuse_field as _refuse
+
 REQUIRED = ("context", "answers")
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            dict: "an object"}.get(type(value), type(value).__name__)
-
-
-def _refuse(where: str, field: str, value: Any, expected: str) -> ValueError:
-    shown = _kind(value) if value is None or isinstance(value, (dict, list)) else f"{_kind(value)} ({value!r:.40})"
-    return ValueError(f"{where}: field {field!r} is {shown}; expected {expected}")
 
 
 def _str_list(value: Any) -> bool:
@@ -34,8 +24,7 @@ def _str_list(value: Any) -> bool:
 
 def check_record(raw: Any, where: str) -> None:
     """ValueError naming `where` and the first field whose type is not LongBench's (see the module docstring)."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: a JSON {_kind(raw)}, not an object (one row per line)")
+    check_object(raw, where)
     missing = [f for f in REQUIRED if f not in raw]
     if missing:
         raise ValueError(f"{where}: no {' or '.join(map(repr, missing))} field (it has {', '.join(sorted(raw))})")

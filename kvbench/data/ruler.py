@@ -47,6 +47,7 @@ import numpy as np
 from kvbench.data.hub import note_revision_read
 from kvbench.data_digest import visible_files
 from kvbench.data.essays import essay_corpus_text
+from kvbench.data.row_checks import check_fields, check_object, refuse_field, rows_with_place
 
 # --------------------------------------------------------------------------- RULER's task definitions
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -564,75 +565,30 @@ def local_files(data_dir: Path, length: int) -> list[Path]:
     raise FileNotFoundError(f"no {length}.parquet/.jsonl or {length}/ folder in {data_dir}")
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            dict: "an object"}.get(type(value), type(value).__name__)
-
-
 def check_hub_row(row: Any, where: str) -> None:
     """ValueError naming `where` and the first field of a kvpress RULER row (HUB_COLUMNS) of the wrong type: text
     fields (`task` too: rows of tasks the run does not name are skipped) strings, `answer` a non-empty list of
     strings, `max_new_tokens` a whole number >= 1. A malformed row is refused before it is scored, never read as "None" or a list of dict keys."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: a JSON {_kind(row)}, not an object (one row per line)")
-    missing = [c for c in HUB_COLUMNS if c not in row]
-    if missing:
-        raise ValueError(f"{where}: no {', '.join(map(repr, missing))} field (kvpress's format: "
-                         f"{', '.join(HUB_COLUMNS)})")
+    check_object(row, where)
+    check_fields(row, HUB_COLUMNS, where, expected=f"kvpress's format: {', '.join(HUB_COLUMNS)}")
     for field in ("context", "question", "answer_prefix", "task"):
         if not isinstance(row[field], str):
-            raise ValueError(f"{where}: field {field!r} is {_kind(row[field])}; expected a string")
+            raise refuse_field(where, field, row[field], "a string")
     answer = row["answer"]
     if not (isinstance(answer, list) and answer and all(isinstance(a, str) for a in answer)):
-        raise ValueError(f"{where}: field 'answer' is {_kind(answer)}; expected a non-empty list of strings")
+        raise refuse_field(where, "answer", answer, "a non-empty list of strings")
     n = row["max_new_tokens"]
     whole = isinstance(n, int) or (isinstance(n, float) and n.is_integer())
     if isinstance(n, bool) or not whole or n < 1:
-        raise ValueError(f"{where}: field 'max_new_tokens' is {_kind(n)} ({n!r:.40}); expected a whole number >= 1")
-
-
-def _rows_with_place(path: Path) -> Iterable[tuple[str, Any]]:
-    """(where, row) of a kvpress RULER file: `<file>:<line>` for JSON lines, `<file> row <i>` otherwise."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # lazy (datasets brings pyarrow)
-
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as exc:  # pyarrow's errors do not name the file
-            raise ValueError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0][:120]})") from None
-        for i, row in enumerate(rows):
-            yield f"{path} row {i}", row
-        return
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a UTF-8 BOM is not part of the first row
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
-    stripped = text.lstrip()
-    if path.suffix == ".json" and stripped.startswith("["):
-        try:
-            rows = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
-        for i, row in enumerate(rows):
-            yield f"{path} row {i}", row
-        return
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        yield f"{path}:{n}", row
+        raise refuse_field(where, "max_new_tokens", n, "a whole number >= 1")
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The rows of one file, each checked (check_hub_row)."""
+    """The rows of one file, each checked (check_hub_row) and named `<file>:<line>` for JSON lines, `<file> row
+    <i>` otherwise."""
     out = []
-    for where, row in _rows_with_place(path):
-        check_hub_row(row, where)
+    for index, line, row in rows_with_place(path):
+        check_hub_row(row, f"{path}:{line}" if line is not None else f"{path} row {index}")
         out.append(row)
     return out
 

@@ -31,10 +31,11 @@ import random
 import re
 import string
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from kvbench.data.essays import essay_corpus_text
 from kvbench.data.hub import note_revision_read
+from kvbench.data.row_checks import check_fields, check_object, rows_with_place
 from kvbench.data_digest import visible_files
 
 GENERATED_TASKS = ("scbench_kv", "scbench_prefix_suffix", "scbench_vt", "scbench_multi_hop")
@@ -87,12 +88,8 @@ def check_record(row: Any, where: str, task: Optional[str] = None) -> None:
     multi_turns a non-empty list of {input: text, answer: text or list of texts}, and the fields `task`'s prompt
     and scorer read (choice_eng: 4 options holding the answer; mf: a number answer, an input with "The ... is";
     repoqa: repo, lang, each turn's function name; the mixed tasks: each turn's task)."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object")
-    missing = [f for f in FIELDS if f not in row]
-    if missing:
-        raise ValueError(f"{where}: no {', '.join(map(repr, missing))} field (expected id, context, multi_turns "
-                         f"[{{input, answer}}]; it has {', '.join(row) or 'none'})")
+    check_object(row, where)
+    check_fields(row, FIELDS, where, expected="id, context, multi_turns [{input, answer}]")
     if not isinstance(row["context"], str):
         raise ValueError(f"{where}: field 'context' is not text")
     _check_encodable(row["context"], f"{where}: field 'context'")
@@ -148,20 +145,10 @@ def task_files(data_dir: Path, task: str) -> list[Path]:
     raise FileNotFoundError(f"no {task}.jsonl or {task}/*.parquet|*.jsonl in {data_dir}")
 
 
-def _read_rows(path: Path) -> list[dict]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # lazily: datasets brings pyarrow
-
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as exc:
-                    raise ValueError(f"{path}, line {n}: not JSON ({getattr(exc, 'msg', exc)})") from None
-    return rows
+def _rows_with_place(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) of one file's rows (data/row_checks.rows_with_place), named `<file>, row <n>` from 1."""
+    for index, _, row in rows_with_place(path):
+        yield f"{path}, row {index + 1}", row
 
 
 def check_file(data_dir: str, task: str, limit: Optional[int] = None) -> None:
@@ -172,11 +159,10 @@ def check_file(data_dir: str, task: str, limit: Optional[int] = None) -> None:
     files = task_files(Path(data_dir), task)
     seen = 0
     for path in files:
-        rows = _read_rows(path)
-        for i, row in enumerate(rows):
+        for where, row in list(_rows_with_place(path)):  # every line parsed: a torn one past `limit` is refused too
             if limit is not None and seen >= limit:
                 return
-            check_record(row, f"{path}, row {i + 1}", task)
+            check_record(row, where, task)
             seen += 1
     if not seen:
         raise ValueError(f"{files[0]}: no rows")
@@ -191,7 +177,7 @@ def load_hub_samples(task: str, data_dir: Optional[str], limit: Optional[int],
     "microsoft/SCBench", task, split="test", revision=revision)`, the commit read recorded as data_revision) when
     data_dir is None; each checked, `limit` first kept."""
     if data_dir is not None:
-        rows = [r for p in task_files(Path(data_dir), task) for r in _read_rows(p)]
+        rows = [r for p in task_files(Path(data_dir), task) for _, r in _rows_with_place(p)]
     else:  # pragma: no cover - needs the network; the file path above reads the same records
         from datasets import load_dataset
 

@@ -29,9 +29,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvbench import atomic_write
 from kvbench.console import warn
 from kvbench.data.aclsum import load_aclsum
 from kvbench.errors import UserError, first_line
@@ -374,17 +373,8 @@ def _write_cached(path: Path, cal: Calibration) -> None:
     for name in _CACHED_TENSORS:
         if getattr(cal, name) is not None:
             data[name] = getattr(cal, name).float().cpu().contiguous()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_write.replaced(path, mode=0o600) as tmp:  # 0600: this user's cache, as it always was
         torch.save(data, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def resolve_tokenizer(model, tokenizer=None):

@@ -111,8 +111,8 @@ class NuqTensor:
 def nearest_level(xn: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """Index of the nearest level (ties to the lower one). xn: any shape; levels: [L] sorted -> uint8 like xn.
 
-    Counts the midpoints below each entry (the same as torch.bucketize on the midpoints, 4x faster on CPU
-    for the <= 16 levels used here).
+    Counts the midpoints below each entry (the same as torch.bucketize on the midpoints, faster on CPU for the
+    <= 16 levels used here; figures: docs/benchmark-results.md).
     """
     lv = levels.float()
     codes = torch.zeros(xn.shape, dtype=torch.uint8, device=xn.device)

@@ -12,37 +12,19 @@ import fcntl
 import json
 import math
 import os
-import tempfile
 from typing import Any, Iterable, Optional
 
+from kvbench import atomic_write
 from kvbench.console import warn
 
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 # errno values meaning "this filesystem has no flock": the store then works without locks (see claims.claim_run).
 NO_LOCK_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write text to path through a temporary file in the same folder and os.replace."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write text to path through a temporary file in the same folder, fsync and os.replace (atomic_write)."""
+    atomic_write.write_text(path, text, fsync=True)
 
 
 def _json_default(obj: Any) -> Any:

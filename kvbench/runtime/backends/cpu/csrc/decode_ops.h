@@ -96,9 +96,9 @@ typedef struct {
 } codec_pools;
 
 /* How far ahead (floats) dot_f32 asks for weights into L2: a batch-1 step streams every weight once, in order, and
- * the hardware prefetcher alone left the C GEMVs of one SmolLM2 step (538 MB, fp32, flushed caches) at 23.5-23.9
- * GB/s on the 2-core dev VM; with 4 KiB ahead 24.2-25.8 (8 KiB: no better). Past the end of w it asks for bytes
- * nobody reads, harmlessly (a prefetch never faults). */
+ * 4 KiB ahead read them faster than the hardware prefetcher alone (8 KiB: no better; figures:
+ * docs/benchmark-results.md). Past the end of w it asks for bytes nobody reads, harmlessly (a prefetch never
+ * faults). */
 #define DOT_PREFETCH_FLOATS 1024
 
 /* dot(w, x) over n floats; four native-vector accumulators (independent FMA chains) when n is a multiple of 4 VN */
@@ -127,8 +127,8 @@ static inline float dot_f32(const float *restrict w, const float *restrict x, in
 /* The GEMV's register tile: TILE_ROWS weight rows by up to TILE_X rows of x, one vector accumulator each, so each
  * loaded weight vector serves TILE_X rows of x and each x vector TILE_ROWS weight rows.
  *   AVX2 (16 registers): 4 x 2 (8 accumulators, 4 weight vectors, 1 x vector); a 4 x 4 tile spills.
- *   AVX-512 (32 registers): 8 x 3 (24 accumulators, 3 x vectors, 1 weight vector). On a 2-core AVX-512 EPYC (Zen 4)
- *   the 4 x 2 tile held 80-85 GFLOP/s from 4 to 16 rows of x, the 8 x 3 tile 120-155 (bench/bench_gemv.py).
+ *   AVX-512 (32 registers): 8 x 3 (24 accumulators, 3 x vectors, 1 weight vector), faster there than 4 x 2 from 4
+ *   to 16 rows of x (bench/bench_gemv.py; figures: docs/benchmark-results.md).
  * Every output is the same sequence of vector FMAs over n followed by the same hsum4, whatever the tile, so the
  * tile changes no bit of the result. */
 #if VN == 16
@@ -178,9 +178,8 @@ static inline void dots_tile_rows(const float *const w[TILE_ROWS], const float *
 /* Ask for this pass's share of the `nbytes` bytes at `next` into L2, one prefetch per cache line (nothing when next
  * is NULL): pass `pass` of `passes` takes the pass-th slice. The tiled GEMV calls it at each of a tile's passes over
  * the rows of x with the next tile's weight rows: a tile reads its weights from DRAM in its first pass only, then
- * from L1, so without it the memory idles during the other passes. Measured on the 2-core dev VM (AVX-512, 16 rows
- * of x, 30 layers' weights streamed from DRAM, two runs): qkv 156-162 -> 179-184 GFLOP/s, gate_up 108-117 ->
- * 120-133, the LM head 102-126 -> 116-172, down 110-131 -> 120-130, o 143-154 -> 134-147. */
+ * from L1, so without it the memory idles during the other passes. It helped the projections whose tiles stay in L1
+ * (figures per projection: docs/benchmark-results.md). */
 #define L1_TILE_BYTES (24 * 1024)  /* weight tiles at most this large are prefetched (decode_ops.c) */
 static inline void prefetch_share_l2(const float *next, int64_t nbytes, int64_t pass, int64_t passes) {
     if (next == NULL) return;

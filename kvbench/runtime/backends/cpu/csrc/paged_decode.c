@@ -1,7 +1,7 @@
 /* Paged decode attention on CPU: one new query token per sequence against its cached K/V, read in
  * place through the block tables (no gather, no copy of cached K/V).
  *
- * Semantics are those of kvbench.runtime.attention.paged_attention_torch with Q == 1 and no mask
+ * Semantics are those of kvbench.runtime.backends.torch.attention.paged_attention_torch with Q == 1 and no mask
  * beyond each table's length (every cached key precedes the query in plain decoding):
  *
  *   q        [S, Hq, D]            fp32, contiguous; Hq = H * G (GQA: query head h*G+g reads kv head h)
