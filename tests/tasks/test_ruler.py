@@ -161,7 +161,12 @@ def test_hub_format_from_data_dir(tmp_path, layout):
     reqs = task.requests(tok)
     assert [r.id for r in reqs] == ["niah_single_1-4096-0", "niah_single_1-4096-1", "vt-4096-0", "vt-4096-1"]
     assert reqs[2].references == ["ABCDE", "FGHIJ"] and reqs[2].max_new_tokens == 30
-    assert all(r.uncompressed_tail == 0 for r in reqs)
+    end = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert all(r.uncompressed_tail > len(end) and r.question_tokens > 0 for r in reqs)  # kvpress: appended after
+    r = reqs[0]
+    assert r.token_ids[-r.uncompressed_tail:][:len(end)] == end  # the turn's end, then the answer prefix
+    question = tok.decode(r.token_ids[-r.uncompressed_tail - r.question_tokens: -r.uncompressed_tail])
+    assert question.startswith("What is the special magic") and question.rstrip().endswith("?")
     assert reqs[0].prompt.startswith("<|im_start|>system") and reqs[0].prompt.endswith(
         "<|im_end|>\n<|im_start|>assistant\nThe special magic number for key-0 mentioned in the provided text is")
 
