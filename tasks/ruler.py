@@ -39,7 +39,8 @@ from kvbench.metrics.ruler import metric_for, postprocess
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, encode, kept_stats,
-                                       model_context_length, run_generation, split_prompt, stop_token_ids,
+                                       model_context_length, run_generation, split_prompt, split_question,
+                                       stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
@@ -130,9 +131,7 @@ def build_request(tokenizer: Any, sample: dict, length: int, chat: bool, compres
         ids, tail = encode(tokenizer, prompt, chat), 0
         question = split_prompt(tokenizer, prompt, question_start, chat)[1]
     else:  # kvpress's query-aware loop: context + question compressed, the turn's end + answer prefix after
-        ids, question = split_prompt(tokenizer, prompt[:question_end], question_start, chat)
-        after = list(tokenizer(prompt[question_end:], add_special_tokens=False)["input_ids"])
-        ids, tail = ids + after, len(after)
+        ids, question, tail = split_question(tokenizer, prompt, question_start, question_end, chat)
     return GenRequest(
         id=f"{sample['task']}-{length}-{sample['index']}", dataset=sample["task"], prompt=prompt, token_ids=ids,
         max_new_tokens=max_new_tokens or int(sample["max_new_tokens"]), references=list(sample["answer"]),
