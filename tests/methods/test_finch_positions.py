@@ -191,3 +191,33 @@ def test_finch_window_matches_kvpress_keyrerotationpress_over_finch_scores(hf, i
     want = kvpress_logits(hf, kvpress_pipeline, ids, press)
     method_logits = kvbench_logits(hf, ids.tolist(), TAIL, [int(w.argmax()) for w in want[:-1]], window=W)
     assert_same_logits(want, method_logits)
+
+
+# ------------------------------------------------------------------------ sliding-window layers
+def prefill_with_finch(model, prompt: list[int]):
+    """Prompt prefilled and compressed by finch (its last 8 tokens the window): the engine and the slot."""
+    engine = Engine(model, build_method("finch", None, compression_ratio=RATIO, window=8), block_size=16,
+                    num_blocks=512, attention_backend="torch")
+    slot = engine.new_sequence()
+    engine.step([Segment(slot, prompt, 0, "prefill", last_chunk=True, compress=True)])
+    return engine, slot
+
+
+def test_a_sliding_layer_0_keeps_the_original_positions():
+    """kvpress's continuation is cache.get_seq_length() of layer 0; a sliding layer 0 (never compressed) counts every
+    token, so the tokens after the prompt keep their own positions (Gemma 3: layers 0-2 sliding, 3 full)."""
+    from tests.tiny_models import tiny_model
+    prompt = list(range(3, 83))
+    engine, slot = prefill_with_finch(tiny_model("gemma3", vocab=128), prompt)
+    assert engine.cache.method_layers == (3,)
+    assert bool((engine.cache.positions[slot, 3, :, :40] == torch.arange(40)).all())  # re-rotated all the same
+    assert engine.cache.position_shift[slot] == 0
+
+
+def test_sliding_layers_after_a_full_layer_0_are_refused_with_rerotation():
+    from kvbench.errors import UserError
+    from tests.tiny_models import tiny_model
+    model = tiny_model("gemma3", vocab=128, layer_types=["full_attention", "sliding_attention"] * 2)
+    with pytest.raises(UserError, match="rerotate_keys=false") as info:
+        prefill_with_finch(model, list(range(3, 83)))
+    assert "\n" not in str(info.value)
