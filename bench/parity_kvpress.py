@@ -148,7 +148,8 @@ NOTES = {
     "adakv_compactor": "as compactor",
     "chunkkv": "kvbench never keeps more than int(T * (1 - r)) tokens: a chosen chunk that would overflow is passed "
                "over (T not a multiple of chunk_length)",
-    "finch": "window = the prompt's last 64 tokens on both sides (no delimiter); kept keys re-rotated on both",
+    "finch": "window = the prompt's last 64 tokens on both sides (no delimiter); kept keys re-rotated on both, the "
+             "tokens after the prompt at the compressed length (kvpress's pipeline rule)",
     "think": "ratio = SnapKV's token ratio; then half of each kv-head's key channels pruned on both sides (the "
              "channels' Jaccard below the table)",
 }
@@ -211,8 +212,9 @@ def kvpress_side(job: dict) -> dict:
                 extra = {"streaming": press.streaming_mask.cpu().tolist(),
                          "head_scores": duo_attention_on_the_fly(model).tolist()}
             tokens = [int(logits.argmax())]
+            start = continuation_start(kvpress, press, cache, len(prompt))
             for i in range(job["new_tokens"] - 1):
-                pos = torch.tensor([[len(prompt) + i]])
+                pos = torch.tensor([[start + i]])
                 logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos).logits[0, -1]
                 tokens.append(int(logits.argmax()))
             layers = {str(k): v for k, v in kept.items()}
@@ -225,12 +227,23 @@ def kvpress_side(job: dict) -> dict:
             # one token per step: a multi-token step gets a causal mask sized from layer 0's cache, which fails when
             # layers hold different numbers of tokens (pyramidkv)
             nll = 0.0
+            start = continuation_start(kvpress, press, cache, len(prompt) - 1)
             for j, tok in enumerate(prompt[-1:] + cont[:-1]):
-                pos = torch.tensor([[len(prompt) - 1 + j]])
+                pos = torch.tensor([[start + j]])
                 logits = model(torch.tensor([[tok]]), past_key_values=cache, position_ids=pos).logits[0, -1]
                 nll -= float(torch.log_softmax(logits.float(), -1)[cont[j]]) / len(cont)
         out["results"][f"{name}@{ratio}"] = {"kept": layers, "greedy": tokens, "nll": nll, **extra}
     return out
+
+
+def continuation_start(kvpress, press, cache, prompt_len: int) -> int:
+    """The position of the first token after the compressed prompt, as kvpress's pipeline._forward sets it: the
+    cache's (first layer's) compressed length after a press that re-rotates the kept keys (FinchPress with
+    rerotate_keys, KeyRerotationPress), else the prompt's length."""
+    if isinstance(press, kvpress.KeyRerotationPress) or (isinstance(press, kvpress.FinchPress)
+                                                        and press.rerotate_keys):
+        return cache.get_seq_length()
+    return prompt_len
 
 
 def local_kvzap(press, kvzap_dir: str) -> None:

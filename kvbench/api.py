@@ -43,8 +43,8 @@ from kvbench.spec import check_bool_spellings, check_positive, integral_spelling
 from kvbench.store.files import read_jsonl
 from kvbench.store.folder import SAMPLES_FILE
 from kvbench.store.runs import load_runs as _load_runs
-from kvbench.tasks._generation import (GenRequest, apply_chat, encode, kept_stats, question_count, run_generation,
-                                       split_prompt, stop_token_ids, wants_chat_template)
+from kvbench.tasks._generation import (GenRequest, apply_chat, encode, kept_stats, run_generation, split_prompt,
+                                       split_question, stop_token_ids, wants_chat_template)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "conf")
 GROUPS = ("model", "method", "quant", "task", "runtime", "logger")
@@ -174,7 +174,8 @@ class Pipeline:
     Each call builds the method and the engine as a run does (kvbench.plan.plan_run over the composed config, then
     kvbench.engines), templates the prompt with the model's chat template (when it has one; `system_prompt` as a
     system turn), prefills the context, lets the method compress it, appends the question uncompressed (kvpress's
-    protocol; `compress_question=True`: the question is compressed with it) and decodes greedily."""
+    protocol; `compress_question=True`: the question is compressed with it and the turn's end appended after, as
+    kvpress's query-aware loop) and decodes greedily."""
 
     def __init__(self, model: Optional[str] = None, overrides: Iterable[str] = (), **options: Any):
         self._model_args = _model_overrides(model) + to_overrides(options) + list(overrides)
@@ -220,11 +221,13 @@ class Pipeline:
         user = f"{context}\n\n{question}" if question else context
         prompt = apply_chat(tok, user, system_prompt) if chat else user
         tail = asked = 0
-        if question and not compress_question:  # the question (and the turn's end) appended uncompressed
-            ids, tail = split_prompt(tok, prompt, prompt.rfind(question), chat)
+        start = prompt.rfind(question) if question else -1
+        if start >= 0 and not compress_question:  # the question (and the turn's end) appended uncompressed
+            ids, tail = split_prompt(tok, prompt, start, chat)
+        elif start >= 0:  # kvpress's query-aware loop: context and question compressed, the turn's end after
+            ids, asked, tail = split_question(tok, prompt, start, start + len(question), chat)
         else:
             ids = encode(tok, prompt, chat)
-            asked = question_count(tok, prompt, question, chat) if question else 0
         configure_threads(s.runtime.threads)
         torch.manual_seed(s.seed)
         codec = build_run_codec(s.quant_name, s.quant_options, self.loaded.model, tok)

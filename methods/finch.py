@@ -10,10 +10,14 @@ weights it could have), averaged over the window and the query heads of a kv-hea
 score + 1 (always kept). Each kv-head keeps its int(T x (1 - ratio)) best tokens (the budget), or with
 `chunk_length` max(1, int(len x (1 - ratio))) per chunk of that many tokens. With `rerotate_keys` (default) the kept
 keys are re-rotated to positions 0..n-1 in their order (kvpress's KeyRerotationPress.rerotate_keys): the cache's keys
-and positions are rewritten (cache.rewrite_tokens); later tokens keep their own (original) positions. NOT as
-kvpress: its pipeline continues generation at the compressed length (n, n + 1, ...) after FinchPress and
-KeyRerotationPress (issue 68 item 6, open: the NLL and greedy output after the prompt differ from kvpress's).
-Prefill only (decode="none").
+and positions are rewritten (cache.rewrite_tokens), and the tokens after the compressed prompt (an uncompressed
+question tail, then the generated ones) continue at positions n, n + 1, ... (cache.continue_positions_at), as
+kvpress's pipeline continues generation at the compressed length (`context_length = cache.get_seq_length()` after
+FinchPress or KeyRerotationPress). n is layer 0's kept length (every layer keeps as many); on a model whose layer 0
+is a sliding-window layer (never compressed: kvpress's get_seq_length() counts every token there) the later tokens
+keep their own positions, and a model with sliding layers after a full layer 0 is refused with re-rotation (their
+keys cannot follow the shifted positions). Without re-rotation the kept keys and the later tokens keep their original positions (kvpress: the
+context's length). Prefill only (decode="none").
 """
 from __future__ import annotations
 
@@ -141,6 +145,19 @@ class Finch(ScorerMethod):
         self.keep(obs, keep)
         if self.rerotate_keys:
             self.rerotate(obs)
+            if obs.layer == 0:
+                self.continue_after_prompt(obs)
+
+    def continue_after_prompt(self, obs: Observation) -> None:
+        """kvpress's pipeline: the tokens after the prompt start at cache.get_seq_length(), layer 0's length (the kept
+        n here; a sliding layer 0, never compressed, counts every token: they keep their own positions). A model with
+        sliding layers after a full layer 0 is refused: its sliding layers' keys keep their positions, past n."""
+        cache = obs.cache
+        if len(cache.method_layers) < cache.num_layers:
+            raise UserError(f"method {self.name!r} with rerotate_keys=true continues the positions after the prompt "
+                            f"at its compressed length, which this model's sliding-window layers (their keys at "
+                            f"their own positions) cannot follow: use method.rerotate_keys=false")
+        cache.continue_positions_at(obs.slot, int(obs.lengths.max()))
 
     def rerotate(self, obs: Observation) -> None:
         """Move every kept key to its index in the table: keys rotated from their positions to 0..n-1."""

@@ -232,6 +232,19 @@ def split_prompt(tokenizer: Any, prompt: str, question_start: int, templated: bo
     return head + tail, len(tail)
 
 
+def split_question(tokenizer: Any, prompt: str, question_start: int, question_end: int,
+                   templated: bool) -> tuple[list[int], int, int]:
+    """kvpress's query-aware loop (evaluate.py `query_aware`, pipeline.preprocess): the token ids of the context
+    prompt[:question_start], the question prompt[question_start:question_end] and what follows it (the turn's end,
+    the answer prefix), the three tokenized apart as kvpress's Finch delimiter and its pipeline's question suffix
+    split them; with the question's token count (the window: Request.question_tokens) and that of what follows
+    (appended after compression: Request.uncompressed_tail)."""
+    ids, question = split_prompt(tokenizer, prompt[:question_end], question_start, templated)
+    after = list(tokenizer(prompt[question_end:], add_special_tokens=False)["input_ids"]) \
+        if question_end < len(prompt) else []
+    return ids + after, question, len(after)
+
+
 def template_and_split(tokenizer: Any, prompt: str, question: str, templated: bool,
                        compress_question: bool) -> tuple[str, list[int], int]:
     """The prompt in the chat template (when templated) and its token ids; with compress_question=False and the

@@ -11,7 +11,11 @@ Each sample has a context, a question and an answer prefix. The prompt is built 
 a chat template (`chat_template`: auto = when the tokenizer has one) the context is the user turn's start and the
 question is followed by the turn's end, the assistant header and the answer prefix; without one, the question, a
 newline and the answer prefix. `compress_question=false` (default, kvpress's protocol): the context is prefilled and
-compressed, then the question part is appended uncompressed; true: the whole prompt is compressed.
+compressed, then the question part is appended uncompressed; true (kvpress's query-aware loop, evaluate.py
+`query_aware`): the context and the question are compressed together (the question is the method's window: Finch's),
+then the turn's end and the answer prefix are appended uncompressed (`compress_answer_prefix=true`: they are
+compressed too, the window the question and them). The parts are tokenized apart, as kvpress's Finch delimiter and
+its pipeline's question suffix split them.
 Greedy decoding of at most the task's RULER tokens to generate (`max_new_tokens` overrides), stopping at EOS.
 
 Scoring (kvbench.metrics.ruler): string_match_all, string_match_part for qa_*; metrics `score_<task>` (100 x mean
@@ -35,7 +39,8 @@ from kvbench.metrics.ruler import metric_for, postprocess
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, encode, kept_stats,
-                                       model_context_length, run_generation, split_prompt, stop_token_ids,
+                                       model_context_length, run_generation, split_prompt, split_question,
+                                       stop_token_ids,
                                        wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 from kvbench.tasks.selection import expand_names
@@ -61,6 +66,8 @@ class RulerOptions:
     max_new_tokens: Optional[int] = None  # null: each task's RULER tokens to generate
     chat_template: Any = "auto"
     compress_question: bool = False  # kvpress: the question is appended after the context was compressed
+    # with compress_question: true compresses the turn's end and the answer prefix too (kvpress: appended after)
+    compress_answer_prefix: bool = False
 
     def __post_init__(self) -> None:
         self.tasks = _task_names(self.tasks)
@@ -83,10 +90,15 @@ class RulerOptions:
         check_positive("task.max_new_tokens", self.max_new_tokens, allow_none=True)
         self.chat_template = check_chat_template_option(self.chat_template)
         check_bool_option("task.compress_question", self.compress_question)
+        check_bool_option("task.compress_answer_prefix", self.compress_answer_prefix)
+        if self.compress_answer_prefix and not self.compress_question:
+            raise UserError("task.compress_answer_prefix=true needs task.compress_question=true (without it the "
+                            "question, the turn's end and the answer prefix are all appended uncompressed)")
 
 
-def ruler_prompt(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, int]:
-    """The prompt text of a sample and where its question part starts (kvpress's pipeline.preprocess)."""
+def ruler_prompt(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, int, int]:
+    """The prompt text of a sample, where its question starts and where it ends (the turn's end and the answer
+    prefix follow: kvpress's pipeline.preprocess)."""
     context, question, prefix = sample["context"], sample["question"], sample["answer_prefix"]
     if chat:
         separator = "#" * (len(context) + 10)  # a string the text cannot hold, to find the turn's end
@@ -94,18 +106,23 @@ def ruler_prompt(tokenizer: Any, sample: dict, chat: bool) -> tuple[str, int]:
         head, suffix = templated.split(separator)
     else:
         head, suffix = context, "\n"
-    return head + question + suffix + prefix, len(head)
+    return head + question + suffix + prefix, len(head), len(head) + len(question)
 
 
 def build_request(tokenizer: Any, sample: dict, length: int, chat: bool, compress_question: bool,
-                  max_new_tokens: Optional[int], stops: tuple[int, ...]) -> GenRequest:
-    prompt, question_start = ruler_prompt(tokenizer, sample, chat)
+                  max_new_tokens: Optional[int], stops: tuple[int, ...],
+                  compress_answer_prefix: bool = False) -> GenRequest:
+    """One sample's request; see the module docstring for the three protocols (query-agnostic, query-aware with the
+    turn's end and answer prefix appended after compression, or compressed with them)."""
+    prompt, question_start, question_end = ruler_prompt(tokenizer, sample, chat)
     question = 0
-    if compress_question:  # the question's token count (its part tokenized apart, as kvpress's Finch delimiter splits)
+    if not compress_question:  # the question part appended uncompressed after the compressed context
+        ids, tail = split_prompt(tokenizer, prompt, question_start, chat)
+    elif compress_answer_prefix:  # the whole prompt compressed; the window: the question part
         ids, tail = encode(tokenizer, prompt, chat), 0
         question = split_prompt(tokenizer, prompt, question_start, chat)[1]
-    else:
-        ids, tail = split_prompt(tokenizer, prompt, question_start, chat)
+    else:  # kvpress's query-aware loop: context + question compressed, the turn's end + answer prefix after
+        ids, question, tail = split_question(tokenizer, prompt, question_start, question_end, chat)
     return GenRequest(
         id=f"{sample['task']}-{length}-{sample['index']}", dataset=sample["task"], prompt=prompt, token_ids=ids,
         max_new_tokens=max_new_tokens or int(sample["max_new_tokens"]), references=list(sample["answer"]),
@@ -254,7 +271,8 @@ class Ruler(Task):
                            unit="sample")
         for n in opts.lengths:
             for t, rows in self.samples_for(tokenizer, n, None if bar is None else bar.update).items():
-                out += [build_request(tokenizer, r, n, chat, opts.compress_question, opts.max_new_tokens, stops)
+                out += [build_request(tokenizer, r, n, chat, opts.compress_question, opts.max_new_tokens, stops,
+                                      opts.compress_answer_prefix)
                         for r in rows]
         if bar is not None:
             bar.close()

@@ -351,22 +351,34 @@ def test_finch_chunked_selection_is_kvpress(hf, ids, hf_out):
 
 
 def test_finch_takes_the_questions_extent_from_the_task():
-    """ruler with the question compressed: the request says how many tokens its question part has, and the engine
-    hands it to the method before the prompt's prefill (finch then keeps those tokens)."""
+    """ruler with the question compressed (kvpress's query-aware loop): the request says how many tokens its
+    question has and how many follow it uncompressed (the turn's end and the answer prefix), and the engine hands
+    the question's extent to the method before the prompt's prefill (finch then keeps those tokens);
+    compress_answer_prefix=true compresses what follows too, the window the question and it."""
     from kvbench.tasks.ruler import build_request
     from tests.fixtures.task_fixtures import smollm2_tokenizer
     tok = smollm2_tokenizer()
     sample = {"context": "The sky is blue. " * 30, "question": "What colour is the sky?", "answer_prefix": " Answer:",
               "answer": ["blue"], "task": "qa", "index": 0, "max_new_tokens": 4}
+    words = tok("What colour is the sky?", add_special_tokens=False)["input_ids"]
+    after = tok("\n Answer:", add_special_tokens=False)["input_ids"]
     req = build_request(tok, sample, 4096, False, True, 4, ())
-    apart = tok("What colour is the sky?\n Answer:", add_special_tokens=False)["input_ids"]
-    assert req.uncompressed_tail == 0 and req.question_tokens == len(apart) > 0
-    assert req.token_ids[-len(apart) + 1:] == apart[1:]  # the same tokens (the first may merge with the context)
+    assert (req.question_tokens, req.uncompressed_tail) == (len(words), len(after))
+    assert req.token_ids[-len(words) - len(after):] == words + after  # tokenized apart, as kvpress's parts
+    both = tok("What colour is the sky?\n Answer:", add_special_tokens=False)["input_ids"]
+    whole = build_request(tok, sample, 4096, False, True, 4, (), compress_answer_prefix=True)
+    assert whole.uncompressed_tail == 0 and whole.question_tokens == len(both) > len(words)
+    assert whole.token_ids[-len(both) + 1:] == both[1:]  # one encoding (its first token may merge with the context)
     m = tiny_model(vocab=max(req.token_ids) + 1)
     from kvbench.runtime.serving.engine import Engine
-    method = build_method("finch", None, compression_ratio=0.75)
-    engine = Engine(m, method, block_size=8, prefill_chunk_size=64, num_blocks=2048)
-    engine.generate([req.token_ids], max_new_tokens=2, question_tokens=[req.question_tokens])
+    for r in (req, whole):
+        method = build_method("finch", None, compression_ratio=0.75)
+        seen = []
+        method.question_tokens = lambda slot, n, inner=method.question_tokens: (seen.append(n), inner(slot, n))
+        engine = Engine(m, method, block_size=8, prefill_chunk_size=64, num_blocks=2048)
+        engine.generate([r.token_ids], max_new_tokens=2, uncompressed_tails=[r.uncompressed_tail],
+                        question_tokens=[r.question_tokens])
+        assert set(seen) == {r.question_tokens}
     with pytest.raises(UserError, match="compress_question"):  # no question and no window: refused, one line
         Engine(m, build_method("finch", 32), block_size=8, num_blocks=2048).generate([req.token_ids], max_new_tokens=1)
 

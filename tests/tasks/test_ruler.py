@@ -161,7 +161,12 @@ def test_hub_format_from_data_dir(tmp_path, layout):
     reqs = task.requests(tok)
     assert [r.id for r in reqs] == ["niah_single_1-4096-0", "niah_single_1-4096-1", "vt-4096-0", "vt-4096-1"]
     assert reqs[2].references == ["ABCDE", "FGHIJ"] and reqs[2].max_new_tokens == 30
-    assert all(r.uncompressed_tail == 0 for r in reqs)
+    end = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert all(r.uncompressed_tail > len(end) and r.question_tokens > 0 for r in reqs)  # kvpress: appended after
+    r = reqs[0]
+    assert r.token_ids[-r.uncompressed_tail:][:len(end)] == end  # the turn's end, then the answer prefix
+    question = tok.decode(r.token_ids[-r.uncompressed_tail - r.question_tokens: -r.uncompressed_tail])
+    assert question.startswith("What is the special magic") and question.rstrip().endswith("?")
     assert reqs[0].prompt.startswith("<|im_start|>system") and reqs[0].prompt.endswith(
         "<|im_end|>\n<|im_start|>assistant\nThe special magic number for key-0 mentioned in the provided text is")
 
@@ -224,3 +229,20 @@ def test_score_names_the_tasks_it_averages_and_the_summary_says_so():
     text = format_summary({"run_id": "r", "status": "ok", "task": "ruler", **m})
     assert "score the mean over 2 tasks: niah_single_1, vt (qa_1, qa_2 skipped: no data)" in " ".join(text.split())
     assert "score_tasks " not in text  # not repeated among the metrics
+
+
+def test_split_question_tokenizes_context_question_and_suffix_apart():
+    """kvpress's query-aware parts (tasks._generation.split_question, for ruler and the Python pipeline): the
+    context with its special tokens, then the question and what follows it, each tokenized apart; the counts are
+    the question's (the method's window) and the suffix's (appended after compression)."""
+    from kvbench.tasks._generation import encode, split_question
+    tok = smollm2_tokenizer()
+    prompt = "<|im_start|>user\nA long context. What is it?<|im_end|>\n<|im_start|>assistant\nAnswer:"
+    start = prompt.index("What")
+    end = start + len("What is it?")
+    ids, question, tail = split_question(tok, prompt, start, end, True)
+    parts = [encode(tok, prompt[:start], True), tok(prompt[start:end], add_special_tokens=False)["input_ids"],
+             tok(prompt[end:], add_special_tokens=False)["input_ids"]]
+    assert ids == parts[0] + parts[1] + parts[2]
+    assert (question, tail) == (len(parts[1]), len(parts[2])) and tail > 0
+    assert split_question(tok, prompt[:end], start, end, True) == (parts[0] + parts[1], len(parts[1]), 0)

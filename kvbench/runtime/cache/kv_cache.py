@@ -9,6 +9,9 @@ different tokens in different layers and heads):
     host_lengths:   numpy int64 [max_seqs, L, H]           the same, kept on the host by every operation that
                                                            changes a length, so allocation reads no device value
     positions:      [max_seqs, L, H, max_blocks*bs] int32  original token position of each slot
+    position_shift: list[int] [max_seqs]                   how far a sequence's next positions lag its token count
+                                                           (0 unless its method re-indexed the kept tokens:
+                                                           continue_positions_at)
 
 Tables are kept compact: slots 0..len-1 are valid and every block but the last is full, so a
 table of n tokens holds exactly ceil(n / block_size) blocks. Evicted blocks return to the pool at
@@ -66,6 +69,9 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self.live: set[int] = set()
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
+        # tokens appended to a sequence take positions (their index in it) - position_shift[slot]: 0 unless the
+        # method re-indexed the kept prompt (continue_positions_at, kvpress's pipeline after FinchPress)
+        self.position_shift = [0] * max_seqs
         self._shared = False  # set once any fork happened: enables copy-on-write checks
         self.block_listeners: list = []  # objects with modified(ids) / replace(old, new) (the prefix cache)
         self._pending_free: list[torch.Tensor] = []  # evicted block ids not yet back in the pool (device)
@@ -101,6 +107,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.host_lengths[s] = 0
         self.positions[s] = -1
         self.tokens_seen[s] = 0
+        self.position_shift[s] = 0
         self.live.add(s)
         return s
 
@@ -125,6 +132,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.host_lengths[child] = self.host_lengths[slot]
         self.positions[child] = self.positions[slot]
         self.tokens_seen[child] = self.tokens_seen[slot]
+        self.position_shift[child] = self.position_shift[slot]
         self.pool.share(_table_entries(self.tables[slot], self._num_blocks(self.lengths[slot])))
         self._shared = True
         return child
@@ -163,11 +171,14 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
     def prepare_append(self, slots: list[int], query_positions: torch.Tensor) -> AppendPlan:
         """Allocate room for Q new tokens in every layer/head table of each sequence.
 
-        query_positions: [S, Q] original positions of the new tokens. Returns the flat pool rows
+        query_positions: [S, Q] the new tokens' indices in their sequences (their original positions); a sequence
+        whose positions continue elsewhere (continue_positions_at) gets them lowered by its shift here, so the
+        plan, its RoPE and its cached positions all carry the positions the model sees. Returns the flat pool rows
         each layer writes to. Raises OutOfBlocksError (nothing changed) if the pool is too small.
         """
         bs = self.block_size
         S, Q = query_positions.shape
+        query_positions = self._shifted(slots, query_positions)
         self.free_pending_now()  # evicted ids a caller did not take (it sampled nothing): back before allocating
         for s in slots:
             self._check_live(s)
@@ -266,6 +277,25 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
                           torch.from_numpy(pos[:, None]), positions_snapshot, list(slots),
                           host_lengths=new_len_h)
 
+    def _shifted(self, slots: list[int], query_positions: torch.Tensor) -> torch.Tensor:
+        """query_positions [S, Q] less each sequence's position_shift (the tensor itself when none is shifted)."""
+        shift = [self.position_shift[s] for s in slots]
+        if not any(shift):
+            return query_positions
+        return query_positions - torch.tensor(shift, dtype=query_positions.dtype,
+                                              device=query_positions.device).unsqueeze(1)
+
+    def continue_positions_at(self, slot: int, next_position: int) -> None:
+        """The next token appended to `slot` takes position `next_position` and the later ones follow it (instead
+        of their index in the sequence): kvpress's pipeline after a press that re-rotated the kept keys to
+        0..n-1 continues at n (FinchPress, KeyRerotationPress). Tokens already cached keep what they store."""
+        self._check_live(slot)
+        shift = self.tokens_seen[slot] - int(next_position)
+        if shift < 0:
+            raise ValueError(f"continue_positions_at: position {next_position} is past sequence {slot}'s "
+                             f"{self.tokens_seen[slot]} tokens")
+        self.position_shift[slot] = shift
+
     def prepare_appends(self, groups: list[tuple[list[int], torch.Tensor]]) -> list[AppendPlan]:
         """prepare_append for each (slots, query_positions [S_g, Q_g]) group of one ragged step, as one step (a
         codec's cache packs once, before any of them)."""
@@ -273,17 +303,17 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
 
     # ------------------------------------------------------------------ rollback (speculative decoding)
     def truncate(self, slot: int, num_tokens: int) -> int:
-        """Roll sequence `slot` back to its tokens at positions < num_tokens: every later slot (they are the newest
-        of each table: slot order is position order) leaves every layer and kv-head table, and the blocks emptied go
-        back to the pool at once. Nothing is moved or written. Returns the blocks freed. (Speculative decoding:
-        the rejected draft tokens' slots.)"""
+        """Roll sequence `slot` back to its first num_tokens tokens (positions < num_tokens, less its
+        position_shift): every later slot (they are the newest of each table: slot order is position order) leaves
+        every layer and kv-head table, and the blocks emptied go back to the pool at once. Nothing is moved or
+        written. Returns the blocks freed. (Speculative decoding: the rejected draft tokens' slots.)"""
         self._check_live(slot)
         bs = self.block_size
         pos = self.positions[slot]  # [L, H, MB*bs] (slots past a table's length may hold stale positions)
         old_len = self.lengths[slot].clone()  # [L, H]
         slots = torch.arange(pos.shape[-1], device=self.device)
         valid = slots < old_len.unsqueeze(-1)
-        kept = valid & (pos < num_tokens)
+        kept = valid & (pos < num_tokens - self.position_shift[slot])
         new_len = kept.sum(-1)  # [L, H]
         if not bool((kept == (slots < new_len.unsqueeze(-1))).all()):
             raise ValueError(f"truncate: sequence {slot}'s tokens at positions >= {num_tokens} are not its newest")
@@ -355,6 +385,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.host_lengths = np.concatenate([self.host_lengths, np.zeros_like(self.host_lengths)])
         self.positions = torch.cat([self.positions, torch.full_like(self.positions, -1)])
         self.tokens_seen += [0] * old
+        self.position_shift += [0] * old
         self._free_slots = list(range(new - 1, old - 1, -1)) + self._free_slots
         self.max_seqs = new
 

@@ -14,6 +14,8 @@ cache carries out the same operations on its own layout. METHOD_SURFACE lists th
     drop_slots(layer, slot, start, stop)               drop a range of slots of every kv-head (StreamingLLM's window)
     rewrite_tokens(layer, slot, keys=, values=, positions=)  overwrite what the held slots store (re-rotated keys,
                                                        merged values), nothing evicted (full-precision caches only)
+    continue_positions_at(slot, n)                     the sequence's next tokens take positions n, n + 1, ... (after
+                                                       re-rotating the kept keys to 0..n-1, as kvpress's pipeline)
     prune_key_channels(layer, slot, pruned [H, P])     key channels pruned per kv-head (ThinK): a cache built for it
                                                        (pruned_key_cache) stores the held blocks in fewer bytes; a
                                                        plain cache writes zeros in those channels
@@ -56,6 +58,8 @@ class MethodCacheView(Protocol):
 
     def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
                        values: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None: ...
+
+    def continue_positions_at(self, slot: int, next_position: int) -> None: ...
 
     def prune_key_channels(self, layer: int, slot: int, pruned: torch.Tensor) -> None: ...
 

@@ -310,7 +310,7 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         bs = self.block_size
         pos = self.positions[slot]  # [L, H, MB*bs]
         valid = torch.arange(pos.shape[-1], device=self.device) < self.lengths[slot].unsqueeze(-1)
-        new_len = (valid & (pos < num_tokens)).sum(-1)  # [L, H]
+        new_len = (valid & (pos < num_tokens - self.position_shift[slot])).sum(-1)  # [L, H]
         partial = (new_len % bs != 0) & (new_len < self.lengths[slot])
         tail = self.tables[slot].gather(-1, (new_len // bs).clamp(max=self.tables.shape[-1] - 1).unsqueeze(-1))
         if not bool((partial & (tail.squeeze(-1) >= self.num_fp_blocks)).any()):

@@ -338,7 +338,7 @@ class Engine:
         that can never fit in the pool comes back with finish_reason "failed" and its error; the others finish.
         uncompressed_tails[i] > 0: prompt i's last tokens (a question) go in uncompressed after the method
         compressed the rest (kvpress's query-agnostic protocol; Request.uncompressed_tail). question_tokens[i] > 0:
-        prompt i's last tokens are its question, compressed with it (Request.question_tokens)."""
+        the last tokens of prompt i's compressed part are its question, compressed with it (Request.question_tokens)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):

@@ -25,8 +25,10 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens (throughput traces)
     # the last n prompt tokens (a question) go in uncompressed after the rest (its context) was compressed
     uncompressed_tail: int = 0
-    # the last n prompt tokens are its question, compressed with the context (query-aware): a method that needs the
-    # question's extent (Finch's window) is told through its optional question_tokens(slot, n) hook
+    # the last n tokens of the compressed part (the prompt but its uncompressed tail) are its question, compressed with
+    # the context (query-aware): a method that needs the question's extent (Finch's window) is told through its
+    # optional question_tokens(slot, n) hook; a tail after it (kvpress: the turn's end, the answer prefix) is appended
+    # uncompressed once it was compressed
     question_tokens: int = 0
     # a live sequence whose cache holds this request's first fork_tokens prompt tokens (a context prefilled and
     # compressed once): admission forks it copy-on-write (Engine.fork_sequence) and prefills only the rest; it
