@@ -76,33 +76,42 @@ static inline void scale_min_k4(int j, const uint8_t *q, float *sc, float *m) {
 }
 
 #define SFX generic
-#define QN 1
+#define QN 4
+#define QKIND 0
 #include "quant_matmul_impl.h"
 #undef SFX
 #undef QN
+#undef QKIND
 
 #if defined(__x86_64__) || defined(__i386__)
 #define KV_X86 1
+#include <immintrin.h>
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define SFX avx2
 #define QN 8
+#define QKIND 1
 #include "quant_matmul_impl.h"
 #undef SFX
 #undef QN
+#undef QKIND
 #define SFX avx2_wide
 #define QN 16
+#define QKIND 3
 #include "quant_matmul_impl.h"
 #undef SFX
 #undef QN
+#undef QKIND
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define SFX avx512
 #define QN 16
+#define QKIND 2
 #include "quant_matmul_impl.h"
 #undef SFX
 #undef QN
+#undef QKIND
 #pragma GCC pop_options
 #endif
 
