@@ -28,7 +28,7 @@ from kvbench.runtime.backends.cpu.linear import Linear
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "quant_matmul.c"]
-_HEADERS = [_CSRC / "quant_matmul_impl.h"]
+_HEADERS = [_CSRC / "quant_matmul_impl.h", _CSRC / "quant_blocks.h"]
 _FLAGS = ["-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the block types the kernels multiply

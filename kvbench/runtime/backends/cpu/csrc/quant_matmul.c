@@ -4,10 +4,11 @@
  *   y[m, o] = sum_k W[o, k] * x[m, k]     W: O rows of K values, each row `row_bytes` bytes of blocks
  *
  * Activations stay fp32 (unlike llama.cpp, which quantizes them to Q8 blocks for integer dot products): each block
- * of the weight is expanded to fp32 in L1 and multiplied with fused multiply-adds, so the result differs from
+ * of the weight is expanded to fp32 vectors and multiplied with fused multiply-adds, so the result differs from
  * dequantize-then-matmul in fp32 only by the order of the sums.
- *   - decode (at most TILE_X input rows): each thread takes TILE_W weight rows at a time, expands CHUNK values of
- *     them and multiplies them with every input row: each weight byte is read once (a bandwidth-bound GEMV);
+ *   - decode (at most TILE_X input rows): each weight row's blocks are expanded in registers and multiplied with the
+ *     input rows as they are read (quant_blocks.h through dot_span, four independent accumulators): each weight byte
+ *     is read once, a bandwidth-bound GEMV;
  *   - prefill chunks (more rows): TILE_W weight rows are expanded whole into a per-thread scratch (L2), then
  *     multiplied with the input rows TILE_X at a time: the expansion is paid once per weight row, not per input row.
  * The body is compiled three times (quant_matmul_impl.h): for AVX-512, for AVX2+FMA and generic C (scalar, for any

@@ -8,7 +8,6 @@
 #ifndef TILE_W
 #define TILE_W 4   /* weight rows a thread expands and multiplies together */
 #define TILE_X 2   /* input rows of a register tile (TILE_W x TILE_X vector accumulators) */
-#define CHUNK 256  /* values of a row expanded at a time on the decode path (4 rows: 4 KiB, in L1) */
 #endif
 
 typedef float QF(vf) __attribute__((vector_size(QN * 4)));
@@ -50,102 +49,29 @@ static inline __attribute__((always_inline)) QF(vi) QF(widen)(const uint8_t *p, 
 static inline QF(vi) QF(load_wide)(const uint8_t *p) { return QF(widen)(p, 0); }
 static inline QF(vf) QF(tof)(QF(vi) v) { return __builtin_convertvector(v, QF(vf)); }
 
-/* fp32 values [k0, k0 + n) of one row (k0, n: whole blocks) into y (ggml's dequantize_row_* per type) */
+/* fp32 values [k0, k0 + n) of one row (k0, n: whole blocks) into y */
 static void QF(dequant_span)(int type, const uint8_t *row, int64_t k0, int64_t n, float *restrict y) {
-    const int bv = block_values(type), bb = block_bytes(type);
-    const uint8_t *b = row + k0 / bv * bb;
-    const uint8_t *end = b + n / bv * bb;
-    switch (type) {
-    case GGML_Q8_0:
-        for (; b < end; b += bb, y += 32) {
-            const float d = h2f(rd16(b));
-            for (int i = 0; i < 32; i += QN) {
-                QF(store)(y + i, QF(tof)(QF(widen)(b + 2 + i, 1)) * d);
-            }
-        }
-        break;
-    case GGML_Q4_0:
-        for (; b < end; b += bb, y += 32) {
-            const float d = h2f(rd16(b));
-            for (int i = 0; i < 16; i += QN) { /* QN <= 16: byte i holds values i (low nibble) and i + 16 (high) */
-                const QF(vi) q = QF(load_wide)(b + 2 + i);
-                QF(store)(y + i, QF(tof)((q & 0xF) - 8) * d);
-                QF(store)(y + 16 + i, QF(tof)((q >> 4) - 8) * d);
-            }
-        }
-        break;
-    case GGML_Q5_0: {
-        QF(vi) lane;
-        for (int i = 0; i < QN; i++) lane[i] = i;
-        for (; b < end; b += bb, y += 32) {
-            const float d = h2f(rd16(b));
-            const uint32_t qh = rd32(b + 2); /* bit e: the fifth bit of value e */
-            for (int i = 0; i < 16; i += QN) {
-                const QF(vi) q = QF(load_wide)(b + 6 + i);
-                const QF(vi) h0 = ((qh >> (lane + i)) & 1) << 4, h1 = ((qh >> (lane + i + 16)) & 1) << 4;
-                QF(store)(y + i, QF(tof)(((q & 0xF) | h0) - 16) * d);
-                QF(store)(y + 16 + i, QF(tof)(((q >> 4) | h1) - 16) * d);
-            }
-        }
-        break;
-    }
-    case GGML_Q4_K:
-        for (; b < end; b += bb, y += 256) {
-            const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
-            const uint8_t *sc = b + 4, *q = b + 16;
-            for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-                float s1, m1, s2, m2;
-                scale_min_k4(is, sc, &s1, &m1);
-                scale_min_k4(is + 1, sc, &s2, &m2);
-                const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
-                for (int l = 0; l < 32; l += QN) {
-                    const QF(vi) v = QF(load_wide)(q + l);
-                    QF(store)(y + j + l, QF(tof)(v & 0xF) * d1 - o1);
-                    QF(store)(y + j + 32 + l, QF(tof)(v >> 4) * d2 - o2);
-                }
-            }
-        }
-        break;
-    case GGML_Q5_K:
-        for (; b < end; b += bb, y += 256) {
-            const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
-            const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + 48;
-            int shift = 0;
-            for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32, shift += 2) {
-                float s1, m1, s2, m2;
-                scale_min_k4(is, sc, &s1, &m1);
-                scale_min_k4(is + 1, sc, &s2, &m2);
-                const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
-                for (int l = 0; l < 32; l += QN) {
-                    const QF(vi) v = QF(load_wide)(ql + l), h = QF(load_wide)(qh + l);
-                    const QF(vi) lo = (v & 0xF) | (((h >> shift) & 1) << 4);
-                    const QF(vi) hi = (v >> 4) | (((h >> (shift + 1)) & 1) << 4);
-                    QF(store)(y + j + l, QF(tof)(lo) * d1 - o1);
-                    QF(store)(y + j + 32 + l, QF(tof)(hi) * d2 - o2);
-                }
-            }
-        }
-        break;
-    case GGML_Q6_K:
-        for (; b < end; b += bb, y += 256) {
-            const uint8_t *ql = b, *qh = b + 128;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = h2f(rd16(b + 208));
-            for (int n0 = 0; n0 < 256; n0 += 128, ql += 64, qh += 32, sc += 8) {
-                for (int l = 0; l < 32; l += QN) { /* values l..l+QN-1 share sub-scales (16 values each) */
-                    const int is = l / 16;
-                    const QF(vi) a = QF(load_wide)(ql + l), c = QF(load_wide)(ql + l + 32), h = QF(load_wide)(qh + l);
-                    const QF(vi) q1 = (a & 0xF) | ((h & 3) << 4), q2 = (c & 0xF) | (((h >> 2) & 3) << 4);
-                    const QF(vi) q3 = (a >> 4) | (((h >> 4) & 3) << 4), q4 = (c >> 4) | (((h >> 6) & 3) << 4);
-                    QF(store)(y + n0 + l, QF(tof)(q1 - 32) * (d * sc[is]));
-                    QF(store)(y + n0 + l + 32, QF(tof)(q2 - 32) * (d * sc[is + 2]));
-                    QF(store)(y + n0 + l + 64, QF(tof)(q3 - 32) * (d * sc[is + 4]));
-                    QF(store)(y + n0 + l + 96, QF(tof)(q4 - 32) * (d * sc[is + 6]));
-                }
-            }
-        }
-        break;
-    }
+#define EMIT(off, slot, v) QF(store)(y + (off), (v))
+#include "quant_blocks.h"
+#undef EMIT
+}
+
+/* acc[m][slot] += the row's values [k0, k0 + n) * x[m][k0 ...] lane-wise for nx <= TILE_X input rows (stride ldx),
+ * each block expanded in registers (no store): the decode GEMV. Inlined with a constant nx. */
+static inline __attribute__((always_inline)) void QF(dot_span)(int type, const uint8_t *row, int64_t k0, int64_t n,
+                                                               const float *y, int64_t ldx, int nx,
+                                                               QF(vf) acc[TILE_X][4]) {
+#define EMIT(off, slot, v)                                                \
+    do {                                                                  \
+        const QF(vf) w_ = (v);                                            \
+        for (int m_ = 0; m_ < nx; m_++) {                                 \
+            QF(vf) x_;                                                    \
+            memcpy(&x_, y + m_ * ldx + (off), sizeof x_);                 \
+            acc[m_][slot] += w_ * x_;                                     \
+        }                                                                 \
+    } while (0)
+#include "quant_blocks.h"
+#undef EMIT
 }
 
 static inline float QF(hsum)(const QF(vf) *v) {
@@ -175,26 +101,24 @@ static void QF(qmm)(int type, const uint8_t *W, int64_t row_bytes, int64_t O, in
     const int decode = M <= TILE_X;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* decode: TILE_W x CHUNK expanded values; prefill: TILE_W whole rows */
-        const size_t floats = (size_t)(decode ? TILE_W * CHUNK : TILE_W * K);
-        float *wbuf = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        /* prefill: TILE_W whole rows expanded (decode needs none) */
+        float *wbuf = decode ? NULL : aligned_alloc(64, ((size_t)TILE_W * K * 4 + 63) / 64 * 64);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t o0 = t * TILE_W;
             const int nr = O - o0 < TILE_W ? (int)(O - o0) : TILE_W;
-            if (decode) { /* each weight byte read once, expanded CHUNK values at a time */
-                QF(vf) a[TILE_W][TILE_X] = {{{0}}};
-                for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-                    const int64_t n = K - k0 < CHUNK ? K - k0 : CHUNK;
-                    for (int r = 0; r < TILE_W; r++) /* a ragged last tile repeats its last row */
-                        QF(dequant_span)(type, W + (o0 + (r < nr ? r : nr - 1)) * row_bytes, k0, n, wbuf + r * CHUNK);
+            if (decode) { /* each weight byte read once, its blocks expanded in registers */
+                for (int r = 0; r < nr; r++) {
+                    QF(vf) acc[TILE_X][4] = {{{0}}};
                     if (M == 1)
-                        QF(dots)(wbuf, CHUNK, x + k0, ldx, n, 1, a);
+                        QF(dot_span)(type, W + (o0 + r) * row_bytes, 0, K, x, ldx, 1, acc);
                     else
-                        QF(dots)(wbuf, CHUNK, x + k0, ldx, n, 2, a);
+                        QF(dot_span)(type, W + (o0 + r) * row_bytes, 0, K, x, ldx, 2, acc);
+                    for (int m = 0; m < M; m++) {
+                        const QF(vf) t = (acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]);
+                        y[m * ldy + o0 + r] = QF(hsum)(&t);
+                    }
                 }
-                for (int r = 0; r < nr; r++)
-                    for (int m = 0; m < M; m++) y[m * ldy + o0 + r] = QF(hsum)(&a[r][m]);
                 continue;
             }
             for (int r = 0; r < TILE_W; r++) /* prefill: the tile's rows expanded once, then every input row */
