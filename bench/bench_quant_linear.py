@@ -3,7 +3,8 @@
 1. GEMV (decode, one row) and a prefill chunk (--prefill rows) through a 4096 x 4096 matrix of each block type
    (--types; random blocks), with the quantized kernels (backends/cpu/quant_linear.py, the ISA this CPU runs, or
    KVBENCH_QUANT_ISA) against torch's fp32 matmul of the same matrix de-quantized, best of --repeats: ms a call, GB/s
-   of weight bytes read (the file's bytes for the kernels, 4 bytes a weight for fp32) and the ratio of times.
+   of weight bytes read (the file's bytes for the kernels, 4 bytes a weight for fp32) and the ratio of times; also the
+   process's CPU time a call (time.process_time), steadier than wall time when other processes share the cores.
 2. --rss: the peak resident memory (getrusage ru_maxrss) of loading --model and decoding --tokens tokens, in a fresh
    process per weights mode, and the resident memory after the load (the weights held; the peak also holds the
    transformers model the weights are read from).
@@ -27,15 +28,16 @@ import torch
 DIM = 4096
 
 
-def best_time(fn, repeats: int, inner: int) -> float:
-    """Seconds per call: the best of `repeats` means over `inner` calls, after two warm-up calls."""
+def best_time(fn, repeats: int, inner: int, clock=time.perf_counter) -> float:
+    """Seconds per call: the best of `repeats` means over `inner` calls, after two warm-up calls; `clock`
+    time.process_time gives the process's CPU seconds (steadier than wall time on a shared machine)."""
     fn(), fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
+        best = min(best, (clock() - t0) / inner)
     return best
 
 
@@ -54,11 +56,16 @@ def gemv_rows(types: list[str], repeats: int, prefill: int) -> list[dict]:
             inner = 20 if rows == 1 else 2
             tq = best_time(lambda: ql.quant_matmul(x, qm), repeats, inner)
             tf = best_time(lambda: x @ dense.T, repeats, inner)
+            cq = best_time(lambda: ql.quant_matmul(x, qm), repeats, inner, time.process_time)
+            cf = best_time(lambda: x @ dense.T, repeats, inner, time.process_time)
             out.append(dict(type=name, rows=rows, isa=ql.chosen_isa(), quant_ms=round(tq * 1e3, 3),
                             fp32_ms=round(tf * 1e3, 3), quant_gbps=round(qm.data.nbytes / tq / 1e9, 2),
-                            fp32_gbps=round(dense.nbytes / tf / 1e9, 2), speedup=round(tf / tq, 2)))
+                            fp32_gbps=round(dense.nbytes / tf / 1e9, 2), speedup=round(tf / tq, 2),
+                            quant_cpu_ms=round(cq * 1e3, 3), fp32_cpu_ms=round(cf * 1e3, 3),
+                            cpu_speedup=round(cf / cq, 2)))
             print(f"{name:5} rows={rows:4} quantized {tq * 1e3:8.3f} ms ({out[-1]['quant_gbps']:6.2f} GB/s)   "
-                  f"fp32 {tf * 1e3:8.3f} ms ({out[-1]['fp32_gbps']:6.2f} GB/s)   x{out[-1]['speedup']}", flush=True)
+                  f"fp32 {tf * 1e3:8.3f} ms ({out[-1]['fp32_gbps']:6.2f} GB/s)   x{out[-1]['speedup']}   "
+                  f"CPU time {cq * 1e3:.3f} / {cf * 1e3:.3f} ms (x{out[-1]['cpu_speedup']})", flush=True)
     return out
 
 
