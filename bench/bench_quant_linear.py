@@ -102,7 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--types", default="Q8_0,Q4_K")
+    ap.add_argument("--types", default="Q8_0,Q4_K", help="block types of the GEMV rows (empty: none)")
     ap.add_argument("--prefill", type=int, default=64, help="rows of the prefill-chunk measurement")
     ap.add_argument("--rss", action="store_true", help="also the peak RSS of --model in both weights modes")
     ap.add_argument("--model", default="packaged:gemma-3-270m")
@@ -111,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result = dict(bench="quant_linear", machine=platform.processor() or platform.machine(), threads=args.threads,
                   load_average=round(os.getloadavg()[0], 2), dim=DIM,
-                  gemv=gemv_rows(args.types.split(","), args.repeats, args.prefill))
+                  gemv=gemv_rows([t for t in args.types.split(",") if t], args.repeats, args.prefill))
     if args.rss:
         result["rss"] = rss_rows(args.model, args.tokens, args.threads)
     result["load_average_end"] = round(os.getloadavg()[0], 2)
