@@ -25,7 +25,8 @@ from kvbench.console import say
 from kvbench.errors import UserError, first_line
 from kvbench.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
-from kvbench.runtime.model.families import build_from_transformers
+from kvbench.runtime.backends.cpu.quant_linear import load_quant_kernel, quant_kernel_error
+from kvbench.runtime.model.families import build_from_transformers, text_config
 from kvbench.runtime.model.forward import LlamaFamilyModel
 from kvbench.runtime.model.gguf_config import restore_rope_scaling
 from kvbench.runtime.model.model_files import check_model_path, read_gguf_header, resolve_location
@@ -128,8 +129,6 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
             say(f"kvbench: the quantized-weight kernels are unavailable ({quantized_kernels_error()}); "
                 f"de-quantizing {source.name}")
         else:
-            from kvbench.runtime.model.families import text_config
-
             quantized = QuantizedWeights.from_gguf(str(source), hf, text_config(hf.config))
     model = build_from_transformers(hf, dtype=torch_dtype, device=device, quantized=quantized)
     if quantized is not None:
@@ -152,8 +151,6 @@ def gguf_source(path: str, gguf_file: str | None) -> Path | None:
 
 def quantized_kernels_error() -> str | None:
     """Why the quantized-weight kernels cannot run here, or None."""
-    from kvbench.runtime.backends.cpu.quant_linear import load_quant_kernel, quant_kernel_error
-
     return None if load_quant_kernel() is not None else quant_kernel_error() or "unavailable"
 
 
