@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,6 @@ def load_quant_kernel():
             lib = ctypes.CDLL(str(path))
         finally:
             if private is not None:
-                import shutil
                 shutil.rmtree(private, ignore_errors=True)
     except (OSError, RuntimeError) as err:
         _error = str(err)
