@@ -62,3 +62,15 @@ def test_a_type_without_kernel_is_read_dequantized_and_named(tmp_path, capsys):
 def test_bad_weights_value_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"invalid model.weights='int4': choices are quantized, dequantize"):
         load_model(None, weights="int4")
+
+
+def test_kvquant_fingerprint_reads_the_blocks(tmp_path):
+    """KVQuant's calibration cache key (quant.calibration.model_fingerprint) hashes a quantized model's blocks: the
+    same file gives the same key, the de-quantized model another (its numbers differ in the last bits)."""
+    from kvbench.quant.calibration import model_fingerprint
+
+    hf = tiny_hf_model("qwen2", seed=3, vocab=320)
+    path = write_gguf(hf, tmp_path / "q.gguf", "qwen2", quant="Q8_0")
+    keys = [model_fingerprint(load_model(str(path), cache_dir=tmp_path / "cache", weights=w).model)
+            for w in ("quantized", "quantized", "dequantize")]
+    assert keys[0] == keys[1] != keys[2]
