@@ -11,6 +11,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
+from kvbench.errors import UserError  # noqa: E402
 from kvbench.runtime.backends.cpu import quant_linear as ql  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ql.load_quant_kernel() is None, reason="no C compiler for the kernels")
@@ -81,7 +82,7 @@ def test_output_into_a_column_slice_and_strided_input():
 
 def test_forced_isa_env_checked(monkeypatch):
     monkeypatch.setenv(ql.ISA_ENV, "sse9")
-    with pytest.raises(ValueError, match="valid values are generic, avx2, avx512"):
+    with pytest.raises(UserError, match="valid values are generic, avx2, avx512"):
         ql.chosen_isa()
     monkeypatch.setenv(ql.ISA_ENV, "generic")
     assert ql.chosen_isa() == "generic"

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvbench.errors import UserError
 from kvbench.runtime.backends.cpu import kernels
 from kvbench.runtime.backends.cpu.linear import Linear
 
@@ -81,13 +82,13 @@ def isa_supported(isa: str) -> bool:
 
 
 def chosen_isa() -> str:
-    """$KVBENCH_QUANT_ISA when set (checked), else the widest instruction set this CPU has."""
+    """$KVBENCH_QUANT_ISA when set (checked: UserError, one line), else the widest instruction set this CPU has."""
     forced = os.environ.get(ISA_ENV)
     if forced:
         if forced not in ISAS:
-            raise ValueError(f"{ISA_ENV}={forced!r}: valid values are {', '.join(ISAS)}")
+            raise UserError(f"{ISA_ENV}={forced!r}: valid values are {', '.join(ISAS)}")
         if not isa_supported(forced):
-            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or build) lacks it; it has "
+            raise UserError(f"{ISA_ENV}={forced!r}: this CPU (or build) lacks it; it has "
                              f"{', '.join(i for i in ISAS if isa_supported(i))}")
         return forced
     return next(i for i in ("avx512", "avx2", "generic") if isa_supported(i))
