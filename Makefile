@@ -7,6 +7,7 @@
 #   make bench-methods   methods benchmark, the seed methods (bench/bench_methods.py; ARGS='--methods all': every one)
 #   make bench-codecs    storage codecs: bits, perplexity, speed (bench/bench_codecs.py)
 #   make bench-sparse    page retrieval (quest) vs full: batch-1 decode at 4k/16k/32k, bytes read (bench/bench_sparse.py)
+#   make bench-quant     GGUF blocks kept quantized vs fp32: 4096x4096 GEMV GB/s, peak RSS (bench/bench_quant_linear.py)
 #   make bench-throughput serving at fixed KV memory, per method (bench/bench_throughput.py)
 #   make bench-speculative self-speculation with compressed-cache drafts vs plain decoding (bench/bench_speculative.py)
 #   make bench-llamacpp  CPU decode against llama.cpp, same F32 weights (bench/bench_llamacpp.py); builds llama.cpp
@@ -43,7 +44,7 @@ export KVBENCH_CACHE_DIR ?= $(HOME)/.cache/kvbench
 LLAMACPP_VENV ?= $(KVBENCH_CACHE_DIR)/llamacpp-venv
 LLAMACPP_PYTHON ?= $(LLAMACPP_VENV)/bin/python
 
-.PHONY: install install-test run test test-all bench bench-methods bench-codecs bench-sparse bench-throughput bench-speculative bench-llamacpp clean
+.PHONY: install install-test run test test-all bench bench-methods bench-codecs bench-sparse bench-quant bench-throughput bench-speculative bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -91,6 +92,9 @@ bench-codecs: install
 
 bench-sparse: install
 	$(PY) bench/bench_sparse.py $(ARGS)
+
+bench-quant: install
+	$(PY) bench/bench_quant_linear.py $(ARGS)
 
 bench-throughput: install
 	$(PY) bench/bench_throughput.py $(ARGS)

@@ -183,7 +183,7 @@ class Pipeline:
         m = plan.settings.model
         self.device = plan.device
         self.loaded = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, device=plan.device,
-                                 cache_dir=m.cache_dir)
+                                 cache_dir=m.cache_dir, weights=m.weights)
         self.tokenizer = self.loaded.tokenizer
         try:  # as the app does: codecs that calibrate and methods with per-model files read these
             self.loaded.model.tokenizer = self.tokenizer

@@ -363,7 +363,7 @@ def _seed_everything(seed: int) -> None:
 
 def _model_key(m: Any, device: str) -> tuple:
     """The key of a loaded model in _loaded_model: its path and load arguments."""
-    args = dict(gguf_file=m.gguf_file, dtype=m.dtype, device=device, cache_dir=m.cache_dir)
+    args = dict(gguf_file=m.gguf_file, dtype=m.dtype, device=device, cache_dir=m.cache_dir, weights=m.weights)
     return (m.path, tuple(sorted(args.items())))
 
 
@@ -376,7 +376,7 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
     key = _model_key(m, device)
     if key not in _loaded_model:
         _loaded_model.clear()  # at most one model in memory
-        _loaded_model[key] = load_model(m.path, **args)
+        _loaded_model[key] = load_model(m.path, **args, weights=m.weights)
     return _loaded_model[key]
 
 

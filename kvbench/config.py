@@ -31,6 +31,7 @@ from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MA
 from kvbench.store.naming import model_label, run_id_for
 
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
+WEIGHT_MODES = ("quantized", "dequantize")  # runtime.model.quantized_weights.WEIGHT_MODES (the runtime sits below)
 BLOCK_SIZE_MAX = 4096  # tokens per KV block
 
 
@@ -42,9 +43,13 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cache_dir: Optional[str] = None
+    # a GGUF's weight matrices: kept in the file's blocks (CPU kernels) or de-quantized to fp32 (runtime.model.loading)
+    weights: str = "quantized"
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)
+        if self.weights not in WEIGHT_MODES:
+            raise UserError(f"invalid model.weights={self.weights!r}: choices are {', '.join(WEIGHT_MODES)}")
         dev = str(self.device)
         if not (dev in ("cpu", "cuda", "mps", "auto") or dev.startswith("cuda:")):
             raise UserError(f"invalid model.device={dev!r}: choices are cpu, cuda, cuda:N, mps, auto")

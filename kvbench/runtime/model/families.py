@@ -25,10 +25,12 @@ from typing import Any
 import torch
 
 from kvbench.runtime.backends.cpu.linear import Linear
+from kvbench.runtime.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from kvbench.runtime.model.attention_types import LayerAttention, layer_windows_from_hf
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES, LayerWeights, LlamaFamilyModel, ModelConfig
 from kvbench.runtime.model.mla import MLAConfig, MLAWeights
 from kvbench.runtime.model.moe import MoEMLP
+from kvbench.runtime.model.quantized_weights import QuantizedWeights
 from kvbench.runtime.model.rope import RotaryTable
 
 GEMMA = ("gemma2", "gemma3_text", "gemma3")
@@ -49,8 +51,10 @@ def decoder(hf_model: Any) -> Any:
 
 
 def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None) -> LlamaFamilyModel:
-    """A LlamaFamilyModel with the weights of `hf_model` (cast to dtype, moved to device)."""
+                device: str | torch.device | None = None,
+                quantized: QuantizedWeights | None = None) -> LlamaFamilyModel:
+    """A LlamaFamilyModel with the weights of `hf_model` (cast to dtype, moved to device); with `quantized` (a GGUF
+    file's blocks, fp32 on CPU), the projections and embeddings it keeps multiply those blocks instead."""
     mt = getattr(hf_model.config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -66,7 +70,8 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
     def linear(*mods: Any) -> Linear:  # [out, in] weights concatenated (biases too, where present)
         biases = [m.bias for m in mods if getattr(m, "bias", None) is not None]
         bias = torch.cat([t(b) for b in biases]) if len(biases) == len(mods) else None
-        return Linear(torch.cat([t(m.weight) for m in mods]), bias)
+        kept = quantized.linear(mods, hf_model, bias) if quantized is not None else None
+        return kept if kept is not None else Linear(torch.cat([t(m.weight) for m in mods]), bias)
 
     gemma = mt in GEMMA
     num_heads = hc.num_attention_heads
@@ -143,9 +148,13 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
             moe=moe,
             mla=mla_w,
         ))
-    embed = t(dm.embed_tokens.weight)
+    embed = quantized.embedding(dm.embed_tokens, hf_model) if quantized is not None else None
+    embed = embed if embed is not None else t(dm.embed_tokens.weight)
     head = hf_model.get_output_embeddings()
-    lm_head = Linear(embed) if cfg.tie_word_embeddings or head is None else linear(head)
+    if cfg.tie_word_embeddings or head is None:  # the embeddings' own matrix (its blocks, when kept)
+        lm_head = QuantLinear([embed.matrix]) if isinstance(embed, QuantEmbedding) else Linear(embed)
+    else:
+        lm_head = linear(head)
     rotary, rotary_local = rope_tables(dm.rotary_emb, hc, dtype, device)
     cfg.rotary_dim = rotary.inv_freq.numel() * 2
     return LlamaFamilyModel(cfg, embed, layers, norm_weight(dm.norm), lm_head, rotary, rotary_local)

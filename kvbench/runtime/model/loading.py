@@ -25,11 +25,13 @@ from kvbench.console import say
 from kvbench.errors import UserError, first_line
 from kvbench.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
-from kvbench.runtime.model.families import build_from_transformers
+from kvbench.runtime.backends.cpu.quant_linear import load_quant_kernel, quant_kernel_error
+from kvbench.runtime.model.families import build_from_transformers, text_config
 from kvbench.runtime.model.forward import LlamaFamilyModel
 from kvbench.runtime.model.gguf_config import restore_rope_scaling
 from kvbench.runtime.model.model_files import check_model_path, read_gguf_header, resolve_location
 from kvbench.runtime.model.packaged import SMOLLM2_GGUF, cache_root, packaged_smollm2  # noqa: F401 (re-exported)
+from kvbench.runtime.model.quantized_weights import WEIGHT_MODES, QuantizedWeights
 from kvbench.spec import dtype_name
 
 PACKAGED_GGUF = SMOLLM2_GGUF
@@ -105,21 +107,51 @@ def quiet_transformers():
 
 def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str | torch.dtype = "float32",
                device: str = "cpu", cache_dir: str | os.PathLike | None = None,
-               keep_hf: bool = False) -> LoadedModel:
-    """Load a checkpoint into the kvbench runtime. path=None means the packaged SmolLM2-135M-Instruct."""
+               keep_hf: bool = False, weights: str = "dequantize") -> LoadedModel:
+    """Load a checkpoint into the kvbench runtime. path=None means the packaged SmolLM2-135M-Instruct.
+    weights="quantized" keeps a GGUF file's weight matrices in its own blocks (runtime.model.quantized_weights: fp32
+    on CPU; elsewhere, or for a checkpoint that is not a GGUF, it changes nothing); "dequantize" reads them in fp32."""
+    if weights not in WEIGHT_MODES:
+        raise UserError(f"invalid model.weights={weights!r}: choices are {', '.join(WEIGHT_MODES)}")
     if path is None:
         path, gguf_file = packaged_smollm2()
     torch_dtype = resolve_dtype(dtype)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} requested but CUDA is not available; use device=cpu")
     hf, tok = load_hf(path, gguf_file=gguf_file, cache_dir=cache_dir)
-    model = build_from_transformers(hf, dtype=torch_dtype, device=device)
+    quantized = None
+    source = gguf_source(path, gguf_file) if weights == "quantized" else None
+    if source is not None:
+        if device != "cpu" or torch_dtype != torch.float32:
+            say(f"kvbench: model.weights=quantized runs on the CPU in float32; de-quantizing {source.name} for "
+                f"device={device}, dtype={dtype_name(torch_dtype)}")
+        elif quantized_kernels_error() is not None:
+            say(f"kvbench: the quantized-weight kernels are unavailable ({quantized_kernels_error()}); "
+                f"de-quantizing {source.name}")
+        else:
+            quantized = QuantizedWeights.from_gguf(str(source), hf, text_config(hf.config))
+    model = build_from_transformers(hf, dtype=torch_dtype, device=device, quantized=quantized)
+    if quantized is not None:
+        say(quantized.summary())
     name = getattr(hf.config, "_name_or_path", None) or str(path)
     loaded = LoadedModel(model, tok, hf.config, str(name), torch_dtype, torch.device(device))
     if keep_hf:
         loaded.hf_model = hf  # type: ignore[attr-defined]
         loaded.hf_dir = hf.kvbench_source  # type: ignore[attr-defined]
     return loaded
+
+
+def gguf_source(path: str, gguf_file: str | None) -> Path | None:
+    """The GGUF file a model location names (a .gguf, a folder holding one, a packaged model), or None."""
+    path, gguf_file = resolve_location(path, gguf_file)
+    if gguf_file is not None:
+        return Path(path).expanduser() / gguf_file
+    return Path(path).expanduser() if str(path).endswith(".gguf") else None
+
+
+def quantized_kernels_error() -> str | None:
+    """Why the quantized-weight kernels cannot run here, or None."""
+    return None if load_quant_kernel() is not None else quant_kernel_error() or "unavailable"
 
 
 def file_digest(src: Path, index_dir: Path) -> str:

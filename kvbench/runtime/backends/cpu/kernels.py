@@ -87,12 +87,15 @@ def _flags() -> list[str]:
     return [("-O1" if f == "-O3" else f) for f in _FLAGS] + [f"-DKVBENCH_VN={width}"]
 
 
-def _library_path() -> Path:
-    """Where the library for these sources, flags and CPU is cached: $KVBENCH_CACHE_DIR/ext/kvbench_cpu-<key>.so."""
+def _library_path(sources: list[Path] | None = None, headers: list[Path] | None = None,
+                  flags: list[str] | None = None, stem: str = "kvbench_cpu") -> Path:
+    """Where the library for these sources, flags and CPU is cached: $KVBENCH_CACHE_DIR/ext/<stem>-<key>.so
+    (default: the decode kernels; quant_kernels.py builds its own library through the same functions)."""
     cc = os.environ.get("CC", "cc")
-    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256(src + " ".join([cc, *_flags()]).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    return _cache_dir() / f"kvbench_cpu-{key}.so"
+    src = b"".join(p.read_bytes() for p in (sources or _SOURCES) + (headers or _HEADERS))
+    flags = _flags() if flags is None else flags
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    return _cache_dir() / f"{stem}-{key}.so"
 
 
 def untrusted(path: Path) -> str | None:
@@ -127,12 +130,13 @@ def untrusted_above(folder: Path) -> str | None:
     return None
 
 
-def _compile() -> tuple[Path, Path | None]:
+def _compile(sources: list[Path] | None = None, headers: list[Path] | None = None, flags: list[str] | None = None,
+             stem: str = "kvbench_cpu") -> tuple[Path, Path | None]:
     """(the library to load, a private folder to delete once it is loaded, or None). A cached library is used only
     if it and its folder pass `untrusted` and the folders above pass `untrusted_above`; otherwise the kernels are
     built into a fresh private folder, with a
     warning, and that folder is deleted after loading (the loaded library stays mapped)."""
-    out = _library_path()
+    out = _library_path(sources, headers, flags, stem)
     folder = out.parent
     why = untrusted_above(folder)  # the folders above ext/ too: a writable cache root can swap ext/ for another
     if why is None and os.path.lexists(folder):
@@ -144,17 +148,17 @@ def _compile() -> tuple[Path, Path | None]:
              f"(fix it: remove {folder} or make it yours and not group/world-writable)")
         private = Path(tempfile.mkdtemp(prefix="kvbench-ext-"))  # mode 0700, this user's
         try:
-            return _build(private / out.name), private
+            return _build(private / out.name, sources, flags), private
         except BaseException:
             shutil.rmtree(private, ignore_errors=True)
             raise
     if out.exists():
         return out, None
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return _build(out), None
+    return _build(out, sources, flags), None
 
 
-def _build(out: Path) -> Path:
+def _build(out: Path, sources: list[Path] | None = None, flags: list[str] | None = None) -> Path:
     """Compile the sources into `out` (through a temp file in its folder, renamed: concurrent builders never load
     a half-written library); a file no one else may write."""
     cc = os.environ.get("CC", "cc")
@@ -164,8 +168,8 @@ def _build(out: Path) -> Path:
     try:
         # mode 0755: the linker's mode follows the umask; the library is never group/world-writable
         with atomic_write.replaced(out, mode=0o755) as tmp:
-            subprocess.run([cc, *_flags(), *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                           text=True)
+            subprocess.run([cc, *(_flags() if flags is None else flags), *map(str, sources or _SOURCES), "-o", tmp,
+                            "-lm"], check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as err:
         detail = err.stderr.strip()[:500] if isinstance(err, subprocess.CalledProcessError) else str(err)
         raise RuntimeError(f"{cc} failed: {detail}") from err

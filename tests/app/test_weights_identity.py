@@ -1,0 +1,26 @@
+"""model.weights in a run's identity (spec.hashable_config): `quantized` of a GGUF is another run than its
+`dequantize`; `dequantize` hashes as the runs before the option existed, and a checkpoint that is not a GGUF hashes
+alike either way (the option changes nothing there)."""
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from kvbench.spec import hashable_config
+
+
+def _hashed(model: dict) -> dict:
+    root = OmegaConf.create({"model": model, "method": {"name": "full"}, "budget": None, "seed": 0})
+    return hashable_config(root)["model"]
+
+
+def test_weights_hashed_only_where_they_change_the_numbers(tmp_path):
+    gguf = {"name": "gemma-3-270m", "path": "packaged:gemma-3-270m", "gguf_file": None}
+    assert _hashed({**gguf, "weights": "quantized"}) != _hashed({**gguf, "weights": "dequantize"})
+    assert _hashed({**gguf, "weights": "dequantize"}) == _hashed(gguf)  # as before the option
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    plain = {"name": None, "path": str(folder), "gguf_file": None}
+    assert _hashed({**plain, "weights": "quantized"}) == _hashed(plain)
+    (folder / "m.gguf").write_bytes(b"GGUF")  # a folder holding a GGUF: the option matters
+    assert _hashed({**plain, "weights": "quantized"}) != _hashed(plain)

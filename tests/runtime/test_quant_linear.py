@@ -1,0 +1,100 @@
+"""Weights kept in GGUF's quantized blocks (backends/cpu/quant_linear.py, csrc/quant_matmul.c) against gguf-py's
+dequantize followed by an fp32 (float64 here) matmul: every block type, each instruction-set path the CPU runs,
+ragged shapes (rows not a multiple of the 4-row tile, input rows not a multiple of the 2-row register tile, the
+decode path's 1-2 rows and the prefill path's more), and K a multiple of 256 for K-quants, of 32 otherwise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants  # noqa: E402
+
+from kvbench.errors import UserError  # noqa: E402
+from kvbench.runtime.backends.cpu import quant_linear as ql  # noqa: E402
+
+pytestmark = pytest.mark.skipif(ql.load_quant_kernel() is None, reason="no C compiler for the kernels")
+
+TYPES = list(ql.QUANT_TYPES)
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+RUNNABLE_ISAS = [isa for isa in ql.ISAS if ql.isa_supported(isa)]
+
+
+def reference(qm: ql.QuantMatrix) -> torch.Tensor:
+    """gguf-py's dequantize of the same bytes: [rows, cols] float64."""
+    kind = gguf.GGMLQuantizationType[qm.type_name]
+    return torch.from_numpy(np.array(quants.dequantize(qm.data.numpy(), kind), dtype=np.float64)).view(qm.rows,
+                                                                                                      qm.cols)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_matches_gguf_bit_for_bit(type_name):
+    g = torch.Generator().manual_seed(1)
+    cols = 512 if type_name in K_QUANTS else 96
+    qm = ql.random_quant_matrix(type_name, 7, cols, g)
+    assert torch.equal(qm.dequantize().double(), reference(qm))
+    rows = torch.tensor([6, 0, 3, 3])
+    assert torch.equal(qm.dequantize_rows(rows).double(), reference(qm)[rows])
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_matmul_matches_dequantize_then_matmul(type_name, isa):
+    g = torch.Generator().manual_seed(2)
+    ks = (256, 768) if type_name in K_QUANTS else (32, 96, 288)
+    for cols in ks:
+        for out_rows in (1, 5, 13):  # a partial 4-row tile, alone and after whole ones
+            qm = ql.random_quant_matrix(type_name, out_rows, cols, g)
+            ref = reference(qm)
+            x = torch.randn(9, cols, generator=g)
+            for m in (1, 2, 3, 5, 9):  # decode path (<= 2 rows) and prefill path, ragged register tiles
+                y = ql.quant_matmul(x[:m], qm, isa=isa)
+                expect = x[:m].double() @ ref.T
+                scale = x[:m].double().abs() @ ref.abs().T  # the size of the terms: fp32 rounding is relative to it
+                err = ((y.double() - expect).abs() / scale.clamp_min(1e-30)).max().item()
+                assert err < 1e-5, (type_name, isa, cols, out_rows, m, err)
+
+
+def test_every_isa_path_gives_the_same_products():
+    """The wide (16-lane) form's logic, run on AVX2 when the CPU lacks AVX-512, against the other paths."""
+    g = torch.Generator().manual_seed(3)
+    qm = ql.random_quant_matrix("Q4_K", 6, 512, g)
+    x = torch.randn(4, 512, generator=g)
+    ys = {isa: ql.quant_matmul(x, qm, isa=isa) for isa in RUNNABLE_ISAS}
+    for isa, y in ys.items():
+        torch.testing.assert_close(y, ys["generic"], rtol=1e-5, atol=1e-5, msg=isa)
+
+
+def test_output_into_a_column_slice_and_strided_input():
+    """QuantLinear writes each stacked part into its columns of one output (ldy) and reads strided rows (ldx)."""
+    g = torch.Generator().manual_seed(4)
+    q, v = ql.random_quant_matrix("Q4_K", 6, 256, g), ql.random_quant_matrix("Q6_K", 3, 256, g)
+    bias = torch.randn(9, generator=g)
+    lin = ql.QuantLinear([q, v], bias)
+    x = torch.randn(3, 2, 512, generator=g)[..., :256]  # rows 512 floats apart
+    dense = torch.cat([reference(q), reference(v)])
+    expect = (x.double() @ dense.T + bias.double()).float()
+    torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.dense_weight().double(), dense)
+    assert lin.out_features == 9 and lin.in_features == 256 and lin.nbytes == q.data.nbytes + v.data.nbytes + 36
+
+
+def test_forced_isa_env_checked(monkeypatch):
+    monkeypatch.setenv(ql.ISA_ENV, "sse9")
+    with pytest.raises(UserError, match="valid values are generic, avx2, avx512"):
+        ql.chosen_isa()
+    monkeypatch.setenv(ql.ISA_ENV, "generic")
+    assert ql.chosen_isa() == "generic"
+
+
+def test_embedding_rows():
+    g = torch.Generator().manual_seed(5)
+    qm = ql.random_quant_matrix("Q8_0", 10, 64, g)
+    emb = ql.QuantEmbedding(qm)
+    tokens = torch.tensor([[3, 9], [0, 3]])
+    out = emb[tokens]
+    assert out.shape == (2, 2, 64)
+    torch.testing.assert_close(out.double(), reference(qm)[tokens])
+    with pytest.raises(IndexError):
+        emb[torch.tensor([10])]
