@@ -193,9 +193,12 @@ def expected_shapes(folder: str) -> tuple[dict[str, list[int]], set, list]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    from kvbench.console import quiet_transformers
+
+    with quiet_transformers():  # transformers' advice on the config (longrope's) is not kvbench's one line
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     tied = getattr(model, "_tied_weights_keys", None) or {}
     may_miss = set(tied) if getattr(config, "tie_word_embeddings", False) else set()

@@ -83,6 +83,17 @@ CASES = [
     (["model.path={dynrope}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
     (["model.path={dynrope5}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
     (["model.path={longrope}", "task=needle", "task.lengths=[512]"], "exceed the model's 256 positions"),
+    # sequences past the model's positions (longrope: its original ones), before the load (issue 68 item 4)
+    (["model.path={longrope}", "task.max_tokens=512"],
+     "invalid task.max_tokens=512: a window past the model's 256 positions"),
+    (["task.max_tokens=9000", "budget=64", "task.chunk_size=64"],
+     ("invalid task.max_tokens=9000: a window past the model's 8192 positions", "position_mode=reindex")),
+    (["model.path={longrope}", "task=longbench", "task.datasets=[trec]", "task.data_dir={empty}"],
+     "invalid task.max_length=7500: with the 64 tokens trec generates, past the model's 256 positions"),
+    (["task=longbench", "task.datasets=[trec,gov_report]", "task.max_length=8000", "task.data_dir={empty}"],
+     ("invalid task.max_length=8000: with the 512 tokens gov_report generates", "expected at most 7680")),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulerlong}", "task.lengths=[1024]"],
+     ("its RULER niah_single_1 sample 2 at length 1024 needs at least 9010 tokens", "model's 8192 positions")),
     (["model.path=packaged:gemma-9"], ("model.path='packaged:gemma-9'", "packaged:gemma-3-270m")),
     (["model.path={twoggufs}"], ("several .gguf files (a.gguf, b.gguf)", "model.gguf_file")),
     (["model.path={deepseek_gguf}"], ("unsupported GGUF architecture 'deepseek2'", "gemma2, gemma3, llama")),
@@ -420,7 +431,9 @@ def paths(tmp_path, tiny_llama_dir):
             ("rulernull", "1024.jsonl", json.dumps(ruler_row) + "\n\n" + json.dumps({**ruler_row, "context": None})),
             ("rulerdict", "1024.jsonl", json.dumps({**ruler_row, "answer": {"a": "0"}}) + "\n"),
             ("rulernew", "1024.jsonl", json.dumps({**ruler_row, "max_new_tokens": "8"}) + "\n"),
-            ("rulerutf16", "1024.jsonl", None)):
+            ("rulerutf16", "1024.jsonl", None),
+            ("rulerlong", "1024.jsonl", json.dumps(ruler_row) + "\n"
+             + json.dumps({**ruler_row, "context": "word " * 9000}) + "\n")):
         (tmp_path / name).mkdir()
         target = tmp_path / name / file
         if text is None:
@@ -864,6 +877,11 @@ def test_a_limit_reads_and_checks_only_its_rows(tmp_path):
 GENERATED_SCBENCH_CASES = [  # refused only after the load (task.turns=100000: 4 GB and 242 s first)
     (["task.turns=100000"], "invalid task.length=4096: scbench_kv's 100000 turns generate up to"),
     (["task.length=512", "task.tasks=[kv]"], "invalid task.length=512: scbench_kv's 5 turns generate up to 750"),
+    # the turns' prompts count too (a token per word): 750 generated fit 800, the questions do not
+    (["task.length=800", "task.tasks=[kv]"],
+     "invalid task.length=800: a generated scbench_kv sample with 5 turns needs at least 827 tokens"),
+    (["task.length=300", "task.tasks=[vt]", "task.mode=multi_request"],
+     "invalid task.length=300: a generated scbench_vt sample with 5 turns needs at least"),
 ]
 
 
