@@ -779,6 +779,11 @@ KNOB_CASES = [  # issue 68, item 10: the line names the knob the user set, a thr
     (["method=quest", "budget=64", "method.evict=snapkv", "method.evict_budget=64",
       "+method.evict_options.nonsense=1"], "unknown option method.evict_options.nonsense for method 'snapkv'"),
     (["method=dms", "method.threshold=inf"], "invalid method.threshold=inf: expected a finite number"),
+    # a value holding ':' is quoted whole, the validator's reason after it (no message cut at a colon)
+    (["method=kvcrush", "budget=64", "method.anchor=a:b"],
+     "invalid kvcrush.anchor='a:b': choose one of random, zeros, ones, mean"),
+    (["quant=kivi", "quant.key_axis=a:b"], "key_axis must be 'channel' or 'token', got 'a:b'"),
+    (["task=scbench", "task.mode=a:b:c"], "invalid task.mode='a:b:c': choices are multi_turn, multi_request"),
     (["method=dms", "method.threshold=-inf"], "invalid method.threshold=-inf: expected a finite number"),
     (["method=dms", "method.base=kvzap", "method.threshold=inf"],
      "invalid method.threshold=inf: expected a finite number"),
