@@ -21,8 +21,8 @@ Weights: a safetensors folder's tensor names and shapes (read from the files' he
 those of the model its config.json describes (built by transformers on the meta device: no memory, no weights).
 A folder of .bin files is checked by the loader instead (`loading_report` on transformers' own report).
 
-This module imports only kvbench.errors at import time (transformers when a check needs it), so both the app's
-plan and the runtime's loader use it.
+This module imports only kvbench.errors and kvbench.console at import time (transformers when a check needs it), so
+both the app's plan and the runtime's loader use it.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import re
 import struct
 from typing import Any, Iterable, Optional
 
+from kvbench.console import quiet_transformers
 from kvbench.errors import UserError
 
 _POSITIVE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
@@ -192,8 +193,6 @@ def expected_shapes(folder: str) -> tuple[dict[str, list[int]], set, list]:
     names transformers ignores), built on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvbench.console import quiet_transformers
 
     with quiet_transformers():  # transformers' advice on the config (longrope's) is not kvbench's one line
         config = AutoConfig.from_pretrained(folder)
