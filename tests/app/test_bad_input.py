@@ -257,7 +257,7 @@ CASES = [
     (["method=dms", "method.threshold=-3", "budget=64"], "method.threshold=-3 and budget=64 are both set"),
     (["method=dms", "method.threshold=-3", "compression_ratio=0.5"],
      "method.threshold=-3 and compression_ratio=0.5 are both set"),
-    (["method=dms"], "invalid dms.threshold=None: expected a number"),
+    (["method=dms"], "invalid dms.threshold=None: expected a finite number"),
     (["method=dms", "method.threshold=-3", "+method.base_options.surrogate=quadratic"],
      "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
     (["method=kvzap", "method.surrogate=quadratic", "compression_ratio=0.5"],
