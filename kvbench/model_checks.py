@@ -21,8 +21,8 @@ Weights: a safetensors folder's tensor names and shapes (read from the files' he
 those of the model its config.json describes (built by transformers on the meta device: no memory, no weights).
 A folder of .bin files is checked by the loader instead (`loading_report` on transformers' own report).
 
-This module imports only kvbench.errors at import time (transformers when a check needs it), so both the app's
-plan and the runtime's loader use it.
+This module imports only kvbench.errors and kvbench.console at import time (transformers when a check needs it), so
+both the app's plan and the runtime's loader use it.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import re
 import struct
 from typing import Any, Iterable, Optional
 
+from kvbench.console import quiet_transformers
 from kvbench.errors import UserError
 
 _POSITIVE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
@@ -193,9 +194,10 @@ def expected_shapes(folder: str) -> tuple[dict[str, list[int]], set, list]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with quiet_transformers():  # transformers' advice on the config (longrope's) is not kvbench's one line
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     tied = getattr(model, "_tied_weights_keys", None) or {}
     may_miss = set(tied) if getattr(config, "tie_word_embeddings", False) else set()

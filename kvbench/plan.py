@@ -371,6 +371,15 @@ def _check_results_dir(path: str) -> None:
         raise UserError(f"results_dir={path!r} is not writable: {exc.strerror or exc}") from None
 
 
+def _positions_as_run(shape: Any, method: Any) -> Any:
+    """The model's shape as the task's checks see it: a method that re-indexes positions inside the cache
+    (StreamingLLM's position_mode=reindex: rope_mode) never runs past the model's positions, however long the text,
+    so no position limit (the engine's rule, Engine.check_positions)."""
+    if shape is None or getattr(method, "rope_mode", "original") == "original":
+        return shape
+    return dataclasses.replace(shape, max_positions=None)
+
+
 def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan:
     """Step 1: validate every setting that needs no model and build method and task; UserError on bad input."""
     settings = _config.validate(cfg)
@@ -398,7 +407,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
     preflight = getattr(task, "preflight", None)
     if callable(preflight):
-        preflight(settings, shape)
+        preflight(settings, _positions_as_run(shape, method))
     draft_method, draft_quant = _check_speculative(settings, task, build_method_fn, shape)
     _check_results_dir(settings.results_dir)
     hashable = hashable_config(cfg)

@@ -172,7 +172,16 @@ class LongBench(Task):
 
     def preflight(self, settings: Any, model_shape: Any) -> None:
         """Before the model loads: task.data_dir holds every dataset's file, each row the run reads of LongBench's
-        types (file:line and field named otherwise), or (null) the hub is reachable."""
+        types (file:line and field named otherwise), or (null) the hub is reachable; max_length and the tokens a
+        dataset generates within the model's positions (the chat template's few tokens are the engine's check)."""
+        limit = getattr(model_shape, "max_positions", None)
+        longest = max(lb.max_new_tokens(ds) for ds in self.options.datasets)
+        if limit and self.options.max_length is not None and self.options.max_length + longest > limit:
+            raise UserError(f"invalid task.max_length={self.options.max_length}: with the {longest} tokens "
+                            f"{', '.join(ds for ds in self.options.datasets if lb.max_new_tokens(ds) == longest)} "
+                            f"generates, past the model's {limit} positions; expected at most {limit - longest}"
+                            + (f", or null (the model's positions minus {RESERVED_TOKENS})"
+                               if limit > RESERVED_TOKENS + 2 else ""))
         if self.options.data_dir is not None:
             check_data_dir(self.options.data_dir, self.options.datasets)
             check_data_rows(self.options.data_dir, self.options.datasets, self.options.limit)

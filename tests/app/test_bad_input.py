@@ -84,6 +84,17 @@ CASES = [
     (["model.path={dynrope}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
     (["model.path={dynrope5}"], "rope_type='dynamic' in config.json (dynamic NTK scaling) is not implemented"),
     (["model.path={longrope}", "task=needle", "task.lengths=[512]"], "exceed the model's 256 positions"),
+    # sequences past the model's positions (longrope: its original ones), before the load (issue 68 item 4)
+    (["model.path={longrope}", "task.max_tokens=512"],
+     "invalid task.max_tokens=512: a window past the model's 256 positions"),
+    (["task.max_tokens=9000", "budget=64", "task.chunk_size=64"],
+     ("invalid task.max_tokens=9000: a window past the model's 8192 positions", "position_mode=reindex")),
+    (["model.path={longrope}", "task=longbench", "task.datasets=[trec]", "task.data_dir={empty}"],
+     "invalid task.max_length=7500: with the 64 tokens trec generates, past the model's 256 positions"),
+    (["task=longbench", "task.datasets=[trec,gov_report]", "task.max_length=8000", "task.data_dir={empty}"],
+     ("invalid task.max_length=8000: with the 512 tokens gov_report generates", "expected at most 7680")),
+    (["task=ruler", "task.source=hub", "task.data_dir={rulerlong}", "task.lengths=[1024]"],
+     ("its RULER niah_single_1 sample 2 at length 1024 needs at least 9010 tokens", "model's 8192 positions")),
     (["model.path=packaged:gemma-9"], ("model.path='packaged:gemma-9'", "packaged:gemma-3-270m")),
     (["model.path={twoggufs}"], ("several .gguf files (a.gguf, b.gguf)", "model.gguf_file")),
     (["model.path={deepseek_gguf}"], ("unsupported GGUF architecture 'deepseek2'", "gemma2, gemma3, llama")),
@@ -251,7 +262,7 @@ CASES = [
     (["method=dms", "method.threshold=-3", "budget=64"], "method.threshold=-3 and budget=64 are both set"),
     (["method=dms", "method.threshold=-3", "compression_ratio=0.5"],
      "method.threshold=-3 and compression_ratio=0.5 are both set"),
-    (["method=dms"], "invalid dms.threshold=None: expected a number"),
+    (["method=dms"], "invalid dms.threshold=None: expected a finite number"),
     (["method=dms", "method.threshold=-3", "+method.base_options.surrogate=quadratic"],
      "invalid kvzap.surrogate='quadratic': choose one of linear, mlp"),
     (["method=kvzap", "method.surrogate=quadratic", "compression_ratio=0.5"],
@@ -425,7 +436,9 @@ def paths(tmp_path, tiny_llama_dir):
             ("rulernull", "1024.jsonl", json.dumps(ruler_row) + "\n\n" + json.dumps({**ruler_row, "context": None})),
             ("rulerdict", "1024.jsonl", json.dumps({**ruler_row, "answer": {"a": "0"}}) + "\n"),
             ("rulernew", "1024.jsonl", json.dumps({**ruler_row, "max_new_tokens": "8"}) + "\n"),
-            ("rulerutf16", "1024.jsonl", None)):
+            ("rulerutf16", "1024.jsonl", None),
+            ("rulerlong", "1024.jsonl", json.dumps(ruler_row) + "\n"
+             + json.dumps({**ruler_row, "context": "word " * 9000}) + "\n")):
         (tmp_path / name).mkdir()
         target = tmp_path / name / file
         if text is None:
@@ -771,6 +784,11 @@ KNOB_CASES = [  # issue 68, item 10: the line names the knob the user set, a thr
     (["method=quest", "budget=64", "method.evict=snapkv", "method.evict_budget=64",
       "+method.evict_options.nonsense=1"], "unknown option method.evict_options.nonsense for method 'snapkv'"),
     (["method=dms", "method.threshold=inf"], "invalid method.threshold=inf: expected a finite number"),
+    # a value holding ':' is quoted whole, the validator's reason after it (no message cut at a colon)
+    (["method=kvcrush", "budget=64", "method.anchor=a:b"],
+     "invalid kvcrush.anchor='a:b': choose one of random, zeros, ones, mean"),
+    (["quant=kivi", "quant.key_axis=a:b"], "key_axis must be 'channel' or 'token', got 'a:b'"),
+    (["task=scbench", "task.mode=a:b:c"], "invalid task.mode='a:b:c': choices are multi_turn, multi_request"),
     (["method=dms", "method.threshold=-inf"], "invalid method.threshold=-inf: expected a finite number"),
     (["method=dms", "method.base=kvzap", "method.threshold=inf"],
      "invalid method.threshold=inf: expected a finite number"),
@@ -869,6 +887,11 @@ def test_a_limit_reads_and_checks_only_its_rows(tmp_path):
 GENERATED_SCBENCH_CASES = [  # refused only after the load (task.turns=100000: 4 GB and 242 s first)
     (["task.turns=100000"], "invalid task.length=4096: scbench_kv's 100000 turns generate up to"),
     (["task.length=512", "task.tasks=[kv]"], "invalid task.length=512: scbench_kv's 5 turns generate up to 750"),
+    # the turns' prompts count too (a token per word): 750 generated fit 800, the questions do not
+    (["task.length=800", "task.tasks=[kv]"],
+     "invalid task.length=800: a generated scbench_kv sample with 5 turns needs at least 827 tokens"),
+    (["task.length=300", "task.tasks=[vt]", "task.mode=multi_request"],
+     "invalid task.length=300: a generated scbench_vt sample with 5 turns needs at least"),
 ]
 
 

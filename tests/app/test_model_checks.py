@@ -157,3 +157,28 @@ def test_reading_a_longrope_config_prints_none_of_transformers_notes(capsys, cap
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
     assert not [r for r in caplog.records if r.name.startswith("transformers")]
+
+
+def test_checking_a_longrope_folders_weights_prints_none_of_transformers_notes(tmp_path, capsys, caplog):
+    """check_weights builds the model its config.json describes (expected_shapes): in a fresh process the longrope
+    advice came out there, a second stderr line before kvbench's one-line refusal."""
+    import json
+
+    import transformers.utils.logging as transformers_logging
+
+    from kvbench.model_checks import expected_shapes
+    from tests.tiny_models import tiny_hf_model
+
+    tiny_hf_model("llama", layers=2).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                              "long_factor": [4.0] * 8, "original_max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    transformers_logging.warning_once.cache_clear()  # as in a fresh process
+    capsys.readouterr()  # save_pretrained's progress bar
+    caplog.clear()
+    shapes, _, _ = expected_shapes(str(tmp_path))
+    assert shapes
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+    assert not [r for r in caplog.records if r.name.startswith("transformers")]

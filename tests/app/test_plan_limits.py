@@ -39,3 +39,18 @@ def test_swap_space_up_to_the_host_memory_is_accepted(monkeypatch):
     plan._check_swap_space(SimpleNamespace(swap_bytes=1 << 30))
     with pytest.raises(UserError, match=r"invalid runtime.swap_bytes=1073741825: .*expected at most 1073741824"):
         plan._check_swap_space(SimpleNamespace(swap_bytes=(1 << 30) + 1))
+
+
+def test_a_method_that_reindexes_positions_runs_past_the_models_positions_and_others_do_not():
+    """StreamingLLM with position_mode=reindex keeps its positions inside the cache (the engine exempts it), so a
+    perplexity window past the model's 8,192 positions is its use case; the same window without it is refused."""
+    from tests.harness_fakes import compose
+
+    args = ["task.max_tokens=9000", "budget=64", "task.chunk_size=64", "logger.wandb=false"]
+    reindexed = plan.plan_run(compose([*args, "method=streaming_llm", "method.position_mode=reindex"]))
+    assert reindexed.task.options.max_tokens == 9000
+    with pytest.raises(UserError, match="invalid task.max_tokens=9000: a window past the model's 8192 positions"):
+        plan.plan_run(compose([*args, "method=streaming_llm"]))
+    shape = SimpleNamespace(max_positions=8192)
+    assert plan._positions_as_run(shape, SimpleNamespace(rope_mode="original")) is shape
+    assert plan._positions_as_run(None, SimpleNamespace(rope_mode="reindex")) is None

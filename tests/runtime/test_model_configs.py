@@ -71,6 +71,11 @@ def test_longrope_equals_transformers_up_to_its_original_positions_and_stops_the
     hub_style = {"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
                  "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}
     assert exact_positions(hub_style) == 4096  # Phi-4-mini's config.json
+    # the loaded model stops there too, so the engine refuses what the tasks' checks could not see
+    model = build_from_transformers(hf)
+    assert model.config.max_position_embeddings == 64
+    with pytest.raises(ValueError, match="a prompt of 65 tokens passes the model's 64 positions"):
+        Engine(model, block_size=8, num_blocks=256).generate([list(range(5, 70))], max_new_tokens=1)
 
 
 def test_a_prompt_past_the_models_positions_is_refused():
@@ -88,3 +93,22 @@ def test_a_prompt_past_the_models_positions_is_refused():
     reindexed = build_method("streaming_llm", 32, position_mode="reindex")
     out = Engine(model, reindexed, block_size=8, num_blocks=256).generate([list(range(5, 90))], max_new_tokens=1)
     assert out[0].finish_reason != "failed"
+
+
+def test_a_sequence_whose_generation_or_scoring_passes_the_positions_is_refused():
+    """The tokens a prompt may generate count (all but the last, which is never fed back), and the perplexity and
+    multiple-choice scoring paths are checked too (they ran past the positions with status ok)."""
+    from tests.tiny_models import tiny_model
+
+    engine = Engine(tiny_model(max_positions=64), block_size=8, num_blocks=256)
+    with pytest.raises(ValueError, match="a prompt of 50 tokens and 16 to generate pass the model's 64 positions"):
+        engine.generate([list(range(5, 55))], max_new_tokens=16)
+    assert len(engine.generate([list(range(5, 55))], max_new_tokens=15)[0].token_ids) <= 15  # 50 + 14 fed back
+    with pytest.raises(ValueError, match="a prompt of 65 tokens passes the model's 64 positions"):
+        engine.score(list(range(5, 70)))
+    assert engine.score(list(range(5, 69))).numel() == 63
+    from kvbench.runtime.serving.scoring import Scorer
+
+    with pytest.raises(ValueError, match="a prompt of 65 tokens passes the model's 64 positions"):
+        Scorer(engine).score_continuations(list(range(5, 60)), [list(range(11)), [7]])
+    assert len(Scorer(engine).score_continuations(list(range(5, 60)), [list(range(10)), [7]])) == 2

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from kvbench.data import scbench as sd
+from kvbench.errors import UserError
 from kvbench.metrics import scbench as sm
 from kvbench.tasks import build_task
 from kvbench.tasks import scbench as st
@@ -178,3 +179,28 @@ def test_run_through_the_app_on_a_hub_task(tmp_path, single_thread, mode):
     for s in samples:  # each record's score is SCBench's on its prediction
         ref = [r for r in rows if str(r["id"]) == s["context_id"]][0]["multi_turns"][s["turn"] - 1]["answer"]
         assert s["score"] == sm.dialogue_match(s["prediction"], [ref])
+
+
+@pytest.mark.parametrize("mode", ["multi_turn", "multi_request"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_long_hub_row_is_cut_so_the_whole_sequence_fits_task_length(mode, chat):
+    """The context was cut to task.length minus what the turns generate, the turns' own prompts left out: SCBench hub
+    rows of 9,054 and 8,488 tokens ran on an 8,192-position model. Now every turn's prompt counts."""
+    tok = smollm2_tokenizer()
+    words = " ".join(f"w{i} lorem" for i in range(3000))
+    turns = [{"input": f"Question {k}: " + "what is the value of the key named alpha beta gamma? " * 20,
+              "answer": "an answer of several words " * 10} for k in range(4)]
+    sample = {"id": 0, "task": "scbench_qa_eng", "context": words, "multi_turns": turns}
+    task = build_task("scbench", {"name": "scbench", "source": "hub", "tasks": ["qa_eng"], "length": 1500,
+                                  "turns": 4, "mode": mode, "max_new_tokens": 16})
+    fitted = task._fit(tok, sample, chat)
+    longest = task._sample_tokens(tok, fitted, chat) + sum(task.turn_max_new(fitted))
+    assert 1500 - 8 <= longest <= 1500, longest  # fills the length, never past it
+    assert len(fitted["context"]) < len(words)
+    old_cut = st._cut_middle(tok, sample, 1500 - sum(task.turn_max_new(sample)))  # the former rule
+    assert task._sample_tokens(tok, old_cut, chat) + sum(task.turn_max_new(sample)) > 1500
+    small = build_task("scbench", {"name": "scbench", "source": "hub", "tasks": ["qa_eng"], "length": 300,
+                                   "turns": 4, "mode": mode, "max_new_tokens": 16})
+    with pytest.raises(UserError, match="task.length=300 leaves no room for scbench_qa_eng sample 0's context: its "
+                                        "turns' prompts take"):
+        small._fit(tok, sample, chat)

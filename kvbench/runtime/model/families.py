@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvbench.model_checks import exact_positions
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from kvbench.runtime.model.attention_types import LayerAttention, layer_windows_from_hf
@@ -95,7 +96,8 @@ def build_from_transformers(hf_model: Any, dtype: torch.dtype | None = None,
         qk_norm=mt in ("qwen3", "gemma3_text", "gemma3"),
         tie_word_embeddings=bool(getattr(hc, "tie_word_embeddings", False) or
                                  getattr(hf_model.config, "tie_word_embeddings", False)),
-        max_position_embeddings=getattr(hc, "max_position_embeddings", 4096),
+        # the positions kvbench's RoPE computes as transformers does (longrope: up to its original length)
+        max_position_embeddings=exact_positions(hc.to_dict()) or getattr(hc, "max_position_embeddings", 4096),
         family="gemma" if gemma else "gpt_oss" if mt == "gpt_oss" else "llama", layer_attention=layer_attention,
         attn_scale=(hc.query_pre_attn_scalar ** -0.5 if gemma else
                     float(dm.layers[0].self_attn.scaling) if mla is not None else None),  # MLA: yarn's mscale in it

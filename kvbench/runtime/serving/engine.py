@@ -413,17 +413,28 @@ class Engine:
         return sched.outcome()
 
     def _check_positions(self, requests: list[Request]) -> None:
-        """A prompt longer than the model's max_position_embeddings is refused (ValueError: the run fails, named),
-        never run at positions the model was not built for (its config's RoPE scaling is already in that limit).
-        A method that re-indexes positions inside the cache (StreamingLLM's rope_mode) is exempt."""
+        """A sequence longer than the model's positions is refused (ValueError: the run fails, named), never run at
+        positions the model was not built for: its prompt and the tokens it may generate fed back (all but the
+        last), against max_position_embeddings (the config's RoPE scaling is already in that limit; longrope: its
+        original positions, model_checks.exact_positions)."""
+        longest = max(requests, key=lambda r: len(r.prompt) + max(r.max_new_tokens - 1, 0), default=None)
+        if longest is not None:
+            self.check_positions(len(longest.prompt), max(longest.max_new_tokens - 1, 0))
+
+    def check_positions(self, prompt_tokens: int, generated_tokens: int = 0) -> None:
+        """ValueError when a sequence of prompt_tokens + generated_tokens (fed back) passes the model's positions. A
+        method that re-indexes positions inside the cache (StreamingLLM's rope_mode) is exempt."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if not limit or getattr(self.method, "rope_mode", "original") != "original":
             return
-        longest = max((len(r.prompt) for r in requests), default=0)
-        if longest > limit:
-            raise ValueError(f"a prompt of {longest:,} tokens passes the model's {limit:,} positions "
+        if prompt_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_tokens:,} tokens passes the model's {limit:,} positions "
                              f"(max_position_embeddings, RoPE scaling included): shorten the contexts (task.length, "
                              f"task.max_tokens, task.lengths) or use a model with more positions")
+        if prompt_tokens + generated_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_tokens:,} tokens and {generated_tokens + 1:,} to generate pass "
+                             f"the model's {limit:,} positions (max_position_embeddings, RoPE scaling included): "
+                             f"shorten the contexts or the tokens generated, or use a model with more positions")
 
     def _run(self, batch: StepBatch, temperature: float, top_p: float, gen: torch.Generator) -> dict[int, int]:
         """One scheduled step as one ragged forward; {segment index: sampled token} for each segment in batch.emit

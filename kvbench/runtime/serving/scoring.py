@@ -40,6 +40,9 @@ class Scorer:
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
         if ids.numel() < 2:
             raise ValueError("score needs at least 2 tokens")
+        check = getattr(engine, "check_positions", None)  # the text within the model's positions
+        if check is not None:
+            check(ids.numel())
         slot = engine.new_sequence()
         out = torch.empty(ids.numel() - 1, dtype=torch.float64)
         try:
@@ -75,6 +78,9 @@ class Scorer:
         conts = [[int(t) for t in c] for c in continuations]
         if not ctx or not conts or any(not c for c in conts):
             raise ValueError("score_continuation needs a non-empty context and continuation")
+        check = getattr(engine, "check_positions", None)  # the context and its longest continuation
+        if check is not None:
+            check(len(ctx) + max(len(c) for c in conts) - 1)
         chunk = chunk_size or engine.prefill_chunk_size
         head = ctx[:-1]
         parent = engine.new_sequence()
