@@ -33,8 +33,10 @@ TEST_STAMP := $(VENV)/.kvbench-test-install-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist): one per CPU core; the tests run one torch thread each (tests/conftest.py), so on a
-# 2-core machine two workers halve the wall time. Tests of one module stay in one worker (their module fixtures
-# are made once). PYTEST_WORKERS=0 runs them in this process.
+# 2-core machine two workers halve the wall time. Work stealing keeps both busy to the end (a big module is split
+# between them; a module fixture is made once per worker). PYTEST_WORKERS=0 runs them in this process.
+# PYTHONDONTWRITEBYTECODE is cleared for the tests: the `python -m kvbench` processes they start then read compiled
+# modules instead of compiling kvbench from source each time.
 PYTEST_WORKERS ?= auto
 # `make test` leaves out the tests marked slow (exhaustive variants of checks it makes); `make test-all` runs them.
 PYTEST_MARKS ?= not slow
@@ -75,7 +77,8 @@ run: install
 	$(PY) -m kvbench $(ARGS)
 
 test: install-test
-	@rc=0; $(PY) -m pytest -q -m "$(PYTEST_MARKS)" -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "$(PYTEST_MARKS)" -n $(PYTEST_WORKERS) --dist worksteal \
+		$(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 
 test-all:

@@ -85,7 +85,8 @@ def test_sweep_sizes():
 SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores
 
 
-def test_kvpress_leaderboard_has_every_board_method():
+@pytest.mark.parametrize("scale", ["paper", "smoke", pytest.param("paper_llama", marks=pytest.mark.slow)])
+def test_kvpress_leaderboard_has_every_board_method(scale):
     """Every method of kvpress's board (leaderboard.sh @8bb29b9) that kvbench implements is a row of the sweep, at
     every scale, with the board's settings: the ratios 0.25 / 0.5 / 0.75 / 0.875, expected_attention as AdaKV over
     Expected Attention with epsilon 1e-2, kvzap by threshold (-3..-6 on Qwen3-8B, -6..-9 on Llama-3.1-8B) with no
@@ -93,34 +94,33 @@ def test_kvpress_leaderboard_has_every_board_method():
     board = {"random", "knorm", "snapkv", "adakv", "streaming_llm", "tova", "pyramidkv", "lagkv", "key_diff", "cur",
              "adakv_compactor", "kvzip", "dms", "duo_attention", "h2o", "finch", "chunkkv", "full",
              "observed_attention", "qfilter"}
-    for scale in ("paper", "paper_llama", "smoke"):
-        configs = [_compose(p) for p in sweep_points("kvpress_leaderboard", scale)]
-        methods = {c.method.name for c in configs}
-        want_methods = board - {"qfilter"} if scale == "smoke" else board  # no published filters for SmolLM2
-        assert methods == want_methods, (scale, want_methods ^ methods)
-        # duo_attention_on_the_fly: its point is head_compression_ratio (kvpress's), no compression ratio
-        on_the_fly = [c for c in configs if c.method.name == "duo_attention" and c.compression_ratio is None]
-        if scale != "smoke":
-            assert {c.method.head_compression_ratio for c in on_the_fly} == {0.25, 0.5, 0.75, 0.875}
-            assert all(c.budget == 384 and c.method.sinks == 128 and c.method.on_the_fly and c.method.decode == "none"
-                       and c.method.prefill_mode == "paper" for c in on_the_fly)
-        ratios = {c.compression_ratio for c in configs if c.method.name != "dms" and c not in on_the_fly}
-        assert ratios == ({0.25, 0.5, 0.75} if scale == "smoke" else {0.25, 0.5, 0.75, 0.875}), (scale, ratios)
-        if scale == "smoke":  # the one point, 0.5, but for the two adakv_compactor rows the paper block's claim reads
-            assert {c.compression_ratio for c in configs if c.method.name not in ("dms", "adakv_compactor")} == {0.5}
-        ea = [c for c in configs if c.method.name == "adakv" and c.method.base == "expected_attention"]
-        assert ea and all(c.method.base_options.epsilon == 0.01 for c in ea)
-        dms = [c for c in configs if c.method.name == "dms"]
-        assert all(c.compression_ratio is None and c.method.base == "kvzap" for c in dms)
-        assert {c.method.base_options.surrogate for c in dms} == {"linear", "mlp"}
-        want = {"paper": {-3, -4, -5, -6}, "paper_llama": {-6, -7, -8, -9}, "smoke": {-4}}[scale]
-        assert {c.method.threshold for c in dms} == want, scale
-        aware = {(c.method.name, c.method.base if c.method.name == "adakv" else None) for c in configs
-                 if c.task.compress_question}
-        assert aware == {("snapkv", None), ("adakv", "snapkv"), ("finch", None), ("chunkkv", None)}, aware
-    duo = [c for c in (_compose(p) for p in sweep_points("kvpress_leaderboard", "smoke"))
-           if c.method.name == "duo_attention"]
-    assert duo and all(c.method.on_the_fly and c.method.on_the_fly_samples <= 4 for c in duo)
+    configs = [_compose(p) for p in sweep_points("kvpress_leaderboard", scale)]
+    methods = {c.method.name for c in configs}
+    want_methods = board - {"qfilter"} if scale == "smoke" else board  # no published filters for SmolLM2
+    assert methods == want_methods, (scale, want_methods ^ methods)
+    # duo_attention_on_the_fly: its point is head_compression_ratio (kvpress's), no compression ratio
+    on_the_fly = [c for c in configs if c.method.name == "duo_attention" and c.compression_ratio is None]
+    if scale != "smoke":
+        assert {c.method.head_compression_ratio for c in on_the_fly} == {0.25, 0.5, 0.75, 0.875}
+        assert all(c.budget == 384 and c.method.sinks == 128 and c.method.on_the_fly and c.method.decode == "none"
+                   and c.method.prefill_mode == "paper" for c in on_the_fly)
+    ratios = {c.compression_ratio for c in configs if c.method.name != "dms" and c not in on_the_fly}
+    assert ratios == ({0.25, 0.5, 0.75} if scale == "smoke" else {0.25, 0.5, 0.75, 0.875}), (scale, ratios)
+    if scale == "smoke":  # the one point, 0.5, but for the two adakv_compactor rows the paper block's claim reads
+        assert {c.compression_ratio for c in configs if c.method.name not in ("dms", "adakv_compactor")} == {0.5}
+    ea = [c for c in configs if c.method.name == "adakv" and c.method.base == "expected_attention"]
+    assert ea and all(c.method.base_options.epsilon == 0.01 for c in ea)
+    dms = [c for c in configs if c.method.name == "dms"]
+    assert all(c.compression_ratio is None and c.method.base == "kvzap" for c in dms)
+    assert {c.method.base_options.surrogate for c in dms} == {"linear", "mlp"}
+    want = {"paper": {-3, -4, -5, -6}, "paper_llama": {-6, -7, -8, -9}, "smoke": {-4}}[scale]
+    assert {c.method.threshold for c in dms} == want, scale
+    aware = {(c.method.name, c.method.base if c.method.name == "adakv" else None) for c in configs
+             if c.task.compress_question}
+    assert aware == {("snapkv", None), ("adakv", "snapkv"), ("finch", None), ("chunkkv", None)}, aware
+    if scale == "smoke":
+        duo = [c for c in configs if c.method.name == "duo_attention"]
+        assert duo and all(c.method.on_the_fly and c.method.on_the_fly_samples <= 4 for c in duo)
 
 
 # kvpress's evaluation registry (evaluation/evaluate_registry.py @8bb29b9) by name -> kvbench's method, where kvbench
