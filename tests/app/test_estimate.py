@@ -13,6 +13,12 @@ from kvbench.tasks.base import Workload
 from tests.fixtures.task_fixtures import smollm2_tokenizer
 
 
+@pytest.fixture(autouse=True)
+def steady_load(monkeypatch):
+    """The other processes' load, as the estimator reads it: 0 unless a test sets `estimate.others_load`."""
+    monkeypatch.setattr(estimate, "others_load", lambda: 0.0)
+
+
 class Recorder:
     """A progress factory that keeps each bar's total and updates."""
 
@@ -42,7 +48,7 @@ def test_rulers_defaults_say_days_and_how_to_shorten(tmp_path, monkeypatch):
     assert seconds == pytest.approx(work.prompt_tokens / 300.0 + work.new_tokens / 15.0)
     line = estimate.plan_line("ruler", work, speed)
     assert f"about {estimate.duration(seconds)} here" in line and seconds > 86400  # more than a day
-    assert "300.0 prefill and 15.0 decode tok/s: the median of 1 run measured on this machine" in line
+    assert "300.0 prefill and 15.0 decode tok/s at load 0.0: the median of 1 run measured on this machine" in line
 
 
 def test_a_rate_is_kept_only_from_a_run_that_measured_it(tmp_path, monkeypatch):
@@ -151,7 +157,7 @@ def test_the_estimate_holds_the_load_the_logger_and_the_tasks_overhead(tmp_path,
     assert estimate.estimate_seconds(work, speed, model_loaded=True, task="perplexity") == \
         pytest.approx(22.0, abs=0.02)
     line = estimate.plan_line("perplexity", work, speed)
-    assert "about 30 s here (model load 8 s, 100.0 prefill and 10.0 decode tok/s: the median of 2 runs" in line
+    assert "about 30 s here (model load 8 s, 100.0 prefill and 10.0 decode tok/s at load 0.0: the median of 2 runs" in line
     assert "model load" not in estimate.plan_line("perplexity", work, speed, model_loaded=True)
 
 
