@@ -165,9 +165,9 @@ class _Now:
         have = [r for r in runs if value(r) is not None]
         if not have:
             return None
-        distances = sorted(self.distance(r) for r in have)
-        reach = max(distances[min(NEAREST, len(distances)) - 1], math.log(SIMILAR))
-        used = [r for r in have if self.distance(r) <= reach or self.distance(r) == distances[0]]
+        known = sorted(d for d in map(self.distance, have) if d < math.inf)  # runs of unknown load: last resort
+        reach = max(known[min(NEAREST, len(known)) - 1], math.log(SIMILAR)) if known else math.inf
+        used = [r for r in have if self.distance(r) <= reach]
         figures = [value(r) / self.factor(r) if rate else value(r) * self.factor(r) for r in used]
         return statistics.median(figures), used
 
