@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+from kvbench.app import announce_sweep
 from kvbench.config import bool_keys, int_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
@@ -241,8 +242,6 @@ def check_config(cfg: Any) -> Any:
 def announce_sweep_once(plans: list) -> None:
     """The sweep's estimate line (kvbench.app.announce_sweep: the sum of its jobs), before its first job; a
     failure to estimate never stops the sweep."""
-    from kvbench.app import announce_sweep
-
     try:
         announce_sweep(plans)
     except Exception:  # pragma: no cover  (the estimate is a courtesy)

@@ -38,6 +38,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from kvbench.runtime.model.model_files import gguf_location
+from kvbench.runtime.model.packaged import packaged_smollm2
+
 SPEED_FILE = "speed.json"
 RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 FIXED = ("load_s", "logger_start_s")  # a run's fixed costs besides its tokens
@@ -309,11 +312,7 @@ def weights_bytes(path: Any, gguf_file: Any = None) -> Optional[int]:
     """The bytes of a local model's weights (its GGUF file, or a folder's .safetensors/.bin/.gguf files), the
     size fallback's measure; None for a hub id or anything unreadable."""
     try:
-        from kvbench.runtime.model.model_files import gguf_location
-
         if path is None:  # the packaged SmolLM2
-            from kvbench.runtime.model.packaged import packaged_smollm2
-
             return os.path.getsize(os.path.join(*packaged_smollm2()))
         gguf = gguf_location(path, gguf_file)
         if gguf is not None:
