@@ -350,3 +350,12 @@ def test_first_hour_sets_each_command_against_what_its_first_line_said(tmp_path)
     assert bench.command_estimate(runs({"sweep_estimate_s": float("nan")}, {"estimate_s": 3.0})) is None
     assert bench.command_estimate(runs({"estimate_s": 3.0}, {"estimate_s": 3.0})) is None  # a sweep with no line
     assert bench.command_estimate(str(tmp_path / "absent")) is None
+
+
+def test_first_hour_judges_a_ratio_both_ways_and_a_killed_command_as_unknown():
+    judge = _first_hour().judge
+    assert judge(60.0, 60.0, killed=False) == (1.0, True)  # identical: within
+    assert judge(130.0, 60.0, killed=False) == (2.17, False) and judge(20.0, 60.0, killed=False) == (0.33, False)
+    assert judge(60.0, None, killed=False) == (None, False)  # no estimate printed: a failure, never a pass
+    assert judge(360.0, 300.0, killed=True) == (1.2, None)  # killed: the time is a lower bound, so unknown
+    assert judge(360.0, 100.0, killed=True) == (3.6, False)  # ... unless even the bound is past 2x
