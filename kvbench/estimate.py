@@ -16,9 +16,11 @@ device, thread setting and CPU kind, each with its date, id, task, method, the l
 processes while it ran and the CPU count), never from a figure written into the code:
 
 - Load: a run beside busy processes is slower. Each run keeps the 1-minute load average of the other processes
-  (this process's own part taken out); the estimate takes the NEAREST runs in load to the load now and scales each
-  by the contention between the two loads, slowdown = max(1, (load + threads) / cpus) (threads: the torch threads
-  the run uses): a run measured under load no longer makes an idle machine's estimate 2-3x high.
+  (this process's own part taken out); the estimate takes the runs measured at a like load (contention within
+  SIMILAR of the one now), else the NEAREST runs in load, and scales each by the contention between the two loads,
+  slowdown = max(1, (load + threads) / cpus) (threads: the torch threads the run uses; linear, so a floor: two
+  threads beside many busy ones slow down faster, which is why like-load runs come first). A run measured under
+  load no longer makes an idle machine's estimate 2-3x high.
 - Method and task: a codec (kivi), a scoring pass or a method's own work change the rates. Runs of the same task
   and method are used first; else runs of the same task, then of the same method, then any, each times the
   factor between the two measured on this CPU's other models (1 where none was measured; the line says which).
