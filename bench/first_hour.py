@@ -135,10 +135,11 @@ def first_runs(tmp: str, limit: float, competing: bool = False) -> list:
 
 def judge(seconds: float, estimated: float | None, killed: bool) -> tuple:
     """(ratio = actual / estimate, within_2x): True when 0.5 <= ratio <= 2, False outside; for a command killed at
-    its limit the ratio is a lower bound, so within_2x is None (unknown) unless even that bound is above 2; None
-    and False where the command printed no estimate."""
+    its limit the ratio is a lower bound, so within_2x is None (unknown) unless even that bound is above 2 (and
+    None where it was killed before its record kept the estimate); None and False where a finished command printed
+    no estimate."""
     if not estimated:
-        return None, False
+        return None, (None if killed else False)  # killed before its record was written: its estimate is unknown
     ratio = round(seconds / estimated, 2)
     if killed:
         return ratio, (False if ratio > 2.0 else None)

@@ -359,3 +359,4 @@ def test_first_hour_judges_a_ratio_both_ways_and_a_killed_command_as_unknown():
     assert judge(60.0, None, killed=False) == (None, False)  # no estimate printed: a failure, never a pass
     assert judge(360.0, 300.0, killed=True) == (1.2, None)  # killed: the time is a lower bound, so unknown
     assert judge(360.0, 100.0, killed=True) == (3.6, False)  # ... unless even the bound is past 2x
+    assert judge(360.0, None, killed=True) == (None, None)  # killed before metrics.json kept its estimate
