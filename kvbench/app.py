@@ -37,7 +37,9 @@ from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
 from kvbench.data.hub import revisions_read as hub_revisions_read
 from kvbench.errors import Terminated, UserError
 from kvbench.engines import build_engine, build_run_codec, build_speculator
-from kvbench.estimate import estimate_seconds, measured_speed, plan_line, process_age_s, record_speed
+from kvbench.estimate import (estimate_seconds, measured_speed, method_id, others_load, plan_line, process_age_s,
+                              note_sweep_estimate, record_speed, sweep_line, take_sweep_estimate,
+                              weights_bytes)
 from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.model.loading import load_model
@@ -301,7 +303,8 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     record = _finish(folder, record, samples, logger, t0, print_summary and usage_error is None)
     if load_model_fn is None and layout is None:  # the real model in one process: its figures make the next estimate
         late = getattr(plan.task, "announced_workload", None)  # a task that knew its work after the load
-        record_speed(record, s.runtime.threads, workload if workload is not None else late)
+        record_speed(record, s.runtime.threads, workload if workload is not None else late,
+                     load_at_start=record.get("load_avg_1m"), model_bytes=weights_bytes(s.model.path, s.model.gguf_file))
     if usage_error is not None:
         raise usage_error
     if record["status"] != "ok" and print_summary:
@@ -309,17 +312,30 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     return record
 
 
+def speed_for(plan: RunPlan, load: Optional[float] = None) -> Optional[dict]:
+    """This machine's measured figures for the plan's model, dtype, device, threads, task and method (with its
+    codec), at the load now (kvbench.estimate.measured_speed)."""
+    s = plan.settings
+    return measured_speed(s.model.name, s.model.dtype, plan.device, s.runtime.threads, task=s.task_name,
+                          method=method_id(s.method_name, s.quant_name), load=load,
+                          model_bytes=weights_bytes(s.model.path, s.model.gguf_file))
+
+
 def _announce(plan: RunPlan, record: dict, load_model_fn: Optional[Callable]) -> Any:
     """Before the logger starts and the model loads: what the run will compute and about how long the run takes
-    here (kvbench.estimate); the estimate (estimate_s) and the process's age at the line (announced_after_s) go to
-    the record, for bench/first_hour.py to set against the time taken. Returns the workload (or None)."""
+    here (kvbench.estimate); the estimate (estimate_s), the process's age at the line (announced_after_s) and the
+    other processes' load then (load_avg_1m) go to the record, for bench/first_hour.py to set against the time
+    taken (the first run of a sweep also gets the sweep's estimate: sweep_estimate_s, sweep_announced_after_s).
+    Returns the workload (or None)."""
     s = plan.settings
+    record["load_avg_1m"] = others_load()
+    record.update(take_sweep_estimate())
     try:
         workload = plan.task.workload(s) if callable(getattr(plan.task, "workload", None)) else None
     except Exception:  # pragma: no cover  (the estimate is a courtesy; the run goes on)
         workload = None
     if workload is not None:
-        speed = measured_speed(s.model.name, s.model.dtype, plan.device, s.runtime.threads)
+        speed = speed_for(plan, record["load_avg_1m"])
         held = load_model_fn is None and _model_key(s.model, plan.device) in _loaded_model
         say(plan_line(s.task_name, workload, speed, held), stream=sys.stdout)
         seconds = estimate_seconds(workload, speed, held, s.task_name)
@@ -332,12 +348,35 @@ def _announce(plan: RunPlan, record: dict, load_model_fn: Optional[Callable]) ->
     return workload
 
 
+def announce_sweep(plans: list) -> Optional[float]:
+    """Before a sweep's first job (its jobs' plans in order, one process): its line, the sum of its jobs'
+    estimates, each as that job's own line would give it now (the model's load counted once per model: the
+    process holds it after); kept for the first job's record. Returns the sum (None: no job has an estimate)."""
+    estimates, loaded, load = [], set(), others_load()
+    for plan in plans:
+        s = plan.settings
+        try:
+            workload = plan.task.workload(s) if callable(getattr(plan.task, "workload", None)) else None
+        except Exception:  # pragma: no cover  (the estimate is a courtesy)
+            workload = None
+        key = _model_key(s.model, plan.device)
+        seconds = None if workload is None else estimate_seconds(
+            workload, speed_for(plan, load), key in loaded or key in _loaded_model, s.task_name)
+        loaded.add(key)
+        estimates.append(seconds)
+    known = [x for x in estimates if x is not None]
+    total = sum(known) if known else None
+    say(sweep_line(estimates), stream=sys.stdout)
+    note_sweep_estimate(total)
+    return total
+
+
 def _announce_late(plan: RunPlan, record: dict, workload: Any) -> None:
     """A task that knows its work only after the model loads (Task.workload_known_late) calls this with it: the
     estimate of what remains (the model is loaded, the logger started), printed and added to the record's
     estimate_s and the run's workload (the next runs' overhead figure)."""
     s = plan.settings
-    speed = measured_speed(s.model.name, s.model.dtype, plan.device, s.runtime.threads)
+    speed = speed_for(plan)
     say(plan_line(s.task_name, workload, speed, model_loaded=True), stream=sys.stdout)
     seconds = estimate_seconds(workload, speed, True, s.task_name)
     if seconds is not None:

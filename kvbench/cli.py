@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+from kvbench.app import announce_sweep
 from kvbench.config import bool_keys, int_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
@@ -227,15 +228,24 @@ def multirun_flag_first(argv: list) -> list:
     return [argv[0], flags[0], *[a for a in argv[1:] if a not in MULTIRUN_FLAGS]]
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: Any) -> Any:
     """Every check a run makes before it loads the model (plan_run), for a config a sweep will run (its Hydra
-    node removed, as Hydra removes it before the job starts); UserError on bad input."""
+    node removed, as Hydra removes it before the job starts); UserError on bad input. Returns the RunPlan."""
     from omegaconf import open_dict, read_write
 
     cfg = cfg.copy()
     with read_write(cfg), open_dict(cfg):
         cfg.pop("hydra", None)
-    plan_run(cfg)
+    return plan_run(cfg)
+
+
+def announce_sweep_once(plans: list) -> None:
+    """The sweep's estimate line (kvbench.app.announce_sweep: the sum of its jobs), before its first job; a
+    failure to estimate never stops the sweep."""
+    try:
+        announce_sweep(plans)
+    except Exception:  # pragma: no cover  (the estimate is a courtesy)
+        pass
 
 
 @contextlib.contextmanager
@@ -253,11 +263,13 @@ def every_sweep_job_checked() -> Iterator[None]:
             hydra_check(self, batch)
             loader = getattr(self, "hydra_context", None)
             loader = loader.config_loader if loader is not None else self.config_loader
-            for overrides in batch:
-                check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides)))
+            plans = [check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(o)))
+                     for o in batch]
         except BaseException:
             discard_sweep_file(self.config.hydra.sweep.dir)
             raise
+        if os.environ.get("KVBENCH_CHECK_ONLY") != "1":
+            announce_sweep_once(plans)
 
     Sweeper.validate_batch_is_legal = check_batch
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,12 @@ from kvbench import estimate
 from kvbench.tasks import build_task
 from kvbench.tasks.base import Workload
 from tests.fixtures.task_fixtures import smollm2_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def steady_load(monkeypatch):
+    """The other processes' load, as the estimator reads it: 0 unless a test sets `estimate.others_load`."""
+    monkeypatch.setattr(estimate, "others_load", lambda: 0.0)
 
 
 class Recorder:
@@ -42,7 +49,7 @@ def test_rulers_defaults_say_days_and_how_to_shorten(tmp_path, monkeypatch):
     assert seconds == pytest.approx(work.prompt_tokens / 300.0 + work.new_tokens / 15.0)
     line = estimate.plan_line("ruler", work, speed)
     assert f"about {estimate.duration(seconds)} here" in line and seconds > 86400  # more than a day
-    assert "300.0 prefill and 15.0 decode tok/s: the median of 1 run measured on this machine" in line
+    assert "300.0 prefill and 15.0 decode tok/s at load 0.0: the median of 1 run measured on this machine" in line
 
 
 def test_a_rate_is_kept_only_from_a_run_that_measured_it(tmp_path, monkeypatch):
@@ -151,7 +158,7 @@ def test_the_estimate_holds_the_load_the_logger_and_the_tasks_overhead(tmp_path,
     assert estimate.estimate_seconds(work, speed, model_loaded=True, task="perplexity") == \
         pytest.approx(22.0, abs=0.02)
     line = estimate.plan_line("perplexity", work, speed)
-    assert "about 30 s here (model load 8 s, 100.0 prefill and 10.0 decode tok/s: the median of 2 runs" in line
+    assert "about 30 s here (model load 8 s, 100.0 prefill and 10.0 decode tok/s at load 0.0: the median of 2 runs" in line
     assert "model load" not in estimate.plan_line("perplexity", work, speed, model_loaded=True)
 
 
@@ -165,3 +172,191 @@ def test_longbench_and_the_reasoning_tasks_print_their_work(name, options, promp
     assert (work.prompts, work.new_tokens, work.exact) == (prompts, new, False)
     line = estimate.plan_line(name, work, None)
     assert f"= {prompts} prompt(s)" in line and "task.limit=N" in line
+
+
+# ---------------------------------------------------------------------------------------------- issue 67 item 3
+def _run(rate=None, task="perplexity", method="full", quant="none", model="m", **extra):
+    """A finished run's record, as app.run gives record_speed."""
+    return {"model": model, "dtype": "float32", "device": "cpu", "status": "ok", "task": task, "method": method,
+            "quant": quant, "prefill_tokens_per_s": rate, **extra}
+
+
+def _record_at(monkeypatch, load, record, **kwargs):
+    """record_speed for a run that ran beside `load` other runnable processes on a 2-CPU machine."""
+    monkeypatch.setattr(estimate, "others_load", lambda: load)
+    monkeypatch.setattr(estimate.os, "cpu_count", lambda: 2)
+    estimate.record_speed(record, load_at_start=load, **kwargs)
+
+
+def _speed(load, model="m", **kwargs):
+    kwargs.setdefault("task", "perplexity")
+    kwargs.setdefault("method", "full")
+    return estimate.measured_speed(model, "float32", "cpu", load=load, cpus=2, **kwargs)
+
+
+def test_runs_at_a_like_load_set_the_estimate(tmp_path, monkeypatch):
+    """A run beside busy processes keeps its load: an idle machine's estimate comes from idle runs, a loaded one's
+    from loaded runs; between them each run is scaled by the contention, max(1, (load + threads) / cpus)."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    for rate in (100.0, 104.0, 96.0):
+        _record_at(monkeypatch, 0.0, _run(rate))
+    for rate in (30.0, 20.0, 25.0):
+        _record_at(monkeypatch, 6.0, _run(rate))
+    idle, busy, between = _speed(0.0), _speed(6.0), _speed(2.0)
+    assert idle["prefill_tokens_per_s"] == 100.0 and idle["runs"] == 3 and idle["measured_load"] == (0.0, 0.0)
+    assert busy["prefill_tokens_per_s"] == 25.0 and busy["measured_load"] == (6.0, 6.0)
+    # load 2 on 2 CPUs with 2 threads: 2x slower than idle, 2x faster than load 6 (4x): both sets as far, both used
+    assert between["prefill_tokens_per_s"] == pytest.approx(statistics.median([50, 52, 48, 60, 40, 50]))
+    assert estimate.slowdown(6.0, 2, 2) == 4.0 and estimate.slowdown(1.0, 2, 1) == 1.0  # one thread: a CPU free
+    work = Workload(1, 1000, 0, "x", "y")
+    assert "10.0 prefill tok/s at load 0.0: the median of 3 runs measured on this machine at load 0.0" in \
+        estimate.plan_line("perplexity", work, idle).replace("100.0", "10.0")
+    assert estimate.estimate_seconds(work, busy) == pytest.approx(4 * estimate.estimate_seconds(work, idle))
+
+
+def test_idle_runs_scale_to_the_load_now_and_runs_without_a_load_count_last(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    _record_at(monkeypatch, 0.0, _run(100.0, load_s=4.0))
+    loaded = _speed(2.0)
+    assert loaded["prefill_tokens_per_s"] == 50.0 and loaded["load_s"] == 8.0  # 2x the contention: half the rate
+    assert "at load 2.0: the median of 1 run measured on this machine at load 0.0" in \
+        estimate.plan_line("perplexity", Workload(1, 100, 0, "x", "y"), loaded)
+    data = json.loads((tmp_path / estimate.SPEED_FILE).read_text())
+    (key,) = data
+    data[key]["runs"].insert(0, {"prefill_tokens_per_s": 10.0, "task": "perplexity", "method": "full"})  # no load
+    (tmp_path / estimate.SPEED_FILE).write_text(json.dumps(data))
+    assert _speed(0.0)["prefill_tokens_per_s"] == 100.0  # a run with its load wins over one of unknown load
+    data[key]["runs"] = data[key]["runs"][:1]
+    (tmp_path / estimate.SPEED_FILE).write_text(json.dumps(data))
+    assert _speed(5.0)["prefill_tokens_per_s"] == 10.0  # only runs of unknown load: used as they are
+
+
+def test_a_codec_or_method_of_its_own_speed_is_estimated_from_its_runs_or_its_factor(tmp_path, monkeypatch):
+    """kivi's codec (or quest's page scoring) changes the rates: its own runs first; a model never run with it
+    takes its plain runs times the factor measured on another model of this CPU."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    for rate in (100.0, 100.0):
+        _record_at(monkeypatch, 0.0, _run(rate, method="paged_eviction", model="a"))
+    _record_at(monkeypatch, 0.0, _run(50.0, method="paged_eviction", quant="kivi", model="a"))
+    _record_at(monkeypatch, 0.0, _run(200.0, method="paged_eviction", model="b"))
+    runs = json.loads((tmp_path / estimate.SPEED_FILE).read_text())
+    assert {r["method"] for k, e in runs.items() if k.startswith("a|") for r in e["runs"]} == \
+        {"paged_eviction", "paged_eviction+kivi"}
+    kivi = "paged_eviction+kivi"
+    assert _speed(0.0, model="a", method=kivi)["prefill_tokens_per_s"] == 50.0  # its own run
+    assert _speed(0.0, model="a", method="paged_eviction")["prefill_tokens_per_s"] == 100.0
+    b = _speed(0.0, model="b", method=kivi)
+    assert b["prefill_tokens_per_s"] == 100.0  # 200 x 0.5, the factor measured on model a
+    assert "prefill from runs of the same task times 0.50 (measured on other models)" in b["basis"]
+    assert _speed(0.0, model="b", method="paged_eviction")["prefill_tokens_per_s"] == 200.0
+    assert _speed(0.0, model="b", method="quest")["prefill_tokens_per_s"] == 200.0  # no factor measured: 1
+    assert estimate.method_id("full", "none") == "full" and estimate.method_id("snapkv", "kivi") == "snapkv+kivi"
+
+
+def test_every_run_gets_an_estimate_from_the_nearest_record(tmp_path, monkeypatch):
+    """No decode rate measured for the model: its prefill rate times the decode/prefill ratio of its runs under
+    another thread setting; no run of the model at all: the model nearest in weight bytes, scaled by them."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    _record_at(monkeypatch, 0.0, _run(100.0, load_s=2.0), model_bytes=1e8)  # perplexity: prefill only
+    _record_at(monkeypatch, 0.0, _run(200.0, task="needle", decode_tokens_per_s=20.0), threads=1)
+    _record_at(monkeypatch, 0.0, _run(1e4, task="needle", decode_tokens_per_s=1e2, model="tiny"))  # ratio 0.01
+    ruler = _speed(0.0, task="ruler", method="snapkv")
+    assert ruler["prefill_tokens_per_s"] == 100.0
+    assert ruler["decode_tokens_per_s"] == pytest.approx(10.0)  # this model's ratio 0.1, not the CPU's 0.055
+    assert "decode from prefill at this model's decode/prefill ratio 0.100" in ruler["basis"]
+    line = estimate.plan_line("ruler", Workload(3, 3000, 300, "x", "y"), ruler)
+    assert "about 62 s here (model load 2 s" in line  # 3000 / 100 + 300 / 10 + the load
+    big = _speed(0.0, model="big", model_bytes=2e8)
+    assert big["prefill_tokens_per_s"] == 50.0 and big["load_s"] == 4.0  # 2x the bytes of m: half the rate
+    assert "no run of this model: m's runs, times its size (2.00x)" in big["basis"]
+    assert _speed(0.0, model="big") is None  # its size unknown: nothing to scale from
+    assert "no speed measured" in estimate.plan_line("ruler", Workload(1, 1, 1, "x", "y"), None)
+
+
+def test_a_missing_or_nan_figure_neither_crashes_nor_skews_the_estimate(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    nan, inf = float("nan"), float("inf")
+    _record_at(monkeypatch, 0.0, _run(nan, decode_tokens_per_s=nan))
+    assert not (tmp_path / estimate.SPEED_FILE).exists()  # nothing measured: nothing kept
+    _record_at(monkeypatch, nan, _run(100.0, decode_tokens_per_s=inf, load_s=nan, wall_s=nan))
+    (run,) = next(iter(json.loads((tmp_path / estimate.SPEED_FILE).read_text()).values()))["runs"]
+    assert run["prefill_tokens_per_s"] == 100.0
+    assert not {"decode_tokens_per_s", "load_s", "overhead_s", "load_avg_1m"} & set(run)
+    data = json.loads((tmp_path / estimate.SPEED_FILE).read_text())
+    (key,) = data
+    data[key]["runs"] += [{"prefill_tokens_per_s": "fast"}, {"prefill_tokens_per_s": nan, "load_avg_1m": nan},
+                          {"prefill_tokens_per_s": -5.0}, "not a run", {"load_s": None}]
+    (tmp_path / estimate.SPEED_FILE).write_text(json.dumps(data))  # json writes NaN as NaN
+    speed = _speed(0.0)
+    assert speed["prefill_tokens_per_s"] == 100.0 and "load_s" not in speed
+    assert estimate.estimate_seconds(Workload(1, 100, 0, "x", "y"), speed) == pytest.approx(1.0)
+    (tmp_path / estimate.SPEED_FILE).write_text("{not json")
+    assert _speed(0.0) is None
+
+
+def test_a_sweeps_line_is_the_sum_of_its_runs(tmp_path, monkeypatch, capsys):
+    """`-m` prints one line before the first run: the sum of its runs' estimates, the model's load counted once
+    (the process holds it after the first run); the first run's record keeps it for bench/first_hour.py."""
+    from kvbench import app
+    from kvbench.plan import plan_run
+    from tests.harness_fakes import compose
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    _record_at(monkeypatch, 0.0, _run(100.0, method="paged_eviction", model="smollm2-135m", load_s=8.0,
+                                      logger_start_s=0.5))
+    plans = [plan_run(compose([f"results_dir={tmp_path / 'r'}", "method=paged_eviction", f"budget={b}",
+                               "task.max_tokens=1024", "logger.wandb=false"])) for b in (256, 512)]
+    tokens = [p.task.workload(p.settings).prompt_tokens for p in plans]
+    monkeypatch.setattr(estimate, "others_load", lambda: 0.0)
+    total = app.announce_sweep(plans)
+    assert total == pytest.approx(8.0 + 2 * 0.5 + sum(tokens) / 100.0)
+    assert f"kvbench: sweep of 2 run(s): about {estimate.duration(total)} here in all" in capsys.readouterr().out
+    kept = estimate.take_sweep_estimate()
+    assert kept["sweep_estimate_s"] == round(total, 2) and kept["sweep_announced_after_s"] > 0
+    assert estimate.take_sweep_estimate() == {}  # the first run's record alone
+    assert estimate.sweep_line([None, None]).endswith("no speed measured on this machine for its model(s) yet")
+    assert "(1 of them without one" in estimate.sweep_line([3.0, None])
+
+
+def _first_hour():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "first_hour.py"
+    spec = importlib.util.spec_from_file_location("first_hour", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_first_hour_sets_each_command_against_what_its_first_line_said(tmp_path):
+    """bench/first_hour.py's estimate of a command: a run's age at its line plus its estimate_s; a sweep's age at
+    its line plus the sweep's sum; none (so no ratio) where a run printed none or a figure is missing or NaN."""
+    bench = _first_hour()
+
+    def runs(*records):
+        folder = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        for i, record in enumerate(records):
+            (folder / f"run{i}").mkdir(parents=True)
+            (folder / f"run{i}" / "metrics.json").write_text(json.dumps(record))
+        return str(folder)
+
+    assert bench.command_estimate(runs({"estimate_s": 30.0, "announced_after_s": 5.0})) == 35.0
+    sweep = runs({"estimate_s": 20.0, "announced_after_s": 9.0, "sweep_estimate_s": 50.0,
+                  "sweep_announced_after_s": 8.0}, {"estimate_s": 5.0, "announced_after_s": 40.0})
+    assert bench.command_estimate(sweep) == 58.0  # the sweep's own line, not the runs' later ones
+    assert bench.command_estimate(runs({"estimate_s": None, "announced_after_s": 5.0})) is None
+    assert bench.command_estimate(runs({"estimate_s": float("nan"), "announced_after_s": 5.0})) is None
+    assert bench.command_estimate(runs({"sweep_estimate_s": float("nan")}, {"estimate_s": 3.0})) is None
+    assert bench.command_estimate(runs({"estimate_s": 3.0}, {"estimate_s": 3.0})) is None  # a sweep with no line
+    assert bench.command_estimate(str(tmp_path / "absent")) is None
+
+
+def test_first_hour_judges_a_ratio_both_ways_and_a_killed_command_as_unknown():
+    judge = _first_hour().judge
+    assert judge(60.0, 60.0, killed=False) == (1.0, True)  # identical: within
+    assert judge(130.0, 60.0, killed=False) == (2.17, False) and judge(20.0, 60.0, killed=False) == (0.33, False)
+    assert judge(60.0, None, killed=False) == (None, False)  # no estimate printed: a failure, never a pass
+    assert judge(360.0, 300.0, killed=True) == (1.2, None)  # killed: the time is a lower bound, so unknown
+    assert judge(360.0, 100.0, killed=True) == (3.6, False)  # ... unless even the bound is past 2x
+    assert judge(360.0, None, killed=True) == (None, None)  # killed before metrics.json kept its estimate
