@@ -89,7 +89,8 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
         missing = getattr(ex, "missing_cfg_file", None) or ""
         if "/" in missing:
             group, _, value = missing.rpartition("/")
-            return f"unknown {group} '{value}': choices are {_choices(getattr(ex, 'options', None))}"
+            return (missing_method_yaml(value) if group == "method" else None) or \
+                f"unknown {group} '{value}': choices are {_choices(getattr(ex, 'options', None))}"
         return first_line(ex)
     if isinstance(ex, OverrideParseException):
         detail = first_line(getattr(ex, "message", "") or ex)
@@ -118,6 +119,25 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
     if isinstance(ex, InterpolationResolutionError):  # e.g. results_dir=${oc.env:UNSET}, met by Hydra itself
         return f"cannot resolve an interpolation: {first_line(getattr(ex, 'msg', '') or ex)}"
     return None
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "conf")
+
+
+def missing_method_yaml(name: str) -> Optional[str]:
+    """One line for `method=<name>` where a method is registered under that name (its file exists) but
+    conf/method/<name>.yaml does not: the YAML to create. None for a name no file registers."""
+    from kvbench.registry import METHODS
+
+    try:
+        if name not in METHODS:
+            return None
+        where = METHODS.source_file(name)
+    except UserError:  # a clash or a broken file: the registry says so when the method is built
+        return None
+    path = os.path.relpath(os.path.join(CONF_DIR, "method", f"{name}.yaml"))
+    return (f"method {name!r} (registered in {where}) has no YAML: create {path} holding `name: {name}` (its "
+            f"options and their defaults are the dataclass's; list those you want to show)")
 
 
 # errno values of a results folder the user pointed at that cannot be used (bad input: exit 2); any other OSError

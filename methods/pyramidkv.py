@@ -59,6 +59,7 @@ def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, be
 @dataclass
 class PyramidKV(ScorerWrapper):
     """A scorer's selection (SnapKV's by default) with a pyramid of per-layer budgets (average `budget`)."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     decode: str = "none"

@@ -69,6 +69,7 @@ class SnapKVScores:
 @dataclass
 class SnapKV(SnapKVScores, ScorerMethod):
     """Observation-window attention, pooled; keep top per kv-head plus the window."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "window", "rescore")
     decode: str = "none"
