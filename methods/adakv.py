@@ -31,6 +31,7 @@ from kvbench.methods.wrappers import ScorerWrapper
 class AdaKV(ScorerWrapper):
     """The base's scores; a layer's kv_heads x budget tokens allocated across its kv-heads jointly."""
     supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
+    head_adaptive: ClassVar[bool] = True  # the layer's kv_heads x budget best (kv-head, token) pairs
 
     alpha_safeguard: float = 0.20
 

@@ -75,7 +75,7 @@ class SnapKV(SnapKVScores, ScorerMethod):
     decode: str = "none"
 
     def observes_in_decode(self) -> bool:
-        return self.decode == "rescore"
+        return self.decode in ("rescore", "interval")  # re-scored from the latest queries
 
     def evict_decode(self, obs: Observation, budget: int) -> None:
         if self.decode == "rescore":
