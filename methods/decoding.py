@@ -4,8 +4,8 @@ decoding_adakv_snapkv, decoding_adakv_expected_attention_e2).
 
 The prompt is not compressed. While decoding, each layer counts its decode steps; at every `compression_interval`-th
 step (kvpress's default 512) a table holding more than the budget (kvpress's `target_size`, default 2048) is brought
-back to it (kvbench's one periodic policy, EvictionMethod.evict_every, is this one): each kv-head keeps its budget best tokens by the base's scores (`head_adaptive=false`, kvpress
-DecodingPress(ScorerPress)), or the layer keeps its kv_heads x budget best (kv-head, token) pairs jointly
+back to it (kvbench's one periodic policy, EvictionMethod.evict_every, is this one): each kv-head keeps its
+budget best tokens by the base's scores (`head_adaptive=false`, kvpress DecodingPress(ScorerPress)), or the layer keeps its kv_heads x budget best (kv-head, token) pairs jointly
 (`head_adaptive=true`, DecodingPress(AdaKVPress(...)), with Ada-KV's alpha_safeguard). As in kvpress, tokens are
 ranked by score alone (the base's own window aside, e.g. SnapKV's): the newest token is not protected. The base
 observes every decode step (its query window, accumulated attention or per-token scores), so at a compression it
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
-
-import torch
 
 from kvbench.errors import UserError
 from kvbench.methods.base import register_method

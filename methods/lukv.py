@@ -120,7 +120,7 @@ class LUKV(ScorerWrapper):
             key = (getattr(model, "name_or_path", None), self.base_name())
             path = CURVES.get(key)
             if path is None:
-                raise UserError(f"lukv: no LU-KV budget curve for model {key[0]!r} with base {self.base_name()!r} (kvpress "
+                raise UserError(f"lukv: no LU-KV budget curve for model {key[0]!r} with base {key[1]!r} (kvpress "
                                 f"has one: {', '.join(f'{m} with {b}' for m, b in CURVES)}); give method.curve_path")
         curve = load_curve(path)
         want = (99, model.config.num_layers, model.config.num_kv_heads)

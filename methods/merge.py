@@ -12,9 +12,9 @@ values are written back in place (cache.rewrite_tokens), the evicted tokens' blo
 decode="cam" (CaM, Zhang et al., ICML 2024; kvpress CAMPress): while decoding, each layer accumulates the attention
 every cached token receives from the generated tokens; every `compression_interval` steps a layer holding more
 than its budget per kv-head is brought back to the budget: tokens ranked by the base's scores averaged over the
-kv-heads (one token set for the layer), the k best-scored of the evicted ones (k = compression_interval, the steps
-since the last due step; ties: the later first) are merged, each into the `merge_budget` kept tokens that follow it: with
-probability clamp(A_e / mean A_window, 0, 1) (A: the accumulated attention, per kv-head; a Bernoulli draw from
+kv-heads (one token set for the layer), the k best-scored of the evicted ones (k = compression_interval, the
+steps since the last due step; ties: the later first) are merged, each into the `merge_budget` kept tokens that
+follow it: with probability clamp(A_e / mean A_window, 0, 1) (A: the accumulated attention, per kv-head; a Bernoulli draw from
 `seed`) its value / (window size) is added to each of them, so a merged token's value is added whole. kvpress's
 defaults: compression_interval 512, merge_budget 32 (compression_interval=1 is the original per-step CaM).
 `compress_prompt=false` keeps the prompt whole (no MergingPress at prefill): decode="cam" is then kvpress's CAMPress

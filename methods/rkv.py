@@ -4,8 +4,8 @@ code github Zefan-Cai/R-KV, `rkv/compression/r1_kv.py` and `rkv/utils.py`).
 A table over the budget is compressed to `budget` tokens every `buffer` decode steps (the official code's staging
 buffer, `divide_length` 128: it compresses every 128 generated tokens), and once after the prompt if the prompt
 exceeds the budget (decode="evict" runs kvbench's one periodic policy with interval `buffer`,
-methods.eviction.EvictionMethod.evict_every). A compression keeps the newest `window` tokens (the observation window) plus the `budget -
-window` best of the older ones by
+methods.eviction.EvictionMethod.evict_every). A compression keeps the newest `window` tokens (the observation
+window) plus the `budget - window` best of the older ones by
 
     score = mix_lambda * importance - (1 - mix_lambda) * redundancy
 

@@ -14,7 +14,8 @@ layer, and what the method declares it reads (`query_window` -> obs.queries, `ac
 obs.attention). The defaults are kvpress's ScorerPress: the prompt is compressed once after prefill (decode="none")
 and each kv-head keeps its `budget` best tokens by score alone; decode="evict" re-selects after every decode step,
 keeping the newest token; decode="interval" with interval=N re-selects every N decode steps (kvpress's
-DecodingPress over this scorer, without its prompt left whole: methods.eviction.EvictionMethod.evict_every). Behaviours come by wrapping a scorer (methods.wrappers: head-adaptive budgets, CriticalKV)
+DecodingPress over this scorer, without its prompt left whole: methods.eviction.EvictionMethod.evict_every).
+Behaviours come by wrapping a scorer (methods.wrappers: head-adaptive budgets, CriticalKV, a wrapper of one's own)
 or by the options every eviction method has (prefill_mode, decode; methods.eviction).
 """
 from __future__ import annotations

@@ -71,8 +71,8 @@ class ThinK(ScorerWrapper):
         check_int(self.name, "window_size", self.window_size, 1)
         super().__post_init__()
         if self.inner.store_pre_rope:
-            raise UserError(f"invalid think.base={self.base_name()!r}: ThinK prunes keys after RoPE, {self.base_name()} caches "
-                            "them before")
+            base = self.base_name()
+            raise UserError(f"invalid think.base={base!r}: ThinK prunes keys after RoPE, {base} caches them before")
 
     @staticmethod
     def rewrites_cache(options: dict) -> bool:

@@ -683,8 +683,8 @@ def test_a_registered_method_without_its_yaml_names_the_yaml_to_create(cli, tmp_
     finally:
         METHODS._items.pop("my_knorm", None)
         sys.modules.pop("tests.methods.user_method", None)
-    _one_line(code, out, err, "method 'my_knorm'", "has no YAML: create", os.path.join("conf", "method", "my_knorm.yaml"),
-              os.path.join("tests", "methods", "user_method.py"))
+    _one_line(code, out, err, "method 'my_knorm'", "has no YAML: create",
+              os.path.join("conf", "method", "my_knorm.yaml"), os.path.join("tests", "methods", "user_method.py"))
     assert not (tmp_path / "r").exists()
 
 

@@ -9,7 +9,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
