@@ -32,6 +32,7 @@ from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, f
 from kvbench.exit_channel import close_exit_channel, open_exit_channel
 from kvbench.hydra_folders import discard_sweep_file
 from kvbench.plan import plan_run
+from kvbench.registry import METHODS
 from kvbench.spec import check_bool_spellings, integral_spellings
 from kvbench.sweep_table import end_of_cli, stopped_sweep_table
 
@@ -127,8 +128,6 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file_
 def missing_method_yaml(name: str) -> Optional[str]:
     """One line for `method=<name>` where a method is registered under that name (its file exists) but
     conf/method/<name>.yaml does not: the YAML to create. None for a name no file registers."""
-    from kvbench.registry import METHODS
-
     try:
         if name not in METHODS:
             return None
