@@ -693,6 +693,7 @@ INHERITED_OPTION_CASES = [  # a method's options are its dataclass's fields, wha
      ("unknown option method.decodee for method 'knorm'; valid options are", "interval", "did you mean decode?")),
     (["method=knorm", "budget=64", "method.decode=interval"], "method 'knorm' decode=interval needs method.interval"),
     (["method=snapkv", "budget=64", "method.decode=interval", "method.interval=0"], "invalid snapkv.interval=0"),
+    (["method=kivi", "method.bitz=2"], "unknown option method.bitz for codec 'kivi'; valid options are bits"),
 ]
 
 
