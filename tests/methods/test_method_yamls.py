@@ -50,3 +50,19 @@ def test_yaml_keys_are_options_of_the_dataclass(stem):
     if stem == name:  # the method's own YAML: its defaults are the dataclass's
         differ = {k: (v, options[k]) for k, v in section.items() if v != options[k]}
         assert not differ, f"conf/method/{stem}.yaml's defaults differ from the dataclass's (yaml, dataclass): {differ}"
+
+
+def test_a_yaml_holding_only_name_takes_the_inherited_options(tmp_path):
+    """`method.decode=evict` on a YAML holding only `name:` was Hydra's "unknown option"; the options are the
+    dataclass's (inherited ones included), and an unknown one is refused by the method, naming the valid ones."""
+    from kvbench.errors import UserError
+    from kvbench.plan import plan_run
+
+    (tmp_path / "method").mkdir()
+    (tmp_path / "method" / "only_name.yaml").write_text("name: knorm\n")
+    args = [f"hydra.searchpath=[file://{tmp_path}]", "method=only_name", "budget=16", "logger.wandb=false"]
+    cfg = compose([*args, "method.decode=interval", "method.interval=8", "method.prefill_mode=streaming"])
+    method = plan_run(cfg).method
+    assert (method.name, method.decode, method.interval, method.prefill_mode) == ("knorm", "interval", 8, "streaming")
+    with pytest.raises(UserError, match="unknown option method.intervall for method 'knorm'.*did you mean interval"):
+        plan_run(compose([*args, "method.intervall=8"]))
