@@ -33,6 +33,7 @@ from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, f
 from kvbench.exit_channel import close_exit_channel, open_exit_channel
 from kvbench.hydra_folders import discard_sweep_file
 from kvbench.plan import plan_run
+from kvbench.registry import METHODS
 from kvbench.spec import check_bool_spellings, integral_spellings
 from kvbench.sweep_table import end_of_cli, stopped_sweep_table
 
@@ -90,7 +91,8 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
         missing = getattr(ex, "missing_cfg_file", None) or ""
         if "/" in missing:
             group, _, value = missing.rpartition("/")
-            return f"unknown {group} '{value}': choices are {_choices(getattr(ex, 'options', None))}"
+            return (missing_method_yaml(value) if group == "method" else None) or \
+                f"unknown {group} '{value}': choices are {_choices(getattr(ex, 'options', None))}"
         return first_line(ex)
     if isinstance(ex, OverrideParseException):
         detail = first_line(getattr(ex, "message", "") or ex)
@@ -119,6 +121,23 @@ def describe_hydra_error(ex: BaseException) -> Optional[str]:
     if isinstance(ex, InterpolationResolutionError):  # e.g. results_dir=${oc.env:UNSET}, met by Hydra itself
         return f"cannot resolve an interpolation: {first_line(getattr(ex, 'msg', '') or ex)}"
     return None
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "conf")
+
+
+def missing_method_yaml(name: str) -> Optional[str]:
+    """One line for `method=<name>` where a method is registered under that name (its file exists) but
+    conf/method/<name>.yaml does not: the YAML to create. None for a name no file registers."""
+    try:
+        if name not in METHODS:
+            return None
+        where = METHODS.source_file(name)
+    except UserError:  # a clash or a broken file: the registry says so when the method is built
+        return None
+    path = os.path.relpath(os.path.join(CONF_DIR, "method", f"{name}.yaml"))
+    return (f"method {name!r} (registered in {where}) has no YAML: create {path} holding `name: {name}` (its "
+            f"options and their defaults are the dataclass's; list those you want to show)")
 
 
 # errno values of a results folder the user pointed at that cannot be used (bad input: exit 2); any other OSError

@@ -339,9 +339,21 @@ def _resolve_run_dir(*, _root_: DictConfig) -> str:
     return os.path.join(results_path(_root_.results_dir), _resolve_run_id(_root_=_root_))
 
 
+def schema_node() -> DictConfig:
+    """KvbenchConfig as the config root Hydra composes over, its `method` section open: Hydra closes the root
+    (struct mode) before it applies the overrides, and an open section keeps its own flag, so `method.decode=evict`
+    sets an option the YAML does not list (a YAML holding only `name:` inherits every option of its dataclass).
+    The known set of a method's options is its dataclass's fields, checked by methods.base.build_method before the
+    model loads (one line naming the valid options)."""
+    node = OmegaConf.structured(KvbenchConfig)
+    node.method = OmegaConf.create({})
+    node.method._set_flag("struct", False)  # type: ignore[union-attr]
+    return node
+
+
 def register() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="kvbench_schema", node=KvbenchConfig)
+    cs.store(name="kvbench_schema", node=schema_node())
     OmegaConf.register_new_resolver("kvbench_run_id", _resolve_run_id, replace=True)
     OmegaConf.register_new_resolver("kvbench_run_dir", _resolve_run_dir, replace=True)
     OmegaConf.register_new_resolver("kvbench_results_dir", _resolve_results_dir, replace=True)

@@ -273,13 +273,14 @@ def codec_defaults(name: str) -> dict[str, Any]:
     return dict(CODECS.get(name).defaults)
 
 
-def check_codec_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The codec's options with null ones at their defaults; UserError naming an option the codec does not take."""
+def check_codec_options(name: str, options: dict[str, Any], where: str = "quant") -> dict[str, Any]:
+    """The codec's options with null ones at their defaults; UserError naming an option the codec does not take
+    (as `where`.option: quant, or method for the shorthand method=<codec>)."""
     defaults = codec_defaults(name)
     bad = sorted(set(options) - set(defaults))
     if bad:
         valid = ", ".join(sorted(defaults)) or "(none)"
-        raise UserError(f"unknown option quant.{bad[0]} for codec {name!r}; valid options are {valid}")
+        raise UserError(f"unknown option {where}.{bad[0]} for codec {name!r}; valid options are {valid}")
     return {k: (defaults[k] if options.get(k) is None else options[k]) for k in defaults}
 
 
@@ -299,6 +300,7 @@ def resolve_storage(method_name: str, method_options: dict[str, Any], quant_name
             raise UserError(f"method={method_name} and quant={quant_name} both choose a storage codec: use "
                             f"method=full quant={quant_name}, or method=<eviction method> quant={quant_name}")
         method_name, quant_name, quant_options, method_options = "full", method_name, method_options, {}
+        check_codec_options(quant_name, quant_options, where="method")  # the options the user set on method.
     check_codec_options(quant_name, quant_options)
     return (method_name, normalise_numbers(method_options), quant_name,
             normalise_numbers(quant_options, codec_defaults(quant_name)))

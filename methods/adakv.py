@@ -19,6 +19,7 @@ appended) or "evict" (the joint selection runs again whenever a layer exceeds kv
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvbench.methods.base import register_method
 from kvbench.methods.checks import check_float
@@ -29,6 +30,8 @@ from kvbench.methods.wrappers import ScorerWrapper
 @dataclass
 class AdaKV(ScorerWrapper):
     """The base's scores; a layer's kv_heads x budget tokens allocated across its kv-heads jointly."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
+    head_adaptive: ClassVar[bool] = True  # the layer's kv_heads x budget best (kv-head, token) pairs
 
     alpha_safeguard: float = 0.20
 

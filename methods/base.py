@@ -4,33 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, ClassVar, Optional
 
 from kvbench.errors import UserError
-from kvbench.registry import METHODS
+from kvbench.registry import METHODS, did_you_mean
 from kvbench.runtime.contract import NoCompression
 from kvbench.spec import check_budget, check_compression, check_positive
 
 
-# The methods whose scores are defined on MLA's latent tokens (one row per token: the compressed latent and the RoPE
-# key, read by every query head; docs/methods.md): attention mass over the latent row (the absorbed query's scores
-# are the model's own logits), positions, chance. The others score key or value geometry (norms, similarity, value
-# projections, RoPE statistics, calibrated heads) that the latent does not have per head: refused on an MLA model.
-LATENT_METHODS = frozenset({"full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "random", "kvzip"})
+def latent_methods() -> list[str]:
+    """The registered methods that declare `supports_latent` (their scores are defined on MLA's latent tokens)."""
+    return [n for n in METHODS.names() if getattr(METHODS[n], "supports_latent", False)]
 
 
 def latent_refusal(method: Any) -> Optional[str]:
-    """Why `method` cannot run on an MLA model's latent cache, or None."""
+    """Why `method` cannot run on an MLA model's latent cache, or None (its class's `supports_latent`, and its
+    base's for a wrapper)."""
     name = getattr(method, "name", None)
-    if name not in LATENT_METHODS:
+    if not getattr(method, "supports_latent", False):
         return (f"method {name!r} scores key or value geometry that MLA's latent cache does not hold per head; "
-                f"on an MLA model (DeepSeek-V2/V3) use one of {', '.join(sorted(LATENT_METHODS))}")
-    base = getattr(method, "base", None)  # a wrapper's base scorer (adakv)
-    if base is not None and not isinstance(base, str):
-        base = getattr(base, "name", None)
-    if base is not None and base not in LATENT_METHODS:
-        return f"method {name!r} over base {base!r}: " + latent_refusal(SimpleNamespace(name=base))
+                f"on an MLA model (DeepSeek-V2/V3) use one of {', '.join(latent_methods())}")
+    base = getattr(method, "inner", None)  # a wrapper's base scorer (adakv)
+    if base is not None and not getattr(base, "supports_latent", False):
+        return f"method {name!r} over base {base.name!r}: " + latent_refusal(base)
     if method.store_pre_rope:
         return (f"method {name!r} caches keys before RoPE (position re-indexing): MLA's RoPE key sits inside the "
                 f"latent row; use position_mode=original")
@@ -67,6 +63,11 @@ class Method(NoCompression):
     retrieves: ClassVar[bool] = False  # reads only some blocks per decode step (`budget`: tokens read; quest.py)
     acts_after_attention: ClassVar[bool] = False
     decode_reads_attention: ClassVar[bool] = True
+    # Whether the scores are defined on MLA's latent tokens (one row per token, read by every query head: attention
+    # mass over the latent row, positions, chance); False (the default) for scores of key or value geometry (norms,
+    # similarity, value projections, RoPE statistics, calibrated heads) that the latent does not hold per head: such
+    # a method is refused on an MLA model (docs/methods.md). A wrapper runs on MLA where it and its base both do.
+    supports_latent: ClassVar[bool] = False
     budget: int | None = None
     compression_ratio: float | None = None
 
@@ -134,7 +135,8 @@ def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int]
     bad = sorted(set(options) - fields)
     if bad:
         valid = ", ".join(sorted(fields)) or "(none)"
-        raise UserError(f"unknown option {options_key}.{bad[0]} for method {name!r}; valid options are {valid}")
+        raise UserError(f"unknown option {options_key}.{bad[0]} for method {name!r}; valid options are {valid}"
+                        f"{did_you_mean(bad[0], fields)}")
     if "seed" in fields and options.get("seed") is None and seed is not None:
         options["seed"] = seed
     if budget_key != "budget":

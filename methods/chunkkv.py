@@ -64,15 +64,12 @@ class ChunkKV(ScorerWrapper):
     """Whole chunks of the prompt kept, ranked by the base's scores summed over the kv-heads."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
+    reselects_by_score: ClassVar[bool] = False  # its own selection (no decode="interval")
     chunk_length: int = 20
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(self.name, "chunk_length", self.chunk_length, 1)
-
-    @property
-    def head_adaptive(self) -> bool:
-        return False
 
     def ratio_for(self, prompt_len: int, budget: int) -> float:
         if self.compression_ratio is not None:

@@ -222,12 +222,13 @@ class AdaKVCompactor(ScorerWrapper):
     """The leaderboard's `adakv_compactor`: Ada-KV's joint allocation (methods/adakv.py) over Compactor's scores."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
+    head_adaptive: ClassVar[bool] = True
     base: str = "compactor"
     alpha_safeguard: float = 0.20
 
     def __post_init__(self) -> None:
-        if self.base != "compactor":
-            raise UserError(f"invalid adakv_compactor.base={self.base!r}: it is adakv over compactor (use "
+        if self.base_name() != "compactor":
+            raise UserError(f"invalid adakv_compactor.base={self.base_name()!r}: it is adakv over compactor (use "
                             "method=adakv method.base=... for another base)")
         super().__post_init__()
         check_float(self.name, "alpha_safeguard", self.alpha_safeguard, 0.0, 1.0)

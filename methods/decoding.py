@@ -4,8 +4,8 @@ decoding_adakv_snapkv, decoding_adakv_expected_attention_e2).
 
 The prompt is not compressed. While decoding, each layer counts its decode steps; at every `compression_interval`-th
 step (kvpress's default 512) a table holding more than the budget (kvpress's `target_size`, default 2048) is brought
-back to it: each kv-head keeps its budget best tokens by the base's scores (`head_adaptive=false`, kvpress
-DecodingPress(ScorerPress)), or the layer keeps its kv_heads x budget best (kv-head, token) pairs jointly
+back to it (kvbench's one periodic policy, EvictionMethod.evict_every, is this one): each kv-head keeps its
+budget best tokens by the base's scores (`head_adaptive=false`, kvpress DecodingPress(ScorerPress)), or the layer keeps its kv_heads x budget best (kv-head, token) pairs jointly
 (`head_adaptive=true`, DecodingPress(AdaKVPress(...)), with Ada-KV's alpha_safeguard). As in kvpress, tokens are
 ranked by score alone (the base's own window aside, e.g. SnapKV's): the newest token is not protected. The base
 observes every decode step (its query window, accumulated attention or per-token scores), so at a compression it
@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from kvbench.errors import UserError
 from kvbench.methods.base import register_method
 from kvbench.methods.checks import check_bool, check_float, check_int
 from kvbench.methods.selection import top_tokens
-from kvbench.methods.wrappers import ScorerWrapper, layer_over_budget, select_in_layer
+from kvbench.methods.wrappers import ScorerWrapper, select_in_layer
 from kvbench.runtime.contract import Observation
 
 
@@ -42,6 +41,9 @@ class Decoding(ScorerWrapper):
     compression_interval: int = 512
 
     def __post_init__(self) -> None:
+        if self.interval is not None:
+            raise UserError(f"method.interval={self.interval} is not decoding's: its interval is "
+                            f"method.compression_interval (kvpress's name)")
         super().__post_init__()
         check_bool(self.name, "head_adaptive", self.head_adaptive)
         check_float(self.name, "alpha_safeguard", self.alpha_safeguard, 0.0, 1.0)
@@ -53,9 +55,9 @@ class Decoding(ScorerWrapper):
     def min_tokens_per_head(self, budget: int) -> int:
         return int(budget * self.alpha_safeguard) if self.head_adaptive else 0  # kvpress AdaKVPress
 
-    def decode_overshoot(self) -> int:
-        """Tokens a table may hold over the budget between two compressions (once compressed)."""
-        return self.compression_interval - 1
+    def decode_interval(self) -> int | None:
+        """kvpress's compression_interval, through the one periodic policy (EvictionMethod.evict_every)."""
+        return self.compression_interval
 
     def budget_holds(self, slot: int, layer: int) -> bool:
         """Whether (slot, layer) was compressed while decoding already (before that it holds the whole prompt)."""
@@ -64,15 +66,8 @@ class Decoding(ScorerWrapper):
     def evict_prefill(self, obs: Observation, budget: int) -> None:
         return  # kvpress DecodingPress: prefill untouched
 
-    def evict_decode(self, obs: Observation, budget: int) -> None:
-        st = self.state(obs.slot, obs.layer)
-        st["decode_steps"] = st.get("decode_steps", 0) + 1
-        if st["decode_steps"] < self.compression_interval:
-            return
-        st["decode_steps"] = 0  # kvpress resets the count whether or not the table was over the target
-        over = layer_over_budget(obs, budget) if self.head_adaptive else int(obs.lengths.max()) > budget
-        if not over:
-            return
+    def reselect(self, obs: Observation, budget: int) -> None:
+        """kvpress DecodingPress's compression: by the base's scores alone (its own window aside), no newest floor."""
         scores = self.score(obs)  # [H, T]
         recent = min(self.recent_window(budget), budget)  # the base's own window (SnapKV's), no newest floor
         if self.head_adaptive:
@@ -80,5 +75,4 @@ class Decoding(ScorerWrapper):
         else:
             keep = top_tokens(scores, budget, obs.lengths, recent=recent)
         self.keep(obs, keep)
-        st = self.state(obs.slot, obs.layer)
-        st["decode_compressed"] = True
+        self.state(obs.slot, obs.layer)["decode_compressed"] = True

@@ -28,7 +28,8 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from kvbench.errors import UserError
-from kvbench.methods.base import build_method, register_method
+from kvbench.methods.base import Method, build_method, register_method
+from kvbench.methods.scorer import check_interval
 from kvbench.methods.checks import check_int
 from kvbench.methods.selection import gather_aligned
 from kvbench.methods.wrappers import ScorerWrapper
@@ -44,6 +45,7 @@ class DMS(ScorerWrapper):
     """Evict every token scored below `threshold` once it leaves the sliding window of the newest tokens."""
 
     needs_budget: ClassVar[bool] = False
+    reselects_by_score: ClassVar[bool] = False  # a threshold rule (no decode="interval")
     base: str = "kvzap"  # the board's (kvpress kvzap_linear / kvzap_mlp)
     threshold: Optional[float] = None
     sliding_window_size: int = 128
@@ -64,13 +66,10 @@ class DMS(ScorerWrapper):
         # token alone); the wrapper never calls its selection
         super(ScorerWrapper, self).__post_init__()
         self.check_base()
-        self.inner = build_method(self.base, None, compression_ratio=0.0, options_key="method.base_options",
-                                  **dict(self.base_options))
-        self.inner._state = self._state
-
-    @property
-    def head_adaptive(self) -> bool:
-        return False
+        self.inner = self.base if isinstance(self.base, Method) else build_method(
+            self.base, None, compression_ratio=0.0, options_key="method.base_options", **dict(self.base_options))
+        self.inner.run_under(self)  # one per-sequence state: the wrapper's
+        check_interval(self)
 
     def tensor_parallel_refusal(self) -> str | None:
         return self.inner.tensor_parallel_refusal()

@@ -12,7 +12,11 @@ wrappers are such classes already). After each layer's attention it walks the st
        decode="none"             compress after prefill only; generated tokens are appended, never evicted
        decode=<policy>           the method's own decode-time policy (its DECODE_POLICIES; its default is what its
                                  paper or official code does)
-     through `evict_prefill(obs, budget)` / `evict_decode(obs, budget)`.
+       decode="interval"         the one periodic policy (every scorer: ScorerMethod, ScorerWrapper): every
+                                 `interval` decode steps a table over the budget is re-selected by its scores
+     through `evict_prefill(obs, budget)` / `evict_decode(obs, budget)`, or, for a periodic policy, `reselect`
+     once `decode_interval()` steps have passed (`evict_every`: R-KV's `buffer`, CaM's and DecodingPress's
+     `compression_interval` are such intervals under their papers' names).
 Per-sequence state: `state(slot, layer)` is a dict; a tensor under "scores" ([H, T], one column per cache slot) is
 kept aligned with the cache's slots whenever `keep` drops tokens.
 """
@@ -32,6 +36,8 @@ from kvbench.methods.selection import gather_aligned
 from kvbench.runtime.contract import LayerContext, MethodCacheView, Observation
 
 PREFILL_MODES = ("paper", "streaming")
+INTERVAL = "interval"  # the periodic decode policy of every scorer (method.decode=interval method.interval=N)
+DECODE_STEPS = "decode_steps"  # per-(sequence, layer) state: decode steps since the last periodic re-selection
 HEAD_MODES = ("shared", "per_head")
 
 
@@ -53,6 +59,7 @@ class EvictionMethod:
     acts_after_attention: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False  # declared observation: obs.attention (H2O)
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("evict", "none")
+    reselects_by_score: ClassVar[bool] = False  # True: decode="interval" is a choice too (evict_to_budget re-selects)
     prefill_mode: str = "paper"
     decode: str = "evict"
 
@@ -62,10 +69,29 @@ class EvictionMethod:
             raise UserError(f"method {self.name!r} needs a budget: set budget=N (KV tokens kept per sequence, "
                             "layer and kv-head) or compression_ratio=R (fraction of each prompt's KV removed)")
         check_choice(self.name, "prefill_mode", self.prefill_mode, PREFILL_MODES)
-        check_choice(self.name, "decode", self.decode, self.DECODE_POLICIES)
-        self._state: dict[tuple[int, int], dict[str, Any]] = {}
+        check_choice(self.name, "decode", self.decode, self.decode_policies())
+        self._own_state: dict[tuple[int, int], dict[str, Any]] = {}
+        self._state_owner: Optional[EvictionMethod] = None
         self._budgets = SequenceBudgets(self.budget, self.compression_ratio)
         self._kept = KeptStats()
+
+    @classmethod
+    def decode_policies(cls) -> tuple[str, ...]:
+        """The `decode` choices: DECODE_POLICIES, and "interval" where the method re-selects by score."""
+        interval = (INTERVAL,) if cls.reselects_by_score and INTERVAL not in cls.DECODE_POLICIES else ()
+        return tuple(cls.DECODE_POLICIES) + interval
+
+    @property
+    def _state(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """Per-(sequence slot, layer) state: this method's own or, when it runs as a wrapper's base, its wrapper's
+        (owned in one place: the driver that resets it, realigns it on eviction and drops it with the sequence)."""
+        owner = self._state_owner
+        return self._own_state if owner is None else owner._state
+
+    def run_under(self, wrapper: "EvictionMethod") -> None:
+        """This method is `wrapper`'s base from now on: the wrapper drives it, and its state is the wrapper's."""
+        self._own_state.clear()
+        self._state_owner = wrapper
 
     # --- declarations a method may override -------------------------------------------------------
     @property
@@ -86,6 +112,15 @@ class EvictionMethod:
     def min_budget(self) -> int:
         """The smallest budget a compression_ratio may give a sequence (the method's own minimum)."""
         return 1
+
+    def decode_interval(self) -> int | None:
+        """Decode steps between two re-selections under a periodic decode policy, or None (evict_decode runs
+        every step). ScorerMethod and ScorerWrapper: `interval` with decode="interval"."""
+        return None
+
+    def over_budget(self, obs: Observation, budget: int) -> bool:
+        """Whether obs's tables are over the budget (a table holds more than `budget` tokens)."""
+        return int(obs.lengths.max()) > budget
 
     # --- the hook protocol ------------------------------------------------------------------------
     def attach(self, cache: MethodCacheView, model_config: Any) -> None:
@@ -133,7 +168,11 @@ class EvictionMethod:
             if held:  # appended uncompressed: observed, never evicted in its own step
                 continue
             if ctx.phase == "decode":
-                self.evict_decode(obs, budget)
+                interval = self.decode_interval()
+                if interval is None:
+                    self.evict_decode(obs, budget)
+                else:
+                    self.evict_every(obs, budget, interval)
             elif ctx.last_chunk or self.prefill_mode == "streaming":
                 self.evict_prefill(obs, budget)
                 if ctx.last_chunk:
@@ -184,7 +223,26 @@ class EvictionMethod:
                                                for k, v in st.items()}
         self._budgets.fork(parent, child)
 
+    def evict_every(self, obs: Observation, budget: int, interval: int) -> None:
+        """The one periodic decode-time policy (kvpress's DecodingPress): each (sequence, layer) counts its decode
+        steps; at every `interval`-th one the count starts again and, if its tables are over the budget, `reselect`
+        brings them back to it. A table thus holds at most budget + interval - 1 tokens after a step once compressed
+        (decode_overshoot). kvpress's CAMPress instead keeps counting past a due step that finds the table within
+        the budget (a difference named in docs/methods.md)."""
+        st = self.state(obs.slot, obs.layer)
+        st[DECODE_STEPS] = st.get(DECODE_STEPS, 0) + 1
+        if st[DECODE_STEPS] < interval:
+            return
+        if self.over_budget(obs, budget):
+            self.reselect(obs, budget)  # reads the count (CaM merges as many tokens as steps passed)
+        self.state(obs.slot, obs.layer)[DECODE_STEPS] = 0
+
     # --- what a method implements -----------------------------------------------------------------
+    def reselect(self, obs: Observation, budget: int) -> None:
+        """A periodic policy's re-selection of obs's tables (over the budget) down to it; ScorerMethod and
+        ScorerWrapper keep the best by score (evict_to_budget), R-KV, CaM and DecodingPress their own."""
+        self.evict_decode(obs, budget)
+
     def observe(self, obs: Observation) -> None:
         """Update statistics of the method's own from this step (the declared ones are already gathered)."""
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvbench.methods.base import Method, register_method
 
@@ -10,3 +11,4 @@ from kvbench.methods.base import Method, register_method
 @dataclass
 class FullCache(Method):
     """The uncompressed baseline. A budget, if given, is recorded but never enforced."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows

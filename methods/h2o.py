@@ -28,6 +28,7 @@ from kvbench.runtime.contract import Observation
 @dataclass
 class H2O(ScorerMethod):
     """Heavy hitters (accumulated attention) plus a recent window, per kv-head."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     accumulates_attention: ClassVar[bool] = True  # declared: obs.attention
     keeps_newest_at_prefill: ClassVar[bool] = True

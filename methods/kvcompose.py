@@ -96,6 +96,7 @@ def kvcompose_keep(scores: torch.Tensor, lengths: torch.Tensor, n_kept: int, *, 
 class KVCompose(KVzip):
     """The prompt repeated as queries over itself; max attention per query head, composite (structured) or
     per-head counts over all layers."""
+    supports_latent: ClassVar[bool] = False  # KVzip's scores are; KVCompose's are not checked on latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     structured: bool = True

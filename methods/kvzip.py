@@ -110,6 +110,7 @@ class KVzip(EvictionMethod, Method):
     On a model sharded by kv-head (runtime.tensor_parallel) the budget still spans every kv-head of the model, so
     each eviction gathers every rank's scores of every layer in one all-gather, ranks them all, and each rank keeps
     its own heads' share."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     decode: str = "none"

@@ -84,6 +84,7 @@ class LUKV(ScorerWrapper):
     """The base's scores; each kv-head's count from LU-KV's budget curve at the prompt's ratio."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
+    reselects_by_score: ClassVar[bool] = False  # its own selection (no decode="interval")
     budget_bounds_tables: ClassVar[bool] = False  # the curve, not the budget, sizes the tables (tests read this)
     decode: str = "none"
     base: str = "expected_attention"
@@ -101,10 +102,6 @@ class LUKV(ScorerWrapper):
         self.curve: Optional[torch.Tensor] = None  # [99, L, H]
 
     @property
-    def head_adaptive(self) -> bool:
-        return False
-
-    @property
     def budget_scope(self) -> str:  # type: ignore[override]
         return "table"
 
@@ -120,10 +117,10 @@ class LUKV(ScorerWrapper):
         model = engine.model
         path = self.curve_path
         if path is None:
-            key = (getattr(model, "name_or_path", None), self.base)
+            key = (getattr(model, "name_or_path", None), self.base_name())
             path = CURVES.get(key)
             if path is None:
-                raise UserError(f"lukv: no LU-KV budget curve for model {key[0]!r} with base {self.base!r} (kvpress "
+                raise UserError(f"lukv: no LU-KV budget curve for model {key[0]!r} with base {key[1]!r} (kvpress "
                                 f"has one: {', '.join(f'{m} with {b}' for m, b in CURVES)}); give method.curve_path")
         curve = load_curve(path)
         want = (99, model.config.num_layers, model.config.num_kv_heads)

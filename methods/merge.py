@@ -12,9 +12,9 @@ values are written back in place (cache.rewrite_tokens), the evicted tokens' blo
 decode="cam" (CaM, Zhang et al., ICML 2024; kvpress CAMPress): while decoding, each layer accumulates the attention
 every cached token receives from the generated tokens; every `compression_interval` steps a layer holding more
 than its budget per kv-head is brought back to the budget: tokens ranked by the base's scores averaged over the
-kv-heads (one token set for the layer), the k best-scored of the evicted ones (k = the steps since the last
-compression; ties: the later first) are merged, each into the `merge_budget` kept tokens that follow it: with
-probability clamp(A_e / mean A_window, 0, 1) (A: the accumulated attention, per kv-head; a Bernoulli draw from
+kv-heads (one token set for the layer), the k best-scored of the evicted ones (k = compression_interval, the
+steps since the last due step; ties: the later first) are merged, each into the `merge_budget` kept tokens that
+follow it: with probability clamp(A_e / mean A_window, 0, 1) (A: the accumulated attention, per kv-head; a Bernoulli draw from
 `seed`) its value / (window size) is added to each of them, so a merged token's value is added whole. kvpress's
 defaults: compression_interval 512, merge_budget 32 (compression_interval=1 is the original per-step CaM).
 `compress_prompt=false` keeps the prompt whole (no MergingPress at prefill): decode="cam" is then kvpress's CAMPress
@@ -29,6 +29,7 @@ import torch
 
 from kvbench.methods.base import register_method
 from kvbench.methods.checks import check_bool, check_float, check_int
+from kvbench.methods.eviction import DECODE_STEPS
 from kvbench.methods.wrappers import ScorerWrapper
 from kvbench.runtime.contract import Observation
 
@@ -103,6 +104,7 @@ class Merge(ScorerWrapper):
     """The base's selection; evicted values folded into their most similar kept token (CaM's merge while decoding)."""
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "cam")
+    reselects_by_score: ClassVar[bool] = False  # its decode policy is CaM's merge (decode="cam")
     base: str = "knorm"
     similarity_threshold: float = 0.0
     merge_fraction: float = 1.0
@@ -124,10 +126,6 @@ class Merge(ScorerWrapper):
     def rewrites_cache(options: dict) -> bool:
         """kvbench.spec.check_rewrite_storage: merged values are written in place."""
         return True
-
-    @property
-    def head_adaptive(self) -> bool:
-        return False
 
     @property
     def needs_key_scores(self) -> bool:
@@ -175,23 +173,24 @@ class Merge(ScorerWrapper):
         n = max(obs.table_lengths())
         ks = obs.key_scores[:, :n].float()  # [H, n] this step's attention per cached token
         acc = st.get("cam_attn")
-        acc = ks if acc is None else torch.nn.functional.pad(acc, (0, n - acc.shape[-1])) + ks
-        st["cam_attn"], st["cam_steps"] = acc, st.get("cam_steps", 0) + 1
+        st["cam_attn"] = ks if acc is None else torch.nn.functional.pad(acc, (0, n - acc.shape[-1])) + ks
 
-    def evict_decode(self, obs: Observation, budget: int) -> None:
-        if self.decode != "cam":
-            return self.evict_to_budget(obs, budget)
+    def decode_interval(self) -> int | None:
+        """decode="cam": kvpress's compression_interval, through the one periodic policy (EvictionMethod.evict_every;
+        where a layer is within its budget at the interval's end, CAMPress keeps counting, kvbench starts again)."""
+        return self.compression_interval if self.decode == "cam" else None
+
+    def reselect(self, obs: Observation, budget: int) -> None:
+        """CaM: the layer merged back to the budget; k = the interval's steps of the evicted tokens are merged."""
         st = self.state(obs.slot, obs.layer)
         lengths = obs.table_lengths()
         T = max(lengths)
-        if st.get("cam_steps", 0) < self.compression_interval or T <= budget:
-            return
         if min(lengths) != T:
             raise RuntimeError(f"{self.name}: CaM merges a layer whose kv-heads hold as many tokens (got {lengths})")
-        kept, values = cam_merge(self.score(obs), st["cam_attn"], obs.values, budget, st["cam_steps"],
+        kept, values = cam_merge(self.score(obs), st["cam_attn"], obs.values, budget, st[DECODE_STEPS],
                                  self.merge_budget, self._generator)
         H = len(lengths)
         self.keep(obs, kept[None].expand(H, -1).contiguous())
         obs.cache.rewrite_tokens(obs.layer, obs.slot, values=values)
         obs.refresh()
-        st["cam_attn"], st["cam_steps"], st["cam_compressed"] = st["cam_attn"][:, kept], 0, True
+        st["cam_attn"], st["cam_compressed"] = st["cam_attn"][:, kept], True

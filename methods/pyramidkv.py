@@ -59,8 +59,10 @@ def pyramid_budgets(budget: int, n_tokens: int, num_layers: int, window: int, be
 @dataclass
 class PyramidKV(ScorerWrapper):
     """A scorer's selection (SnapKV's by default) with a pyramid of per-layer budgets (average `budget`)."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
+    reselects_by_score: ClassVar[bool] = False  # its own selection (no decode="interval")
     decode: str = "none"
     base: str = "snapkv"
     window: int = 64
@@ -70,7 +72,7 @@ class PyramidKV(ScorerWrapper):
 
     def __post_init__(self) -> None:
         check_int(self.name, "beta", self.beta, 1)
-        if self.base == "snapkv":  # the default base takes its options from here (kvpress's PyramidKVPress)
+        if self.base_name() == "snapkv":  # the default base takes its options from here (kvpress's PyramidKVPress)
             check_int(self.name, "window", self.window, 1)
             check_int(self.name, "kernel_size", self.kernel_size, 1)
             check_choice(self.name, "pooling", self.pooling, POOLINGS)
@@ -78,10 +80,6 @@ class PyramidKV(ScorerWrapper):
                 self.base_options = {"window": self.window, "kernel_size": self.kernel_size, "pooling": self.pooling,
                                      **self.base_options}
         super().__post_init__()
-
-    @property
-    def head_adaptive(self) -> bool:
-        return False
 
     def pyramid_window(self, budget: int) -> int:
         """The window the pyramid's allocation keeps out of the budgets: the base's observation window (SnapKV's

@@ -24,6 +24,7 @@ from kvbench.runtime.contract import Observation
 @dataclass
 class RandomEviction(ScorerMethod):
     """Uniform random scores from a generator seeded with `seed` at every call."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
 

@@ -1,10 +1,11 @@
 """`rkv`: R-KV, redundancy-aware decode-time eviction for reasoning traces (Cai et al., arXiv:2505.24133; official
 code github Zefan-Cai/R-KV, `rkv/compression/r1_kv.py` and `rkv/utils.py`).
 
-A table is compressed to `budget` tokens when it has grown to `budget + buffer` (the official code's staging
+A table over the budget is compressed to `budget` tokens every `buffer` decode steps (the official code's staging
 buffer, `divide_length` 128: it compresses every 128 generated tokens), and once after the prompt if the prompt
-exceeds the budget. A compression keeps the newest `window` tokens (the observation window) plus the `budget -
-window` best of the older ones by
+exceeds the budget (decode="evict" runs kvbench's one periodic policy with interval `buffer`,
+methods.eviction.EvictionMethod.evict_every). A compression keeps the newest `window` tokens (the observation
+window) plus the `budget - window` best of the older ones by
 
     score = mix_lambda * importance - (1 - mix_lambda) * redundancy
 
@@ -20,8 +21,8 @@ threshold 0.5. Where the paper's text differs the code wins (docs/methods.md): t
 redundancy keeps "at most beta most-recent similar neighbours", the code uses 0.07 and zeroes exactly one (the last).
 Deliberate differences, both forced by a paged cache that keeps tokens in position order:
   * the official code triggers on the sequence length (`length % 128 == 0`), so its cache holds budget to
-    budget + 127 tokens after the prompt was cut to budget; here a table is compressed when it reaches
-    budget + buffer, the same bound whatever the prompt length;
+    budget + 127 tokens after the prompt was cut to budget; here every `buffer` decode steps of the sequence,
+    the same bound whatever the prompt length;
   * the official code stores the kept tokens in top-k order (not position order), so its later max-pooling and
     "last similar" run over score-rank neighbours; here the cache stays in position order and both run over
     position neighbours (the first compression, which the parity test checks, is identical).
@@ -123,10 +124,11 @@ class RKV(ScorerMethod):
     def recent_window(self, budget: int) -> int:
         return self.window
 
-    def decode_overshoot(self) -> int:
-        """Tokens a table may hold above the budget after a decode step (the staging buffer, less the token
-        whose step compresses)."""
-        return max(0, self.buffer - 1)
+    def decode_interval(self) -> int | None:
+        """decode="evict": every `buffer` decode steps (the official code's divide_length), through the one periodic
+        policy (methods.eviction.EvictionMethod.evict_every); a table then holds at most budget + buffer - 1 tokens
+        after a step (decode_overshoot)."""
+        return self.buffer if self.decode == "evict" else super().decode_interval()
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
@@ -156,7 +158,5 @@ class RKV(ScorerMethod):
         if int(obs.lengths.max()) > budget:
             self._compress(obs, budget)
 
-    def evict_decode(self, obs: Observation, budget: int) -> None:
-        n = max(obs.table_lengths())
-        if n > budget and n >= budget + self.buffer:
-            self._compress(obs, budget)
+    def reselect(self, obs: Observation, budget: int) -> None:
+        self._compress(obs, budget)

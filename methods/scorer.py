@@ -13,19 +13,23 @@ state are inherited.
 layer, and what the method declares it reads (`query_window` -> obs.queries, `accumulates_attention` ->
 obs.attention). The defaults are kvpress's ScorerPress: the prompt is compressed once after prefill (decode="none")
 and each kv-head keeps its `budget` best tokens by score alone; decode="evict" re-selects after every decode step,
-keeping the newest token. Behaviours come by wrapping a scorer (methods.wrappers: head-adaptive budgets, CriticalKV)
+keeping the newest token; decode="interval" with interval=N re-selects every N decode steps (kvpress's
+DecodingPress over this scorer, without its prompt left whole: methods.eviction.EvictionMethod.evict_every).
+Behaviours come by wrapping a scorer (methods.wrappers: head-adaptive budgets, CriticalKV, a wrapper of one's own)
 or by the options every eviction method has (prefill_mode, decode; methods.eviction).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
 from kvbench.methods.base import Method
-from kvbench.methods.eviction import EvictionMethod
+from kvbench.errors import UserError
+from kvbench.methods.checks import check_int
+from kvbench.methods.eviction import INTERVAL, EvictionMethod
 from kvbench.methods.output_checks import check_scores
 from kvbench.methods.selection import top_tokens
 from kvbench.runtime.contract import Observation
@@ -49,7 +53,21 @@ class ScorerMethod(EvictionMethod, Method):
         if callable(own) and not getattr(own, "_checked", False):
             cls.score = _checked(own)  # type: ignore[method-assign]
     keeps_newest_at_prefill: ClassVar[bool] = False
+    reselects_by_score: ClassVar[bool] = True
     decode: str = "none"
+    interval: Optional[int] = None  # decode="interval": decode steps between two re-selections
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_interval(self)
+
+    def decode_interval(self) -> int | None:
+        return self.interval if self.decode == INTERVAL else None
+
+    def decode_overshoot(self) -> int:
+        """Tokens a table may hold over the budget after a decode step, once compressed (the interval's)."""
+        interval = self.decode_interval()
+        return 0 if interval is None else max(0, interval - 1)
 
     def score(self, obs: Observation) -> torch.Tensor:
         """Importance [H, T] of every cached token of obs's layer (higher = keep)."""
@@ -86,6 +104,23 @@ class ScorerMethod(EvictionMethod, Method):
 
     def evict_decode(self, obs: Observation, budget: int) -> None:
         self.evict_to_budget(obs, budget)
+
+    def reselect(self, obs: Observation, budget: int) -> None:
+        """decode="interval": the inherited selection, by score (the newest token kept)."""
+        self.evict_to_budget(obs, budget)
+
+
+def check_interval(method: Any) -> None:
+    """UserError (one line) for an `interval` that is not a positive integer, missing under decode="interval", or
+    set where no decode policy reads it."""
+    if method.interval is not None:
+        check_int(method.name, "interval", method.interval, 1)
+        if method.decode != INTERVAL:
+            raise UserError(f"method.interval={method.interval} is read only with method.decode=interval (method "
+                            f"{method.name!r} has decode={method.decode})")
+    elif method.decode == INTERVAL and method.decode_interval() is None:
+        raise UserError(f"method {method.name!r} decode=interval needs method.interval=N (decode steps between two "
+                        f"re-selections)")
 
 
 def _checked(score: Callable) -> Callable:

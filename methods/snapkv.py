@@ -69,12 +69,13 @@ class SnapKVScores:
 @dataclass
 class SnapKV(SnapKVScores, ScorerMethod):
     """Observation-window attention, pooled; keep top per kv-head plus the window."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "window", "rescore")
     decode: str = "none"
 
     def observes_in_decode(self) -> bool:
-        return self.decode == "rescore"
+        return self.decode in ("rescore", "interval")  # re-scored from the latest queries
 
     def evict_decode(self, obs: Observation, budget: int) -> None:
         if self.decode == "rescore":

@@ -32,6 +32,7 @@ POSITION_MODES = ("original", "reindex")
 @dataclass
 class StreamingLLM(EvictionMethod, Method):
     """Attention sinks + recent window; budget = sinks + window."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     granularity: ClassVar[str] = "block"
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("window", "none")

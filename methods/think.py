@@ -71,8 +71,8 @@ class ThinK(ScorerWrapper):
         check_int(self.name, "window_size", self.window_size, 1)
         super().__post_init__()
         if self.inner.store_pre_rope:
-            raise UserError(f"invalid think.base={self.base!r}: ThinK prunes keys after RoPE, {self.base} caches "
-                            "them before")
+            base = self.base_name()
+            raise UserError(f"invalid think.base={base!r}: ThinK prunes keys after RoPE, {base} caches them before")
 
     @staticmethod
     def rewrites_cache(options: dict) -> bool:
@@ -82,10 +82,6 @@ class ThinK(ScorerWrapper):
     def pruned_key_channels(self, head_dim: int) -> int:
         """The hook protocol's: channels pruned per kv-head (kvpress: int(head_dim x ratio))."""
         return int(head_dim * self.key_channel_compression_ratio)
-
-    @property
-    def head_adaptive(self) -> bool:
-        return False
 
     # --- the window's queries (ThinK's own, beside the base's) --------------------------------------
     def observe(self, obs: Observation) -> None:

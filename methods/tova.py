@@ -34,6 +34,7 @@ from kvbench.runtime.contract import Observation
 @dataclass
 class TOVA(ScorerMethod):
     """The newest query's attention, averaged over heads; keep the top tokens."""
+    supports_latent: ClassVar[bool] = True  # attention mass, positions or chance: defined on MLA's latent rows
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "evict")
     keeps_newest_at_prefill: ClassVar[bool] = True

@@ -687,6 +687,42 @@ def test_a_user_file_registering_a_builtin_name_is_refused(cli, tmp_path, monkey
     assert not (tmp_path / "r").exists()
 
 
+def test_a_registered_method_without_its_yaml_names_the_yaml_to_create(cli, tmp_path, monkeypatch):
+    """A user's method file registered without conf/method/<name>.yaml got "unknown method"; now one line says the
+    YAML is missing and names the path to create (and the file that registers the method)."""
+    from kvbench.methods import METHODS
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    _no_loading(monkeypatch)
+    try:
+        METHODS.names()
+        import tests.methods.user_method  # noqa: F401  (registers my_knorm; conf/method/my_knorm.yaml does not exist)
+        code, out, err = cli(["method=my_knorm", "budget=64", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    finally:
+        METHODS._items.pop("my_knorm", None)
+        sys.modules.pop("tests.methods.user_method", None)
+    _one_line(code, out, err, "method 'my_knorm'", "has no YAML: create",
+              os.path.join("conf", "method", "my_knorm.yaml"), os.path.join("tests", "methods", "user_method.py"))
+    assert not (tmp_path / "r").exists()
+
+
+INHERITED_OPTION_CASES = [  # a method's options are its dataclass's fields, whatever its YAML lists
+    (["method=knorm", "budget=64", "method.decodee=evict"],
+     ("unknown option method.decodee for method 'knorm'; valid options are", "interval", "did you mean decode?")),
+    (["method=knorm", "budget=64", "method.decode=interval"], "method 'knorm' decode=interval needs method.interval"),
+    (["method=snapkv", "budget=64", "method.decode=interval", "method.interval=0"], "invalid snapkv.interval=0"),
+    (["method=kivi", "method.bitz=2"], "unknown option method.bitz for codec 'kivi'; valid options are bits"),
+]
+
+
+@pytest.mark.parametrize("args,needles", INHERITED_OPTION_CASES, ids=[" ".join(c[0]) for c in INHERITED_OPTION_CASES])
+def test_method_options_are_the_dataclass_fields(cli, tmp_path, monkeypatch, args, needles):
+    _no_loading(monkeypatch)
+    code, out, err = cli([*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, *((needles,) if isinstance(needles, str) else needles))
+    assert not (tmp_path / "r").exists()
+
+
 KVZAP_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "kvzap_tiny", "mlp")
 
 

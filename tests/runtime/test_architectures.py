@@ -344,10 +344,10 @@ def test_mla_expanded_attention_equals_the_absorbed_one_on_ragged_sequences():
 
 
 def _latent_variants():
-    from kvbench.methods.base import LATENT_METHODS
+    from kvbench.methods import METHODS
     from tests.methods.variants import VARIANTS, variant_id
 
-    ok = [v for v in VARIANTS if v[0] in LATENT_METHODS and v[1].get("position_mode") != "reindex"]
+    ok = [v for v in VARIANTS if METHODS[v[0]].supports_latent and v[1].get("position_mode") != "reindex"]
     refused = [v for v in VARIANTS if v not in ok]
     return ([pytest.param(v, id=variant_id(v)) for v in ok], [pytest.param(v, id=variant_id(v)) for v in refused])
 
