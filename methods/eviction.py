@@ -60,6 +60,9 @@ class EvictionMethod:
     accumulates_attention: ClassVar[bool] = False  # declared observation: obs.attention (H2O)
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("evict", "none")
     reselects_by_score: ClassVar[bool] = False  # True: decode="interval" is a choice too (evict_to_budget re-selects)
+    # a periodic policy's due step that finds the tables within the budget: True, the count starts again
+    # (DecodingPress); False, it goes on, so the next step is due too (kvpress's CAMPress)
+    interval_restarts_within_budget: ClassVar[bool] = True
     prefill_mode: str = "paper"
     decode: str = "evict"
 
@@ -227,14 +230,17 @@ class EvictionMethod:
         """The one periodic decode-time policy (kvpress's DecodingPress): each (sequence, layer) counts its decode
         steps; at every `interval`-th one the count starts again and, if its tables are over the budget, `reselect`
         brings them back to it. A table thus holds at most budget + interval - 1 tokens after a step once compressed
-        (decode_overshoot). kvpress's CAMPress instead keeps counting past a due step that finds the table within
-        the budget (a difference named in docs/methods.md)."""
+        (decode_overshoot). A method with interval_restarts_within_budget False (CaM, as kvpress's CAMPress) keeps
+        counting past a due step that finds its tables within the budget: every later step is due until one
+        re-selects."""
         st = self.state(obs.slot, obs.layer)
         st[DECODE_STEPS] = st.get(DECODE_STEPS, 0) + 1
         if st[DECODE_STEPS] < interval:
             return
         if self.over_budget(obs, budget):
             self.reselect(obs, budget)  # reads the count (CaM merges as many tokens as steps passed)
+        elif not self.interval_restarts_within_budget:
+            return
         self.state(obs.slot, obs.layer)[DECODE_STEPS] = 0
 
     # --- what a method implements -----------------------------------------------------------------

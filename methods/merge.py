@@ -12,8 +12,8 @@ values are written back in place (cache.rewrite_tokens), the evicted tokens' blo
 decode="cam" (CaM, Zhang et al., ICML 2024; kvpress CAMPress): while decoding, each layer accumulates the attention
 every cached token receives from the generated tokens; every `compression_interval` steps a layer holding more
 than its budget per kv-head is brought back to the budget: tokens ranked by the base's scores averaged over the
-kv-heads (one token set for the layer), the k best-scored of the evicted ones (k = compression_interval, the
-steps since the last due step; ties: the later first) are merged, each into the `merge_budget` kept tokens that
+kv-heads (one token set for the layer), the k best-scored of the evicted ones (k = the steps since the last
+merge; ties: the later first) are merged, each into the `merge_budget` kept tokens that
 follow it: with probability clamp(A_e / mean A_window, 0, 1) (A: the accumulated attention, per kv-head; a Bernoulli draw from
 `seed`) its value / (window size) is added to each of them, so a merged token's value is added whole. kvpress's
 defaults: compression_interval 512, merge_budget 32 (compression_interval=1 is the original per-step CaM).
@@ -105,6 +105,7 @@ class Merge(ScorerWrapper):
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none", "cam")
     reselects_by_score: ClassVar[bool] = False  # its decode policy is CaM's merge (decode="cam")
+    interval_restarts_within_budget: ClassVar[bool] = False  # CAMPress counts on while a layer is within budget
     base: str = "knorm"
     similarity_threshold: float = 0.0
     merge_fraction: float = 1.0
@@ -177,7 +178,7 @@ class Merge(ScorerWrapper):
 
     def decode_interval(self) -> int | None:
         """decode="cam": kvpress's compression_interval, through the one periodic policy (EvictionMethod.evict_every;
-        where a layer is within its budget at the interval's end, CAMPress keeps counting, kvbench starts again)."""
+        as CAMPress, a layer within its budget at the interval's end keeps counting: interval_restarts_within_budget)."""
         return self.compression_interval if self.decode == "cam" else None
 
     def reselect(self, obs: Observation, budget: int) -> None:
