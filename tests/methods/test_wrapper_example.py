@@ -138,3 +138,35 @@ def test_interval_is_read_only_with_decode_interval():
         build_method("decoding", 24, interval=8)
     with pytest.raises(UserError, match="invalid chunkkv.decode='interval'"):  # its own selection: prefill only
         build_method("chunkkv", 24, decode="interval", interval=8)
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_a_due_step_within_the_budget_restarts_the_count_or_counts_on(restarts):
+    """The periodic policy's count at a due step that finds the tables within the budget: DecodingPress starts it
+    again; CAMPress (merge, decode=cam) counts on, so every later step is due and the merge folds in every step."""
+    from kvbench.methods.eviction import DECODE_STEPS, EvictionMethod
+
+    class Periodic:
+        interval_restarts_within_budget = restarts
+
+        def __init__(self):
+            self.st, self.over, self.merged_at = {}, False, []
+
+        def state(self, slot, layer):
+            return self.st
+
+        def over_budget(self, obs, budget):
+            return self.over
+
+        def reselect(self, obs, budget):
+            self.merged_at.append(self.st[DECODE_STEPS])
+
+    m = Periodic()
+    for step in range(1, 7):  # interval 4: step 4 finds the table within the budget; it is over from step 5 on
+        m.over = step >= 5
+        EvictionMethod.evict_every(m, types.SimpleNamespace(slot=0, layer=0), 8, 4)
+    # restarting: steps 5..8 count 1..4, nothing due by step 6; counting on: step 5 is due, the merge sees 5 steps
+    assert m.merged_at == ([] if restarts else [5])
+    assert m.st[DECODE_STEPS] == (2 if restarts else 1)
+    assert METHODS["merge"].interval_restarts_within_budget is False
+    assert METHODS["decoding"].interval_restarts_within_budget is True
