@@ -308,6 +308,8 @@ def test_a_sweeps_line_is_the_sum_of_its_runs(tmp_path, monkeypatch, capsys):
                                "task.max_tokens=1024", "logger.wandb=false"])) for b in (256, 512)]
     tokens = [p.task.workload(p.settings).prompt_tokens for p in plans]
     monkeypatch.setattr(estimate, "others_load", lambda: 0.0)
+    monkeypatch.setattr(app, "others_load", lambda: 0.0)  # the app's own name for it: no real load is read
+    monkeypatch.setattr(app, "_loaded_model", {})  # as in a fresh process: no model held yet
     total = app.announce_sweep(plans)
     assert total == pytest.approx(8.0 + 2 * 0.5 + sum(tokens) / 100.0)
     assert f"kvbench: sweep of 2 run(s): about {estimate.duration(total)} here in all" in capsys.readouterr().out
