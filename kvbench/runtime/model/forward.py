@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.runtime.backends.base import AttentionBackend
+from kvbench.runtime.backends.base import AttentionBackend, DecodeWeights
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.threads import StepThreads
@@ -177,6 +177,18 @@ class LlamaFamilyModel:
         # the backend's fused decode step where it has one (backends/cpu): Llama-shaped models with plain attention
         self.fuse_decode_layers = config.plain
 
+    def decode_weights(self) -> DecodeWeights:
+        """The fused decode step's view of this model (kvbench.runtime.backends.base.DecodeWeights): its
+        dimensions and layers, built once; `fuse` follows fuse_decode_layers at each call."""
+        view = self.__dict__.get("_decode_weights")
+        if view is None:
+            cfg = self.config
+            view = self._decode_weights = DecodeWeights(
+                cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size,
+                cfg.rms_norm_eps, self.layers)
+        view.fuse = self.fuse_decode_layers and self.use_cpu_kernels and not self.config.qk_norm
+        return view
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (embedding row lookups excluded unless tied)."""
@@ -255,8 +267,8 @@ class LlamaFamilyModel:
         if not hooks.fusable(groups):
             return None
         g = groups[0]
-        return backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, rows.cos, rows.sin, hooks.need_scores,
-                                    retrieval=cache.page_retrieval)
+        return backend.fused_decode(self.decode_weights(), g.tokens, cache.decode_pools(), g.plan, rope_mode, rows.cos,
+                                    rows.sin, hooks.need_scores, retrieval=cache.page_retrieval)
 
     def _layers(self, x: torch.Tensor, groups: list[RaggedGroup], cache: PagedKVCache, backend: AttentionBackend,
                 hooks: StepHooks, rope_mode: str, rows: "StepRows", fast: bool) -> torch.Tensor:

@@ -6,7 +6,8 @@
 
 `method` is any object with the hook protocol (kvbench.runtime.hooks.NoCompression declares every member, with its
 default; an object that does not subclass it gets those defaults through hooks.declared); the runtime never imports
-the methods. `codec` is a storage codec or None (full precision); kvbench.runtime.cache.caches builds the matching cache.
+the methods. `codec` is a storage codec or None (full precision); kvbench.runtime.cache.caches builds the matching
+cache.
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
 Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.serving.scoring.Scorer's, over this engine.
 
