@@ -1,13 +1,15 @@
-"""The hook protocol between the engine and a compression method, and the do-nothing default.
+"""The method protocol: every member a compression method may define, declared once with its default
+(`NoCompression`), and LayerContext, what a hook sees.
 
 The runtime never imports `methods`: the engine (and the model forward under it) takes any object with these
 members; the app builds the method. `NoCompression` is the engine's default and the base of every method
-(kvbench.methods.base.Method), so the no-op hooks are written once.
+(kvbench.methods.base.Method), so the defaults are written once and read as plain attributes everywhere (the plan
+and the tasks too); `declared` gives another object the same defaults. docs/adding.md lists the members.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,29 +34,6 @@ class LayerContext:
     rotary: RotaryTable | None = None  # the model's RoPE table (methods that need pre-RoPE queries undo it)
     hidden: torch.Tensor | None = None  # [S, Q, E] the layer's attention input (after its norm), when the hook
     #                                     sets reads_hidden_states (KVzap's surrogate reads it); None otherwise
-
-
-class CacheHooks(Protocol):
-    """What the engine calls on a method: every member, with its default, is declared once on NoCompression below
-    (the base of every method); docs/adding.md's table lists them with when the runtime calls each."""
-
-    needs_key_scores: bool
-    acts_after_attention: bool
-    acts_before_attention: bool
-    decode_reads_attention: bool
-    reads_hidden_states: bool
-    store_pre_rope: bool
-    rope_mode: str
-
-    def attach(self, cache: MethodCacheView, model_config: Any) -> None: ...
-
-    def after_attention(self, ctx: LayerContext) -> None: ...
-
-    def before_attention(self, ctx: LayerContext) -> None: ...
-
-    def on_sequence_end(self, slot: int) -> None: ...
-
-    def on_fork(self, parent: int, child: int) -> None: ...
 
 
 class NoCompression:
@@ -161,6 +140,8 @@ class NoCompression:
         """Tokens kept after each prompt's compression (recorded in a run's metrics); {} when none are counted."""
         return {}
 
+
+CacheHooks = NoCompression  # the protocol's name in annotations and in kvbench.runtime.contract's exports
 
 _PROTOCOL = frozenset(n for n in vars(NoCompression) if not n.startswith("_"))
 # what an object that does not subclass NoCompression gets for a member it lacks: NoCompression's default, except

@@ -19,8 +19,11 @@ import torch
 from kvbench.runtime.hooks import LayerContext, NoCompression, declared
 
 if TYPE_CHECKING:  # annotations only
-    from kvbench.runtime.model.forward import RaggedGroup
     from kvbench.runtime.model.rope import RotaryTable
+
+# a group of the step (runtime.model.forward.RaggedGroup: tokens [S, Q], plan, phase, last_chunk); named loosely,
+# as the forward imports this module
+RaggedGroup = Any
 
 
 @dataclass
