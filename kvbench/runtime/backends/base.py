@@ -76,6 +76,7 @@ class AttentionBackend:
     """What the core calls. `attend` is required; the other two return None where a backend has no such kernel."""
 
     name: str = "?"  # "torch" | "cpu" | "triton": what Engine.attention_backend reports
+    fuses_decode: bool = False  # has a fused decode step (`fused_decode` may return one)
 
     def attend(self, q, k_pool, v_pool, tables, lengths, key_positions, query_positions, scale: float, *,
                return_key_scores: bool = False, rotate_keys: Optional[Callable] = None, causal: bool = True):

@@ -251,7 +251,7 @@ class LlamaFamilyModel:
         cfg = self.config
         sizes = [g.tokens.numel() for g in groups]
         qpos = torch.cat([g.plan.query_positions.reshape(-1) for g in groups])  # [N]
-        known = [g.plan.max_position for g in groups]
+        known = [getattr(g.plan, "max_position", None) for g in groups]  # a calibration's plan has none
         max_pos = None if None in known else max(known)
         cos, sin = self.rotary.lookup(qpos, max_pos)  # [N, Dr] (Dr = rotary dims: D unless partial)
         local = self.rotary_local.lookup(qpos, max_pos) if self.rotary_local is not None else None
@@ -264,11 +264,11 @@ class LlamaFamilyModel:
                     hooks: StepHooks, rope_mode: str, rows: "StepRows") -> Any:
         """The backend's fused decode step for this step (whole layers per kernel call), or None: op by op. Only a
         single group whose hooks allow it (StepHooks.fusable) is tried; the backend says whether it can."""
-        if not hooks.fusable(groups):
+        if not backend.fuses_decode or not hooks.fusable(groups) or groups[0].tokens.shape[1] != 1:
             return None
         g = groups[0]
         return backend.fused_decode(self.decode_weights(), g.tokens, cache.decode_pools(), g.plan, rope_mode, rows.cos,
-                                    rows.sin, hooks.need_scores, retrieval=cache.page_retrieval)
+                                    rows.sin, hooks.need_scores, retrieval=_retrieval(cache))
 
     def _layers(self, x: torch.Tensor, groups: list[RaggedGroup], cache: PagedKVCache, backend: AttentionBackend,
                 hooks: StepHooks, rope_mode: str, rows: "StepRows", fast: bool) -> torch.Tensor:
@@ -422,7 +422,7 @@ class LlamaFamilyModel:
             rotate_keys = functools.partial(self._rotate_at_slot, table=self._rotary_of(li))
         cache.write(li, plan, k, v)
         hooks.before_attention(li, g, q)  # the method cuts the layer's K/V: the chunk attends to what it keeps
-        retrieval = cache.page_retrieval
+        retrieval = _retrieval(cache)
         pages = retrieval.pages_for(li) if retrieval is not None and g.phase == "decode" and Q == 1 else 0
         scale = cfg.attn_scale or cfg.head_dim ** -0.5
         if pages:  # the method's top blocks only (kvbench.runtime.cache.page_retrieval)
@@ -465,6 +465,12 @@ class StepRows:
     local: tuple[torch.Tensor, torch.Tensor] | None  # the sliding layers' own (cos, sin) where they differ
 
 
+def _retrieval(cache: Any) -> Any:
+    """The cache's copy of the method's page retrieval (set by the engine), or None; a capturing cache of the
+    calibration forward (quant.calibration) has none."""
+    return getattr(cache, "page_retrieval", None)
+
+
 def _gemv_rows(groups: list[RaggedGroup]) -> int | None:
     """A pure decode step (one token per sequence) may take the C GEMV up to GEMV_MAX_ROWS rows (linear.Linear)."""
     if len(groups) == 1 and groups[0].phase == "decode" and groups[0].tokens.shape[1] == 1:
@@ -476,7 +482,7 @@ def count_decode_reads(groups: list[RaggedGroup], cache: PagedKVCache, num_layer
     """The K/V bytes one-token decode steps read, beside what full attention would (cache.decode_reads): every block
     of the layers that read whole tables (a retrieving layer counts its own selection, attend_retrieved or the fused
     step). A plan with no host lengths is a captured graph's static one: serving.decode_graphs counts the replays."""
-    retrieval = cache.page_retrieval
+    retrieval = _retrieval(cache)
     for g in groups:
         if g.phase == "decode" and g.tokens.shape[1] == 1 and g.plan.host_lengths is not None:
             cache.decode_reads.step(g.tokens.shape[0], cache.uncompressed_read_bytes(g.plan.slot_list))

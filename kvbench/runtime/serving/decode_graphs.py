@@ -122,7 +122,7 @@ class DecodeGraphs:
         """None when decode steps may run from graphs, else why not."""
         if self.cache.store_pre_rope:
             return "keys cached before RoPE are rotated as they are read (host-dependent shapes)"
-        if self.cache.page_retrieval is not None:
+        if getattr(self.cache, "page_retrieval", None) is not None:
             return "page retrieval (its blocks read are counted per step, on the host)"
         if self.hook is not None and self.hook.reads_hidden_states:
             return "the method reads each layer's attention input (kept by no captured graph)"

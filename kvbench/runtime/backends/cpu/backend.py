@@ -18,6 +18,7 @@ class CpuBackend(AttentionBackend):
     torch reference otherwise); the C codec kernels over packed blocks; whole decode layers per C call."""
 
     name = "cpu"
+    fuses_decode = True
 
     def __init__(self):
         self._formats = weakref.WeakKeyDictionary()  # codec cache or its view -> (key, value) BlockFormat, or None
