@@ -98,7 +98,10 @@ def _budgeted_size(method, cache, slot: int, layer: int) -> int:
 
 
 def _overrides(method, member: str) -> bool:
-    """Whether `method` defines its own `member` of the protocol (not NoCompression's default)."""
+    """Whether `method` defines its own `member` of the protocol (not NoCompression's default); quest forwards its
+    eviction's hooks, so for quest whether that eviction (`inner`, None without one) does."""
+    if method.name == "quest":
+        return method.inner is not None and _overrides(method.inner, member)
     return getattr(type(method), member) is not getattr(NoCompression, member)
 
 
