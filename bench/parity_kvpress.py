@@ -435,6 +435,7 @@ def record_zero_channels(press) -> dict:
 def kvbench_side(job: dict, loaded) -> dict:
     import torch
     from kvbench.methods import build_method
+    from kvbench.runtime.hooks import NoCompression
     from kvbench.runtime.serving.engine import Engine
     from kvbench.runtime.serving.scoring import Scorer
 
@@ -498,8 +499,9 @@ def kvbench_side(job: dict, loaded) -> dict:
                             channels[str(ctx.layer)] = [row.nonzero().flatten().tolist() for row in zero]
 
                 method.after_attention = after_attention
-                after_chunk = getattr(method, "after_prefill_chunk", None)
-                if after_chunk is not None:  # kvzip: reconstructs and evicts after the prompt's last chunk
+                after_chunk = method.after_prefill_chunk
+                if type(method).after_prefill_chunk is not NoCompression.after_prefill_chunk:  # kvzip: reconstructs
+                    # and evicts after the prompt's last chunk
 
                     def after_prefill_chunk(slot, token_ids, start_pos, last_chunk):
                         after_chunk(slot, token_ids, start_pos, last_chunk)

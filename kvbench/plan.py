@@ -32,6 +32,7 @@ from kvbench.model_info import check_runnable, kv_pool_bytes, model_shape
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
+from kvbench.runtime.hooks import declared
 from kvbench.runtime.model.distributed import env_world_size
 from kvbench.runtime.model.loading import packaged_smollm2
 from kvbench.runtime.model.model_files import check_model_path, gguf_location, read_gguf_header
@@ -254,8 +255,7 @@ def _check_parallel(settings: _config.Settings, shape: Any, method: Any) -> None
         what = "an MLA latent cache" if shape.latent else f"{shape.sliding_layers} sliding-window layers"
         raise UserError(f"{where}: the model ({shape.model_type}, {what}) is not sharded: tensor parallelism runs "
                         f"Llama-family models (llama, mistral, qwen2, qwen3) with full attention only")
-    refusal = getattr(method, "tensor_parallel_refusal", None)
-    why = refusal() if callable(refusal) else None
+    why = declared(method).tensor_parallel_refusal()
     if why:
         raise UserError(f"method {settings.method_name!r} cannot run with runtime.tensor_parallel={tp}: {why}")
     if settings.quant_name == "kvquant":
@@ -300,9 +300,7 @@ def _check_speculative(settings: _config.Settings, task: Any, build_method_fn: C
     name, options, quant, quant_options = resolve_storage(spec.method, {}, "none", {})
     try:
         draft = build_method_fn(name, spec.budget if METHODS.get(name).evicts else None)
-        preflight = getattr(draft, "preflight", None)  # e.g. a budget too small for runtime.block_size
-        if callable(preflight):
-            preflight(settings, shape)
+        declared(draft).preflight(settings, shape)  # e.g. a budget too small for runtime.block_size
     except UserError as exc:
         raise UserError(f"invalid runtime.speculative.method={spec.method} with runtime.speculative.budget="
                         f"{spec.budget}: {exc}") from None
@@ -351,11 +349,11 @@ def _check_prefix_caching(settings: _config.Settings, method: Any, shape: Any = 
     refuses both too (its own API)."""
     if settings.runtime.prefix_caching is not True:
         return
-    if getattr(method, "needs_key_scores", False):
+    method = declared(method)
+    if method.needs_key_scores:
         raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it accumulates "
                         "attention over every prompt query, which a shared prefix skips; choices are auto, false")
-    prunes = getattr(method, "pruned_key_channels", None)
-    if callable(prunes) and prunes(shape.head_dim if shape is not None else 1 << 16) > 0:
+    if method.pruned_key_channels(shape.head_dim if shape is not None else 1 << 16) > 0:
         raise UserError(f"invalid runtime.prefix_caching=true with method={settings.method_name}: it prunes key "
                         "channels chosen by each whole prompt, which a shared prefix would take from another "
                         "prompt; choices are auto, false")
@@ -401,9 +399,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
     _check_prefix_caching(settings, method, shape)
     _check_parallel(settings, shape, method)
     _check_latent(settings, shape, method)
-    method_preflight = getattr(method, "preflight", None)  # e.g. a budget too small for runtime.block_size
-    if callable(method_preflight):
-        method_preflight(settings, shape)
+    declared(method).preflight(settings, shape)  # e.g. a budget too small for runtime.block_size
     task = build_task(settings.task_name, {"name": settings.task_name, **settings.task_options})
     preflight = getattr(task, "preflight", None)
     if callable(preflight):

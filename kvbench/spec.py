@@ -318,18 +318,18 @@ def method_evicts(name: str) -> bool:
 def method_uses_budget(name: str) -> bool:
     """Whether `budget` means something to method `name`: tokens kept (an eviction method) or tokens read per decode
     step (a retrieval method, `Method.retrieves`: quest)."""
-    return method_evicts(name) or bool(getattr(METHODS.get(name), "retrieves", False))
+    return method_evicts(name) or bool(name in METHODS and METHODS.get(name).retrieves)
 
 
 def method_retrieves(name: str) -> bool:
     """Whether method `name` reads selected blocks in decode steps (`Method.retrieves`: quest)."""
-    return name in METHODS and bool(getattr(METHODS.get(name), "retrieves", False))
+    return name in METHODS and bool(METHODS.get(name).retrieves)
 
 
 def check_retrieval_storage(method_name: str, quant_name: str) -> None:
     """A retrieval method (quest) bounds keys cached after RoPE: a codec that stores keys before RoPE (kvquant) is
     refused; the others (kivi, int8, fp8) keep page summaries of the keys as their blocks decode."""
-    retrieves = method_name in METHODS and getattr(METHODS.get(method_name), "retrieves", False)
+    retrieves = method_name in METHODS and METHODS.get(method_name).retrieves
     if not retrieves or quant_name in ("none", "full") or quant_name not in CODECS.names():
         return
     if getattr(CODECS.get(quant_name).codec_cls, "pre_rope_keys", False):
@@ -344,7 +344,7 @@ def check_question_source(name: str, method_options: dict[str, Any], task_option
     compresses the question with its context (task.compress_question=true: the task tells the method its extent) or
     its own `window`; refused in one line before the model loads otherwise."""
     cls = METHODS.get(name) if name in METHODS else None
-    if cls is None or not getattr(cls, "reads_question", False) or method_options.get("window") is not None:
+    if cls is None or not cls.reads_question or method_options.get("window") is not None:
         return
     if task_options.get("compress_question") is not True:
         raise UserError(f"method={name} reads the question's tokens: set task.compress_question=true (a task with a "

@@ -54,15 +54,11 @@ class Method(NoCompression):
     `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null;
     kvbench.spec reads it through the registry). `budget` and `compression_ratio` are checked once, by
     kvbench.spec (config.validate and build_method); a method checks only its own relations (sinks < budget).
-    The no-op hooks are kvbench.runtime.hooks.NoCompression's.
+    Every member of the protocol is declared once, with its default, on kvbench.runtime.hooks.NoCompression
+    (docs/adding.md's table).
     """
 
     name: ClassVar[str] = "base"
-    needs_key_scores: ClassVar[bool] = False
-    evicts: ClassVar[bool] = False
-    retrieves: ClassVar[bool] = False  # reads only some blocks per decode step (`budget`: tokens read; quest.py)
-    acts_after_attention: ClassVar[bool] = False
-    decode_reads_attention: ClassVar[bool] = True
     # Whether the scores are defined on MLA's latent tokens (one row per token, read by every query head: attention
     # mass over the latent row, positions, chance); False (the default) for scores of key or value geometry (norms,
     # similarity, value projections, RoPE statistics, calibrated heads) that the latent does not hold per head: such
@@ -86,28 +82,6 @@ class Method(NoCompression):
         """NoCompression's attach, after check_model."""
         self.check_model(model_config)
         super().attach(cache, model_config)
-
-    # --- runtime points -------------------------------------------------------------
-    @property
-    def store_pre_rope(self) -> bool:
-        """Whether keys are cached before RoPE (rotated at read time)."""
-        return False
-
-    @property
-    def rope_mode(self) -> str:
-        """"original" (keys keep their token positions) or "cache" (re-indexed inside the cache)."""
-        return "original"
-
-    def tensor_parallel_refusal(self) -> str | None:
-        """Why this method cannot run on a model sharded by kv-head over tensor-parallel ranks
-        (runtime.tensor_parallel > 1), or None. Scores per kv-head work on a shard unchanged; a method that ranks
-        tokens across kv-heads gathers its scores over the ranks (methods.eviction) or names its reason here."""
-        return None
-
-    def keep_uncompressed(self, slot: int, num_tokens: int) -> None:
-        """The next `num_tokens` appended to `slot` (one forward step) stay uncompressed: a question appended
-        after its context was compressed (kvpress's query-agnostic protocol). Nothing to do for a method that
-        keeps every token; eviction methods raise that sequence's budget by num_tokens (methods.eviction)."""
 
     def describe(self) -> dict[str, Any]:
         """The method's settings, recorded in every run's results."""

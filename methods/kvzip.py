@@ -230,9 +230,7 @@ class KVzip(EvictionMethod, Method):
         """The next chunk of `slot` (num_tokens) stays uncompressed: kvzip neither reconstructs nor evicts it, and
         it adds to the sequence's budget (the query-agnostic protocol's question)."""
         self._held[slot] = int(num_tokens)
-        parent = getattr(super(), "keep_uncompressed", None)
-        if parent is not None:
-            parent(slot, num_tokens)
+        super().keep_uncompressed(slot, num_tokens)
 
     # --- reconstruction and eviction -----------------------------------------------------------
     def _reconstruct_prompt(self, slot: int, ids: list[int], scored: int, start: int) -> None:

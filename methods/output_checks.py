@@ -24,7 +24,7 @@ class MethodOutputError(RuntimeError):
 
 
 def _where(method: Any, obs: Any) -> str:
-    return f"method {getattr(method, 'name', type(method).__name__)!r} (layer {obs.layer}, {obs.phase})"
+    return f"method {method.name!r} (layer {obs.layer}, {obs.phase})"
 
 
 def _shape(x: Any) -> str:

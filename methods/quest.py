@@ -43,9 +43,6 @@ from kvbench.runtime.contract import PageRetrieval
 MIN_PAGES = 3  # the official code reads at least 3 pages
 GQA_MODES = ("union", "per_head")
 # optional hooks an eviction method underneath may have (looked up with getattr by the engine)
-_INNER_HOOKS = ("bind_engine", "after_prefill_chunk", "on_rollback")
-
-
 def quest_pages(budget: int, block_size: int) -> int:
     """Pages each query head reads per step: max(3, budget // block_size) (official quest_attention.py)."""
     return max(MIN_PAGES, budget // block_size)
@@ -85,7 +82,7 @@ class Quest(Method):
         if self.evict not in METHODS.names() or not METHODS[self.evict].evicts:
             choices = ", ".join(n for n in METHODS.names() if METHODS[n].evicts)
             raise UserError(f"invalid quest.evict={self.evict!r}: choose an eviction method: {choices}")
-        if not getattr(METHODS[self.evict], "needs_budget", True):  # a threshold rule (dms): no count kept
+        if not METHODS[self.evict].needs_budget:  # a threshold rule (dms): no count kept
             if self.evict_budget is not None:
                 raise UserError(f"invalid quest.evict_budget={self.evict_budget!r}: quest.evict={self.evict} keeps "
                                 "what scores above its threshold (method.evict_options.threshold), not a count: "
@@ -111,14 +108,21 @@ class Quest(Method):
         inner = self.inner
         self.needs_key_scores = bool(inner is not None and inner.needs_key_scores)
         self.acts_after_attention = bool(inner is not None and inner.acts_after_attention)
-        self.acts_before_attention = bool(inner is not None and getattr(inner, "acts_before_attention", False))
+        self.acts_before_attention = bool(inner is not None and inner.acts_before_attention)
         self.decode_reads_attention = bool(inner is None or inner.decode_reads_attention)
 
-    def __getattr__(self, name: str) -> Any:  # the optional hooks of the method underneath
-        inner = self.__dict__.get("inner")
-        if name in _INNER_HOOKS and inner is not None:
-            return getattr(inner, name)
-        raise AttributeError(name)
+    # the hooks of the method underneath (NoCompression's no-ops without one)
+    def bind_engine(self, engine: Any) -> None:
+        if self.inner is not None:
+            self.inner.bind_engine(engine)
+
+    def after_prefill_chunk(self, slot: int, token_ids: list[int], start_pos: int, last_chunk: bool) -> None:
+        if self.inner is not None:
+            self.inner.after_prefill_chunk(slot, token_ids, start_pos, last_chunk)
+
+    def on_rollback(self, slot: int) -> None:
+        if self.inner is not None:
+            self.inner.on_rollback(slot)
 
     # --- hooks ------------------------------------------------------------------------------------------------
     def check_model(self, model_config) -> None:

@@ -148,9 +148,7 @@ class ScorerWrapper(EvictionMethod, Method):
     def bind_engine(self, engine: Any) -> None:
         """The engine this method runs in (the hook protocol's optional `bind_engine`): model weights."""
         self.engine = engine
-        bind = getattr(self.inner, "bind_engine", None)
-        if bind is not None:
-            bind(engine)
+        self.inner.bind_engine(engine)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

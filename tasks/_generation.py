@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvbench.errors import UserError
 from kvbench.metrics.repetition import repetition_share
+from kvbench.runtime.hooks import declared
 from kvbench.runtime.model import distributed
 from kvbench.spec import check_positive
 
@@ -270,14 +271,11 @@ def question_count(tokenizer: Any, prompt: str, question: str, templated: bool) 
 def kept_stats(engine: Any) -> dict:
     """The method's prefill_stats (tokens kept per layer and kv-head after each prompt's compression), or {}; in a
     data-parallel launch, over the prompts of every rank."""
-    method = getattr(engine, "method", None)
-    stats = getattr(method, "prefill_stats", None)
-    if not callable(stats):
-        return {}
-    totals = getattr(method, "prefill_totals", None)
-    if callable(totals) and distributed.current() is not None:
-        return dict(stats(distributed.sum_over_data_parallel(totals())))
-    return dict(stats())
+    method = declared(getattr(engine, "method", None))  # a fake engine may hold none
+    totals = method.prefill_totals()
+    if totals is not None and distributed.current() is not None:
+        return dict(method.prefill_stats(distributed.sum_over_data_parallel(totals)))
+    return dict(method.prefill_stats())
 
 
 def run_generation(engine: Any, tokenizer: Any, requests: Sequence[GenRequest], *, batch_size: int = 1,

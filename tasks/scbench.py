@@ -51,6 +51,7 @@ from kvbench.data import scbench as sd
 from kvbench.data.hub import check_revision, require_hub
 from kvbench.errors import UserError
 from kvbench.metrics import scbench as sm
+from kvbench.runtime.hooks import declared
 from kvbench.runtime.serving.requests import Request
 from kvbench.spec import check_positive
 from kvbench.tasks._generation import (check_bool_option, check_chat_template_option, decode, kept_stats,
@@ -435,11 +436,12 @@ class Scbench(Task):
 def _compressions(engine: Any) -> Optional[int]:
     """Prompts the method compressed so far (its own count: (prompt, layer) records over the layers); 0 for a method
     that never evicts (full, a codec alone); None for one that evicts but keeps no such count."""
-    totals = getattr(getattr(engine, "method", None), "prefill_totals", None)
-    if not callable(totals):
-        return 0 if getattr(getattr(engine, "method", None), "evicts", False) is False else None
+    method = declared(getattr(engine, "method", None))  # a fake engine may hold none
+    totals = method.prefill_totals()
+    if totals is None:
+        return 0 if not method.evicts else None
     layers = engine.model.config.num_layers
-    return int(totals()[2]) // layers
+    return int(totals[2]) // layers
 
 
 class _Runner:

@@ -1,7 +1,7 @@
 """The method contract: everything of the runtime a compression method may use, in one module.
 
 A method (methods/*.py, or a researcher's own file) imports the runtime from here only:
-  NoCompression, CacheHooks     the hook protocol the engine calls, and its do-nothing default
+  NoCompression, CacheHooks     the method protocol (every member, with its default; CacheHooks: the same class)
   LayerContext                  what a hook sees after (or before) one layer's attention of one forward step
   MethodCacheView               the cache operations a method may call (keep_tokens, evict_blocks, drop_slots, ...)
   Observation                   what a scorer reads for one (sequence, layer): keys, values, positions, lengths,

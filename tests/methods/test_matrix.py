@@ -23,6 +23,7 @@ from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.methods.variants import VARIANTS, budgeted, rotated
 from tests.tiny_models import ByteTokenizer, tiny_model
 from kvbench.methods import available_methods, build_method
+from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.scoring import Scorer
 
@@ -96,13 +97,21 @@ def _budgeted_size(method, cache, slot: int, layer: int) -> int:
     return max(sizes, default=0)
 
 
+def _overrides(method, member: str) -> bool:
+    """Whether `method` defines its own `member` of the protocol (not NoCompression's default); quest forwards its
+    eviction's hooks, so for quest whether that eviction (`inner`, None without one) does."""
+    if method.name == "quest":
+        return method.inner is not None and _overrides(method.inner, member)
+    return getattr(type(method), member) is not getattr(NoCompression, member)
+
+
 class Checker:
     """Wraps method.after_attention with the invariants; records the most tokens seen in a table."""
 
     def __init__(self, method, budget: int | None, block_size: int):
         self.method, self.budget, self.bs = method, budget, block_size
         self.block_level = getattr(method, "granularity", "token") == "block"
-        self.after_step = hasattr(method, "after_prefill_chunk")  # evicts after the prefill step (kvzip)
+        self.after_step = _overrides(method, "after_prefill_chunk")  # evicts after the prefill step (kvzip)
         self.calls = 0
         self.max_kept = 0  # most tokens in a table after the method ran
         self.max_before = 0  # most tokens in a budgeted table (see _budgeted_size) when the method was called
@@ -148,7 +157,7 @@ class Checker:
             if self.budget is not None and self.method.name != "full" and due and (holds is None
                                                                                   or holds(slot, ctx.layer)):
                 extra = bs - 1 if self.block_level and ctx.phase == "decode" else 0
-                if ctx.phase == "decode" and hasattr(self.method, "decode_overshoot"):  # rkv's staging buffer
+                if ctx.phase == "decode" and _overrides(self.method, "decode_overshoot"):  # rkv's staging buffer
                     extra = self.method.decode_overshoot()
                 why = _over_budget(self.method, cache, slot, ctx.layer, self.budget, extra)
                 assert why is None, f"{self.method.name}: {why} ({ctx.phase}, layer {ctx.layer})"
@@ -244,7 +253,7 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
     assert len(seen) == len(prompts)
     for lengths in seen.values():
         if method.budget_scope != "table":  # head-adaptive: each layer's tables hold the layer's budget together
-            H, over = lengths.shape[-1], (method.decode_overshoot() if hasattr(method, "decode_overshoot") else 0)
+            H, over = lengths.shape[-1], method.decode_overshoot()
             held = lengths.sum(-1)  # [L]; decoding compresses every interval: at most H x (budget + overshoot)
             assert bool((held >= H * budget).all() and (held <= H * (budget + over)).all()), lengths
             continue
@@ -253,7 +262,7 @@ def test_tables_use_the_budget_while_decoding(model, prompts, variant, bs):
         lengths = lengths[budgeted]  # tables with no per-table bound (retrieval heads) keep every token
         if method.granularity == "block":
             assert int(lengths.min()) > budget - bs and int(lengths.max()) < budget + bs
-        elif hasattr(method, "decode_overshoot"):  # rkv: compressed to budget whenever budget + buffer is reached
+        elif _overrides(method, "decode_overshoot"):  # rkv: compressed to budget whenever budget + buffer is reached
             assert int(lengths.min()) >= budget and int(lengths.max()) <= budget + method.decode_overshoot()
         else:
             assert bool((lengths == budget).all()), lengths

@@ -38,7 +38,7 @@ def _questions() -> list[list[int]]:
 
 
 def _compressions(engine: Engine) -> int:
-    totals = engine.method.prefill_totals() if hasattr(engine.method, "prefill_totals") else [0, 0, 0]
+    totals = engine.method.prefill_totals() or [0, 0, 0]
     return int(totals[2]) // engine.model.config.num_layers
 
 

@@ -25,6 +25,12 @@ CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
 
+def try_fused(backend, model, tokens, cache, plan, cos, sin, need_scores):
+    """The backend's fused decode step over the model's and the cache's views, or None."""
+    return backend.fused_decode(model.decode_weights(), tokens, cache.decode_pools(), plan, "original", cos, sin,
+                                need_scores)
+
+
 class RecordingHook:
     """Keeps what every after_attention call saw; optionally drops a layer's oldest full block (ragged heads)."""
 
@@ -78,9 +84,8 @@ def run(model, prompts, steps, *, fused, hook=None, block_size=4, codec=None):
         out = []
         for _ in range(steps):
             plan = cache.prepare_append(slots, torch.tensor(pos).unsqueeze(1))
-            used = CPU.fused_decode(model, torch.tensor([nxt]).T, cache, plan, "original",
-                                    *model.rotary.lookup(plan.query_positions), hook is not None
-                                    and hook.needs_key_scores) is not None
+            used = try_fused(CPU, model, torch.tensor([nxt]).T, cache, plan, *model.rotary.lookup(plan.query_positions),
+                             hook is not None and hook.needs_key_scores) is not None
             assert used == (fused and model.config.model_type != "qwen3")
             logits = model.forward(torch.tensor([nxt]).T, cache, plan, backend=CPU, hook=hook, phase="decode")
             out.append(logits)
@@ -146,8 +151,8 @@ def test_not_fused_over_a_codec_cache_the_kernels_do_not_read():
         slot = cache.add_sequence()
         plan = cache.prepare_append([slot], torch.zeros(1, 1, dtype=torch.int64))
         with torch.inference_mode():
-            assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original",
-                                    *model.rotary.lookup(plan.query_positions), False) is None
+            assert try_fused(CPU, model, torch.zeros(1, 1, dtype=torch.long), cache, plan,
+                             *model.rotary.lookup(plan.query_positions), False) is None
 
 
 @pytest.mark.parametrize("evict", [False, True])
@@ -213,21 +218,15 @@ def test_not_fused_where_it_does_not_apply():
     plan = cache.prepare_append(slots, torch.zeros(n, 1, dtype=torch.int64))
     cos, sin = model.rotary.lookup(plan.query_positions)
     with torch.inference_mode():
-        assert CPU.fused_decode(model, torch.zeros(n - 1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
-                                False) is not None
-        assert CPU.fused_decode(model, torch.zeros(n, 1, dtype=torch.long), cache, plan, "original", cos, sin,
-                                False) is None
-        assert CPU.fused_decode(model, torch.zeros(1, 2, dtype=torch.long), cache, plan, "original", cos, sin,
-                                False) is None
-        assert TORCH.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
-                                  False) is None
+        assert try_fused(CPU, model, torch.zeros(n - 1, 1, dtype=torch.long), cache, plan, cos, sin, False) is not None
+        assert try_fused(CPU, model, torch.zeros(n, 1, dtype=torch.long), cache, plan, cos, sin, False) is None
+        assert try_fused(CPU, model, torch.zeros(1, 2, dtype=torch.long), cache, plan, cos, sin, False) is None
+        assert try_fused(TORCH, model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cos, sin, False) is None
         cache.store_pre_rope = True
-        assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
-                                False) is None
+        assert try_fused(CPU, model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cos, sin, False) is None
     with torch.enable_grad():
         cache.store_pre_rope = False
-        assert CPU.fused_decode(model, torch.zeros(1, 1, dtype=torch.long), cache, plan, "original", cos, sin,
-                                False) is None
+        assert try_fused(CPU, model, torch.zeros(1, 1, dtype=torch.long), cache, plan, cos, sin, False) is None
 
 
 @pytest.mark.parametrize("f16c", [True, False])

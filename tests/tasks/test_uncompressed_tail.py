@@ -140,11 +140,11 @@ def test_preempted_requests_recompute_context_then_tail(model):
                 continue
             r = next(r for r in reqs if r.slot == s.slot)
             end, stop = r.compressed_end, s.start_pos + len(s.token_ids)
-            assert s.compress == (s.start_pos < end) and (stop <= end or s.start_pos >= end)
+            assert stop <= end or s.start_pos >= end  # no chunk crosses the context's end
             assert s.last_chunk == (stop == end or s.start_pos >= end or stop == len(r.tokens))
-            if stop == len(r.tokens):  # the prefill is over: the method kept every token after the context
-                kept.setdefault(s.slot, 0)
-                checked.append((kept[s.slot] + len(s.token_ids) * (not s.compress), len(r.tokens) - end))
+            if stop == len(r.tokens):  # the prefill is over: the method kept every token after the context (told
+                # right before the step: Engine._tell_method)
+                checked.append((kept.get(s.slot, 0), len(r.tokens) - end))
         result = step(segments, *args, **kwargs)
         for s in segments:
             if s.phase == "prefill" and s.start_pos + len(s.token_ids) == len(

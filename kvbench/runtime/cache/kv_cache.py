@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvbench.runtime.backends.base import DecodePools
 from kvbench.runtime.cache.append_plan import AppendPlan
 from kvbench.runtime.cache.block_summaries import BlockSummaries
 from kvbench.runtime.cache.kv_accounting import KVAccounting
@@ -79,6 +80,22 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         # evict_blocks_on_device leaves the ids on the device until take_pending_frees (an engine sets this: it
         # takes them with each step's sampled tokens); False: they go back to the pool at once (a host read)
         self.defer_frees = False
+
+    def decode_pools(self) -> DecodePools:
+        """The fused decode step's view of this cache (kvbench.runtime.backends.base.DecodePools): kept, its
+        settings read again at each call."""
+        view = self.__dict__.get("_decode_pools")
+        if view is None:
+            view = self._decode_pools = DecodePools(
+                k_pool=self.k_pool, v_pool=self.v_pool, block_size=self.block_size, head_dim=self.head_dim,
+                num_kv_heads=self.num_kv_heads, dtype=self.dtype, plain=self.plain_pools,
+                store_pre_rope=self.store_pre_rope, kv_block_bytes=self.kv_block_bytes, **self._packed_pools())
+        view.store_pre_rope, view.summaries = self.store_pre_rope, self.summaries
+        return view
+
+    def _packed_pools(self) -> dict:
+        """A codec cache's part of its DecodePools view (its codec and packed pools); none for plain pools."""
+        return {}
 
     def enable_page_retrieval(self, retrieval: PageRetrieval) -> None:
         """Decode steps read only the blocks `retrieval` selects (page_retrieval.py): keep every block's element-wise

@@ -119,6 +119,10 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         self.pool = RoutedBlockPool(n_fp, n_packed, fp_block_bytes, packed_block_bytes, self.max_bytes)
         self.kv_fp_block_bytes, self.kv_packed_block_bytes = fp_block_bytes, packed_block_bytes  # K/V only
 
+    def _packed_pools(self) -> dict:
+        """Its codec, packed pools and the dtype of its full-precision blocks, for its DecodePools view."""
+        return {"codec": self.codec, "kq_pool": self.kq_pool, "vq_pool": self.vq_pool, "fp_dtype": self.fp_dtype}
+
     def free_blocks(self) -> int:
         return self.pool.free_fp_blocks()
 

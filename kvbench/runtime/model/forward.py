@@ -17,20 +17,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.runtime.backends.base import AttentionBackend
+from kvbench.runtime.backends.base import AttentionBackend, DecodeWeights
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.threads import StepThreads
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
 from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
-from kvbench.runtime.hooks import CacheHooks, LayerContext
+from kvbench.runtime.hooks import CacheHooks
 from kvbench.runtime.model.attention_types import LayerAttention, VariantBackend
 from kvbench.runtime.model.mla import absorb as mla_absorb
 from kvbench.runtime.model.mla import attend_expanded as mla_attend_expanded
 from kvbench.runtime.model.mla import expand_out as mla_expand_out
 from kvbench.runtime.model.mla import project as mla_project
 from kvbench.runtime.model.rope import RotaryTable, apply_rotary
+from kvbench.runtime.model.step_hooks import StepHooks, no_hooks
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "gpt_oss",
                          "deepseek_v2")
@@ -176,6 +177,18 @@ class LlamaFamilyModel:
         # the backend's fused decode step where it has one (backends/cpu): Llama-shaped models with plain attention
         self.fuse_decode_layers = config.plain
 
+    def decode_weights(self) -> DecodeWeights:
+        """The fused decode step's view of this model (kvbench.runtime.backends.base.DecodeWeights): its
+        dimensions and layers, built once; `fuse` follows fuse_decode_layers at each call."""
+        view = self.__dict__.get("_decode_weights")
+        if view is None:
+            cfg = self.config
+            view = self._decode_weights = DecodeWeights(
+                cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size,
+                cfg.rms_norm_eps, self.layers)
+        view.fuse = self.fuse_decode_layers and self.use_cpu_kernels and not self.config.qk_norm
+        return view
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (embedding row lookups excluded unless tied)."""
@@ -220,69 +233,66 @@ class LlamaFamilyModel:
         attention (cache write, paged attention, the method's hook) runs per group, so a hook sees exactly the
         rectangular [S_g, Hq, Q_g, D] inputs of a step of that group alone. A single group may run fused instead
         (the backend's `fused_decode`: whole layers per kernel call)."""
-        cfg = self.config
-        Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
-        pre_rope = cache.store_pre_rope
-        need_scores = bool(hook is not None and hook.needs_key_scores)
+        hooks = StepHooks.of(hook, cache, self.rotary)
         fast = self.use_cpu_kernels and not torch.is_grad_enabled()  # the C kernels have no backward
-        norm = cpu_kernels.rms_norm if fast else self._norm  # fp32: the same math for both norm styles
+        x, rows = self._embed(groups)  # [N, E]
+        count_decode_reads(groups, cache, self.config.num_layers)
+        fused = self._fused_step(groups, cache, backend, hooks, rope_mode, rows) if fast else None
+        if fused is not None:  # whole layers per C call, x updated in place
+            fused.run(x, hooks.per_layer(groups[0]))
+            fused.count_reads(cache.decode_reads)  # its retrieving layers' selections
+            hooks.after_step(groups[0], self.config.num_layers)
+        else:
+            x = self._layers(x, groups, cache, backend, hooks, rope_mode, rows, fast)
+        return self._logits(x, groups, logits_for, fast)
+
+    def _embed(self, groups: list[RaggedGroup]) -> tuple[torch.Tensor, "StepRows"]:
+        """The step's flat token list embedded, x [N, E], and its rows' RoPE and offsets."""
+        cfg = self.config
         sizes = [g.tokens.numel() for g in groups]
-        offsets = [sum(sizes[:i]) for i in range(len(groups))]
-        N = sum(sizes)
         qpos = torch.cat([g.plan.query_positions.reshape(-1) for g in groups])  # [N]
-        known = [getattr(g.plan, "max_position", None) for g in groups]
+        known = [getattr(g.plan, "max_position", None) for g in groups]  # a calibration's plan has none
         max_pos = None if None in known else max(known)
         cos, sin = self.rotary.lookup(qpos, max_pos)  # [N, Dr] (Dr = rotary dims: D unless partial)
         local = self.rotary_local.lookup(qpos, max_pos) if self.rotary_local is not None else None
-        Dr = cos.shape[-1]
         x = self.embed[torch.cat([g.tokens.reshape(-1) for g in groups])]  # [N, E]
         if cfg.embed_scale is not None:  # Gemma: the scale in the model dtype, as transformers applies it
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        fused = None
-        before = hook is not None and getattr(hook, "acts_before_attention", False)
-        retrieval = getattr(cache, "page_retrieval", None)  # the method's, set by the engine (page_retrieval.py)
-        for g in groups:  # the K/V bytes one-token decode steps read, beside what full attention would (a plan with
-            # no host lengths is a captured graph's static one: the replays are counted by serving.decode_graphs)
-            if g.phase == "decode" and g.tokens.shape[1] == 1 and g.plan.host_lengths is not None:
-                cache.decode_reads.step(g.tokens.shape[0], cache.uncompressed_read_bytes(g.plan.slot_list))
-                dense = [li for li in range(cfg.num_layers) if retrieval is None or not retrieval.pages_for(li)]
-                if dense:  # every block of these layers' tables (a retrieving layer counts its own selection)
-                    cache.decode_reads.read(cache.decode_read_bytes(g.plan, dense))
-        hidden = hook is not None and getattr(hook, "reads_hidden_states", False)  # ctx.hidden: no fused layers
-        if fast and len(groups) == 1 and not (before and groups[0].phase == "prefill") and not hidden:
-            g = groups[0]
-            fused = backend.fused_decode(self, g.tokens, cache, g.plan, rope_mode, cos, sin, need_scores,
-                                         retrieval=retrieval)
-        if fused is not None:  # whole layers per C call, x updated in place
-            g = groups[0]
-            # a hook that reads only the cache in decode steps runs after the step, for each layer (one C call)
-            after_step = (hook is not None and g.phase == "decode" and not need_scores
-                          and not getattr(hook, "decode_reads_attention", True))
-            after = None if hook is None or after_step else lambda li, q, key_scores: hook.after_attention(
-                LayerContext(li, cache, g.plan, g.phase, g.last_chunk, q, key_scores, self.rotary))
-            fused.run(x, after)
-            fused.count_reads(cache.decode_reads)  # its retrieving layers' selections
-            if after_step:
-                for li in range(cfg.num_layers):
-                    hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, None, None,
-                                                      self.rotary))
-        # a pure decode step (one token per sequence) may take the C GEMV up to GEMV_MAX_ROWS rows (linear.Linear)
-        gemv_rows = cpu_kernels.GEMV_MAX_ROWS if (len(groups) == 1 and groups[0].phase == "decode"
-                                                  and groups[0].tokens.shape[1] == 1) else None
-        for li, lw in enumerate(self.layers if fused is None else ()):
+        return x, StepRows(sizes, [sum(sizes[:i]) for i in range(len(groups))], cos, sin, local)
+
+    def _fused_step(self, groups: list[RaggedGroup], cache: PagedKVCache, backend: AttentionBackend,
+                    hooks: StepHooks, rope_mode: str, rows: "StepRows") -> Any:
+        """The backend's fused decode step for this step (whole layers per kernel call), or None: op by op. Only a
+        single group whose hooks allow it (StepHooks.fusable) is tried; the backend says whether it can."""
+        if not backend.fuses_decode or not hooks.fusable(groups) or groups[0].tokens.shape[1] != 1:
+            return None
+        g = groups[0]
+        return backend.fused_decode(self.decode_weights(), g.tokens, cache.decode_pools(), g.plan, rope_mode, rows.cos,
+                                    rows.sin, hooks.need_scores, retrieval=_retrieval(cache))
+
+    def _layers(self, x: torch.Tensor, groups: list[RaggedGroup], cache: PagedKVCache, backend: AttentionBackend,
+                hooks: StepHooks, rope_mode: str, rows: "StepRows", fast: bool) -> torch.Tensor:
+        """Every layer op by op over x [N, E]; returns the new x."""
+        cfg = self.config
+        Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        N, Dr = x.shape[0], rows.cos.shape[-1]
+        norm = cpu_kernels.rms_norm if fast else self._norm  # fp32: the same math for both norm styles
+        gemv_rows = _gemv_rows(groups)
+        unseen = no_hooks(cache, self.rotary)  # what a sliding layer's attention calls: no hook
+        for li, lw in enumerate(self.layers):
             la = cfg.attention(li)
-            lcos, lsin = local if (local is not None and la.window is not None) else (cos, sin)
+            lcos, lsin = rows.local if (rows.local is not None and la.window is not None) else (rows.cos, rows.sin)
             h = norm(x, lw.ln_attn, eps)
             if lw.mla is not None:
-                out = self._mla_attention(li, lw, h, groups, offsets, sizes, lcos, lsin, cache, hook, need_scores)
+                out = self._mla_attention(li, lw, h, groups, rows.offsets, rows.sizes, lcos, lsin, cache, hooks)
                 x = x + lw.o(out, gemv_rows)
                 x = x + self._mlp(lw, norm(x, lw.ln_mlp, eps), gemv_rows, norm, eps)
                 continue
             qkv = lw.qkv(h, gemv_rows)  # [N, (Hq + 2H) D]
             q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
             q, k, v = q.view(N, Hq, D), k.view(N, H, D), v.view(N, H, D)  # views of qkv
-            rotated = not pre_rope and not cfg.qk_norm  # q and k rotated here, once for every group
+            rotated = not cache.store_pre_rope and not cfg.qk_norm  # q and k rotated here, once for every group
             if rotated and fast and Dr == D:  # in place in qkv (q and k are views)
                 cpu_kernels.rotary_(qkv, Hq + H, D, lcos, lsin)
             elif rotated:  # q and k together: one pass
@@ -290,30 +300,38 @@ class LlamaFamilyModel:
                 q, k = qk[:, :Hq], qk[:, Hq:]
             out = torch.empty(N, Hq * D, dtype=x.dtype, device=x.device)  # attention output
             layer_backend = self._variant_backends.get(li, backend)
-            for g, off, n in zip(groups, offsets, sizes):
+            layer_hooks = hooks if la.window is None else unseen  # methods act on full layers only
+            for g, off, n in zip(groups, rows.offsets, rows.sizes):
                 S, Q = g.tokens.shape
-                rows = slice(off, off + n)
-                o = self._attend_group(li, lw, g, q[rows], k[rows], v[rows], lcos[rows].view(S, Q, Dr),
-                                       lsin[rows].view(S, Q, Dr), rotated, cache, layer_backend,
-                                       hook if la.window is None else None, need_scores and la.window is None,
-                                       rope_mode, h[rows].view(S, Q, -1) if hidden and la.window is None else None
-                                       )  # [S, Hq, Q, D]
-                out[rows] = o.transpose(1, 2).reshape(n, Hq * D)
-            if la.window is not None:  # the ring: blocks no later query of the layer can see go back to the pool
-                cache.slide_window(li, [s for g in groups for s in g.plan.slot_list], la.window)
+                r = slice(off, off + n)
+                hidden = h[r].view(S, Q, -1) if layer_hooks.reads_hidden else None
+                o = self._attend_group(li, lw, g, q[r], k[r], v[r], lcos[r].view(S, Q, Dr), lsin[r].view(S, Q, Dr),
+                                       rotated, cache, layer_backend, layer_hooks, rope_mode, hidden)  # [S, Hq, Q, D]
+                out[r] = o.transpose(1, 2).reshape(n, Hq * D)
+            if la.window is not None:
+                slide_windows(cache, li, groups, la.window)
             a = lw.o(out, gemv_rows)
             x = x + (a if lw.post_attn_norm is None else norm(a, lw.post_attn_norm, eps))
             x = x + self._mlp(lw, norm(x, lw.ln_mlp, eps), gemv_rows, norm, eps)
+        return x
+
+    def _logits(self, x: torch.Tensor, groups: list[RaggedGroup], logits_for: str,
+                fast: bool) -> list[torch.Tensor | None]:
+        """Per group: logits [S_g, V] ("last": each sequence's last token), [S_g, Q_g, V] ("all") or None."""
         if logits_for == "none":
             return [None] * len(groups)
+        sizes = [g.tokens.numel() for g in groups]
+        N = x.shape[0]
         if logits_for == "last":  # the last token of every sequence
+            offsets = [sum(sizes[:i]) for i in range(len(groups))]
             last = [off + (i + 1) * g.tokens.shape[1] - 1 for g, off in zip(groups, offsets)
                     for i in range(g.tokens.shape[0])]
             x = x[torch.tensor(last, dtype=torch.int64, device=x.device)] if N != len(last) else x
+        norm = cpu_kernels.rms_norm if fast else self._norm
         # a pure decode step's head takes the C GEMV too, as its layers do (faster than oneDNN at up to 16 rows, with
         # the next weight tile prefetched: csrc/decode_ops.h, prefetch_share_l2; figures in docs/benchmark-results.md)
-        logits = softcap(self.lm_head(norm(x.contiguous(), self.final_norm, eps), gemv_rows),
-                         cfg.final_softcap)  # [rows, V]
+        logits = softcap(self.lm_head(norm(x.contiguous(), self.final_norm, self.config.rms_norm_eps),
+                                      _gemv_rows(groups)), self.config.final_softcap)  # [rows, V]
         if logits_for == "last":
             return list(logits.split([g.tokens.shape[0] for g in groups]))
         return [part.view(*g.tokens.shape, -1) for g, part in zip(groups, logits.split(sizes))]
@@ -330,7 +348,7 @@ class LlamaFamilyModel:
 
     def _mla_attention(self, li: int, lw: LayerWeights, h: torch.Tensor, groups: list[RaggedGroup],
                        offsets: list[int], sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                       cache: PagedKVCache, hook: CacheHooks | None, need_scores: bool) -> torch.Tensor:
+                       cache: PagedKVCache, hooks: StepHooks) -> torch.Tensor:
         """One MLA layer (runtime.model.mla) over h [N, E]: each token's latent row written to the cache; a group of
         one query per sequence (decode) attends in the absorbed form over the rows, a multi-token group (a prefill
         chunk) in the expanded form (per-head K/V from the cached latents; `mla_prefill_form` "absorbed" turns that
@@ -347,37 +365,34 @@ class LlamaFamilyModel:
             qn = q_nope[rows].reshape(S, Q, Hq, -1).transpose(1, 2)  # [S, Hq, Q, nope]
             qp = q_pe[rows].reshape(S, Q, Hq, -1).transpose(1, 2)  # [S, Hq, Q, rope]
             qg = mla_absorb(lw.mla, qn.transpose(1, 2), qp.transpose(1, 2)).transpose(1, 2) \
-                if not expanded or hook is not None else None  # [S, Hq, Q, D]
+                if not expanded or hooks.active else None  # [S, Hq, Q, D]
             kg = row[rows].reshape(S, Q, 1, D).transpose(1, 2)  # [S, 1, Q, D]
             cache.write(li, g.plan, kg, kg[..., :r])
-            if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
-                hook.before_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, None, self.rotary))
-                cache.refresh_plan_layer(g.plan, li)
+            hooks.before_attention(li, g, qg)
             if expanded:
                 self.mla_expanded_steps += 1
                 plan = g.plan
                 rows_pool, tables = cache.latent_rows(li, plan)  # the pool in place, or a codec's decoded blocks
                 o, key_scores = mla_attend_expanded(
                     cfg.mla, lw.mla, qn, qp, rows_pool, tables, plan.lengths[:, li],
-                    plan.positions[:, li], plan.query_positions, cfg.attn_scale, return_key_scores=need_scores,
+                    plan.positions[:, li], plan.query_positions, cfg.attn_scale, return_key_scores=hooks.need_scores,
                 )  # [S, Hq, Q, v]
                 out[rows] = o.transpose(1, 2).reshape(n, -1)
             else:
                 o, key_scores = cache.attend(li, qg, g.plan, cfg.attn_scale, backend=TORCH,
-                                             return_key_scores=need_scores, causal=Q > 1)  # [S, Hq, Q, r]
+                                             return_key_scores=hooks.need_scores, causal=Q > 1)  # [S, Hq, Q, r]
                 out[rows] = mla_expand_out(lw.mla, o.transpose(1, 2).reshape(n, Hq, r))
-            if hook is not None:
-                hook.after_attention(LayerContext(li, cache, g.plan, g.phase, g.last_chunk, qg, key_scores,
-                                                  self.rotary))
+            hooks.after_attention(li, g, qg, key_scores)
         return out
 
     def _attend_group(self, li: int, lw: LayerWeights, g: RaggedGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool, cache: PagedKVCache,
-                      backend: AttentionBackend, hook: CacheHooks | None, need_scores: bool,
-                      rope_mode: str, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                      backend: AttentionBackend, hooks: StepHooks, rope_mode: str,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One group's attention of layer li: its rows of q [n, Hq, D], k, v [n, H, D] (n = S*Q; RoPE already
         applied when `rotated`), cos / sin [S, Q, D], hidden [S, Q, E] the attention input for a hook that reads it;
-        writes its K/V, attends, calls the hook; returns out [S, Hq, Q, D]."""
+        writes its K/V, attends (over the method's retrieved blocks only where it retrieves), calls the hooks;
+        returns out [S, Hq, Q, D]."""
         cfg = self.config
         Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = Hq // H
@@ -406,28 +421,18 @@ class LlamaFamilyModel:
             q = rope(q.reshape(S, H, G, Q, D), cq[:, :, None], sq[:, :, None]).view(S, Hq, Q, D)
             rotate_keys = functools.partial(self._rotate_at_slot, table=self._rotary_of(li))
         cache.write(li, plan, k, v)
-        if hook is not None and g.phase == "prefill" and getattr(hook, "acts_before_attention", False):
-            # the method cuts the layer's K/V before its attention: the chunk attends to what it keeps
-            hook.before_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, None, self.rotary))
-            cache.refresh_plan_layer(plan, li)
-        retrieval = getattr(cache, "page_retrieval", None)
+        hooks.before_attention(li, g, q)  # the method cuts the layer's K/V: the chunk attends to what it keeps
+        retrieval = _retrieval(cache)
         pages = retrieval.pages_for(li) if retrieval is not None and g.phase == "decode" and Q == 1 else 0
         scale = cfg.attn_scale or cfg.head_dim ** -0.5
         if pages:  # the method's top blocks only (kvbench.runtime.cache.page_retrieval)
-            out, read = cache.attend_pages(li, q, plan, scale, pages, backend=backend)
-            key_scores = None
-            bs = cache.block_size
-            held = int(blocks_for_tokens(plan.host_lengths_array()[:, li], bs).sum())
-            cache.decode_reads.scored(held * cache.summaries.bytes_per_block)
-            cache.decode_reads.read(read)
+            out, key_scores = attend_retrieved(cache, li, q, plan, scale, pages, backend), None
         else:
             out, key_scores = cache.attend(
-                li, q, plan, scale, backend=backend, return_key_scores=need_scores,
+                li, q, plan, scale, backend=backend, return_key_scores=hooks.need_scores,
                 rotate_keys=rotate_keys, causal=Q > 1,
             )
-        if hook is not None:
-            hook.after_attention(LayerContext(li, cache, plan, g.phase, g.last_chunk, q, key_scores, self.rotary,
-                                              hidden))
+        hooks.after_attention(li, g, q, key_scores, hidden)
         return out
 
     def _rotary_of(self, layer: int) -> RotaryTable:
@@ -447,6 +452,59 @@ class LlamaFamilyModel:
         T = k.shape[2]
         cos, sin = table.lookup(torch.arange(T, device=k.device), T - 1)
         return rope(k, cos, sin)
+
+
+@dataclass
+class StepRows:
+    """Where each group's tokens sit in a step's flat token list, and their RoPE rows."""
+
+    sizes: list[int]  # tokens per group (S_g * Q_g)
+    offsets: list[int]  # each group's first row
+    cos: torch.Tensor  # [N, Dr] the full layers' RoPE (Dr = rotary dims: D unless partial)
+    sin: torch.Tensor
+    local: tuple[torch.Tensor, torch.Tensor] | None  # the sliding layers' own (cos, sin) where they differ
+
+
+def _retrieval(cache: Any) -> Any:
+    """The cache's copy of the method's page retrieval (set by the engine), or None; a capturing cache of the
+    calibration forward (quant.calibration) has none."""
+    return getattr(cache, "page_retrieval", None)
+
+
+def _gemv_rows(groups: list[RaggedGroup]) -> int | None:
+    """A pure decode step (one token per sequence) may take the C GEMV up to GEMV_MAX_ROWS rows (linear.Linear)."""
+    if len(groups) == 1 and groups[0].phase == "decode" and groups[0].tokens.shape[1] == 1:
+        return cpu_kernels.GEMV_MAX_ROWS
+    return None
+
+
+def count_decode_reads(groups: list[RaggedGroup], cache: PagedKVCache, num_layers: int) -> None:
+    """The K/V bytes one-token decode steps read, beside what full attention would (cache.decode_reads): every block
+    of the layers that read whole tables (a retrieving layer counts its own selection, attend_retrieved or the fused
+    step). A plan with no host lengths is a captured graph's static one: serving.decode_graphs counts the replays."""
+    retrieval = _retrieval(cache)
+    for g in groups:
+        if g.phase == "decode" and g.tokens.shape[1] == 1 and g.plan.host_lengths is not None:
+            cache.decode_reads.step(g.tokens.shape[0], cache.uncompressed_read_bytes(g.plan.slot_list))
+            dense = [li for li in range(num_layers) if retrieval is None or not retrieval.pages_for(li)]
+            if dense:
+                cache.decode_reads.read(cache.decode_read_bytes(g.plan, dense))
+
+
+def attend_retrieved(cache: PagedKVCache, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, pages: int,
+                     backend: AttentionBackend) -> torch.Tensor:
+    """Decode attention of q [S, Hq, 1, D] over the method's top `pages` blocks of `layer` only
+    (kvbench.runtime.cache.page_retrieval), the summaries scored and the blocks read counted; out [S, Hq, 1, D]."""
+    out, read = cache.attend_pages(layer, q, plan, scale, pages, backend=backend)
+    held = int(blocks_for_tokens(plan.host_lengths_array()[:, layer], cache.block_size).sum())
+    cache.decode_reads.scored(held * cache.summaries.bytes_per_block)
+    cache.decode_reads.read(read)
+    return out
+
+
+def slide_windows(cache: PagedKVCache, layer: int, groups: list[RaggedGroup], window: int) -> None:
+    """A sliding layer's ring: blocks no later query of the layer can see go back to the pool."""
+    cache.slide_window(layer, [s for g in groups for s in g.plan.slot_list], window)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

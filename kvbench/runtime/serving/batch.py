@@ -22,9 +22,6 @@ class Segment:
     start_pos: int
     phase: str = "prefill"  # "prefill" | "decode"
     last_chunk: bool = True  # the prompt ends with this chunk (the method may compress); True for decode
-    compress: bool = True  # False: the method keeps these tokens (its keep_uncompressed hook: a question's chunk)
-    question: int = 0  # the prompt's last `question` tokens are its question, compressed with it (question_tokens
-    # hook: Finch's window)
 
 
 @dataclass
@@ -40,8 +37,7 @@ class StepBatch:
     def of(cls, scheduled: list[Scheduled]) -> "StepBatch":
         """The step's segments: each request's n tokens from req.fed on, at their positions."""
         segments = [Segment(sc.req.slot, sc.req.tokens[sc.req.fed:sc.req.fed + sc.n], sc.req.fed,
-                            "decode" if sc.kind == "decode" else "prefill", sc.last_chunk, sc.compress,
-                            sc.req.question_tokens)
+                            "decode" if sc.kind == "decode" else "prefill", sc.last_chunk)
                     for sc in scheduled]
         return cls(scheduled, segments, [i for i, sc in enumerate(scheduled) if sc.emits])
 

@@ -30,7 +30,7 @@ import torch
 
 from kvbench.runtime.cache.kv_cache import SCRATCH_BLOCK, AppendPlan
 from kvbench.runtime.cache.kv_meter import DecodeReads
-from kvbench.runtime.hooks import LayerContext
+from kvbench.runtime.hooks import LayerContext, NoCompression, declared
 from kvbench.runtime.model.forward import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.serving.host_sync import HostSyncCounter
 
@@ -70,13 +70,13 @@ def cpu_standin_capture(fn: Callable[[], None], pool: Any) -> Callable[[], None]
     return fn
 
 
-class _Recorder:
+class _Recorder(NoCompression):
     """The hook the captured forward calls: copies each layer's q and key scores into static buffers."""
 
-    def __init__(self, method, q_buf: torch.Tensor, ks_buf: torch.Tensor | None):
-        self.needs_key_scores = bool(getattr(method, "needs_key_scores", False))
-        self.acts_after_attention = True
-        self.decode_reads_attention = True
+    acts_after_attention = True
+
+    def __init__(self, method: NoCompression, q_buf: torch.Tensor, ks_buf: torch.Tensor | None):
+        self.needs_key_scores = bool(method.needs_key_scores)
         self.q_buf, self.ks_buf = q_buf, ks_buf  # [L, B, Hq, 1, D], [L, B, H, W*bs]
 
     def after_attention(self, ctx: LayerContext) -> None:
@@ -104,13 +104,14 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaFamilyModel, cache, backend, method, *, rope_mode: str = "original",
                  capture: Capture | None = None, max_batch: int = 256, buckets: list[int] | None = None):
+        method = declared(method)
         self.model, self.cache, self.backend, self.method, self.rope_mode = model, cache, backend, method, rope_mode
         on_cuda = model.device.type == "cuda"
         self.capture = capture or (cuda_capture if on_cuda else cpu_standin_capture)
         self.buckets = sorted(buckets or default_buckets(max_batch))
         self.pool = torch.cuda.graph_pool_handle() if on_cuda and self.capture is cuda_capture else None
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.hook = method if getattr(method, "acts_after_attention", True) else None
+        self.hook = method if method.acts_after_attention else None
         self.replays = 0  # decode steps run from a graph
         self.eager_steps = 0  # decode steps run eagerly (run returned None)
         # a graph holds the RoPE table's memory: a step past its end runs eagerly, and if that grows the table
@@ -123,7 +124,7 @@ class DecodeGraphs:
             return "keys cached before RoPE are rotated as they are read (host-dependent shapes)"
         if getattr(self.cache, "page_retrieval", None) is not None:
             return "page retrieval (its blocks read are counted per step, on the host)"
-        if self.hook is not None and getattr(self.hook, "reads_hidden_states", False):
+        if self.hook is not None and self.hook.reads_hidden_states:
             return "the method reads each layer's attention input (kept by no captured graph)"
         if not self.model.config.plain:
             return "the model has per-layer attention variants (windows, sinks, soft-capping) or a non-Llama layer"
@@ -206,7 +207,7 @@ class DecodeGraphs:
         tokens = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         logits = torch.zeros(batch, cfg.vocab_size, dtype=self.model.dtype, device=dev)
         q = torch.zeros(L, batch, cfg.num_heads, 1, cfg.head_dim, dtype=self.model.dtype, device=dev)
-        needs_ks = self.hook is not None and getattr(self.method, "needs_key_scores", False)
+        needs_ks = self.hook is not None and self.method.needs_key_scores
         ks = torch.zeros(L, batch, H, width * bs, dtype=torch.float32, device=dev) if needs_ks else None
         recorder = _Recorder(self.method, q, ks) if self.hook is not None else None
         group = RaggedGroup(tokens, plan, "decode", True)

@@ -4,8 +4,10 @@
     gens = engine.generate([ids_a, ids_b], max_new_tokens=64, stop_token_ids=[eos])   # via the scheduler
     outcome = engine.serve([Request(ids, 128, arrival_s=0.5), ...])                   # a serving trace
 
-`method` is any object with the hook protocol (kvbench.runtime.hooks.CacheHooks); the runtime never imports the
-methods. `codec` is a storage codec or None (full precision); kvbench.runtime.cache.caches builds the matching cache.
+`method` is any object with the hook protocol (kvbench.runtime.hooks.NoCompression declares every member, with its
+default; an object that does not subclass it gets those defaults through hooks.declared); the runtime never imports
+the methods. `codec` is a storage codec or None (full precision); kvbench.runtime.cache.caches builds the matching
+cache.
 `attention_backend` picks the kernels (kvbench.runtime.backends: auto | torch | cpu | triton).
 Log-likelihoods of given tokens (perplexity, lm-eval) are kvbench.runtime.serving.scoring.Scorer's, over this engine.
 
@@ -33,13 +35,13 @@ from kvbench.runtime.cache.kv_geometry import block_bytes, pool_bytes
 from kvbench.runtime.cache.kv_meter import KVMeter
 from kvbench.runtime.cache.prefix_cache import PrefixCache
 from kvbench.runtime.cache.swap import SwapSpace
-from kvbench.runtime.hooks import NoCompression
+from kvbench.runtime.hooks import declared
 from kvbench.runtime.model.forward import LlamaFamilyModel
 from kvbench.runtime.model.tensor_parallel import rank_agreed
 from kvbench.runtime.serving.batch import Segment, StepBatch
 from kvbench.runtime.serving.decode_graphs import DecodeGraphs
 from kvbench.runtime.serving.model_runner import ModelRunner
-from kvbench.runtime.serving.requests import Outcome, Request
+from kvbench.runtime.serving.requests import Outcome, Request, Scheduled
 from kvbench.runtime.serving.sampling import sample
 from kvbench.runtime.serving.scheduler import Scheduler
 from kvbench.runtime.serving.scoring import Scorer
@@ -113,7 +115,7 @@ class Engine:
     ):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
-        method = NoCompression() if method is None else method
+        method = declared(method)
         self.model, self.method, self.codec = model, method, codec
         cfg = model.config
         self.prefill_chunk_size = prefill_chunk_size
@@ -124,15 +126,13 @@ class Engine:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; choose one of: {', '.join(PREEMPTION_MODES)}")
         self.schedule = schedule
-        check_model = getattr(method, "check_model", None)  # the hook protocol's optional refusal of the model,
-        if callable(check_model):  # before the cache is built for it (an MLA latent cache, a pruned-key layout)
-            check_model(cfg)
+        method.check_model(cfg)  # before the cache is built for it (an MLA latent cache, a pruned-key layout)
         self.kv_memory_bytes = kv_memory_bytes_for(model, block_size, num_blocks, kv_memory_bytes)
         self.cache = build_cache(
             codec=codec, kv_memory_bytes=self.kv_memory_bytes, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=block_size, dtype=model.dtype,
             device=model.device, store_pre_rope=bool(method.store_pre_rope),
-            pruned_key_channels=_pruned_key_channels(method, cfg.head_dim),
+            pruned_key_channels=int(method.pruned_key_channels(cfg.head_dim)),
             value_dim=cfg.mla.kv_lora_rank if cfg.mla is not None else None,  # MLA: the latent cache
         )
         self.cache.defer_frees = True  # evicted block ids travel with each step's sampled tokens (_sample_step)
@@ -147,9 +147,8 @@ class Engine:
                                  "use false or auto for a model with sliding-window layers")
             prefix_caching = False
         method.attach(self.cache, cfg)
-        retrieval = getattr(method, "page_retrieval", None)  # a retrieval method: decode reads its blocks only
-        if retrieval is not None:
-            self.cache.enable_page_retrieval(retrieval)
+        if method.page_retrieval is not None:  # a retrieval method: decode reads its blocks only
+            self.cache.enable_page_retrieval(method.page_retrieval)
         self.backend = select_backend(attention_backend, model.device, self.cache)
         self.attention_backend = self.backend.name
         self.meter = KVMeter(self.cache)  # the run's KV figures (memory_stats)
@@ -170,9 +169,7 @@ class Engine:
             log.info("runtime.cuda_graphs ignored on %s: decode runs eagerly", model.device)
         elif cuda_graphs is not False and on_cuda:
             self.use_decode_graphs()
-        bind = getattr(method, "bind_engine", None)
-        if bind is not None:  # optional: methods that read the weights or run passes of their own (KVzip)
-            bind(self)
+        method.bind_engine(self)  # methods that read the weights or run passes of their own (KVzip)
 
     @property
     def decode_graphs(self) -> DecodeGraphs | None:
@@ -199,13 +196,13 @@ class Engine:
         if setting not in ("auto", True, False):
             raise ValueError(f"prefix_caching must be auto, true or false, got {setting!r}")
         if setting == "auto":
-            return not getattr(self.method, "acts_after_attention", True)
+            return not self.method.acts_after_attention
         if setting and getattr(self.cache, "pruned_channels", 0):
-            raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} prunes key channels "
+            raise ValueError(f"prefix_caching=true: method {self.method.name!r} prunes key channels "
                              "chosen by each whole prompt, which a shared prefix would take from another; use false "
                              "or auto")
-        if setting and getattr(self.method, "needs_key_scores", False):
-            raise ValueError(f"prefix_caching=true: method {getattr(self.method, 'name', '?')!r} accumulates "
+        if setting and self.method.needs_key_scores:
+            raise ValueError(f"prefix_caching=true: method {self.method.name!r} accumulates "
                              "attention over every prompt query, which a shared prefix skips; use false or auto")
         return bool(setting)
 
@@ -226,16 +223,13 @@ class Engine:
         reconstruction), whose tokens the method drops afterwards: not counted as the sequence's tokens
         (cache.tokens_seen: the prompt's length, full_kv_bytes), and no after_prefill_chunk call."""
         if not compress:
-            keep = getattr(self.method, "keep_uncompressed", None)
-            if keep is not None:
-                keep(slot, len(token_ids))
+            self.method.keep_uncompressed(slot, len(token_ids))
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.model.device).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
         logits = self.runner.forward([slot], ids, pos, phase="prefill", last_chunk=last_chunk, logits_for=logits_for,
                                      scratch=scratch, max_position=start_pos + ids.shape[1] - 1)
-        after = None if scratch else getattr(self.method, "after_prefill_chunk", None)
-        if after is not None:  # optional: the chunk's token ids, after its step (KVzip's reconstruction pass)
-            after(slot, list(token_ids), start_pos, last_chunk)
+        if not scratch:  # the chunk's token ids, after its step (KVzip's reconstruction pass)
+            self.method.after_prefill_chunk(slot, list(token_ids), start_pos, last_chunk)
         return logits
 
     def decode_batch(self, slots: list[int], tokens: list[int], positions: list[int], temperature: float = 0.0,
@@ -256,9 +250,7 @@ class Engine:
         """A new sequence sharing every block of `slot` (copy-on-write on its first write); the method copies its
         state for it (`on_fork`), so both go on exactly as the original would."""
         child = self.cache.fork(slot)
-        on_fork = getattr(self.method, "on_fork", None)
-        if on_fork is not None:
-            on_fork(slot, child)
+        self.method.on_fork(slot, child)
         return child
 
     @torch.no_grad()
@@ -353,15 +345,14 @@ class Engine:
             raise ValueError(f"{len(questions)} question_tokens for {len(prompts)} prompts")
         reqs = [Request([int(t) for t in p], max_new_tokens, uncompressed_tail=int(n), question_tokens=int(qn))
                 for p, n, qn in zip(prompts, tails, questions)]
-        kept_of = getattr(self.method, "prompt_kept_fraction", None)  # the hook protocol's optional read
         kept: dict[int, float | None] = {}
 
         def on_token(r: Request) -> None:  # the prompt is compressed before its first token
             if len(r.output) == 1 and r.slot is not None:
-                kept[r.index] = kept_of(r.slot)
+                kept[r.index] = self.method.prompt_kept_fraction(r.slot)
 
         self.serve(reqs, stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, seed=seed,
-                   chunk_size=chunk_size, should_stop=should_stop, on_token=on_token if kept_of else None)
+                   chunk_size=chunk_size, should_stop=should_stop, on_token=on_token)
         return [Generation(r.output, r.finish_reason, r.first_token_s if r.first_token_s is not None else 0.0,
                            r.prefill_tokens, r.prefill_s, r.decode_tokens, r.decode_s, r.preemptions, r.error,
                            kept.get(r.index)) for r in reqs]
@@ -412,6 +403,16 @@ class Engine:
             raise
         return sched.outcome()
 
+    def _tell_method(self, scheduled: list[Scheduled]) -> None:
+        """What the method hears of a step's requests right before it runs (the batch carries what the model needs):
+        a chunk of an uncompressed tail stays uncompressed (keep_uncompressed); a prefill chunk of a prompt whose
+        last tokens are its question says the question's extent (question_tokens: Finch's window)."""
+        for sc in scheduled:
+            if not sc.compress:
+                self.method.keep_uncompressed(sc.req.slot, sc.n)
+            if sc.req.question_tokens > 0 and sc.kind != "decode":
+                self.method.question_tokens(sc.req.slot, sc.req.question_tokens)
+
     def _check_positions(self, requests: list[Request]) -> None:
         """A sequence longer than the model's positions is refused (ValueError: the run fails, named), never run at
         positions the model was not built for: its prompt and the tokens it may generate fed back (all but the
@@ -425,7 +426,7 @@ class Engine:
         """ValueError when a sequence of prompt_tokens + generated_tokens (fed back) passes the model's positions. A
         method that re-indexes positions inside the cache (StreamingLLM's rope_mode) is exempt."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        if not limit or getattr(self.method, "rope_mode", "original") != "original":
+        if not limit or self.method.rope_mode != "original":
             return
         if prompt_tokens > limit:
             raise ValueError(f"a prompt of {prompt_tokens:,} tokens passes the model's {limit:,} positions "
@@ -441,6 +442,7 @@ class Engine:
         (those that end their sequence's known tokens: a prompt's last chunk, a decode token). Waits for the
         device."""
         emit = batch.emit
+        self._tell_method(batch.scheduled)
         logits = self.step(batch.segments)  # the public step (a caller may wrap it)
         toks = self._sample_step(_as_matrix([logits[i] for i in emit]), temperature, top_p, gen) if emit else []
         self.flush_pending_frees()  # a step that sampled nothing
@@ -463,6 +465,7 @@ class Engine:
             for i, toks in zip(dec, spec.decode(self, items, temperature, top_p, gen)):
                 out[i] = toks
         if pre:
+            self._tell_method([scheduled[i] for i in pre])
             logits = self.step([segments[i] for i in pre])
             spec.follow_prefill([(s.slot, s.token_ids, s.start_pos, s.last_chunk) for s in (segments[i] for i in pre)])
             emits = [i for i, j in enumerate(pre) if j in emit]
@@ -532,9 +535,3 @@ def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
                     and r.stride() == base.stride()[1:] and r.shape == base.shape[1:] for i, r in enumerate(rows))):
         return base
     return torch.stack(rows)
-
-
-def _pruned_key_channels(method, head_dim: int) -> int:
-    """Key channels per kv-head `method` prunes (its optional pruned_key_channels(head_dim); 0 without it)."""
-    prune = getattr(method, "pruned_key_channels", None)
-    return int(prune(head_dim)) if callable(prune) else 0

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvbench.runtime.cache.kv_meter import KVMeter
+from kvbench.runtime.hooks import NoCompression
 from kvbench.runtime.model.forward import LlamaFamilyModel, RaggedGroup
 from kvbench.runtime.serving.batch import Segment
 from kvbench.runtime.serving.decode_graphs import DecodeGraphs
@@ -25,10 +26,10 @@ from kvbench.runtime.serving.decode_graphs import DecodeGraphs
 class ModelRunner:
     """Runs `model` over `cache` with `backend`'s kernels and `method`'s hooks; see the module docstring."""
 
-    def __init__(self, model: LlamaFamilyModel, cache: Any, backend: Any, method: Any, meter: KVMeter):
+    def __init__(self, model: LlamaFamilyModel, cache: Any, backend: Any, method: NoCompression, meter: KVMeter):
         self.model, self.cache, self.backend, self.method, self.meter = model, cache, backend, method, meter
         # methods that never act after attention (full, pure codecs) are not called once per layer
-        self.layer_hook = method if getattr(method, "acts_after_attention", True) else None
+        self.layer_hook = method if method.acts_after_attention else None
         self.decode_graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (Engine.use_decode_graphs)
 
     @torch.no_grad()
@@ -63,13 +64,6 @@ class ModelRunner:
         the earlier groups' sequences appended but not computed: the scheduler preempts them all)."""
         if not segments:
             return []
-        keep = getattr(self.method, "keep_uncompressed", None)
-        question = getattr(self.method, "question_tokens", None)
-        for s in segments:
-            if not s.compress and keep is not None:
-                keep(s.slot, len(s.token_ids))
-            if s.question > 0 and s.phase == "prefill" and question is not None:
-                question(s.slot, s.question)
         dev = self.model.device
         if all(s.phase == "decode" and len(s.token_ids) == 1 for s in segments):
             toks = torch.tensor([s.token_ids for s in segments], dtype=torch.int64, device=dev)  # [S, 1]
@@ -102,9 +96,7 @@ class ModelRunner:
         return result
 
     def _after_prefill_chunks(self, segments: list[Segment]) -> None:
-        """The method's optional `after_prefill_chunk` hook for each prefill segment of a step (as forward_chunk)."""
-        after = getattr(self.method, "after_prefill_chunk", None)
-        if after is not None:
-            for s in segments:
-                if s.phase == "prefill":
-                    after(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)
+        """The method's `after_prefill_chunk` hook for each prefill segment of a step (as forward_chunk)."""
+        for s in segments:
+            if s.phase == "prefill":
+                self.method.after_prefill_chunk(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)

@@ -119,9 +119,7 @@ def rollback(engine: Any, slot: int, num_tokens: int) -> int:
     """Cut sequence `slot` of `engine` back to positions < num_tokens (blocks freed); the method's optional
     `on_rollback(slot)` hook follows. Returns the blocks freed."""
     freed = engine.cache.truncate(slot, num_tokens)
-    hook = getattr(engine.method, "on_rollback", None)
-    if hook is not None:
-        hook(slot)
+    engine.method.on_rollback(slot)
     return freed
 
 

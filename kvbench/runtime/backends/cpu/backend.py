@@ -18,9 +18,10 @@ class CpuBackend(AttentionBackend):
     torch reference otherwise); the C codec kernels over packed blocks; whole decode layers per C call."""
 
     name = "cpu"
+    fuses_decode = True
 
     def __init__(self):
-        self._formats = weakref.WeakKeyDictionary()  # codec cache -> (key, value) BlockFormat, or None
+        self._formats = weakref.WeakKeyDictionary()  # codec cache or its view -> (key, value) BlockFormat, or None
 
     def attend(self, q, k_pool, v_pool, tables, lengths, key_positions, query_positions, scale, *,
                return_key_scores=False, rotate_keys=None, causal=True):
@@ -60,8 +61,8 @@ class CpuBackend(AttentionBackend):
         return kind
 
     def codec_formats(self, cache, num_heads: int) -> tuple | None:
-        """`block_formats` of a codec cache that the C codec kernels read for a model of `num_heads` query heads
-        (an fp32 cache, at most MAX_PACKED_GROUP query heads per kv-head), else None."""
+        """`block_formats` of a codec cache (or its DecodePools view) that the C codec kernels read for a model of
+        `num_heads` query heads (an fp32 cache, at most MAX_PACKED_GROUP query heads per kv-head), else None."""
         if cache.dtype != torch.float32 or num_heads // cache.num_kv_heads > MAX_PACKED_GROUP:
             return None
         return self.block_formats(cache)
@@ -69,7 +70,7 @@ class CpuBackend(AttentionBackend):
     def block_formats(self, cache) -> tuple | None:
         """(key, value) `kernels.BlockFormat` of a codec cache's packed rows, or None when the kernels cannot read
         them (the codec does not list "cpu_attention", the head dim, full-precision blocks neither fp16 nor fp32,
-        no C kernels). Worked out once per cache."""
+        no C kernels). Worked out once per cache (or per cache's DecodePools view: the cache keeps one)."""
         if cache not in self._formats:
             formats = tuple(kernels.codec_block_format(cache.codec, kind, cache.block_size, cache.head_dim)
                             for kind in ("key", "value"))
@@ -77,13 +78,13 @@ class CpuBackend(AttentionBackend):
             self._formats[cache] = formats if ok else None
         return self._formats[cache]
 
-    def fused_decode(self, model, tokens, cache, plan, rope_mode, cos, sin, need_scores, retrieval=None):
+    def fused_decode(self, weights, tokens, pools, plan, rope_mode, cos, sin, need_scores, retrieval=None):
         formats = None
-        if not cache.plain_pools:  # a codec cache: fused where the codec decode kernel reads it (as attend_packed)
-            formats = self.codec_formats(cache, model.config.num_heads)
+        if not pools.plain:  # a codec cache: fused where the codec decode kernel reads it (as attend_packed)
+            formats = self.codec_formats(pools, weights.num_heads)
             if formats is None:
                 return None
-        return fused_decode_step(model, tokens, cache, plan, rope_mode, cos, sin, need_scores, formats, retrieval)
+        return fused_decode_step(weights, tokens, pools, plan, rope_mode, cos, sin, need_scores, formats, retrieval)
 
 
 CPU = CpuBackend()

@@ -15,7 +15,7 @@ original positions, no q/k norm (Qwen3), under the CPU backend (`CpuBackend.fuse
 The hook gets the same LayerContext as on the op-by-op path, but after the layer's MLP instead of before its output
 projection, which changes nothing: hooks read q and the attention scores and edit the cache, which that layer no
 longer reads. A hook that reads only the cache in decode steps (`decode_reads_attention = False`) is called for
-each layer after the whole step, which then stays one call (LlamaFamilyModel._forward).
+each layer after the whole step, which then stays one call (runtime.model.step_hooks).
 """
 from __future__ import annotations
 
@@ -24,82 +24,82 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvbench.runtime.backends.base import FusedDecode
+from kvbench.runtime.backends.base import DecodePools, DecodeWeights, FusedDecode
 from kvbench.runtime.backends.cpu import kernels
 
-if TYPE_CHECKING:  # annotations only: the backends sit below the cache and the model that call them
-    from kvbench.runtime.cache.kv_cache import AppendPlan, PagedKVCache
-    from kvbench.runtime.model.forward import LlamaFamilyModel
+if TYPE_CHECKING:  # annotations only: the backends sit below the cache that plans the step
+    from kvbench.runtime.cache.append_plan import AppendPlan
 
 
-def layer_weights(model: "LlamaFamilyModel") -> ctypes.Array | None:
-    """The C kernel's view of every layer's weights (built once per model; the model's Linears keep the tensors
-    alive), or None when a projection has no plain [out, in] fp32 copy (see linear.Linear)."""
-    cached = getattr(model, "_fused_weights", None)
+def layer_weights(weights: DecodeWeights) -> ctypes.Array | None:
+    """The C kernel's view of every layer's weights (built once per model, kept on `weights`; the model's Linears
+    keep the tensors alive), or None when a projection has no plain [out, in] fp32 copy (see linear.Linear)."""
+    cached = weights.kernel_form
     if cached is not None:
         return cached or None
-    weights = []
-    for lw in model.layers:
+    rows = []
+    for lw in weights.layers:
         lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
         if any(lin._plain is None for lin in lins):
-            model._fused_weights = []
+            weights.kernel_form = []
             return None
-        weights.append(kernels.DecodeLayerWeights.of(
+        rows.append(kernels.DecodeLayerWeights.of(
             ln_attn=lw.ln_attn, ln_mlp=lw.ln_mlp, w_qkv=lw.qkv._plain, b_qkv=lw.qkv.bias, w_o=lw.o._plain,
             b_o=lw.o.bias, w_gu=lw.gate_up._plain, b_gu=lw.gate_up.bias, w_down=lw.down._plain,
             b_down=lw.down.bias))
-    model._fused_weights = (kernels.DecodeLayerWeights * len(weights))(*weights)
-    return model._fused_weights
+    weights.kernel_form = (kernels.DecodeLayerWeights * len(rows))(*rows)
+    return weights.kernel_form
 
 
 class FusedDecodeStep(FusedDecode):
     """One decode step's shared state for `decode_layers`: RoPE rows, write rows, scratch buffers sized for the
     step's longest table."""
 
-    def __init__(self, model: "LlamaFamilyModel", weights: ctypes.Array, cache: PagedKVCache, plan: AppendPlan,
+    def __init__(self, weights: DecodeWeights, layers: ctypes.Array, pools: DecodePools, plan: AppendPlan,
                  cos: torch.Tensor, sin: torch.Tensor, need_scores: bool, formats: tuple | None = None,
                  retrieval=None):
-        cfg = model.config
         S = plan.lengths.shape[0]
-        H, D = cfg.num_kv_heads, cfg.head_dim
-        self.model, self.weights, self.cache, self.plan = model, weights, cache, plan
+        H, D = weights.num_kv_heads, weights.head_dim
+        self.shape, self.layers, self.pools, self.plan = weights, layers, pools, plan
         self.cos, self.sin = cos.reshape(S, D).contiguous(), sin.reshape(S, D).contiguous()  # [S, D]
         self.write_rows = plan.write_index[..., 0].transpose(0, 1).contiguous()  # [L, S, H]
         # work items in whole blocks over a codec cache, as codec_decode_attention_cpu splits them (same partials)
-        min_chunk = 16 if formats is None else cache.block_size
-        self.buffers = kernels._DecodeBuffers(S, H, cfg.num_heads // H, D, int(plan.lengths.max()), min_chunk, False)
-        self.codec = None if formats is None else kernels.CodecPools.of(cache, formats, self.buffers.threads)
-        self.scratch = (torch.empty(S, cfg.hidden_size), torch.empty(S, cfg.intermediate_size))
+        min_chunk = 16 if formats is None else pools.block_size
+        self.buffers = kernels._DecodeBuffers(S, H, weights.num_heads // H, D, int(plan.lengths.max()), min_chunk,
+                                              False)
+        self.codec = None if formats is None else kernels.CodecPools.of(pools, formats, self.buffers.threads)
+        self.scratch = (torch.empty(S, weights.hidden_size), torch.empty(S, weights.intermediate_size))
         self.need_scores = need_scores
         self.scale = D ** -0.5
         self.pages = None  # page retrieval (kvbench.runtime.cache.page_retrieval): summaries and selection in C
+        self.per_head = retrieval is not None and retrieval.per_head
         if retrieval is not None:
-            L = cfg.num_layers
+            L = weights.num_layers
             self.page_counts = [retrieval.pages_for(li) for li in range(L)]
             self.retrieving_layers = [li for li, n in enumerate(self.page_counts) if n]
-            self.pages = kernels.PageSelect.of(cache.summaries.summary, self.page_counts, S, H, cfg.num_heads // H,
-                                               D, plan.tables.shape[-1], cache.block_size, self.buffers.threads,
+            self.pages = kernels.PageSelect.of(pools.summaries.summary, self.page_counts, S, H, weights.num_heads // H,
+                                               D, plan.tables.shape[-1], pools.block_size, self.buffers.threads,
                                                retrieval.per_head)
 
     def _layers(self, x: torch.Tensor, first: int, n: int) -> torch.Tensor:
-        cfg, plan = self.model.config, self.plan
+        w, plan = self.shape, self.plan
         return kernels.decode_layers(
-            x, self.weights, first, n, cfg.intermediate_size, cfg.rms_norm_eps, self.cos, self.sin,
-            self.cache.k_pool, self.cache.v_pool, self.write_rows, plan.tables, plan.lengths, cfg.num_heads,
+            x, self.layers, first, n, w.intermediate_size, w.rms_norm_eps, self.cos, self.sin,
+            self.pools.k_pool, self.pools.v_pool, self.write_rows, plan.tables, plan.lengths, w.num_heads,
             self.scale, self.buffers, self.scratch, self.codec, self.pages)
 
     def run(self, x: torch.Tensor, after_layer: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None
             ) -> None:
         """Every layer on x [S, E] in place. Without `after_layer`, all of them in one call; with it, one call per
         layer followed by after_layer(layer, q [S, Hq, 1, D], key_scores [S, H, T_layer] or None)."""
-        L = self.model.config.num_layers
+        L = self.shape.num_layers
         if after_layer is None:
             self._layers(x, 0, L)
             return
         b, S = self.buffers, x.shape[0]
         for li in range(L):
             if self.need_scores:  # fresh per layer: the method's hook may keep it
-                b.key_scores = torch.empty(S, self.model.config.num_kv_heads, b.Tp, dtype=torch.float32)
+                b.key_scores = torch.empty(S, self.shape.num_kv_heads, b.Tp, dtype=torch.float32)
             q = self._layers(x, li, 1)
             key_scores = None
             if self.need_scores:
@@ -112,38 +112,37 @@ class FusedDecodeStep(FusedDecode):
         that read every block)."""
         if self.pages is None:
             return
-        c = self.cache
-        bs = c.block_size
+        p = self.pools
+        bs = p.block_size
         layers = self.retrieving_layers
         held = self.plan.host_lengths_array()[:, layers]  # [S, n, H] of the retrieving layers
         sel = self.pages.selected_lengths[layers]  # [n, S, H] (per_head: [n, S, Hq])
         # one sum over every retrieving layer: a per-layer loop of small numpy / torch ops costs a step measurably
-        reads.scored(int(((held + bs - 1) // bs).sum()) * c.summaries.bytes_per_block)
-        if self.cache.page_retrieval.per_head:  # a block two query heads of a kv-head read is read once
-            reads.read(int(self.pages.kv_head_blocks[layers].sum()) * c.kv_block_bytes)
+        reads.scored(int(((held + bs - 1) // bs).sum()) * p.summaries.bytes_per_block)
+        if self.per_head:  # a block two query heads of a kv-head read is read once
+            reads.read(int(self.pages.kv_head_blocks[layers].sum()) * p.kv_block_bytes)
         else:
-            reads.read(int(((sel + bs - 1) // bs).sum()) * c.kv_block_bytes)
+            reads.read(int(((sel + bs - 1) // bs).sum()) * p.kv_block_bytes)
 
 
-def fused_decode_step(model: "LlamaFamilyModel", tokens: torch.Tensor, cache: PagedKVCache, plan: AppendPlan,
+def fused_decode_step(weights: DecodeWeights, tokens: torch.Tensor, pools: DecodePools, plan: AppendPlan,
                       rope_mode: str, cos: torch.Tensor, sin: torch.Tensor, need_scores: bool,
                       formats: tuple | None = None, retrieval=None) -> FusedDecodeStep | None:
     """A FusedDecodeStep when this step can run fused (see the module docstring), else None. `formats`: the (key,
     value) kernels.BlockFormat of a codec cache's packed rows (None: a plain cache, or one the kernels cannot
     read)."""
     S, Q = tokens.shape
-    cfg = model.config
-    if not (model.fuse_decode_layers and model.use_cpu_kernels and Q == 1 and S <= kernels.GEMV_MAX_ROWS
-            and not torch.is_grad_enabled()
-            and not cache.store_pre_rope and not cfg.qk_norm and rope_mode == "original"
-            and (cache.plain_pools or formats is not None)
-            and (cache.k_pool.dtype == torch.float32 or (formats is not None and cache.k_pool.dtype == torch.float16))
-            and cache.v_pool.dtype == cache.k_pool.dtype and cache.k_pool.is_contiguous()
-            and cache.v_pool.is_contiguous() and cfg.num_heads // cfg.num_kv_heads <= kernels._MAX_GROUP):
+    k, v = pools.k_pool, pools.v_pool
+    if not (weights.fuse and Q == 1 and S <= kernels.GEMV_MAX_ROWS and not torch.is_grad_enabled()
+            and not pools.store_pre_rope and rope_mode == "original"
+            and (pools.plain or formats is not None)
+            and (k.dtype == torch.float32 or (formats is not None and k.dtype == torch.float16))
+            and v.dtype == k.dtype and k.is_contiguous() and v.is_contiguous()
+            and weights.num_heads // weights.num_kv_heads <= kernels._MAX_GROUP):
         return None
-    if retrieval is not None and (formats is not None or need_scores or cache.summaries is None):
+    if retrieval is not None and (formats is not None or need_scores or pools.summaries is None):
         return None  # page retrieval runs fused over plain pools, without per-key attention mass
-    weights = layer_weights(model)
-    if weights is None:
+    layers = layer_weights(weights)
+    if layers is None:
         return None
-    return FusedDecodeStep(model, weights, cache, plan, cos, sin, need_scores, formats, retrieval)
+    return FusedDecodeStep(weights, layers, pools, plan, cos, sin, need_scores, formats, retrieval)
