@@ -373,7 +373,7 @@ def _positions_as_run(shape: Any, method: Any) -> Any:
     """The model's shape as the task's checks see it: a method that re-indexes positions inside the cache
     (StreamingLLM's position_mode=reindex: rope_mode) never runs past the model's positions, however long the text,
     so no position limit (the engine's rule, Engine.check_positions)."""
-    if shape is None or method is None or method.rope_mode == "original":
+    if shape is None or method is None or declared(method).rope_mode == "original":
         return shape
     return dataclasses.replace(shape, max_positions=None)
 
