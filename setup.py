@@ -1,7 +1,7 @@
 """Packaging beyond pyproject.toml: kvbench-lm-eval.pth in the wheel and in the editable install.
 
 The .pth makes lm-eval's own command line find the model "kvbench" and kvbench's packaged lm-eval tasks
-(kvbench/lm_eval_hook.py explains how; lm-eval 0.4.13 reads no plugin entry points). Everything else is in
+(kvbench/commands/lm_eval_hook.py explains how; lm-eval 0.4.13 reads no plugin entry points). Everything else is in
 pyproject.toml.
 """
 import os

@@ -147,7 +147,7 @@ def load_bench_model(spec: str, dtype: str):
     if spec == "smollm2-135m":
         loaded = load_model(dtype=dtype)
     else:
-        from kvbench.info import resolve
+        from kvbench.commands.info import resolve
 
         path, _, gguf = resolve(spec)
         loaded = load_model(path, gguf_file=gguf, dtype=dtype)

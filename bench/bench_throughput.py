@@ -69,8 +69,8 @@ TRACES = {
 
 
 def serve(model, tokenizer_stream_trace, setup, budget: int, args) -> dict:
-    from kvbench.config import RuntimeConfig
-    from kvbench.engines import build_engine
+    from kvbench.run.config import RuntimeConfig
+    from kvbench.run.engines import build_engine
     from kvbench.methods import build_method
     from kvbench.quant.registry import build_codec
     from kvbench.runtime.serving.requests import Request

@@ -56,7 +56,7 @@ def main() -> None:
     if html is None:
         if not args.results_dir:
             p.error("give RESULTS_DIR or --html")
-        from kvbench.report import write_report
+        from kvbench.reporting.report import write_report
 
         html = write_report(args.results_dir, args.out, args.experiment)["html"]
     screenshot(html, args.png, args.size)

@@ -2,8 +2,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from kvbench import cli, hydra_task
-import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
+from kvbench.commands import cli, hydra_task
+import kvbench.run.config  # noqa: F401  (registers the config schemas and resolvers)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

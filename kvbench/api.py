@@ -11,8 +11,8 @@ context and question through a compression method), `load_runs` (results folders
     out["answer"], out["kept_tokens"], out["held_kv_bytes"], out["peak_kv_bytes"]
 
 Both compose the run config through Hydra's compose API from the same overrides the command line would get, and
-check it with the same rules (kvbench.plan.plan_run): bad input raises one ValueError naming the value and the
-choices, before the model loads. evaluate runs kvbench.app.run, so a run made here is the run the CLI makes: the same
+check it with the same rules (kvbench.run.plan.plan_run): bad input raises one ValueError naming the value and the
+choices, before the model loads. evaluate runs kvbench.run.app.run, so a run made here is the run the CLI makes: the same
 run id, folder, metrics.json, samples.jsonl and runs.jsonl line (Hydra's own .hydra/ and kvbench.log are the CLI's
 only); results_dir=None runs in a temporary folder that is removed afterwards.
 """
@@ -29,17 +29,17 @@ import pandas as pd
 import torch
 from hydra import compose, initialize_config_dir
 
-import kvbench.config  # noqa: F401  (registers the config schemas and resolvers)
-from kvbench import app
-from kvbench.cli import describe_hydra_error
-from kvbench.config import bool_keys, int_keys
+import kvbench.run.config  # noqa: F401  (registers the config schemas and resolvers)
+from kvbench.run import app
+from kvbench.commands.cli import describe_hydra_error
+from kvbench.run.config import bool_keys, int_keys
 from kvbench.console import RUN_LOG
-from kvbench.engines import build_engine, build_run_codec
+from kvbench.run.engines import build_engine, build_run_codec
 from kvbench.errors import UserError
-from kvbench.plan import plan_run
+from kvbench.run.plan import plan_run
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.model.loading import load_model
-from kvbench.spec import check_bool_spellings, check_positive, integral_spellings
+from kvbench.run.spec import check_bool_spellings, check_positive, integral_spellings
 from kvbench.store.files import read_jsonl
 from kvbench.store.folder import SAMPLES_FILE
 from kvbench.store.runs import load_runs as _load_runs
@@ -171,8 +171,8 @@ class Pipeline:
     """kvpress's pipeline shape over kvbench's runtime: the model loaded once, then
     `pipe(context, question=..., method=..., budget=... | compression_ratio=..., max_new_tokens=...)`.
 
-    Each call builds the method and the engine as a run does (kvbench.plan.plan_run over the composed config, then
-    kvbench.engines), templates the prompt with the model's chat template (when it has one; `system_prompt` as a
+    Each call builds the method and the engine as a run does (kvbench.run.plan.plan_run over the composed config, then
+    kvbench.run.engines), templates the prompt with the model's chat template (when it has one; `system_prompt` as a
     system turn), prefills the context, lets the method compress it, appends the question uncompressed (kvpress's
     protocol; `compress_question=True`: the question is compressed with it and the turn's end appended after, as
     kvpress's query-aware loop) and decodes greedily."""

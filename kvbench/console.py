@@ -16,7 +16,7 @@ PREFIX = "kvbench: error: "
 
 # kvbench's own lines (messages, warnings, errors, summaries) are printed and also kept in the run's log: the
 # CLI's Hydra logging config (conf/config.yaml) sends this logger to the run folder's kvbench.log only.
-# It is enabled only while a run executes (kvbench.hydra_task.main), so nothing lands in a finished run's log.
+# It is enabled only while a run executes (kvbench.commands.hydra_task.main), so nothing lands in a finished run's log.
 RUN_LOG = logging.getLogger("kvbench.run")
 RUN_LOG.disabled = True
 

@@ -1,4 +1,4 @@
-"""kvbench's error types, and the exit codes they end a command with. Nothing else (kvbench.cli turns them into
+"""kvbench's error types, and the exit codes they end a command with. Nothing else (kvbench.commands.cli turns them into
 one line and an exit code; kvbench.console prints the lines)."""
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
 module that registers them all, so a new method is one file: nothing else lists it.
 
 The method and codec registries are created here, at the bottom of the layers, so that the rulebook
-(kvbench.spec) can ask whether a method evicts and which codecs exist without importing either: they are loaded
+(kvbench.run.spec) can ask whether a method evicts and which codecs exist without importing either: they are loaded
 by name when first looked up. kvbench.methods.base sets the methods' base class.
 """
 from __future__ import annotations

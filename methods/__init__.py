@@ -9,7 +9,7 @@ The contract a method is written against, all importable from here:
   Observation         what a scorer reads (kvbench.runtime.contract)
   register_method     `@register_method("name")`: reachable as `method=name` (plus conf/method/name.yaml)
 Storage codecs (KIVI, KVQuant, int8, fp8) are not methods: they are chosen with `quant=<codec>`
-(`method=kivi` is shorthand for `method=full quant=kivi`, see kvbench.spec.resolve_storage).
+(`method=kivi` is shorthand for `method=full quant=kivi`, see kvbench.run.spec.resolve_storage).
 """
 from __future__ import annotations
 

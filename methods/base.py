@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Optional
 from kvbench.errors import UserError
 from kvbench.registry import METHODS, did_you_mean
 from kvbench.runtime.contract import NoCompression
-from kvbench.spec import check_budget, check_compression, check_positive
+from kvbench.run.spec import check_budget, check_compression, check_positive
 
 
 def latent_methods() -> list[str]:
@@ -52,8 +52,8 @@ class Method(NoCompression):
     `compression_ratio` (exclusive with `budget`) is kvpress's knob: the fraction of each prompt's KV removed at
     prefill (0.0 = keep all); eviction methods turn it into a per-sequence budget (methods.eviction).
     `evicts` says whether the method ever drops tokens (False: the budget is meaningless and recorded as null;
-    kvbench.spec reads it through the registry). `budget` and `compression_ratio` are checked once, by
-    kvbench.spec (config.validate and build_method); a method checks only its own relations (sinks < budget).
+    kvbench.run.spec reads it through the registry). `budget` and `compression_ratio` are checked once, by
+    kvbench.run.spec (config.validate and build_method); a method checks only its own relations (sinks < budget).
     Every member of the protocol is declared once, with its default, on kvbench.runtime.hooks.NoCompression
     (docs/adding.md's table).
     """
@@ -101,7 +101,7 @@ def build_method(name: str, budget: Optional[int] = None, *, seed: Optional[int]
                  **options: Any) -> Method:
     """Instantiate a method by name. `budget` and `compression_ratio` are the top-level knobs (one of them);
     `seed` (the run's top-level seed) reaches methods with a `seed` option left null. Unknown names and options
-    raise UserError naming the choices; budget and compression_ratio are checked by kvbench.spec. A method built
+    raise UserError naming the choices; budget and compression_ratio are checked by kvbench.run.spec. A method built
     inside another (a wrapper's base, quest's eviction) passes where its options and budget come from
     (`options_key="method.base_options"`, `budget_key="method.evict_budget"`), so an error names that knob."""
     cls = METHODS.get(name)

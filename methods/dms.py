@@ -7,7 +7,7 @@ token in its own decode step); a token whose score is below `threshold` is evict
 sliding window of the sequence's `sliding_window_size` newest tokens (kvpress default 128). Nothing else is kept
 or bounded: there is no budget, so how much stays depends on the input, and each run records it
 (`kv_kept_fraction` in metrics.json and in every sample of samples.jsonl; kvbench-report draws the score against
-it). `threshold` with `budget` or `compression_ratio` is refused (kvbench.spec.check_threshold).
+it). `threshold` with `budget` or `compression_ratio` is refused (kvbench.run.spec.check_threshold).
 
 As kvpress: scores are frozen at arrival (a token is judged by the score it got then, kvpress's scores_buffer);
 per kv-head (heads keep different counts, and their tables really shrink: kvpress masks instead); no sinks.

@@ -69,7 +69,7 @@ class Finch(ScorerMethod):
 
     DECODE_POLICIES: ClassVar[tuple[str, ...]] = ("none",)
     keeps_newest_at_prefill: ClassVar[bool] = False
-    reads_question: ClassVar[bool] = True  # kvbench.spec.check_question_source: the task must say the question
+    reads_question: ClassVar[bool] = True  # kvbench.run.spec.check_question_source: the task must say the question
     decode: str = "none"
     window: Optional[int] = None
     chunk_length: Optional[int] = None
@@ -88,7 +88,7 @@ class Finch(ScorerMethod):
 
     @staticmethod
     def rewrites_cache(options: dict) -> bool:
-        """kvbench.spec.check_rewrite_storage: re-rotation rewrites the kept keys in place."""
+        """kvbench.run.spec.check_rewrite_storage: re-rotation rewrites the kept keys in place."""
         return options.get("rerotate_keys", True) is not False
 
     def describe(self) -> dict[str, Any]:

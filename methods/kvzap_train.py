@@ -29,7 +29,7 @@ import torch
 from kvbench import data
 from kvbench.console import say
 from kvbench.errors import UserError
-from kvbench.spec import DTYPE_ALIASES, DTYPES
+from kvbench.run.spec import DTYPE_ALIASES, DTYPES
 from kvbench.methods.kvzap_surrogate import KVzapSurrogate, load_surrogate, packaged_folder
 from kvbench.runtime.contract import NoCompression, Observation
 from kvbench.runtime.measured_times import quoted

@@ -125,7 +125,7 @@ class Merge(ScorerWrapper):
 
     @staticmethod
     def rewrites_cache(options: dict) -> bool:
-        """kvbench.spec.check_rewrite_storage: merged values are written in place."""
+        """kvbench.run.spec.check_rewrite_storage: merged values are written in place."""
         return True
 
     @property

@@ -76,7 +76,7 @@ class ThinK(ScorerWrapper):
 
     @staticmethod
     def rewrites_cache(options: dict) -> bool:
-        """kvbench.spec.check_rewrite_storage: the pruned keys are stored in a layout of ThinK's own."""
+        """kvbench.run.spec.check_rewrite_storage: the pruned keys are stored in a layout of ThinK's own."""
         return True
 
     def pruned_key_channels(self, head_dim: int) -> int:

@@ -32,7 +32,7 @@ from kvbench.errors import UserError
 from kvbench.metrics.repetition import repetition_share
 from kvbench.runtime.hooks import declared
 from kvbench.runtime.model import distributed
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 
 # End-of-turn / end-of-text tokens of the common chat formats; those the tokenizer knows stop generation.
 CHAT_END_TOKENS: tuple[str, ...] = (

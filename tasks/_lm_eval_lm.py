@@ -1,6 +1,6 @@
 """kvbench's Engine as an lm-eval LM (lm-eval>=0.4.13,<0.5): the request types lm-eval asks for, served by the
 paged runtime with whatever compression method the engine was built with. Imported only where lm-eval is
-installed (task=lm_eval, kvbench.lm_eval_adapter); kvbench.lm_eval_adapter describes how requests meet the
+installed (task=lm_eval, kvbench.commands.lm_eval_adapter); kvbench.commands.lm_eval_adapter describes how requests meet the
 compressed cache and registers `KVBenchLM` (this class, built from model_args) as lm-eval model "kvbench".
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _score_continuations(scorer: Scorer, context_ids: list[int], continuations: 
 
 
 class EngineLM(TemplateLM):
-    """An lm-eval LM over a kvbench Engine and its tokenizer (kvbench.lm_eval_adapter.KVBenchLM builds both from
+    """An lm-eval LM over a kvbench Engine and its tokenizer (kvbench.commands.lm_eval_adapter.KVBenchLM builds both from
     lm-eval's model_args)."""
 
     def __init__(self, engine: Any, tokenizer: Any, *, batch_size: Any = 1, max_length: Any = None,

@@ -187,7 +187,7 @@ class Task:
         model loads; raise UserError naming the bad value. `model_shape` may be None when unknown."""
 
     def run(self, engine: Any, tokenizer: Any, settings: Any, progress: Progress) -> TaskResult:
-        """Evaluate; `settings` is the run's validated kvbench.config.Settings (seed, runtime, budget, ...)."""
+        """Evaluate; `settings` is the run's validated kvbench.run.config.Settings (seed, runtime, budget, ...)."""
         raise NotImplementedError
 
     def workload(self, settings: Any) -> Optional[Workload]:

@@ -21,7 +21,7 @@ from kvbench.data.govreport import GOVREPORT_SPLITS, check_data_dir as check_gov
 from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.longbench import check_data_dir, check_data_rows, prompt_template
 from kvbench.errors import UserError
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import check_chat_template_option, wants_chat_template
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 from kvbench.tasks.summarization import check_limit, limited_workload, check_max_length, run_summarization, summarization_requests

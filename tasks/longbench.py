@@ -33,7 +33,7 @@ from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.longbench import LONGBENCH_E_DATASETS, check_data_dir, check_data_rows, language, load_longbench
 from kvbench.errors import UserError
 from kvbench.metrics.longbench import LENGTH_BUCKETS, length_bucket, score_sample
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_option, check_chat_template_option,
                                        kept_stats, model_context_length, question_count, run_generation,
                                        stop_token_ids,

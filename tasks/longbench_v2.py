@@ -22,7 +22,7 @@ from kvbench.data import longbench_v2 as lv2
 from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.longbench import truncate_prompt_middle
 from kvbench.errors import UserError
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, batch_size_of, check_bool_option, check_chat_template_option,
                                        kept_stats, model_context_length, run_generation, stop_token_ids,
                                        template_and_split, wants_chat_template)

@@ -26,8 +26,8 @@ from kvbench.data import needle as nd
 from kvbench.data.needle import needle_grid, needle_prompt, needle_score
 from kvbench.errors import UserError
 from kvbench.store.naming import run_id_for
-from kvbench.spec import check_positive
-from kvbench.spec import hashable_config, results_path
+from kvbench.run.spec import check_positive
+from kvbench.run.spec import hashable_config, results_path
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, encode, kept_stats, question_count,
                                        model_context_length, run_generation, split_prompt, stop_token_ids,

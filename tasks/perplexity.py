@@ -32,9 +32,9 @@ from kvbench.data.essays import essay_corpus_text
 from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.text_corpora import WIKITEXT_CONFIG, check_data_path, check_text_file, iter_pg19, load_text_file, load_wikitext
 from kvbench.errors import UserError
-from kvbench.model_info import kv_pool_tokens
+from kvbench.run.model_info import kv_pool_tokens
 from kvbench.runtime.model import distributed
-from kvbench.spec import method_evicts, method_retrieves
+from kvbench.run.spec import method_evicts, method_retrieves
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task
 
 CORPORA = ("pg_essays", "aclsum", "wikitext", "pg19", "text_file")

@@ -34,7 +34,7 @@ from kvbench.metrics.reasoning import gsm8k_scores, math_verify_score
 from kvbench.runtime.model import distributed
 from kvbench.runtime.serving.engine import Generation
 from kvbench.runtime.serving.requests import Request
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import (PerfMeter, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, decode, encode, stop_token_ids,
                                        wants_chat_template)

@@ -36,7 +36,7 @@ from kvbench.data.hub import check_revision, require_hub
 from kvbench.data.ruler import TASK_NAMES
 from kvbench.errors import UserError
 from kvbench.metrics.ruler import metric_for, postprocess
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_bool_option,
                                        check_chat_template_option, encode, kept_stats,
                                        model_context_length, run_generation, split_prompt, split_question,

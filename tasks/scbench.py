@@ -53,7 +53,7 @@ from kvbench.errors import UserError
 from kvbench.metrics import scbench as sm
 from kvbench.runtime.hooks import declared
 from kvbench.runtime.serving.requests import Request
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import (check_bool_option, check_chat_template_option, decode, kept_stats,
                                        model_context_length, stop_token_ids, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task

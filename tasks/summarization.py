@@ -22,7 +22,7 @@ from kvbench.data.aclsum import REFERENCE_CHOICES, SPLITS, load_aclsum
 from kvbench.data.longbench import truncate_prompt_middle
 from kvbench.errors import UserError
 from kvbench.metrics.rouge import mean_scores, summarization_scores
-from kvbench.spec import check_positive
+from kvbench.run.spec import check_positive
 from kvbench.tasks._generation import (GenRequest, apply_chat, batch_size_of, check_chat_template_option,
                                encode, run_generation, stop_token_ids, wants_chat_template)
 from kvbench.tasks.base import Task, TaskResult, Workload, register_task

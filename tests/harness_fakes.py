@@ -91,7 +91,7 @@ def fake_build_method(name: str, budget: Optional[int] = None, **options: Any) -
 
 def compose(overrides: Sequence[str] = ()) -> Any:
     """The run config as `python -m kvbench <overrides>` would compose it (hydra node left out)."""
-    import kvbench.config  # noqa: F401  (registers the schemas first)
+    import kvbench.run.config  # noqa: F401  (registers the schemas first)
     from hydra import compose as hydra_compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -156,7 +156,7 @@ def wait_for_lines(path: Any, n: int, proc: Any, timeout: float = 300) -> None:
 
 
 def _fake_task_function(cfg: Any) -> Any:
-    from kvbench import hydra_task
+    from kvbench.commands import hydra_task
 
     return hydra_task.main(cfg, **FAKES)
 
@@ -164,8 +164,8 @@ def _fake_task_function(cfg: Any) -> Any:
 def fake_cli() -> None:
     import hydra
 
-    import kvbench.config  # noqa: F401
-    from kvbench.cli import run_app_cli
+    import kvbench.run.config  # noqa: F401
+    from kvbench.commands.cli import run_app_cli
 
     main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_fake_task_function)
     run_app_cli(main)

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from kvbench.spec import method_evicts
+from kvbench.run.spec import method_evicts
 from kvbench.store.folder import RunFolder
 from kvbench.store.naming import config_hash, run_id_for
 
@@ -69,7 +69,7 @@ def write_run(results_dir: str, cfg: dict, metrics: dict, samples: list[dict], *
               extra_files: Optional[dict[str, bytes]] = None) -> dict:
     """Write one run folder (and its runs.jsonl line) as app.run does; returns the metrics record."""
     hashable = {k: copy.deepcopy(cfg[k]) for k in ("model", "method", "quant", "task", "runtime", "budget", "seed")}
-    if cfg.get("compression_ratio") is not None:  # as kvbench.config.hashable_config: only a set ratio is hashed
+    if cfg.get("compression_ratio") is not None:  # as kvbench.run.config.hashable_config: only a set ratio is hashed
         hashable["compression_ratio"] = cfg["compression_ratio"]
     run_id = run_id_for(hashable)
     folder = RunFolder(results_dir, run_id)

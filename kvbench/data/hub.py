@@ -49,7 +49,7 @@ def require_hub(what: str, option: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- dataset revisions
 # Hub data is identified by the dataset's revision (a commit of its repository), as packaged data is by its
-# package's version and local files by their digest (kvbench.data_digest). `task.revision` pins one (a branch, tag
+# package's version and local files by their digest (kvbench.run.data_digest). `task.revision` pins one (a branch, tag
 # or commit; the commit makes the run id name the data); null reads the default branch, and either way the commit
 # actually read is recorded in metrics.json as `data_revision` ("<repo>@<commit>", several joined by "; ").
 _revisions_read: dict[str, str] = {}

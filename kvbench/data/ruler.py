@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from kvbench.data.hub import note_revision_read
-from kvbench.data_digest import visible_files
+from kvbench.run.data_digest import visible_files
 from kvbench.data.essays import essay_corpus_text
 from kvbench.data.row_checks import check_fields, check_object, refuse_field, rows_with_place
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 from kvbench.data.essays import essay_corpus_text
 from kvbench.data.hub import note_revision_read
 from kvbench.data.row_checks import check_fields, check_object, rows_with_place
-from kvbench.data_digest import visible_files
+from kvbench.run.data_digest import visible_files
 
 GENERATED_TASKS = ("scbench_kv", "scbench_prefix_suffix", "scbench_vt", "scbench_multi_hop")
 # SCBench's released tasks, readable from files in the hub's format (eval_utils.DATA_NAME_TO_PATH)

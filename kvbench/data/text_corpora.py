@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from kvbench.data.hub import note_revision_read, require_hub
 from kvbench.data.local_rows import check_rows
-from kvbench.data_digest import visible_files
+from kvbench.run.data_digest import visible_files
 from kvbench.errors import UserError, first_line
 
 WIKITEXT_HUB_ID = "Salesforce/wikitext"

@@ -1,5 +1,5 @@
 """Storage codecs by name: the one route to a codec is the `quant=<codec>` config group (a codec under any
-method); `method=<codec>` is shorthand for `method=full quant=<codec>` (kvbench.spec.resolve_storage).
+method); `method=<codec>` is shorthand for `method=full quant=<codec>` (kvbench.run.spec.resolve_storage).
 
     build_codec("kivi", model, bits=2, group_size=32, residual=128, key_axis="channel")
     build_codec("kvquant", model, bits=3, outlier_fraction=0.01, levels="nuq", calibration="fisher")
@@ -23,7 +23,7 @@ from kvbench.quant.codecs import Fp8Codec, Int8Codec, KiviCodec, KVQuantCodec
 from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
 from kvbench.quant.rotation import ROTATIONS, RotatedCodec, is_power_of_two
 from kvbench.registry import CODECS
-from kvbench.spec import FULL_PRECISION, check_codec_options
+from kvbench.run.spec import FULL_PRECISION, check_codec_options
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Codec:
     build: Callable[[Any, dict[str, Any]], Any]
     codec_cls: Any = None
     # options added after runs were stored: at these values they are left out of the run's hash (its id), so the
-    # runs stored before the option existed keep their ids (kvbench.spec.hashable_config)
+    # runs stored before the option existed keep their ids (kvbench.run.spec.hashable_config)
     unhashed_defaults: dict[str, Any] = field(default_factory=dict)
     name: str = field(default="", init=False)  # set by CODECS.register
 
@@ -51,7 +51,7 @@ KVQUANT_DEFAULTS = dict(bits=3, outlier_fraction=0.01, levels="nuq", calibration
 
 def check_codec(name: str, options: dict[str, Any], shape: Any = None) -> None:
     """Validate a codec's options without building it (no model, no calibration): UserError on a bad value.
-    `shape` (kvbench.model_info.ModelShape, or None when unknown) bounds KIVI's group_size and kvquant's
+    `shape` (kvbench.run.model_info.ModelShape, or None when unknown) bounds KIVI's group_size and kvquant's
     calibration_tokens by the model's positions."""
     opts = check_codec_options(name, options)
     for key, default in CODECS.get(name).defaults.items():  # an integer option takes an integer (3.0 -> 3 before)

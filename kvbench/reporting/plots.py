@@ -4,7 +4,7 @@
 
 Every plot colours a run by its method (METHOD_COLORS: the same colour for a method in every plot; other settings
 by line style and marker) and uses a log axis only for data spanning more than a decade (wants_log). Callers pass
-comparable runs (same model, task and runtime settings: kvbench.report groups them).
+comparable runs (same model, task and runtime settings: kvbench.reporting.report groups them).
     pareto(runs, "ppl")               metric against held KV bytes beside metric against peak KV bytes, the Pareto
                                       front as a line through its points only, points labelled with budget/ratio
     memory_and_reads(runs, "ppl")     peak KV bytes resident against K/V bytes read per decoded token (two KV axes)

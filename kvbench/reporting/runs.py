@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from kvbench.store.runs import flatten
 
-# Config sections that determine a result (kvbench.config.hashable_config) and keys in them that do not.
+# Config sections that determine a result (kvbench.run.config.hashable_config) and keys in them that do not.
 RESULT_SECTIONS = ("model", "method", "quant", "task", "runtime", "budget", "compression_ratio", "seed",
                    "data_sha256", "method_files_sha256")  # digests of local data files and of a method's own files
 NOT_RESULT_KEYS = {"model": ("cache_dir",), "runtime": ("threads",)}

@@ -65,14 +65,14 @@ class NoCompression:
     # a retrieval method's block selection (runtime.cache.page_retrieval.PageRetrieval), set by attach: decode
     # steps then read only each query head's top blocks
     page_retrieval: PageRetrieval | None = None
-    evicts = False  # ever drops tokens (False: the budget is meaningless; kvbench.spec reads it by class)
+    evicts = False  # ever drops tokens (False: the budget is meaningless; kvbench.run.spec reads it by class)
     retrieves = False  # reads only some blocks per decode step (`budget`: tokens read; quest)
     needs_budget = True  # a budget is a count of tokens (False: a threshold rule, dms)
-    reads_question = False  # reads the prompt's question extent (question_tokens; kvbench.spec checks its source)
+    reads_question = False  # reads the prompt's question extent (question_tokens; kvbench.run.spec checks its source)
 
     # --- the method protocol: calls, in the order a run makes them ----------------------------------------------
     def preflight(self, settings: Any, model_shape: Any = None) -> None:
-        """Before the model loads (kvbench.plan): raise UserError (one line) for settings this method refuses."""
+        """Before the model loads (kvbench.run.plan): raise UserError (one line) for settings this method refuses."""
 
     def tensor_parallel_refusal(self) -> str | None:
         """Why this method cannot run on a model sharded by kv-head (runtime.tensor_parallel > 1), or None. Scores

@@ -29,7 +29,7 @@ Guarantees (docs: results store):
   between the two writes) is appended by `repair_index`, which the app runs once per process and load_runs runs too.
 - A run is claimed before it starts (`claim_run`): parallel or repeated sweeps into one folder split the work, and
   the claim of a dead worker (its lock released by the kernel, or its pid gone / heartbeat stale) is taken over.
-- A record is normalised when it is written (kvbench.app): config.yaml holds the resolved config (a storage codec
+- A record is normalised when it is written (kvbench.run.app): config.yaml holds the resolved config (a storage codec
   under `quant`, budget null for a method that evicts nothing) and metrics.json says whether the method evicts
   (`evicts`), so readers (kvbench-report, kvbench-compare) need no registry of methods or codecs.
 

@@ -4,7 +4,7 @@
     faults.install("before_index", lambda: os._exit(9))  # in a test (the `fault_points` fixture clears it after)
 
 Points:
-  before_task    kvbench.app: the model and engine are loaded, the task has not run (a test sleeps here, so a run
+  before_task    kvbench.run.app: the model and engine are loaded, the task has not run (a test sleeps here, so a run
                  can be killed or signalled mid-way cheaply)
   before_index   RunFolder.finish: metrics.json is written, its runs.jsonl line not yet (a test exits here: the
                  kill between the two writes that repair_index mends)

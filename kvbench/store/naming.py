@@ -1,7 +1,7 @@
 """Names in the results store: the run id of a config, the model's label in it, and the hashes that tell runs and
 experiments apart.
 
-The run id is derived from the result-determining config (`hashable_config` of kvbench.config: model, method,
+The run id is derived from the result-determining config (`hashable_config` of kvbench.run.config: model, method,
 quant, task, runtime, budget, seed), so running the same config again finds the finished run and skips it unless
 rerun=true.
 """

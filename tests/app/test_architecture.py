@@ -23,7 +23,7 @@ PACKAGES = (("kvbench", "kvbench"), ("methods", "kvbench.methods"), ("tasks", "k
 # kvbench modules that import an optional dependency at their top (lm_eval, triton): imported inside a function,
 # where that dependency is needed, and only there
 OPTIONAL_DEPENDENCY_MODULES = (
-    "kvbench.lm_eval_adapter",
+    "kvbench.commands.lm_eval_adapter",
     "kvbench.tasks._lm_eval_lm",
     "kvbench.runtime.backends.triton",
 )
@@ -209,14 +209,21 @@ def test_the_contract_fails_on_a_planted_upward_import(tmp_path):
     pytest.importorskip("importlinter")
     copy = _copy_package(tmp_path)
     runtime = copy / "src" / "kvbench" / "runtime"
-    _plant(runtime / "cache" / "block_pool.py", "import kvbench.app  # planted: the runtime imports the app")
+    _plant(runtime / "cache" / "block_pool.py", "import kvbench.run.app  # planted: the runtime imports the app")
     # and, inside the runtime, a room imports one above it
     _plant(runtime / "cache" / "swap.py", "import kvbench.runtime.serving.requests  # planted: cache imports serving")
 
     proc = lint_imports(copy)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert "kvbench.runtime is not allowed to import kvbench.app" in out, out
-    assert "kvbench.runtime.cache.block_pool -> kvbench.app" in out, out
+    assert "kvbench.runtime is not allowed to import kvbench.run.app" in out, out
+    assert "kvbench.runtime.cache.block_pool -> kvbench.run.app" in out, out
     assert "kvbench.runtime.cache is not allowed to import kvbench.runtime.serving" in out, out
     assert "kvbench.runtime.cache.swap -> kvbench.runtime.serving.requests" in out, out
+
+
+def test_the_lobby_holds_the_entry_points_and_the_bottom_layer_only():
+    """kvbench/'s top level is the entry points and the bottom layer; everything else lives in a room by what it
+    does (docs/architecture.md, "Where things live"): a new module goes into one of them."""
+    top = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "kvbench").glob("*.py"))
+    assert top == ["__init__", "__main__", "api", "atomic_write", "console", "errors", "registry"], top

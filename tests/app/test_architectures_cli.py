@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.info import main as info_main
+from kvbench.commands.info import main as info_main
 from tests.app.test_bad_input import cli  # noqa: F401  (the in-process CLI fixture)
 from tests.fixtures.task_fixtures import smollm2_tokenizer
 from tests.tiny_models import SMOLLM2_TOKEN_IDS, WINDOW, tiny_hf_model
@@ -104,7 +104,7 @@ def test_sliding_layers_read_right(cli, tmp_path, capsys, task):  # noqa: F811
     reads 100% of what full attention reads (was 36%: the sliding layers were counted at every token), and
     kv_bytes_per_token is kvbench-info's (was 4x: the sliding layers' fixed rings counted per token); a method
     that evicts saves on the held KV and reads less."""
-    from kvbench.summary import format_summary, peak_saved_fraction
+    from kvbench.reporting.summary import format_summary, peak_saved_fraction
 
     folder = _save("gemma3", tmp_path / "g")
     args = TASK if task == "perplexity" else NEEDLE

@@ -15,7 +15,7 @@ from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
 from tests.app.test_cli import assert_usage_error, kvbench
 from tests.app.test_config import _choices as group_choices
 from tests.fixtures.gguf_fixtures import header_only_gguf
-from kvbench.cli import run_app_cli
+from kvbench.commands.cli import run_app_cli
 
 CUDA = False
 try:
@@ -469,7 +469,9 @@ def cli(monkeypatch, capsys):
     """Run `python -m kvbench ARGS` in this process; returns (exit code, stdout, stderr)."""
     import hydra
 
-    from kvbench import exit_channel, hydra_task
+    from kvbench.run import exit_channel
+
+    from kvbench.commands import hydra_task
 
     entry = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(hydra_task.main)
     old_term = signal.getsignal(signal.SIGTERM)
@@ -515,7 +517,7 @@ def _table_params(table: list) -> list:
 
 @pytest.mark.parametrize("args,needles,setup", _table_params(TABLE))
 def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatch):
-    import kvbench.app as app
+    import kvbench.run.app as app
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded for bad input")
@@ -582,8 +584,8 @@ def test_a_cached_hub_model_is_checked_against_its_config(cli, tmp_path, monkeyp
     # offline, a hub id in the local cache passes, and its config.json (not the weights) bounds the task
     import huggingface_hub.constants
 
-    import kvbench.app as app
-    from kvbench.model_info import model_shape
+    import kvbench.run.app as app
+    from kvbench.run.model_info import model_shape
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -605,7 +607,7 @@ def test_a_hub_id_the_hub_does_not_know_is_refused(cli, tmp_path, monkeypatch):
     import huggingface_hub
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    import kvbench.app as app
+    import kvbench.run.app as app
     import kvbench.data.hub as hub
 
     def not_found(repo_id, filename, **kwargs):
@@ -627,10 +629,10 @@ def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
     # on CUDA the bound is the GPU's memory (the pool is allocated there, not virtual): checked without a GPU
     import torch
 
-    from kvbench import plan
-    from kvbench.config import RuntimeConfig
+    from kvbench.run import plan
+    from kvbench.run.config import RuntimeConfig
     from kvbench.errors import UserError
-    from kvbench.model_info import PACKAGED_SHAPE, ModelShape
+    from kvbench.run.model_info import PACKAGED_SHAPE, ModelShape
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=8 * 2**30))
     assert plan.machine_memory_bytes("cuda:0") == 8 * 2**30
@@ -643,7 +645,7 @@ def test_pool_larger_than_the_gpu_is_refused(monkeypatch):
 
 # issue 68 ---------------------------------------------------------------------------------------------------------
 def _no_loading(monkeypatch):
-    import kvbench.app as app
+    import kvbench.run.app as app
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded for bad input")
@@ -842,7 +844,7 @@ def test_the_line_names_the_knob_set(cli, tmp_path, monkeypatch, args, needle):
 def test_a_run_another_worker_is_running_does_not_exit_0(cli, tmp_path, monkeypatch):
     """A second `python -m kvbench` of a run claimed by a live worker printed "skipping" and exited 0 with no
     result; now it exits 1 with one line saying where the result will be."""
-    from kvbench.spec import hashable_config
+    from kvbench.run.spec import hashable_config
     from kvbench.store.claims import claim_run
     from kvbench.store.naming import run_id_for
     from tests.harness_fakes import compose

@@ -1,12 +1,12 @@
-"""True/false settings take `true` / `false` only, one rule (kvbench.spec.check_bool) for every such key, on the
+"""True/false settings take `true` / `false` only, one rule (kvbench.run.spec.check_bool) for every such key, on the
 command line as in the schema: `adaptive=yes` is refused as `cuda_graphs=maybe` is."""
 from __future__ import annotations
 
 import pytest
 
-from kvbench.config import bool_keys
+from kvbench.run.config import bool_keys
 from kvbench.errors import UserError
-from kvbench.spec import check_bool_spellings
+from kvbench.run.spec import check_bool_spellings
 
 
 @pytest.mark.parametrize("arg", ["runtime.speculative.adaptive=yes", "runtime.cuda_graphs=maybe", "rerun=1",

@@ -8,8 +8,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-import kvbench.config as kconfig
-from kvbench import spec
+import kvbench.run.config as kconfig
+from kvbench.run import spec
 from tests.harness_fakes import CONF_DIR, compose
 from kvbench.errors import UserError
 from kvbench.registry import METHODS
@@ -82,7 +82,7 @@ def test_run_id_is_stable_and_ignores_output_settings():
 
 
 def test_hydra_run_dir_is_the_run_folder(tmp_path):
-    import kvbench.config  # noqa: F401
+    import kvbench.run.config  # noqa: F401
     from hydra import compose as hcompose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -110,7 +110,7 @@ def test_task_options_are_checked_by_the_task_not_a_schema():
     import subprocess
     import sys
 
-    code = "import sys, kvbench.config; sys.exit(any(m == 'kvbench.tasks' or m.startswith('kvbench.tasks.') for m in sys.modules))"
+    code = "import sys, kvbench.run.config; sys.exit(any(m == 'kvbench.tasks' or m.startswith('kvbench.tasks.') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
     from kvbench.tasks import build_task
 

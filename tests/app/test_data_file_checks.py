@@ -88,7 +88,7 @@ def _assert_nothing_written(results):
                                        ("longbench_v2", "empty.jsonl"), ("longbench_v2", "cols.jsonl")])
 def test_a_bad_data_file_is_refused_before_the_model_loads(cli, monkeypatch, tmp_path, task, name):  # noqa: F811
     """The real CLI entry (Hydra included) in this process, the model loader replaced by a failure."""
-    import kvbench.app as app
+    import kvbench.run.app as app
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded for a bad data file")

@@ -179,7 +179,7 @@ def test_a_killed_rank_fails_the_run_and_a_rerun_redoes_it(model_dir, tmp_path):
 def test_bad_parallel_input_is_one_line_before_load(cli, monkeypatch, model_dir, tmp_path, args,  # noqa: F811
                                                    expected):
     """The real CLI entry in this process (one case also as a subprocess, below)."""
-    import kvbench.app as app
+    import kvbench.run.app as app
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded for bad input")

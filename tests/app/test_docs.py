@@ -14,7 +14,7 @@ from tests.app.test_experiments import EXPERIMENTS_BIG_SLOW, _compose, sweep_axe
 from tests.harness_fakes import CONF_DIR
 
 from kvbench.methods import available_methods
-from kvbench.spec import hashable_config
+from kvbench.run.spec import hashable_config
 from kvbench.store.naming import run_id_for
 from kvbench.tasks import available_tasks
 

@@ -1,12 +1,12 @@
-"""kvbench.engines: the one place runtime settings become an Engine (the app, the lm-eval adapter, the benches).
+"""kvbench.run.engines: the one place runtime settings become an Engine (the app, the lm-eval adapter, the benches).
 Every knob reaches the engine by name, with the two rules a run adds; the draft engine of speculative decoding gets
 the target's KV bytes; a real engine built from settings is the engine built by hand."""
 from __future__ import annotations
 
 import pytest
 
-from kvbench.config import RuntimeConfig
-from kvbench.engines import SERVING_KNOBS, build_engine, build_run_codec, build_speculator, engine_options
+from kvbench.run.config import RuntimeConfig
+from kvbench.run.engines import SERVING_KNOBS, build_engine, build_run_codec, build_speculator, engine_options
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from tests.tiny_models import tiny_model

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbench import estimate
+from kvbench.run import estimate
 from kvbench.tasks import build_task
 from kvbench.tasks.base import Workload
 from tests.fixtures.task_fixtures import smollm2_tokenizer
@@ -66,7 +66,7 @@ def test_a_rate_is_kept_only_from_a_run_that_measured_it(tmp_path, monkeypatch):
 
 
 def test_the_line_comes_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    from kvbench import app
+    from kvbench.run import app
     from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader
 
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
@@ -297,8 +297,8 @@ def test_a_missing_or_nan_figure_neither_crashes_nor_skews_the_estimate(tmp_path
 def test_a_sweeps_line_is_the_sum_of_its_runs(tmp_path, monkeypatch, capsys):
     """`-m` prints one line before the first run: the sum of its runs' estimates, the model's load counted once
     (the process holds it after the first run); the first run's record keeps it for bench/first_hour.py."""
-    from kvbench import app
-    from kvbench.plan import plan_run
+    from kvbench.run import app
+    from kvbench.run.plan import plan_run
     from tests.harness_fakes import compose
 
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import kvbench.config as kvconfig  # registers the schemas before any compose
+import kvbench.run.config as kvconfig  # registers the schemas before any compose
 from tests.harness_fakes import CONF_DIR
 
 EXPERIMENTS = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "experiment")) if f.endswith(".yaml"))

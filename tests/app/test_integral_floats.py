@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.config import int_keys
+from kvbench.run.config import int_keys
 from kvbench.errors import UserError
-from kvbench.spec import integral_spellings
+from kvbench.run.spec import integral_spellings
 from tests.harness_fakes import run_fake_cli
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvbench import app
+from kvbench.run import app
 from tests.harness_fakes import FakeEngine, FakeMethod, compose, fake_loader
 
 

@@ -1,5 +1,5 @@
 """Issue 56, item 2: a model kvbench cannot run as its files describe it is refused before the weights load, in one
-line (kvbench.model_checks): weights that do not match config.json (missing, unexpected, mismatched tensors, named),
+line (kvbench.run.model_checks): weights that do not match config.json (missing, unexpected, mismatched tensors, named),
 configs of other model types, custom code, impossible sizes, a window that cannot be honoured (issue 60 honours sliding
 windows: Mistral's, Gemma's, Qwen2's layer_types). Every supported family passes.
 The CLI cases (exit 2, no run folder) are rows of tests/app/test_bad_input.py."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvbench.errors import UserError
-from kvbench.model_checks import check_config, loading_report
-from kvbench.model_info import check_runnable
+from kvbench.run.model_checks import check_config, loading_report
+from kvbench.run.model_info import check_runnable
 from kvbench.runtime.model.loading import load_hf
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
 from tests.tiny_models import ARCH_FAMILIES, FAMILIES, tiny_hf_model
@@ -76,7 +76,7 @@ def test_unexpected_and_mismatched_tensors_are_refused(tmp_path):
 
 def test_a_tied_checkpoint_without_lm_head_passes(tmp_path):
     folder = save(tiny_hf_model("tied", layers=2), tmp_path / "tied")
-    from kvbench.model_checks import safetensors_shapes
+    from kvbench.run.model_checks import safetensors_shapes
 
     assert "lm_head.weight" not in safetensors_shapes(str(folder))
     check_runnable(SimpleNamespace(path=str(folder), gguf_file=None))
@@ -146,7 +146,7 @@ def test_reading_a_longrope_config_prints_none_of_transformers_notes(capsys, cap
     longrope config must not reach the console, or a bad-input error is two lines in a fresh process."""
     import transformers.utils.logging as transformers_logging
 
-    from kvbench.model_info import _layer_windows
+    from kvbench.run.model_info import _layer_windows
 
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
            "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 4096,
@@ -166,7 +166,7 @@ def test_checking_a_longrope_folders_weights_prints_none_of_transformers_notes(t
 
     import transformers.utils.logging as transformers_logging
 
-    from kvbench.model_checks import expected_shapes
+    from kvbench.run.model_checks import expected_shapes
     from tests.tiny_models import tiny_hf_model
 
     tiny_hf_model("llama", layers=2).save_pretrained(tmp_path)

@@ -85,11 +85,11 @@ def test_binary_or_non_utf8_text_file_is_refused(tmp_path, content, needle):
 def _app_calls_preflight() -> bool:
     import importlib
 
-    from kvbench import app
+    from kvbench.run import app
 
     sources = [inspect.getsource(app)]
-    try:  # main moved the model-free checks into kvbench/plan.py (only if it sits beside this app.py)
-        plan = importlib.import_module("kvbench.plan")
+    try:  # main moved the model-free checks into kvbench/run/plan.py (only if it sits beside this app.py)
+        plan = importlib.import_module("kvbench.run.plan")
         if os.path.dirname(plan.__file__) == os.path.dirname(app.__file__):
             sources.append(inspect.getsource(plan))
     except ImportError:
@@ -99,7 +99,7 @@ def _app_calls_preflight() -> bool:
 
 @pytest.mark.skipif(not _app_calls_preflight(), reason="the app does not call task.preflight")
 def test_longbench_offline_fails_before_the_model_loads(offline, tmp_path):
-    from kvbench import app
+    from kvbench.run import app
     from tests.harness_fakes import FakeEngine, compose, fake_build_method
 
     def must_not_load(*args, **kwargs):

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbench import plan
+from kvbench.run import plan
 from kvbench.errors import UserError
 from kvbench.tasks import build_task
 

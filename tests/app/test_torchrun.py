@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvbench import torchrun
+from kvbench.commands import torchrun
 from tests.harness_fakes import CONF_DIR  # noqa: F401  (sets KVBENCH_CACHE_DIR)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,8 +40,8 @@ def test_the_workers_run_kvbench_under_torchrun():
 
 def _launch(*args, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("HYDRA_FULL_ERROR", None)  # set by in-process CLI tests (kvbench.cli.run_cli); a user's choice here
-    return subprocess.run([sys.executable, "-m", "kvbench.torchrun", *args, f"results_dir={tmp_path}/res"],
+    env.pop("HYDRA_FULL_ERROR", None)  # set by in-process CLI tests (kvbench.commands.cli.run_cli); a user's choice here
+    return subprocess.run([sys.executable, "-m", "kvbench.commands.torchrun", *args, f"results_dir={tmp_path}/res"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader
-from kvbench import app
-from kvbench.wandb_logger import WandbLogger, resolve_mode
+from kvbench.run import app
+from kvbench.reporting.wandb_logger import WandbLogger, resolve_mode
 
 
 def run_fake(tmp_path, overrides=()):
@@ -258,7 +258,7 @@ def test_a_sweeps_runs_share_a_group_and_its_end_logs_a_table_and_plots(tmp_path
     import sys
 
     from tests.harness_fakes import fake_env
-    from kvbench.wandb_logger import sweep_group
+    from kvbench.reporting.wandb_logger import sweep_group
 
     out = tmp_path / "results"
     done = subprocess.run([sys.executable, "-m", "tests.harness_fakes", "-m", "task.max_tokens=40", "task.chunk_size=4",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from kvbench.spec import hashable_config
+from kvbench.run.spec import hashable_config
 
 
 def _hashed(model: dict) -> dict:

@@ -10,7 +10,8 @@ import subprocess
 import pytest
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader, run_fake_cli
-from kvbench import exit_channel, hydra_task
+from kvbench.run import exit_channel
+from kvbench.commands import hydra_task
 from kvbench.store.files import append_jsonl, read_jsonl
 from kvbench.store.folder import RunFolder, finished_metrics
 

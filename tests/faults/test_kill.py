@@ -13,7 +13,7 @@ import pytest
 
 from tests import fault_cli
 from tests.harness_fakes import run_fake_cli, wait_for_lines
-from kvbench import exit_channel
+from kvbench.run import exit_channel
 from kvbench.store.files import read_jsonl
 from kvbench.store.folder import RunFolder, repair_index
 from kvbench.store.runs import load_runs

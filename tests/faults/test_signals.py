@@ -51,7 +51,7 @@ def test_signal_mid_sweep_is_recorded(tmp_path, sig, error, code):
 
 SECOND_SIGTERM = """
 import os, signal, time
-from kvbench.cli import install_sigterm_handler
+from kvbench.commands.cli import install_sigterm_handler
 from kvbench.errors import Terminated
 install_sigterm_handler()
 try:

@@ -14,7 +14,7 @@ from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.runtime.serving.engine import Engine
-import kvbench.config as kconfig
+import kvbench.run.config as kconfig
 from tests.harness_fakes import compose
 from tests.fixtures.task_fixtures import one_thread as _one_thread
 from tests.tiny_models import ByteTokenizer, tiny_model
@@ -293,7 +293,7 @@ def test_compare_pairs_runs_by_ratio(tmp_path):
         config = {"model": {"name": "m"}, "method": {"name": method}, "quant": {"name": "none"},
                   "task": {"name": "ruler"}, "runtime": {}, "budget": None, "compression_ratio": ratio, "seed": 0}
         metrics = {"run_id": f"{method}-{ratio}", "model": "m", "method": method, "task": "ruler", "budget": None,
-                   "compression_ratio": ratio, "seed": 0, "evicts": method != "full"}  # as kvbench.app records it
+                   "compression_ratio": ratio, "seed": 0, "evicts": method != "full"}  # as kvbench.run.app records it
         return make_run(str(tmp_path), metrics, config if with_config else {})
 
     assert pair_key(run("snapkv", 0.25)) != pair_key(run("snapkv", 0.5))

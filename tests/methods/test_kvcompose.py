@@ -147,7 +147,7 @@ def test_bad_options_name_the_value(opts, match):
 
 @pytest.mark.parametrize("name, structured", [("kvcompose", True), ("kvcompose_unstructured", False)])
 def test_method_yamls_compose_to_kvpresss_defaults(name, structured):
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     from kvbench.methods import METHODS
     from tests.harness_fakes import compose
 

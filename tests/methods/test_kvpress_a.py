@@ -289,7 +289,7 @@ def test_bad_options_name_the_value(name, opts, match):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     from tests.harness_fakes import compose
 
     s = validate(compose([f"method={name}", "budget=256"]))

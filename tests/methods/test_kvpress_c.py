@@ -524,7 +524,7 @@ def test_cam_merge_adds_each_merged_value_whole():
 
 
 def test_finch_without_a_question_is_refused_before_the_model_loads():
-    import kvbench.config as kconfig
+    import kvbench.run.config as kconfig
     from tests.harness_fakes import compose
     for args in (["method=finch", "compression_ratio=0.5"], ["method=finch", "budget=64", "task=ruler"]):
         with pytest.raises(UserError, match="task.compress_question=true") as e:
@@ -535,7 +535,7 @@ def test_finch_without_a_question_is_refused_before_the_model_loads():
 
 
 def test_in_place_rewrites_over_a_codec_are_refused_before_the_model_loads():
-    import kvbench.config as kconfig
+    import kvbench.run.config as kconfig
     from tests.harness_fakes import compose
     for args in (["method=merge", "budget=64", "quant=kivi"],
                  ["method=finch", "budget=64", "method.window=16", "quant=int8"]):

@@ -443,7 +443,7 @@ def test_fastkvzip_hub_file_name_is_kvpresss():
 @pytest.mark.parametrize("name", ["observed_attention", "block_keydiff", "qfilter", "decoding", "lukv", "fastkvzip",
                                   "sink_recent"])
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     from tests.harness_fakes import compose
 
     s = validate(compose([f"method={name}", "budget=256"]))

@@ -332,7 +332,7 @@ def test_bad_options_name_the_value(name, opts, match):
 def test_method_yaml_composes_to_the_dataclass_defaults(name):
     """conf/method/<name>.yaml through Hydra and config.validate builds the method with its documented defaults,
     and an override on the command line reaches the method."""
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     from kvbench.methods import METHODS
     from tests.harness_fakes import compose
 

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench.methods import METHODS
-from kvbench.spec import codec_names
+from kvbench.run.spec import codec_names
 from tests.harness_fakes import CONF_DIR, compose
 
 METHOD_DIR = os.path.join(CONF_DIR, "method")
@@ -56,7 +56,7 @@ def test_a_yaml_holding_only_name_takes_the_inherited_options(tmp_path):
     """`method.decode=evict` on a YAML holding only `name:` was Hydra's "unknown option"; the options are the
     dataclass's (inherited ones included), and an unknown one is refused by the method, naming the valid ones."""
     from kvbench.errors import UserError
-    from kvbench.plan import plan_run
+    from kvbench.run.plan import plan_run
 
     (tmp_path / "method").mkdir()
     (tmp_path / "method" / "only_name.yaml").write_text("name: knorm\n")

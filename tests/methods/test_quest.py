@@ -478,7 +478,7 @@ def test_codec_reads_counted_at_their_packed_size(model):
     """A codec cache's decode steps read its packed blocks at their packed size: KIVI-2 reads less per token than
     full precision; quest refuses a codec that stores keys before RoPE (one line, before any model loads)."""
     from kvbench.quant.registry import build_codec
-    from kvbench.spec import check_retrieval_storage
+    from kvbench.run.spec import check_retrieval_storage
 
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, 256, (300,), generator=g).tolist()

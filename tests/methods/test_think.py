@@ -232,7 +232,7 @@ def test_yaml_defaults_are_the_class_and_compose():
 
     import yaml
 
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     from tests.harness_fakes import compose
 
     opts = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "method" / "think.yaml").read_text())

@@ -419,7 +419,7 @@ def test_bad_input_is_one_line(model, linear_path, tmp_path):
 def test_config_refuses_a_threshold_with_a_budget(overrides, match):
     from hydra import compose, initialize_config_dir
 
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     import os
 
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")

@@ -15,7 +15,7 @@ from kvbench.quant.registry import OPTIONS, build_codec
 from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.scoring import Scorer
-from kvbench.spec import codec_names, resolve_storage
+from kvbench.run.spec import codec_names, resolve_storage
 from tests.tiny_models import SHARP_LOGITS, tiny_model
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -217,7 +217,7 @@ def test_calibration_text_is_not_the_evaluation_text(tiny):
 def test_codec_method_configs_compose_to_full_plus_quant(name):
     """conf/method/<codec>.yaml pulls the quant group's options: method=<codec> method.<opt>=x runs as
     method=full quant=<codec> quant.<opt>=x (the same run)."""
-    from kvbench.config import validate
+    from kvbench.run.config import validate
     from tests.harness_fakes import compose
 
     def route(overrides):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvbench.errors import UserError
-from kvbench.model_info import ModelShape
+from kvbench.run.model_info import ModelShape
 from kvbench.quant.codecs import FullPrecisionCodec, KiviCodec
 from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
 from kvbench.quant.registry import build_codec, check_codec

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import report
+from kvbench.reporting import report
 from kvbench.reporting import claims, stats
 from tests import results_fixtures as fx
 

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvbench import compare
-from kvbench.compare import Limits
+from kvbench.reporting import compare
+from kvbench.reporting.compare import Limits
 from kvbench.console import exit_with
 from kvbench.reporting import stats
 from kvbench.store.runs import corrupt_runs
@@ -86,8 +86,8 @@ def run_cli(*args):
 
 
 def run_cli_process(*args):
-    """`python -m kvbench.compare ARGS` in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "kvbench.compare", *map(str, args)], capture_output=True,
+    """`python -m kvbench.reporting.compare ARGS` in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "kvbench.reporting.compare", *map(str, args)], capture_output=True,
                           text=True, timeout=120, cwd=str(REPO))
 
 
@@ -108,7 +108,7 @@ PPL_OPTIONS = ["task.max_tokens=256", "task.chunk_size=64", "task.num_documents=
 
 def run_sweep(folder: pathlib.Path, extra: tuple = ()) -> list[dict]:
     """The sweep SWEEP through app.run (the CLI's path after Hydra composed the config) on the tiny model."""
-    from kvbench import app
+    from kvbench.run import app
     from tests.fixtures.task_fixtures import run_cfg, tiny_loader
 
     records = []
@@ -594,7 +594,7 @@ def test_a_setting_added_by_a_newer_version_still_pairs(tmp_path):
 
 def test_report_counts_and_names_corrupt_runs(tmp_path):
     pytest.importorskip("matplotlib")
-    from kvbench import report
+    from kvbench.reporting import report
 
     make_folder(tmp_path / "r")
     bad = one_document(tmp_path / "r")
@@ -602,7 +602,7 @@ def test_report_counts_and_names_corrupt_runs(tmp_path):
     other = shutil.copytree(bad["run_dir"], tmp_path / "r" / "copied_run")
     (other / "metrics.json").write_text(json.dumps({"run_id": "copied_run", "status": "ok"}))
     (other / "config.yaml").write_bytes(b"\xff\xfe")
-    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "r")], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path / "r")], capture_output=True,
                           text=True, timeout=300, cwd=str(REPO))
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.splitlines()[-1]

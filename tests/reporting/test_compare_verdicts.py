@@ -145,7 +145,7 @@ def test_escapes():
 def test_report_prints_names_without_terminal_escapes(tmp_path, capsys):
     # item 7: a run folder or name holding an ESC sequence is printed as \x1b..., never sent to the terminal
     pytest.importorskip("matplotlib")
-    from kvbench import report
+    from kvbench.reporting import report
 
     ppl_run(tmp_path / "r", 4)
     bad = tmp_path / "r" / "evil\x1b[2J\x1b[31mrun"

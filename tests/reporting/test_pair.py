@@ -95,7 +95,7 @@ def test_missing_nan_or_failed_never_pass(tmp_path, how):
 
 
 def test_report_vs_full_column_has_the_interval(tmp_path):
-    from kvbench.report import run_table
+    from kvbench.reporting.report import run_table
     from kvbench.store.runs import load_runs
     ruler_run(tmp_path, "full", None, SCORES)
     ruler_run(tmp_path, "snapkv", 0.5, [s if i % 4 else 0.0 for i, s in enumerate(SCORES)])

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from kvbench import report  # noqa: E402
+from kvbench.reporting import report  # noqa: E402
 from tests import results_fixtures as fx  # noqa: E402
 
 SINK_PPL = {0: 812.5, 1: 30.25, 4: 27.5, 8: 27.0}
@@ -135,7 +135,7 @@ def test_history_plot_with_runs_of_two_commits(tmp_path):
 def test_cli_writes_self_contained_html_and_markdown(tmp_path):
     sinks_folder(tmp_path / "res")
     longbench_folder(tmp_path / "res")
-    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     html = (tmp_path / "o" / "report.html").read_text()
@@ -160,7 +160,7 @@ def test_cli_writes_self_contained_html_and_markdown(tmp_path):
 
 def test_bad_input_is_one_line_exit_2(tmp_path):
     sinks_folder(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path), "--experiment", "nope"],
+    proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path), "--experiment", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "'nope'" in proc.stderr and "streaming_llm_sinks" in proc.stderr
@@ -284,7 +284,7 @@ def test_stand_in_metric_is_never_set_beside_the_papers(tmp_path):
 def test_verdicts_in_terminal_markdown_html_and_json(tmp_path):
     claim_folder(tmp_path / "res", {0: 44.0, 1: 30.0, 4: 27.0})
     out, js = tmp_path / "o", tmp_path / "v.json"
-    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path / "res"), "--out", str(out),
                            "--json", str(js)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     scale = "scale: smollm2-135m, not the paper's model (meta-llama/Llama-2-7b-hf); 3 runs of 1 sample each"
@@ -330,7 +330,7 @@ def test_bad_paper_block_is_one_line_exit_2(tmp_path, change, message):
     paper = {"source": "s", "model": "m", "dataset": "d", "metric": "ppl", "lower_is_better": True, "rows": []}
     paper.update(change)
     claim_folder(tmp_path / "res", {0: 44.0}, paper=paper)
-    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "sinks_claims" in proc.stderr and message in proc.stderr, proc.stderr
@@ -345,7 +345,7 @@ def test_bad_out_and_json_paths_are_one_line_exit_2(tmp_path):
              (["--json", str(tmp_path)], "is a folder"),
              (["--json", str(tmp_path / "nope" / "v.json")], "no folder")]
     for args, message in cases:
-        proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), *args],
+        proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path / "res"), *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
         assert not (tmp_path / "res" / "report").exists()
@@ -429,7 +429,7 @@ def test_lines_only_among_comparable_runs(tmp_path):
 
 def test_empty_columns_are_left_out(tmp_path):
     sinks_folder(tmp_path / "res")
-    subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
+    subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(tmp_path / "res"), "--out", str(tmp_path / "o")],
                    check=True, capture_output=True, timeout=120)
     md = (tmp_path / "o" / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| setting"))
@@ -615,7 +615,7 @@ def test_a_run_folder_without_config_is_counted_named_and_left_out(tmp_path):
                            "peak_kv_bytes": (budget or 256) * 46080}, fx.ppl_samples([3.0]))
     os.unlink(os.path.join(rec["run_dir"], "config.yaml"))
     name = os.path.basename(rec["run_dir"])
-    proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(res), "--out", str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(res), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == f"kvbench-report: 1 corrupt run folder(s): {name} (config.yaml is " \
@@ -646,7 +646,7 @@ def test_a_planted_run_dir_never_becomes_a_link(tmp_path):
     named = fx.write_run(str(res), fx.config(method="snapkv", budget=64), {"ppl": 32.0}, fx.ppl_samples([3.0]))
     os.rename(named["run_dir"], res / "javascript:alert(1)")
     for out in (res, tmp_path / "o"):  # --out the results folder itself, run from there: the case that linked
-        proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(res), "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", str(res), "--out", str(out)],
                               capture_output=True, text=True, timeout=120, cwd=str(out if out == res else tmp_path),
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         assert proc.returncode == 0, proc.stderr
@@ -824,7 +824,7 @@ def test_pareto_sets_held_beside_peak_with_each_point_labelled(monkeypatch):
 
 def test_a_ruler_sweep_plots_its_averaged_score_not_its_first_task():
     """Issue 67 item 4: the report plotted `score_niah_single_1` (the first score-like key) for a RULER sweep."""
-    from kvbench.report import metric_for
+    from kvbench.reporting.report import metric_for
     from kvbench.reporting.stats import primary_metric
 
     m = {"score_niah_single_1": 90.0, "score_niah_single_2": 80.0, "score": 85.0, "score_tasks": "a,b"}

@@ -9,7 +9,7 @@ from kvbench.methods import build_method
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.requests import Request
 from kvbench.runtime.serving.scoring import Scorer
-from kvbench.summary import format_summary, format_sweep_table, next_step_lines, peak_saved_fraction, saved_fraction
+from kvbench.reporting.summary import format_summary, format_sweep_table, next_step_lines, peak_saved_fraction, saved_fraction
 from tests.tiny_models import tiny_model
 
 

@@ -80,7 +80,7 @@ def test_greedy_tokens_equal_transformers(gemma, held_out_ids):
 
 
 def test_kvbench_info_reads_the_preset_from_its_gguf_header(capsys):
-    from kvbench.info import main as info_main
+    from kvbench.commands.info import main as info_main
 
     assert info_main(["gemma-3-270m"]) == 0
     out = capsys.readouterr().out

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvbench.errors import UserError
-from kvbench.info import main as info_main
-from kvbench.model_info import check_runnable, model_shape
+from kvbench.commands.info import main as info_main
+from kvbench.run.model_info import check_runnable, model_shape
 from kvbench.runtime.model.gguf_config import hf_config_from_gguf
 from kvbench.runtime.model.loading import load_model
 from kvbench.runtime.model.model_files import check_model_path, read_gguf_header, resolve_location

@@ -100,7 +100,7 @@ def test_corrupt_gguf_with_magic_fails_in_one_line(tmp_path, monkeypatch):
 
 
 def test_one_model_path_rule_set_for_the_app_and_the_loader():
-    from kvbench import plan
+    from kvbench.run import plan
     from kvbench.runtime.model import model_files
 
     assert loading.check_model_path is model_files.check_model_path

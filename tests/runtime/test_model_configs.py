@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from kvbench.errors import UserError
-from kvbench.model_checks import check_config, exact_positions
-from kvbench.model_info import _layer_windows
+from kvbench.run.model_checks import check_config, exact_positions
+from kvbench.run.model_info import _layer_windows
 from kvbench.runtime.model.families import build_from_transformers
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
 from kvbench.runtime.serving.engine import Engine

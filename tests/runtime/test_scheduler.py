@@ -264,7 +264,7 @@ def _tiny_model():
 
 @pytest.mark.parametrize("key,value", [("schedule", "fifo"), ("prefix_caching", "yes")])
 def test_bad_runtime_scheduler_settings_are_one_line_user_errors(key, value):
-    from kvbench.config import RuntimeConfig
+    from kvbench.run.config import RuntimeConfig
     from kvbench.errors import UserError
 
     with pytest.raises(UserError, match=f"invalid runtime.{key}={value!r}: choices are"):

@@ -242,8 +242,8 @@ def test_a_throughput_run_records_speculation_swap_and_pool_health(tmp_path):
     import csv
     import os
 
-    from kvbench import app
-    from kvbench.summary import format_summary
+    from kvbench.run import app
+    from kvbench.reporting.summary import format_summary
     from tests.fixtures.task_fixtures import run_cfg, tiny_loader
 
     cfg = run_cfg(tmp_path, ["task=throughput", "task.num_requests=3", "task.input_tokens=[60,80]",

@@ -8,8 +8,8 @@ import os
 
 import yaml
 
-from kvbench.data_digest import data_sha256, path_sha256
-from kvbench.spec import hashable_config
+from kvbench.run.data_digest import data_sha256, path_sha256
+from kvbench.run.spec import hashable_config
 from kvbench.store.naming import run_id_for
 from tests.harness_fakes import compose, run_fake_cli
 
@@ -77,7 +77,7 @@ def test_an_edited_file_is_run_again_and_recorded(tmp_path):
 
 def test_text_file_alone_is_the_explicit_text_file_corpus(tmp_path):
     # issue 56, item 8: `task.text_file=x` records task_corpus text_file and gets the explicit spelling's run id
-    from kvbench.config import validate
+    from kvbench.run.config import validate
 
     f = tmp_path / "t.txt"
     f.write_text("some text " * 20)
@@ -105,7 +105,7 @@ def test_a_methods_own_files_are_in_the_run_id(tmp_path):
 # --------------------------------------------------------------------------- issue 68, item 1
 def test_a_hidden_data_file_is_neither_read_nor_hashed(tmp_path):
     """scbench_kv/.data.jsonl was read (the loaders globbed every name) but not hashed: an edit reran nothing. The
-    loaders now list folders as the digest does (kvbench.data_digest.visible_files), hidden names skipped."""
+    loaders now list folders as the digest does (kvbench.run.data_digest.visible_files), hidden names skipped."""
     from kvbench.data.ruler import local_files
     from kvbench.data.scbench import task_files
 
@@ -173,7 +173,7 @@ def test_the_models_files_are_in_the_run_id(tmp_path):
 
 def test_model_digests_are_stored_by_path_size_and_mtime(tmp_path, monkeypatch):
     """A 7B is hashed once: a later process reads the digest from $KVBENCH_CACHE_DIR/digests.json."""
-    import kvbench.data_digest as dd
+    import kvbench.run.data_digest as dd
 
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(dd, "_index", None)

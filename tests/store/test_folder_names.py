@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvbench.spec import hashable_config
+from kvbench.run.spec import hashable_config
 from kvbench.store.naming import model_label, run_id_for, slug
 from kvbench.store.runs import load_runs
 from tests.harness_fakes import compose, run_fake_cli

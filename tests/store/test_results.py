@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.harness_fakes import FakeEngine, compose, fake_build_method, fake_loader
-from kvbench import app, exit_channel, hydra_task
+from kvbench.run import app, exit_channel
+from kvbench.commands import hydra_task
 from kvbench.store.files import append_jsonl, atomic_write_text, read_jsonl, write_json
 from kvbench.store.folder import REQUIRED_FIELDS, RunFolder, complete_record, finished_metrics
 from kvbench.store.naming import config_hash
@@ -172,7 +173,7 @@ def test_main_keeps_a_sweep_going_and_sets_the_exit_code(tmp_path, monkeypatch):
 
 
 def test_summary_fits_one_screen(tmp_path):
-    from kvbench.summary import format_summary
+    from kvbench.reporting.summary import format_summary
 
     rec = run_fake(tmp_path, ["budget=32"])
     text = format_summary(rec, str(tmp_path))
@@ -214,7 +215,7 @@ def test_wall_s_counts_loading_too(tmp_path):
 
 
 def test_codec_summary_is_one_storage_line():
-    from kvbench.summary import format_summary
+    from kvbench.reporting.summary import format_summary
 
     rec = complete_record({
         "run_id": "r", "status": "ok", "method": "full", "quant": "kivi", "task": "perplexity", "ppl": 12.5,

@@ -104,9 +104,9 @@ def test_two_hub_revisions_are_two_settings_to_compare():
 
 
 def test_the_run_records_the_commits_its_task_read(fake_hub, tmp_path):
-    """kvbench.app records `data_revision` from what the task read during the run, and nothing for a task that
+    """kvbench.run.app records `data_revision` from what the task read during the run, and nothing for a task that
     read no hub data (the previous run's reads do not leak into the next record)."""
-    from kvbench import app
+    from kvbench.run import app
     from kvbench.tasks.base import TaskResult
 
     class HubTask:

@@ -178,7 +178,7 @@ def test_generate_until_stops_on_a_string():
 
 def test_local_yaml_tasks_with_budget(task_dir):
     """The same local lm-eval tasks with the full cache and with a budget: the budget changes the scores."""
-    from kvbench.lm_eval_adapter import KVBenchLM
+    from kvbench.commands.lm_eval_adapter import KVBenchLM
 
     tok = smollm2_tokenizer()
     runs = {}
@@ -219,7 +219,7 @@ def test_registered_model_from_model_args(task_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasksOnly)
 
-    from kvbench.lm_eval_adapter import KVBenchLM, cli
+    from kvbench.commands.lm_eval_adapter import KVBenchLM, cli
 
     tok = smollm2_tokenizer()
     folder = tmp_path / "tiny-model"
@@ -250,7 +250,7 @@ def test_registered_model_from_model_args(task_dir, tmp_path, monkeypatch):
 
 
 def test_kvbench_task_lm_eval_through_app(task_dir, tmp_path):
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     common = ["task=lm_eval", f"task.include_path={task_dir}", "task.include_defaults=false",
               "task.tasks=[kvb_mc,kvb_gen]", "task.limit=2", "runtime.prefill_chunk_size=16", "runtime.batch_size=2"]
@@ -292,7 +292,7 @@ def test_score_is_the_primary_metric_not_sample_len():
 
 def test_bundled_offline_task_score_equals_accuracy(tmp_path, monkeypatch):
     """kvbench_essays_mc ships with kvbench (YAML + data): it runs without the hub, and `score` is its accuracy."""
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -312,7 +312,7 @@ def test_seed_from_typed_settings_or_old_configs():
 
     from kvbench.tasks.lm_eval import seed_of
 
-    assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.config.Settings
+    assert seed_of(SimpleNamespace(seed=5)) == 5  # kvbench.run.config.Settings
     assert seed_of(OmegaConf.create({"seed": 3})) == 3 and seed_of({"seed": 2}) == 2
     assert seed_of(None) == 0
 
@@ -322,7 +322,7 @@ def test_lm_eval_output_stays_out_of_kvbench_output(tmp_path, capfd):
     to the run's log file (Hydra's file handler on the root logger, stood in for here)."""
     import logging
 
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     log_file = tmp_path / "kvbench.log"
     handler = logging.FileHandler(log_file)
@@ -372,8 +372,8 @@ def test_announced_work_is_the_work_done(task_dir, tasks):
 def test_lm_eval_run_prints_its_estimate_once_the_work_is_known(task_dir, tmp_path, capsys, monkeypatch):
     """task=lm_eval's first line says its work is known only after the load; the estimate follows, at the measured
     rates, and goes to estimate_s."""
-    import kvbench.app as app
-    from kvbench.app import run
+    import kvbench.run.app as app
+    from kvbench.run.app import run
 
     speed = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "runs": 3, "measured_at": "2026-12-07"}
     monkeypatch.setattr(app, "measured_speed", lambda *args, **kwargs: dict(speed))

@@ -1,5 +1,5 @@
 """`lm_eval --model kvbench ... --tasks kvbench_essays_mc` through lm-eval's own console script, with no
---include_path: kvbench-lm-eval.pth (kvbench/lm_eval_hook.py) registers the model and the packaged tasks.
+--include_path: kvbench-lm-eval.pth (kvbench/commands/lm_eval_hook.py) registers the model and the packaged tasks.
 
 The console script runs in a scratch virtual environment that sees this environment's packages (a path line) and
 this checkout (PYTHONPATH), with kvbench-lm-eval.pth in its site-packages where an install puts it; the shared
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from tests.harness_fakes import CONF_DIR  # noqa: E402,F401  (sets KVBENCH_CACHE_DIR for the subprocesses)
-from kvbench import lm_eval_hook  # noqa: E402
+from kvbench.commands import lm_eval_hook  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PTH = REPO / lm_eval_hook.PTH_FILE

@@ -157,7 +157,7 @@ def test_missing_file_is_a_user_error(tmp_path):
 
 def test_app_run_on_tiny_model_batched_equals_unbatched(tmp_path, data_dir, single_thread):
     """Through app.run (metrics.json + samples.jsonl) on a tiny random model: batch_size 2 gives the same tokens."""
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     common = ["task=longbench", f"task.data_dir={data_dir}", "task.datasets=[qasper,trec]", "task.max_length=64",
               "runtime.prefill_chunk_size=32"]

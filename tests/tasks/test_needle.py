@@ -75,7 +75,7 @@ def test_cells_metrics_and_heatmap(tmp_path):
 
 
 def test_app_run_writes_heatmap_into_run_folder(tmp_path, single_thread):
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     cfg = run_cfg(tmp_path, ["task=needle", "task.lengths=[128,256]", "task.depths=[0,100]",
                              "task.max_new_tokens=4", "runtime.batch_size=2"])

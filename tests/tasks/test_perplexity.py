@@ -163,7 +163,7 @@ def _runtime_ready() -> bool:
 @pytest.mark.skipif(not _runtime_ready(), reason="runtime or packaged model not available")
 def test_text_file_perplexity_matches_transformers(tmp_path):
     """The CLI path (app.run with task.text_file) against plain transformers' full-context perplexity."""
-    from kvbench import app
+    from kvbench.run import app
     from kvbench.data.essays import essay_corpus_text
     from kvbench.runtime.model.loading import load_model
 
@@ -189,7 +189,7 @@ def test_the_refusal_boundary_is_where_a_budget_starts_to_act(tmp_path):
     """task.max_tokens=256, task.chunk_size=64 on the tiny model through app.run: the last chunk that predicts a token
     starts at 192. budget=192 is refused before the load (scored, it would equal full's ppl: checked with the
     refusal bypassed); budget=191 runs and its ppl differs from full's."""
-    from kvbench import app
+    from kvbench.run import app
     from kvbench.tasks import perplexity as ppl_task
     from tests.fixtures.task_fixtures import run_cfg, tiny_loader
 

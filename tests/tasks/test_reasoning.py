@@ -76,7 +76,7 @@ def test_pass_at_1_averages_samples_per_problem():
 
 
 def test_app_run_sampled_with_rkv_writes_the_kv_curve(tmp_path, hub_copies, single_thread):
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     rec = run(run_cfg(tmp_path, ["task=gsm8k", f"task.data_path={hub_copies / 'gsm8k'}", "task.num_samples=2",
                                  "task.max_new_tokens=40", "task.ignore_eos=true", "task.curve_every=8",

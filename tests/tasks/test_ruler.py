@@ -194,7 +194,7 @@ def test_hub_data_with_wrong_columns_is_refused(tmp_path):
 
 
 def test_end_to_end_tiny_model_with_a_compression_ratio(tmp_path, single_thread):
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     cfg = run_cfg(tmp_path, ["task=ruler", "task.tasks=[niah_single_1,vt,fwe]", "task.lengths=[1024]",
                              "task.limit=1", "method=snapkv", "compression_ratio=0.5", "runtime.batch_size=2"])
@@ -219,7 +219,7 @@ def test_end_to_end_tiny_model_with_a_compression_ratio(tmp_path, single_thread)
 def test_score_names_the_tasks_it_averages_and_the_summary_says_so():
     """Without squad.json / hotpotqa.json, qa_1 / qa_2 are skipped and `score` averages 11 tasks, not 13: the
     record says which (score_tasks) and which were skipped, and so does the run's summary."""
-    from kvbench.summary import format_summary
+    from kvbench.reporting.summary import format_summary
     from kvbench.tasks.ruler import score_results
 
     samples = [{"dataset": t, "score": v, "length": 1024} for t, v in (("niah_single_1", 1.0), ("vt", 0.5))]

@@ -195,8 +195,8 @@ def test_prefix_cache_serves_a_repeated_context_compressed(single_thread):
 
 
 def test_run_through_the_app_writes_turn_scores(tmp_path, single_thread):
-    from kvbench.app import run
-    from kvbench.summary import format_summary
+    from kvbench.run.app import run
+    from kvbench.reporting.summary import format_summary
 
     cfg = run_cfg(tmp_path, ["task=scbench", "task.tasks=[kv]", "task.turns=2", "task.limit=1", "task.length=600",
                              "task.max_new_tokens=4", "method=streaming_llm", "budget=64"])

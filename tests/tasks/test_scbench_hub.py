@@ -167,7 +167,7 @@ def test_run_through_the_app_on_a_hub_task(tmp_path, single_thread, mode):
     cfg = run_cfg(tmp_path, ["task=scbench", "task.source=hub", f"task.data_dir={tmp_path / 'data'}",
                              "task.tasks=[qa_eng]", f"task.mode={mode}", "task.turns=2", "task.length=600",
                              "task.max_new_tokens=4", "method=snapkv", "budget=64"])
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     metrics = run(cfg, load_model_fn=tiny_loader(), print_summary=False)
     assert metrics["status"] == "ok", metrics.get("error")

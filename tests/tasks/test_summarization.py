@@ -108,7 +108,7 @@ def test_govreport_ccdv_local_parquet(tmp_path):
 
 
 def test_app_run_offline_default_summarization(tmp_path, single_thread):
-    from kvbench.app import run
+    from kvbench.run.app import run
 
     cfg = run_cfg(tmp_path, ["task=summarization", "task.limit=2", "task.max_length=128", "task.max_new_tokens=6",
                              "runtime.batch_size=2"])

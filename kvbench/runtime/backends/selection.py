@@ -13,7 +13,7 @@ from kvbench.runtime.backends.base import AttentionBackend
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
-from kvbench.spec import ATTENTION_BACKENDS
+from kvbench.run.spec import ATTENTION_BACKENDS
 
 
 

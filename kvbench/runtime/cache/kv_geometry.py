@@ -25,7 +25,7 @@ from typing import Any
 SCRATCH_BLOCK = 0  # the id of the reserved block every pool keeps (never handed out; writes of padding go there)
 SCRATCH_BLOCKS = 1  # how many blocks are reserved
 
-# bytes per element of the model dtypes, by name (kvbench.spec.DTYPES)
+# bytes per element of the model dtypes, by name (kvbench.run.spec.DTYPES)
 _NAMED_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

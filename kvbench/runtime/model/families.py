@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvbench.model_checks import exact_positions
+from kvbench.run.model_checks import exact_positions
 from kvbench.runtime.backends.cpu.linear import Linear
 from kvbench.runtime.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from kvbench.runtime.model.attention_types import LayerAttention, layer_windows_from_hf

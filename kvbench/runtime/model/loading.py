@@ -4,7 +4,7 @@ transformers reads weights, config and tokenizer; `build_from_transformers` copi
 kvbench's own forward. A GGUF checkpoint is de-quantized once and cached as a normal
 safetensors folder, keyed by the file's content, so later loads (from any checkout) take seconds.
 `load_hf` first refuses a path that cannot be a model with one line (`runtime.model_files.check_model_path`), and
-a checkpoint whose tensors are not its config's (transformers' load report, `kvbench.model_checks.loading_report`).
+a checkpoint whose tensors are not its config's (transformers' load report, `kvbench.run.model_checks.loading_report`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from kvbench import atomic_write
 from kvbench.console import say
 from kvbench.errors import UserError, first_line
-from kvbench.model_checks import loading_report
+from kvbench.run.model_checks import loading_report
 from kvbench.runtime.measured_times import quoted
 from kvbench.runtime.backends.cpu.quant_linear import load_quant_kernel, quant_kernel_error
 from kvbench.runtime.model.families import build_from_transformers, text_config
@@ -32,7 +32,7 @@ from kvbench.runtime.model.gguf_config import restore_rope_scaling
 from kvbench.runtime.model.model_files import check_model_path, read_gguf_header, resolve_location
 from kvbench.runtime.model.packaged import SMOLLM2_GGUF, cache_root, packaged_smollm2  # noqa: F401 (re-exported)
 from kvbench.runtime.model.quantized_weights import WEIGHT_MODES, QuantizedWeights
-from kvbench.spec import dtype_name
+from kvbench.run.spec import dtype_name
 
 PACKAGED_GGUF = SMOLLM2_GGUF
 
@@ -48,7 +48,7 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A torch dtype from one of kvbench.spec.DTYPES or its short alias (fp32, bf16, fp16); UserError otherwise."""
+    """A torch dtype from one of kvbench.run.spec.DTYPES or its short alias (fp32, bf16, fp16); UserError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     return getattr(torch, dtype_name(dtype, "dtype", aliases=True))

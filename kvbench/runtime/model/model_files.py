@@ -12,7 +12,7 @@
     cached_hub_config(repo_id)    -> the path of a hub model's config.json in the local cache, or None
 
 Only a config.json or a GGUF header is read (never the weights), so bad input is refused in milliseconds. The app
-(kvbench.plan, through kvbench.model_info) and API callers (kvbench.runtime.model.loading.load_hf) use the same rules.
+(kvbench.run.plan, through kvbench.run.model_info) and API callers (kvbench.runtime.model.loading.load_hf) use the same rules.
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from kvbench.runtime.serving.requests import Outcome, Request, Scheduled
 from kvbench.runtime.serving.sampling import sample
 from kvbench.runtime.serving.scheduler import Scheduler
 from kvbench.runtime.serving.scoring import Scorer
-from kvbench.spec import PREEMPTION_MODES, SCHEDULES
+from kvbench.run.spec import PREEMPTION_MODES, SCHEDULES
 
 DEFAULT_KV_MEMORY_BYTES = 4 * 1024**3  # virtual until written: pages are touched only as blocks fill
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Optional
 from kvbench.runtime.serving.policies import POLICIES
 from kvbench.runtime.serving.preemption import Preemptor
 from kvbench.runtime.serving.requests import Outcome, Request, Scheduled, StepRecord
-from kvbench.spec import SCHEDULES
+from kvbench.run.spec import SCHEDULES
 
 __all__ = ["Outcome", "Request", "Scheduled", "Scheduler", "StepRecord"]
 

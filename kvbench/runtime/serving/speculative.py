@@ -34,7 +34,7 @@ import torch
 from kvbench.runtime.cache.block_pool import OutOfBlocksError
 from kvbench.runtime.serving.batch import Segment
 from kvbench.runtime.serving.sampling import sampling_probs
-from kvbench.spec import SPECULATIVE_MAX_TOKENS as MAX_NUM_TOKENS
+from kvbench.run.spec import SPECULATIVE_MAX_TOKENS as MAX_NUM_TOKENS
 
 
 @dataclass

@@ -26,16 +26,16 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from kvbench.app import announce_sweep
-from kvbench.config import bool_keys, int_keys
+from kvbench.run.app import announce_sweep
+from kvbench.run.config import bool_keys, int_keys
 from kvbench.console import PREFIX, exit_usage, report
 from kvbench.errors import EXIT_TERMINATED, EXIT_USAGE, Terminated, UserError, first_line
-from kvbench.exit_channel import close_exit_channel, open_exit_channel
-from kvbench.hydra_folders import discard_sweep_file
-from kvbench.plan import plan_run
+from kvbench.run.exit_channel import close_exit_channel, open_exit_channel
+from kvbench.run.hydra_folders import discard_sweep_file
+from kvbench.run.plan import plan_run
 from kvbench.registry import METHODS
-from kvbench.spec import check_bool_spellings, integral_spellings
-from kvbench.sweep_table import end_of_cli, stopped_sweep_table
+from kvbench.run.spec import check_bool_spellings, integral_spellings
+from kvbench.run.sweep_table import end_of_cli, stopped_sweep_table
 
 # What a value must look like, for the keys where Hydra's own wording would not say it.
 VALUE_HINTS = {
@@ -259,7 +259,7 @@ def check_config(cfg: Any) -> Any:
 
 
 def announce_sweep_once(plans: list) -> None:
-    """The sweep's estimate line (kvbench.app.announce_sweep: the sum of its jobs), before its first job; a
+    """The sweep's estimate line (kvbench.run.app.announce_sweep: the sum of its jobs), before its first job; a
     failure to estimate never stops the sweep."""
     try:
         announce_sweep(plans)

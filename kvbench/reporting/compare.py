@@ -1,4 +1,4 @@
-"""`kvbench-compare BASE NEW` (also `python -m kvbench.compare`): a regression gate between two sets of runs.
+"""`kvbench-compare BASE NEW` (also `python -m kvbench.reporting.compare`): a regression gate between two sets of runs.
 
     kvbench-compare results_main results_pr                            # two results folders
     kvbench-compare results --base-commit 1a2b3c --new-commit 4d5e6f   # two commits logged in one folder

@@ -7,7 +7,7 @@ wheel and the editable install), which Python's site module runs at start-up: it
 name `_kvbench_lm_eval_hook`, without importing kvbench (nothing of kvbench or torch is loaded by a Python that never
 imports lm-eval). This file imports nothing but the standard library; when lm-eval's modules are imported it adds:
 
-- after `lm_eval.api.registry`: the model "kvbench", as a lazy placeholder for kvbench.lm_eval_adapter:KVBenchLM
+- after `lm_eval.api.registry`: the model "kvbench", as a lazy placeholder for kvbench.commands.lm_eval_adapter:KVBenchLM
   (the adapter is imported only when lm-eval builds that model); lm-eval's own models are registered first, as
   `get_model` would (it imports them only into an empty registry);
 - after `lm_eval.tasks.manager`: kvbench's packaged task folder (kvbench/lm_eval_tasks: kvbench_essays_mc) before
@@ -26,8 +26,8 @@ import sys
 from typing import Any, Callable
 
 MODEL_NAME = "kvbench"
-MODEL_TARGET = "kvbench.lm_eval_adapter:KVBenchLM"
-TASKS_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "lm_eval_tasks")
+MODEL_TARGET = "kvbench.commands.lm_eval_adapter:KVBenchLM"
+TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "lm_eval_tasks")
 PTH_FILE = "kvbench-lm-eval.pth"
 
 
@@ -115,7 +115,7 @@ def pth_line() -> str:
     and install the hook; silent when kvbench or this file is not there."""
     return ("import importlib.util as u, os, sys; s = u.find_spec('kvbench'); "
             "f = s and s.submodule_search_locations and os.path.join(list(s.submodule_search_locations)[0], "
-            "'lm_eval_hook.py'); h = f and os.path.isfile(f) and "
+            "'commands', 'lm_eval_hook.py'); h = f and os.path.isfile(f) and "
             "u.spec_from_file_location('_kvbench_lm_eval_hook', f); "
             "m = h and u.module_from_spec(h); m and (sys.modules.setdefault('_kvbench_lm_eval_hook', m), "
             "h.loader.exec_module(m), m.install())\n")

@@ -1,4 +1,4 @@
-"""The Hydra task function: one composed config, run by kvbench.app.run in whichever process Hydra (or its
+"""The Hydra task function: one composed config, run by kvbench.run.app.run in whichever process Hydra (or its
 launcher) runs the job; bad input and failures become one line and an exit code noted on the exit channel, so a sweep
 goes on; only SIGINT/SIGTERM escape.
 
@@ -14,20 +14,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from kvbench import app
+from kvbench.run import app
 from kvbench.console import RUN_LOG, report, report_bad_input
 from kvbench.errors import UserError
-from kvbench.exit_channel import note_exit
-from kvbench.hydra_folders import discard_unstarted
-from kvbench.plan import plan_run
-from kvbench.wandb_logger import sweep_group
+from kvbench.run.exit_channel import note_exit
+from kvbench.run.hydra_folders import discard_unstarted
+from kvbench.run.plan import plan_run
+from kvbench.reporting.wandb_logger import sweep_group
 
 
 def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
     """The Hydra task function: run one config; only SIGINT/SIGTERM escape, so a sweep goes on.
 
-    run_kwargs go to kvbench.app.run (tests pass their fake loader, engine and method builder). SIGTERM is turned
-    into Terminated by the caller (kvbench.cli.install_sigterm_handler: `python -m kvbench` and its launcher workers)."""
+    run_kwargs go to kvbench.run.app.run (tests pass their fake loader, engine and method builder). SIGTERM is turned
+    into Terminated by the caller (kvbench.commands.cli.install_sigterm_handler: `python -m kvbench` and its launcher workers)."""
     run_dir = None
     try:
         if HydraConfig.initialized():
@@ -37,7 +37,7 @@ def main(cfg: DictConfig, **run_kwargs: Any) -> Optional[dict]:
                 run_kwargs["wandb_group"] = sweep_group(hydra_cfg.sweep.dir)
     except Exception:  # pragma: no cover
         pass
-    if os.environ.get("KVBENCH_CHECK_ONLY") == "1":  # kvbench-torchrun's check before its launch (kvbench.torchrun)
+    if os.environ.get("KVBENCH_CHECK_ONLY") == "1":  # kvbench-torchrun's check before its launch (kvbench.commands.torchrun)
         return _check_only(cfg, run_dir)
     RUN_LOG.disabled = False  # kvbench's lines go to this run's kvbench.log (Hydra's file handler) while it runs
     try:

@@ -12,11 +12,11 @@ tasks and the results store import.
 - numbers: integral floats are ints (`group_size=32.0` is `group_size=32`: one setting, one run id).
 - the hashed config (`hashable_config`): the sections in HASHED_SECTIONS, resolved as above, so two spellings of
   one run get one run id; plus `data_sha256`, the digest of the local data files the task names
-  (kvbench.data_digest), so an edited data file at the same path is a new run; likewise `model_sha256` (the
+  (kvbench.run.data_digest), so an edited data file at the same path is a new run; likewise `model_sha256` (the
   model's config, tokenizer and weights), `method_files_sha256` (files a method's options name) and
   `method_source_sha256` (the method's own source files, a user's method file included).
 
-This module imports only kvbench.errors, kvbench.data_digest and kvbench.registry: the registries load methods
+This module imports only kvbench.errors, kvbench.run.data_digest and kvbench.registry: the registries load methods
 and codecs by name when first asked, so the store and the reporting can import the rules without importing any
 method or codec.
 """
@@ -29,7 +29,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.data_digest import data_sha256, method_files_sha256, method_source_sha256, model_files_sha256
+from kvbench.run.data_digest import data_sha256, method_files_sha256, method_source_sha256, model_files_sha256
 from kvbench.errors import UserError
 from kvbench.registry import CODECS, METHODS, unknown_choice
 
@@ -473,7 +473,7 @@ def hashable_config(root: Any) -> dict:
             data.pop("compression_ratio", None)
     except Exception:
         pass
-    digest = data_sha256(data.get("task"))  # the content of the data files the task names (kvbench.data_digest)
+    digest = data_sha256(data.get("task"))  # the content of the data files the task names (kvbench.run.data_digest)
     if digest is not None:  # absent without local data files: those runs keep their ids
         data["data_sha256"] = digest
     files = method_files_sha256(data.get("method"))  # the files a method reads (KVzap's surrogate, DuoAttention's

@@ -1,6 +1,6 @@
 """The table a sweep ends with: one row per run this CLI process and its launcher workers finished or skipped
-(their folders come through the exit channel, kvbench.exit_channel), printed after Hydra returns or after a signal
-stopped the sweep. Where the sweep's runs logged to W&B, its end is logged there too (kvbench.wandb_logger.log_sweep:
+(their folders come through the exit channel, kvbench.run.exit_channel), printed after Hydra returns or after a signal
+stopped the sweep. Where the sweep's runs logged to W&B, its end is logged there too (kvbench.reporting.wandb_logger.log_sweep:
 the runs' results as a table and the report's plots, in the sweep's group)."""
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 
 from kvbench.console import say, warn
 from kvbench.errors import first_line
-from kvbench.exit_channel import exit_code, sweep_runs
+from kvbench.run.exit_channel import exit_code, sweep_runs
 from kvbench.store.files import read_json
 from kvbench.store.folder import CONFIG_FILE, METRICS_FILE
-from kvbench.summary import format_sweep_table
-from kvbench.wandb_logger import log_sweep
+from kvbench.reporting.summary import format_sweep_table
+from kvbench.reporting.wandb_logger import log_sweep
 
 
 def _print_sweep_table(runs: list, heading: Optional[str] = None) -> None:
@@ -60,7 +60,7 @@ def log_sweep_to_wandb(runs: list) -> None:
             continue
         results_dir = os.path.dirname(os.path.abspath(first))
         with tempfile.TemporaryDirectory(prefix="kvbench-sweep-report-") as out:
-            report = subprocess.run([sys.executable, "-m", "kvbench.report", results_dir, "--out", out],
+            report = subprocess.run([sys.executable, "-m", "kvbench.reporting.report", results_dir, "--out", out],
                                     capture_output=True, text=True, stdin=subprocess.DEVNULL)
             plots = sorted(glob.glob(os.path.join(out, "plots", "*.png")))
             if report.returncode != 0:  # the table is logged anyway

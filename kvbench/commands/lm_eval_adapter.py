@@ -3,10 +3,10 @@
 Importing this module registers `KVBenchLM` as lm-eval model "kvbench" (lm-eval>=0.4.13,<0.5; with
 kvbench.tasks._lm_eval_lm, which serves the requests, the only kvbench modules that import lm_eval). Three ways in:
 
-    # lm-eval's own CLI (kvbench-lm-eval.pth registers the model and the packaged tasks: kvbench/lm_eval_hook.py):
+    # lm-eval's own CLI (kvbench-lm-eval.pth registers the model and the packaged tasks: kvbench/commands/lm_eval_hook.py):
     lm_eval --model kvbench --model_args method=paged_eviction,budget=64 --tasks kvbench_essays_mc --device cpu
     # the same through this module, where the .pth is not installed:
-    python -m kvbench.lm_eval_adapter --model kvbench --model_args method=paged_eviction,budget=64 --tasks arc_easy
+    python -m kvbench.commands.lm_eval_adapter --model kvbench --model_args method=paged_eviction,budget=64 --tasks arc_easy
     # python, on an Engine you built (or through the registry with the same model_args):
     lm = KVBenchLM(engine=engine, tokenizer=tokenizer)
     lm_eval.simple_evaluate(model=lm, tasks=["my_task"], task_manager=TaskManager(include_path="my_tasks/"))
@@ -41,9 +41,9 @@ import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 
-from kvbench import lm_eval_hook
-from kvbench.config import RuntimeConfig
-from kvbench.engines import build_engine
+from kvbench.commands import lm_eval_hook
+from kvbench.run.config import RuntimeConfig
+from kvbench.run.engines import build_engine
 from kvbench.errors import UserError
 from kvbench.methods import build_method
 from kvbench.runtime.model.loading import load_model
@@ -110,9 +110,9 @@ def cli(argv: Optional[list[str]] = None) -> None:
         sys.argv = saved
 
 
-if __name__ == "__main__":  # `python -m kvbench.lm_eval_adapter`: the model registered under its module's own name
-    from kvbench.lm_eval_adapter import cli as _cli
+if __name__ == "__main__":  # `python -m kvbench.commands.lm_eval_adapter`: the model registered under its module's own name
+    from kvbench.commands.lm_eval_adapter import cli as _cli
 
     _cli()
-else:  # the name lm-eval's placeholder for it (kvbench/lm_eval_hook.py) expects: kvbench.lm_eval_adapter:KVBenchLM
+else:  # the name lm-eval's placeholder for it (kvbench/commands/lm_eval_hook.py) expects: kvbench.commands.lm_eval_adapter:KVBenchLM
     register_model("kvbench")(KVBenchLM)

@@ -1,8 +1,8 @@
 """The exit channel: how every run of one CLI process, and of its launcher workers, reports its exit code and run
-folder to the CLI process, which exits with the worst code and prints the sweep's table (kvbench.sweep_table).
+folder to the CLI process, which exits with the worst code and prints the sweep's table (kvbench.run.sweep_table).
 
     open_exit_channel()          in the CLI process, before Hydra launches anything
-    note_exit(code, run_dir)     after each run (kvbench.hydra_task.main), in whichever process ran it
+    note_exit(code, run_dir)     after each run (kvbench.commands.hydra_task.main), in whichever process ran it
     exit_code(), sweep_runs()    in the CLI process, at the end
     close_exit_channel()
 """

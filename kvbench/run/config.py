@@ -7,7 +7,7 @@ Task options have no Hydra schema: each task validates its own (tasks.build_task
 Hydra checks types when it composes (budget=abc is refused there); `validate()` checks values (budget=-5, unknown
 top-level keys added with `+`), resolves the storage codec (`method=kivi` = `method=full quant=kivi`) and turns a
 DictConfig into these dataclasses, raising UserError with the bad value and what is allowed. What the values mean
-(storage resolution, budget and compression_ratio, the hashed config that names a run) is kvbench.spec's.
+(storage resolution, budget and compression_ratio, the hashed config that names a run) is kvbench.run.spec's.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.errors import UserError, first_line
 from kvbench.registry import did_you_mean
-from kvbench.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
+from kvbench.run.spec import (ATTENTION_BACKENDS, PREEMPTION_MODES, RUNTIME_COUNT_MAX, SCHEDULES, SEED_MAX,
                           SPECULATIVE_MAX_TOKENS, check_bool, check_budget, check_compression, check_positive,
                           check_question_source, check_retrieval_storage, check_rewrite_storage, check_task_counts,
                           check_threshold, dtype_name, hashable_config, kept_budget, normalise_runtime, normalise_task,

@@ -4,7 +4,7 @@
     engine = build_engine(settings.runtime, loaded.model, method, codec=codec)
     speculator = build_speculator(settings.runtime, loaded.model, draft_model, draft_method, draft_codec)
 
-`runtime` is the run's runtime section (kvbench.config.RuntimeConfig: block size, pool size, prefill chunk,
+`runtime` is the run's runtime section (kvbench.run.config.RuntimeConfig: block size, pool size, prefill chunk,
 attention backend, the serving knobs, speculative decoding, tensor parallelism). The app, the lm-eval adapter and
 the benches that run from settings build their engines here; every knob goes to the engine by name (an engine class
 given instead, a test's fake, takes the same keyword arguments). Bad values raise the engine's ValueError.

@@ -6,7 +6,7 @@
     method_source_sha256([method name, ...]) -> "<64 hex>" or None     the method's own source files
 
 The run id covers the config; a file named in the config (`task.text_file`, `task.data_path`, `task.data_dir`) can
-change at the same path, so its content is hashed too (kvbench.spec.hashable_config adds the digest as
+change at the same path, so its content is hashed too (kvbench.run.spec.hashable_config adds the digest as
 `data_sha256`): an edited file is a new run, never "already finished; skipping" with the old result. The digest is
 also recorded in config.yaml and metrics.json (`data_sha256`), so pandas and kvbench-compare tell two versions of
 the data apart.
@@ -17,7 +17,7 @@ the data apart.
 - several options naming files: one digest over all of them, each under its option name;
 - values that name no local file (null, `kvbench:smoke`, a hub id, a path that does not exist) add nothing: the
   task's preflight refuses a missing path; packaged data is identified by its package's version (recorded with
-  the versions in metrics.json, kvbench.app.versions), not hashed into the run id, like the code's own version.
+  the versions in metrics.json, kvbench.run.app.versions), not hashed into the run id, like the code's own version.
 
 Each file's digest is cached for the process, keyed by its path, inode, size and modification time, so the several
 places that name a run (Hydra's run folder, the plan) read each file once.

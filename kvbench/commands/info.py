@@ -1,7 +1,7 @@
 """`kvbench-info MODEL [--dtype DTYPE]`: what kvbench knows about a model before loading it, from its config.json
 (a local folder, a cached hub model, or a conf/model preset's name) or its GGUF header (read as transformers' GGUF
 reader reads it: kvbench.runtime.model.gguf_config): its layer types (full / sliding(window)) and the KV bytes one
-token costs (kvbench.model_info.kv_bytes_per_token). Nothing is loaded or downloaded.
+token costs (kvbench.run.model_info.kv_bytes_per_token). Nothing is loaded or downloaded.
 
     kvbench-info gemma-3-1b                 # a preset of conf/model (its hub id must be in the local cache)
     kvbench-info /path/to/model --dtype bfloat16
@@ -16,11 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvbench.errors import UserError
-from kvbench.model_info import check_runnable, describe_shape, model_shape
+from kvbench.run.model_info import check_runnable, describe_shape, model_shape
 from kvbench.runtime.model.model_files import check_model_path, resolve_location
-from kvbench.spec import dtype_name
+from kvbench.run.spec import dtype_name
 
-PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
+PRESETS = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def resolve(model: str) -> tuple[str | None, str, str | None]:

@@ -1,4 +1,4 @@
-"""`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR] [--json FILE]` (also `python -m kvbench.report`).
+"""`kvbench-report RESULTS_DIR [--experiment NAME] [--out DIR] [--json FILE]` (also `python -m kvbench.reporting.report`).
 
 Reads the runs of a results folder (metrics.json and config.yaml of each run folder, runs.jsonl for the history)
 and writes DIR/report.md (plots as DIR/plots/*.png), DIR/report.html (one self-contained file: plots embedded,
