@@ -35,8 +35,10 @@ def kvbench_logits(hf, prompt: list[int], tail: list[int], forced: list[int], **
     method = build_method("finch", None, compression_ratio=RATIO, **finch)
     engine = Engine(build_from_transformers(hf), method, block_size=16, num_blocks=512, attention_backend="torch")
     slot = engine.new_sequence()
-    engine.step([Segment(slot, prompt, 0, "prefill", last_chunk=True, compress=True, question=W)])
-    out = [engine.step([Segment(slot, tail, len(prompt), "prefill", last_chunk=True, compress=False)])[0]]
+    method.question_tokens(slot, W)  # the method's channel (Engine._tell_method): the prompt's last W are the question
+    engine.step([Segment(slot, prompt, 0, "prefill", last_chunk=True)])
+    method.keep_uncompressed(slot, len(tail))  # the tail appended uncompressed
+    out = [engine.step([Segment(slot, tail, len(prompt), "prefill", last_chunk=True)])[0]]
     start = len(prompt) + len(tail)
     for i, token in enumerate(forced):
         out.append(engine.step([Segment(slot, [token], start + i, "decode")])[0])
@@ -199,7 +201,7 @@ def prefill_with_finch(model, prompt: list[int]):
     engine = Engine(model, build_method("finch", None, compression_ratio=RATIO, window=8), block_size=16,
                     num_blocks=512, attention_backend="torch")
     slot = engine.new_sequence()
-    engine.step([Segment(slot, prompt, 0, "prefill", last_chunk=True, compress=True)])
+    engine.step([Segment(slot, prompt, 0, "prefill", last_chunk=True)])
     return engine, slot
 
 

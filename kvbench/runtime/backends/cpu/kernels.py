@@ -90,7 +90,7 @@ def _flags() -> list[str]:
 def _library_path(sources: list[Path] | None = None, headers: list[Path] | None = None,
                   flags: list[str] | None = None, stem: str = "kvbench_cpu") -> Path:
     """Where the library for these sources, flags and CPU is cached: $KVBENCH_CACHE_DIR/ext/<stem>-<key>.so
-    (default: the decode kernels; quant_kernels.py builds its own library through the same functions)."""
+    (default: the decode kernels; quant_linear.py builds its own library through the same functions)."""
     cc = os.environ.get("CC", "cc")
     src = b"".join(p.read_bytes() for p in (sources or _SOURCES) + (headers or _HEADERS))
     flags = _flags() if flags is None else flags

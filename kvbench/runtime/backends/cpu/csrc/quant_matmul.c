@@ -12,7 +12,7 @@
  *   - prefill chunks (more rows): TILE_W weight rows are expanded whole into a per-thread scratch (L2), then
  *     multiplied with the input rows TILE_X at a time: the expansion is paid once per weight row, not per input row.
  * The body is compiled three times (quant_matmul_impl.h): for AVX-512, for AVX2+FMA and generic C (scalar, for any
- * CPU); quant_matmul picks one at run time by the `isa` argument (quant_kernels.py: the best the CPU has, or
+ * CPU); quant_matmul picks one at run time by the `isa` argument (quant_linear.py: the best the CPU has, or
  * KVBENCH_QUANT_ISA). A fourth copy, AVX2 code with AVX-512's 16-float vectors, lets an AVX2 machine test the wide
  * form's logic. */
 #include <stdint.h>
