@@ -51,3 +51,30 @@ def fault_points():
     faults.clear()
     yield faults
     faults.clear()
+
+
+# The heaviest end-to-end runs (multi-process launches, console scripts in a fresh environment, a second vector
+# width), each beside a lighter check of the same path that the default suite keeps (named after each): they run
+# under `make test-all`, so `make test` stays within its time.
+HEAVY_END_TO_END = {
+    "tests/tasks/test_lm_eval_cli.py::test_lm_eval_console_script_finds_kvbench_and_its_tasks": "test_lm_eval_adapter",
+    "tests/app/test_distributed_app.py::test_self_driven_tasks_split_over_data_parallel_ranks":
+        "test_data_parallel_run_equals_one_process",
+    "tests/app/test_distributed_app.py::test_tensor_parallel_run_sums_the_ranks_pools": "test_distributed_tp",
+    "tests/app/test_distributed_app.py::test_a_killed_rank_fails_the_run_cleanly": "tests/faults/test_kill.py",
+    "tests/runtime/test_cpu_kernels.py::test_kernel_tests_pass_at_the_other_vector_width": "this width's kernel tests",
+    "tests/app/test_api.py::test_pipeline_answer_is_the_needle_tasks": "test_evaluate_gives_the_cli_metrics_and_folder",
+    "tests/store/test_sweeps.py::test_submitit_tasks_of_one_job_form_one_data_parallel_run":
+        "test_joblib_sweep_records_every_run_once_and_reports_failures",
+    "tests/store/test_sweeps.py::test_submitit_local_sweep": "test_joblib_sweep_records_every_run_once_and_reports_failures",
+    "tests/app/test_launch_bad_input.py::test_bad_input_in_a_launch_is_one_line_from_rank_0": "test_bad_input.py",
+    "tests/methods/test_contract.py::test_the_one_file_method_runs_tensor_parallel": "test_distributed_tp",
+    "tests/app/test_cli.py::test_python_m_kvbench_from_the_folder_that_holds_a_checkout_named_kvbench":
+        "test_run_rerun_and_sweep_from_another_directory",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in HEAVY_END_TO_END:
+            item.add_marker(pytest.mark.slow)
