@@ -70,7 +70,15 @@ HEAVY_END_TO_END = {
     "tests/app/test_launch_bad_input.py::test_bad_input_in_a_launch_is_one_line_from_rank_0": "test_bad_input.py",
     "tests/methods/test_contract.py::test_the_one_file_method_runs_tensor_parallel": "test_distributed_tp",
     "tests/app/test_cli.py::test_python_m_kvbench_from_the_folder_that_holds_a_checkout_named_kvbench":
-        "test_run_rerun_and_sweep_from_another_directory",
+        "test_a_sweep_ends_with_one_table_of_its_runs",
+    "tests/app/test_cli.py::test_run_rerun_and_sweep_from_another_directory":
+        "test_a_sweep_ends_with_one_table_of_its_runs and tests/store's rerun tests",
+    "tests/faults/test_unwritable.py::test_rerun_into_a_folder_that_became_read_only": "test_unwritable.py's others",
+    "tests/methods/test_streaming_llm_ppl.py::test_attention_sinks_keep_windowed_perplexity_close_to_full":
+        "streaming_llm in tests/methods/test_matrix.py and its parity tests",
+    "tests/app/test_wandb.py::test_a_sweeps_runs_share_a_group_and_its_end_logs_a_table_and_plots":
+        "test_offline_run_lands_in_the_run_folder",
+    "tests/app/test_integral_floats.py::test_budget_as_a_float_is_the_integer_run": "tests/app/test_config.py",
 }
 
 
