@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvbench import data
+from kvbench import atomic_write, data
 from kvbench.console import say
 from kvbench.errors import UserError
 from kvbench.run.spec import DTYPE_ALIASES, DTYPES
@@ -227,17 +226,12 @@ def ensure_packaged(model: Any, tokenizer: Any, surrogate: str) -> KVzapSurrogat
     if tokenizer is None:
         raise UserError("kvzap needs the model's tokenizer to train its surrogate")
     root = folder.parent
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     took = quoted("kvzap_train")
     say(f"kvbench: training KVzap surrogates for the packaged model into {root} (first use on this machine"
         + (f"; {took}" if took else "") + ")")
     t0 = time.perf_counter()
-    shutil.rmtree(tmp, ignore_errors=True)
-    mse = train(model, tokenizer, tmp, progress=False, **PACKAGED_SETTINGS)
-    if not (folder / "config.json").exists():  # another process may have finished first
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(tmp, root)
-    shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_write.replaced(root, folder=True) as tmp:  # readers see no surrogates or all of them
+        mse = train(model, tokenizer, tmp, progress=False, **PACKAGED_SETTINGS)
     say(f"kvbench: KVzap surrogates trained in {time.perf_counter() - t0:.0f} s (held-out MSE {mse})")
     return load_surrogate(str(folder))
 

@@ -17,13 +17,13 @@ LU-KV repository. The curve is model- and scorer-specific: LU-KV's evaluation/cu
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import torch
 
+from kvbench import atomic_write
 from kvbench.errors import UserError
 from kvbench.methods.base import register_method
 from kvbench.methods.checks import check_int
@@ -49,9 +49,8 @@ def load_curve(path: str) -> torch.Tensor:
                 local.parent.mkdir(parents=True, exist_ok=True)
                 with urllib.request.urlopen(path, timeout=60) as response:
                     data = response.read()
-                tmp = local.with_suffix(".tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, local)
+                with atomic_write.replaced(local) as tmp:
+                    Path(tmp).write_bytes(data)
             except OSError as exc:
                 raise UserError(f"cannot download the LU-KV curve {path} ({type(exc).__name__}); give a local .npy "
                                 "with method.curve_path") from None

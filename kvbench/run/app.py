@@ -480,6 +480,8 @@ def _execute(plan: RunPlan, output_dir: str, loaded: Any, engine: Any, record: d
     record.update(metrics)
     for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_s"):
         record[key] = (result.perf or {}).get(key, metrics.get(key))
+    if (result.perf or {}).get("decode_tokens") is not None:  # tokens generated after each prompt's first
+        record["generated_tokens"] = int(result.perf["decode_tokens"])
     try:
         mem = engine.memory_stats()
         for key in ("peak_kv_bytes", "full_kv_bytes", "held_kv_bytes", "fork_shared_kv_bytes", "kv_pool_bytes",

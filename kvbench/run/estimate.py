@@ -15,8 +15,8 @@ Figures come from this machine's recent runs (`speed.json` in kvbench's cache fo
 device, thread setting and CPU kind, each with its date, id, task, method, the load average of the other
 processes while it ran and the CPU count), never from a figure written into the code:
 
-- Load: a run beside busy processes is slower. Each run keeps the 1-minute load average of the other processes
-  (this process's own part taken out); the estimate takes the runs measured at a like load (contention within
+- Load: a run beside busy processes is slower. Each run keeps the other processes' load (others_load: the tasks
+  runnable now besides this one, sampled; not the 1-minute load average, which lags a minute behind); the estimate takes the runs measured at a like load (contention within
   SIMILAR of the one now), else the NEAREST runs in load, and scales each by the contention between the two loads,
   slowdown = max(1, (load + threads) / cpus) (threads: the torch threads the run uses; linear, so a floor: two
   threads beside many busy ones slow down faster, which is why like-load runs come first). A run measured under
@@ -24,6 +24,9 @@ processes while it ran and the CPU count), never from a figure written into the 
 - Method and task: a codec (kivi), a scoring pass or a method's own work change the rates. Runs of the same task
   and method are used first; else runs of the same task, then of the same method, then any, each times the
   factor between the two measured on this CPU's other models (1 where none was measured; the line says which).
+- Generated tokens: a generation task names the most it may generate (max_new_tokens per prompt); most answers
+  stop earlier. Each run keeps the share it generated (generated_fraction), and the estimate counts the median
+  share of the runs of the same task and method, else of the same task (the most, where none ran).
 - Fallbacks, so that every run gets an estimate once anything ran here: no decode rate measured for the model ->
   its prefill rate times the decode/prefill ratio of this CPU's other runs; no run of the model -> the runs of the
   model nearest in weight bytes, scaled by the bytes. Before any run measured anything the line says so.
@@ -36,6 +39,7 @@ import math
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -49,6 +53,7 @@ RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 FIXED = ("load_s", "logger_start_s")  # a run's fixed costs besides its tokens
 KEEP = 16  # recent runs kept per (model, dtype, device, threads, CPU kind): enough to hold several loads
 NEAREST = 3  # the runs nearest in load that an estimate takes the median of, when fewer ran at a like load
+RUNNABLE_SAMPLES = 25  # reads of the runnable count that others_load takes the median of (about 30 ms)
 SIMILAR = 1.25  # runs whose contention is within this factor of the one now count as measured at a like load
 # the attributes a run shares with the one estimated, best first: runs of the first tier that has the figure are used
 TIERS = (("task", "method"), ("task",), ("method",), ())
@@ -107,8 +112,23 @@ def _rate(run: dict, name: str) -> Optional[float]:
 
 # ---------------------------------------------------------------------------------------------- load and contention
 def others_load() -> Optional[float]:
-    """The 1-minute load average less this process's own part (its CPU seconds per second of its life, damped as
-    the load average damps them over a minute): the load of the other processes; None where unknown."""
+    """How many other tasks want a CPU now: the median, over RUNNABLE_SAMPLES reads of /proc/stat's procs_running a
+    millisecond apart, of the runnable tasks less the one reading. Not the 1-minute load average: that one lags by a
+    minute, so a command started just after another finished reads about 1.5 busy processes on an idle machine
+    (and an estimate 1.8x high), and one started beside a process that just began reads none. Where /proc/stat is
+    unreadable: the 1-minute load average less this process's own part (its CPU seconds per second of its life,
+    damped as the load average damps them). None where neither is known."""
+    counts = []
+    for _ in range(RUNNABLE_SAMPLES):
+        try:
+            with open("/proc/stat") as f:
+                line = next((x for x in f if x.startswith("procs_running")), None)
+            counts.append(max(0, int(line.split()[1]) - 1))
+        except (OSError, ValueError, IndexError, AttributeError):
+            break
+        time.sleep(0.001)
+    if len(counts) == RUNNABLE_SAMPLES:
+        return float(statistics.median(counts))
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
@@ -287,6 +307,15 @@ def measured_speed(model: Any, dtype: Any, device: Any, threads: Any = None, *, 
         if found is not None:
             out[RATES[1]] = out[RATES[0]] * found[0]
             basis.append(f"decode from prefill at {found[1]} decode/prefill ratio {found[0]:.3f}")
+    for tier in TIERS[:2]:  # the share of the most it may generate that the task's runs generated
+        shares = [float(r["generated_fraction"]) for r in _tier_runs(runs, target, tier)
+                  if task is not None and isinstance(r.get("generated_fraction"), (int, float))
+                  and 0 <= r["generated_fraction"] <= 1]
+        if shares:
+            out["generated_fraction"] = min(1.0, statistics.median(shares))
+            basis.append(f"generated {out['generated_fraction']:.0%} of the most, as {len(shares)} run(s) of the "
+                         f"same {' and '.join(tier)}")
+            break
     for name in FIXED:
         found = now.nearest(runs, lambda r, n=name: float(r[n]) if _positive(r.get(n)) else None, rate=False)
         if found is not None:
@@ -346,6 +375,9 @@ def record_speed(record: dict, threads: Any = None, workload: Any = None, *, loa
     for name in FIXED:
         if _positive(record.get(name)) and not (name == "load_s" and record.get("model_cached")):
             run[name] = round(float(record[name]), 3)
+    generated = record.get("generated_tokens")
+    if workload is not None and workload.new_tokens and isinstance(generated, (int, float)) and generated >= 0:
+        run["generated_fraction"] = round(min(1.0, generated / workload.new_tokens), 4)
     wall = record.get("wall_s")
     if workload is not None and _positive(wall):
         tokens = token_seconds(workload, run)
@@ -421,12 +453,14 @@ def duration(seconds: float) -> str:
 
 
 def token_seconds(workload: Any, speed: Optional[dict]) -> Optional[float]:
-    """prompt tokens / prefill rate + generated tokens / decode rate; None when a needed rate was never measured."""
+    """prompt tokens / prefill rate + generated tokens / decode rate (the workload's most times the measured share
+    generated, speed's generated_fraction, 1 where none); None when a needed rate was never measured."""
     if not speed:
         return None
     total = 0.0
+    generated = workload.new_tokens * speed.get("generated_fraction", 1.0)
     for tokens, rate in ((workload.prompt_tokens, speed.get("prefill_tokens_per_s")),
-                         (workload.new_tokens, speed.get("decode_tokens_per_s"))):
+                         (generated, speed.get("decode_tokens_per_s"))):
         if tokens:
             if not rate:
                 return None

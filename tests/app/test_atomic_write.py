@@ -81,9 +81,11 @@ def test_a_folder_replaces_the_old_folder_whole_or_not_at_all(tmp_path):
 
 
 def test_no_other_module_renames_files_into_place():
-    """The pattern lives once: any other os.replace / os.rename / Path.rename in kvbench/ is a copy of it."""
+    """The pattern lives once: any other os.replace / os.rename / Path.rename in kvbench/ or methods/ is a copy of
+    it."""
     pattern = re.compile(r"\bos\.(replace|rename)\(|\.rename\(")
-    found = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "kvbench").rglob("*.py") if p.name != "atomic_write.py"
+    files = [*(ROOT / "kvbench").rglob("*.py"), *(ROOT / "methods").rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in files if p.name != "atomic_write.py"
              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
              if pattern.search(line.split("#")[0])]
     assert found == []

@@ -214,6 +214,54 @@ def test_runs_at_a_like_load_set_the_estimate(tmp_path, monkeypatch):
     assert estimate.estimate_seconds(work, busy) == pytest.approx(4 * estimate.estimate_seconds(work, idle))
 
 
+def test_the_load_is_the_runnable_tasks_now_not_the_lagging_average(monkeypatch):
+    """others_load counts the tasks runnable now besides the reader (a busy process counts at once, not a minute
+    later), and falls back to the 1-minute load average where /proc/stat cannot be read."""
+    import subprocess
+    import sys
+
+    monkeypatch.undo()  # the real reader, not the autouse fixture's 0
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert estimate.others_load() >= 1.0
+    finally:
+        busy.kill()
+        busy.wait()
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc"))
+                        if path == "/proc/stat" else real_open(path, *a, **k))
+    monkeypatch.setattr(estimate.os, "getloadavg", lambda: (7.0, 0.0, 0.0))
+    assert 6.0 <= estimate.others_load() <= 7.0
+
+
+def test_the_tokens_a_task_generates_are_its_runs_measured_share_of_the_most(tmp_path, monkeypatch):
+    """A generation task may generate up to max_new_tokens per prompt; its answers stop earlier. Each run keeps the
+    share it generated; the estimate counts the median share of the same task's runs (the same method first), the
+    most where none ran, and a run's overhead is figured from what it did generate."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    work = Workload(3, 3000, 300, "x", "y")  # up to 300 generated
+    assert estimate.measured_speed("m", "float32", "cpu", load=0.0, cpus=2) is None
+    for generated in (30, 60, 90):  # 10%, 20%, 30% of the most
+        _record_at(monkeypatch, 0.0, _run(1000.0, task="ruler", method="snapkv", decode_tokens_per_s=10.0,
+                                          generated_tokens=generated, wall_s=3.0 + generated / 10.0), workload=work)
+    _record_at(monkeypatch, 0.0, _run(1000.0, task="ruler", method="knorm", decode_tokens_per_s=10.0,
+                                      generated_tokens=300, wall_s=33.0), workload=work)
+    snapkv = _speed(0.0, task="ruler", method="snapkv")
+    assert snapkv["generated_fraction"] == pytest.approx(0.2)
+    assert any("generated 20% of the most" in b for b in snapkv["basis"])
+    assert estimate.token_seconds(work, snapkv) == pytest.approx(3.0 + 60 / 10.0)
+    assert _speed(0.0, task="ruler", method="full")["generated_fraction"] == pytest.approx(0.25)  # the task's runs
+    assert "generated_fraction" not in _speed(0.0, task="needle", method="snapkv")  # another task: the most
+    assert estimate.token_seconds(work, _speed(0.0, task="needle", method="snapkv")) == pytest.approx(3.0 + 30.0)
+    runs = next(iter(json.loads((tmp_path / estimate.SPEED_FILE).read_text()).values()))["runs"]
+    assert [r["generated_fraction"] for r in runs] == [0.1, 0.2, 0.3, 1.0]
+    assert all(r["overhead_s"] == pytest.approx(0.0, abs=1e-6) for r in runs)  # wall = its tokens' time exactly
+    _record_at(monkeypatch, 0.0, _run(1000.0, task="ruler", method="snapkv", decode_tokens_per_s=10.0,
+                                      generated_tokens=float("nan"), wall_s=3.0), workload=work)
+    assert "generated_fraction" not in next(iter(json.loads((tmp_path / estimate.SPEED_FILE).read_text())
+                                                  .values()))["runs"][-1]  # a NaN count is not kept
+
+
 def test_idle_runs_scale_to_the_load_now_and_runs_without_a_load_count_last(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
     _record_at(monkeypatch, 0.0, _run(100.0, load_s=4.0))

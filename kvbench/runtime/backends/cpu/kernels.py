@@ -59,6 +59,7 @@ ITEMS_PER_THREAD = 2  # work items (sequence, kv-head, chunk of keys) per thread
 _MAX_GROUP = 64  # MAX_G in the C source
 _lib = None
 _kernel_error: str | None = None
+KERNELS_DISABLED = "disabled by KVBENCH_CPU_KERNEL=0"
 
 
 def _cache_dir() -> Path:
@@ -176,24 +177,32 @@ def _build(out: Path, sources: list[Path] | None = None, flags: list[str] | None
     return out
 
 
+def open_library(sources: list[Path] | None = None, headers: list[Path] | None = None,
+                 flags: list[str] | None = None, stem: str = "kvbench_cpu") -> ctypes.CDLL:
+    """Compile (cached per machine, `_compile`) and load one kernel library; every CPU kernel library is opened
+    here. Raises OSError or RuntimeError with the reason, also when KVBENCH_CPU_KERNEL=0 disables them all: each
+    loader keeps its library, or that reason, for the rest of the process."""
+    if os.environ.get("KVBENCH_CPU_KERNEL", "1") == "0":
+        raise RuntimeError(KERNELS_DISABLED)
+    path, private = _compile(sources, headers, flags, stem)
+    try:  # torch ships libgomp.so.1; the library links the same soname, so it shares torch's OpenMP runtime
+        return ctypes.CDLL(str(path))
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+
+
 def load_kernel():
     """The compiled library, or None (the reason is in ``kernel_error()``). Built once per process."""
     global _lib, _kernel_error
     if _lib is not None or _kernel_error is not None:
         return _lib
-    if os.environ.get("KVBENCH_CPU_KERNEL", "1") == "0":
-        _kernel_error = "disabled by KVBENCH_CPU_KERNEL=0"
-        return None
     try:
-        path, private = _compile()
-        try:  # torch ships libgomp.so.1; the library links the same soname, so it shares torch's OpenMP runtime
-            lib = ctypes.CDLL(str(path))
-        finally:
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
+        lib = open_library()
     except (OSError, RuntimeError) as err:
         _kernel_error = str(err)
-        log.warning("CPU kernels unavailable (%s); using the torch paths", err)
+        if _kernel_error != KERNELS_DISABLED:
+            log.warning("CPU kernels unavailable (%s); using the torch paths", err)
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.paged_decode_attention_f32.argtypes = [p, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32,

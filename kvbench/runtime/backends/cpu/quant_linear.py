@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,16 +45,8 @@ def load_quant_kernel():
     global _lib, _error
     if _lib is not None or _error is not None:
         return _lib
-    if os.environ.get("KVBENCH_CPU_KERNEL", "1") == "0":
-        _error = "disabled by KVBENCH_CPU_KERNEL=0"
-        return None
     try:
-        path, private = kernels._compile(_SOURCES, _HEADERS, _FLAGS, "kvbench_quant")
-        try:
-            lib = ctypes.CDLL(str(path))
-        finally:
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
+        lib = kernels.open_library(_SOURCES, _HEADERS, _FLAGS, "kvbench_quant")
     except (OSError, RuntimeError) as err:
         _error = str(err)
         return None
