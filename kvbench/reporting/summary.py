@@ -53,7 +53,7 @@ _RUN_KEYS = {"run_id", "status", "error", "model", "method", "budget", "task", "
              "model_gguf_file", "memory_stats_error", "max_sequence_tokens", "budget_reached", "score_tasks",
              "score_tasks_skipped", "output_tokens_per_s", "compression_ratio", "evicts", "kv_read_bytes_per_token",
              "kv_read_fraction", "summary_read_bytes_per_token", "full_peak_kv_bytes", "load_s", "logger_start_s",
-             "model_cached", "estimate_s", "announced_after_s", "load_avg_1m", "sweep_estimate_s",
+             "model_cached", "estimate_s", "announced_after_s", "others_load", "sweep_estimate_s",
              "sweep_announced_after_s"}
 # Speculative decoding's and the pool's health figures: their own summary lines (all of them in metrics.json).
 _SPEC_KEYS = {"acceptance_rate", "mean_accepted_tokens", "draft_tokens", "accepted_tokens", "speculative_rounds",

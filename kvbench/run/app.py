@@ -304,7 +304,7 @@ def _run_claimed(plan: RunPlan, folder: RunFolder, t0: float, load_model_fn: Opt
     if load_model_fn is None and layout is None:  # the real model in one process: its figures make the next estimate
         late = getattr(plan.task, "announced_workload", None)  # a task that knew its work after the load
         record_speed(record, s.runtime.threads, workload if workload is not None else late,
-                     load_at_start=record.get("load_avg_1m"), model_bytes=weights_bytes(s.model.path, s.model.gguf_file))
+                     load_at_start=record.get("others_load"), model_bytes=weights_bytes(s.model.path, s.model.gguf_file))
     if usage_error is not None:
         raise usage_error
     if record["status"] != "ok" and print_summary:
@@ -324,18 +324,18 @@ def speed_for(plan: RunPlan, load: Optional[float] = None) -> Optional[dict]:
 def _announce(plan: RunPlan, record: dict, load_model_fn: Optional[Callable]) -> Any:
     """Before the logger starts and the model loads: what the run will compute and about how long the run takes
     here (kvbench.run.estimate); the estimate (estimate_s), the process's age at the line (announced_after_s) and the
-    other processes' load then (load_avg_1m) go to the record, for bench/first_hour.py to set against the time
+    other processes' load then (others_load) go to the record, for bench/first_hour.py to set against the time
     taken (the first run of a sweep also gets the sweep's estimate: sweep_estimate_s, sweep_announced_after_s).
     Returns the workload (or None)."""
     s = plan.settings
-    record["load_avg_1m"] = others_load()
+    record["others_load"] = others_load()
     record.update(take_sweep_estimate())
     try:
         workload = plan.task.workload(s) if callable(getattr(plan.task, "workload", None)) else None
     except Exception:  # pragma: no cover  (the estimate is a courtesy; the run goes on)
         workload = None
     if workload is not None:
-        speed = speed_for(plan, record["load_avg_1m"])
+        speed = speed_for(plan, record["others_load"])
         held = load_model_fn is None and _model_key(s.model, plan.device) in _loaded_model
         say(plan_line(s.task_name, workload, speed, held), stream=sys.stdout)
         seconds = estimate_seconds(workload, speed, held, s.task_name)

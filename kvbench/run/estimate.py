@@ -5,7 +5,7 @@
     measured_speed(model, dtype, device, threads, task=, method=, ...) -> dict   this machine's figures, now
     record_speed(record, threads, workload, ...)                       after a finished run: keep its figures
     sweep_line(estimates) -> str                                       a sweep's line: the sum of its jobs
-    others_load() -> float                                             the load average less this process's part
+    others_load() -> float                                             the tasks runnable now besides this one
     process_age_s()                                                    seconds since this process started
 
 The time covers the whole run from the line on: the logger's start, the model's load (unless this process holds it
@@ -53,6 +53,7 @@ RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 FIXED = ("load_s", "logger_start_s")  # a run's fixed costs besides its tokens
 KEEP = 16  # recent runs kept per (model, dtype, device, threads, CPU kind): enough to hold several loads
 NEAREST = 3  # the runs nearest in load that an estimate takes the median of, when fewer ran at a like load
+LOAD_FIELD = "others_runnable"  # a record's load (others_load); records of the 1-minute average count as unknown
 RUNNABLE_SAMPLES = 25  # reads of the runnable count that others_load takes the median of (about 30 ms)
 SIMILAR = 1.25  # runs whose contention is within this factor of the one now count as measured at a like load
 # the attributes a run shares with the one estimated, best first: runs of the first tier that has the figure are used
@@ -176,13 +177,13 @@ class _Now:
 
     def factor(self, run: dict) -> float:
         """A run's seconds times this (its rates divided by it) are what they would be at the load now."""
-        if not _positive(run.get("load_avg_1m")):
+        if not _positive(run.get(LOAD_FIELD)):
             return 1.0
-        return self.slow / slowdown(run["load_avg_1m"], run.get("cpus") or self.cpus, self.threads)
+        return self.slow / slowdown(run[LOAD_FIELD], run.get("cpus") or self.cpus, self.threads)
 
     def distance(self, run: dict) -> float:
-        if not _positive(run.get("load_avg_1m")):
-            return math.inf  # a run of before loads were kept: used only where no run has its load
+        if not _positive(run.get(LOAD_FIELD)):
+            return math.inf  # a run of before this load was kept: used only where no run has its load
         return abs(math.log(self.factor(run)))
 
     def nearest(self, runs: list, value: Callable[[dict], Optional[float]], rate: bool) -> Optional[tuple]:
@@ -200,7 +201,7 @@ class _Now:
 
 def _idle_median(runs: list, name: str, threads: int, cpus: int) -> Optional[float]:
     """The median of a figure over runs, each scaled to an idle machine (to compare figures across models)."""
-    values = [_rate(r, name) * slowdown(r.get("load_avg_1m"), r.get("cpus") or cpus, threads)
+    values = [_rate(r, name) * slowdown(r.get(LOAD_FIELD), r.get("cpus") or cpus, threads)
               for r in runs if _rate(r, name) is not None]
     return statistics.median(values) if values else None
 
@@ -266,7 +267,7 @@ def measured_speed(model: Any, dtype: Any, device: Any, threads: Any = None, *, 
                    method: Optional[str] = None, model_bytes: Optional[float] = None,
                    load: Optional[float] = None, cpus: Optional[int] = None) -> Optional[dict]:
     """This machine's figures for a run, at the load now (others_load() unless given) -- {prefill_tokens_per_s,
-    decode_tokens_per_s, load_s, logger_start_s, overhead_s: {task: s}, runs, measured_at, run_id, load_avg_1m,
+    decode_tokens_per_s, load_s, logger_start_s, overhead_s: {task: s}, runs, measured_at, run_id, others_load,
     basis: [how each figure was found]} (a figure nothing measured is missing) -- or None when no run of this
     model (or, with model_bytes, of another model on this CPU) was kept. `method` is the method with its codec
     (record's method_id: "paged_eviction+kivi")."""
@@ -283,7 +284,7 @@ def measured_speed(model: Any, dtype: Any, device: Any, threads: Any = None, *, 
         size_factor = model_bytes / their_bytes  # seconds scale with the weights read and multiplied
         basis.append(f"no run of this model: {_split_key(key)[0]}'s runs, times its size ({size_factor:.2f}x)")
     target = {"task": task, "method": method}
-    out: dict = {"load_avg_1m": now.load, "runs": 0}
+    out: dict = {"others_load": now.load, "runs": 0}
     used_runs: dict = {}
     for name in RATES:
         for tier in TIERS:
@@ -327,7 +328,7 @@ def measured_speed(model: Any, dtype: Any, device: Any, threads: Any = None, *, 
     out["overhead_s"] = {t: now.nearest(v, lambda r: float(r["overhead_s"]), rate=False)[0] * size_factor
                          for t, v in overheads.items()}
     used = list(used_runs.values()) or runs
-    loads = [r["load_avg_1m"] for r in used if _positive(r.get("load_avg_1m"))]
+    loads = [r[LOAD_FIELD] for r in used if _positive(r.get(LOAD_FIELD))]
     out.update(runs=len(used), measured_at=max(str(r.get("measured_at", "?")) for r in used),
                run_id=runs[-1].get("run_id"), basis=basis,
                measured_load=(min(loads), max(loads)) if loads else None)
@@ -386,7 +387,7 @@ def record_speed(record: dict, threads: Any = None, workload: Any = None, *, loa
             run["overhead_s"] = round(max(0.0, float(wall) - fixed - tokens), 3)
     loads = [x for x in (load_at_start, others_load()) if _positive(x)]
     if loads:
-        run["load_avg_1m"] = round(sum(loads) / len(loads), 2)
+        run[LOAD_FIELD] = round(sum(loads) / len(loads), 2)
     run["cpus"] = os.cpu_count()
     if _positive(model_bytes) and model_bytes:
         run["model_bytes"] = int(model_bytes)
@@ -490,8 +491,8 @@ def _basis(speed: dict, model_loaded: bool, workload: Any) -> str:
     load = "" if model_loaded or "load_s" not in speed else f"model load {speed['load_s']:.0f} s, "
     runs = speed.get("runs", 1)
     text = f"{load}{rates} tok/s"
-    if speed.get("load_avg_1m") is not None:
-        text += f" at load {speed['load_avg_1m']:.1f}"
+    if speed.get("others_load") is not None:
+        text += f" at load {speed['others_load']:.1f}"
     text += f": the median of {runs} run{'s' if runs != 1 else ''} measured on this machine"
     measured = speed.get("measured_load")
     if measured:

@@ -329,10 +329,10 @@ def test_a_missing_or_nan_figure_neither_crashes_nor_skews_the_estimate(tmp_path
     _record_at(monkeypatch, nan, _run(100.0, decode_tokens_per_s=inf, load_s=nan, wall_s=nan))
     (run,) = next(iter(json.loads((tmp_path / estimate.SPEED_FILE).read_text()).values()))["runs"]
     assert run["prefill_tokens_per_s"] == 100.0
-    assert not {"decode_tokens_per_s", "load_s", "overhead_s", "load_avg_1m"} & set(run)
+    assert not {"decode_tokens_per_s", "load_s", "overhead_s", estimate.LOAD_FIELD} & set(run)
     data = json.loads((tmp_path / estimate.SPEED_FILE).read_text())
     (key,) = data
-    data[key]["runs"] += [{"prefill_tokens_per_s": "fast"}, {"prefill_tokens_per_s": nan, "load_avg_1m": nan},
+    data[key]["runs"] += [{"prefill_tokens_per_s": "fast"}, {"prefill_tokens_per_s": nan, estimate.LOAD_FIELD: nan},
                           {"prefill_tokens_per_s": -5.0}, "not a run", {"load_s": None}]
     (tmp_path / estimate.SPEED_FILE).write_text(json.dumps(data))  # json writes NaN as NaN
     speed = _speed(0.0)
