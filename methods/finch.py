@@ -148,15 +148,24 @@ class Finch(ScorerMethod):
             if obs.layer == 0:
                 self.continue_after_prompt(obs)
 
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Before the model loads: the refusal of continue_after_prompt, from the model's layer windows."""
+        windows = getattr(model_shape, "layer_windows", ()) or ()
+        if self.rerotate_keys and windows and windows[0] is None and any(w is not None for w in windows):
+            raise UserError(self._sliding_refusal())
+
+    def _sliding_refusal(self) -> str:
+        return (f"method {self.name!r} with rerotate_keys=true continues the positions after the prompt at its "
+                f"compressed length, which this model's sliding-window layers (their keys at their own positions) "
+                f"cannot follow: use method.rerotate_keys=false")
+
     def continue_after_prompt(self, obs: Observation) -> None:
         """kvpress's pipeline: the tokens after the prompt start at cache.get_seq_length(), layer 0's length (the kept
         n here; a sliding layer 0, never compressed, counts every token: they keep their own positions). A model with
         sliding layers after a full layer 0 is refused: its sliding layers' keys keep their positions, past n."""
         cache = obs.cache
         if len(cache.method_layers) < cache.num_layers:
-            raise UserError(f"method {self.name!r} with rerotate_keys=true continues the positions after the prompt "
-                            f"at its compressed length, which this model's sliding-window layers (their keys at "
-                            f"their own positions) cannot follow: use method.rerotate_keys=false")
+            raise UserError(self._sliding_refusal())
         cache.continue_positions_at(obs.slot, int(obs.lengths.max()))
 
     def rerotate(self, obs: Observation) -> None:

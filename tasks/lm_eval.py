@@ -42,6 +42,7 @@ import kvbench
 INSTALL_HINT = "pip install 'lm-eval>=0.4.13,<0.5'"
 # lm-eval tasks shipped with kvbench (always on the include path): kvbench_essays_mc, offline multiple choice
 BUNDLED_TASKS = Path(kvbench.__file__).resolve().parent / "lm_eval_tasks"
+_MANAGERS: dict = {}  # (include_path, include_defaults) -> lm-eval TaskManager, built once per process
 
 
 def _names(value: Any) -> list[str]:
@@ -258,12 +259,34 @@ class LmEval(Task):
             found = False
         if not found:
             raise UserError(f"task=lm_eval needs lm-eval, which is not installed: {INSTALL_HINT}")
+        self._check_known(self._manager())  # an unknown task name: refused before the model loads
+
+    def _manager(self) -> Any:
+        """lm-eval's TaskManager over task.include_path and the bundled tasks, built once per process for each
+        include path (indexing lm-eval's built-in tasks takes seconds: preflight and run share it)."""
+        opts = self.options
+        key = (tuple(opts.include_path or ()), bool(opts.include_defaults))
+        if key not in _MANAGERS:
+            try:
+                from lm_eval.tasks import TaskManager
+            except ImportError as exc:
+                raise UserError(f"task=lm_eval needs lm-eval ({INSTALL_HINT}): {exc}") from None
+            with quiet_lm_eval():
+                _MANAGERS[key] = TaskManager(include_path=[*key[0], str(BUNDLED_TASKS)], include_defaults=key[1])
+        return _MANAGERS[key]
+
+    def _check_known(self, manager: Any) -> None:
+        opts = self.options
+        unknown = [t for t in opts.tasks if not manager.match_tasks([t]) and not os.path.isfile(t)]
+        if unknown:
+            raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}"
+                            + (f" (include_path {', '.join(opts.include_path)})" if opts.include_path else
+                               " (lm_eval ls tasks lists them; task.include_path adds your own YAMLs)"))
 
     def run(self, engine: Any, tokenizer: Any, cfg: Any, progress: Any) -> TaskResult:
         opts = self.options
         try:
             import lm_eval
-            from lm_eval.tasks import TaskManager
 
             from kvbench.tasks._lm_eval_lm import EngineLM
         except ImportError as exc:
@@ -271,14 +294,9 @@ class LmEval(Task):
         seed = seed_of(cfg)
         lm = EngineLM(engine, tokenizer, batch_size=batch_size_of(cfg),
                       max_gen_toks=opts.max_gen_toks, seed=seed, progress=progress, announce=self.announce)
+        manager = self._manager()
+        self._check_known(manager)
         with quiet_lm_eval():  # lm-eval's logs and bars stay out of kvbench's output
-            manager = TaskManager(include_path=[*(opts.include_path or []), str(BUNDLED_TASKS)],
-                                  include_defaults=opts.include_defaults)
-            unknown = [t for t in opts.tasks if not manager.match_tasks([t]) and not os.path.isfile(t)]
-            if unknown:
-                raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}"
-                                + (f" (include_path {', '.join(opts.include_path)})" if opts.include_path else
-                                   " (lm_eval ls tasks lists them; task.include_path adds your own YAMLs)"))
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=list(opts.tasks), num_fewshot=opts.num_fewshot, limit=opts.limit,
                 task_manager=manager, bootstrap_iters=opts.bootstrap_iters, log_samples=opts.log_samples,

@@ -189,6 +189,7 @@ CASES = [
     (["model=hf", "model.path=nobody/no-such-model-kvbench"], "not in the local Hugging Face cache",
      {"env": {"HF_HUB_OFFLINE": "1"}}),
     (["task=lm_eval", "task.tasks=[kvbench_essays_mc]"], "needs lm-eval", {"hide": ["lm_eval"]}),
+    (["task=lm_eval", "task.tasks=[a:b]", "task.include_defaults=false"], "unknown lm-eval task(s) a:b"),
     (["quant=kvquant", "quant.calibration_tokens=100000"], "quant.calibration_tokens=100000"),
     (["quant=kvquant", "quant.bits=3.5"], "quant.bits=3.5"),
     (["quant=kivi", "quant.group_size=32.5"], "quant.group_size=32.5"),

@@ -223,3 +223,18 @@ def test_sliding_layers_after_a_full_layer_0_are_refused_with_rerotation():
     with pytest.raises(UserError, match="rerotate_keys=false") as info:
         prefill_with_finch(model, list(range(3, 83)))
     assert "\n" not in str(info.value)
+
+
+def test_the_refusal_comes_before_the_load():
+    """plan's method preflight reads the model's layer windows (config.json) and refuses before any weight loads;
+    a sliding layer 0 (Gemma 3's pattern) or every layer full passes."""
+    from types import SimpleNamespace
+
+    from kvbench.errors import UserError
+    from kvbench.methods.finch import Finch
+    finch = Finch(compression_ratio=0.5)
+    with pytest.raises(UserError, match="rerotate_keys=false"):
+        finch.preflight(None, SimpleNamespace(layer_windows=(None, 8, None, 8)))
+    finch.preflight(None, SimpleNamespace(layer_windows=(8, 8, 8, None)))
+    finch.preflight(None, SimpleNamespace(layer_windows=()))
+    Finch(compression_ratio=0.5, rerotate_keys=False).preflight(None, SimpleNamespace(layer_windows=(None, 8)))
