@@ -450,3 +450,29 @@ def test_packaged_surrogate_is_trained_once_into_the_cache(model, tmp_path, monk
     method = build_method("kvzap", 32, surrogate="mlp")  # no path, no name_or_path: the packaged model's
     Engine(model, method, block_size=BS, num_blocks=64)
     assert method.net.kind == "mlp" and "training" not in capsys.readouterr().err
+
+
+def test_the_packaged_surrogates_are_written_whole_or_not_at_all(tmp_path, monkeypatch, hf):
+    """First use trains both surrogates into a temporary folder that replaces the cache's at once (atomic_write):
+    a training that fails leaves no folder behind, and the next use trains again."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    cfg = hf.config
+
+    def fake_train(model, tokenizer, output_dir, **settings):
+        for name, hidden in (("linear", None), ("mlp", 16)):
+            KVzapSurrogate(cfg.hidden_size, cfg.num_key_value_heads, cfg.num_hidden_layers, hidden).save(
+                f"{output_dir}/{name}")
+        return {"linear": 0.0, "mlp": 0.0}
+
+    def failing_train(model, tokenizer, output_dir, **settings):
+        fake_train(model, tokenizer, output_dir)
+        raise UserError("interrupted after writing")
+
+    folder = kvzap_train.packaged_folder("mlp")
+    monkeypatch.setattr(kvzap_train, "train", failing_train)
+    with pytest.raises(UserError):
+        kvzap_train.ensure_packaged(None, object(), "mlp")
+    assert not folder.exists() and list(folder.parent.parent.iterdir()) == []  # no half-trained folder left
+    monkeypatch.setattr(kvzap_train, "train", fake_train)
+    net = kvzap_train.ensure_packaged(None, object(), "mlp")
+    assert isinstance(net, KVzapSurrogate) and (folder.parent / "linear" / "config.json").exists()
