@@ -114,7 +114,7 @@ def _rate(run: dict, name: str) -> Optional[float]:
 # ---------------------------------------------------------------------------------------------- load and contention
 def others_load() -> Optional[float]:
     """How many other tasks want a CPU now: the median, over RUNNABLE_SAMPLES reads of /proc/stat's procs_running a
-    millisecond apart, of the runnable tasks less the one reading. Not the 1-minute load average: that one lags by a
+    millisecond apart, of the runnable tasks less this process's own. Not the 1-minute load average: that one lags by a
     minute, so a command started just after another finished reads about 1.5 busy processes on an idle machine
     (and an estimate 1.8x high), and one started beside a process that just began reads none. Where /proc/stat is
     unreadable: the 1-minute load average less this process's own part (its CPU seconds per second of its life,
@@ -124,7 +124,7 @@ def others_load() -> Optional[float]:
         try:
             with open("/proc/stat") as f:
                 line = next((x for x in f if x.startswith("procs_running")), None)
-            counts.append(max(0, int(line.split()[1]) - 1))
+            counts.append(max(0, int(line.split()[1]) - _own_runnable_threads()))
         except (OSError, ValueError, IndexError, AttributeError):
             break
         time.sleep(0.001)
@@ -138,6 +138,19 @@ def others_load() -> Optional[float]:
     times = os.times()
     own = 0.0 if not age else (times.user + times.system) / age * (1.0 - math.exp(-age / 60.0))
     return round(max(0.0, load - own), 2)
+
+
+def _own_runnable_threads() -> int:
+    """This process's threads runnable now (the reader at least: a kernel pool's threads may still spin after a
+    run's last step), from /proc/self/task/*/stat."""
+    running = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                running += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue
+    return max(1, running)
 
 
 def threads_used(threads: Any, cpus: Optional[int] = None) -> int:
