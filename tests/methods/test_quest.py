@@ -821,7 +821,7 @@ def _bytes_from_tables(cache, retrieving: list[bool]) -> tuple[int, int]:
                 n = -(-int(cache.host_lengths[s, layer, h]) // cache.block_size)
                 ids.update(cache.tables[s, layer, h, :n].tolist())
         kv_only += len(ids) * cache.kv_block_bytes
-        total += len(ids) * (cache.kv_block_bytes + (cache.summary_block_bytes if retrieving[layer] else 0))
+        total += len(ids) * (cache.kv_block_bytes + (2 * cache.head_dim * 2 if retrieving[layer] else 0))
     return total, kv_only
 
 
@@ -856,8 +856,7 @@ def test_summaries_counted_on_retrieving_layers_only_with_sliding_layers():
         runs[name] = (engine.memory_stats(), seen, retrieving, cache)
     stats, seen, retrieving, cache = runs["quest"]
     assert retrieving == [False, False, False, True]
-    kv, summary = cache.kv_block_bytes, cache.summary_block_bytes
-    assert summary == 2 * 16 * 2  # head_dim 16, fp16 min and max
+    kv, summary = cache.kv_block_bytes, 2 * 16 * 2  # head_dim 16: fp16 min and max
     assert stats["peak_kv_bytes"] == max(total for total, _ in seen)
     assert stats["peak_kv_bytes"] < stats["peak_blocks_in_use"] * (kv + summary)  # the figure before
     full = runs["full"][0]
@@ -888,7 +887,7 @@ def test_summaries_on_every_layer_keep_the_figures():
 
 
 @pytest.mark.parametrize("path", ["torch", "cpu", "fused"])
-def test_dense_layers_keep_no_summaries_and_decode_the_same(model, path):
+def test_dense_layers_keep_no_summaries_and_decode_the_same(model, path, monkeypatch):
     """dense_layers=2: layers 0 and 1 read every page, so their blocks neither keep nor update a summary (their rows
     of the pool-sized tensor are never written: op by op, and in the fused C step, csrc/decode_layer.c); the
     retrieving layers' blocks hold their keys' min / max; the greedy tokens and NLL equal those of a cache that
@@ -901,11 +900,13 @@ def test_dense_layers_keep_no_summaries_and_decode_the_same(model, path):
     def run(fused: bool, every_layer: bool):
         model.fuse_decode_layers = fused
         try:
-            engine = Engine(model, build_method("quest", 48), block_size=16, num_blocks=1024,
-                            attention_backend=backend)
-            if every_layer:  # the summaries kept everywhere, as before (op by op: the write follows the flags)
-                engine.cache.summary_layers[:] = 1
-            tokens, nll, slot = _greedy(engine, prompt, 8)
+            with monkeypatch.context() as m:
+                if every_layer:  # the summaries kept on every layer, as before (op by op: the write asks this)
+                    m.setattr(PagedKVCache, "summarizes", lambda self, layer: self.summaries is not None,
+                              raising=False)
+                engine = Engine(model, build_method("quest", 48), block_size=16, num_blocks=1024,
+                                attention_backend=backend)
+                tokens, nll, slot = _greedy(engine, prompt, 8)
             return tokens, nll, engine.cache, slot
         finally:
             model.fuse_decode_layers = True
