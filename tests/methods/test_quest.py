@@ -440,7 +440,8 @@ def test_quest_over_snapkv_evicts_then_retrieves(model):
             engine.forward_chunk(slot, prompt, 0)
             assert int(cache.lengths[slot].max()) == 160  # evicted to evict_budget
             fresh = BlockSummaries(cache.pool.num_blocks, 16, cache.head_dim, torch.device("cpu"))
-            for layer in range(cache.num_layers):
+            assert [cache.summarizes(li) for li in range(cache.num_layers)] == [False, False, True, True]
+            for layer in (2, 3):  # the retrieving layers (0 and 1 read every page: their blocks keep no summary)
                 table = cache.tables[slot, layer]
                 fresh.recompute(cache.k_pool[table.long()], table, cache.lengths[slot, layer])
                 ids = cache.tables[slot, layer, :, :10].flatten().long()
@@ -633,7 +634,8 @@ def test_eviction_codec_and_retrieval_in_one_run(model):
             engine.forward_chunk(slot, prompt, 0)
             cache.pack_pending()
             assert int(cache.lengths[slot].max()) == 192
-            for layer in range(cache.num_layers):
+            assert [cache.summarizes(li) for li in range(cache.num_layers)] == [False, False, True, True]
+            for layer in (2, 3):  # the retrieving layers (0 and 1 read every page: their blocks keep no summary)
                 table = cache.tables[slot, layer]
                 H, MB = table.shape
                 keys = cache._dense_table_blocks(layer, table[None])[0].view(H, MB, 32, cache.head_dim).float()
