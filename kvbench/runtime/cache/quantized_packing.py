@@ -63,7 +63,8 @@ class PackedStorage:
                 ids, heads = fp_ids[sel], h_u[sel]
                 k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
                 v_rows[sel] = self._encode_values(self.v_pool[ids].float(), layer, heads)
-        tags = self._layer_tags(l_u.cpu().numpy())  # a retrieving layer's packed block carries a key summary
+        # page retrieval: a retrieving layer's packed block carries a key summary (no host read otherwise)
+        tags = self._layer_tags(l_u.tolist()) if self.summaries is not None else None
         new_ids = torch.tensor(self._allocate_packed_for(fp_ids, all_ids.tolist(), tags), dtype=torch.int64,
                                device=self.device)
         extra = torch.bincount(inverse, minlength=fp_ids.numel()) - 1  # more tables holding the same block
