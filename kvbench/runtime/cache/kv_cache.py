@@ -56,7 +56,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope
         self.summaries: BlockSummaries | None = None  # per-block min / max keys (enable_page_retrieval)
-        # [L] 1 for a layer whose blocks carry key summaries (it retrieves pages): their blocks are tagged so
+        # [L] 1 for a layer that retrieves pages: its blocks keep key summaries (tagged in the pool as allocated)
         self.summary_layers = np.zeros(num_layers, dtype=np.uint8)
         self.decode_reads = DecodeReads()  # blocks the decode steps' attention read (kv_meter)
         self.page_retrieval: PageRetrieval | None = None  # decode steps read selected blocks (enable_page_retrieval)
