@@ -30,6 +30,8 @@ Where this differs from the official evaluation code (and why):
     the true page maximum, at half their bytes.
 The mechanics (summaries kept by the pool, the bound, the top-k and the compacted tables the kernels are given) are
 the runtime's (kvbench.runtime.cache.page_retrieval); this module decides which layers retrieve and how many pages.
+Only the retrieving layers' blocks keep a page summary, and only theirs count it in peak_kv_bytes: the dense layers'
+and sliding layers' blocks, which never read one, cost their K/V alone.
 """
 from __future__ import annotations
 

@@ -7,7 +7,9 @@
   * a budget covering every page gives exactly full attention's greedy tokens and NLL (op by op and fused);
   * kv_read_bytes_per_token equals selected blocks x block bytes on a hand-counted case (G = 1: each query head's
     pages are its kv-head's);
-  * summaries follow eviction (keep_tokens) and swap round trips; bad settings are one-line UserErrors.
+  * summaries follow eviction (keep_tokens) and swap round trips; bad settings are one-line UserErrors;
+  * only the retrieving layers' blocks keep (and count) summaries: not a dense or sliding layer's, through every
+    allocation path, op by op and fused, with the same tokens (issue 68 item 7).
 """
 from __future__ import annotations
 
@@ -265,8 +267,10 @@ def test_read_bytes_per_token_hand_count():
     assert stats["kv_read_bytes_per_token"] == (dense_blocks + quest_blocks) * block_kv_bytes / steps
     full = sum(L * H * math.ceil((prompt_len + i + 1) / bs) for i in range(steps))
     assert stats["kv_read_fraction"] == pytest.approx((dense_blocks + quest_blocks) / full)
-    # the summaries are memory: counted with every block in peak_kv_bytes
-    assert stats["peak_kv_bytes"] == stats["peak_blocks_in_use"] * (block_kv_bytes + 2 * D * 2)  # fp16 min, max
+    # the summaries are memory, kept by the retrieving layers' blocks only (layers 2 and 3: 11 blocks per table at
+    # the end, the peak), counted with them in peak_kv_bytes; the dense layers' blocks cost their K/V only
+    assert stats["peak_blocks_in_use"] == L * H * 11
+    assert stats["peak_kv_bytes"] == L * H * 11 * block_kv_bytes + 2 * H * 11 * 2 * D * 2  # fp16 min, max
 
 
 def test_summaries_follow_eviction():
@@ -436,7 +440,8 @@ def test_quest_over_snapkv_evicts_then_retrieves(model):
             engine.forward_chunk(slot, prompt, 0)
             assert int(cache.lengths[slot].max()) == 160  # evicted to evict_budget
             fresh = BlockSummaries(cache.pool.num_blocks, 16, cache.head_dim, torch.device("cpu"))
-            for layer in range(cache.num_layers):
+            assert [cache.summarizes(li) for li in range(cache.num_layers)] == [False, False, True, True]
+            for layer in (2, 3):  # the retrieving layers (0 and 1 read every page: their blocks keep no summary)
                 table = cache.tables[slot, layer]
                 fresh.recompute(cache.k_pool[table.long()], table, cache.lengths[slot, layer])
                 ids = cache.tables[slot, layer, :, :10].flatten().long()
@@ -629,7 +634,8 @@ def test_eviction_codec_and_retrieval_in_one_run(model):
             engine.forward_chunk(slot, prompt, 0)
             cache.pack_pending()
             assert int(cache.lengths[slot].max()) == 192
-            for layer in range(cache.num_layers):
+            assert [cache.summarizes(li) for li in range(cache.num_layers)] == [False, False, True, True]
+            for layer in (2, 3):  # the retrieving layers (0 and 1 read every page: their blocks keep no summary)
                 table = cache.tables[slot, layer]
                 H, MB = table.shape
                 keys = cache._dense_table_blocks(layer, table[None])[0].view(H, MB, 32, cache.head_dim).float()
@@ -769,13 +775,242 @@ def test_quest_over_dms_runs_and_keeps_what_dms_keeps(model):
     opts = {"base": "knorm", "threshold": -3.0, "sliding_window_size": 32}  # about 60% of the prompt evicted
     stats = {}
     for name, method in (("full", build_method("full")), ("dms", build_method("dms", None, **opts)),
-                         ("quest+dms", build_method("quest", 48, evict="dms", evict_options=opts))):
+                         ("quest+dms", build_method("quest", 48, dense_layers=0, evict="dms", evict_options=opts))):
         engine = Engine(model, method, block_size=16, num_blocks=1024)
         _decode_nll(engine, prompt, 4)
         stats[name] = engine.memory_stats()
-    block, summary = 2 * 16 * 64 * 4, 2 * 64 * 2  # K/V of a block (fp32) and its fp16 min / max, counted with it
+    # K/V of a block (fp32) and its fp16 min / max, counted with it (every layer retrieves: dense_layers=0)
+    block, summary = 2 * 16 * 64 * 4, 2 * 64 * 2
     assert stats["quest+dms"]["held_kv_bytes"] / (block + summary) == stats["dms"]["held_kv_bytes"] / block
     assert stats["dms"]["held_kv_bytes"] < stats["full"]["held_kv_bytes"]
     assert stats["quest+dms"]["kv_read_bytes_per_token"] < stats["dms"]["kv_read_bytes_per_token"]
     with pytest.raises(UserError, match="invalid quest.evict_budget=64: quest.evict=dms keeps what scores above"):
         build_method("quest", 48, evict="dms", evict_budget=64, evict_options=opts)
+
+
+# --------------------------------------------------------------------------- issue 68 item 7: summaries where read
+SUMMARY_BYTES_D64 = 2 * 64 * 2  # one block's fp16 min and max at head_dim 64
+
+
+def _greedy(engine, prompt: list[int], steps: int, on_step=None) -> tuple[list[int], float, int]:
+    """_decode_nll without ending the sequence: (tokens, NLL, slot); on_step(slot) after the prompt and each step."""
+    slot = engine.new_sequence()
+    logits = engine.forward_chunk(slot, prompt, 0)
+    tokens, nll, pos = [], 0.0, len(prompt)
+    for _ in range(steps):
+        if on_step is not None:
+            on_step(slot)
+        lp = torch.log_softmax(logits[0].double(), -1)
+        t = int(lp.argmax())
+        tokens.append(t)
+        nll -= float(lp[t])
+        logits = engine.runner.forward([slot], torch.tensor([[t]]), torch.tensor([[pos]]), phase="decode",
+                                       last_chunk=True, logits_for="last", max_position=pos)
+        pos += 1
+    if on_step is not None:
+        on_step(slot)
+    return tokens, nll, slot
+
+
+def _bytes_from_tables(cache, retrieving: list[bool]) -> tuple[int, int]:
+    """(bytes, K/V bytes) the live tables hold, counted from the tables alone: each layer's distinct blocks at the
+    K/V block size, plus a summary for each block of a layer that retrieves pages."""
+    total = kv_only = 0
+    for layer in range(cache.num_layers):
+        ids = set()
+        for s in cache.live:
+            for h in range(cache.num_kv_heads):
+                n = -(-int(cache.host_lengths[s, layer, h]) // cache.block_size)
+                ids.update(cache.tables[s, layer, h, :n].tolist())
+        kv_only += len(ids) * cache.kv_block_bytes
+        total += len(ids) * (cache.kv_block_bytes + (2 * cache.head_dim * 2 if retrieving[layer] else 0))
+    return total, kv_only
+
+
+def test_summaries_counted_on_retrieving_layers_only_with_sliding_layers():
+    """Gemma 3 (layers 0-2 sliding, 3 full): only layer 3 retrieves pages, so only its blocks carry a key summary.
+    peak_kv_bytes is the peak of the true total, K/V of every block + a summary per block of layer 3, counted from
+    the tables right after each allocation (where the pool peaks: everything else frees); it is below the old figure
+    (a summary for every block in use). The full run's pool peaks at the K/V part alone; kv_bytes_per_token, the
+    sliding layers' peak and each sequence's bytes count no summary for a sliding layer."""
+    from kvbench.runtime.model.families import build_from_transformers
+    from tests.tiny_models import tiny_hf_model
+
+    gemma = build_from_transformers(tiny_hf_model("gemma3"))
+    prompt = torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+    for name in ("full", "quest"):
+        method = build_method("quest", 16) if name == "quest" else build_method("full")
+        engine = Engine(gemma, method, block_size=8, num_blocks=512, prefill_chunk_size=32)
+        cache = engine.cache
+        retrieving = [engine.method.page_retrieval is not None and engine.method.page_retrieval.pages_for(li) > 0
+                      for li in range(cache.num_layers)]
+        seen = []  # table-counted (bytes, K/V bytes) right after each allocation
+        noted = cache._noted
+        cache._noted = lambda plan: (seen.append(_bytes_from_tables(cache, retrieving)), noted(plan))[1]
+
+        def held_now(slot):
+            assert cache.kv_bytes_in_use() == _bytes_from_tables(cache, retrieving)[0]
+            assert engine.meter.sequence(slot)["kv_bytes"] == _bytes_from_tables(cache, retrieving)[0]
+
+        *_, slot = _greedy(engine, prompt, 6, held_now)
+        engine.end_sequence(slot)
+        runs[name] = (engine.memory_stats(), seen, retrieving, cache)
+    stats, seen, retrieving, cache = runs["quest"]
+    assert retrieving == [False, False, False, True]
+    kv, summary = cache.kv_block_bytes, 2 * 16 * 2  # head_dim 16: fp16 min and max
+    assert stats["peak_kv_bytes"] == max(total for total, _ in seen)
+    assert stats["peak_kv_bytes"] < stats["peak_blocks_in_use"] * (kv + summary)  # the figure before
+    full = runs["full"][0]
+    assert full["peak_kv_bytes"] == max(kv_only for _, kv_only in runs["full"][1]) == \
+        max(kv_only for _, kv_only in seen)
+    assert stats["kv_bytes_per_token"] == (kv + summary) * 1 * cache.num_kv_heads / cache.block_size
+    assert stats["peak_kv_bytes_sliding_layers"] == full["peak_kv_bytes_sliding_layers"]
+    assert stats["peak_kv_bytes_full_layers"] > full["peak_kv_bytes_full_layers"]
+
+
+def test_summaries_on_every_layer_keep_the_figures():
+    """No sliding layer and dense_layers=0: every block carries a summary, and every figure is what it was (each
+    block at K/V + summary)."""
+    m = tiny_model(layers=3, vocab=256, hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=256,
+                   max_positions=2048)
+    engine = Engine(m, build_method("quest", 48, dense_layers=0), block_size=16, num_blocks=1024)
+    prompt = list(range(5, 5 + 150))
+    *_, slot = _greedy(engine, prompt, 4)
+    per_block = 2 * 16 * 64 * 4 + SUMMARY_BYTES_D64
+    assert engine.cache.kv_bytes_in_use() == engine.cache.pool.in_use * per_block
+    assert engine.meter.sequence(slot)["kv_bytes"] == 3 * 2 * 10 * per_block  # 154 tokens: 10 blocks
+    engine.end_sequence(slot)
+    stats = engine.memory_stats()
+    assert stats["peak_kv_bytes"] == stats["peak_blocks_in_use"] * per_block
+    assert stats["held_kv_bytes"] == 3 * 2 * 10 * per_block
+    assert stats["kv_bytes_per_token"] == per_block * 3 * 2 / 16
+    assert stats["kv_pool_bytes"] == engine.cache.pool.capacity * per_block
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu", "fused"])
+def test_dense_layers_keep_no_summaries_and_decode_the_same(model, path, monkeypatch):
+    """dense_layers=2: layers 0 and 1 read every page, so their blocks neither keep nor update a summary (their rows
+    of the pool-sized tensor are never written: op by op, and in the fused C step, csrc/decode_layer.c); the
+    retrieving layers' blocks hold their keys' min / max; the greedy tokens and NLL equal those of a cache that
+    keeps summaries on every layer (as before), and, fused, the op-by-op path's."""
+    if path != "torch" and not kernels.available():
+        pytest.skip("no C kernels")
+    prompt = torch.randint(0, 256, (301,), generator=torch.Generator().manual_seed(9)).tolist()
+    backend = "torch" if path == "torch" else "cpu"
+
+    def run(fused: bool, every_layer: bool):
+        model.fuse_decode_layers = fused
+        try:
+            with monkeypatch.context() as m:
+                if every_layer:  # the summaries kept on every layer, as before (op by op: the write asks this)
+                    m.setattr(PagedKVCache, "summarizes", lambda self, layer: self.summaries is not None,
+                              raising=False)
+                engine = Engine(model, build_method("quest", 48), block_size=16, num_blocks=1024,
+                                attention_backend=backend)
+                tokens, nll, slot = _greedy(engine, prompt, 8)
+            return tokens, nll, engine.cache, slot
+        finally:
+            model.fuse_decode_layers = True
+
+    tokens, nll, cache, slot = run(path == "fused", False)
+    ref_tokens, ref_nll, *_ = run(False, True)
+    assert tokens == ref_tokens
+    if path == "fused":
+        assert nll == pytest.approx(ref_nll, rel=1e-5)
+    else:
+        assert nll == ref_nll
+    bs = cache.block_size
+    for layer in range(cache.num_layers):
+        for h in range(cache.num_kv_heads):
+            n = int(cache.host_lengths[slot, layer, h])
+            ids = cache.tables[slot, layer, h, : -(-n // bs)].to(torch.int64)
+            rows = cache.summaries.summary[ids]  # [nb, 2, D]
+            if layer < 2:
+                assert not rows.any(), (layer, h)  # never written (no block was reused in this run)
+                continue
+            for c, b in enumerate(ids.tolist()):
+                k = cache.k_pool[b, : min(bs, n - c * bs)]
+                assert torch.equal(rows[c, 0], round_down_half(k.amin(0))), (layer, h, c)
+                assert torch.equal(rows[c, 1], round_up_half(k.amax(0))), (layer, h, c)
+
+
+@pytest.mark.parametrize("codec", [None, "kivi"])
+def test_summary_tags_follow_every_allocation_path(codec):
+    """Two layers, only layer 1 retrieving: through prefill and decode appends, a fork and its copy-on-write, a
+    token-level eviction of a shared table, a swap out and in, a rollback and (over KIVI) packing, every block of
+    layer 1 and none of layer 0 is tagged, and the bytes in use, shared by the fork and moved by swap are those the
+    tables hold (each block at K/V, + its summary in layer 1); layer 1's summaries bound its keys."""
+    from kvbench.quant.codecs import KiviCodec
+    from kvbench.runtime.cache.page_retrieval import PageRetrieval
+    from kvbench.runtime.cache.quantized_cache import QuantizedPagedKVCache
+    from kvbench.runtime.cache.swap import SwapSpace
+
+    L, H, D, bs = 2, 2, 8, 4
+    if codec is None:
+        cache = PagedKVCache(num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=256)
+    else:
+        cache = QuantizedPagedKVCache(codec=KiviCodec(4, group_size=4, residual=4), num_layers=L, num_kv_heads=H,
+                                      head_dim=D, block_size=bs, max_bytes=1 << 20)
+    cache.enable_page_retrieval(PageRetrieval((0, 3)))
+    summary = 2 * D * 2
+    g = torch.Generator().manual_seed(1)
+
+    def append(slot, n):
+        start = cache.tokens_seen[slot]
+        plan = cache.prepare_append([slot], torch.arange(start, start + n)[None])
+        for layer in range(L):
+            cache.write(layer, plan, torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g))
+
+    def check():
+        cache.pool.check_consistency()
+        refs: dict[int, int] = {}  # block -> table references
+        for s in cache.live:
+            for layer in range(L):
+                for h in range(H):
+                    n = int(cache.host_lengths[s, layer, h])
+                    ids = cache.tables[s, layer, h, : -(-n // bs)].tolist()
+                    assert cache.pool.tags_of(ids) == [layer] * len(ids), (s, layer, h)
+                    for b in ids:
+                        refs[b] = refs.get(b, 0) + 1
+                    if layer == 1 and n:  # the summaries bound the keys attention reads
+                        keys, _, _ = cache.gather(1, s)
+                        for c, b in enumerate(ids):
+                            k = keys[h, c * bs: min(n, (c + 1) * bs)].float()
+                            assert (cache.summaries.summary[b, 0].float() <= k.amin(0)).all()
+                            assert (cache.summaries.summary[b, 1].float() >= k.amax(0)).all()
+        def size(b):
+            kv = cache.kv_block_bytes if codec is None else (
+                cache.kv_fp_block_bytes if b < cache.num_fp_blocks else cache.kv_packed_block_bytes)
+            return kv + summary * cache.pool.tags_of((b,))[0]
+        assert cache.kv_bytes_in_use() == sum(size(b) for b in refs)
+        assert cache.fork_shared_bytes() == sum((r - 1) * size(b) for b, r in refs.items())
+        return sum(size(b) for b in refs)
+
+    a = cache.add_sequence()
+    append(a, 13)
+    check()
+    for _ in range(4):
+        append(a, 1)
+        check()
+    b = cache.fork(a)
+    append(a, 1)
+    append(b, 1)  # copy-on-write of the shared last blocks
+    check()
+    keep = torch.tensor([[0, 2, 5, 6, 9, 12, 16, 17], [1, 3, 4, 7, 8, 11, 15, 17]])  # of 18 tokens
+    cache.keep_tokens(1, b, keep)  # layer 1 of a table whose blocks are shared
+    cache.keep_tokens(0, b, keep)
+    check()
+    swap = SwapSpace(cache, 1 << 30)
+    held_b = cache.kv_bytes_in_use()
+    expected = swap.bytes_of(b)  # its distinct blocks' K/V, and the summaries of its layer-1 blocks only
+    assert swap.swap_out(b) == expected
+    check()
+    swap.swap_in(b)
+    assert cache.kv_bytes_in_use() == held_b
+    check()
+    cache.truncate(a, 15)
+    check()
+    if codec is not None:
+        assert cache.pool.packed.in_use > 0  # packing ran (KIVI's residual of 4 tokens)
+    assert cache.peak_kv_bytes() >= max(check(), held_b)

@@ -79,6 +79,41 @@ def test_pool_allocate_free_and_peak():
     pool.check_consistency()
 
 
+def test_pool_counts_summary_tagged_blocks_at_their_size():
+    """Blocks tagged as they are allocated (a retrieving layer's, carrying a key summary) cost more: the bytes in use,
+    shared and at the peak are counted per kind through allocation, sharing, freeing, a cached free block taken
+    back and a reset; the peak is that of the true total (not the block peak times the larger size)."""
+    pool = BlockPool(12, reserved=1)
+    pool.set_block_bytes(100, 130, default_tag=1)
+    depth = {}
+    pool.retain_rank = depth.get
+    a = pool.allocate(4, [1, 0, 0, 1])
+    assert pool.tags_of(a) == [1, 0, 0, 1] and pool.tagged_in_use == 2
+    assert pool.bytes_in_use() == 4 * 100 + 2 * 30 == pool.peak_bytes
+    b = pool.allocate(2)  # no tags given: the default (tagged)
+    assert pool.tags_of(b) == [1, 1] and pool.bytes_in_use() == 6 * 100 + 4 * 30
+    pool.share([a[0], a[1]])
+    assert pool.shared_bytes() == 130 + 100
+    pool.free([a[0], a[1]])  # the second references
+    assert pool.shared_bytes() == 0 and pool.bytes_in_use() == 720
+    pool.free(b)
+    assert pool.bytes_in_use() == 4 * 100 + 2 * 30 and pool.peak_bytes == 720
+    c = pool.allocate(6, [0] * 6)  # more blocks than the peak's 6, fewer bytes: the block peak is not the byte peak
+    assert pool.in_use == 10 and pool.peak_in_use == 10
+    assert pool.bytes_in_use() == 10 * 100 + 2 * 30 == pool.peak_bytes  # 1060 < 10 x 130
+    pool.free(c)
+    depth[a[0]] = 0  # a prefix cache names a[0]: freed, it stays cached with its tag
+    pool.free([a[0]])
+    assert pool.bytes_in_use() == 3 * 100 + 30 and pool.tags_of([a[0]]) == [1]
+    pool.reset_peak()
+    assert pool.peak_bytes == 330
+    pool.share([a[0]])  # taken back: a tagged block again, and the peak follows
+    assert pool.bytes_in_use() == pool.peak_bytes == 4 * 100 + 2 * 30
+    with pytest.raises(ValueError, match="2 tags for 3 blocks"):
+        pool.allocate(3, [1, 0])
+    pool.check_consistency()
+
+
 def test_blocks_in_use_equal_ceil_tokens_over_block_size():
     cache = make_cache(bs=4)
     s = cache.add_sequence()

@@ -9,11 +9,19 @@ bound, which always selects its block). Half the bytes of fp32 summaries: a deco
 retrieving layer, 1/32 of an fp32 block's K/V.
 
 A block is one (sequence, layer, kv-head) table's page, so a block's summary is one kv-head's page summary. The
-cache keeps them only when a method asks (`PagedKVCache.enable_block_summaries`): they are memory, counted per block
-in use with the K/V bytes (kv_accounting.bytes_per_block). Appends update them as keys are written (slot 0 of a block
-starts it afresh), operations that move keys between slots recompute the touched tables from the pool, and a block's
-summary goes with it (freed with the block: a block id handed out again starts afresh at its slot 0).
-The fused CPU decode step updates them in C as it writes each key (csrc/decode_layer.c), with the same rule.
+cache keeps them only when a method asks (`PagedKVCache.enable_page_retrieval`), and only for the blocks of the
+layers that retrieve pages (not the layers the method leaves dense, nor sliding-window layers, which never read
+them): appends to those layers update them as keys are written (slot 0 of a block starts it afresh), operations that
+move keys between slots recompute the touched tables from the pool, and a block's summary goes with it (copied with
+a copy-on-write or a swap; a block id handed out again starts afresh at its slot 0). The fused CPU decode step
+updates them in C as it writes each key of a retrieving layer (csrc/decode_layer.c), with the same rule.
+
+They are memory: the pool tags each block of a retrieving layer as it is allocated and counts its summary with its
+K/V (block_pool.py, kv_accounting.py); a block of any other layer costs its K/V only. The tensor itself stays
+pool-sized, one row per block id, because the pool has one free list for every layer: an id holds a dense layer's
+block now and a retrieving layer's later, and the readers (the torch selection, the C bound loop of
+csrc/page_select.c, swap) index the summaries by block id. Keeping rows for the tagged blocks only would need an
+id -> row map in each of them; the untagged blocks' rows are allocated but neither written nor read.
 """
 from __future__ import annotations
 

@@ -3,8 +3,15 @@ forks, the pool's size, and the blocks an append needs (what the scheduler admit
 
 `KVAccounting` is mixed into `PagedKVCache` (kvbench.runtime.cache.kv_cache); a storage codec's cache
 (kvbench.runtime.cache.quantized_cache) overrides the byte figures with its two pools'. Sizes are kv_geometry's.
+
+With page retrieval, the blocks of the layers that retrieve pages also hold a key summary (block_summaries.py) and
+the blocks of the other layers (dense, sliding) do not: the pool tags each block as it is allocated and measures
+the bytes held and their peak per kind (block_pool.py); figures read from the tables count each layer's blocks at
+that layer's size (`layer_block_bytes`).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from kvbench.runtime.cache.kv_geometry import block_bytes, blocks_for_tokens, token_bytes
 
@@ -16,11 +23,32 @@ class KVAccounting:
     # ------------------------------------------------------------------ bytes
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block occupies in the pool (K and V, a latent cache's one row per token, and its key summary
-        when the cache keeps them)."""
+        """The most bytes one block occupies in the pool: K and V (a latent cache's one row per token) and, when
+        the cache keeps key summaries, a summary (held by the blocks of retrieving layers only: layer_block_bytes)."""
+        return self.kv_block_bytes + self.summary_block_bytes
+
+    @property
+    def summary_block_bytes(self) -> int:
+        """Bytes of one block's key summary (0 without page retrieval)."""
         summaries = getattr(self, "summaries", None)
-        extra = summaries.bytes_per_block if summaries is not None else 0
-        return self.kv_block_bytes + extra
+        return summaries.bytes_per_block if summaries is not None else 0
+
+    def layer_block_bytes(self) -> np.ndarray:
+        """[L] int64: bytes one block of each layer occupies (K and V, and the key summary where the layer
+        retrieves pages)."""
+        return self.kv_block_bytes + self.summary_block_bytes * self.summary_layers.astype(np.int64)
+
+    def held_bytes(self, lengths, layers: list[int] | None = None) -> int:
+        """Bytes of the blocks that tables of these lengths hold (host ints [..., n, H], n = len(layers), or every
+        layer), each at its layer's block size (layer_block_bytes)."""
+        per_layer = self.layer_block_bytes()
+        if layers is not None:
+            per_layer = per_layer[layers]
+        blocks = blocks_for_tokens(np.asarray(lengths), self.block_size)  # [..., n, H]
+        if blocks.size == 0:
+            return 0
+        per_layer_blocks = blocks.sum(-1).reshape(-1, per_layer.size).sum(0)  # [n]
+        return int((per_layer_blocks * per_layer).sum())
 
     @property
     def kv_block_bytes(self) -> int:
@@ -48,6 +76,11 @@ class KVAccounting:
         """The layers with a sliding window (layer_windows, set by the engine for such a model): a ring each."""
         return [i for i, w in enumerate(getattr(self, "layer_windows", ()) or ()) if w is not None]
 
+    def growing_layer_ids(self) -> list[int]:
+        """The layers whose tables grow with the context: every layer but the sliding ones."""
+        sliding = set(self.sliding_layer_ids())
+        return [i for i in range(self.num_layers) if i not in sliding]
+
     def uncompressed_read_bytes(self, slots: list[int]) -> int:
         """Bytes full attention reads per decode step over uncompressed caches of these sequences, model dtype: in
         a full layer every block of every token they appended; in a sliding layer the blocks of its ring (what full
@@ -61,32 +94,35 @@ class KVAccounting:
         return blocks * self.uncompressed_block_bytes()  # a latent cache (MLA): one row per token
 
     def kv_bytes_in_use(self) -> int:
-        """K/V bytes the pool holds now (blocks in use x bytes per block)."""
-        return self.pool.in_use * self.bytes_per_block
+        """K/V bytes the pool holds now (blocks in use of each kind x that kind's bytes: the pool's count)."""
+        return self.pool.bytes_in_use()
 
     def peak_kv_bytes(self) -> int:
-        """The most K/V bytes the pool held at once (since the last reset of its peak)."""
-        return self.pool.peak_in_use * self.bytes_per_block
+        """The most K/V bytes the pool held at once (since the last reset of its peak; the pool's count)."""
+        return self.pool.peak_bytes
 
     def fork_shared_bytes(self) -> int:
         """Bytes that forked sequences share now: the live tables reference kv_bytes_in_use() + this
         (a block shared by n tables counts n times there, once in the pool); counted by the pool's refcounts."""
-        return self.pool.shared_refs * self.bytes_per_block
+        return self.pool.shared_bytes()
 
     def pool_bytes(self) -> int:
-        """The most K/V bytes the pool can hold at once."""
+        """The most K/V bytes the pool can hold at once (its storage: every block with a summary slot where the cache
+        keeps summaries, whichever layer holds it)."""
         return self.pool.capacity * self.bytes_per_block
 
     def kv_bytes_per_token(self) -> float:
         """Pool bytes one more cached token costs across the layers that grow with the context and all kv-heads
         (codecs override): every layer, or a model with sliding layers its full layers only (a sliding layer's ring
-        holds a fixed size once its window is full): kvbench-info's kv_bytes_per_token for the same model."""
-        layers = self.num_layers - len(self.sliding_layer_ids())
-        return self.bytes_per_block * layers * self.num_kv_heads / self.block_size
+        holds a fixed size once its window is full): kvbench-info's kv_bytes_per_token for the same model. A
+        retrieving layer's blocks count their key summaries too."""
+        return int(self.layer_block_bytes()[self.growing_layer_ids()].sum()) * self.num_kv_heads / self.block_size
 
     def block_payload_bytes(self, ids: list[int]) -> int:
-        """Bytes of blocks `ids` in this cache's layout (what swap space moves)."""
-        return len(ids) * self.bytes_per_block
+        """Bytes of blocks `ids` in this cache's layout (what swap space moves; the key summaries of the blocks
+        that carry one)."""
+        tagged = sum(self.pool.tags_of(ids)) if self.summary_block_bytes else 0
+        return len(ids) * self.kv_block_bytes + tagged * self.summary_block_bytes
 
     def describe_storage(self) -> dict:
         """Settings of the storage, recorded in results."""

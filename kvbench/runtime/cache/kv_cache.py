@@ -56,6 +56,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.dtype, self.device = dtype, torch.device(device)
         self.store_pre_rope = store_pre_rope
         self.summaries: BlockSummaries | None = None  # per-block min / max keys (enable_page_retrieval)
+        # [L] 1 for a layer that retrieves pages: its blocks keep key summaries (tagged in the pool as allocated)
+        self.summary_layers = np.zeros(num_layers, dtype=np.uint8)
         self.decode_reads = DecodeReads()  # blocks the decode steps' attention read (kv_meter)
         self.page_retrieval: PageRetrieval | None = None  # decode steps read selected blocks (enable_page_retrieval)
         self._make_storage(num_blocks)
@@ -98,21 +100,37 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         return {}
 
     def enable_page_retrieval(self, retrieval: PageRetrieval) -> None:
-        """Decode steps read only the blocks `retrieval` selects (page_retrieval.py): keep every block's element-wise
-        min / max key from now on (block_summaries.py), before any token is written. Their bytes count with the
-        blocks' (kv_accounting.bytes_per_block)."""
+        """Decode steps read only the blocks `retrieval` selects (page_retrieval.py): from now on, before any token
+        is written, the blocks of the layers that retrieve pages keep their element-wise min / max key
+        (block_summaries.py). Those blocks are tagged as they are allocated and their summaries count with their
+        K/V in the pool's bytes; a block of another layer (dense, sliding) costs its K/V only."""
         if self.pool.in_use:
             raise ValueError("enable_page_retrieval: the cache already holds tokens")
         if self.store_pre_rope:
             raise ValueError("page retrieval needs keys cached after RoPE (store_pre_rope=False)")
+        self.summary_layers = np.array([retrieval.pages_for(layer) > 0 for layer in range(self.num_layers)],
+                                       dtype=np.uint8)
         if self.summaries is None:
             self.summaries = BlockSummaries(self.pool.num_blocks, self.block_size, self.head_dim, self.device)
             self._count_summary_bytes()
         self.page_retrieval = retrieval
 
+    def summarizes(self, layer: int) -> bool:
+        """Whether the blocks of `layer` keep key summaries (page retrieval on, and the layer retrieves pages)."""
+        return self.summaries is not None and bool(self.summary_layers[layer])
+
+    def _layer_tags(self, layers) -> list[int] | None:
+        """BlockPool.allocate's tags for new blocks of `layers` (one layer index per block): 1 where the layer keeps
+        summaries; None without page retrieval (the pool's default: none)."""
+        if self.summaries is None:
+            return None
+        return self.summary_layers[np.asarray(layers, dtype=np.int64)].tolist()
+
     def _count_summary_bytes(self) -> None:
-        """The summaries are memory: counted per block in use (kv_accounting.bytes_per_block here; a codec's pool
-        counts them in its blocks' sizes)."""
+        """The summaries are memory: a tagged block costs its K/V and its summary, any other its K/V (the pool counts
+        each kind; a codec's pool likewise for both kinds of its blocks)."""
+        kv = self.kv_block_bytes
+        self.pool.set_block_bytes(kv, kv + self.summaries.bytes_per_block, default_tag=1)
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self) -> int:
@@ -218,7 +236,12 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         total = int(need_h.sum())
         cow = self._copy_on_write_targets(tables, old_len) if self._shared else None
         n_cow = 0 if cow is None else int(cow[0].numel())
-        ids = self.pool.allocate(total + n_cow)
+        rows_h = np.repeat(np.arange(need_h.size), need_h)  # the (sequence, layer, kv-head) row of each new block
+        tags = None
+        if self.summaries is not None:  # a block is tagged by its layer: row // H % L
+            rows_all = rows_h if not n_cow else np.concatenate([rows_h, cow[0].cpu().numpy()])
+            tags = self._layer_tags(rows_all // self.num_kv_heads % self.num_layers)
+        ids = self.pool.allocate(total + n_cow, tags)
         if n_cow:
             self._apply_copy_on_write(tables, cow, ids[total:])
         if total:
@@ -226,7 +249,6 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
             # fresh blocks start zeroed: masked slots of a partly filled block must not hold NaN/inf
             self.k_pool.index_fill_(0, ids_t.to(torch.int64), 0)
             self.v_pool.index_fill_(0, ids_t.to(torch.int64), 0)
-            rows_h = np.repeat(np.arange(need_h.size), need_h)  # the table row of each new block
             offs_h = np.arange(total) - (np.cumsum(need_h) - need_h)[rows_h]
             cols_h = old_nb_h.reshape(-1)[rows_h] + offs_h
             rows = torch.from_numpy(rows_h).to(self.device)
@@ -265,7 +287,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
             self._grow_blocks(max_nb)
         need = old_len_h % bs == 0  # the table's last block is full (or it has none): one new block
         total = int(np.count_nonzero(need))
-        ids = self.pool.allocate(total)
+        s_i, l_i, h_i = np.nonzero(need)  # row-major, the general path's allocation order
+        ids = self.pool.allocate(total, self._layer_tags(l_i))
         tables_np = self.tables.numpy()  # views: the cache's own tensors, written in place
         lengths_np, positions_np = self.lengths.numpy(), self.positions.numpy()
         si = sl[:, None, None]  # [S, 1, 1]
@@ -276,7 +299,6 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
             # fresh blocks start zeroed: masked slots of a partly filled block must not hold NaN/inf
             self.k_pool.index_fill_(0, ids_t, 0)
             self.v_pool.index_fill_(0, ids_t, 0)
-            s_i, l_i, h_i = np.nonzero(need)  # row-major, the general path's allocation order
             tables_np[sl[s_i], l_i, h_i, old_len_h[s_i, l_i, h_i] // bs] = ids_t.numpy()
         old_len = lengths_np[sl]  # [S, L, H]
         write_index = tables_np[si, li, hi, old_len // bs].astype(np.int64) * bs + old_len % bs  # [S, L, H]
@@ -346,8 +368,8 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.lengths[slot] = new_len
         self.host_lengths[slot] = new_len.cpu().numpy()  # the host copy follows every change
         self.pool.free(freed)
-        if self.summaries is not None:  # a last block that kept some of its slots: its min / max without the rest
-            for layer in range(self.num_layers):
+        for layer in range(self.num_layers):  # a last block that kept some of its slots: its min / max without the rest
+            if self.summarizes(layer):
                 self._summarize_table(layer, slot)
         return len(freed)
 

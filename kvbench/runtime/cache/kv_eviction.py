@@ -123,7 +123,7 @@ class KVEviction:
         self._release_tail_blocks(table, old_len, new_len)
         self.lengths[slot, layer] = new_len
         self.host_lengths[slot, layer] = new_len.cpu().numpy()
-        if self.summaries is not None and bool(moved.any()):  # keys changed blocks: their min / max again
+        if self.summarizes(layer) and bool(moved.any()):  # keys changed blocks: their min / max again
             self._summarize_table(layer, slot)
 
     def evict_blocks(self, layer: int, slot: int, head: int, block_indices: list[int]) -> None:
@@ -233,7 +233,7 @@ class KVEviction:
         pos = self.positions[slot, layer]  # [H, MB*bs]
         pos[:, a * bs + r: (a + 1) * bs] = pos[:, (a + 1) * bs + r: (a + 2) * bs].clone()
         self.evict_blocks_on_device(layer, slot, n, torch.full((H, 1), a + 1, device=self.device))
-        if self.summaries is not None:  # block a received keys from block a + 1
+        if self.summarizes(layer):  # block a received keys from block a + 1
             self._summarize_table(layer, slot)
 
     def _split_full_blocks(self, n: int, block_indices: list[int]) -> tuple[list[int], list[int]]:
@@ -298,6 +298,8 @@ class KVEviction:
             for src, pool in ((keys, self.k_pool), (values, self.v_pool)):
                 if src is not None:
                     pool.view(-1, D)[rows] = src[:, :T].to(pool.dtype)[valid]
+            if keys is not None and self.summarizes(layer):  # new keys: their blocks' min / max again
+                self._summarize_table(layer, slot)
         if positions is not None:
             pos_row = self.positions[slot, layer]
             pos_row[:, :T] = torch.where(valid, positions[:, :T].to(pos_row.dtype), pos_row[:, :T])
@@ -325,9 +327,12 @@ class KVEviction:
                     continue
                 b = int(table[h, c])
                 if self.pool.refcount(b) > 1:
-                    (nid,) = self.pool.allocate(1)
+                    (nid,) = self.pool.allocate(1, self.pool.tags_of((b,)))  # the same kind (summary or not)
                     self.k_pool[nid] = self.k_pool[b]
                     self.v_pool[nid] = self.v_pool[b]
+                    if self.summaries is not None:
+                        self.summaries.copy(torch.tensor([nid], device=self.device),
+                                            torch.tensor([b], device=self.device))
                     table[h, c] = nid
                     self.pool.free([b])
 
@@ -361,17 +366,19 @@ class KVEviction:
         if not w or not any(x is not None for x in w):
             return plan
         live = sorted(self.live)
-        held = blocks_for_tokens(self.host_lengths[live], self.block_size)  # [S, L, H]
-        peaks = self.__dict__.setdefault("layer_type_peak_blocks", {"full": 0, "sliding": 0, "uncompressed": 0})
+        lengths = self.host_lengths[live]  # [S, L, H]
+        held = blocks_for_tokens(lengths, self.block_size)
+        peaks = self.__dict__.setdefault("layer_type_peaks", {"full_bytes": 0, "sliding_bytes": 0,
+                                                              "uncompressed_blocks": 0})
         full_layers = [i for i, x in enumerate(w) if x is None]
         sliding = [i for i, x in enumerate(w) if x is not None]
-        for kind, layers in (("full", full_layers), ("sliding", sliding)):
-            peaks[kind] = max(peaks[kind], int(held[:, layers].sum()))
+        for kind, layers in (("full", full_layers), ("sliding", sliding)):  # each layer's blocks at its size
+            peaks[f"{kind}_bytes"] = max(peaks[f"{kind}_bytes"], self.held_bytes(lengths[:, layers], layers))
         # an uncompressed cache at this moment: the full layers at every token appended (this step's included),
         # the sliding layers as their rings hold them (never compressed); its peak is full_peak_kv_bytes
         seen = sum(int(blocks_for_tokens(self.tokens_seen[s], self.block_size)) for s in live)
         now = seen * len(full_layers) * self.num_kv_heads + int(held[:, sliding].sum())
-        peaks["uncompressed"] = max(peaks.get("uncompressed", 0), now)
+        peaks["uncompressed_blocks"] = max(peaks["uncompressed_blocks"], now)
         return plan
 
     # ------------------------------------------------------------------ pending frees (evict_blocks_on_device)

@@ -43,6 +43,7 @@ class FullPrecisionLayout:
             self.v_pool = huge_pages.empty(shape, self.dtype, self.device)
         self.k_pool[SCRATCH_BLOCK] = 0
         self.v_pool[SCRATCH_BLOCK] = 0
+        self.pool.set_block_bytes(self.kv_block_bytes)  # K/V (a retrieval method's summaries: enable_page_retrieval)
 
     # ------------------------------------------------------------------ writing and reading
     def write(self, layer: int, plan: AppendPlan, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -52,7 +53,7 @@ class FullPrecisionLayout:
         self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.dtype, copy=False))
         if not self.latent:  # a latent cache's values are inside its keys
             self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.dtype, copy=False))
-        if self.summaries is not None:  # the blocks' min / max keys, from the keys as stored
+        if self.summarizes(layer):  # the blocks' min / max keys, from the keys as stored
             self.summaries.update(rows, self.k_pool.view(-1, D)[rows])
 
     def attend(self, layer: int, q: torch.Tensor, plan: AppendPlan, scale: float, *, backend,
@@ -125,21 +126,28 @@ class FullPrecisionLayout:
 
     # ------------------------------------------------------------------ block bytes (swap space)
     def block_payload(self, ids: list[int]) -> list[torch.Tensor]:
-        """The bytes of blocks `ids`, in this cache's layout (copies): what swap space moves to host memory."""
+        """The bytes of blocks `ids`, in this cache's layout (copies): what swap space moves to host memory (the key
+        summaries of the blocks that carry one, in `ids` order)."""
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
         if self.summaries is not None:
-            return [self.k_pool[idx], self.v_pool[idx], self.summaries.summary[idx]]
+            return [self.k_pool[idx], self.v_pool[idx], self.summaries.summary[self._tagged_ids(ids)]]
         return [self.k_pool[idx], self.v_pool[idx]]
 
-    def allocate_like(self, ids: list[int]) -> list[int]:
-        """Fresh blocks of the same kinds as `ids` (all alike here), one each; all or nothing."""
-        return self.pool.allocate(len(ids))
+    def _tagged_ids(self, ids: list[int]) -> torch.Tensor:
+        """The ids (in order) of the blocks among `ids` that carry a key summary (the pool's tags)."""
+        return torch.tensor([b for b, t in zip(ids, self.pool.tags_of(ids)) if t], dtype=torch.int64,
+                            device=self.device)
+
+    def allocate_like(self, ids: list[int], tags: list[int] | None = None) -> list[int]:
+        """Fresh blocks of the same kinds as `ids` (all alike here; `tags`: whether each carries a key summary, as
+        the pool's tags_of said while they were held), one each; all or nothing."""
+        return self.pool.allocate(len(ids), tags)
 
     def write_block_payload(self, ids: list[int], payload: list[torch.Tensor]) -> None:
-        """Store block_payload's tensors into blocks `ids` (bit for bit)."""
+        """Store block_payload's tensors into blocks `ids` (bit for bit; allocated by allocate_like, tags kept)."""
         idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
         self.k_pool[idx] = payload[0]
         self.v_pool[idx] = payload[1]
         if self.summaries is not None:
-            self.summaries.summary[idx] = payload[2]
+            self.summaries.summary[self._tagged_ids(ids)] = payload[2]
 

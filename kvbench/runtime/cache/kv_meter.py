@@ -88,8 +88,8 @@ class KVMeter:
         sliding_full = 0
         if self.sliding:
             live = sorted(c.live)
-            held = {kind: int(blocks_for_tokens(c.host_lengths[live][:, layers], bs).sum()) * c.bytes_per_block
-                    if live else 0 for kind, layers in (("full", self.full_layers), ("sliding", self.sliding))}
+            held = {kind: c.held_bytes(c.host_lengths[live][:, layers], layers) if live else 0
+                    for kind, layers in (("full", self.full_layers), ("sliding", self.sliding))}
             for kind, n in held.items():
                 self.type_peak_held[kind] = max(self.type_peak_held[kind], n)
             # never compressed: what an uncompressed cache holds there is what the ring holds (in the model dtype)
@@ -138,23 +138,21 @@ class KVMeter:
         if not self.sliding:
             return {}
         out = {"full_layers": len(self.full_layers), "sliding_layers": len(self.sliding)}
-        in_step = getattr(self.cache, "layer_type_peak_blocks", {})  # right after each step's allocation
+        in_step = getattr(self.cache, "layer_type_peaks", {})  # right after each step's allocation
         for kind in ("full", "sliding"):
             out[f"full_kv_bytes_{kind}_layers"] = self.type_full_at_peak[kind]
-            out[f"peak_kv_bytes_{kind}_layers"] = max(self.type_peak_held[kind],
-                                                      in_step.get(kind, 0) * self.cache.bytes_per_block)
+            out[f"peak_kv_bytes_{kind}_layers"] = max(self.type_peak_held[kind], in_step.get(f"{kind}_bytes", 0))
         # what an uncompressed cache of this runtime peaks at, within a step too (a prefill chunk sits in a sliding
         # layer's ring before it slides): the most of the full layers at every token appended plus the sliding
         # layers' rings as held (never compressed), right after each step's allocation, or between steps. A full
         # run's pool peaks at such a moment with exactly these blocks: its saving at the peak is 0, never negative
         out["full_peak_kv_bytes"] = max(self.peak_full_bytes,
-                                        in_step.get("uncompressed", 0) * self.cache.uncompressed_block_bytes())
+                                        in_step.get("uncompressed_blocks", 0) * self.cache.uncompressed_block_bytes())
         return out
 
     def sequence(self, slot: int) -> dict:
         """What live sequence `slot` holds now, from its block tables: the most and the mean tokens of its
-        (layer, kv-head) tables, and its KV bytes (the blocks its tables hold x bytes per block)."""
+        (layer, kv-head) tables, and its KV bytes (the blocks its tables hold, each at its layer's block size)."""
         lengths = self.cache.lengths[slot]  # [L, H]
-        blocks = int(blocks_for_tokens(lengths, self.cache.block_size).sum())
         return {"max_table_tokens": int(lengths.max()), "mean_table_tokens": float(lengths.float().mean()),
-                "kv_bytes": blocks * self.cache.bytes_per_block}
+                "kv_bytes": self.cache.held_bytes(self.cache.host_lengths[slot])}

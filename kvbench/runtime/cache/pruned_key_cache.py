@@ -136,8 +136,9 @@ class PrunedKeyKVCache(QuantizedPagedKVCache):
         k_rows = self.codec.encode_key_rows(self.k_pool[fid], kept[head_t])
         v_rows = self.codec.encode_value_rows(self.v_pool[fid])
         self._check_room(0, len(ids), ids)
+        tags = self.pool.tags_of(ids)  # the same kind (with a key summary or not)
         self.pool.free(ids)
-        new_ids = self._allocate_packed(len(ids))
+        new_ids = self._allocate_packed(len(ids), tags)
         pid = torch.tensor(new_ids, dtype=torch.int64, device=self.device) - self.num_fp_blocks
         self.kq_pool[pid] = k_rows
         self.vq_pool[pid] = v_rows
@@ -172,7 +173,7 @@ class PrunedKeyKVCache(QuantizedPagedKVCache):
         new_row = self.codec.encode_key_rows(keys, own)
         if self.pool.refcount(b) > 1:
             self._check_room(0, 1, [])
-            (nid,) = self._allocate_packed(1)
+            (nid,) = self._allocate_packed(1, self.pool.tags_of((b,)))
             self.vq_pool[nid - self.num_fp_blocks] = self.vq_pool[p]
             self.pool.free([b])
             table[head, col] = nid
@@ -185,7 +186,7 @@ class PrunedKeyKVCache(QuantizedPagedKVCache):
         """Zero `channels` of the keys in block `col` of table row `head` (a private copy first if it is shared)."""
         b = int(table[head, col])
         if self.pool.refcount(b) > 1:
-            (nid,) = self.pool.allocate(1)
+            (nid,) = self.pool.allocate(1, self.pool.tags_of((b,)))
             self.k_pool[nid] = self.k_pool[b]
             self.v_pool[nid] = self.v_pool[b]
             table[head, col] = nid

@@ -127,13 +127,13 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         return self.pool.free_fp_blocks()
 
     def capacity_blocks(self) -> int:
-        return self.max_bytes // self.pool.fp_block_bytes
+        return self.max_bytes // self.pool.fp_block_bound
 
     def pool_bytes(self) -> int:
         return self.max_bytes
 
     def blocks_in_use_now(self) -> int:
-        return -(-self.pool.bytes_in_use() // self.pool.fp_block_bytes)
+        return -(-self.pool.bytes_in_use() // self.pool.fp_block_bound)
 
     def _pick_dequant(self, dequant: str) -> str:
         """auto: the Triton dequantizer on CUDA for a codec it reads (codec.kernels), when triton is installed."""
@@ -169,10 +169,9 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
 
     # ------------------------------------------------------------------ page retrieval (quest over a codec)
     def _count_summary_bytes(self) -> None:
-        """Both kinds of block carry a key summary: counted in their sizes (the pool's bytes, peak and limit)."""
-        extra = self.summaries.bytes_per_block
-        self.pool.fp_block_bytes += extra
-        self.pool.packed_block_bytes += extra
+        """A block of a retrieving layer, of either kind, carries a key summary: the pool counts it for those blocks
+        (tagged as they are allocated) in its bytes, peak and limit."""
+        self.pool.count_summaries(self.summaries.bytes_per_block)
 
     def _summarize_table(self, layer: int, slot: int) -> None:
         """Recompute one sequence's layer's key summaries from its keys as attention reads them (decoded)."""
@@ -208,10 +207,12 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
 
     def kv_bytes_per_token(self) -> float:
         """Pool bytes one packed token costs across the layers that grow with the context (all, or the full
-        layers of a model with sliding ones) and all kv-heads (codes and all metadata): the long-context rate. The
-        measured average at a given moment is `kv_bytes_in_use() / held tokens`."""
-        layers = self.num_layers - len(self.sliding_layer_ids())
-        return self.packed_block_bytes * layers * self.num_kv_heads / self.block_size
+        layers of a model with sliding ones) and all kv-heads (codes and all metadata, and the key summary of a
+        retrieving layer's blocks): the long-context rate. The measured average at a given moment is
+        `kv_bytes_in_use() / held tokens`."""
+        growing = self.growing_layer_ids()
+        summaries = int(self.summary_layers[growing].sum()) * self.summary_block_bytes
+        return (self.packed_block_bytes * len(growing) + summaries) * self.num_kv_heads / self.block_size
 
     def held_elements(self) -> int:
         """K and V elements the live tables hold (2 x tokens x head_dim over all layers and heads; a latent cache:
@@ -266,7 +267,7 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         self.k_pool.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.fp_dtype))
         if not self.latent:  # a latent cache's values are inside its rows
             self.v_pool.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.fp_dtype))
-        if self.summaries is not None:  # the blocks' min / max keys, from the keys as stored
+        if self.summarizes(layer):  # the blocks' min / max keys, from the keys as stored
             self.summaries.update(rows, self.k_pool.view(-1, D)[rows])
 
     def free_sequence(self, slot: int) -> None:
@@ -283,28 +284,36 @@ class QuantizedPagedKVCache(PackedStorage, PackedReading, PagedKVCache):
         """Full-precision blocks' K, V and packed blocks' K, V rows (in `ids` order within each kind)."""
         fp, pk = self._split_ids(ids)
         payload = [self.k_pool[fp], self.v_pool[fp], self.kq_pool[pk], self.vq_pool[pk]]
-        if self.summaries is not None:  # page retrieval: the key summaries travel with the blocks (ids order)
-            payload.append(self.summaries.summary[torch.tensor(ids, dtype=torch.int64, device=self.device)])
+        if self.summaries is not None:  # page retrieval: the key summaries of the blocks that carry one (ids order)
+            payload.append(self.summaries.summary[self._tagged_ids(ids)])
         return payload
 
     def block_payload_bytes(self, ids: list[int]) -> int:
         n_fp = sum(1 for b in ids if b < self.num_fp_blocks)
-        return n_fp * self.pool.fp_block_bytes + (len(ids) - n_fp) * self.pool.packed_block_bytes
+        tagged = sum(self.pool.tags_of(ids)) if self.summaries is not None else 0
+        return (n_fp * self.pool.fp_block_bytes + (len(ids) - n_fp) * self.pool.packed_block_bytes
+                + tagged * self.pool.summary_bytes)
 
-    def allocate_like(self, ids: list[int]) -> list[int]:
-        """A full-precision block for each full-precision id, a packed one for each packed id (same order)."""
-        n_fp = sum(1 for b in ids if b < self.num_fp_blocks)
+    def allocate_like(self, ids: list[int], tags: list[int] | None = None) -> list[int]:
+        """A full-precision block for each full-precision id, a packed one for each packed id (same order; `tags`:
+        whether each carries a key summary, as the pool's tags_of said while they were held)."""
+        is_fp = [b < self.num_fp_blocks for b in ids]
+        n_fp = sum(is_fp)
         self._check_room(n_fp, len(ids) - n_fp, [])
-        fp_new, pk_new = self.pool.allocate(n_fp), self._allocate_packed(len(ids) - n_fp)
+        fp_tags = pk_tags = None
+        if tags is not None:
+            fp_tags = [t for t, f in zip(tags, is_fp) if f]
+            pk_tags = [t for t, f in zip(tags, is_fp) if not f]
+        fp_new, pk_new = self.pool.allocate(n_fp, fp_tags), self._allocate_packed(len(ids) - n_fp, pk_tags)
         it_fp, it_pk = iter(fp_new), iter(pk_new)
-        return [next(it_fp) if b < self.num_fp_blocks else next(it_pk) for b in ids]
+        return [next(it_fp) if f else next(it_pk) for f in is_fp]
 
     def write_block_payload(self, ids: list[int], payload: list[torch.Tensor]) -> None:
         fp, pk = self._split_ids(ids)
         self.k_pool[fp], self.v_pool[fp] = payload[0], payload[1]
         self.kq_pool[pk], self.vq_pool[pk] = payload[2], payload[3]
         if self.summaries is not None:
-            self.summaries.summary[torch.tensor(ids, dtype=torch.int64, device=self.device)] = payload[4]
+            self.summaries.summary[self._tagged_ids(ids)] = payload[4]
 
     # ------------------------------------------------------------------ rollback
     def truncate(self, slot: int, num_tokens: int) -> int:

@@ -63,7 +63,9 @@ class PackedStorage:
                 ids, heads = fp_ids[sel], h_u[sel]
                 k_rows[sel] = self.codec.encode_keys(self.k_pool[ids].float(), layer, heads)
                 v_rows[sel] = self._encode_values(self.v_pool[ids].float(), layer, heads)
-        new_ids = torch.tensor(self._allocate_packed_for(fp_ids, all_ids.tolist()), dtype=torch.int64,
+        # page retrieval: a retrieving layer's packed block carries a key summary (no host read otherwise)
+        tags = self._layer_tags(l_u.tolist()) if self.summaries is not None else None
+        new_ids = torch.tensor(self._allocate_packed_for(fp_ids, all_ids.tolist(), tags), dtype=torch.int64,
                                device=self.device)
         extra = torch.bincount(inverse, minlength=fp_ids.numel()) - 1  # more tables holding the same block
         if bool((extra > 0).any()):
@@ -71,11 +73,15 @@ class PackedStorage:
         pid = new_ids - self.num_fp_blocks
         self.kq_pool[pid] = k_rows
         self.vq_pool[pid] = v_rows
-        if self.summaries is not None:  # page retrieval: the packed blocks' min / max keys, as attention decodes them
-            for layer in (torch.unique(l_u).tolist() if not self.codec.layer_independent else [0]):
-                sel = torch.arange(fp_ids.numel(), device=self.device) if self.codec.layer_independent else \
-                    torch.nonzero(l_u == layer).squeeze(1)
-                self.summaries.set_full_blocks(new_ids[sel], self._decode("key", k_rows[sel], layer, h_u[sel]))
+        if self.summaries is not None:  # page retrieval: the retrieving layers' packed blocks' min / max keys, as
+            # attention decodes them
+            retrieving = torch.from_numpy(self.summary_layers).to(self.device).bool()[l_u]  # [n] per distinct block
+            groups = [(0, retrieving)] if self.codec.layer_independent else \
+                [(layer, retrieving & (l_u == layer)) for layer in torch.unique(l_u).tolist() if self.summarizes(layer)]
+            for layer, chosen in groups:
+                sel = torch.nonzero(chosen).squeeze(1)
+                if sel.numel():
+                    self.summaries.set_full_blocks(new_ids[sel], self._decode("key", k_rows[sel], layer, h_u[sel]))
         self.tables[st[s_i], l_i, h_i, c_i] = new_ids[inverse].to(torch.int32)
         return int(fp_ids.numel())
 
@@ -106,27 +112,29 @@ class PackedStorage:
                 return True
         return False
 
-    def _allocate_packed_for(self, fp_ids: torch.Tensor, table_refs: list[int]) -> list[int]:
-        """Packed blocks for the distinct full-precision blocks fp_ids: every table reference to them is dropped
-        first (freeing them, so packing never raises the bytes in use), then the packed blocks are allocated and
-        block listeners (the prefix cache) follow the tokens from the old ids to the new ones."""
+    def _allocate_packed_for(self, fp_ids: torch.Tensor, table_refs: list[int], tags=None) -> list[int]:
+        """Packed blocks for the distinct full-precision blocks fp_ids (`tags`: BlockPool.allocate's): every table
+        reference to them is dropped first (freeing them, so packing never raises the bytes in use), then the
+        packed blocks are allocated and block listeners (the prefix cache) follow the tokens from the old ids to the
+        new ones."""
         old = fp_ids.tolist()
         listeners, self.pool.release_listeners = self.pool.release_listeners, []  # not forgotten: moved
         try:
             self.pool.free(table_refs)
         finally:
             self.pool.release_listeners = listeners
-        new = self._allocate_packed(len(old))
+        new = self._allocate_packed(len(old), tags)
         for listener in self.block_listeners:
             listener.replace(old, new)
         return new
 
-    def _allocate_packed(self, n: int) -> list[int]:
-        return self.pool.allocate_packed(n)
+    def _allocate_packed(self, n: int, tags=None) -> list[int]:
+        return self.pool.allocate_packed(n, tags)
 
     def _check_room(self, n_fp: int, n_packed: int, freed: list[int]) -> None:
         """Raise OutOfBlocksError before anything changes unless n_fp / n_packed blocks can be allocated once
-        `freed` (ids about to be released) are back."""
+        `freed` (ids about to be released) are back (each block at its largest size: with a key summary where
+        blocks may carry one)."""
         back_fp = back_pk = 0
         for b in freed:
             if self.pool.refcount(b) == 1:
@@ -138,9 +146,9 @@ class PackedStorage:
             if need > sub.num_free + back:
                 raise OutOfBlocksError(need, sub.num_free + back, sub.capacity)
         pool = self.pool
-        net = ((n_fp - back_fp) * pool.fp_block_bytes + (n_packed - back_pk) * pool.packed_block_bytes)
+        net = ((n_fp - back_fp) * pool.fp_block_bound + (n_packed - back_pk) * pool.packed_block_bound)
         if pool.bytes_in_use() + net > pool.max_bytes:
-            raise OutOfBlocksError(n_fp + n_packed, pool.free_fp_blocks(), pool.max_bytes // pool.fp_block_bytes)
+            raise OutOfBlocksError(n_fp + n_packed, pool.free_fp_blocks(), pool.max_bytes // pool.fp_block_bound)
 
     # ------------------------------------------------------------------ eviction (token level)
     def rewrite_tokens(self, layer: int, slot: int, *, keys: torch.Tensor | None = None,
@@ -202,7 +210,7 @@ class PackedStorage:
             for c, b in reused.items():
                 table[h, c] = b
             if fp_cols:
-                ids = self.pool.allocate(len(fp_cols))
+                ids = self.pool.allocate(len(fp_cols), self._layer_tags([layer] * len(fp_cols)))
                 for c, b in zip(fp_cols, ids):
                     sl = kh[c * bs: (c + 1) * bs]
                     self.k_pool[b].zero_()
@@ -216,7 +224,7 @@ class PackedStorage:
                 kt, vt = dense[0][h][sl].float(), dense[1][h][sl].float()
                 k_rows = self.codec.encode_keys(kt, layer, h)
                 v_rows = self._encode_values(vt, layer, h)
-                ids = self._allocate_packed(len(pk_cols))
+                ids = self._allocate_packed(len(pk_cols), self._layer_tags([layer] * len(pk_cols)))
                 pid = torch.tensor(ids, dtype=torch.int64, device=self.device) - self.num_fp_blocks
                 self.kq_pool[pid] = k_rows
                 self.vq_pool[pid] = v_rows
@@ -226,5 +234,5 @@ class PackedStorage:
             pos_row[h, n_new:] = -1
             self.lengths[slot, layer, h] = n_new
             self.host_lengths[slot, layer, h] = n_new
-        if self.summaries is not None:  # blocks re-stored (decoded, then packed or kept): their min / max again
+        if self.summarizes(layer):  # blocks re-stored (decoded, then packed or kept): their min / max again
             self._summarize_table(layer, slot)

@@ -29,6 +29,7 @@ import torch
 @dataclass
 class _Swapped:
     ids: list[int]  # the distinct block ids it held (in payload order)
+    tags: list[int]  # the pool's tag of each (1: it carries a key summary), given to the blocks swapped in
     tables: torch.Tensor  # [L, H, nb] int32 block ids as they were
     lengths: torch.Tensor  # [L, H]
     positions: torch.Tensor  # [L, H, nb*bs]
@@ -98,7 +99,7 @@ class SwapSpace:
         nbytes = sum(t.nbytes for t in payload)
         if self.used_bytes + nbytes > self.capacity_bytes:
             raise MemoryError(f"swap space full: {nbytes} bytes needed, {self.capacity_bytes - self.used_bytes} free")
-        held = _Swapped(ids, c.tables[slot, :, :, :nb].clone(), c.lengths[slot].clone(),
+        held = _Swapped(ids, c.pool.tags_of(ids), c.tables[slot, :, :, :nb].clone(), c.lengths[slot].clone(),
                         c.positions[slot, :, :, :nb * c.block_size].clone(), payload, nbytes)
         table_refs = c.tables[slot][torch.arange(c.tables.shape[-1], device=c.device)
                                     < c._num_blocks(c.lengths[slot]).unsqueeze(-1)].tolist()
@@ -121,7 +122,7 @@ class SwapSpace:
         c = self.cache
         held = self._held[slot]
         t0 = time.perf_counter()
-        new = c.allocate_like(held.ids)
+        new = c.allocate_like(held.ids, held.tags)
         c.write_block_payload(new, [t.to(c.device, non_blocking=self._pin) for t in held.payload])
         nb = held.tables.shape[-1]
         if nb > c.max_blocks:

@@ -9,7 +9,7 @@
  *   rotate q and k heads in place (RoPE, cos / sin rows [M, D]); write k, v rows to the pools at write_rows [M, H]
  *   attn = paged decode attention of q over the layer's tables (after this write)     attn [M, Hq * D]
  *          (page retrieval, `ps` non-NULL and ps->pages[l] > 0: over the blocks page_select.c picks; the write also
- *          keeps the blocks' key summaries)
+ *          keeps the blocks' key summaries, in such a layer only: no other layer's blocks carry one)
  *          (over a codec cache, `codec` non-NULL: the codec decode kernel reads its packed and full-precision
  *          blocks; k_pool / v_pool are then its full-precision pools, where new tokens land, fp16 when
  *          codec->fp_is_half)
@@ -91,7 +91,7 @@ void decode_layers_f32(
                 } else {
                     memcpy(k_pool + dst, kr, sizeof(float) * D);
                     memcpy(v_pool + dst, vr, sizeof(float) * D);
-                    if (ps != NULL)  /* page retrieval: the block's min / max key */
+                    if (ps != NULL && ps->pages[l] > 0)  /* a retrieving layer: the block's min / max key */
                         page_summary_update(ps->summary, kr, rows[m * H + kh], bs, D);
                 }
             }
