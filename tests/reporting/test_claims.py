@@ -113,6 +113,20 @@ def test_claims_judged_on_the_interval_both_ways(tmp_path, case, want):
         assert "cannot tell" in by["a < b"].why
 
 
+def test_a_claim_across_methods_is_judged_though_their_source_digests_differ(tmp_path):
+    """Each run records the digest of its method's own source files (method_source_sha256): the rows of two
+    methods always differ in it. It follows from the row, as the method's options do: not a setting that would
+    leave every setting with a row missing ("not run")."""
+    for sinks, nlls, digest in ((4, BASE, "a" * 64), (1, [v + 0.1 for v in BASE], "b" * 64)):
+        cfg = fx.config(method="streaming_llm", budget=256, method_options={"sinks": sinks}, experiment="claims",
+                        paper=PAPER, task_options={"corpus": "pg_essays", "max_tokens": 1024})
+        cfg["method_source_sha256"] = digest
+        samples = window_samples(nlls)
+        fx.write_run(str(tmp_path), cfg, {"ppl": samples[0]["ppl"], "peak_kv_bytes": 2**20}, samples)
+    sec, by = judged(tmp_path)
+    assert by["a < b"].verdict == "reproduced", by["a < b"].why
+
+
 def test_row_draws_pair_only_aligned_items_and_hold_runs_without_samples_at_their_value():
     a, b = window_samples(BASE), window_samples([v + 0.1 for v in BASE])
     va, vb = (math.exp(sum(s[0]["window_nll_sum"]) / 1024) for s in (a, b))
