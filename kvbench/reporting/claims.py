@@ -346,11 +346,9 @@ def judge(claim: dict, paper: dict, runs: list[dict], others: Optional[list[dict
         return out
     fixed = {k for row in rows for k in row["match"]} | set(where)
     # comparable settings: the swept keys the rows leave free (a method's own options, e.g. streaming_llm's window
-    # = budget - sinks, and the digest of its source files, method_source_sha256, follow from its row and are not
-    # settings); budget as recorded (null: no eviction)
+    # = budget - sinks, follow from its row and are not settings); budget as recorded (null: no eviction)
     keys = [k for k in varying_keys([r for rs in per_row for r in rs])
-            if k not in fixed and k not in ("budget", "method_source_sha256")
-            and not k.startswith(("method.", "quant."))]
+            if k not in fixed and k != "budget" and not k.startswith(("method.", "quant."))]
     if "budget" not in fixed and len({value_of(r, "budget") for rs in per_row for r in rs} - {None}) > 1:
         keys.append("budget")
     settings = sorted({tuple(value_of(r, k) for k in keys) for rs in per_row for r in rs
