@@ -117,7 +117,8 @@ def varying_keys(runs: list[dict]) -> list[str]:
                   key=lambda k: (k.split(".")[0], not k.endswith(".name") and k != "model.path", k))
     out = []
     for key in keys:
-        section = key.split(".")[0]
+        # method_source_sha256 (the digest of the method's own source files) follows from the method, as its options do
+        section = "method" if key == "method_source_sha256" else key.split(".")[0]
         if section in ("method", "quant", "task") and key != f"{section}.name":
             # a method's (codec's, task's) option varies only if it differs between runs of that same method (codec, task)
             groups: dict = {}

@@ -18,6 +18,8 @@ REQUIRED = {"streaming_llm_sinks", "kivi_longbench", "kvquant_ppl", "paged_evict
 # Composing every pair of a big sweep takes up to a minute (135 paper runs of kvpress_leaderboard at ~0.3 s each):
 # their paper-block checks run under `make test-all`; every value of their axes is still composed by default
 # (test_experiment_composes_at_both_scales; test_kvpress_leaderboard_has_every_board_method).
+# kvbench's own tables (no paper): their full size runs a packaged model, offline
+OWN_TABLES = {"budget_sweep", "real_model_smoke"}
 BIG_SWEEPS = {"kvpress_leaderboard", "budget_sweep", "reasoning_decode"}
 EXPERIMENTS_BIG_SLOW = [pytest.param(n, marks=pytest.mark.slow) if n in BIG_SWEEPS else n for n in EXPERIMENTS]
 
@@ -80,6 +82,8 @@ def test_sweep_sizes():
     # 2 modes x 7 rows (full, streaming_llm, snapkv with and without the question, expected_attention, kvzip, quest) x 2
     # budgets
     assert size("scbench_turns", "paper") == size("scbench_turns", "smoke") == 2 * 7 * 2
+    # 2 ratios x 4 rows (full, snapkv, streaming_llm, expected_attention; not kvzip: sliding layers): under an hour
+    assert size("real_model_smoke", "paper") == size("real_model_smoke", "smoke") == 2 * 4
 
 
 SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores
@@ -121,6 +125,33 @@ def test_kvpress_leaderboard_has_every_board_method(scale):
     if scale == "smoke":
         duo = [c for c in configs if c.method.name == "duo_attention"]
         assert duo and all(c.method.on_the_fly and c.method.on_the_fly_samples <= 4 for c in duo)
+
+
+@pytest.mark.parametrize("scale", ["paper", "smoke"])
+def test_real_model_smoke_ranks_the_issue_methods_on_gemma(scale):
+    """Issue 66 item 5: full once and snapkv, streaming_llm, expected_attention (the board's AdaKV over Expected
+    Attention) at ratios 0.5 and 0.75, prefill-only, on RULER niah at 4,096 tokens with gemma-3-270m (kept
+    quantized); each job validates as the app validates it, before any model loads; full's two jobs are one run.
+    (kvzip refuses Gemma 3's sliding layers: not in the sweep.)"""
+    from kvbench.run.spec import hashable_config
+    from kvbench.store.naming import run_id_for
+
+    base, axes = sweep_axes("real_model_smoke", scale)
+    configs = [_compose(base + list(job)) for job in itertools.product(*axes)]
+    settings = [kvconfig.validate(c) for c in configs]
+    pairs = {(s.method_name, s.compression_ratio) for s in settings}
+    assert pairs == {("full", None)} | {(m, r) for m in ("snapkv", "streaming_llm", "adakv")
+                                        for r in (0.5, 0.75)}, pairs
+    assert all(c.method.base == "expected_attention" for c in configs if c.method.name == "adakv")
+    assert all(c.method.decode == "none" for c in configs if c.method.name != "full")
+    assert len({run_id_for(hashable_config(c)) for c in configs}) == 7
+    for c in configs:
+        assert c.task.name == "ruler" and list(c.task.tasks) == ["niah_single_1"] and not c.task.compress_question
+        if scale == "paper":
+            assert c.model.path == "packaged:gemma-3-270m" and c.model.weights == "quantized"
+            assert list(c.task.lengths) == [4096] and c.task.limit == 2
+        else:
+            assert c.model.path is None and list(c.task.lengths) == [1024]
 
 
 # kvpress's evaluation registry (evaluation/evaluate_registry.py @8bb29b9) by name -> kvbench's method, where kvbench
@@ -213,15 +244,17 @@ def test_experiment_composes_at_both_scales(name):
                              **settings.method_options)
             configs.append(cfg)
         seen[scale] = configs
-        # smoke runs the embedded model offline; the paper scale names a hub model, except kvbench's own table
+        # smoke runs the embedded model offline; the paper scale names a hub model, except kvbench's own tables
         paths = {c.model.path for c in configs}
         if scale == "smoke":  # offline: the packaged model and packaged text only
             assert paths == {None}, paths
             for c in configs:
                 assert c.task.name not in ("longbench", "longbench_e", "govreport", "lm_eval"), c.task.name
                 assert c.task.get("corpus") in (None, "pg_essays", "aclsum"), c.task.corpus
-        elif name != "budget_sweep":
+        elif name not in OWN_TABLES:
             assert None not in paths and all("/" in p for p in paths), paths
+        elif name == "real_model_smoke":  # a packaged model larger than the smoke scale's, offline
+            assert paths == {"packaged:gemma-3-270m"}, paths
     # the same grid at both scales: the rows (method / quant settings) of the smoke sweep are a subset of the paper's
     def rows(configs):  # the method and codec settings (a smaller calibration is allowed at smoke scale)
         return {str({k: v for k, v in c.method.items() if not k.startswith(SMOKE_CALIBRATION)})

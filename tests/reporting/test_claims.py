@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from kvbench.reporting import report
 from kvbench.reporting import claims, stats
+from kvbench.reporting import runs as runs_module
 from tests import results_fixtures as fx
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -111,6 +112,26 @@ def test_claims_judged_on_the_interval_both_ways(tmp_path, case, want):
     assert sec.verdict[0] == overall
     if case == "noise":
         assert "cannot tell" in by["a < b"].why
+
+
+def test_a_claim_across_methods_is_judged_though_their_source_digests_differ(tmp_path):
+    """Each run records the digest of its method's own source files (method_source_sha256): the rows of two
+    methods always differ in it. It follows from the method, as the method's options do: not a setting that would
+    leave every setting with a row missing ("not run"), nor a column of the report's tables."""
+    paper = dict(PAPER, rows=[{"id": "a", "label": "a", "match": {"method.name": "full"}, "value": None},
+                              {"id": "b", "label": "b", "match": {"method.name": "streaming_llm"}, "value": None}],
+                 claims=[{"claim": "a < b", "order": ["a", "b"]}])
+    for method, nlls in (("full", BASE), ("streaming_llm", [v + 0.1 for v in BASE])):
+        cfg = fx.config(method=method, budget=None if method == "full" else 256, experiment="claims", paper=paper,
+                        task_options={"corpus": "pg_essays", "max_tokens": 1024})
+        cfg["method_source_sha256"] = method[0] * 64
+        samples = window_samples(nlls)
+        fx.write_run(str(tmp_path), cfg, {"ppl": samples[0]["ppl"], "peak_kv_bytes": 2**20}, samples)
+    sec, by = judged(tmp_path)
+    assert by["a < b"].verdict == "reproduced", by["a < b"].why
+    names, groups = report.build(str(tmp_path), "claims")
+    (exp, runs, history), = groups
+    assert "method_source_sha256" not in runs_module.varying_keys(runs)
 
 
 def test_row_draws_pair_only_aligned_items_and_hold_runs_without_samples_at_their_value():
