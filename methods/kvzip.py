@@ -141,10 +141,19 @@ class KVzip(EvictionMethod, Method):
         """KVzip+ divides by each reconstruction query's ||h|| (its attention input)."""
         return bool(self.kvzip_plus_normalization)
 
+    SLIDING_REFUSAL: ClassVar[str] = (
+        "kvzip's reconstruction pass runs through every layer, and a sliding-window layer's ring would lose its window "
+        "to the pass's tokens: not supported for a model with sliding layers")
+
+    def preflight(self, settings: Any, model_shape: Any = None) -> None:
+        """Before the model loads: a model with sliding-window layers is refused (bind_engine's check, from the
+        layer windows config.json or the GGUF header gives)."""
+        if any(w is not None for w in getattr(model_shape, "layer_windows", ()) or ()):
+            raise UserError(self.SLIDING_REFUSAL)
+
     def bind_engine(self, engine: Any) -> None:
         if len(engine.cache.method_layers) != engine.cache.num_layers:
-            raise UserError("kvzip's reconstruction pass runs through every layer, and a sliding-window layer's ring "
-                            "would lose its window to the pass's tokens: not supported for a model with sliding layers")
+            raise UserError(self.SLIDING_REFUSAL)
         tok = getattr(engine.model, "tokenizer", None)
         if tok is None:
             raise UserError("kvzip needs the model's tokenizer (to write its reconstruction prompt)")

@@ -238,3 +238,17 @@ def test_the_refusal_comes_before_the_load():
     finch.preflight(None, SimpleNamespace(layer_windows=(8, 8, 8, None)))
     finch.preflight(None, SimpleNamespace(layer_windows=()))
     Finch(compression_ratio=0.5, rerotate_keys=False).preflight(None, SimpleNamespace(layer_windows=(None, 8)))
+
+
+def test_kvzip_refuses_sliding_layers_before_the_load():
+    """kvzip's reconstruction pass would overwrite a sliding layer's ring: refused from the layer windows in its
+    preflight (before any weight loads), as bind_engine refuses it on a loaded model."""
+    from types import SimpleNamespace
+
+    from kvbench.errors import UserError
+    from kvbench.methods import build_method
+    kvzip = build_method("kvzip", budget=64)
+    with pytest.raises(UserError, match="sliding layers"):
+        kvzip.preflight(None, SimpleNamespace(layer_windows=(8, 8, None)))
+    kvzip.preflight(None, SimpleNamespace(layer_windows=()))
+    kvzip.preflight(None, SimpleNamespace(layer_windows=(None, None)))
