@@ -841,6 +841,56 @@ def test_the_line_names_the_knob_set(cli, tmp_path, monkeypatch, args, needle):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("extra,composes", [([], 1), (["hydra.mode=RUN"], 2), (["--config-dir", CONF_DIR], 2)],
+                         ids=["flags", "hydra.mode named", "another config dir"])
+def test_the_run_mode_comes_from_the_flags_without_a_probe_compose(cli, tmp_path, monkeypatch, extra, composes):
+    """Hydra composed each command's config twice (once only to read hydra.mode); kvbench.commands.cli's
+    mode_from_the_flags leaves the probe out unless the command line names hydra.mode or another config: the same
+    line and exit code either way."""
+    from hydra._internal.hydra import Hydra
+
+    calls = []
+    compose_config = Hydra.compose_config
+
+    def counted(self, *a, **k):
+        calls.append(k.get("run_mode"))
+        return compose_config(self, *a, **k)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted)
+    _no_loading(monkeypatch)
+    code, out, err = cli([*extra, "seed=-1", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "invalid seed=-1")
+    assert len(calls) == composes, calls
+    assert Hydra.get_mode.__qualname__ == "Hydra.get_mode"  # Hydra's probe is back after the command
+
+
+def test_no_config_sets_hydra_mode():
+    """mode_from_the_flags (kvbench.commands.cli) rests on this: no YAML in conf/ sets hydra.mode, so Hydra's probe
+    would find none and go by the flags."""
+    import yaml
+
+    def modes(node, path=()):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                here = (*path, *str(key).split("."))
+                if here[-2:] == ("hydra", "mode"):
+                    yield ".".join(here)
+                yield from modes(value, here)
+
+    found, files = [], 0
+    for root, _, names in os.walk(CONF_DIR):
+        for name in names:
+            if name.endswith(".yaml"):
+                files += 1
+                text = open(os.path.join(root, name)).read()
+                package_hydra = "@package hydra" in text.splitlines()[0] if text else False
+                for doc in yaml.safe_load_all(text):
+                    found += [f"{name}: {m}" for m in modes({"hydra": doc} if package_hydra else doc)]
+    assert files > 50 and not found, found
+    assert list(modes({"hydra": {"mode": "MULTIRUN"}})) == ["hydra.mode"]  # the scan sees one
+    assert list(modes({"hydra.mode": "RUN"})) == ["hydra.mode"]
+
+
 def test_a_run_another_worker_is_running_does_not_exit_0(cli, tmp_path, monkeypatch):
     """A second `python -m kvbench` of a run claimed by a live worker printed "skipping" and exited 0 with no
     result; now it exits 1 with one line saying where the result will be."""
