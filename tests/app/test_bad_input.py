@@ -385,8 +385,11 @@ def _model_variant(src, dest, **config_changes):
     return str(dest)
 
 
-@pytest.fixture
-def paths(tmp_path, tiny_llama_dir):
+@pytest.fixture(scope="session")
+def paths(tmp_path_factory, tiny_llama_dir):
+    """The files and folders the table's {name} placeholders stand for, made once: every case only reads them
+    (test_bad_command_line checks that none was changed)."""
+    tmp_path = tmp_path_factory.mktemp("bad-input-paths")
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
@@ -461,7 +464,18 @@ def paths(tmp_path, tiny_llama_dir):
     return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "twoggufs": str(tmp_path / "twoggufs"), "deepseek_gguf": str(tmp_path / "ds.gguf"),
-            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
+            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other),
+            "_root": str(tmp_path)}
+
+
+def _tree(root: str) -> list:
+    """Every file and folder under root with its size and modification time (a fifo is stat-ed, not opened)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            st = os.lstat(os.path.join(folder, name))
+            found.append((os.path.relpath(os.path.join(folder, name), root), st.st_size, st.st_mtime_ns))
+    return sorted(found)
 
 
 @pytest.fixture
@@ -528,7 +542,7 @@ def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatc
     for module in setup.get("hide", []):
         monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.chdir(tmp_path)  # a results_dir that cannot be resolved must not leave a folder here either
-    before = set(os.listdir(tmp_path))
+    before, inputs = set(os.listdir(tmp_path)), _tree(paths["_root"])
     results = tmp_path / "r"
     args = [a.format(**paths) for a in args]
     own_results = any(a.startswith("results_dir=") for a in args)
@@ -541,6 +555,7 @@ def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatc
     assert "Traceback" not in out + err
     assert not results.exists(), sorted(os.listdir(results))  # no run folder, no runs.jsonl, no empty folder
     assert set(os.listdir(tmp_path)) == before
+    assert _tree(paths["_root"]) == inputs  # the shared inputs are read, never written
 
 
 # (command line, texts the one stderr line must contain); results_dir is tmp_path/r unless the case names it
