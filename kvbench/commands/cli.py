@@ -271,19 +271,21 @@ def announce_sweep_once(plans: list) -> None:
 def every_sweep_job_checked() -> Iterator[None]:
     """While it is open, a sweep (-m) checks every job's config as a run would before it loads the model
     (check_config: values, paths, lengths against the model's positions, ...) before the first job starts,
-    after Hydra's own check that each job composes; a refused sweep leaves no multirun.yaml (and no results folder
-    it made) behind."""
+    after every job composed (Hydra's own check, made here: each job composed once for both); a refused sweep
+    leaves no multirun.yaml (and no results folder it made) behind."""
     from hydra.plugins.sweeper import Sweeper
 
     hydra_check = Sweeper.validate_batch_is_legal
 
     def check_batch(self: Any, batch: Any) -> None:
         try:
-            hydra_check(self, batch)
+            # Hydra's own check (Sweeper.validate_batch_is_legal) is that every job composes; the jobs composed
+            # here for their plans make it, in its order (every job composed before any is planned), each job
+            # composed once instead of twice
             loader = getattr(self, "hydra_context", None)
             loader = loader.config_loader if loader is not None else self.config_loader
-            plans = [check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(o)))
-                     for o in batch]
+            configs = [loader.load_sweep_config(master_config=self.config, sweep_overrides=list(o)) for o in batch]
+            plans = [check_config(cfg) for cfg in configs]
         except BaseException:
             discard_sweep_file(self.config.hydra.sweep.dir)
             raise

@@ -879,6 +879,30 @@ def test_the_run_mode_comes_from_the_flags_without_a_probe_compose(cli, tmp_path
     assert Hydra.get_mode.__qualname__ == "Hydra.get_mode"  # Hydra's probe is back after the command
 
 
+def test_a_sweeps_jobs_are_composed_once_each_and_all_before_any_is_planned(cli, tmp_path, monkeypatch):
+    """Hydra's check that every job composes and kvbench's plan of every job composed each job twice; now once,
+    and still every job before the first is planned: job 2's composition error is the one reported, not job 1's
+    plan error."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    calls = []
+    load = ConfigLoaderImpl.load_sweep_config
+
+    def counted(self, master_config, sweep_overrides):
+        calls.append(tuple(sweep_overrides))
+        return load(self, master_config, sweep_overrides)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", counted)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["-m", "method=streaming_llm", "budget=64,-5", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "invalid budget=-5")
+    assert sorted(o for job in calls for o in job if o.startswith("budget=")) == ["budget=-5", "budget=64"], calls
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # set by the first command (run_cli), as in a process
+    code, out, err = cli(["-m", "budget=-5,abc", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "invalid budget='abc'")
+
+
 def test_no_config_sets_hydra_mode():
     """mode_from_the_flags (kvbench.commands.cli) rests on this: no YAML in conf/ sets hydra.mode, so Hydra's probe
     would find none and go by the flags."""
