@@ -271,19 +271,21 @@ def announce_sweep_once(plans: list) -> None:
 def every_sweep_job_checked() -> Iterator[None]:
     """While it is open, a sweep (-m) checks every job's config as a run would before it loads the model
     (check_config: values, paths, lengths against the model's positions, ...) before the first job starts,
-    after Hydra's own check that each job composes; a refused sweep leaves no multirun.yaml (and no results folder
-    it made) behind."""
+    after every job composed (Hydra's own check, made here: each job composed once for both); a refused sweep
+    leaves no multirun.yaml (and no results folder it made) behind."""
     from hydra.plugins.sweeper import Sweeper
 
     hydra_check = Sweeper.validate_batch_is_legal
 
     def check_batch(self: Any, batch: Any) -> None:
         try:
-            hydra_check(self, batch)
+            # Hydra's own check (Sweeper.validate_batch_is_legal) is that every job composes; the jobs composed
+            # here for their plans make it, in its order (every job composed before any is planned), each job
+            # composed once instead of twice
             loader = getattr(self, "hydra_context", None)
             loader = loader.config_loader if loader is not None else self.config_loader
-            plans = [check_config(loader.load_sweep_config(master_config=self.config, sweep_overrides=list(o)))
-                     for o in batch]
+            configs = [loader.load_sweep_config(master_config=self.config, sweep_overrides=list(o)) for o in batch]
+            plans = [check_config(cfg) for cfg in configs]
         except BaseException:
             discard_sweep_file(self.config.hydra.sweep.dir)
             raise
@@ -295,6 +297,30 @@ def every_sweep_job_checked() -> Iterator[None]:
         yield
     finally:
         Sweeper.validate_batch_is_legal = hydra_check
+
+
+# Command-line arguments that can make a config set hydra.mode: the override itself, or configs from elsewhere
+MODE_SOURCES = ("hydra.mode", "--config-path", "--config-name", "--config-dir", "-cp", "-cn", "-cd")
+
+
+@contextlib.contextmanager
+def mode_from_the_flags(argv: list) -> Iterator[None]:
+    """While it is open, Hydra takes the run mode from the command line's flags (-m: a sweep, else one run) without
+    first composing the whole config only to read `hydra.mode` from it (Hydra.get_mode), then composing it again for
+    the run: one compose less per command. The probe finds no mode in kvbench's configs (conf/ never sets
+    hydra.mode: tests/app/test_cli.py checks it), and where it finds none Hydra goes by the flags, as here; a command
+    line naming hydra.mode or another config (--config-dir, ...) keeps Hydra's probe."""
+    from hydra._internal.hydra import Hydra
+
+    if any(a.startswith(MODE_SOURCES) or "hydra.mode" in a for a in argv[1:]):
+        yield
+        return
+    probe = Hydra.get_mode
+    Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Hydra.get_mode = probe  # type: ignore[method-assign]
 
 
 # Hydra overrides for ranks other than 0 of a torchrun launch: rank 0 alone writes into the run folder (no second
@@ -322,7 +348,7 @@ def run_app_cli(main: Callable[[], Any]) -> NoReturn:
     sys.argv[:] = launch_rank_overrides(sys.argv)
     open_exit_channel()
     try:
-        with every_sweep_job_checked():
+        with every_sweep_job_checked(), mode_from_the_flags(sys.argv):
             run_cli(main, after=end_of_cli, stopped=stopped_sweep_table)
     finally:
         close_exit_channel()

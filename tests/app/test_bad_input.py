@@ -386,8 +386,11 @@ def _model_variant(src, dest, **config_changes):
     return str(dest)
 
 
-@pytest.fixture
-def paths(tmp_path, tiny_llama_dir):
+@pytest.fixture(scope="session")
+def paths(tmp_path_factory, tiny_llama_dir):
+    """The files and folders the table's {name} placeholders stand for, made once: every case only reads them
+    (test_bad_command_line checks that none was changed)."""
+    tmp_path = tmp_path_factory.mktemp("bad-input-paths")
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)
@@ -462,7 +465,18 @@ def paths(tmp_path, tiny_llama_dir):
     return {**models, **data, "empty": str(tmp_path / "empty"), "textfile": str(tmp_path / "notes.txt"),
             "gguf": str(tmp_path / "broken.gguf"), "emptyfile": str(tmp_path / "empty.txt"),
             "twoggufs": str(tmp_path / "twoggufs"), "deepseek_gguf": str(tmp_path / "ds.gguf"),
-            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other)}
+            "blankfile": str(tmp_path / "blank.txt"), "fifo": str(tmp_path / "fifo"), "othertok": str(other),
+            "_root": str(tmp_path)}
+
+
+def _tree(root: str) -> list:
+    """Every file and folder under root with its size and modification time (a fifo is stat-ed, not opened)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            st = os.lstat(os.path.join(folder, name))
+            found.append((os.path.relpath(os.path.join(folder, name), root), st.st_size, st.st_mtime_ns))
+    return sorted(found)
 
 
 @pytest.fixture
@@ -529,7 +543,7 @@ def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatc
     for module in setup.get("hide", []):
         monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.chdir(tmp_path)  # a results_dir that cannot be resolved must not leave a folder here either
-    before = set(os.listdir(tmp_path))
+    before, inputs = set(os.listdir(tmp_path)), _tree(paths["_root"])
     results = tmp_path / "r"
     args = [a.format(**paths) for a in args]
     own_results = any(a.startswith("results_dir=") for a in args)
@@ -542,6 +556,7 @@ def test_bad_command_line(cli, paths, tmp_path, args, needles, setup, monkeypatc
     assert "Traceback" not in out + err
     assert not results.exists(), sorted(os.listdir(results))  # no run folder, no runs.jsonl, no empty folder
     assert set(os.listdir(tmp_path)) == before
+    assert _tree(paths["_root"]) == inputs  # the shared inputs are read, never written
 
 
 # (command line, texts the one stderr line must contain); results_dir is tmp_path/r unless the case names it
@@ -840,6 +855,80 @@ def test_the_line_names_the_knob_set(cli, tmp_path, monkeypatch, args, needle):
     code, out, err = cli([*args, "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
     _one_line(code, out, err, needle)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("extra,composes", [([], 1), (["hydra.mode=RUN"], 2), (["--config-dir", CONF_DIR], 2)],
+                         ids=["flags", "hydra.mode named", "another config dir"])
+def test_the_run_mode_comes_from_the_flags_without_a_probe_compose(cli, tmp_path, monkeypatch, extra, composes):
+    """Hydra composed each command's config twice (once only to read hydra.mode); kvbench.commands.cli's
+    mode_from_the_flags leaves the probe out unless the command line names hydra.mode or another config: the same
+    line and exit code either way."""
+    from hydra._internal.hydra import Hydra
+
+    calls = []
+    compose_config = Hydra.compose_config
+
+    def counted(self, *a, **k):
+        calls.append(k.get("run_mode"))
+        return compose_config(self, *a, **k)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted)
+    _no_loading(monkeypatch)
+    code, out, err = cli([*extra, "seed=-1", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "invalid seed=-1")
+    assert len(calls) == composes, calls
+    assert Hydra.get_mode.__qualname__ == "Hydra.get_mode"  # Hydra's probe is back after the command
+
+
+def test_a_sweeps_jobs_are_composed_once_each_and_all_before_any_is_planned(cli, tmp_path, monkeypatch):
+    """Hydra's check that every job composes and kvbench's plan of every job composed each job twice; now once,
+    and still every job before the first is planned: job 2's composition error is the one reported, not job 1's
+    plan error."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    calls = []
+    load = ConfigLoaderImpl.load_sweep_config
+
+    def counted(self, master_config, sweep_overrides):
+        calls.append(tuple(sweep_overrides))
+        return load(self, master_config, sweep_overrides)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", counted)
+    _no_loading(monkeypatch)
+    code, out, err = cli(["-m", "method=streaming_llm", "budget=64,-5", "logger.wandb=false",
+                          f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "invalid budget=-5")
+    assert sorted(o for job in calls for o in job if o.startswith("budget=")) == ["budget=-5", "budget=64"], calls
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # set by the first command (run_cli), as in a process
+    code, out, err = cli(["-m", "budget=-5,abc", "logger.wandb=false", f"results_dir={tmp_path / 'r'}"])
+    _one_line(code, out, err, "invalid budget='abc'")
+
+
+def test_no_config_sets_hydra_mode():
+    """mode_from_the_flags (kvbench.commands.cli) rests on this: no YAML in conf/ sets hydra.mode, so Hydra's probe
+    would find none and go by the flags."""
+    import yaml
+
+    def modes(node, path=()):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                here = (*path, *str(key).split("."))
+                if here[-2:] == ("hydra", "mode"):
+                    yield ".".join(here)
+                yield from modes(value, here)
+
+    found, files = [], 0
+    for root, _, names in os.walk(CONF_DIR):
+        for name in names:
+            if name.endswith(".yaml"):
+                files += 1
+                text = open(os.path.join(root, name)).read()
+                package_hydra = "@package hydra" in text.splitlines()[0] if text else False
+                for doc in yaml.safe_load_all(text):
+                    found += [f"{name}: {m}" for m in modes({"hydra": doc} if package_hydra else doc)]
+    assert files > 50 and not found, found
+    assert list(modes({"hydra": {"mode": "MULTIRUN"}})) == ["hydra.mode"]  # the scan sees one
+    assert list(modes({"hydra.mode": "RUN"})) == ["hydra.mode"]
 
 
 def test_a_run_another_worker_is_running_does_not_exit_0(cli, tmp_path, monkeypatch):

@@ -58,6 +58,20 @@ def test_every_group_option_composes(group):
         kconfig.validate(cfg)
 
 
+def test_the_tests_compose_is_hydras_and_each_call_gets_its_own_copy():
+    """tests.harness_fakes.compose composes a command line once per process: the same config as Hydra's compose,
+    and a caller changing its copy changes no other caller's."""
+    from tests.harness_fakes import _hydra_compose
+
+    args = ["method=snapkv", "budget=64"]
+    a, b = compose(args), compose(args)
+    assert a is not b and a == b == _hydra_compose(tuple(args))
+    a.budget, a.method.window = 7, 3
+    assert compose(args) == b and b.budget == 64 and b.method.window != 3
+    searched = ["hydra.searchpath=[]", "budget=64"]  # a hydra.* setting: composed each time
+    assert compose(searched) is not compose(searched) and compose(searched).budget == 64
+
+
 def test_schemas_are_not_choices():
     # the dataclass schemas are stored at the root of the ConfigStore, not in the groups
     assert "kvbench_schema" not in _choices("model")
