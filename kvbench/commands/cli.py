@@ -312,8 +312,8 @@ def mode_from_the_flags(argv: list) -> Iterator[None]:
     line naming hydra.mode or another config (--config-dir, ...) keeps Hydra's probe."""
     from hydra._internal.hydra import Hydra
 
-    if any(a.startswith(MODE_SOURCES) or "hydra.mode" in a for a in argv[1:]):
-        yield
+    if any(a.startswith(MODE_SOURCES) or "hydra.mode" in a for a in argv[1:]) or not hasattr(Hydra, "get_mode"):
+        yield  # (a Hydra without the probe: nothing to skip)
         return
     probe = Hydra.get_mode
     Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
