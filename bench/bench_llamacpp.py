@@ -1,4 +1,4 @@
-"""kvbench against llama.cpp on the same GGUF file: decode and prefill tok/s, per weights type, same threads, alternated.
+"""kvbench against llama.cpp on the same GGUF file: prefill and decode tok/s per weights type, same threads, alternated.
 
 The weights axis (`--weights f32,q8_0,q4_k_m`, all three by default): the packaged SmolLM2-135M Q4_1 GGUF is
 converted once to F32 by llama.cpp's own llama_model_quantize (ftype ALL_F32), and the F32 copy once to Q8_0 and

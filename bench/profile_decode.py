@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--model", default=None,
-                    help="a GGUF file, loaded with its weights kept quantized (default: the packaged SmolLM2-135M, fp32)")
+                    help="a GGUF file, its weights kept quantized (default: the packaged SmolLM2-135M in fp32)")
     args = ap.parse_args()
 
     from kvbench.runtime.backends.cpu.threads import configure_threads
