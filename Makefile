@@ -10,8 +10,9 @@
 #   make bench-quant     GGUF blocks kept quantized vs fp32: 4096x4096 GEMV GB/s, peak RSS (bench/bench_quant_linear.py)
 #   make bench-throughput serving at fixed KV memory, per method (bench/bench_throughput.py)
 #   make bench-speculative self-speculation with compressed-cache drafts vs plain decoding (bench/bench_speculative.py)
-#   make bench-llamacpp  CPU decode against llama.cpp, same F32 weights (bench/bench_llamacpp.py); builds llama.cpp
-#                        (llama-cpp-python's sdist) into its own venv first, once: several minutes
+#   make bench-llamacpp  CPU prefill and decode against llama.cpp, same GGUF in F32, Q8_0 and Q4_K_M
+#                        (bench/bench_llamacpp.py); builds llama.cpp (llama-cpp-python's sdist) into its own venv
+#                        first, once: several minutes
 # Everything goes into .venv (created with $(PYTHON) -m venv). Repeats are fast: a stamp file records the install.
 
 SHELL := /bin/bash

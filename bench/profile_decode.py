@@ -12,24 +12,54 @@ step, and each phase's share of the step, are printed; the last line is one JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
 
 class TimedLinear:
-    """A Linear whose calls are timed (wall seconds summed in .seconds); everything else passes through."""
+    """A Linear (or any callable) whose calls are timed: wall seconds summed in .seconds, and in .decode_seconds for
+    the calls `is_decode(*args)` says belong to a decode step; everything else passes through."""
 
-    def __init__(self, inner):
-        self.inner, self.seconds = inner, 0.0
+    def __init__(self, inner, is_decode=None):
+        self.inner, self.seconds, self.decode_seconds = inner, 0.0, 0.0
+        self.is_decode = is_decode
 
     def __call__(self, *args, **kwargs):
         t = time.perf_counter()
         y = self.inner(*args, **kwargs)
-        self.seconds += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.seconds += dt
+        if self.is_decode is not None and self.is_decode(*args):
+            self.decode_seconds += dt
         return y
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def op_by_op_timers(model, max_rows: int):
+    """While on: each layer's projections wrapped in TimedLinear (kind -> the layers' timers) and the model's
+    per-group attention timed (key "attention_and_kv_write"), their decode calls told apart from the prefill's (at
+    most `max_rows` rows: the batch; a prefill chunk has more); the fused step never calls them, so they stay 0."""
+    timers: dict[str, list[TimedLinear]] = {n: [] for n in PROJECTIONS}
+    for lw in model.layers:
+        for n in PROJECTIONS:
+            timers[n].append(TimedLinear(getattr(lw, n), lambda x, *a: x.shape[0] <= max_rows))
+            setattr(lw, n, timers[n][-1])
+    attend = TimedLinear(model._attend_group, lambda li, lw, g, *a: g.tokens.shape[1] == 1)  # one query a sequence
+    model._attend_group = attend  # an instance attribute: shadows the method for this model only
+    timers["attention_and_kv_write"] = [attend]
+    try:
+        yield timers
+    finally:
+        del model._attend_group
+        for n in PROJECTIONS:
+            for lw, t in zip(model.layers, timers[n]):
+                setattr(lw, n, t.inner)
 
 
 def profile_shape(engine, model, ctx: int, batch: int, n: int, vocab: int) -> dict:
@@ -45,7 +75,7 @@ def profile_shape(engine, model, ctx: int, batch: int, n: int, vocab: int) -> di
     try:
         engine.generate(prompts, max_new_tokens=n + 1)  # warm-up: the pool's pages, buffers, thread choice
         head.seconds = 0.0
-        with kernels.PhaseClock() as clock:
+        with kernels.PhaseClock() as clock, op_by_op_timers(model, batch) as timers:
             gens = engine.generate(prompts, max_new_tokens=n + 1)
     finally:
         model.lm_head = head.inner
@@ -54,6 +84,8 @@ def profile_shape(engine, model, ctx: int, batch: int, n: int, vocab: int) -> di
     # the LM head also ran once on the prefill's last rows: its decode share is steps / (steps + 1) of its time
     head_s = head.seconds * steps / (steps + 1)
     phases = {k: v / steps * 1e3 for k, v in clock.seconds().items()}
+    if not any(phases.values()):  # not fused: the op-by-op timers' decode calls
+        phases = {k: sum(t.decode_seconds for t in ts) / steps * 1e3 for k, ts in timers.items()}
     layers_ms = sum(phases.values())
     step_ms = decode_s / steps * 1e3
     phases["lm_head"] = head_s / steps * 1e3
@@ -67,6 +99,8 @@ def main() -> None:
     ap.add_argument("--batch16-context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file, its weights kept quantized (default: the packaged SmolLM2-135M in fp32)")
     args = ap.parse_args()
 
     from kvbench.runtime.backends.cpu.threads import configure_threads
@@ -75,7 +109,7 @@ def main() -> None:
     import kvbench  # noqa: F401  (kvbench's OpenMP wait policy before torch loads)
 
     configure_threads(args.threads)
-    model = load_model(dtype="float32").model
+    model = (load_model(args.model, weights="quantized") if args.model else load_model(dtype="float32")).model
     engine = Engine(model, prefill_chunk_size=512, prefix_caching=False, schedule="prefill_first")
     shapes = [(int(c), 1) for c in args.contexts.split(",") if c] + [(args.batch16_context, 16)]
     out = {}
