@@ -47,7 +47,8 @@ def worker(args) -> None:
     out: list[int] = []
     decode_s = 0.0
     while len(out) < limit:
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # logits of the last position, [vocab]
+        # the last position's logits, [vocab] (without logits_all llama-cpp-python keeps no scores: read the context's)
+        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
         out.append(tok)
         if tok in stops or len(out) == limit:
             break

@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "needle_llamacpp.py"
 
 FAKE = '''
-import numpy as np
+import ctypes
 __version__ = "fake"
 NEXT = {5: 7, 7: 9, 9: 2}  # last token -> the argmax the fake model gives; 2 is the stop id
 class Llama:
@@ -19,11 +19,14 @@ class Llama:
     @property
     def n_tokens(self):
         return len(self.ids)
+    def n_vocab(self):
+        return 16
     @property
-    def scores(self):  # [n_tokens, vocab], only the last row meaningful
-        s = np.zeros((len(self.ids), 16), dtype=np.float32)
-        s[-1, NEXT.get(self.ids[-1], 3)] = 1.0
-        return s
+    def _ctx(self):  # llama.cpp's context: get_logits() points at the last position's logits, [vocab]
+        row = (ctypes.c_float * 16)()
+        row[NEXT.get(self.ids[-1], 3)] = 1.0
+        self._row = row  # kept alive while the worker reads it
+        return type("Ctx", (), {"get_logits": lambda _: ctypes.cast(row, ctypes.POINTER(ctypes.c_float))})()
     def eval(self, tokens):
         assert len(self.ids) + len(tokens) <= self.n_ctx
         self.ids += list(tokens)
