@@ -299,23 +299,26 @@ def measured_speed(model: Any, dtype: Any, device: Any, threads: Any = None, *, 
     target = {"task": task, "method": method}
     out: dict = {"others_load": now.load, "runs": 0}
     used_runs: dict = {}
-    for name in RATES:
-        for tier in TIERS:
-            found = now.nearest(_tier_runs(runs, target, tier), lambda r, n=name: _rate(r, n), rate=True)
-            if found is None:
-                continue
-            value, used = found
-            if tier != TIERS[0]:
-                factor = _tier_factor(data, key, target, tier, name, cpus, now.threads)
-                what = " and ".join(tier) or "any task or method"
-                basis.append(f"{name.split('_')[0]} from runs of the same {what}" if tier else
-                             f"{name.split('_')[0]} from runs of other tasks and methods")
-                if factor is not None:
-                    value *= factor
-                    basis[-1] += f" times {factor:.2f} (measured on other models)"
-            out[name] = value / size_factor
-            used_runs.update({id(r): r for r in used})
-            break
+    known_load = [r for r in runs if _positive(r.get(LOAD_FIELD))]
+    for name, tier, pool in [(n, t, p) for n in RATES for p in (known_load, runs) for t in TIERS]:
+        # runs measured at a known load first, down every tier; runs of unknown load (kept before the load was)
+        # only where no such run has the figure: a narrower tier's run at an unknown load can be many times off
+        if name in out:
+            continue
+        found = now.nearest(_tier_runs(pool, target, tier), lambda r, n=name: _rate(r, n), rate=True)
+        if found is None:
+            continue
+        value, used = found
+        if tier != TIERS[0]:
+            factor = _tier_factor(data, key, target, tier, name, cpus, now.threads)
+            what = " and ".join(tier) or "any task or method"
+            basis.append(f"{name.split('_')[0]} from runs of the same {what}" if tier else
+                         f"{name.split('_')[0]} from runs of other tasks and methods")
+            if factor is not None:
+                value *= factor
+                basis[-1] += f" times {factor:.2f} (measured on other models)"
+        out[name] = value / size_factor
+        used_runs.update({id(r): r for r in used})
     if RATES[1] not in out and RATES[0] in out:
         found = _decode_per_prefill(data, model)
         if found is not None:

@@ -410,3 +410,21 @@ def test_first_hour_judges_a_ratio_both_ways_and_a_killed_command_as_unknown():
     assert judge(360.0, 300.0, killed=True) == (1.2, None)  # killed: the time is a lower bound, so unknown
     assert judge(360.0, 100.0, killed=True) == (3.6, False)  # ... unless even the bound is past 2x
     assert judge(360.0, None, killed=True) == (None, None)  # killed before metrics.json kept its estimate
+
+
+def test_runs_of_a_known_load_come_before_a_narrower_tiers_runs_of_unknown_load(tmp_path, monkeypatch):
+    """A record kept before its load was (an older kvbench's: it ran beside 14 busy processes) is used only where
+    no run of a known load has the figure at any tier: such a run can be many times slower than the machine now."""
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    for rate in (300.0, 310.0, 290.0):
+        _record_at(monkeypatch, 0.0, _run(rate, task="perplexity"))
+    data = json.loads((tmp_path / estimate.SPEED_FILE).read_text())
+    (key,) = data
+    data[key]["runs"].append({**_run(20.0, task="ruler"), "load_avg_1m": 14.3})  # the old field: unknown load now
+    (tmp_path / estimate.SPEED_FILE).write_text(json.dumps(data))
+    ruler = _speed(0.0, task="ruler")
+    assert ruler["prefill_tokens_per_s"] == 300.0
+    assert any(b.startswith("prefill from runs of the same method") for b in ruler["basis"])
+    data[key]["runs"] = [r for r in data[key]["runs"] if r.get("task") == "ruler"]  # only the unknown-load run
+    (tmp_path / estimate.SPEED_FILE).write_text(json.dumps(data))
+    assert _speed(0.0, task="ruler")["prefill_tokens_per_s"] == 20.0  # the last resort
