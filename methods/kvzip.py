@@ -15,11 +15,22 @@ prev_postfix_size 8, n_sink 4, layerwise false):
   * layerwise=false: the kept tokens are the layers x kv_heads x budget best over every layer and kv-head of the
     sequence jointly (budget_scope "sequence": layers and heads keep different counts); layerwise=true: each layer
     keeps its kv_heads x budget best jointly over its kv-heads ("layer").
-The reconstruction tokens go through the engine's public API (Engine.forward_chunk on the same sequence, positions
-after the context, scratch=True: not counted as the sequence's tokens, so the prompt's length, full_kv_bytes and
-prefill_stats are the context's alone) and the method scores them in its own after_attention hook; afterwards they
-are dropped with the cache's keep_tokens (their blocks return to the pool) and the context is evicted to the
-budget, so the pool's peak includes one reconstruction chunk (as KVzip's own). Tables really shrink per head (kvpress masks instead).
+The reconstruction tokens go through the engine's public API (Engine.forward_chunk, positions after the context,
+scratch=True: not counted as the sequence's tokens, so the prompt's length, full_kv_bytes and prefill_stats are the
+context's alone) and the method scores them in its own after_attention hook; afterwards they are dropped and the
+context is evicted to the budget, so the pool's peak includes one reconstruction chunk (as KVzip's own). Tables
+really shrink per head (kvpress masks instead). Where the pass runs:
+  * a model whose layers are all full: on the sequence itself; the pass's tokens are then dropped with the cache's
+    keep_tokens (their blocks return to the pool);
+  * a model with sliding-window layers (Gemma 2/3, GPT-OSS): on a copy-on-write fork of the sequence
+    (Engine.fork_sequence(scratch=True)), ended afterwards, since the pass would slide a sliding layer's ring
+    (PagedKVCache.slide_window) past the context's window. The sequence's tables, rings and positions are never
+    touched by the pass; the scores of the fork's full layers go to the sequence's state. Only the full layers
+    (cache.method_layers) are scored and evicted; the sliding layers stay whole, as KVzip's own code
+    (attention/kvcache.py RetainHybridCache: backup_sliding_cache before the pass, restore_sliding_cache after).
+    The pool's peak then also holds the partial last blocks the fork copies before appending (one per table at
+    most) and the fork's sliding-layer tokens of the pass (its rings slide as any sequence's).
+  The sequence budget is layers x kv_heads x budget over the full layers (cache.method_layers).
 The template prefix follows kvpress, not KVzip's own code (snu-mllab/KVzip attention/kvcache.py, score.py): there
 the whole prefix (the system prompt) is kept outside the budget and is every chunk's softmax sink; kvpress and
 kvbench keep its first n_sink tokens, score the rest 0 (evicted first) and count it in the budget.
@@ -141,19 +152,7 @@ class KVzip(EvictionMethod, Method):
         """KVzip+ divides by each reconstruction query's ||h|| (its attention input)."""
         return bool(self.kvzip_plus_normalization)
 
-    SLIDING_REFUSAL: ClassVar[str] = (
-        "kvzip's reconstruction pass runs through every layer, and a sliding-window layer's ring would lose its window "
-        "to the pass's tokens: not supported for a model with sliding layers")
-
-    def preflight(self, settings: Any, model_shape: Any = None) -> None:
-        """Before the model loads: a model with sliding-window layers is refused (bind_engine's check, from the
-        layer windows config.json or the GGUF header gives)."""
-        if any(w is not None for w in getattr(model_shape, "layer_windows", ()) or ()):
-            raise UserError(self.SLIDING_REFUSAL)
-
     def bind_engine(self, engine: Any) -> None:
-        if len(engine.cache.method_layers) != engine.cache.num_layers:
-            raise UserError(self.SLIDING_REFUSAL)
         tok = getattr(engine.model, "tokenizer", None)
         if tok is None:
             raise UserError("kvzip needs the model's tokenizer (to write its reconstruction prompt)")
@@ -174,7 +173,7 @@ class KVzip(EvictionMethod, Method):
         s = reconstruction_scores(obs.step_queries, obs.step_query_positions, k, k_pos, lengths, obs.head_dim ** -0.5,
                                   sinks=min(self.n_sink, p["start"]), start=p["start"], end=p["end"],
                                   context_len=p["context_len"], plus=plus)
-        st = self.state(slot, obs.layer)
+        st = self.state(p["owner"], obs.layer)  # the sequence's state (the pass may run on its fork)
         n_ctx = int(((k_pos >= 0) & (k_pos < p["context_len"])).sum(-1).max())  # context slots come first
         old = st.get("scores")
         if old is None:
@@ -225,7 +224,7 @@ class KVzip(EvictionMethod, Method):
         budget = self.budget if ratio is None else max(1, int((context_len - kept_whole) * (1.0 - ratio)))
         self._evict(slot, budget + kept_whole, st["held"])
         if last_chunk:  # prefill_stats: what the prompt kept once evicted (the base would record before this)
-            for layer in range(self.engine.cache.num_layers):
+            for layer in self.engine.cache.method_layers:
                 self.record_kept(self.engine.cache, slot, layer)
 
     def _record_kept(self, obs: Observation) -> None:
@@ -255,20 +254,32 @@ class KVzip(EvictionMethod, Method):
             self._reconstruct(slot, ask + self.suffix_ids + ids[a:b], a, b, context_len)
 
     def _reconstruct(self, slot: int, feed: list[int], start: int, end: int, context_len: int) -> None:
-        """Feed the reconstruction tokens after the context (scored in observe), then drop them."""
+        """Feed the reconstruction tokens after the context (scored in observe into `slot`'s state), then drop them:
+        on a fork of `slot` ended afterwards where the model has sliding layers, else on `slot` itself."""
         cache, step = self.engine.cache, self.engine.prefill_chunk_size
-        self.reconstructing, self._pass = True, {"slot": slot, "start": start, "end": end, "context_len": context_len}
+        on_fork = len(cache.method_layers) != cache.num_layers  # a sliding layer's ring must not slide
+        runs_on = self.engine.fork_sequence(slot, scratch=True) if on_fork else slot
+        self.reconstructing = True
+        self._pass = {"slot": runs_on, "owner": slot, "start": start, "end": end, "context_len": context_len}
         try:
             for a in range(0, len(feed), step):
-                self.engine.forward_chunk(slot, feed[a: a + step], context_len + a, last_chunk=False,
+                self.engine.forward_chunk(runs_on, feed[a: a + step], context_len + a, last_chunk=False,
                                           logits_for="none", scratch=True)  # not the sequence's tokens
         finally:
             self.reconstructing, self._pass = False, None
-            for layer in range(cache.num_layers):  # the reconstruction tokens leave; their blocks are freed
-                _, _, pos = cache.gather(layer, slot)  # [H, T]
-                n_ctx = (pos >= 0) & (pos < context_len)
-                keep = torch.where(n_ctx, torch.arange(pos.shape[1], device=pos.device), torch.full_like(pos, -1))
-                cache.keep_tokens(layer, slot, keep.to(torch.int64))
+            if on_fork:
+                self.engine.end_sequence(runs_on)  # the fork's own blocks return to the pool
+            else:
+                self._drop_pass_tokens(slot, context_len)
+
+    def _drop_pass_tokens(self, slot: int, context_len: int) -> None:
+        """Keep only the context's tokens (positions < context_len) of every layer: the pass's blocks are freed."""
+        cache = self.engine.cache
+        for layer in range(cache.num_layers):
+            _, _, pos = cache.gather(layer, slot)  # [H, T]
+            n_ctx = (pos >= 0) & (pos < context_len)
+            keep = torch.where(n_ctx, torch.arange(pos.shape[1], device=pos.device), torch.full_like(pos, -1))
+            cache.keep_tokens(layer, slot, keep.to(torch.int64))
 
     def _scores(self, slot: int, layer: int, held: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [H, T] of the layer's cached tokens and lengths [H]: the first n_sink tokens score 2.0, above any
@@ -288,10 +299,12 @@ class KVzip(EvictionMethod, Method):
         return s, lengths
 
     def _evict(self, slot: int, budget: int, held: list[tuple[int, int]]) -> None:
-        """Keep the layers x kv_heads x budget best tokens of the sequence (layerwise: kv_heads x budget per layer)."""
+        """Keep the layers x kv_heads x budget best tokens of the sequence (layerwise: kv_heads x budget per layer),
+        over its full layers (cache.method_layers: a sliding layer is never evicted)."""
         cache, cfg = self.engine.cache, getattr(self, "model_config", None)
-        L, H = cache.num_layers, cache.num_kv_heads
-        per_layer = [self._scores(slot, layer, held) for layer in range(L)]
+        layers = cache.method_layers
+        L, H = len(layers), cache.num_kv_heads
+        per_layer = [self._scores(slot, layer, held) for layer in layers]
         if tp_size_of(cfg) > 1:  # the budget spans every kv-head: every rank's scores, in one all-gather
             width = int(cache.tokens_seen[slot])
             s_all, n_all = gather_head_scores(
@@ -299,7 +312,7 @@ class KVzip(EvictionMethod, Method):
                 torch.stack([n for _, n in per_layer]), cfg, width)  # [L, H_all, width], [L, H_all]
             per_layer, H = [(s_all[layer], n_all[layer]) for layer in range(L)], full_kv_heads(cfg)
         if self.layerwise:
-            for layer, (s, lengths) in enumerate(per_layer):
+            for layer, (s, lengths) in zip(layers, per_layer):
                 if int(lengths.sum()) > H * budget:
                     self._keep(slot, layer, local_keep(top_tokens_in_layer(s, H * budget, lengths), cfg))
             return
@@ -309,8 +322,8 @@ class KVzip(EvictionMethod, Method):
         T = max(s.shape[1] for s, _ in per_layer)
         s = torch.stack([torch.nn.functional.pad(x, (0, T - x.shape[1])) for x, _ in per_layer])  # [L, H, T]
         keep = top_tokens_in_layer(s.view(L * H, T), L * H * budget, lengths.view(-1)).view(L, H, -1)
-        for layer in range(L):
-            k = local_keep(keep[layer], cfg)
+        for i, layer in enumerate(layers):
+            k = local_keep(keep[i], cfg)
             self._keep(slot, layer, k[:, : max(1, int((k >= 0).sum(-1).max()))])
 
     def _keep(self, slot: int, layer: int, keep: torch.Tensor) -> None:

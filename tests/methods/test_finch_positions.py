@@ -240,15 +240,22 @@ def test_the_refusal_comes_before_the_load():
     Finch(compression_ratio=0.5, rerotate_keys=False).preflight(None, SimpleNamespace(layer_windows=(None, 8)))
 
 
-def test_kvzip_refuses_sliding_layers_before_the_load():
-    """kvzip's reconstruction pass would overwrite a sliding layer's ring: refused from the layer windows in its
-    preflight (before any weight loads), as bind_engine refuses it on a loaded model."""
+def test_kvzip_runs_on_sliding_layers():
+    """kvzip once refused a model with sliding layers (its reconstruction pass would slide their rings): its preflight
+    now passes them, and on Gemma 3's pattern it compresses the full layer alone (the pass on a fork of the
+    sequence: tests/methods/test_kvzip_sliding.py), the sliding layers' rings as full's."""
     from types import SimpleNamespace
 
-    from kvbench.errors import UserError
-    from kvbench.methods import build_method
-    kvzip = build_method("kvzip", budget=64)
-    with pytest.raises(UserError, match="sliding layers"):
-        kvzip.preflight(None, SimpleNamespace(layer_windows=(8, 8, None)))
-    kvzip.preflight(None, SimpleNamespace(layer_windows=()))
-    kvzip.preflight(None, SimpleNamespace(layer_windows=(None, None)))
+    from tests.tiny_models import ByteTokenizer, tiny_model
+    kvzip = build_method("kvzip", 8)
+    kvzip.preflight(None, SimpleNamespace(layer_windows=(8, 8, None)))
+    prompt = list(range(3, 83))
+    lengths = []
+    for method in (kvzip, None):
+        engine = Engine(tiny_model("gemma3", vocab=128, tokenizer=ByteTokenizer(128)), method, block_size=16,
+                        num_blocks=512, attention_backend="torch")
+        slot = engine.new_sequence()
+        engine.step([Segment(slot, prompt, 0, "prefill", last_chunk=True)])
+        lengths.append(engine.cache.lengths[slot])
+    assert int(lengths[0][3].sum()) == 2 * 8  # the full layer: kv_heads x budget
+    assert torch.equal(lengths[0][:3], lengths[1][:3])  # the sliding layers: as full leaves them

@@ -71,6 +71,9 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
                                     device=self.device)
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self.live: set[int] = set()
+        # forks a method's own pass runs on (Engine.fork_sequence(scratch=True), KVzip's reconstruction): their
+        # blocks count in the pool as any, but they are no sequence of the workload (left out of full_kv_bytes)
+        self.scratch_slots: set[int] = set()
         self.tokens_seen = [0] * max_seqs  # tokens appended to each sequence (before any eviction)
         # tokens appended to a sequence take positions (their index in it) - position_shift[slot]: 0 unless the
         # method re-indexed the kept prompt (continue_positions_at, kvpress's pipeline after FinchPress)
@@ -156,6 +159,7 @@ class PagedKVCache(KVEviction, KVAccounting, FullPrecisionLayout):
         self.lengths[slot] = 0
         self.host_lengths[slot] = 0
         self.live.discard(slot)
+        self.scratch_slots.discard(slot)
         self._free_slots.append(slot)
 
     def fork(self, slot: int) -> int:

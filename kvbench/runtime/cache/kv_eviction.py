@@ -375,9 +375,11 @@ class KVEviction:
         for kind, layers in (("full", full_layers), ("sliding", sliding)):  # each layer's blocks at its size
             peaks[f"{kind}_bytes"] = max(peaks[f"{kind}_bytes"], self.held_bytes(lengths[:, layers], layers))
         # an uncompressed cache at this moment: the full layers at every token appended (this step's included),
-        # the sliding layers as their rings hold them (never compressed); its peak is full_peak_kv_bytes
-        seen = sum(int(blocks_for_tokens(self.tokens_seen[s], self.block_size)) for s in live)
-        now = seen * len(full_layers) * self.num_kv_heads + int(held[:, sliding].sum())
+        # the sliding layers as their rings hold them (never compressed); its peak is full_peak_kv_bytes. A scratch
+        # fork (a method's own pass, Engine.fork_sequence(scratch=True)) is no sequence of the workload: left out
+        counted = [i for i, s in enumerate(live) if s not in self.scratch_slots]
+        seen = sum(int(blocks_for_tokens(self.tokens_seen[live[i]], self.block_size)) for i in counted)
+        now = seen * len(full_layers) * self.num_kv_heads + int(held[counted][:, sliding].sum())
         peaks["uncompressed_blocks"] = max(peaks["uncompressed_blocks"], now)
         return plan
 

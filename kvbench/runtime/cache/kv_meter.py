@@ -83,18 +83,21 @@ class KVMeter:
         c = self.cache
         bs = c.block_size
         per_block = c.uncompressed_block_bytes()  # model dtype
-        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in c.live) * len(self.full_layers) * c.num_kv_heads
+        scratch = getattr(c, "scratch_slots", ())  # a method's own pass: not in the uncompressed figure
+        counted = [s for s in c.live if s not in scratch]
+        blocks = sum(blocks_for_tokens(c.tokens_seen[s], bs) for s in counted) * len(self.full_layers) * c.num_kv_heads
         full = blocks * per_block
         sliding_full = 0
         if self.sliding:
             live = sorted(c.live)
+            counted_rows = [i for i, s in enumerate(live) if s not in scratch]
             held = {kind: c.held_bytes(c.host_lengths[live][:, layers], layers) if live else 0
                     for kind, layers in (("full", self.full_layers), ("sliding", self.sliding))}
             for kind, n in held.items():
                 self.type_peak_held[kind] = max(self.type_peak_held[kind], n)
             # never compressed: what an uncompressed cache holds there is what the ring holds (in the model dtype)
-            sliding_full = (int(blocks_for_tokens(c.host_lengths[live][:, self.sliding], bs).sum()) * per_block
-                            if live else 0)
+            sliding_full = (int(blocks_for_tokens(c.host_lengths[live][counted_rows][:, self.sliding], bs).sum())
+                            * per_block if counted_rows else 0)
         shared = c.fork_shared_bytes()
         self.peak_fork_shared_bytes = max(self.peak_fork_shared_bytes, shared)
         if full + sliding_full > self.peak_full_bytes:

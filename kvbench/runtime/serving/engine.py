@@ -246,10 +246,14 @@ class Engine:
         """A new, empty sequence slot."""
         return self.cache.add_sequence()
 
-    def fork_sequence(self, slot: int) -> int:
+    def fork_sequence(self, slot: int, *, scratch: bool = False) -> int:
         """A new sequence sharing every block of `slot` (copy-on-write on its first write); the method copies its
-        state for it (`on_fork`), so both go on exactly as the original would."""
+        state for it (`on_fork`), so both go on exactly as the original would. scratch=True: a method's own pass
+        runs on the child (KVzip's reconstruction on a model with sliding layers), which it ends afterwards: its
+        blocks count in the pool (peak_kv_bytes) but it is no sequence of the workload (not in full_kv_bytes)."""
         child = self.cache.fork(slot)
+        if scratch:
+            self.cache.scratch_slots.add(child)
         self.method.on_fork(slot, child)
         return child
 
