@@ -127,3 +127,21 @@ def test_sliding_layers_read_right(cli, tmp_path, capsys, task):  # noqa: F811
         assert full["kv_read_fraction"] == pytest.approx(1.0)
         assert "100.0% of what full attention reads" in " ".join(format_summary(full).split())
         assert snap["kv_read_fraction"] < 1.0
+
+
+def test_kvzip_runs_on_sliding_layers_from_the_command_line(cli, tmp_path):  # noqa: F811
+    """kvzip on the Gemma 3 shape (its reconstruction pass on a fork of the sequence, methods/kvzip.py): the run is
+    ok, its uncompressed figures are full's (the pass's fork is no sequence of the workload) and it keeps half."""
+    folder = _save("gemma3", tmp_path / "g")
+    runs = {}
+    for method in (["method=full"], ["method=kvzip", "compression_ratio=0.5"]):
+        out_dir = tmp_path / method[0].split("=")[1]
+        code, _, err = cli(["model=hf", f"model.path={folder}", *NEEDLE, *method, f"results_dir={out_dir}"])
+        assert code == 0, err[-2000:]
+        (path,) = list(out_dir.glob("*/metrics.json"))
+        runs[method[0]] = json.loads(path.read_text())
+    full, kvzip = runs["method=full"], runs["method=kvzip"]
+    assert kvzip["status"] == "ok" and kvzip["sliding_layers"] == 3
+    for key in ("full_kv_bytes", "full_kv_bytes_full_layers", "full_kv_bytes_sliding_layers", "full_peak_kv_bytes"):
+        assert kvzip[key] == full[key], key
+    assert kvzip["fork_shared_kv_bytes"] == 0 and kvzip["kv_kept_fraction"] == pytest.approx(0.5, abs=0.01)

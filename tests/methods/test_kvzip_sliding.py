@@ -116,8 +116,8 @@ def test_the_fork_leaves_no_block_nor_state_behind(gemma, ctx):
 
 
 def test_full_kv_bytes_leave_the_pass_out(gemma, ctx):
-    """The uncompressed figure is the workload's: the same as a full run's (the fork is no sequence of it), while the
-    pool's peak holds the pass's chunk."""
+    """The uncompressed figure is the workload's: the same as a full run's (the fork is no sequence of it, nor are
+    the blocks it shares for the pass forks' sharing), while the pool's peak holds the pass's chunk."""
     stats = {}
     for name in ("full", "kvzip"):
         engine = Engine(gemma, build_method("kvzip", 10_000) if name == "kvzip" else None, block_size=BS,
@@ -127,6 +127,7 @@ def test_full_kv_bytes_leave_the_pass_out(gemma, ctx):
     assert stats["kvzip"]["full_kv_bytes"] == stats["full"]["full_kv_bytes"]
     assert stats["kvzip"]["full_kv_bytes_full_layers"] == stats["full"]["full_kv_bytes_full_layers"]
     assert stats["kvzip"]["full_peak_kv_bytes"] == stats["full"]["full_peak_kv_bytes"]  # within a step too
+    assert stats["kvzip"]["fork_shared_kv_bytes"] == 0  # the scratch fork is no fork of the workload
     assert stats["kvzip"]["peak_kv_bytes"] > stats["full"]["peak_kv_bytes"]
 
 

@@ -99,7 +99,9 @@ class KVMeter:
             sliding_full = (int(blocks_for_tokens(c.host_lengths[live][counted_rows][:, self.sliding], bs).sum())
                             * per_block if counted_rows else 0)
         shared = c.fork_shared_bytes()
-        self.peak_fork_shared_bytes = max(self.peak_fork_shared_bytes, shared)
+        if not any(s in scratch for s in c.live):  # a scratch fork shares its sequence's blocks for one pass: no
+            # fork of the workload (nothing else steps during the pass, so the workload's sharing is as last tracked)
+            self.peak_fork_shared_bytes = max(self.peak_fork_shared_bytes, shared)
         if full + sliding_full > self.peak_full_bytes:
             self.peak_full_bytes = full + sliding_full
             self.type_full_at_peak = {"full": full, "sliding": sliding_full}
