@@ -129,6 +129,8 @@ def test_full_kv_bytes_leave_the_pass_out(gemma, ctx):
     assert stats["kvzip"]["full_peak_kv_bytes"] == stats["full"]["full_peak_kv_bytes"]  # within a step too
     assert stats["kvzip"]["fork_shared_kv_bytes"] == 0  # the scratch fork is no fork of the workload
     assert stats["kvzip"]["peak_kv_bytes"] > stats["full"]["peak_kv_bytes"]
+    for kind in ("full", "sliding"):  # each block once: the fork's shared blocks are its sequence's
+        assert stats["kvzip"][f"peak_kv_bytes_{kind}_layers"] <= stats["kvzip"]["peak_kv_bytes"], kind
 
 
 def greedy(engine, slot, first: int, start: int, steps: int):
@@ -149,3 +151,21 @@ def test_decoding_after_an_unfilled_budget_is_the_full_runs(gemma, ctx):
         runs.append(greedy(engine, slot, ctx[-1], len(ctx), 6))
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_scratch_forks_held_blocks_are_its_private_ones(gemma, ctx):
+    """PagedKVCache.held_lengths (the by-type held figures): a scratch fork's rows count the blocks it alone holds,
+    so the rows' blocks sum to the pool's, before and after the fork appends (copy-on-write, its rings sliding)."""
+    from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
+
+    engine, slot = prefill(gemma, None, ctx)
+    cache = engine.cache
+    child = engine.fork_sequence(slot, scratch=True)
+    held = cache.held_lengths([slot, child])
+    assert (held[1] == 0).all() and (held[0] == cache.host_lengths[slot]).all()
+    engine.forward_chunk(child, ctx[:CHUNK], len(ctx), last_chunk=False, logits_for="none", scratch=True)
+    held = cache.held_lengths([slot, child])
+    assert int(blocks_for_tokens(held, BS).sum()) == cache.pool.in_use
+    assert int(blocks_for_tokens(cache.host_lengths[[slot, child]], BS).sum()) > cache.pool.in_use  # shared ones
+    engine.end_sequence(child)
+    assert int(blocks_for_tokens(cache.host_lengths[[slot]], BS).sum()) == cache.pool.in_use

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvbench.runtime.cache.kv_geometry import blocks_for_tokens
@@ -358,6 +359,25 @@ class KVEviction:
                 freed += k * self.num_kv_heads
         return freed
 
+    def held_lengths(self, slots: list[int]):
+        """host_lengths[slots] [S, L, H], a scratch fork's rows (Engine.fork_sequence(scratch=True)) as the tokens of
+        its private blocks (blocks_for_tokens of them is their count): the blocks it shares are its sequence's, counted
+        in that row, so by-type held figures count each block once."""
+        lengths = self.host_lengths[slots]  # a copy (fancy indexing)
+        for i, slot in enumerate(slots):
+            if slot in self.scratch_slots:
+                lengths[i] = self._private_blocks(slot) * self.block_size
+        return lengths
+
+    def _private_blocks(self, slot: int):
+        """[L, H] how many blocks of each table of `slot` no other table references (refcount 1)."""
+        nb = blocks_for_tokens(self.host_lengths[slot], self.block_size)  # [L, H]
+        tables = self.tables[slot, :, :, : max(1, int(nb.max()))].cpu().numpy()  # [L, H, nb]
+        used = np.zeros(tables.shape, dtype=np.int64)
+        for (layer, head), n in np.ndenumerate(nb):
+            used[layer, head, :n] = [self.pool.refcount(int(b)) == 1 for b in tables[layer, head, :n]]
+        return used.sum(-1)
+
     def _noted(self, plan):
         """`plan`, after noting the blocks each layer type's tables hold (a model with sliding layers): right after
         a step's allocation is when they hold the most within the step (every later change of the step frees:
@@ -366,7 +386,7 @@ class KVEviction:
         if not w or not any(x is not None for x in w):
             return plan
         live = sorted(self.live)
-        lengths = self.host_lengths[live]  # [S, L, H]
+        lengths = self.held_lengths(live)  # [S, L, H]
         held = blocks_for_tokens(lengths, self.block_size)
         peaks = self.__dict__.setdefault("layer_type_peaks", {"full_bytes": 0, "sliding_bytes": 0,
                                                               "uncompressed_blocks": 0})

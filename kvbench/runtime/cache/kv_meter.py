@@ -91,7 +91,9 @@ class KVMeter:
         if self.sliding:
             live = sorted(c.live)
             counted_rows = [i for i, s in enumerate(live) if s not in scratch]
-            held = {kind: c.held_bytes(c.host_lengths[live][:, layers], layers) if live else 0
+            # a scratch fork's shared blocks are its sequence's: each block once (PagedKVCache.held_lengths)
+            lengths = c.held_lengths(live) if any(s in scratch for s in live) else c.host_lengths[live]
+            held = {kind: c.held_bytes(lengths[:, layers], layers) if live else 0
                     for kind, layers in (("full", self.full_layers), ("sliding", self.sliding))}
             for kind, n in held.items():
                 self.type_peak_held[kind] = max(self.type_peak_held[kind], n)
