@@ -82,8 +82,8 @@ def test_sweep_sizes():
     # 2 modes x 7 rows (full, streaming_llm, snapkv with and without the question, expected_attention, kvzip, quest) x 2
     # budgets
     assert size("scbench_turns", "paper") == size("scbench_turns", "smoke") == 2 * 7 * 2
-    # 2 ratios x 4 rows (full, snapkv, streaming_llm, expected_attention; not kvzip: sliding layers): under an hour
-    assert size("real_model_smoke", "paper") == size("real_model_smoke", "smoke") == 2 * 4
+    # 2 ratios x 5 rows (full, snapkv, streaming_llm, expected_attention, kvzip: its pass on a fork): under an hour
+    assert size("real_model_smoke", "paper") == size("real_model_smoke", "smoke") == 2 * 5
 
 
 SMOKE_CALIBRATION = ("on_the_fly_samples", "on_the_fly_max_tokens")  # duo_attention's on-the-fly head scores
@@ -130,9 +130,8 @@ def test_kvpress_leaderboard_has_every_board_method(scale):
 @pytest.mark.parametrize("scale", ["paper", "smoke"])
 def test_real_model_smoke_ranks_the_issue_methods_on_gemma(scale):
     """Issue 66 item 5: full once and snapkv, streaming_llm, expected_attention (the board's AdaKV over Expected
-    Attention) at ratios 0.5 and 0.75, prefill-only, on RULER niah at 4,096 tokens with gemma-3-270m (kept
-    quantized); each job validates as the app validates it, before any model loads; full's two jobs are one run.
-    (kvzip refuses Gemma 3's sliding layers: not in the sweep.)"""
+    Attention) and kvzip at ratios 0.5 and 0.75, prefill-only, on RULER niah at 4,096 tokens with gemma-3-270m (kept
+    quantized); each job validates as the app validates it, before any model loads; full's two jobs are one run."""
     from kvbench.run.spec import hashable_config
     from kvbench.store.naming import run_id_for
 
@@ -140,11 +139,11 @@ def test_real_model_smoke_ranks_the_issue_methods_on_gemma(scale):
     configs = [_compose(base + list(job)) for job in itertools.product(*axes)]
     settings = [kvconfig.validate(c) for c in configs]
     pairs = {(s.method_name, s.compression_ratio) for s in settings}
-    assert pairs == {("full", None)} | {(m, r) for m in ("snapkv", "streaming_llm", "adakv")
+    assert pairs == {("full", None)} | {(m, r) for m in ("snapkv", "streaming_llm", "adakv", "kvzip")
                                         for r in (0.5, 0.75)}, pairs
     assert all(c.method.base == "expected_attention" for c in configs if c.method.name == "adakv")
     assert all(c.method.decode == "none" for c in configs if c.method.name != "full")
-    assert len({run_id_for(hashable_config(c)) for c in configs}) == 7
+    assert len({run_id_for(hashable_config(c)) for c in configs}) == 9
     for c in configs:
         assert c.task.name == "ruler" and list(c.task.tasks) == ["niah_single_1"] and not c.task.compress_question
         if scale == "paper":
