@@ -93,9 +93,9 @@ def _num(v: Any) -> Optional[float]:
 
 def saved_fraction(record: dict) -> Optional[float]:
     """The held saving: the share of the live sequences' uncompressed KV that the method (eviction and/or codec)
-    removed, measured at the moment that uncompressed figure peaked: 1 - held_kv_bytes / full_kv_bytes. Blocks
-    forks share count once per holder on both sides, so sharing is never counted as saving. None for records
-    without the figures."""
+    removed, measured at the moment that uncompressed figure peaked (after the method's evictions of that step):
+    1 - held_kv_bytes / full_kv_bytes. Blocks forks share count once per holder on both sides, so sharing is never
+    counted as saving. None for records without the figures."""
     held, full = _num(record.get("held_kv_bytes")), _num(record.get("full_kv_bytes"))
     if held is None or not full:
         return None

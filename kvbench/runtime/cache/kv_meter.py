@@ -2,9 +2,9 @@
 
 The pool gives the bytes held (its peak); this meter adds what an uncompressed cache would have held for the same
 live sequences at its peak (full_kv_bytes), what their tables held at that moment (held_kv_bytes: the method
-removed full - held), the most bytes forks shared at once, and the longest sequence (tokens appended to one
-sequence: was the budget ever reached). The engine calls `track` after each step's blocks are settled and
-`saw_sequence` when a sequence ends.
+removed full - held), the most bytes forks shared at once, and the longest sequence (tokens appended to
+one sequence: was the budget ever reached). The engine calls `track` after each step's blocks are settled, again
+after a method's `after_prefill_chunk` hook (which may evict: KVzip), and `saw_sequence` when a sequence ends.
 
 A model with sliding-window layers (cache.layer_windows) keeps a ring of each window in those layers, whatever the
 method: an uncompressed cache holds there what the ring holds, so full_kv_bytes counts the sliding layers' tables as
@@ -65,9 +65,9 @@ class KVMeter:
     def __init__(self, cache: Any):
         self.cache = cache
         self.peak_full_bytes = 0
-        # measured at the moment peak_full_bytes was reached: bytes the live tables held (a block shared by n
-        # forks counts n times, as it would in n uncompressed caches), so what the method removed is
-        # peak_full_bytes - held_at_full_peak
+        # measured at the moment peak_full_bytes was reached (or right after the method's hook then): bytes the
+        # live tables held (a block shared by n forks counts n times, as it would in n uncompressed caches), so
+        # what the method removed is peak_full_bytes - held_at_full_peak
         self.held_at_full_peak = 0
         self.peak_fork_shared_bytes = 0  # the most bytes forks shared at once (held once in the pool)
         self.max_sequence_tokens = 0  # the most tokens one sequence appended (budget reached or not)
@@ -78,8 +78,9 @@ class KVMeter:
         self.type_full_at_peak = {"full": 0, "sliding": 0}
         self.type_peak_held = {"full": 0, "sliding": 0}
 
-    def track(self) -> None:
-        """Update the peaks from the live sequences' tokens and the pool, now."""
+    def track(self, after_method_hook: bool = False) -> None:
+        """Update the peaks from the live sequences' tokens and the pool, now (after_method_hook: right after the
+        method's after_prefill_chunk hook, which may have evicted since the step's own call)."""
         c = self.cache
         bs = c.block_size
         per_block = c.uncompressed_block_bytes()  # model dtype
@@ -104,7 +105,10 @@ class KVMeter:
         if not any(s in scratch for s in c.live):  # a scratch fork shares its sequence's blocks for one pass: no
             # fork of the workload (nothing else steps during the pass, so the workload's sharing is as last tracked)
             self.peak_fork_shared_bytes = max(self.peak_fork_shared_bytes, shared)
-        if full + sliding_full > self.peak_full_bytes:
+        # right after a method's after_prefill_chunk hook, at the same peak: what it evicted there (KVzip, once its
+        # prompt's last chunk is in) counts, as an eviction inside the step would
+        now_full = full + sliding_full
+        if now_full > self.peak_full_bytes or (after_method_hook and now_full == self.peak_full_bytes):
             self.peak_full_bytes = full + sliding_full
             self.type_full_at_peak = {"full": full, "sliding": sliding_full}
             self.held_at_full_peak = c.kv_bytes_in_use() + shared

@@ -230,6 +230,8 @@ class Engine:
                                      scratch=scratch, max_position=start_pos + ids.shape[1] - 1)
         if not scratch:  # the chunk's token ids, after its step (KVzip's reconstruction pass)
             self.method.after_prefill_chunk(slot, list(token_ids), start_pos, last_chunk)
+            if not self.cache.has_pending_frees():  # what the hook evicted (KVzip's): held_kv_bytes sees it
+                self.meter.track(after_method_hook=True)
         return logits
 
     def decode_batch(self, slots: list[int], tokens: list[int], positions: list[int], temperature: float = 0.0,

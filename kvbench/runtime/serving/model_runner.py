@@ -97,6 +97,8 @@ class ModelRunner:
 
     def _after_prefill_chunks(self, segments: list[Segment]) -> None:
         """The method's `after_prefill_chunk` hook for each prefill segment of a step (as forward_chunk)."""
-        for s in segments:
-            if s.phase == "prefill":
-                self.method.after_prefill_chunk(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)
+        prefill = [s for s in segments if s.phase == "prefill"]
+        for s in prefill:
+            self.method.after_prefill_chunk(s.slot, list(s.token_ids), s.start_pos, s.last_chunk)
+        if prefill and not self.cache.has_pending_frees():  # what the hook evicted (KVzip's): held_kv_bytes sees it
+            self.meter.track(after_method_hook=True)
