@@ -98,3 +98,30 @@ def test_embedding_rows():
     torch.testing.assert_close(out.double(), reference(qm)[tokens])
     with pytest.raises(IndexError):
         emb[torch.tensor([10])]
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_team_product_adds_bias_and_accumulates(type_name, isa):
+    """quant_matmul_team (the fused decode step's entry, run here by one thread outside any region): y = x W^T + b,
+    or y += x W^T + b, into a strided output, equal to quant_matmul's product plus the bias in that order."""
+    import ctypes
+
+    lib = ql.load_quant_kernel()
+    g = torch.Generator().manual_seed(6)
+    cols = 256 if type_name in K_QUANTS else 96
+    qm = ql.random_quant_matrix(type_name, 7, cols, g)
+    bias = torch.randn(7, generator=g)
+    for m in (1, 2, 5):  # the decode GEMV and the expanded-tile path
+        x = torch.randn(m, cols, generator=g)
+        base = torch.randn(m, 10, generator=g)
+        prod = ql.quant_matmul(x, qm, isa=isa)
+        for accumulate in (0, 1):
+            y = base.clone()
+            rc = lib.quant_matmul_team(ql.ISAS[isa], qm.type_id, qm.data.data_ptr(), qm.data.shape[1], qm.rows,
+                                       qm.cols, x.data_ptr(), cols, m, ctypes.c_void_p(y.data_ptr() + 4 * 2), 10,
+                                       bias.data_ptr(), accumulate)
+            assert rc == 0
+            expect = base.clone()
+            expect[:, 2:9] = base[:, 2:9] + (prod + bias) if accumulate else prod + bias
+            assert torch.equal(y, expect), (m, accumulate)

@@ -53,8 +53,9 @@ def load_quant_kernel():
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quant_matmul.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
     lib.quant_dequantize_rows.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.quant_matmul_team.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, p, i32]
     for fn in (lib.quant_matmul, lib.quant_dequantize_rows, lib.quant_isa_supported, lib.quant_block_values,
-               lib.quant_block_bytes):
+               lib.quant_block_bytes, lib.quant_matmul_team):
         fn.restype = i32
     lib.quant_isa_supported.argtypes = [i32]
     lib.quant_block_values.argtypes = lib.quant_block_bytes.argtypes = [i32]
@@ -64,6 +65,14 @@ def load_quant_kernel():
 
 def quant_kernel_error() -> str | None:
     return _error
+
+
+def quant_matmul_team_address() -> int:
+    """The address of the library's `quant_matmul_team` (a work-shared product for a caller's parallel region), which
+    the fused decode step calls (kernels.set_quant_matmul)."""
+    lib = load_quant_kernel()
+    assert lib is not None, _error
+    return ctypes.cast(lib.quant_matmul_team, ctypes.c_void_p).value
 
 
 def isa_supported(isa: str) -> bool:
@@ -171,6 +180,11 @@ class QuantLinear(Linear):
         self._packed = self._plain = self._w_t = None  # no dense copy: the fused decode step and oneDNN skip it
         self._dense: torch.Tensor | None = None
         self._isa = chosen_isa()
+
+    @property
+    def isa(self) -> str:
+        """The instruction set its kernels run (chosen_isa at construction)."""
+        return self._isa
 
     @property
     def backend(self) -> str:

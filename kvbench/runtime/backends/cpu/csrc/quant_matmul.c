@@ -151,6 +151,25 @@ int quant_matmul(int isa, int type, const uint8_t *W, int64_t row_bytes, int64_t
     }
 }
 
+/* quant_matmul's product as a work-shared loop with no parallel region of its own (qmm_team in quant_matmul_impl.h:
+ * every thread of the caller's region calls it and the caller ends it with a barrier), adding bias (or NULL) and,
+ * with `accumulate`, adding into y: the fused decode step (decode_layer.c) calls it through a pointer
+ * (kernels.set_quant_matmul). 0, or -1 as quant_matmul (checked before any thread works, the same in every one). */
+int quant_matmul_team(int isa, int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K, const float *x,
+                      int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias, int accumulate) {
+    const int bv = block_values(type);
+    if (bv == 0 || K % bv != 0 || row_bytes != K / bv * block_bytes(type) || !quant_isa_supported(isa)) return -1;
+    switch (isa) {
+    case ISA_GENERIC: qmm_team_generic(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+#ifdef KV_X86
+    case ISA_AVX2: qmm_team_avx2(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+    case ISA_AVX2_WIDE: qmm_team_avx2_wide(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+    case ISA_AVX512: qmm_team_avx512(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+#endif
+    default: return -1;
+    }
+}
+
 /* out[i, :] = the fp32 values of row rows[i] of W (embedding lookups, a dense copy); 0 or -1 as above */
 int quant_dequantize_rows(int type, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t *rows, int64_t n,
                           float *out, int nthreads) {
