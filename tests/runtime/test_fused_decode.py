@@ -385,3 +385,21 @@ def test_fused_decode_of_a_quantized_gguf_file(tmp_path):
     fused, _ = run(model, prompts, 6, fused=True)
     ref, _ = run(model, prompts, 6, fused=False)
     assert_same_decode(fused, ref)
+
+
+@pytest.mark.parametrize("layout", ["Q8_0", "Q5_0", "mixed"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fused_decode_with_q8_activations_matches_the_op_by_op_path(layout, batch):
+    """With Q8 activations (quantized_weights.set_quant_activations "q8") the fused step and the op-by-op path quantize
+    each projection's input the same way (Q8_0 / Q4_0 / Q5_0 parts; the K-quants of "mixed" stay fp32): the same
+    greedy tokens and logits; and the logits do differ from the fp32-activation run's (the option takes effect)."""
+    from kvbench.runtime.model.quantized_weights import set_quant_activations
+
+    model = quantized_model(QUANT_LAYOUTS[layout])
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]
+    fp32, _ = run(model, prompts, 6, fused=True)
+    assert set_quant_activations(model, "q8") == 4 * model.config.num_layers
+    fused, _ = run(model, prompts, 6, fused=True)
+    ref, _ = run(model, prompts, 6, fused=False)
+    assert_same_decode(fused, ref)
+    assert max((a - b).abs().max().item() for a, b in zip(fused, fp32)) > 1e-4

@@ -43,7 +43,7 @@ def projection(lin) -> kernels.Projection | None:
         if len(parts) > kernels.MAX_PARTS:
             return None
         return kernels.Projection.quantized([(p.type_id, p.data) for p in parts], quant_linear.ISAS[lin.isa],
-                                            lin.bias)
+                                            lin.bias, quant_linear.ACTIVATIONS[lin.activations])
     plain = getattr(lin, "_plain", None)
     return kernels.Projection.fp32(plain, lin.bias) if plain is not None else None
 

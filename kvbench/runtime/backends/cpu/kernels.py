@@ -628,10 +628,12 @@ def _pointer(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int 
 
 class ProjectionPart(ctypes.Structure):
     """One matrix of a projection (`projection_part` in csrc/decode_ops.h): fp32 [rows, in] (type 0) or rows of a
-    GGUF file's blocks of ggml type `type`, multiplied by the quantized kernels of instruction set `isa`."""
+    GGUF file's blocks of ggml type `type`, multiplied by the quantized kernels of instruction set `isa` with
+    activations `act` (0 fp32, 1 Q8 blocks: quant_linear.ACTIVATIONS)."""
 
     _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
-                ("type", ctypes.c_int32), ("isa", ctypes.c_int32)]
+                ("type", ctypes.c_int32), ("isa", ctypes.c_int32), ("act", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
 
 
 MAX_PARTS = 4  # MAX_PARTS in csrc/decode_ops.h
@@ -652,13 +654,14 @@ class Projection(ctypes.Structure):
         return p
 
     @classmethod
-    def quantized(cls, parts: list[tuple[int, torch.Tensor]], isa: int, bias: torch.Tensor | None) -> "Projection":
+    def quantized(cls, parts: list[tuple[int, torch.Tensor]], isa: int, bias: torch.Tensor | None,
+                  act: int = 0) -> "Projection":
         """parts: (ggml type, blocks uint8 [rows, row bytes]) stacked along the output, at most MAX_PARTS."""
         assert 1 <= len(parts) <= MAX_PARTS
         p = cls(n_parts=len(parts), bias=_pointer(bias))
         for i, (type_id, data) in enumerate(parts):
             assert type_id != 0
-            p.part[i] = ProjectionPart(_pointer(data, torch.uint8), data.shape[0], data.shape[1], type_id, isa)
+            p.part[i] = ProjectionPart(_pointer(data, torch.uint8), data.shape[0], data.shape[1], type_id, isa, act)
         return p
 
 

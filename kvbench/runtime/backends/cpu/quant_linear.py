@@ -29,12 +29,16 @@ from kvbench.runtime.backends.cpu.linear import Linear
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "quant_matmul.c"]
-_HEADERS = [_CSRC / "quant_matmul_impl.h", _CSRC / "quant_blocks.h"]
+_HEADERS = [_CSRC / "quant_matmul_impl.h", _CSRC / "quant_blocks.h", _CSRC / "quant_q8.h"]
 _FLAGS = ["-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the block types the kernels multiply
 QUANT_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx2_wide": 3}
+# the activations of a product (quant_q8.h): fp32 as they are, or each row quantized to Q8_0 blocks (32 values, an
+# fp32 scale) for integer dot products, llama.cpp's scheme, with the weight types in Q8_TYPES (others stay fp32)
+ACTIVATIONS = {"fp32": 0, "q8": 1}
+Q8_TYPES = ("Q8_0", "Q4_0", "Q5_0")
 ISA_ENV = "KVBENCH_QUANT_ISA"
 _lib = None
 _error: str | None = None
@@ -51,9 +55,9 @@ def load_quant_kernel():
         _error = str(err)
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.quant_matmul.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+    lib.quant_matmul.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, i32, i32]
     lib.quant_dequantize_rows.argtypes = [i32, p, i64, i64, p, i64, p, i32]
-    lib.quant_matmul_team.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, p, i32]
+    lib.quant_matmul_team.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, p, i32, i32]
     for fn in (lib.quant_matmul, lib.quant_dequantize_rows, lib.quant_isa_supported, lib.quant_block_values,
                lib.quant_block_bytes, lib.quant_matmul_team):
         fn.restype = i32
@@ -144,9 +148,10 @@ class QuantMatrix:
         return self.dequantize_rows(torch.arange(self.rows))
 
 
-def quant_matmul(x: torch.Tensor, w: QuantMatrix, out: torch.Tensor | None = None, isa: str | None = None
-                 ) -> torch.Tensor:
-    """x [M, cols] fp32 @ w^T -> [M, rows]; into `out` (a [M, rows] view whose rows are contiguous) when given."""
+def quant_matmul(x: torch.Tensor, w: QuantMatrix, out: torch.Tensor | None = None, isa: str | None = None,
+                 activations: str = "fp32") -> torch.Tensor:
+    """x [M, cols] fp32 @ w^T -> [M, rows]; into `out` (a [M, rows] view whose rows are contiguous) when given;
+    activations "q8": x's rows quantized to Q8_0 blocks first where w's type is one of Q8_TYPES (ACTIVATIONS)."""
     lib = load_quant_kernel()
     if lib is None:
         raise RuntimeError(f"quantized-weight kernels unavailable: {_error}")
@@ -159,16 +164,20 @@ def quant_matmul(x: torch.Tensor, w: QuantMatrix, out: torch.Tensor | None = Non
     if M == 0:
         return out
     rc = lib.quant_matmul(ISAS[isa or chosen_isa()], w.type_id, w.data.data_ptr(), w.data.shape[1], w.rows, w.cols,
-                          x.data_ptr(), x.stride(0), M, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                          x.data_ptr(), x.stride(0), M, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+                          ACTIVATIONS[activations])
     if rc != 0:
         raise ValueError(f"quant_matmul: unsupported type {w.type_id} or shape {w.rows}x{w.cols}")
     return out
 
 
 class QuantLinear(Linear):
-    """y = x @ W^T + b with W the row-wise stack of `parts` (each the file's own blocks); fp32 on CPU."""
+    """y = x @ W^T + b with W the row-wise stack of `parts` (each the file's own blocks); fp32 on CPU.
+    `activations` "q8": inputs of at most kernels.GEMV_MAX_ROWS rows (decode steps; the fused decode step reads it
+    too) are quantized to Q8_0 blocks for the parts of a type in Q8_TYPES (llama.cpp's integer dot products);
+    "fp32" (default): as they are."""
 
-    def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None = None):
+    def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None = None, activations: str = "fp32"):
         cols = {p.cols for p in parts}
         assert len(cols) == 1, "the stacked matrices must share their input size"
         self.parts = parts
@@ -180,6 +189,8 @@ class QuantLinear(Linear):
         self._packed = self._plain = self._w_t = None  # no dense copy: the fused decode step and oneDNN skip it
         self._dense: torch.Tensor | None = None
         self._isa = chosen_isa()
+        assert activations in ACTIVATIONS, activations
+        self.activations = activations
 
     @property
     def isa(self) -> str:
@@ -202,8 +213,9 @@ class QuantLinear(Linear):
         x2 = x.reshape(-1, self.in_features).float()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         row = 0
+        act = self.activations if x2.shape[0] <= kernels.GEMV_MAX_ROWS else "fp32"
         for p in self.parts:
-            quant_matmul(x2, p, y[:, row: row + p.rows], self._isa)
+            quant_matmul(x2, p, y[:, row: row + p.rows], self._isa, act)
             row += p.rows
         if self.bias is not None:
             y += self.bias

@@ -146,7 +146,7 @@ void project_team(const projection *p, const float *x, int64_t x_ss, float *y, i
     for (int i = 0; i < p->n_parts; i++) {
         const projection_part *q = p->part + i;
         quant_matmul_team(q->isa, q->type, (const uint8_t *)q->data, q->row_bytes, q->rows, I, x, x_ss, M, y + row,
-                          y_ss, p->bias ? p->bias + row : NULL, accumulate);
+                          y_ss, p->bias ? p->bias + row : NULL, accumulate, q->act);
         row += q->rows;
     }
     team_end();

@@ -216,6 +216,7 @@ typedef struct {
     const void *data;  /* fp32 [rows, I], or [rows, row_bytes] bytes of blocks */
     int64_t rows, row_bytes;
     int32_t type, isa;  /* ggml type (0: fp32) and the quantized kernels' instruction set */
+    int32_t act, reserved;  /* the quantized kernels' activations: 0 fp32, 1 Q8 blocks (quant_q8.h) */
 } projection_part;
 typedef struct {
     projection_part part[MAX_PARTS];
@@ -227,7 +228,7 @@ typedef struct {
  * kernels and their arithmetic */
 typedef int (*quant_matmul_fn)(int isa, int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K,
                                const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
-                               int accumulate);
+                               int accumulate, int act);
 void set_quant_matmul(quant_matmul_fn fn);
 /* y[m * y_ss + o] (+)= x[m] . W[o] + b[o] for every row o of p (parts stacked along o) and m < M, x rows of I
  * floats x_ss apart; ends at the team barrier. An fp32 projection is gemv_team's, a quantized one quant_matmul_team's
