@@ -14,11 +14,16 @@ import torch
 from kvbench.quant.codecs import Int8Codec, KiviCodec
 from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.cpu import quant_linear as ql
+from kvbench.runtime.backends.cpu.quant_linear import QuantLinear
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.cache.caches import build_cache
 from kvbench.runtime.cache.kv_cache import PagedKVCache
-from tests.tiny_models import HEAD_DIM_64, tiny_model
+from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.model.quantized_weights import set_quant_activations
+from tests.fixtures.gguf_fixtures import write_gguf
+from tests.tiny_models import HEAD_DIM_64, tiny_hf_model, tiny_model
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 
@@ -292,8 +297,6 @@ QUANT_SHAPE = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "interm
 def scaled_quant_matrix(type_name: str, rows: int, cols: int, g: torch.Generator, std: float = 0.05):
     """quant_linear.random_quant_matrix with its fp16 scales (d, and dmin) multiplied so that the values' standard
     deviation is about `std` (every value of these types is linear in them): a model whose activations stay sane."""
-    from kvbench.runtime.backends.cpu import quant_linear as ql
-
     qm = ql.random_quant_matrix(type_name, rows, cols, g)
     c = std / qm.dequantize().std().item()
     blocks = qm.data.view(-1, ql.block_shape(qm.type_id)[1])  # in place
@@ -306,8 +309,6 @@ def scaled_quant_matrix(type_name: str, rows: int, cols: int, g: torch.Generator
 def quantized_model(layout: dict, family: str = "llama", seed: int = 5):
     """A tiny model whose projections are QuantLinears of random blocks (layout: the type of each stacked part),
     biases kept (qwen2's q/k/v); the embeddings and head stay fp32."""
-    from kvbench.runtime.backends.cpu.quant_linear import QuantLinear
-
     model = tiny_model(family, seed=seed, **QUANT_SHAPE)
     cfg = model.config
     Hq, H, D, E, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
@@ -372,11 +373,6 @@ def test_fused_decode_of_a_quantized_gguf_file(tmp_path):
     """A tiny GGUF file loaded with its weights kept quantized (Q8_0) decodes fused, with the op-by-op numbers;
     model.fuse_decode_layers = False still runs it op by op (run() asserts which path runs)."""
     pytest.importorskip("gguf")
-    from kvbench.runtime.backends.cpu.quant_linear import QuantLinear
-    from kvbench.runtime.model.loading import load_model
-    from tests.fixtures.gguf_fixtures import write_gguf
-    from tests.tiny_models import tiny_hf_model
-
     hf = tiny_hf_model("llama", seed=3, vocab=320, qk_scale=3)
     path = write_gguf(hf, tmp_path / "llama.gguf", "llama", quant="Q8_0")
     model = load_model(str(path), cache_dir=tmp_path / "cache", weights="quantized").model
@@ -393,8 +389,6 @@ def test_fused_decode_with_q8_activations_matches_the_op_by_op_path(layout, batc
     """With Q8 activations (quantized_weights.set_quant_activations "q8") the fused step and the op-by-op path quantize
     each projection's input the same way (Q8_0 / Q4_0 / Q5_0 parts; the K-quants of "mixed" stay fp32): the same
     greedy tokens and logits; and the logits do differ from the fp32-activation run's (the option takes effect)."""
-    from kvbench.runtime.model.quantized_weights import set_quant_activations
-
     model = quantized_model(QUANT_LAYOUTS[layout])
     prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]
     fp32, _ = run(model, prompts, 6, fused=True)

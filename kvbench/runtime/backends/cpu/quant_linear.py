@@ -5,8 +5,11 @@ values, Q4_K, Q5_K, Q6_K of 256), a uint8 tensor [rows, row_bytes]. `QuantLinear
 such matrices, one or several stacked along the output (fused q/k/v of different types, as Q4_K_M files mix Q4_K
 and Q6_K), with the C kernels of csrc/quant_matmul.c: a bandwidth-bound GEMV for decode steps (each block expanded to
 fp32 in L1 as it is read) and a GEMM for prefill chunks (rows expanded once per thread, then multiplied with the
-input rows in register tiles). Activations stay fp32: llama.cpp instead quantizes them to Q8 blocks for integer dot
-products; here the result is dequantize-then-matmul's up to the order of the sums.
+input rows in register tiles). Activations stay fp32 by default, so the result is dequantize-then-matmul's up to
+the order of the sums; `activations="q8"` (ACTIVATIONS; QuantLinear.activations) quantizes decode-sized inputs to
+Q8_0 blocks for integer dot products with Q8_0 / Q4_0 / Q5_0 weights, as llama.cpp does (csrc/quant_q8.h), which
+changes the numbers by the activations' rounding. The fused decode step multiplies the same matrices with the same
+kernels inside its own parallel region (`quant_matmul_team`, through `quant_matmul_team_address`).
 
 The kernels are compiled for three instruction sets and one is chosen at run time: AVX-512, AVX2+FMA, or generic C
 (scalar); ``KVBENCH_QUANT_ISA=generic|avx2|avx512`` forces one (``avx2_wide``, AVX2 code with AVX-512's 16-float
