@@ -6,14 +6,15 @@ time). The fused path runs norms, projections, RoPE, the K/V write, paged attent
 one parallel region; with a method's hook it makes one call per layer and calls the hook after each.
 
 It applies to decode steps (one token per sequence, at most `kernels.GEMV_MAX_ROWS` sequences) of an fp32 model on
-CPU with the C kernels whose projections are each either a Linear with its plain [out, in] fp32 copy (the C GEMV) or
-a QuantLinear, a GGUF file's blocks kept quantized (`model.weights=quantized`; up to `kernels.MAX_PARTS` stacked
-matrices, each in its own type, multiplied in the step's region by quant_matmul.c's kernels, the ones the op-by-op
-path calls, through a pointer: `quant_linear.quant_matmul_team_address`), a cache with plain pools (`PagedKVCache.plain_pools`) or a codec cache whose packed blocks
-the C codec decode kernel reads (`CpuBackend.block_formats`: KIVI, int8; new tokens land in its full-precision
-pools, fp16 or fp32, and packing happens before the step, in `prepare_append`), keys cached after RoPE at their
-original positions, no q/k norm (Qwen3), under the CPU backend (`CpuBackend.fused_decode`). Anything else, or
-`model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers
+CPU with the C kernels whose projections are each a Linear with its plain [out, in] fp32 copy (the C GEMV) or a
+QuantLinear, a GGUF file's blocks kept quantized (`model.weights=quantized`; up to `kernels.MAX_PARTS` stacked
+matrices, each in its own type, multiplied inside the step's region by the kernels the op-by-op path calls, with the
+same activations, fp32 or q8: `quant_linear.quant_matmul_team_address`), a cache with plain pools
+(`PagedKVCache.plain_pools`) or a codec cache whose packed blocks the C codec decode kernel reads
+(`CpuBackend.block_formats`: KIVI, int8; new tokens land in its full-precision pools, fp16 or fp32, and packing
+happens before the step, in `prepare_append`), keys cached after RoPE at their original positions, no q/k norm
+(Qwen3), under the CPU backend (`CpuBackend.fused_decode`). Anything else, or `model.fuse_decode_layers = False`,
+takes the op-by-op path; both give the same numbers up to the last bits of the C silu against torch's
 (tests/runtime/test_fused_decode.py).
 The hook gets the same LayerContext as on the op-by-op path, but after the layer's MLP instead of before its output
 projection, which changes nothing: hooks read q and the attention scores and edit the cache, which that layer no
@@ -40,7 +41,7 @@ def projection(lin) -> kernels.Projection | None:
     takes."""
     parts = getattr(lin, "parts", None)  # a QuantLinear (duck-typed: a profiler may wrap it)
     if parts is not None:
-        if len(parts) > kernels.MAX_PARTS:
+        if len(parts) > kernels.MAX_PARTS or any(p.cols != lin.in_features for p in parts):
             return None
         return kernels.Projection.quantized([(p.type_id, p.data) for p in parts], quant_linear.ISAS[lin.isa],
                                             lin.bias, quant_linear.ACTIVATIONS[lin.activations])

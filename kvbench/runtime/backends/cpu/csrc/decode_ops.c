@@ -142,7 +142,10 @@ void project_team(const projection *p, const float *x, int64_t x_ss, float *y, i
         gemv_team((const float *)p->part[0].data, x, x_ss, p->bias, y, y_ss, p->part[0].rows, I, M, accumulate);
         return;
     }
-    int64_t row = 0;  /* each part's rows: its own work-shared loop (no barrier), then one for them all */
+    /* each part's rows: its own work-shared loop (no barrier), then one for them all; quant_matmul_team's -1 (a
+     * type or shape it lacks) cannot occur: kernels.Projection.quantized takes only QuantMatrix parts (shape checked)
+     * of the projection's input size */
+    int64_t row = 0;
     for (int i = 0; i < p->n_parts; i++) {
         const projection_part *q = p->part + i;
         quant_matmul_team(q->isa, q->type, (const uint8_t *)q->data, q->row_bytes, q->rows, I, x, x_ss, M, y + row,

@@ -15,8 +15,8 @@ enum { ACT_FP32 = 0, ACT_Q8 = 1 };
 /* whether the Q8-activation kernels take this weight type (the others keep fp32 activations) */
 static inline int q8_activation_type(int type) { return type == GGML_Q8_0 || type == GGML_Q4_0 || type == GGML_Q5_0; }
 
-/* one row of K floats (K % 32 == 0) -> codes qs [K] and scales d [K / 32] (quantize_row_q8_0's rounding: d = amax / 127,
- * id = 1 / d, q = round(x * id); a zero block: d = 0, codes 0) */
+/* one row of K floats (K % 32 == 0) -> codes qs [K] and scales d [K / 32] (quantize_row_q8_0's rounding:
+ * d = amax / 127, id = 1 / d, q = round(x * id); a zero block: d = 0, codes 0) */
 static inline void quantize_row_q8(const float *restrict x, int64_t K, int8_t *restrict qs, float *restrict d) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
