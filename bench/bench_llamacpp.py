@@ -304,7 +304,7 @@ def parse_args(argv=None):
     ap.add_argument("--load", action="store_true", help="run beside one competing CPU-bound process")
     ap.add_argument("--quant-activations", default="fp32", choices=("fp32", "q8"),
                     help="kvbench's decode products: fp32 activations, or rows quantized to Q8_0 blocks (integer dot "
-                         "products with Q8_0 / Q4_0 / Q5_0 weights, as llama.cpp)")
+                         "products with Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K weights, as llama.cpp)")
     ap.add_argument(WORKER, action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(MAKE_GGUF, action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--model", "--src", "--dest", "--ftype"):

@@ -47,7 +47,7 @@ class ModelConfig:
     # a GGUF's weight matrices: kept in the file's blocks (CPU kernels) or de-quantized to fp32 (runtime.model.loading)
     weights: str = "quantized"
     # the activations of decode products with weights kept quantized: fp32, or q8 (rows quantized to Q8_0 blocks for
-    # integer dot products with Q8_0 / Q4_0 / Q5_0 weights, as llama.cpp; runtime.model.quantized_weights)
+    # integer dot products with Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K weights, as llama.cpp; runtime.model.quantized_weights)
     quant_activations: str = "fp32"
 
     def __post_init__(self) -> None:

@@ -383,11 +383,11 @@ def test_fused_decode_of_a_quantized_gguf_file(tmp_path):
     assert_same_decode(fused, ref)
 
 
-@pytest.mark.parametrize("layout", ["Q8_0", "Q5_0", "mixed"])
+@pytest.mark.parametrize("layout", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "mixed"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_fused_decode_with_q8_activations_matches_the_op_by_op_path(layout, batch):
     """With Q8 activations (quantized_weights.set_quant_activations "q8") the fused step and the op-by-op path quantize
-    each projection's input the same way (Q8_0 / Q4_0 / Q5_0 parts; the K-quants of "mixed" stay fp32): the same
+    each projection's input the same way (every part but "mixed"'s Q5_K gate, which stays fp32): the same
     greedy tokens and logits; and the logits do differ from the fp32-activation run's (the option takes effect)."""
     model = quantized_model(QUANT_LAYOUTS[layout])
     prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]

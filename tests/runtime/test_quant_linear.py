@@ -146,9 +146,10 @@ def q8_reference(x: torch.Tensor) -> torch.Tensor:
 def test_q8_activations_match_quantize_then_float64_matmul(type_name, isa):
     """activations="q8" (csrc/quant_q8.h: integer dot products): x's rows quantized to Q8_0 blocks, then the product
     with the weight's blocks equals both dequantized and multiplied in float64, up to fp32 rounding of the per-block
-    scaled sums; ragged shapes, the generic C path and the SIMD one, a zero block and a row with one large value."""
+    scaled sums (the K-quants' 32-value sub-blocks with their own scales and Q4_K's minimum times the codes' sum); ragged
+    shapes, the generic C path and the SIMD one, a zero block and a row with one large value."""
     g = torch.Generator().manual_seed(7)
-    for cols in (32, 96, 288):
+    for cols in ((256, 768) if type_name in K_QUANTS else (32, 96, 288)):
         for out_rows in (1, 5, 13):
             qm = ql.random_quant_matrix(type_name, out_rows, cols, g)
             ref = reference(qm)
@@ -166,9 +167,9 @@ def test_q8_activations_match_quantize_then_float64_matmul(type_name, isa):
                 assert not torch.equal(y, fp32)  # the activations' rounding shows: it is not the fp32 path
 
 
-@pytest.mark.parametrize("type_name", sorted(K_QUANTS))
+@pytest.mark.parametrize("type_name", sorted(set(TYPES) - set(ql.Q8_TYPES)))
 def test_q8_activations_leave_other_types_in_fp32(type_name):
-    """The K-quants have no Q8-activation kernel here: activations="q8" gives the fp32 product bit for bit."""
+    """A type with no Q8-activation kernel here (Q5_K): activations="q8" gives the fp32 product bit for bit."""
     g = torch.Generator().manual_seed(8)
     qm = ql.random_quant_matrix(type_name, 5, 256, g)
     x = torch.randn(3, 256, generator=g)

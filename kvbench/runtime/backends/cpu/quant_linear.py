@@ -7,7 +7,7 @@ and Q6_K), with the C kernels of csrc/quant_matmul.c: a bandwidth-bound GEMV for
 fp32 in L1 as it is read) and a GEMM for prefill chunks (rows expanded once per thread, then multiplied with the
 input rows in register tiles). Activations stay fp32 by default, so the result is dequantize-then-matmul's up to
 the order of the sums; `activations="q8"` (ACTIVATIONS; QuantLinear.activations) quantizes decode-sized inputs to
-Q8_0 blocks for integer dot products with Q8_0 / Q4_0 / Q5_0 weights, as llama.cpp does (csrc/quant_q8.h), which
+Q8_0 blocks for integer dot products with the weights of Q8_TYPES, as llama.cpp does (csrc/quant_q8.h), which
 changes the numbers by the activations' rounding. The fused decode step multiplies the same matrices with the same
 kernels inside its own parallel region (`quant_matmul_team`, through `quant_matmul_team_address`).
 
@@ -39,9 +39,9 @@ _FLAGS = ["-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 QUANT_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx2_wide": 3}
 # the activations of a product (quant_q8.h): fp32 as they are, or each row quantized to Q8_0 blocks (32 values, an
-# fp32 scale) for integer dot products, llama.cpp's scheme, with the weight types in Q8_TYPES (others stay fp32)
+# fp32 scale) for integer dot products, llama.cpp's scheme, with the weight types in Q8_TYPES (Q5_K stays fp32)
 ACTIVATIONS = {"fp32": 0, "q8": 1}
-Q8_TYPES = ("Q8_0", "Q4_0", "Q5_0")
+Q8_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
 ISA_ENV = "KVBENCH_QUANT_ISA"
 _lib = None
 _error: str | None = None

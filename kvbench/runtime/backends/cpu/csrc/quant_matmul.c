@@ -4,7 +4,7 @@
  *   y[m, o] = sum_k W[o, k] * x[m, k]     W: O rows of K values, each row `row_bytes` bytes of blocks
  *
  * Activations stay fp32 by default (llama.cpp quantizes them to Q8 blocks for integer dot products: quant_q8.h does
- * that for Q8_0 / Q4_0 / Q5_0 weights when asked, `act` ACT_Q8): each block
+ * that for Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K weights when asked, `act` ACT_Q8): each block
  * of the weight is expanded to fp32 vectors and multiplied with fused multiply-adds, so the result differs from
  * dequantize-then-matmul in fp32 only by the order of the sums.
  *   - decode (at most TILE_X input rows): each weight row's blocks are expanded in registers and multiplied with the
