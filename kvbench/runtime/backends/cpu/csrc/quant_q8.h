@@ -236,11 +236,11 @@ static inline __attribute__((always_inline)) void q8k_dot_rows_avx2_n(int type, 
     for (int64_t j = 0; j < nb; j++) {
         float sa, sb, off;
         const __m256i w = qk_unpack_avx2(type, row + j / 8 * bb, (int)(j % 8), &sa, &sb, &off);
+        const __m256 s = _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb);  /* once per block, for every row */
         for (int m = 0; m < NX; m++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * K + j * 32));
             const float dx = xd[m * (K / 32) + j];
-            const __m256 s = _mm256_setr_ps(dx * sa, dx * sa, dx * sa, dx * sa, dx * sb, dx * sb, dx * sb, dx * sb);
-            acc[m] = _mm256_fmadd_ps(s, q8_dot_i8(w, x), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx)), q8_dot_i8(w, x), acc[m]);
             corr[m] += dx * off * xs[m * (K / 32) + j];
         }
     }
