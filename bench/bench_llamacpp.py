@@ -302,6 +302,9 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--load", action="store_true", help="run beside one competing CPU-bound process")
+    ap.add_argument("--quant-activations", default="fp32", choices=("fp32", "q8"),
+                    help="kvbench's decode products: fp32 activations, or rows quantized to Q8_0 blocks (integer dot "
+                         "products with Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K weights, as llama.cpp)")
     ap.add_argument(WORKER, action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(MAKE_GGUF, action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--model", "--src", "--dest", "--ftype"):
@@ -353,6 +356,7 @@ def main() -> None:
     from kvbench.runtime.backends.cpu.threads import configure_threads
     from kvbench.runtime.model.loading import load_model
     from kvbench.runtime.model.packaged import cache_root, packaged_smollm2
+    from kvbench.runtime.model.quantized_weights import set_quant_activations
     from kvbench.runtime.serving.engine import Engine
 
     configure_threads(args.threads)
@@ -366,6 +370,7 @@ def main() -> None:
     with load:
         for w in weights:
             model = load_model(files[w], weights="quantized").model  # its weight summary on stderr
+            set_quant_activations(model, args.quant_activations)
             census[w] = weights_census(files[w], model)
             print(f"{w}: {os.path.basename(files[w])}  2-D tensors {census[w]['tensor_types']}  "
                   f"({census[w]['tensors_without_kernel']} without a kernel, read as fp32)  projections quantized "
@@ -412,6 +417,7 @@ def main() -> None:
     for name, ok in checks.items():
         print(f"  {name}: {'PASS' if ok else 'MISS'}")
     res["load"] = 1.0 if args.load else 0.0
+    res["quant_activations_q8"] = 1.0 if args.quant_activations == "q8" else 0.0
     print(json.dumps({**{k: round(v, 4) for k, v in res.items()}, "weights": census, "targets": checks}))
 
 

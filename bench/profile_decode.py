@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--model", default=None,
                     help="a GGUF file, its weights kept quantized (default: the packaged SmolLM2-135M in fp32)")
+    ap.add_argument("--quant-activations", default="fp32", choices=("fp32", "q8"),
+                    help="with --model: decode products with fp32 activations or rows quantized to Q8_0 blocks")
     args = ap.parse_args()
 
     from kvbench.runtime.backends.cpu.threads import configure_threads
@@ -110,6 +112,10 @@ def main() -> None:
 
     configure_threads(args.threads)
     model = (load_model(args.model, weights="quantized") if args.model else load_model(dtype="float32")).model
+    if args.model:
+        from kvbench.runtime.model.quantized_weights import set_quant_activations
+
+        set_quant_activations(model, args.quant_activations)
     engine = Engine(model, prefill_chunk_size=512, prefix_caching=False, schedule="prefill_first")
     shapes = [(int(c), 1) for c in args.contexts.split(",") if c] + [(args.batch16_context, 16)]
     out = {}

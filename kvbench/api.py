@@ -39,6 +39,7 @@ from kvbench.errors import UserError
 from kvbench.run.plan import plan_run
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.model.quantized_weights import set_quant_activations
 from kvbench.run.spec import check_bool_spellings, check_positive, integral_spellings
 from kvbench.store.files import read_jsonl
 from kvbench.store.folder import SAMPLES_FILE
@@ -184,6 +185,7 @@ class Pipeline:
         self.device = plan.device
         self.loaded = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, device=plan.device,
                                  cache_dir=m.cache_dir, weights=m.weights)
+        set_quant_activations(self.loaded.model, m.quant_activations)
         self.tokenizer = self.loaded.tokenizer
         try:  # as the app does: codecs that calibrate and methods with per-model files read these
             self.loaded.model.tokenizer = self.tokenizer

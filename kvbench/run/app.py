@@ -43,6 +43,7 @@ from kvbench.run.estimate import (estimate_seconds, measured_speed, method_id, o
 from kvbench.run.plan import RunPlan, flat, plan_run  # noqa: F401  (plan_run: step 1, also used by tests)
 from kvbench.runtime.backends.cpu.threads import configure_threads
 from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.model.quantized_weights import set_quant_activations
 from kvbench.runtime.serving.engine import Engine
 from kvbench.runtime.serving.speculative import SpeculativeDecoder
 from kvbench.run.spec import method_evicts
@@ -416,6 +417,7 @@ def _load_model(settings: _config.Settings, device: str, load_model_fn: Optional
     if key not in _loaded_model:
         _loaded_model.clear()  # at most one model in memory
         _loaded_model[key] = load_model(m.path, **args, weights=m.weights)
+    set_quant_activations(_loaded_model[key].model, m.quant_activations)  # each run's own (a sweep keeps the model)
     return _loaded_model[key]
 
 

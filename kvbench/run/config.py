@@ -32,6 +32,7 @@ from kvbench.store.naming import model_label, run_id_for
 
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
 WEIGHT_MODES = ("quantized", "dequantize")  # runtime.model.quantized_weights.WEIGHT_MODES (the runtime sits below)
+QUANT_ACTIVATIONS = ("fp32", "q8")  # backends.cpu.quant_linear.ACTIVATIONS
 BLOCK_SIZE_MAX = 4096  # tokens per KV block
 
 
@@ -45,11 +46,17 @@ class ModelConfig:
     cache_dir: Optional[str] = None
     # a GGUF's weight matrices: kept in the file's blocks (CPU kernels) or de-quantized to fp32 (runtime.model.loading)
     weights: str = "quantized"
+    # the activations of decode products with weights kept quantized: fp32, or q8 (rows quantized to Q8_0 blocks for
+    # integer dot products with Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K weights, as llama.cpp; runtime.model.quantized_weights)
+    quant_activations: str = "fp32"
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)
         if self.weights not in WEIGHT_MODES:
             raise UserError(f"invalid model.weights={self.weights!r}: choices are {', '.join(WEIGHT_MODES)}")
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise UserError(f"invalid model.quant_activations={self.quant_activations!r}: choices are "
+                            f"{', '.join(QUANT_ACTIVATIONS)}")
         dev = str(self.device)
         if not (dev in ("cpu", "cuda", "mps", "auto") or dev.startswith("cuda:")):
             raise UserError(f"invalid model.device={dev!r}: choices are cpu, cuda, cuda:N, mps, auto")

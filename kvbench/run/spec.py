@@ -480,7 +480,9 @@ def hashable_config(root: Any) -> dict:
     if files is not None:  # patterns): absent when it names none
         data["method_files_sha256"] = files
     if isinstance(data.get("model"), dict) and not _weights_matter(data["model"]):
-        data["model"] = {k: v for k, v in data["model"].items() if k != "weights"}
+        data["model"] = {k: v for k, v in data["model"].items() if k not in ("weights", "quant_activations")}
+    if isinstance(data.get("model"), dict) and data["model"].get("quant_activations") in (None, "fp32"):
+        data["model"] = {k: v for k, v in data["model"].items() if k != "quant_activations"}  # as before the option
     model_files = model_files_sha256(data.get("model"))  # the model's config, tokenizer and weights (absent for the
     if model_files is not None:  # packaged model, identified by its package's version)
         data["model_sha256"] = model_files

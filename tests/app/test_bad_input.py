@@ -75,6 +75,7 @@ CASES = [
     (["model.dtype=int3"], "invalid model.dtype='int3': choices are float32, bfloat16, float16"),
     (["model.device=tpu"], "invalid model.device='tpu'"),
     (["model.weights=int4"], "invalid model.weights='int4': choices are quantized, dequantize"),
+    (["model.quant_activations=q4"], "invalid model.quant_activations='q4': choices are fp32, q8"),
     (["model=hf"], "model.path"),
     (["model=hf", "model.path=/no/such/model"], "/no/such/model"),
     (["model.path={empty}"], "empty folder"),

@@ -14,11 +14,16 @@ import torch
 from kvbench.quant.codecs import Int8Codec, KiviCodec
 from kvbench.quant.fp4_codecs import Mxfp4Codec, Nvfp4Codec
 from kvbench.runtime.backends.cpu import kernels as cpu_kernels
+from kvbench.runtime.backends.cpu import quant_linear as ql
+from kvbench.runtime.backends.cpu.quant_linear import QuantLinear
 from kvbench.runtime.backends.cpu.backend import CPU
 from kvbench.runtime.backends.torch.backend import TORCH
 from kvbench.runtime.cache.caches import build_cache
 from kvbench.runtime.cache.kv_cache import PagedKVCache
-from tests.tiny_models import HEAD_DIM_64, tiny_model
+from kvbench.runtime.model.loading import load_model
+from kvbench.runtime.model.quantized_weights import set_quant_activations
+from tests.fixtures.gguf_fixtures import write_gguf
+from tests.tiny_models import HEAD_DIM_64, tiny_hf_model, tiny_model
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 
@@ -275,3 +280,120 @@ def test_the_phase_clock_times_every_phase_of_fused_steps_only_while_on():
     assert all(s > 0 for s in seconds.values()) and sum(seconds.values()) <= wall
     run(model, prompts, 6, fused=True)
     assert clock.seconds() == {**seconds, "page_select": 0.0}  # off: the kernel no longer writes the accumulators
+
+
+# --- weights kept quantized (model.weights=quantized): the fused step over a GGUF file's blocks -----------------
+
+# each projection's parts (q/k/v, gate/up stacked as a QuantLinear's parts) in one type, or mixed as Q4_K_M files mix
+# them inside q/k/v
+QUANT_LAYOUTS = {t: {"qkv": (t, t, t), "o": (t,), "gate_up": (t, t), "down": (t,)}
+                 for t in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")}
+QUANT_LAYOUTS["mixed"] = {"qkv": ("Q4_K", "Q6_K", "Q5_0"), "o": ("Q8_0",), "gate_up": ("Q5_K", "Q4_0"),
+                          "down": ("Q6_K",)}
+QUANT_SHAPE = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "intermediate": 512, "vocab": 300,
+               "max_positions": 2048}  # every input size a multiple of 256 (the K-quants' super-block)
+
+
+def scaled_quant_matrix(type_name: str, rows: int, cols: int, g: torch.Generator, std: float = 0.05):
+    """quant_linear.random_quant_matrix with its fp16 scales (d, and dmin) multiplied so that the values' standard
+    deviation is about `std` (every value of these types is linear in them): a model whose activations stay sane."""
+    qm = ql.random_quant_matrix(type_name, rows, cols, g)
+    c = std / qm.dequantize().std().item()
+    blocks = qm.data.view(-1, ql.block_shape(qm.type_id)[1])  # in place
+    for off in ql._SCALE_OFFSETS[type_name]:
+        d = blocks[:, off: off + 2].contiguous().view(torch.float16).float() * c
+        blocks[:, off: off + 2] = d.to(torch.float16).view(torch.uint8).view(-1, 2)
+    return qm
+
+
+def quantized_model(layout: dict, family: str = "llama", seed: int = 5):
+    """A tiny model whose projections are QuantLinears of random blocks (layout: the type of each stacked part),
+    biases kept (qwen2's q/k/v); the embeddings and head stay fp32."""
+    model = tiny_model(family, seed=seed, **QUANT_SHAPE)
+    cfg = model.config
+    Hq, H, D, E, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    outs = {"qkv": (Hq * D, H * D, H * D), "o": (E,), "gate_up": (I, I), "down": (E,)}
+    ins = {"qkv": E, "o": Hq * D, "gate_up": E, "down": I}
+    g = torch.Generator().manual_seed(seed)
+    for lw in model.layers:
+        for name, types in layout.items():
+            parts = [scaled_quant_matrix(t, rows, ins[name], g) for t, rows in zip(types, outs[name])]
+            setattr(lw, name, QuantLinear(parts, getattr(lw, name).bias))
+    return model
+
+
+def assert_same_decode(fused, ref, rel: float = 1e-4):
+    """Greedy tokens equal and logits within `rel` of their largest magnitude, at every step."""
+    for a, b in zip(fused, ref):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err <= rel, err
+
+
+@pytest.mark.parametrize("layout", list(QUANT_LAYOUTS))
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_fused_decode_over_quantized_weights_matches_the_op_by_op_path(layout, batch):
+    """The fused step multiplies a QuantLinear's parts with quant_matmul.c's kernels inside its region (the decode
+    GEMV at 1-2 rows, the expanded-tile path at more), as the op-by-op path does: the same greedy tokens, logits and
+    cached K/V (up to the last bits of the C silu against torch's)."""
+    model = quantized_model(QUANT_LAYOUTS[layout])
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]
+    fused, cache_f = run(model, prompts, 8, fused=True)
+    ref, cache_r = run(model, prompts, 8, fused=False)
+    assert_same_decode(fused, ref)
+    assert torch.equal(cache_f.lengths, cache_r.lengths)
+    for slot in cache_f.live:
+        for layer in range(model.config.num_layers):
+            for a, b in zip(cache_f.gather(layer, slot), cache_r.gather(layer, slot)):  # K, V, positions
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_over_quantized_weights_with_biases_a_hook_and_a_codec_cache():
+    """qwen2's q/k/v biases, a method's hook (q and per-key attention mass per layer) and a KIVI-2 cache over
+    quantized weights: as op by op."""
+    model = quantized_model(QUANT_LAYOUTS["mixed"], family="qwen2")
+    assert model.layers[0].qkv.bias is not None
+    prompts = [list(range(5, 45)), list(range(60, 83))]
+    hooks = {f: RecordingHook(needs_key_scores=True, evict=True) for f in (True, False)}
+    logits = {f: run(model, prompts, 8, fused=f, hook=hooks[f])[0] for f in (True, False)}
+    assert_same_decode(logits[True], logits[False])
+    decode = [(f, r) for f, r in zip(hooks[True].seen, hooks[False].seen) if f[1] == "decode"]
+    assert len(decode) == 8 * model.config.num_layers
+    for (_, _, qf, kf), (_, _, qr, kr) in decode:
+        torch.testing.assert_close(qf, qr, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kf, kr, atol=1e-5, rtol=1e-4)
+    prompts = [[(11 * i + 5 * j) % 300 for j in range(40 + 37 * i)] for i in range(2)]
+    fused, cache_f = run(model, prompts, 40, fused=True, codec="kivi2")
+    ref, cache_r = run(model, prompts, 40, fused=False, codec="kivi2")
+    assert cache_f.block_counts()["packed"] > 0
+    assert_same_decode(fused, ref)
+
+
+def test_fused_decode_of_a_quantized_gguf_file(tmp_path):
+    """A tiny GGUF file loaded with its weights kept quantized (Q8_0) decodes fused, with the op-by-op numbers;
+    model.fuse_decode_layers = False still runs it op by op (run() asserts which path runs)."""
+    pytest.importorskip("gguf")
+    hf = tiny_hf_model("llama", seed=3, vocab=320, qk_scale=3)
+    path = write_gguf(hf, tmp_path / "llama.gguf", "llama", quant="Q8_0")
+    model = load_model(str(path), cache_dir=tmp_path / "cache", weights="quantized").model
+    assert isinstance(model.layers[0].qkv, QuantLinear)
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(3)]
+    fused, _ = run(model, prompts, 6, fused=True)
+    ref, _ = run(model, prompts, 6, fused=False)
+    assert_same_decode(fused, ref)
+
+
+@pytest.mark.parametrize("layout", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "mixed"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fused_decode_with_q8_activations_matches_the_op_by_op_path(layout, batch):
+    """With Q8 activations (quantized_weights.set_quant_activations "q8") the fused step and the op-by-op path quantize
+    each projection's input the same way (every part but "mixed"'s Q5_K gate, which stays fp32): the same
+    greedy tokens and logits; and the logits do differ from the fp32-activation run's (the option takes effect)."""
+    model = quantized_model(QUANT_LAYOUTS[layout])
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(20 + 13 * i)] for i in range(batch)]
+    fp32, _ = run(model, prompts, 6, fused=True)
+    assert set_quant_activations(model, "q8") == 4 * model.config.num_layers
+    fused, _ = run(model, prompts, 6, fused=True)
+    ref, _ = run(model, prompts, 6, fused=False)
+    assert_same_decode(fused, ref)
+    assert max((a - b).abs().max().item() for a, b in zip(fused, fp32)) > 1e-4

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.runtime.backends.cpu.quant_linear import QUANT_TYPES, QuantEmbedding, QuantLinear, QuantMatrix
+from kvbench.runtime.backends.cpu.quant_linear import (ACTIVATIONS, QUANT_TYPES, QuantEmbedding, QuantLinear,
+                                                      QuantMatrix)
 
 WEIGHT_MODES = ("quantized", "dequantize")
 
@@ -123,3 +124,22 @@ def _row_order(processor: Any, gguf_name: str, rows: int) -> torch.Tensor | None
     if not np.array_equal(np.sort(order), np.arange(rows)):
         return None
     return torch.from_numpy(order.astype(np.int64))
+
+
+def set_quant_activations(model: Any, activations: str) -> int:
+    """Every QuantLinear of `model` (projections and output head) multiplies decode-sized inputs with `activations`
+    ("fp32", or "q8": rows quantized to Q8_0 blocks for integer dot products, quant_linear.ACTIVATIONS); the fused
+    decode step's form of the weights is rebuilt. Returns how many QuantLinears it set."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: choices are {', '.join(ACTIVATIONS)}")
+    names = ("qkv", "o", "gate_up", "down")
+    linears = [getattr(lw, name, None) for lw in getattr(model, "layers", ()) for name in names]
+    n = 0
+    for lin in [*linears, getattr(model, "lm_head", None)]:
+        if isinstance(lin, QuantLinear):
+            lin.activations = activations
+            n += 1
+    view = model.__dict__.get("_decode_weights")
+    if view is not None:
+        view.kernel_form = None  # built again, with the new activations, at the next fused step
+    return n

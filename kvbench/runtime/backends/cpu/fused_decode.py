@@ -6,11 +6,15 @@ time). The fused path runs norms, projections, RoPE, the K/V write, paged attent
 one parallel region; with a method's hook it makes one call per layer and calls the hook after each.
 
 It applies to decode steps (one token per sequence, at most `kernels.GEMV_MAX_ROWS` sequences) of an fp32 model on
-CPU with the C kernels, a cache with plain pools (`PagedKVCache.plain_pools`) or a codec cache whose packed blocks
-the C codec decode kernel reads (`CpuBackend.block_formats`: KIVI, int8; new tokens land in its full-precision
-pools, fp16 or fp32, and packing happens before the step, in `prepare_append`), keys cached after RoPE at their
-original positions, no q/k norm (Qwen3), under the CPU backend (`CpuBackend.fused_decode`). Anything else, or
-`model.fuse_decode_layers = False`, takes the op-by-op path; both give the same numbers
+CPU with the C kernels whose projections are each a Linear with its plain [out, in] fp32 copy (the C GEMV) or a
+QuantLinear, a GGUF file's blocks kept quantized (`model.weights=quantized`; up to `kernels.MAX_PARTS` stacked
+matrices, each in its own type, multiplied inside the step's region by the kernels the op-by-op path calls, with the
+same activations, fp32 or q8: `quant_linear.quant_matmul_team_address`), a cache with plain pools
+(`PagedKVCache.plain_pools`) or a codec cache whose packed blocks the C codec decode kernel reads
+(`CpuBackend.block_formats`: KIVI, int8; new tokens land in its full-precision pools, fp16 or fp32, and packing
+happens before the step, in `prepare_append`), keys cached after RoPE at their original positions, no q/k norm
+(Qwen3), under the CPU backend (`CpuBackend.fused_decode`). Anything else, or `model.fuse_decode_layers = False`,
+takes the op-by-op path; both give the same numbers up to the last bits of the C silu against torch's
 (tests/runtime/test_fused_decode.py).
 The hook gets the same LayerContext as on the op-by-op path, but after the layer's MLP instead of before its output
 projection, which changes nothing: hooks read q and the attention scores and edit the cache, which that layer no
@@ -25,28 +29,41 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from kvbench.runtime.backends.base import DecodePools, DecodeWeights, FusedDecode
-from kvbench.runtime.backends.cpu import kernels
+from kvbench.runtime.backends.cpu import kernels, quant_linear
 
 if TYPE_CHECKING:  # annotations only: the backends sit below the cache that plans the step
     from kvbench.runtime.cache.append_plan import AppendPlan
 
 
+def projection(lin) -> kernels.Projection | None:
+    """The C kernel's view of one projection: a QuantLinear's blocks (each stacked part in its own type), or a
+    Linear's plain [out, in] fp32 copy; None when it has neither (see linear.Linear) or more parts than the kernel
+    takes."""
+    parts = getattr(lin, "parts", None)  # a QuantLinear (duck-typed: a profiler may wrap it)
+    if parts is not None:
+        if len(parts) > kernels.MAX_PARTS or any(p.cols != lin.in_features for p in parts):
+            return None
+        return kernels.Projection.quantized([(p.type_id, p.data) for p in parts], quant_linear.ISAS[lin.isa],
+                                            lin.bias, quant_linear.ACTIVATIONS[lin.activations])
+    plain = getattr(lin, "_plain", None)
+    return kernels.Projection.fp32(plain, lin.bias) if plain is not None else None
+
+
 def layer_weights(weights: DecodeWeights) -> ctypes.Array | None:
     """The C kernel's view of every layer's weights (built once per model, kept on `weights`; the model's Linears
-    keep the tensors alive), or None when a projection has no plain [out, in] fp32 copy (see linear.Linear)."""
+    keep the tensors alive), or None when a projection has no form the kernel reads (`projection`)."""
     cached = weights.kernel_form
     if cached is not None:
         return cached or None
     rows = []
     for lw in weights.layers:
-        lins = (lw.qkv, lw.o, lw.gate_up, lw.down)
-        if any(lin._plain is None for lin in lins):
+        projs = [projection(lin) for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        if any(p is None for p in projs):
             weights.kernel_form = []
             return None
-        rows.append(kernels.DecodeLayerWeights.of(
-            ln_attn=lw.ln_attn, ln_mlp=lw.ln_mlp, w_qkv=lw.qkv._plain, b_qkv=lw.qkv.bias, w_o=lw.o._plain,
-            b_o=lw.o.bias, w_gu=lw.gate_up._plain, b_gu=lw.gate_up.bias, w_down=lw.down._plain,
-            b_down=lw.down.bias))
+        rows.append(kernels.DecodeLayerWeights.of(lw.ln_attn, lw.ln_mlp, *projs))
+    if any(proj.part[0].type != 0 for row in rows for proj in (row.qkv, row.o, row.gu, row.down)):
+        kernels.set_quant_matmul(quant_linear.quant_matmul_team_address())
     weights.kernel_form = (kernels.DecodeLayerWeights * len(rows))(*rows)
     return weights.kernel_form
 
@@ -68,7 +85,8 @@ class FusedDecodeStep(FusedDecode):
         self.buffers = kernels._DecodeBuffers(S, H, weights.num_heads // H, D, int(plan.lengths.max()), min_chunk,
                                               False)
         self.codec = None if formats is None else kernels.CodecPools.of(pools, formats, self.buffers.threads)
-        self.scratch = (torch.empty(S, weights.hidden_size), torch.empty(S, weights.intermediate_size))
+        I = weights.intermediate_size
+        self.scratch = (torch.empty(S, weights.hidden_size), torch.empty(S, I), torch.empty(S, 2 * I))  # h, act, gu
         self.need_scores = need_scores
         self.scale = D ** -0.5
         self.pages = None  # page retrieval (kvbench.runtime.cache.page_retrieval): summaries and selection in C

@@ -214,8 +214,9 @@ def load_kernel():
         fn.restype = None
     lib.decode_layers_f32.argtypes = [p, i64, i64, i64, p, i32, f32, p, p, p, p, p, i64,
                                       p, i64, i64, i64, i64, p, i64, i64, i64, i32, i32, i32, i32, f32, i64, i32,
-                                      p, p, p, p, p, p, p, p, p, i32]
+                                      p, p, p, p, p, p, p, p, p, p, i32]
     lib.decode_layers_f32.restype = None
+    lib.set_quant_matmul.argtypes, lib.set_quant_matmul.restype = [p], None
     fmt = ctypes.POINTER(BlockFormat)
     lib.codec_decode_attention_f32.argtypes = [p, p, p, i32, p, p, fmt, fmt, i64, p, i64, i64, i64, p, i64, i64,
                                                i32, i32, i32, i32, i32, f32, i64, i32, p, p, p, p, p, i32]
@@ -620,18 +621,67 @@ def select_pages_c(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor,
     return ps._keep["sel_tables"].clone(), sel_len
 
 
-class DecodeLayerWeights(ctypes.Structure):
-    """Pointers to one layer's weights for ``decode_layers`` (`layer_weights` in csrc/decode_layer.c); biases may be
-    NULL. The caller keeps the tensors alive."""
+def _pointer(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
+    assert t is None or (t.is_contiguous() and t.dtype == dtype and t.device.type == "cpu")
+    return t.data_ptr() if t is not None else None
 
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("ln_attn", "ln_mlp", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down")]
+
+class ProjectionPart(ctypes.Structure):
+    """One matrix of a projection (`projection_part` in csrc/decode_ops.h): fp32 [rows, in] (type 0) or rows of a
+    GGUF file's blocks of ggml type `type`, multiplied by the quantized kernels of instruction set `isa` with
+    activations `act` (0 fp32, 1 Q8 blocks: quant_linear.ACTIVATIONS)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("type", ctypes.c_int32), ("isa", ctypes.c_int32), ("act", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
+MAX_PARTS = 4  # MAX_PARTS in csrc/decode_ops.h
+
+
+class Projection(ctypes.Structure):
+    """A projection of the fused decode step (`projection` in csrc/decode_ops.h): its matrices stacked along the
+    output, and its bias (or NULL). The caller keeps the tensors alive."""
+
+    _fields_ = [("part", ProjectionPart * MAX_PARTS), ("n_parts", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                ("bias", ctypes.c_void_p)]
 
     @classmethod
-    def of(cls, **tensors: torch.Tensor | None) -> "DecodeLayerWeights":
-        for t in tensors.values():
-            assert t is None or (t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu")
-        return cls(**{k: (t.data_ptr() if t is not None else None) for k, t in tensors.items()})
+    def fp32(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Projection":
+        """weight [out, in] fp32 contiguous (the C GEMV)."""
+        p = cls(n_parts=1, bias=_pointer(bias))
+        p.part[0] = ProjectionPart(_pointer(weight), weight.shape[0], weight.shape[1] * 4, 0, 0)
+        return p
+
+    @classmethod
+    def quantized(cls, parts: list[tuple[int, torch.Tensor]], isa: int, bias: torch.Tensor | None,
+                  act: int = 0) -> "Projection":
+        """parts: (ggml type, blocks uint8 [rows, row bytes]) stacked along the output, at most MAX_PARTS."""
+        assert 1 <= len(parts) <= MAX_PARTS
+        p = cls(n_parts=len(parts), bias=_pointer(bias))
+        for i, (type_id, data) in enumerate(parts):
+            assert type_id != 0
+            p.part[i] = ProjectionPart(_pointer(data, torch.uint8), data.shape[0], data.shape[1], type_id, isa, act)
+        return p
+
+
+class DecodeLayerWeights(ctypes.Structure):
+    """One layer's weights for ``decode_layers`` (`layer_weights` in csrc/decode_layer.c): the norms' weights and
+    four projections. The caller keeps the tensors alive."""
+
+    _fields_ = [("ln_attn", ctypes.c_void_p), ("ln_mlp", ctypes.c_void_p), ("qkv", Projection), ("o", Projection),
+                ("gu", Projection), ("down", Projection)]
+
+    @classmethod
+    def of(cls, ln_attn: torch.Tensor, ln_mlp: torch.Tensor, qkv: Projection, o: Projection, gu: Projection,
+           down: Projection) -> "DecodeLayerWeights":
+        return cls(_pointer(ln_attn), _pointer(ln_mlp), qkv, o, gu, down)
+
+
+def set_quant_matmul(fn: int) -> None:
+    """Hand the decode library the quantized kernels' `quant_matmul_team` (its address: quant_linear.py's library),
+    which the fused step calls for quantized projections."""
+    _lib.set_quant_matmul(fn)
 
 
 def decode_layers(
@@ -651,7 +701,7 @@ def decode_layers(
     num_heads: int,
     scale: float,
     buffers: "_DecodeBuffers",  # sized for the longest table; its `out` holds the attention output
-    scratch: tuple[torch.Tensor, torch.Tensor],  # h [M, E], act [M, I]
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # h [M, E], act [M, I], gu [M, 2I]
     codec: CodecPools | None = None,  # a codec cache: its pools (k_pool / v_pool are its full-precision pools)
     pages: PageSelect | None = None,  # page retrieval: summaries kept, retrieving layers read their selection
 ) -> torch.Tensor:
@@ -665,7 +715,7 @@ def decode_layers(
     G = num_heads // H
     assert n == 1 or buffers.key_scores is None
     qkv = torch.empty(M, (num_heads + 2 * H) * D, dtype=torch.float32)
-    h, act = scratch
+    h, act, gu = scratch
     b = buffers
     ts, ls, ws = tables.stride(), lengths.stride(), write_rows.stride()
     size = ctypes.sizeof(DecodeLayerWeights)
@@ -676,6 +726,6 @@ def decode_layers(
         sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), write_rows[first].data_ptr(), ws[0],
         tables[:, first].data_ptr(), ts[1], ts[0], ts[2], ts[3], lengths[:, first].data_ptr(), ls[1], ls[0], ls[2],
         H, G, D, bs, scale, b.Tp, b.chunk, None if codec is None else ctypes.addressof(codec), h.data_ptr(),
-        qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(), b.key_scores_ptr(), b.scores.data_ptr(),
+        qkv.data_ptr(), b.out.data_ptr(), act.data_ptr(), gu.data_ptr(), b.key_scores_ptr(), b.scores.data_ptr(),
         b.partials.data_ptr(), None if pages is None else ctypes.addressof(pages), b.threads)
     return qkv[:, : num_heads * D].view(M, num_heads, 1, D)

@@ -5,8 +5,11 @@ values, Q4_K, Q5_K, Q6_K of 256), a uint8 tensor [rows, row_bytes]. `QuantLinear
 such matrices, one or several stacked along the output (fused q/k/v of different types, as Q4_K_M files mix Q4_K
 and Q6_K), with the C kernels of csrc/quant_matmul.c: a bandwidth-bound GEMV for decode steps (each block expanded to
 fp32 in L1 as it is read) and a GEMM for prefill chunks (rows expanded once per thread, then multiplied with the
-input rows in register tiles). Activations stay fp32: llama.cpp instead quantizes them to Q8 blocks for integer dot
-products; here the result is dequantize-then-matmul's up to the order of the sums.
+input rows in register tiles). Activations stay fp32 by default, so the result is dequantize-then-matmul's up to
+the order of the sums; `activations="q8"` (ACTIVATIONS; QuantLinear.activations) quantizes decode-sized inputs to
+Q8_0 blocks for integer dot products with the weights of Q8_TYPES, as llama.cpp does (csrc/quant_q8.h), which
+changes the numbers by the activations' rounding. The fused decode step multiplies the same matrices with the same
+kernels inside its own parallel region (`quant_matmul_team`, through `quant_matmul_team_address`).
 
 The kernels are compiled for three instruction sets and one is chosen at run time: AVX-512, AVX2+FMA, or generic C
 (scalar); ``KVBENCH_QUANT_ISA=generic|avx2|avx512`` forces one (``avx2_wide``, AVX2 code with AVX-512's 16-float
@@ -29,12 +32,16 @@ from kvbench.runtime.backends.cpu.linear import Linear
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "quant_matmul.c"]
-_HEADERS = [_CSRC / "quant_matmul_impl.h", _CSRC / "quant_blocks.h"]
+_HEADERS = [_CSRC / "quant_matmul_impl.h", _CSRC / "quant_blocks.h", _CSRC / "quant_q8.h"]
 _FLAGS = ["-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the block types the kernels multiply
 QUANT_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx2_wide": 3}
+# the activations of a product (quant_q8.h): fp32 as they are, or each row quantized to Q8_0 blocks (32 values, an
+# fp32 scale) for integer dot products, llama.cpp's scheme, with the weight types in Q8_TYPES (Q5_K stays fp32)
+ACTIVATIONS = {"fp32": 0, "q8": 1}
+Q8_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
 ISA_ENV = "KVBENCH_QUANT_ISA"
 _lib = None
 _error: str | None = None
@@ -51,10 +58,11 @@ def load_quant_kernel():
         _error = str(err)
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.quant_matmul.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+    lib.quant_matmul.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, i32, i32]
     lib.quant_dequantize_rows.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.quant_matmul_team.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, i64, p, i32, i32]
     for fn in (lib.quant_matmul, lib.quant_dequantize_rows, lib.quant_isa_supported, lib.quant_block_values,
-               lib.quant_block_bytes):
+               lib.quant_block_bytes, lib.quant_matmul_team):
         fn.restype = i32
     lib.quant_isa_supported.argtypes = [i32]
     lib.quant_block_values.argtypes = lib.quant_block_bytes.argtypes = [i32]
@@ -64,6 +72,14 @@ def load_quant_kernel():
 
 def quant_kernel_error() -> str | None:
     return _error
+
+
+def quant_matmul_team_address() -> int:
+    """The address of the library's `quant_matmul_team` (a work-shared product for a caller's parallel region), which
+    the fused decode step calls (kernels.set_quant_matmul)."""
+    lib = load_quant_kernel()
+    assert lib is not None, _error
+    return ctypes.cast(lib.quant_matmul_team, ctypes.c_void_p).value
 
 
 def isa_supported(isa: str) -> bool:
@@ -135,9 +151,10 @@ class QuantMatrix:
         return self.dequantize_rows(torch.arange(self.rows))
 
 
-def quant_matmul(x: torch.Tensor, w: QuantMatrix, out: torch.Tensor | None = None, isa: str | None = None
-                 ) -> torch.Tensor:
-    """x [M, cols] fp32 @ w^T -> [M, rows]; into `out` (a [M, rows] view whose rows are contiguous) when given."""
+def quant_matmul(x: torch.Tensor, w: QuantMatrix, out: torch.Tensor | None = None, isa: str | None = None,
+                 activations: str = "fp32") -> torch.Tensor:
+    """x [M, cols] fp32 @ w^T -> [M, rows]; into `out` (a [M, rows] view whose rows are contiguous) when given;
+    activations "q8": x's rows quantized to Q8_0 blocks first where w's type is one of Q8_TYPES (ACTIVATIONS)."""
     lib = load_quant_kernel()
     if lib is None:
         raise RuntimeError(f"quantized-weight kernels unavailable: {_error}")
@@ -150,16 +167,20 @@ def quant_matmul(x: torch.Tensor, w: QuantMatrix, out: torch.Tensor | None = Non
     if M == 0:
         return out
     rc = lib.quant_matmul(ISAS[isa or chosen_isa()], w.type_id, w.data.data_ptr(), w.data.shape[1], w.rows, w.cols,
-                          x.data_ptr(), x.stride(0), M, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                          x.data_ptr(), x.stride(0), M, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+                          ACTIVATIONS[activations])
     if rc != 0:
         raise ValueError(f"quant_matmul: unsupported type {w.type_id} or shape {w.rows}x{w.cols}")
     return out
 
 
 class QuantLinear(Linear):
-    """y = x @ W^T + b with W the row-wise stack of `parts` (each the file's own blocks); fp32 on CPU."""
+    """y = x @ W^T + b with W the row-wise stack of `parts` (each the file's own blocks); fp32 on CPU.
+    `activations` "q8": inputs of at most kernels.GEMV_MAX_ROWS rows (decode steps; the fused decode step reads it
+    too) are quantized to Q8_0 blocks for the parts of a type in Q8_TYPES (llama.cpp's integer dot products);
+    "fp32" (default): as they are."""
 
-    def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None = None):
+    def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None = None, activations: str = "fp32"):
         cols = {p.cols for p in parts}
         assert len(cols) == 1, "the stacked matrices must share their input size"
         self.parts = parts
@@ -171,6 +192,13 @@ class QuantLinear(Linear):
         self._packed = self._plain = self._w_t = None  # no dense copy: the fused decode step and oneDNN skip it
         self._dense: torch.Tensor | None = None
         self._isa = chosen_isa()
+        assert activations in ACTIVATIONS, activations
+        self.activations = activations
+
+    @property
+    def isa(self) -> str:
+        """The instruction set its kernels run (chosen_isa at construction)."""
+        return self._isa
 
     @property
     def backend(self) -> str:
@@ -188,8 +216,9 @@ class QuantLinear(Linear):
         x2 = x.reshape(-1, self.in_features).float()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         row = 0
+        act = self.activations if x2.shape[0] <= kernels.GEMV_MAX_ROWS else "fp32"
         for p in self.parts:
-            quant_matmul(x2, p, y[:, row: row + p.rows], self._isa)
+            quant_matmul(x2, p, y[:, row: row + p.rows], self._isa, act)
             row += p.rows
         if self.bias is not None:
             y += self.bias

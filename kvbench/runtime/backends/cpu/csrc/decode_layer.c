@@ -15,6 +15,10 @@
  *          codec->fp_is_half)
  *   x += attn @ W_o^T;  h = RMSNorm(x) * ln_mlp;  act = silu(h @ W_gate^T) * (h @ W_up^T);  x += act @ W_down^T
  *
+ * Each projection is fp32 (the C GEMV over the Linear's plain copy) or a GGUF file's quantized blocks, one or more
+ * matrices stacked along its output (project_team: quant_matmul.c's kernels through a pointer, work-shared in this
+ * region; gate and up then go through a scratch gu [M, 2I] before silu(gate) * up).
+ *
  * Same arithmetic, op for op, as the unfused path with the C kernels (tests/runtime/test_fused_decode.py compares
  * the two).
  */
@@ -41,10 +45,10 @@ int phase_count(void) { return N_PHASES; }
 
 typedef struct {
     const float *ln_attn, *ln_mlp;  /* [E] */
-    const float *w_qkv, *b_qkv;  /* [(Hq + 2H) * D, E], bias or NULL */
-    const float *w_o, *b_o;  /* [E, Hq * D] */
-    const float *w_gu, *b_gu;  /* [2I, E]: gate rows, then up rows */
-    const float *w_down, *b_down;  /* [E, I] */
+    projection qkv;  /* E -> (Hq + 2H) * D */
+    projection o;  /* Hq * D -> E */
+    projection gu;  /* E -> 2I: gate rows, then up rows */
+    projection down;  /* I -> E */
 } layer_weights;
 
 /* Layers l < n_layers in turn, in one parallel region: layer l reads weights lw[l], write_rows + l * wr_sl, tables +
@@ -56,7 +60,8 @@ void decode_layers_f32(
     const int32_t *tables, int64_t tab_sl, int64_t tab_ss, int64_t tab_sh, int64_t tab_sj,
     const int64_t *lengths, int64_t len_sl, int64_t len_ss, int64_t len_sh,
     int H, int G, int D, int bs, float scale, int64_t T, int chunk_slots,
-    const codec_pools *codec, float *h, float *qkv, float *attn, float *act, float *key_scores, float *scores,
+    const codec_pools *codec, float *h, float *qkv, float *attn, float *act, float *gu, float *key_scores,
+    float *scores,
     float *partials, const page_select *ps, int nthreads)
 {
     const int64_t Hq = (int64_t)H * G, O_qkv = (Hq + 2 * H) * D, n_rot = Hq + H;
@@ -73,7 +78,7 @@ void decode_layers_f32(
         const int64_t *rows = write_rows + l * wr_sl;
         rms_norm_team(x, w->ln_attn, h, M, E, eps);
         PHASE_END(PH_NORM_ATTN);
-        gemv_team(w->w_qkv, h, E, w->b_qkv, qkv, O_qkv, O_qkv, E, M, 0);
+        project_team(&w->qkv, h, E, qkv, O_qkv, E, M, 0);
         PHASE_END(PH_QKV);
 #pragma omp for schedule(static) nowait
         for (int64_t item = 0; item < M * n_rot; item++) {  /* (row, q or k head) */
@@ -119,13 +124,13 @@ void decode_layers_f32(
                                         lengths + l * len_sl, len_ss, len_sh, (int)M, H, G, D, bs, scale, T,
                                         chunk_slots, attn, key_scores, scores, partials);
         PHASE_END(PH_ATTENTION);
-        gemv_team(w->w_o, attn, Hq * D, w->b_o, x, E, E, Hq * D, M, 1);
+        project_team(&w->o, attn, Hq * D, x, E, Hq * D, M, 1);
         PHASE_END(PH_O);
         rms_norm_team(x, w->ln_mlp, h, M, E, eps);
         PHASE_END(PH_NORM_MLP);
-        gate_up_silu_team(w->w_gu, w->b_gu, h, E, act, I, E, M);
+        gate_up_project_team(&w->gu, h, E, act, gu, I, E, M);
         PHASE_END(PH_GATE_UP);
-        gemv_team(w->w_down, act, I, w->b_down, x, E, E, I, M, 1);
+        project_team(&w->down, act, I, x, E, I, M, 1);
         PHASE_END(PH_DOWN);
     }
     current_team_sync = NULL;

@@ -133,6 +133,44 @@ void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x
     team_end();
 }
 
+static quant_matmul_fn quant_matmul_team = NULL;  /* set once the quantized kernels' library is loaded */
+void set_quant_matmul(quant_matmul_fn fn) { quant_matmul_team = fn; }
+
+void project_team(const projection *p, const float *x, int64_t x_ss, float *y, int64_t y_ss, int64_t I, int64_t M,
+                  int accumulate) {
+    if (p->n_parts == 1 && p->part[0].type == 0) {
+        gemv_team((const float *)p->part[0].data, x, x_ss, p->bias, y, y_ss, p->part[0].rows, I, M, accumulate);
+        return;
+    }
+    /* each part's rows: its own work-shared loop (no barrier), then one for them all; quant_matmul_team's -1 (a
+     * type or shape it lacks) cannot occur: kernels.Projection.quantized takes only QuantMatrix parts (shape checked)
+     * of the projection's input size */
+    int64_t row = 0;
+    for (int i = 0; i < p->n_parts; i++) {
+        const projection_part *q = p->part + i;
+        quant_matmul_team(q->isa, q->type, (const uint8_t *)q->data, q->row_bytes, q->rows, I, x, x_ss, M, y + row,
+                          y_ss, p->bias ? p->bias + row : NULL, accumulate, q->act);
+        row += q->rows;
+    }
+    team_end();
+}
+
+void gate_up_project_team(const projection *p, const float *x, int64_t x_ss, float *act, float *gu, int64_t I,
+                          int64_t E, int64_t M) {
+    if (p->n_parts == 1 && p->part[0].type == 0) {
+        gate_up_silu_team((const float *)p->part[0].data, p->bias, x, x_ss, act, I, E, M);
+        return;
+    }
+    project_team(p, x, x_ss, gu, 2 * I, E, M, 0);  /* gu [M, 2I]: gates, then ups */
+#pragma omp for schedule(static) nowait
+    for (int64_t item = 0; item < M * I; item++) {  /* (row m, output o) */
+        const int64_t m = item / I, o = item % I;
+        const float g = gu[m * 2 * I + o], u = gu[m * 2 * I + I + o];
+        act[item] = g / (1.0f + expf(-g)) * u;
+    }
+    team_end();
+}
+
 /* The index of the largest of x[0..n) as torch.argmax gives it: the first NaN if there is one, else the first
  * occurrence of the maximum (n >= 1). Two passes over the row, the second from L1/L2 and stopping at the hit. */
 static int64_t argmax_row(const float *restrict x, int64_t n) {

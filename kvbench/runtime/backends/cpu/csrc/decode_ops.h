@@ -207,6 +207,38 @@ void gemv_team(const float *W, const float *x, int64_t x_ss, const float *b, flo
 /* act[m, o] = silu(gate_o . x_m) * (up_o . x_m) for o < I, W [2I, E] = gate rows then up rows (b [2I] or NULL) */
 void gate_up_silu_team(const float *W, const float *b, const float *x, int64_t x_ss, float *act, int64_t I,
                        int64_t E, int64_t M);
+/* A projection of the fused decode step: the row-wise stack of up to MAX_PARTS weight matrices of the same input
+ * size (q/k/v or gate/up, each in its own format: a Q4_K_M file mixes types), with its bias. A part is an fp32
+ * [rows, I] matrix (type 0; then it is the only part) or `rows` rows of a GGUF file's blocks of ggml `type`,
+ * `row_bytes` each, multiplied by quant_matmul.c's kernels of instruction set `isa` (quant_linear.ISAS). */
+#define MAX_PARTS 4
+typedef struct {
+    const void *data;  /* fp32 [rows, I], or [rows, row_bytes] bytes of blocks */
+    int64_t rows, row_bytes;
+    int32_t type, isa;  /* ggml type (0: fp32) and the quantized kernels' instruction set */
+    int32_t act, reserved;  /* the quantized kernels' activations: 0 fp32, 1 Q8 blocks (quant_q8.h) */
+} projection_part;
+typedef struct {
+    projection_part part[MAX_PARTS];
+    int32_t n_parts, reserved;
+    const float *bias;  /* [sum of rows] or NULL */
+} projection;
+/* quant_matmul.c's quant_matmul_team: a work-shared quantized product without a barrier, y[m, o] (+)= (W[o] . x[m]
+ * + b[o]); the decode library calls it through this pointer (set_quant_matmul), so the two libraries share the
+ * kernels and their arithmetic */
+typedef int (*quant_matmul_fn)(int isa, int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K,
+                               const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
+                               int accumulate, int act);
+void set_quant_matmul(quant_matmul_fn fn);
+/* y[m * y_ss + o] (+)= x[m] . W[o] + b[o] for every row o of p (parts stacked along o) and m < M, x rows of I
+ * floats x_ss apart; ends at the team barrier. An fp32 projection is gemv_team's, a quantized one quant_matmul_team's
+ * per part. */
+void project_team(const projection *p, const float *x, int64_t x_ss, float *y, int64_t y_ss, int64_t I, int64_t M,
+                  int accumulate);
+/* act[m, o] = silu(gate_o . x_m + b) * (up_o . x_m + b) for o < I (gate rows 0..I-1 of p, up rows I..2I-1): the
+ * fp32 projection through gate_up_silu_team, a quantized one into gu [M, 2I] first (one more barrier) */
+void gate_up_project_team(const projection *p, const float *x, int64_t x_ss, float *act, float *gu, int64_t I,
+                          int64_t E, int64_t M);
 /* decode attention of q (rows q_ss floats apart, [S, H * G, D]) over a codec cache, as codec_decode_attention_f32
  * (codec_decode.c; D 64 or 128, G <= GROUP_MAX, checked by the caller) */
 void codec_decode_attention_team(

@@ -3,7 +3,8 @@
  *
  *   y[m, o] = sum_k W[o, k] * x[m, k]     W: O rows of K values, each row `row_bytes` bytes of blocks
  *
- * Activations stay fp32 (unlike llama.cpp, which quantizes them to Q8 blocks for integer dot products): each block
+ * Activations stay fp32 by default (llama.cpp quantizes them to Q8 blocks for integer dot products: quant_q8.h does
+ * that for Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K weights when asked, `act` ACT_Q8): each block
  * of the weight is expanded to fp32 vectors and multiplied with fused multiply-adds, so the result differs from
  * dequantize-then-matmul in fp32 only by the order of the sums.
  *   - decode (at most TILE_X input rows): each weight row's blocks are expanded in registers and multiplied with the
@@ -15,6 +16,7 @@
  * CPU); quant_matmul picks one at run time by the `isa` argument (quant_linear.py: the best the CPU has, or
  * KVBENCH_QUANT_ISA). A fourth copy, AVX2 code with AVX-512's 16-float vectors, lets an AVX2 machine test the wide
  * form's logic. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,6 +118,8 @@ static inline void scale_min_k4(int j, const uint8_t *q, float *sc, float *m) {
 #pragma GCC pop_options
 #endif
 
+#include "quant_q8.h"
+
 /* 1 when this CPU runs `isa`'s code */
 int quant_isa_supported(int isa) {
     switch (isa) {
@@ -134,18 +138,47 @@ int quant_isa_supported(int isa) {
 int quant_block_values(int type) { return block_values(type); }
 int quant_block_bytes(int type) { return block_bytes(type); }
 
-/* y[m * ldy + o] = W[o, :] . x[m * ldx + :] for o < O, m < M (see the top); 0, or -1 for an unsupported type, ISA
- * or a K that is not a whole number of blocks */
+/* y[m * ldy + o] = W[o, :] . x[m * ldx + :] for o < O, m < M (see the top); act ACT_Q8: with the rows quantized
+ * to Q8_0 blocks where the weight type allows it (quant_q8.h; else fp32); 0, or -1 for an unsupported type, ISA or
+ * a K that is not a whole number of blocks */
 int quant_matmul(int isa, int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K, const float *x,
-                 int64_t ldx, int64_t M, float *y, int64_t ldy, int nthreads) {
+                 int64_t ldx, int64_t M, float *y, int64_t ldy, int nthreads, int act) {
     const int bv = block_values(type);
     if (bv == 0 || K % bv != 0 || row_bytes != K / bv * block_bytes(type) || !quant_isa_supported(isa)) return -1;
+    if (act == ACT_Q8 && q8_activation_type(type)) {
+#pragma omp parallel num_threads(nthreads)
+        qmm_q8_team(isa != ISA_GENERIC, type, W, row_bytes, O, K, x, ldx, M, y, ldy, NULL, 0);
+        return 0;
+    }
     switch (isa) {
     case ISA_GENERIC: qmm_generic(type, W, row_bytes, O, K, x, ldx, M, y, ldy, nthreads); return 0;
 #ifdef KV_X86
     case ISA_AVX2: qmm_avx2(type, W, row_bytes, O, K, x, ldx, M, y, ldy, nthreads); return 0;
     case ISA_AVX2_WIDE: qmm_avx2_wide(type, W, row_bytes, O, K, x, ldx, M, y, ldy, nthreads); return 0;
     case ISA_AVX512: qmm_avx512(type, W, row_bytes, O, K, x, ldx, M, y, ldy, nthreads); return 0;
+#endif
+    default: return -1;
+    }
+}
+
+/* quant_matmul's product as a work-shared loop with no parallel region of its own (qmm_team in quant_matmul_impl.h:
+ * every thread of the caller's region calls it and the caller ends it with a barrier), adding bias (or NULL) and,
+ * with `accumulate`, adding into y: the fused decode step (decode_layer.c) calls it through a pointer
+ * (kernels.set_quant_matmul). 0, or -1 as quant_matmul (checked before any thread works, the same in every one). */
+int quant_matmul_team(int isa, int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K, const float *x,
+                      int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias, int accumulate, int act) {
+    const int bv = block_values(type);
+    if (bv == 0 || K % bv != 0 || row_bytes != K / bv * block_bytes(type) || !quant_isa_supported(isa)) return -1;
+    if (act == ACT_Q8 && q8_activation_type(type)) {
+        qmm_q8_team(isa != ISA_GENERIC, type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate);
+        return 0;
+    }
+    switch (isa) {
+    case ISA_GENERIC: qmm_team_generic(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+#ifdef KV_X86
+    case ISA_AVX2: qmm_team_avx2(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+    case ISA_AVX2_WIDE: qmm_team_avx2_wide(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
+    case ISA_AVX512: qmm_team_avx512(type, W, row_bytes, O, K, x, ldx, M, y, ldy, bias, accumulate); return 0;
 #endif
     default: return -1;
     }

@@ -95,45 +95,59 @@ static inline __attribute__((always_inline)) void QF(dots)(const float *w, int64
     }
 }
 
-static void QF(qmm)(int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K, const float *x,
-                    int64_t ldx, int64_t M, float *y, int64_t ldy, int nthreads) {
+/* y[m * ldy + o] (+)= W[o, :] . x[m * ldx + :] (+ bias[o]) for o < O, m < M: a work-shared loop over tiles of
+ * TILE_W weight rows (`omp for nowait`: every thread of the enclosing parallel region calls it, and the caller ends
+ * it with a barrier; one thread outside any region runs it whole). With `accumulate`, y += (dot + bias): the order
+ * of an op-by-op `x + (x @ W^T + b)`. The fused decode step (decode_layer.c) calls it inside its one region. */
+static void QF(qmm_team)(int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K, const float *x,
+                         int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias, int accumulate) {
     const int64_t tiles = (O + TILE_W - 1) / TILE_W;
     const int decode = M <= TILE_X;
-#pragma omp parallel num_threads(nthreads)
-    {
-        /* prefill: TILE_W whole rows expanded (decode needs none) */
-        float *wbuf = decode ? NULL : aligned_alloc(64, ((size_t)TILE_W * K * 4 + 63) / 64 * 64);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t o0 = t * TILE_W;
-            const int nr = O - o0 < TILE_W ? (int)(O - o0) : TILE_W;
-            if (decode) { /* each weight byte read once, its blocks expanded in registers */
-                for (int r = 0; r < nr; r++) {
-                    QF(vf) acc[TILE_X][4] = {{{0}}};
-                    if (M == 1)
-                        QF(dot_span)(type, W + (o0 + r) * row_bytes, 0, K, x, ldx, 1, acc);
-                    else
-                        QF(dot_span)(type, W + (o0 + r) * row_bytes, 0, K, x, ldx, 2, acc);
-                    for (int m = 0; m < M; m++) {
-                        const QF(vf) t = (acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]);
-                        y[m * ldy + o0 + r] = QF(hsum)(&t);
-                    }
-                }
-                continue;
-            }
-            for (int r = 0; r < TILE_W; r++) /* prefill: the tile's rows expanded once, then every input row */
-                QF(dequant_span)(type, W + (o0 + (r < nr ? r : nr - 1)) * row_bytes, 0, K, wbuf + r * K);
-            for (int64_t m0 = 0; m0 < M; m0 += TILE_X) {
-                const int nm = M - m0 < TILE_X ? (int)(M - m0) : TILE_X;
-                QF(vf) a[TILE_W][TILE_X] = {{{0}}};
-                if (nm == 1)
-                    QF(dots)(wbuf, K, x + m0 * ldx, ldx, K, 1, a);
+    /* prefill: TILE_W whole rows expanded (decode needs none) */
+    float *wbuf = decode ? NULL : aligned_alloc(64, ((size_t)TILE_W * K * 4 + 63) / 64 * 64);
+#define QSTORE(m, o, v)                                              \
+    do {                                                             \
+        const float v_ = bias ? (v) + bias[o] : (v);                 \
+        float *y_ = y + (m) * ldy + (o);                             \
+        *y_ = accumulate ? *y_ + v_ : v_;                            \
+    } while (0)
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t o0 = t * TILE_W;
+        const int nr = O - o0 < TILE_W ? (int)(O - o0) : TILE_W;
+        if (decode) { /* each weight byte read once, its blocks expanded in registers */
+            for (int r = 0; r < nr; r++) {
+                QF(vf) acc[TILE_X][4] = {{{0}}};
+                if (M == 1)
+                    QF(dot_span)(type, W + (o0 + r) * row_bytes, 0, K, x, ldx, 1, acc);
                 else
-                    QF(dots)(wbuf, K, x + m0 * ldx, ldx, K, 2, a);
-                for (int r = 0; r < nr; r++)
-                    for (int m = 0; m < nm; m++) y[(m0 + m) * ldy + o0 + r] = QF(hsum)(&a[r][m]);
+                    QF(dot_span)(type, W + (o0 + r) * row_bytes, 0, K, x, ldx, 2, acc);
+                for (int m = 0; m < M; m++) {
+                    const QF(vf) t = (acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]);
+                    QSTORE(m, o0 + r, QF(hsum)(&t));
+                }
             }
+            continue;
         }
-        free(wbuf);
+        for (int r = 0; r < TILE_W; r++) /* prefill: the tile's rows expanded once, then every input row */
+            QF(dequant_span)(type, W + (o0 + (r < nr ? r : nr - 1)) * row_bytes, 0, K, wbuf + r * K);
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_X) {
+            const int nm = M - m0 < TILE_X ? (int)(M - m0) : TILE_X;
+            QF(vf) a[TILE_W][TILE_X] = {{{0}}};
+            if (nm == 1)
+                QF(dots)(wbuf, K, x + m0 * ldx, ldx, K, 1, a);
+            else
+                QF(dots)(wbuf, K, x + m0 * ldx, ldx, K, 2, a);
+            for (int r = 0; r < nr; r++)
+                for (int m = 0; m < nm; m++) QSTORE(m0 + m, o0 + r, QF(hsum)(&a[r][m]));
+        }
     }
+#undef QSTORE
+    free(wbuf);
+}
+
+static void QF(qmm)(int type, const uint8_t *W, int64_t row_bytes, int64_t O, int64_t K, const float *x,
+                    int64_t ldx, int64_t M, float *y, int64_t ldy, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    QF(qmm_team)(type, W, row_bytes, O, K, x, ldx, M, y, ldy, NULL, 0);
 }
