@@ -97,6 +97,18 @@ NEEDLE = ["task=needle", "task.lengths=[200]", "task.depths=[50]", "task.max_new
           "runtime.threads=1", "runtime.block_size=16", "progress=false"]
 
 
+def _gemma3_runs(cli, tmp_path, folder, args, methods) -> list[dict]:
+    """metrics.json of one CLI run per method (a list of overrides each) on the saved model `folder`."""
+    runs = []
+    for method in methods:
+        out_dir = tmp_path / method[0].split("=")[1]
+        code, _, err = cli(["model=hf", f"model.path={folder}", *args, *method, f"results_dir={out_dir}"])
+        assert code == 0, err[-2000:]
+        (path,) = list(out_dir.glob("*/metrics.json"))
+        runs.append(json.loads(path.read_text()))
+    return runs
+
+
 @pytest.mark.parametrize("task", ["perplexity", "needle"])
 def test_sliding_layers_read_right(cli, tmp_path, capsys, task):  # noqa: F811
     """Issue 67 item 5, on the Gemma 3 shape (1 full, 3 sliding layers): one definition per figure. A full run saves
@@ -108,14 +120,7 @@ def test_sliding_layers_read_right(cli, tmp_path, capsys, task):  # noqa: F811
 
     folder = _save("gemma3", tmp_path / "g")
     args = TASK if task == "perplexity" else NEEDLE
-    runs = {}
-    for method in (["method=full"], ["method=snapkv", "budget=48"]):
-        out_dir = tmp_path / method[0].split("=")[1]
-        code, _, err = cli(["model=hf", f"model.path={folder}", *args, *method, f"results_dir={out_dir}"])
-        assert code == 0, err[-2000:]
-        (path,) = list(out_dir.glob("*/metrics.json"))
-        runs[method[0]] = json.loads(path.read_text())
-    full, snap = runs["method=full"], runs["method=snapkv"]
+    full, snap = _gemma3_runs(cli, tmp_path, folder, args, (["method=full"], ["method=snapkv", "budget=48"]))
     assert full["sliding_layers"] == 3
     assert full["peak_kv_bytes"] == full["full_peak_kv_bytes"] and peak_saved_fraction(full) == 0.0
     assert "0.0% saved at the peak" in format_summary(full)
@@ -133,14 +138,8 @@ def test_kvzip_runs_on_sliding_layers_from_the_command_line(cli, tmp_path):  # n
     """kvzip on the Gemma 3 shape (its reconstruction pass on a fork of the sequence, methods/kvzip.py): the run is
     ok, its uncompressed figures are full's (the pass's fork is no sequence of the workload) and it keeps half."""
     folder = _save("gemma3", tmp_path / "g")
-    runs = {}
-    for method in (["method=full"], ["method=kvzip", "compression_ratio=0.5"]):
-        out_dir = tmp_path / method[0].split("=")[1]
-        code, _, err = cli(["model=hf", f"model.path={folder}", *NEEDLE, *method, f"results_dir={out_dir}"])
-        assert code == 0, err[-2000:]
-        (path,) = list(out_dir.glob("*/metrics.json"))
-        runs[method[0]] = json.loads(path.read_text())
-    full, kvzip = runs["method=full"], runs["method=kvzip"]
+    full, kvzip = _gemma3_runs(cli, tmp_path, folder, NEEDLE,
+                               (["method=full"], ["method=kvzip", "compression_ratio=0.5"]))
     assert kvzip["status"] == "ok" and kvzip["sliding_layers"] == 3
     for key in ("full_kv_bytes", "full_kv_bytes_full_layers", "full_kv_bytes_sliding_layers", "full_peak_kv_bytes"):
         assert kvzip[key] == full[key], key
