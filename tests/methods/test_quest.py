@@ -208,12 +208,20 @@ def model():
 
 def _decode_nll(engine, prompt: list[int], steps: int) -> tuple[list[int], float]:
     """Greedy tokens of `steps` decode steps after `prompt`, and their NLL under the engine (sum of -log p of the
-    token chosen at each step)."""
+    token chosen at each step); the sequence is ended."""
+    tokens, nll, slot = _greedy(engine, prompt, steps)
+    engine.end_sequence(slot)
+    return tokens, nll
+
+
+def _greedy(engine, prompt: list[int], steps: int, on_step=None) -> tuple[list[int], float, int]:
+    """_decode_nll without ending the sequence: (tokens, NLL, slot); on_step(slot) after the prompt and each step."""
     slot = engine.new_sequence()
     logits = engine.forward_chunk(slot, prompt, 0)
-    tokens, nll = [], 0.0
-    pos = len(prompt)
+    tokens, nll, pos = [], 0.0, len(prompt)
     for _ in range(steps):
+        if on_step is not None:
+            on_step(slot)
         lp = torch.log_softmax(logits[0].double(), -1)
         t = int(lp.argmax())
         tokens.append(t)
@@ -221,8 +229,9 @@ def _decode_nll(engine, prompt: list[int], steps: int) -> tuple[list[int], float
         logits = engine.runner.forward([slot], torch.tensor([[t]]), torch.tensor([[pos]]), phase="decode",
                                        last_chunk=True, logits_for="last", max_position=pos)
         pos += 1
-    engine.end_sequence(slot)
-    return tokens, nll
+    if on_step is not None:
+        on_step(slot)
+    return tokens, nll, slot
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -790,26 +799,6 @@ def test_quest_over_dms_runs_and_keeps_what_dms_keeps(model):
 
 # --------------------------------------------------------------------------- issue 68 item 7: summaries where read
 SUMMARY_BYTES_D64 = 2 * 64 * 2  # one block's fp16 min and max at head_dim 64
-
-
-def _greedy(engine, prompt: list[int], steps: int, on_step=None) -> tuple[list[int], float, int]:
-    """_decode_nll without ending the sequence: (tokens, NLL, slot); on_step(slot) after the prompt and each step."""
-    slot = engine.new_sequence()
-    logits = engine.forward_chunk(slot, prompt, 0)
-    tokens, nll, pos = [], 0.0, len(prompt)
-    for _ in range(steps):
-        if on_step is not None:
-            on_step(slot)
-        lp = torch.log_softmax(logits[0].double(), -1)
-        t = int(lp.argmax())
-        tokens.append(t)
-        nll -= float(lp[t])
-        logits = engine.runner.forward([slot], torch.tensor([[t]]), torch.tensor([[pos]]), phase="decode",
-                                       last_chunk=True, logits_for="last", max_position=pos)
-        pos += 1
-    if on_step is not None:
-        on_step(slot)
-    return tokens, nll, slot
 
 
 def _bytes_from_tables(cache, retrieving: list[bool]) -> tuple[int, int]:
